@@ -1,0 +1,79 @@
+"""Rotary embedding frequencies for every supported scaling method (spec §2, "RoPE tables")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+def inv_freq(head_dim: int, theta: float, scaling: RopeScaling, alpha: float, max_seq_len: int
+             ) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [head_dim/2] fp32, attention factor) for the configured method."""
+    d = head_dim
+    base = theta
+    # fp32 arithmetic, as transformers does, so that tables agree bit for bit with the reference.
+    idx = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    if scaling.kind in ("default", "linear"):
+        # NTK-aware alpha scaling stretches the base.
+        if alpha != 1.0:
+            base = base * alpha ** (d / (d - 2))
+        return 1.0 / base**idx, 1.0
+    if alpha != 1.0:
+        base = base * alpha ** (head_dim / (head_dim - 2))
+    freqs = 1.0 / base**idx
+    if scaling.kind == "llama3":
+        orig = scaling.original_max_position_embeddings
+        low_wl = orig / scaling.low_freq_factor
+        high_wl = orig / scaling.high_freq_factor
+        wl = 2 * math.pi / freqs
+        smooth = (orig / wl - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+        out = torch.where(wl < high_wl, freqs, torch.where(wl > low_wl, freqs / scaling.factor, blended))
+        return out.float(), 1.0
+    if scaling.kind == "yarn":
+        # Applied whatever max_seq_len is, as in transformers (exllamav2 skips it below the original
+        # length, which changes logits relative to the model's own reference).
+        orig = scaling.original_max_position_embeddings
+        factor = scaling.factor
+        attn_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        def corr_dim(n_rot: float) -> float:
+            # The spec notes exllamav2 plugs max_seq_len in here where HF uses the original length;
+            # we follow HF so logits match transformers.
+            return d * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(scaling.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(scaling.beta_slow)), d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrap_factor = 1 - ramp
+        interp = freqs / factor
+        out = interp * (1 - extrap_factor) + freqs * extrap_factor
+        return out.float(), attn_factor
+    raise ValueError(f"unknown rope kind {scaling.kind}")
+
+
+def cos_sin_table(head_dim: int, theta: float, scaling: RopeScaling, alpha: float, scale_pos_emb: float,
+                  max_seq_len: int, device: torch.device | str, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_seq_len, head_dim] cos and sin in NEOX layout (frequencies repeated over both halves)."""
+    f, attn_factor = inv_freq(head_dim, theta, scaling, alpha, max_seq_len)
+    t = torch.arange(max_seq_len, dtype=torch.float32) / scale_pos_emb
+    freqs = torch.outer(t, f)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return ((emb.cos() * attn_factor).to(device=device, dtype=dtype),
+            (emb.sin() * attn_factor).to(device=device, dtype=dtype))

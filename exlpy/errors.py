@@ -1,0 +1,73 @@
+"""Typed exceptions. Every user-facing failure is one of these and names what was wrong."""
+
+from __future__ import annotations
+
+
+class ExlpyError(Exception):
+    """Base class of every error exlpy raises on purpose."""
+
+
+class ConfigError(ExlpyError, ValueError):
+    """config.json (or a runtime setting) is missing, malformed or unsupported."""
+
+
+class UnsupportedArchitectureError(ConfigError):
+    """The model's architecture or one of its features is not implemented."""
+
+
+class WeightsError(ExlpyError, ValueError):
+    """A weights file or tensor is missing, corrupt or has the wrong shape/dtype."""
+
+    def __init__(self, message: str, *, tensor: str | None = None, file: str | None = None) -> None:
+        parts = [message]
+        if tensor is not None:
+            parts.append(f"tensor: {tensor}")
+        if file is not None:
+            parts.append(f"file: {file}")
+        super().__init__(" | ".join(parts))
+        self.tensor = tensor
+        self.file = file
+
+
+class QuantFormatError(WeightsError):
+    """Packed EXL2/GPTQ tensors are inconsistent with each other or with the model shape."""
+
+
+class SequenceLengthError(ExlpyError, ValueError):
+    """An input is longer than the model or a buffer allows."""
+
+
+class CacheTooSmallError(SequenceLengthError):
+    """Total sequence length exceeds cache size."""
+
+
+class DeviceError(ExlpyError, RuntimeError):
+    """A device query, placement or split is impossible."""
+
+
+class InsufficientVRAMError(DeviceError):
+    """The model and cache do not fit on the available devices."""
+
+
+class GpuSplitError(DeviceError, ValueError):
+    """A gpu_split / reserve_vram argument is malformed."""
+
+
+class ModelStateError(ExlpyError, RuntimeError):
+    """An operation was called in the wrong model state (not loaded, loaded twice, cache not lazy...)."""
+
+
+class TensorParallelError(ExlpyError, ValueError):
+    """Tensor-parallel misuse or an unsupported feature under TP."""
+
+
+class TokenizerError(ExlpyError, ValueError):
+    """Tokenizer files are missing or malformed."""
+
+
+class SamplerError(ExlpyError, ValueError):
+    """Invalid sampler settings."""
+
+
+class GeneratorError(ExlpyError, ValueError):
+    """Invalid job or generator usage."""

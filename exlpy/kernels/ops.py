@@ -1,0 +1,59 @@
+"""The one dispatch layer between model code and kernels.
+
+Each op takes the same arguments as its torch reference. Triton kernels register themselves here for CUDA
+tensors; everything else (CPU, or `EXLPY_NO_TRITON=1`) runs the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from exlpy.kernels import reference
+
+_TRITON: dict[str, Callable[..., Any]] = {}
+_DISABLED = os.environ.get("EXLPY_NO_TRITON", "") not in ("", "0")
+
+
+def register(name: str, fn: Callable[..., Any]) -> None:
+    """Register a CUDA implementation of op `name`."""
+    _TRITON[name] = fn
+
+
+def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
+    if not _DISABLED and t.is_cuda and name in _TRITON:
+        return _TRITON[name]
+    return getattr(reference, name)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl("rms_norm", x)(x, weight, eps)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("apply_rope", q)(q, k, cos, sin, positions)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _impl("silu_mul", gate)(gate, up)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    _impl("store_kv", k)(k_cache, v_cache, slots, k, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    return _impl("paged_attention", q)(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                        positions, scale, key_mask)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+         is_causal: bool = False) -> torch.Tensor:
+    return reference.sdpa(q, k, v, scale, mask, is_causal)

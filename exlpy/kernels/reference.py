@@ -1,0 +1,83 @@
+"""Pure-torch references of every fused op. They are the CPU path and the oracle for the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NEOX rotary embedding. q [B,T,Hq,D], k [B,T,Hk,D], cos/sin [S,D] tables, positions [B,T] int64."""
+    c = cos[positions].unsqueeze(2)  # [B,T,1,D]
+    s = sin[positions].unsqueeze(2)
+    return ((q * c + rotate_half(q) * s).to(q.dtype), (k * c + rotate_half(k) * s).to(k.dtype))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write k/v [B,T,H,D] into flat cache rows `slots` [B,T] of caches viewed as [rows*S, H, D]."""
+    kf = k_cache.view(-1, *k_cache.shape[-2:])
+    vf = v_cache.view(-1, *v_cache.shape[-2:])
+    idx = slots.reshape(-1)
+    kf.index_copy_(0, idx, k.reshape(-1, *k.shape[-2:]).to(kf.dtype))
+    vf.index_copy_(0, idx, v.reshape(-1, *v.shape[-2:]).to(vf.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """Gather the first `length` tokens of every sequence: cache [rows, S, H, D] -> [B, length, H, D]."""
+    t = torch.arange(length, device=cache.device)
+    pages = block_table[:, t // page_size].long()  # [B, L]
+    slots = pages * page_size + (t % page_size)
+    flat = cache.view(-1, *cache.shape[-2:])
+    return flat[slots]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [B,T,Hq,D] over cached keys.
+
+    Query i of row b sits at absolute position positions[b,i] and sees keys t <= positions[b,i] with
+    t < seqlens[b] (and key_mask[b,t] when given). Returns [B,T,Hq,D].
+    """
+    B, T, Hq, D = q.shape
+    k = gather_kv(k_cache, block_table, page_size, max_seqlen)  # [B,L,Hk,D]
+    v = gather_kv(v_cache, block_table, page_size, max_seqlen)
+    t = torch.arange(max_seqlen, device=q.device)
+    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, :max_seqlen]
+    return sdpa(q, k, v, scale, mask.unsqueeze(1))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+         is_causal: bool = False) -> torch.Tensor:
+    """q [B,T,Hq,D], k/v [B,L,Hk,D] (GQA: Hq multiple of Hk), mask broadcastable to [B,Hq,T,L] (True=keep)."""
+    Hq, Hk = q.shape[2], k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if Hq != Hk:
+        kt = kt.repeat_interleave(Hq // Hk, dim=1)
+        vt = vt.repeat_interleave(Hq // Hk, dim=1)
+    if mask is not None:
+        # A fully masked row (a padding query) would produce NaN; let it see key 0 instead, its output is unused.
+        mask = mask | ~mask.any(-1, keepdim=True)
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal and mask is None,
+                                       scale=scale)
+    return o.transpose(1, 2)

@@ -1,0 +1,230 @@
+"""The modules of a Llama-family decoder: embedding, attention block, MLP block, final norm, head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from exlpy.config.config import ExLlamaV2Config
+from exlpy.config.rope import cos_sin_table
+from exlpy.kernels import ops
+from exlpy.model.batch import ForwardBatch
+from exlpy.model.linear import Linear, load_linear
+from exlpy.model.module import Module
+
+
+class RotaryTables:
+    """cos/sin tables, built once per device and dtype from the config's current RoPE settings."""
+
+    def __init__(self, config: ExLlamaV2Config) -> None:
+        self.config = config
+        self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (str(device), dtype)
+        if key not in self._tables:
+            c, s = self.config, self.config.spec
+            assert s is not None
+            # fp32 tables on the CPU reference path; the compute dtype on GPUs.
+            self._tables[key] = cos_sin_table(s.head_dim, s.rope_theta, s.rope_scaling, c.scale_alpha_value,
+                                              c.scale_pos_emb, c.max_seq_len, device, dtype)
+        return self._tables[key]
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+
+class Embedding(Module):
+    def __init__(self, config: ExLlamaV2Config) -> None:
+        super().__init__(config, "model.embed_tokens")
+        self.weight: torch.Tensor | None = None
+
+    def load(self, device: torch.device) -> None:
+        s = self.spec
+        self.weight = self.index.get("model.embed_tokens.weight", shape=(s.vocab_size, s.hidden_size)).to(
+            device=device, dtype=self.dtype(device))
+        self.device = device
+
+    def unload(self) -> None:
+        self.weight = None
+        super().unload()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.weight is not None
+        return F.embedding(x, self.weight)
+
+
+class RMSNorm(Module):
+    """The final norm (the per-block norms live inside the blocks that use them)."""
+
+    def __init__(self, config: ExLlamaV2Config, key: str = "model.norm") -> None:
+        super().__init__(config, key)
+        self.weight: torch.Tensor | None = None
+
+    def load(self, device: torch.device) -> None:
+        self.weight = load_norm(self, self.key, device)
+        self.device = device
+
+    def unload(self) -> None:
+        self.weight = None
+        super().unload()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.weight is not None
+        return ops.rms_norm(x, self.weight, self.spec.norm_eps)
+
+
+def load_norm(m: Module, key: str, device: torch.device, size: int | None = None) -> torch.Tensor:
+    size = size or m.spec.hidden_size
+    return m.index.get(f"{key}.weight", shape=(size,)).to(device=device, dtype=m.dtype(device))
+
+
+class Attention(Module):
+    """Pre-norm attention block: x + o_proj(attn(rope(q), rope(k), v)) with GQA and a KV cache."""
+
+    def __init__(self, config: ExLlamaV2Config, layer_idx: int, rotary: RotaryTables) -> None:
+        super().__init__(config, f"model.layers.{layer_idx}.self_attn")
+        self.layer_idx = layer_idx
+        self.rotary = rotary
+        s = self.spec
+        self.num_heads = s.num_attention_heads
+        self.num_kv_heads = s.num_key_value_heads
+        self.head_dim = s.head_dim
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+        self.norm_key = f"model.layers.{layer_idx}.input_layernorm"
+        self.norm_w: torch.Tensor | None = None
+        self.q_norm_w: torch.Tensor | None = None
+        self.k_norm_w: torch.Tensor | None = None
+        self.q_proj: Linear | None = None
+        self.k_proj: Linear | None = None
+        self.v_proj: Linear | None = None
+        self.o_proj: Linear | None = None
+
+    def tensor_prefixes(self) -> list[str]:
+        return [self.key, self.norm_key]
+
+    def load(self, device: torch.device) -> None:
+        s, dt, idx = self.spec, self.dtype(device), self.index
+        hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        qkv_bias = True if s.arch.qkv_bias else None
+        kw = {"gptq_v2": s.gptq_v2}
+        self.norm_w = load_norm(self, self.norm_key, device)
+        self.q_proj = load_linear(idx, f"{self.key}.q_proj", s.hidden_size, hq, device, dt, bias=qkv_bias, **kw)
+        self.k_proj = load_linear(idx, f"{self.key}.k_proj", s.hidden_size, hk, device, dt, bias=qkv_bias, **kw)
+        self.v_proj = load_linear(idx, f"{self.key}.v_proj", s.hidden_size, hk, device, dt, bias=qkv_bias, **kw)
+        self.o_proj = load_linear(idx, f"{self.key}.o_proj", hq, s.hidden_size, device, dt, **kw)
+        if s.arch.qk_norm:
+            self.q_norm_w = load_norm(self, f"{self.key}.q_norm", device, d)
+            self.k_norm_w = load_norm(self, f"{self.key}.k_norm", device, d)
+        self.device = device
+
+    def unload(self) -> None:
+        self.norm_w = self.q_norm_w = self.k_norm_w = None
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
+        super().unload()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.q_proj and self.k_proj and self.v_proj and self.o_proj and self.norm_w is not None
+        B, T, _ = x.shape
+        eps = self.spec.norm_eps
+        h = ops.rms_norm(x, self.norm_w, eps)
+        q = self.q_proj.forward(h).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj.forward(h).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj.forward(h).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm_w is not None and self.k_norm_w is not None:
+            q = ops.rms_norm(q, self.q_norm_w, eps)
+            k = ops.rms_norm(k, self.k_norm_w, eps)
+        cos, sin = self.rotary.get(x.device, x.dtype)
+        q, k = ops.apply_rope(q, k, cos, sin, batch.positions)
+        o = self.attend(q, k, v, batch)  # [B, T, Hq, D]
+        return x + self.o_proj.forward(o.reshape(B, T, self.num_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.cache is None:
+            mask = None
+            if batch.key_mask is not None:
+                causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
+                mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
+            return ops.sdpa(q, k, v, self.scale, mask, is_causal=True)
+        k_cache, v_cache = batch.cache.layer_kv(self.layer_idx)  # type: ignore[attr-defined]
+        assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
+        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+        if batch.past_len is not None and batch.key_mask is None:
+            # Contiguous cache, same past for every row: attend over a slice, no gather.
+            end = batch.past_len + batch.q_len
+            kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
+            if batch.q_len == 1:
+                return ops.sdpa(q, kc, vc, self.scale, None)
+            if batch.past_len == 0:
+                return ops.sdpa(q, kc, vc, self.scale, None, is_causal=True)
+            t = torch.arange(end, device=q.device)
+            mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
+            return ops.sdpa(q, kc, vc, self.scale, mask.view(1, 1, batch.q_len, end))
+        return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
+                                   batch.max_seqlen, batch.positions, self.scale, batch.key_mask)
+
+
+class MLP(Module):
+    """Pre-norm SwiGLU block: x + down(silu(gate(h)) * up(h))."""
+
+    def __init__(self, config: ExLlamaV2Config, layer_idx: int) -> None:
+        super().__init__(config, f"model.layers.{layer_idx}.mlp")
+        self.layer_idx = layer_idx
+        self.norm_key = f"model.layers.{layer_idx}.post_attention_layernorm"
+        self.norm_w: torch.Tensor | None = None
+        self.gate_proj: Linear | None = None
+        self.up_proj: Linear | None = None
+        self.down_proj: Linear | None = None
+
+    def tensor_prefixes(self) -> list[str]:
+        return [self.key, self.norm_key]
+
+    def load(self, device: torch.device) -> None:
+        s, dt, idx = self.spec, self.dtype(device), self.index
+        kw = {"gptq_v2": s.gptq_v2, "bias": True if s.mlp_bias else None}
+        self.norm_w = load_norm(self, self.norm_key, device)
+        self.gate_proj = load_linear(idx, f"{self.key}.gate_proj", s.hidden_size, s.intermediate_size, device, dt,
+                                     **kw)
+        self.up_proj = load_linear(idx, f"{self.key}.up_proj", s.hidden_size, s.intermediate_size, device, dt, **kw)
+        self.down_proj = load_linear(idx, f"{self.key}.down_proj", s.intermediate_size, s.hidden_size, device, dt,
+                                     **kw)
+        self.device = device
+
+    def unload(self) -> None:
+        self.norm_w = None
+        self.gate_proj = self.up_proj = self.down_proj = None
+        super().unload()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.gate_proj and self.up_proj and self.down_proj and self.norm_w is not None
+        h = ops.rms_norm(x, self.norm_w, self.spec.norm_eps)
+        return x + self.down_proj.forward(ops.silu_mul(self.gate_proj.forward(h), self.up_proj.forward(h)))
+
+
+class Head(Module):
+    """Output projection to the vocabulary; tied models fall back to the embedding table."""
+
+    def __init__(self, config: ExLlamaV2Config) -> None:
+        super().__init__(config, "lm_head")
+        self.linear: Linear | None = None
+
+    def tensor_prefixes(self) -> list[str]:
+        if any(n.startswith("lm_head.") for n in self.index.tensors):
+            return ["lm_head"]
+        return ["model.embed_tokens"]
+
+    def load(self, device: torch.device) -> None:
+        s = self.spec
+        self.linear = load_linear(self.index, "lm_head", s.hidden_size, s.vocab_size, device, self.dtype(device),
+                                  fallback_prefix="model.embed_tokens" if s.tie_word_embeddings else None)
+        self.device = device
+
+    def unload(self) -> None:
+        self.linear = None
+        super().unload()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.linear is not None
+        return self.linear.forward(x)

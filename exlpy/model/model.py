@@ -1,0 +1,234 @@
+"""`ExLlamaV2`: the module list, loading entry points and the forward pass."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from exlpy.cache.base import ExLlamaV2CacheBase
+from exlpy.config.config import ExLlamaV2Config
+from exlpy.errors import CacheTooSmallError, ModelStateError, SequenceLengthError
+from exlpy.model.batch import ForwardBatch, contiguous_batch
+from exlpy.model.layers import MLP, Attention, Embedding, Head, RMSNorm, RotaryTables
+from exlpy.model.module import Module
+
+
+class ExLlamaV2:
+    def __init__(self, config: ExLlamaV2Config, lazy_load: bool = False) -> None:
+        config.prepare()
+        self.config = config
+        self.rotary = RotaryTables(config)
+        self.modules: list[Module] = [Embedding(config)]
+        for i in range(config.num_hidden_layers):
+            self.modules += [Attention(config, i, self.rotary), MLP(config, i)]
+        self.modules += [RMSNorm(config), Head(config)]
+        self.modules_dict = {m.key: m for m in self.modules}
+        self.last_kv_layer_idx = len(self.modules) - 4  # the last attention module
+        self.head_layer_idx = len(self.modules) - 1
+        self.cache_map: dict[int, torch.device] = {}
+        self.loaded = False
+        self.tp_context: Any = None
+        self._caches: list[weakref.ref[ExLlamaV2CacheBase]] = []
+        self._graphs: Any = None
+
+    # --- caches ---------------------------------------------------------------------------------------------
+    def attach_cache(self, cache: ExLlamaV2CacheBase) -> None:
+        self._caches = [r for r in self._caches if r() is not None] + [weakref.ref(cache)]
+
+    def attention_modules(self) -> list[Attention]:
+        return [m for m in self.modules if isinstance(m, Attention)]
+
+    # --- loading --------------------------------------------------------------------------------------------
+    def _check_not_loaded(self) -> None:
+        if self.loaded:
+            raise ModelStateError("model is already loaded; call model.unload() before loading again")
+
+    def load(self, gpu_split: list[float] | None = None, lazy: bool = False, stats: bool = False,
+             callback: Callable[[int, int], None] | None = None,
+             callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False) -> None:
+        for _ in self.load_gen(gpu_split, lazy, stats, callback, callback_gen, progress):
+            pass
+
+    def load_gen(self, gpu_split: list[float] | None = None, lazy: bool = False, stats: bool = False,
+                 callback: Callable[[int, int], None] | None = None,
+                 callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False
+                 ) -> Generator[Any, None, None]:
+        from exlpy.parallel.placement import load_split_gen
+
+        self._check_not_loaded()
+        yield from load_split_gen(self, gpu_split, callback, callback_gen, progress, lazy=lazy)
+
+    def load_autosplit(self, cache: ExLlamaV2CacheBase, reserve_vram: int | list[int] | None = None,
+                       last_id_only: bool = False, callback: Callable[[int, int], None] | None = None,
+                       callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False) -> None:
+        for _ in self.load_autosplit_gen(cache, reserve_vram, last_id_only, callback, callback_gen, progress):
+            pass
+
+    def load_autosplit_gen(self, cache: ExLlamaV2CacheBase, reserve_vram: int | list[int] | None = None,
+                           last_id_only: bool = False, callback: Callable[[int, int], None] | None = None,
+                           callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False
+                           ) -> Generator[Any, None, None]:
+        from exlpy.parallel.placement import load_autosplit_gen
+
+        self._check_not_loaded()
+        yield from load_autosplit_gen(self, cache, reserve_vram, last_id_only, callback, callback_gen, progress)
+
+    def load_tp(self, gpu_split: list[float] | None = None, callback: Callable[[int, int], None] | None = None,
+                callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False,
+                expect_cache_tokens: int = 0, expect_cache_base: type | None = None) -> None:
+        for _ in self.load_tp_gen(gpu_split, callback, callback_gen, progress, expect_cache_tokens,
+                                  expect_cache_base):
+            pass
+
+    def load_tp_gen(self, gpu_split: list[float] | None = None, callback: Callable[[int, int], None] | None = None,
+                    callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False,
+                    expect_cache_tokens: int = 0, expect_cache_base: type | None = None
+                    ) -> Generator[Any, None, None]:
+        from exlpy.parallel.tp_load import load_tp_gen
+
+        self._check_not_loaded()
+        yield from load_tp_gen(self, gpu_split, callback, callback_gen, progress, expect_cache_tokens,
+                               expect_cache_base)
+
+    def place_module(self, idx: int, device: torch.device) -> None:
+        """Load module `idx` on `device`; attention layers also get their cache tensors there."""
+        m = self.modules[idx]
+        m.load(device)
+        if isinstance(m, Attention):
+            self.cache_map[m.layer_idx] = device
+            for ref in self._caches:
+                c = ref()
+                if c is not None:
+                    c.update_cache_tensors()
+
+    def unplace_module(self, idx: int) -> None:
+        m = self.modules[idx]
+        m.unload()
+        if isinstance(m, Attention):
+            self.cache_map.pop(m.layer_idx, None)
+            for ref in self._caches:
+                c = ref()
+                if c is not None and c.fixed_device is None:
+                    c.free_layer(m.layer_idx)
+
+    def unload(self) -> None:
+        for i in range(len(self.modules)):
+            self.unplace_module(i)
+        if self.tp_context is not None:
+            self.tp_context.unload()
+            self.tp_context = None
+        self.rotary.clear()
+        self._graphs = None
+        self.loaded = False
+
+    def devices(self) -> list[torch.device]:
+        seen: list[torch.device] = []
+        for m in self.modules:
+            if m.device is not None and m.device not in seen:
+                seen.append(m.device)
+        return seen
+
+    # --- forward --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: ExLlamaV2CacheBase | None = None,
+                input_mask: torch.Tensor | None = None, preprocess_only: bool = False, last_id_only: bool = False,
+                loras: Any = None, return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
+                abort_event: Any = None, cpu_logits: bool = False, **kwargs: Any) -> Any:
+        """Logits [batch, seq, vocab] (float32) for `input_ids` [batch, seq], continuing `cache` if given."""
+        if not self.loaded:
+            raise ModelStateError("model is not loaded: call load(), load_autosplit() or load_tp() first")
+        if loras:
+            raise ModelStateError("LoRA adapters are not supported by exlpy yet")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        B, T = input_ids.shape
+        cfg = self.config
+        dev = self.modules[0].device
+        assert dev is not None
+        ids = input_ids.to(dev, dtype=torch.long)
+        key_mask = _key_mask(input_mask, dev)
+        offsets = position_offsets.to(dev).view(-1, 1) if position_offsets is not None else None
+
+        if cache is None:
+            limit = cfg.max_input_len * cfg.max_batch_size // B
+            if T > limit:
+                raise SequenceLengthError(f"Maximum input length exceeded in model.forward: {T} tokens > "
+                                          f"{limit} (max_input_len * max_batch_size // batch); pass a cache "
+                                          "to process long inputs in chunks")
+            batch = contiguous_batch(B, T, 0, None, 0, dev, key_mask)
+            batch.positions = _offset(batch.positions, offsets)
+            return self._run(ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)
+
+        past = cache.current_seq_len
+        if B > cache.batch_size:
+            raise CacheTooSmallError(f"batch size {B} exceeds the cache's batch_size {cache.batch_size}")
+        if past + T > cache.max_seq_len:
+            raise CacheTooSmallError(f"Total sequence length exceeds cache size in model.forward: {past} cached "
+                                     f"+ {T} new tokens > cache max_seq_len {cache.max_seq_len}")
+        outputs: list[torch.Tensor] = []
+        last_state = None
+        pos = 0
+        while pos < T:
+            # Chunks bound activation memory: max_input_len tokens, and past*q within max_attention_size.
+            cur = past + pos
+            att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
+            n = max(1, min(T - pos, cfg.max_input_len, att))
+            last = pos + n >= T
+            batch = contiguous_batch(B, n, cur, cache, cache.max_seq_len, dev, key_mask)
+            batch.positions = _offset(batch.positions, offsets)
+            r = self._run(ids[:, pos:pos + n], batch, preprocess_only or not last and last_id_only,
+                          last_id_only, return_last_state, cpu_logits)
+            cache.current_seq_len = cur + n
+            if return_last_state and r is not None:
+                r, last_state = r
+            if r is not None:
+                outputs.append(r)
+            pos += n
+        if preprocess_only:
+            return None
+        logits = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return (logits, last_state) if return_last_state else logits
+
+    def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, last_id_only: bool = False,
+                      preprocess_only: bool = False) -> torch.Tensor | None:
+        """Forward with caller-built metadata (paged caches, per-row positions): the generators' entry."""
+        dev = self.modules[0].device
+        return self._run(input_ids.to(dev), batch.on(dev), preprocess_only, last_id_only, False, False)
+
+    def _run(self, ids: torch.Tensor, batch: ForwardBatch, preprocess_only: bool, last_id_only: bool,
+             return_last_state: bool, cpu_logits: bool) -> Any:
+        x = ids
+        last_state = None
+        for i, m in enumerate(self.modules):
+            if preprocess_only and i > self.last_kv_layer_idx:
+                return None
+            assert m.device is not None
+            if x.device != m.device:
+                x = x.to(m.device)  # the one place where the hidden state hops between devices
+            if i == self.head_layer_idx - 1 and last_id_only:
+                x = x[:, -1:]
+            if i == self.head_layer_idx and return_last_state:
+                last_state = x
+            x = m.forward(x, batch.on(m.device))
+        logits = x.float()
+        if cpu_logits:
+            logits = logits.cpu()
+        return (logits, last_state) if return_last_state else logits
+
+
+def _key_mask(input_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Accept a bool mask (True = real token) or an additive one (0 = keep, -inf = pad), [B, L]."""
+    if input_mask is None:
+        return None
+    m = input_mask.to(device)
+    if m.dim() > 2:
+        m = m.reshape(m.shape[0], -1)[:, -m.shape[-1]:]
+    return m if m.dtype == torch.bool else m > -1.0
+
+
+def _offset(positions: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    return positions if offsets is None else (positions + offsets).clamp(min=0)

@@ -1,0 +1,61 @@
+"""Base class of the model's modules: explicit load/unload on one device, sizes known from headers."""
+
+from __future__ import annotations
+
+import torch
+
+from exlpy.config.config import ExLlamaV2Config
+from exlpy.model.batch import ForwardBatch
+from exlpy.weights.safetensors_index import SafetensorsIndex
+
+
+class Module:
+    """One entry of the model's module list. Not an nn.Module: weights are loaded lazily, per device."""
+
+    def __init__(self, config: ExLlamaV2Config, key: str) -> None:
+        self.config = config
+        self.key = key
+        self.device: torch.device | None = None
+
+    @property
+    def index(self) -> SafetensorsIndex:
+        assert self.config.index is not None, "config.prepare() reads the tensor index"
+        return self.config.index
+
+    @property
+    def spec(self):  # noqa: ANN201 - ModelSpec; annotated loosely to avoid an import cycle in subclasses
+        assert self.config.spec is not None
+        return self.config.spec
+
+    def tensor_prefixes(self) -> list[str]:
+        """Checkpoint prefixes of the tensors this module owns (for byte accounting)."""
+        return [self.key]
+
+    def weight_bytes(self) -> int:
+        """Bytes of this module's weights as stored on disk (read from headers, no data)."""
+        total = 0
+        for p in self.tensor_prefixes():
+            total += sum(t.nbytes for n, t in self.index.tensors.items() if n == p or n.startswith(p + "."))
+        return total
+
+    def loaded_bytes(self, dtype_bytes: int) -> int:
+        """Bytes once loaded: float tensors become `dtype_bytes` wide, packed integer tensors keep their size."""
+        total = 0
+        for p in self.tensor_prefixes():
+            for n, t in self.index.tensors.items():
+                if n == p or n.startswith(p + "."):
+                    is_float = t.dtype in ("F16", "BF16", "F32")
+                    total += (t.nbytes // int(t.torch_dtype.itemsize)) * dtype_bytes if is_float else t.nbytes
+        return total
+
+    def load(self, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        self.device = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dtype(self, device: torch.device) -> torch.dtype:
+        return self.config.compute_dtype(device)

@@ -1,0 +1,1 @@
+"""Placing the model on devices: layer split (manual and automatic), planning, tensor parallelism."""
