@@ -58,6 +58,8 @@ class ExLlamaV2Config:
         self.generation_config = {"eos_token_id": gen_eos}
         self.max_seq_len = spec.max_position_embeddings
         self.original_max_seq_len = spec.max_position_embeddings
+        if spec.rope_scaling.kind == "linear":
+            self.scale_pos_emb = spec.rope_scaling.factor  # exllamav2 exposes linear scaling through this knob
         if not no_tensors:
             self.index = SafetensorsIndex(self.model_dir)
             self._check_keys()

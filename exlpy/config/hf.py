@@ -91,7 +91,8 @@ def _first(v: Any) -> int | None:
 
 
 def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
-    rs = r.get("rope_scaling", dict, None)
+    # transformers >= 5 writes `rope_parameters` (theta included); older configs write `rope_scaling`.
+    rs = r.get("rope_scaling", dict, None) or r.get("rope_parameters", dict, None)
     if not rs:
         return RopeScaling()
     if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
@@ -178,7 +179,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=r.get(("intermediate_size", "n_inner"), int),
         norm_eps=r.get("rms_norm_eps", float, 1e-5),
-        rope_theta=r.get("rope_theta", float, 10000.0),
+        rope_theta=float(r.get("rope_theta", float, None) or (r.get("rope_parameters", dict, None) or {}).get(
+            "rope_theta", 10000.0)),
         rope_scaling=_rope_scaling(r, max_pos),
         max_position_embeddings=max_pos,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),

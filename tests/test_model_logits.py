@@ -1,0 +1,133 @@
+"""Logits equal HF transformers (fp32, CPU) for every supported architecture and the real tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from tests.conftest import rel_err, shared_path
+from tests.hf_models import make_hf_model
+
+TOL = 1e-4
+
+
+def load(path: str | Path, max_seq_len: int | None = None) -> tuple[ExLlamaV2, ExLlamaV2Cache]:
+    config = ExLlamaV2Config(str(path))
+    if max_seq_len is not None:
+        config.max_seq_len = max_seq_len
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, lazy=True)
+    model.load_autosplit(cache)
+    return model, cache
+
+
+ARCH_CASES = {
+    "llama": ("llama", {}),
+    "llama_bias_tied": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    "llama_head_dim": ("llama", {"head_dim": 32}),
+    "llama_mha": ("llama", {"num_key_value_heads": 4}),
+    "llama3_rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "linear_rope": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    "yarn_rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64}}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARCH_CASES))
+def test_architectures_match_hf(tmp_path: Path, case: str) -> None:
+    arch, overrides = ARCH_CASES[case]
+    hf = make_hf_model(tmp_path, arch, **overrides)
+    model, _ = load(tmp_path)
+    # Long enough that RoPE scaling variants change the logits well beyond the tolerance.
+    ids = torch.randint(0, 320, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    out = model.forward(ids)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-fp16", "aidreams260K", "stories260K"])
+def test_shared_models_match_hf(name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = shared_path("models", name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, _ = load(path)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert rel_err(model.forward(ids), ref) <= TOL
+
+
+def test_incremental_decode_equals_full_forward(tmp_path: Path) -> None:
+    make_hf_model(tmp_path, "qwen2")
+    model, cache = load(tmp_path, max_seq_len=128)
+    ids = torch.randint(0, 320, (1, 50), generator=torch.Generator().manual_seed(3))
+    full = model.forward(ids)
+    parts = [model.forward(ids[:, :20], cache), model.forward(ids[:, 20:41], cache)]
+    parts += [model.forward(ids[:, i:i + 1], cache) for i in range(41, 50)]
+    assert cache.current_seq_len == 50
+    assert rel_err(torch.cat(parts, dim=1), full) <= TOL
+
+
+def test_chunked_prefill_equals_full_forward(tmp_path: Path) -> None:
+    make_hf_model(tmp_path, "llama")
+    model, cache = load(tmp_path, max_seq_len=128)
+    model.config.max_input_len = 16  # forces 4 chunks through the cache
+    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(4))
+    model.config.max_input_len = 64
+    full = model.forward(ids)
+    model.config.max_input_len = 16
+    chunked = model.forward(ids, cache)
+    assert cache.current_seq_len == 60
+    assert rel_err(chunked, full) <= TOL
+
+
+def test_preprocess_only_and_last_id_only(tmp_path: Path) -> None:
+    make_hf_model(tmp_path, "llama")
+    model, cache = load(tmp_path, max_seq_len=64)
+    ids = torch.randint(0, 320, (1, 30), generator=torch.Generator().manual_seed(5))
+    full = model.forward(ids)
+    assert model.forward(ids[:, :-1], cache, preprocess_only=True) is None
+    assert cache.current_seq_len == 29
+    last = model.forward(ids[:, -1:], cache, last_id_only=True)
+    assert last.shape == (1, 1, 320)
+    assert rel_err(last[0, 0], full[0, -1]) <= TOL
+    cache.current_seq_len = 0
+    only_last = model.forward(ids, cache, last_id_only=True)
+    assert only_last.shape == (1, 1, 320) and rel_err(only_last[0, 0], full[0, -1]) <= TOL
+
+
+def test_left_padded_batch_matches_single_rows(tmp_path: Path) -> None:
+    make_hf_model(tmp_path, "llama")
+    model, _ = load(tmp_path, max_seq_len=64)
+    a = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(6))
+    b = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(7))
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    batch[0] = a[0]
+    batch[1, 4:] = b[0]
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False
+    out = model.forward(batch, input_mask=mask, position_offsets=torch.tensor([0, -4]))
+    assert rel_err(out[0], model.forward(a)[0]) <= TOL
+    assert rel_err(out[1, 4:], model.forward(b)[0]) <= TOL
+
+
+def test_unload_and_reload(tmp_path: Path) -> None:
+    make_hf_model(tmp_path, "llama")
+    model, cache = load(tmp_path, max_seq_len=64)
+    ids = torch.randint(0, 320, (1, 10))
+    before = model.forward(ids)
+    model.unload()
+    assert not model.loaded and all(m.device is None for m in model.modules)
+    model.load()
+    assert rel_err(model.forward(ids), before) == 0.0
