@@ -1,0 +1,1 @@
+"""The `exlpy` command line: generate, plan, bench."""

@@ -1,0 +1,84 @@
+"""`exlpy generate`: stream text from a model directory (the bundled demo model by default)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from exlpy.demo import DEMO_MODEL_DIR
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt, streaming it to the terminal")
+    p.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="the prompt (or use --prompt)")
+    p.add_argument("--prompt", "-p", help="the prompt")
+    p.add_argument("--model", "-m", default=None, help="model directory (default: the bundled 260K demo model)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=100)
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's, "
+                   "capped at 4096)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (overrides sampling settings)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    p.add_argument("--gpu-split", default=None, help="comma-separated GB per GPU (default: automatic)")
+    p.set_defaults(_run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exlpy.errors import ConfigError
+    from exlpy.generator import ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+
+    prompt = args.prompt if args.prompt is not None else args.prompt_pos
+    if prompt is None:
+        raise ConfigError("no prompt given: exlpy generate \"Once upon a time\" (or --prompt TEXT)")
+    config = ExLlamaV2Config(args.model or DEMO_MODEL_DIR)
+    config.max_seq_len = args.max_seq_len or min(config.max_seq_len, 4096)
+    config.max_input_len = min(config.max_input_len, config.max_seq_len)
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, lazy=True)
+    if args.gpu_split:
+        model.load([float(x) for x in args.gpu_split.split(",")], progress=True)
+    else:
+        model.load_autosplit(cache, progress=sys.stderr.isatty())
+    tokenizer = ExLlamaV2Tokenizer(config)
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+    ids = tokenizer.encode(text, add_bos=not args.no_bos and not args.chat, encode_special_tokens=args.chat)
+    budget = config.max_seq_len - ids.shape[-1]
+    if budget <= 0:
+        raise ConfigError(f"the prompt has {ids.shape[-1]} tokens, the context holds {config.max_seq_len}")
+    max_new = min(args.max_new_tokens, budget)
+
+    if args.greedy:
+        settings = ExLlamaV2Sampler.Settings.greedy()
+    else:
+        settings = ExLlamaV2Sampler.Settings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                             min_p=args.min_p, token_repetition_penalty=args.repetition_penalty)
+    generator = ExLlamaV2StreamingGenerator(model, cache, tokenizer)
+    generator.set_stop_conditions(sorted(tokenizer.stop_token_ids))
+    if args.seed is not None:
+        import torch
+
+        torch.manual_seed(args.seed)
+    sys.stdout.write(prompt if not args.chat else "")
+    sys.stdout.flush()
+    generator.begin_stream_ex(ids, settings)
+    t0, n = time.perf_counter(), 0
+    while n < max_new:
+        r = generator.stream_ex()
+        n += len(r.get("chunk_token_ids", [])[0]) if len(r.get("chunk_token_ids", [])) else 0
+        sys.stdout.write(r["chunk"])
+        sys.stdout.flush()
+        if r["eos"]:
+            break
+    dt = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tokens/s on {model.devices()[0]}]", file=sys.stderr)
+    return 0
