@@ -1,49 +1,386 @@
-"""Loading the module list onto devices (single device; replaced by the planner-driven version)."""
+"""Loading the module list onto devices: explicit budgets (`load(gpu_split)`) or automatic (`load_autosplit`).
+
+Both first make a plan by arithmetic (exlpy/parallel/plan.py) from safetensors headers and the free memory of
+each device, then load module by module following it. The plan can be wrong (other processes allocate, the
+allocator fragments), so loading also survives a real out-of-memory: the module and its cache layer are freed,
+the allocator cache is emptied, and the module is retried on the next device. Modules only ever move forward
+through the device list, like exllamav2's autosplit. Unlike exllamav2 the embedding stays on the first GPU,
+so a decode step runs on GPUs only (and can be captured in a CUDA graph); the plan counts it.
+"""
 
 from __future__ import annotations
 
+import gc
+import math
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from exlpy.env import is_oom, limit_cpu_threads_for_gpu
+from exlpy.errors import GpuSplitError, InsufficientVRAMError, ModelStateError
+from exlpy.parallel.costs import (
+    CUDA_CONTEXT_BYTES,
+    CacheSpec,
+    GiB,
+    MiB,
+    ModelShape,
+    RunShape,
+    cache_spec_of,
+    fmt_mib,
+    module_costs,
+)
+from exlpy.parallel.memory import DeviceMemory, has_context, query_devices
+from exlpy.parallel.p2p import peer_copy_ok
+from exlpy.parallel.plan import DeviceBudget, Plan, make_plan
 
 if TYPE_CHECKING:
     from exlpy.cache.base import ExLlamaV2CacheBase
     from exlpy.model.model import ExLlamaV2
 
+Callback = Callable[[int, int], None] | None
+CallbackGen = Callable[[int, int], Any] | None
+
+DEFAULT_RESERVE_FIRST = 192 * MiB  # spec §6.3: the first device also hosts the embedding and logits copies
+DEFAULT_RESERVE_OTHER = 64 * MiB
+
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda:0")
-    return torch.device("cpu")
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _load_on(model: ExLlamaV2, devices: list[torch.device], callback: Callable[[int, int], None] | None,
-             callback_gen: Callable[[int, int], Any] | None, progress: bool) -> Generator[Any, None, None]:
-    n = len(model.modules)
-    for i, dev in enumerate(devices):
-        if callback is not None:
-            callback(i, n)
-        if callback_gen is not None:
-            yield from callback_gen(i, n)
-        model.place_module(i, dev)
+def cuda_devices() -> list[torch.device]:
+    return (
+        [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
+    )
+
+
+def _number(value: Any, what: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or math.isinf(value)
+    ):
+        raise GpuSplitError(f"{what} must be a finite number, got {value!r}")
+    if value < 0:
+        raise GpuSplitError(f"{what} must not be negative, got {value!r}")
+    return float(value)
+
+
+def parse_gpu_split(gpu_split: Sequence[Any], num_devices: int) -> list[int]:
+    """GB per device (exllamav2: 1 GB = 1024³ bytes) → bytes; validated against the visible device count."""
+    if isinstance(gpu_split, (str, bytes)) or not isinstance(gpu_split, Sequence):
+        raise GpuSplitError(f"gpu_split must be a list of GB per device, got {gpu_split!r}")
+    if len(gpu_split) > num_devices:
+        raise GpuSplitError(
+            f"Too many entries in gpu_split: {len(gpu_split)} entries for {num_devices} visible "
+            "CUDA device(s); give at most one budget (GB) per device"
+        )
+    return [int(_number(v, f"gpu_split[{i}]") * GiB) for i, v in enumerate(gpu_split)]
+
+
+def parse_reserve(reserve_vram: Any, num_devices: int) -> list[int]:
+    """reserve_vram → bytes per device: None → [192 MiB] + [64 MiB]·(n−1); a number → that for every
+    device."""
+    if reserve_vram is None:
+        return [DEFAULT_RESERVE_FIRST] + [DEFAULT_RESERVE_OTHER] * (num_devices - 1)
+    if isinstance(reserve_vram, (int, float)) and not isinstance(reserve_vram, bool):
+        return [int(_number(reserve_vram, "reserve_vram"))] * num_devices
+    if isinstance(reserve_vram, (str, bytes)) or not isinstance(reserve_vram, Sequence):
+        raise GpuSplitError(
+            f"reserve_vram must be bytes (int) or a list of bytes per device, got {reserve_vram!r}"
+        )
+    if len(reserve_vram) > num_devices:
+        raise GpuSplitError(
+            f"Too many entries in reserve_vram: {len(reserve_vram)} entries for {num_devices} "
+            "visible CUDA device(s)"
+        )
+    out = [int(_number(v, f"reserve_vram[{i}]")) for i, v in enumerate(reserve_vram)]
+    return out + parse_reserve(None, num_devices)[len(out) :]
+
+
+def _layer_cache_bytes(model: ExLlamaV2, caches: Sequence[ExLlamaV2CacheBase]) -> int:
+    """Bytes per attention layer that place_module will allocate for these caches (fixed-device ones
+    aside)."""
+    total = 0.0
+    for c in caches:
+        if c.fixed_device is None:
+            total += (
+                c.batch_size
+                * c.max_seq_len
+                * c.num_key_value_heads
+                * c.head_dim
+                * (c.bytes_per_element_k + c.bytes_per_element_v)
+            )
+    return math.ceil(total)
+
+
+def _attached(model: ExLlamaV2) -> list[ExLlamaV2CacheBase]:
+    return [c for c in (r() for r in model._caches) if c is not None]
+
+
+def _budgets(
+    memory: Sequence[DeviceMemory], reserve: list[int], overheads: Sequence[int] | None
+) -> list[DeviceBudget]:
+    out = []
+    for i, mem in enumerate(memory):
+        if reserve[i] > mem.total:
+            raise GpuSplitError(
+                f"reserve_vram[{i}] = {fmt_mib(reserve[i])} is larger than device {i}'s total "
+                f"memory {fmt_mib(mem.total)}"
+            )
+        ov = (
+            overheads[i] if overheads is not None else (0 if has_context(mem.ordinal) else CUDA_CONTEXT_BYTES)
+        )
+        out.append(DeviceBudget(mem.free, reserve[i], ov))
+    return out
+
+
+def plan_for_model(
+    model: ExLlamaV2,
+    budgets: Sequence[DeviceBudget],
+    device: torch.device,
+    *,
+    max_seq_len: int,
+    batch_size: int,
+    cache: CacheSpec,
+    layer_cache: int | None,
+    last_id_only: bool = False,
+    policy: str = "balanced",
+) -> Plan:
+    """A plan for a real model: weights from safetensors headers, activations in `device`'s compute dtype."""
+    width = model.config.compute_dtype(device).itemsize
+    run = RunShape.from_config(model.config, max_seq_len, batch_size, last_id_only, width)
+    shape = ModelShape.from_spec(model.config.spec)
+    return make_plan(module_costs(model, width), shape, run, cache, budgets, policy, layer_cache=layer_cache)
+
+
+def _report(
+    i: int, n: int, callback: Callback, callback_gen: CallbackGen, bar: Any
+) -> Generator[Any, None, None]:
+    if bar is not None:
+        bar[0].update(bar[1], completed=i)
     if callback is not None:
-        callback(n, n)
+        callback(i, n)
     if callback_gen is not None:
-        yield from callback_gen(n, n)
+        yield from callback_gen(i, n)
+
+
+def load_on_devices(
+    model: ExLlamaV2,
+    planned: Sequence[int],
+    devices: Sequence[torch.device],
+    callback: Callback,
+    callback_gen: CallbackGen,
+    progress: bool,
+    plan: Plan | None = None,
+) -> Generator[Any, None, None]:
+    """Place module i on devices[planned[i]] (or a later device after an out-of-memory), in order."""
+    n = len(model.modules)
+    bar = None
+    if progress:
+        from rich.progress import Progress
+
+        p = Progress(transient=True)
+        p.start()
+        bar = (p, p.add_task("Loading model", total=n))
+    attempted = 0
+    try:
+        cur = 0
+        for i in range(n):
+            attempted = i + 1
+            yield from _report(i, n, callback, callback_gen, bar)
+            d = max(planned[i], cur)
+            while True:
+                failure = _try_place(model, i, devices[d])
+                if failure is None:
+                    break
+                # Free outside the except block: the exception's frames hold the half-built tensors.
+                model.unplace_module(i)
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                d += 1
+                if d >= len(devices):
+                    raise InsufficientVRAMError(_oom_message(model, i, devices, plan, failure))
+            cur = d
+        yield from _report(n, n, callback, callback_gen, bar)
+    except BaseException:
+        for i in range(attempted):  # leave nothing half-loaded behind
+            model.unplace_module(i)
+        raise
+    finally:
+        if bar is not None:
+            bar[0].stop()
     model.loaded = True
+    model.placement_plan = plan  # type: ignore[attr-defined]
+    used = model.devices()
+    if any(d.type == "cuda" for d in used):
+        limit_cpu_threads_for_gpu()
+        for a, b in zip(used, used[1:]):
+            peer_copy_ok(a, b)  # test each hop now, not inside the first (possibly graph-captured) forward
 
 
-def load_split_gen(model: ExLlamaV2, gpu_split: list[float] | None, callback: Any, callback_gen: Any,
-                   progress: bool, lazy: bool = False) -> Generator[Any, None, None]:
-    dev = default_device()
-    yield from _load_on(model, [dev] * len(model.modules), callback, callback_gen, progress)
+def _try_place(model: ExLlamaV2, i: int, device: torch.device) -> str | None:
+    """Place module i; on out-of-memory return the error text instead of raising."""
+    try:
+        model.place_module(i, device)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
 
 
-def load_autosplit_gen(model: ExLlamaV2, cache: ExLlamaV2CacheBase, reserve_vram: Any, last_id_only: bool,
-                       callback: Any, callback_gen: Any, progress: bool) -> Generator[Any, None, None]:
-    dev = default_device()
-    if dev.type == "cpu":
-        warnings.warn("no CUDA device: loading the model on the CPU", stacklevel=4)
-    yield from _load_on(model, [dev] * len(model.modules), callback, callback_gen, progress)
+def _oom_message(
+    model: ExLlamaV2, i: int, devices: Sequence[torch.device], plan: Plan | None, err: str
+) -> str:
+    m = model.modules[i]
+    msg = f"Insufficient VRAM for model and cache: {m.key} did not fit on any of {len(devices)} device(s)"
+    if plan is not None:
+        per = ", ".join(
+            f"dev {u.index}: planned {fmt_mib(u.total)} of {fmt_mib(u.free)} free, reserve "
+            f"{fmt_mib(u.reserve)}"
+            for u in plan.usage
+        )
+        msg += f" ({per})"
+    return msg + f"; last error: {err}. Reduce max_seq_len, use a quantized cache (q4/q6/q8), or add GPUs"
+
+
+def _cpu_fallback(
+    model: ExLlamaV2, callback: Callback, callback_gen: CallbackGen, progress: bool
+) -> Generator[Any, None, None]:
+    warnings.warn("exlpy: no CUDA device is visible; loading the whole model on the CPU (slow)", stacklevel=5)
+    yield from load_on_devices(
+        model, [0] * len(model.modules), [torch.device("cpu")], callback, callback_gen, progress
+    )
+
+
+# --- load(gpu_split)
+# -----------------------------------------------------------------------------------------
+
+
+def load_split_gen(
+    model: ExLlamaV2,
+    gpu_split: list[float] | None,
+    callback: Callback,
+    callback_gen: CallbackGen,
+    progress: bool,
+    lazy: bool = False,
+) -> Generator[Any, None, None]:
+    """`model.load`: explicit GB budgets per device (greedy, in order); None puts everything on GPU 0.
+
+    lazy=True in exllamav2 only assigns devices for layer streaming; exlpy does not stream layers and loads.
+    """
+    yield from split_gen_on(model, gpu_split, callback, callback_gen, progress, cuda_devices())
+
+
+def split_gen_on(
+    model: ExLlamaV2,
+    gpu_split: Sequence[Any] | None,
+    callback: Callback,
+    callback_gen: CallbackGen,
+    progress: bool,
+    devices: Sequence[torch.device],
+) -> Generator[Any, None, None]:
+    budgets = parse_gpu_split(gpu_split, len(devices)) if gpu_split is not None else None
+    if not devices:
+        yield from _cpu_fallback(model, callback, callback_gen, progress)
+        return
+    if budgets is None:
+        yield from load_on_devices(
+            model, [0] * len(model.modules), devices[:1], callback, callback_gen, progress
+        )
+        return
+    caches = _attached(model)
+    cfg = model.config
+    plan = plan_for_model(
+        model,
+        [DeviceBudget(b) for b in budgets],
+        devices[0],
+        max_seq_len=max([c.max_seq_len for c in caches], default=cfg.max_seq_len),
+        batch_size=max([c.batch_size for c in caches], default=cfg.max_batch_size),
+        cache=cache_spec_of(caches[0]) if caches else CacheSpec("none", 0.0, 0.0),
+        layer_cache=_layer_cache_bytes(model, caches),
+        policy="greedy",
+    )
+    yield from load_on_devices(
+        model, plan.devices, devices[: len(budgets)], callback, callback_gen, progress, plan
+    )
+
+
+# --- load_autosplit
+# ------------------------------------------------------------------------------------------
+
+
+def load_autosplit_gen(
+    model: ExLlamaV2,
+    cache: ExLlamaV2CacheBase,
+    reserve_vram: Any,
+    last_id_only: bool,
+    callback: Callback,
+    callback_gen: CallbackGen,
+    progress: bool,
+) -> Generator[Any, None, None]:
+    """`model.load_autosplit`: plan over every visible GPU by free memory (balanced policy), then load."""
+    devices = cuda_devices()
+    _check_cache(model, cache)
+    if not devices:
+        yield from _cpu_fallback(model, callback, callback_gen, progress)
+        return
+    memory = query_devices()[: len(devices)]
+    yield from autosplit_gen_on(
+        model,
+        cache,
+        reserve_vram,
+        last_id_only,
+        callback,
+        callback_gen,
+        progress,
+        devices[: len(memory)],
+        memory,
+    )
+
+
+def _check_cache(model: ExLlamaV2, cache: ExLlamaV2CacheBase) -> None:
+    if not getattr(cache, "lazy", False):
+        raise ModelStateError(
+            "load_autosplit needs a cache created with lazy=True (its layers are allocated on "
+            "each layer's device while loading)"
+        )
+    if cache.model is not model:
+        raise ModelStateError("load_autosplit: the cache was created for a different model")
+
+
+def autosplit_gen_on(
+    model: ExLlamaV2,
+    cache: ExLlamaV2CacheBase,
+    reserve_vram: Any,
+    last_id_only: bool,
+    callback: Callback,
+    callback_gen: CallbackGen,
+    progress: bool,
+    devices: Sequence[torch.device],
+    memory: Sequence[DeviceMemory],
+    overheads: Sequence[int] | None = None,
+    policy: str = "balanced",
+) -> Generator[Any, None, None]:
+    """Autosplit over explicit devices and their memory (real GPUs, or simulated ones in tests)."""
+    _check_cache(model, cache)
+    budgets = _budgets(memory, parse_reserve(reserve_vram, len(memory)), overheads)
+    plan = plan_for_model(
+        model,
+        budgets,
+        devices[0],
+        max_seq_len=cache.max_seq_len,
+        batch_size=cache.batch_size,
+        cache=cache_spec_of(cache),
+        layer_cache=_layer_cache_bytes(model, _attached(model)),
+        last_id_only=last_id_only,
+        policy=policy,
+    )
+    yield from load_on_devices(model, plan.devices, devices, callback, callback_gen, progress, plan)
