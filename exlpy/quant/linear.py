@@ -1,0 +1,53 @@
+"""The Linear object for quantized weights: packed on the GPU (Triton kernels), dequantized once on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from exlpy.errors import TensorParallelError
+from exlpy.quant.exl2_ref import dequant_dense
+from exlpy.quant.layout import QuantMatrix
+
+
+class QuantLinear:
+    """y = x @ W (+ bias) with W held packed. Implements exlpy.model.linear.Linear.
+
+    On CUDA, forward runs the Triton kernels on the packed tensors (no fp16 copy of W is kept). On the CPU, the
+    reference path dequantizes W once and keeps that dense fp32/`dtype` copy in host memory for speed.
+    """
+
+    def __init__(self, qm: QuantMatrix, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.qm = qm
+        self.bias = bias
+        self.dtype = dtype
+        self.in_features = qm.k
+        self.out_features = qm.n
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.qm.device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from exlpy.kernels.exl2_matmul import quant_matmul
+
+            return quant_matmul(x, self.qm, self.bias)
+        if self._dense is None:
+            self._dense = dequant_dense(self.qm).to(self.dtype)
+        w = self._dense
+        y = x.to(w.dtype) @ w
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        return self.qm.nbytes() + b
+
+    def split_columns(self, start: int, end: int, device: torch.device) -> QuantLinear:
+        if start % 32 or (end % 32 and end < self.out_features):
+            raise TensorParallelError(f"column split [{start}, {end}) must be on multiples of 32")
+        qm = self.qm.split_columns(start, end).to(device)
+        bias = None if self.bias is None else self.bias[start:end].to(device)
+        return type(self)(qm, bias, self.dtype)
