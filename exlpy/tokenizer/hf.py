@@ -1,0 +1,58 @@
+"""Backend over the Hugging Face `tokenizers` library (tokenizer.json): BPE, byte-level BPE, unigram."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+from exlpy.errors import TokenizerError
+from exlpy.tokenizer.backend import AddedToken, extra_added_tokens, read_json
+
+
+class HFBackend:
+    kind = "json"
+
+    def __init__(self, path: str, model_dir: str) -> None:
+        self.path = path
+        try:
+            self.tk = Tokenizer.from_file(path)
+        except Exception as e:  # the library raises plain Exception for every failure
+            read_json(path, "tokenizer.json")  # names malformed JSON precisely; a schema error falls through
+            raise TokenizerError(f"tokenizer.json is not a valid tokenizers file: {path}: {e}") from e
+        # Padding/truncation configured in the file would silently change encode() lengths.
+        self.tk.no_padding()
+        self.tk.no_truncation()
+        added = {i: AddedToken(i, t.content, bool(t.special))
+                 for i, t in self.tk.get_added_tokens_decoder().items()}
+        for t in extra_added_tokens(model_dir):
+            added.setdefault(t.id, t)
+        self._added = sorted(added.values(), key=lambda t: t.id)
+        self._split_special: bool | None = None
+
+    def encode(self, text: str, encode_special_tokens: bool) -> list[int]:
+        # The library flag has the opposite sense: True means "treat special tokens as plain text".
+        if self._split_special != encode_special_tokens:
+            self.tk.encode_special_tokens = not encode_special_tokens
+            self._split_special = encode_special_tokens
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+    def decode_batch(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        return self.tk.decode_batch([list(s) for s in seqs], skip_special_tokens=False)
+
+    def raw_pieces(self) -> list[str]:
+        vocab = self.tk.get_vocab(with_added_tokens=True)
+        size = max(max(vocab.values(), default=-1), max((t.id for t in self._added), default=-1)) + 1
+        pieces = [""] * size
+        for piece, i in vocab.items():
+            pieces[i] = piece
+        for t in self._added:
+            if not pieces[t.id]:
+                pieces[t.id] = t.content
+        return pieces
+
+    def added_tokens(self) -> list[AddedToken]:
+        return self._added

@@ -1,0 +1,262 @@
+"""`ExLlamaV2Tokenizer`: exllamav2's tokenizer API over tokenizer.json (HF `tokenizers`) or tokenizer.model
+(`sentencepiece`), with special-token handling, left-padded batches, streaming-safe decoding and chat
+templates.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from exlpy.errors import TokenizerError
+from exlpy.tokenizer.backend import AddedToken, TokenizerBackend, read_json
+from exlpy.tokenizer.chat import render_chat_template, select_template
+from exlpy.tokenizer.hf import HFBackend
+from exlpy.tokenizer.pieces import PrefixIndex, decoded_pieces
+from exlpy.tokenizer.specials import ids_from_config, ids_from_files, resolve_special_ids
+from exlpy.tokenizer.spm import SPMBackend
+from exlpy.tokenizer.stream import StreamDecoder
+
+MAX_CACHED_STRINGS = 100
+
+
+def open_backend(model_dir: str, force_json: bool, force_spm: bool) -> TokenizerBackend:
+    """Prefer tokenizer.json; use tokenizer.model when forced or when it is the only file."""
+    if force_json and force_spm:
+        raise TokenizerError("force_json and force_spm cannot both be set")
+    json_path = os.path.join(model_dir, "tokenizer.json")
+    spm_path = os.path.join(model_dir, "tokenizer.model")
+    if force_spm or (not force_json and not os.path.isfile(json_path) and os.path.isfile(spm_path)):
+        if not os.path.isfile(spm_path):
+            raise TokenizerError(f"tokenizer.model not found (force_spm is set): {spm_path}")
+        return SPMBackend(spm_path, model_dir)
+    if not os.path.isfile(json_path):
+        what = "tokenizer.json" if force_json else "tokenizer.json or tokenizer.model"
+        raise TokenizerError(f"{what} not found in {model_dir}: {json_path}")
+    return HFBackend(json_path, model_dir)
+
+
+class ExLlamaV2Tokenizer:
+    """Tokenizer of a model directory. `config` is an ExLlamaV2Config or a directory path."""
+
+    def __init__(self, config: Any, lazy_init: bool = True, force_json: bool = False,
+                 force_spm: bool = False) -> None:
+        if isinstance(config, (str, os.PathLike)):
+            model_dir, self.config = os.fspath(config), None
+        else:
+            model_dir, self.config = getattr(config, "model_dir", None), config
+        if model_dir is None:
+            raise TokenizerError("no tokenizer directory: the config has no model_dir")
+        if not os.path.isdir(model_dir):
+            raise TokenizerError(f"tokenizer directory does not exist: {model_dir}")
+        self.model_dir = model_dir
+        self.backend = open_backend(model_dir, force_json, force_spm)
+
+        self._added: dict[int, AddedToken] = {t.id: t for t in self.backend.added_tokens()}
+        self.extended_piece_to_id = {t.content: t.id for t in self._added.values() if t.special}
+        self.extended_id_to_piece = {t.id: t.content for t in self._added.values() if t.special}
+        self.unspecial_piece_to_id = {t.content: t.id for t in self._added.values() if not t.special}
+        self.id_to_piece: list[str] = self.backend.raw_pieces()  # the vocabulary's own piece strings
+        self.piece_to_id: dict[str, int] = {p: i for i, p in enumerate(self.id_to_piece) if p}
+        self.actual_vocab_size = len(self.id_to_piece)
+
+        tok_cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        self.tokenizer_config: dict[str, Any] = (
+            read_json(tok_cfg_path, "tokenizer_config.json") if os.path.isfile(tok_cfg_path) else {})
+        model_ids = ids_from_files(model_dir) if self.config is None else ids_from_config(self.config)
+        lookup = {**self.piece_to_id, **self.unspecial_piece_to_id, **self.extended_piece_to_id}
+        ids = resolve_special_ids(model_ids, self.tokenizer_config, lookup)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = ids.bos, ids.eos, ids.pad
+        self.stop_token_ids: frozenset[int] = ids.stop
+        self.bos_token = self._token_text(self.bos_token_id)
+        self.eos_token = self._token_text(self.eos_token_id)
+        self.pad_token = self._token_text(self.pad_token_id)
+
+        self.newline_token_id = self._last_id("\n")
+        self.space_token_id = next((self.piece_to_id[p] for p in ("▁", "Ġ", " ") if p in self.piece_to_id),
+                                   self._last_id(" "))
+        self.tokenized_str_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.max_cached_strings = MAX_CACHED_STRINGS
+        self._pieces: list[str] | None = None
+        self._prefix_index: PrefixIndex | None = None
+        if not lazy_init:
+            self.get_id_to_piece_list()
+            self._get_prefix_index()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _token_text(self, token_id: int) -> str | None:
+        if token_id in self._added:
+            return self._added[token_id].content
+        return self.id_to_piece[token_id] if 0 <= token_id < self.actual_vocab_size else None
+
+    def _last_id(self, text: str) -> int:
+        ids = self.backend.encode(text, False)
+        if not ids:
+            raise TokenizerError(f"tokenizer cannot encode {text!r}: {self.backend.path}")
+        return ids[-1]
+
+    def _is_visible(self, token_id: int, decode_special_tokens: bool) -> bool:
+        """Whether decode() keeps an id: pads and out-of-vocabulary ids never, EOS and specials on request."""
+        if token_id == self.pad_token_id or not 0 <= token_id < self.actual_vocab_size:
+            return False
+        if decode_special_tokens:
+            return True
+        added = self._added.get(token_id)
+        return token_id != self.eos_token_id and (added is None or not added.special)
+
+    def _decode_visible(self, ids: list[int]) -> str:
+        """Decode filtered ids: added tokens give their content, base-vocab runs go to the backend."""
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            added = self._added.get(i)
+            if added is None:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self.backend.decode(run))
+                run = []
+            parts.append(added.content)
+        if run:
+            parts.append(self.backend.decode(run))
+        return "".join(parts)
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str | Sequence[str], add_bos: bool = False, add_eos: bool = False,
+               encode_special_tokens: bool = False, return_offsets: bool = False,
+               embeddings: Sequence[Any] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Ids as LongTensor [1, n], or [b, n] left-padded with pad_token_id for a list (offsets = -padding).
+        Special tokens written in the text become their ids only with encode_special_tokens."""
+        if embeddings:
+            raise TokenizerError("encode(embeddings=...) (multimodal aliases) is not supported")
+        single = isinstance(text, str)
+        texts = [text] if single else text
+        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+            raise TokenizerError(f"encode() expects a str or a list of str, got {type(text).__name__}")
+        if not texts:
+            raise TokenizerError("encode() got an empty list of texts")
+        seqs = []
+        for t in texts:
+            ids = self.backend.encode(t, encode_special_tokens)
+            bos = [self.bos_token_id] if add_bos else []
+            seqs.append(bos + ids + ([self.eos_token_id] if add_eos else []))
+        longest = max(len(s) for s in seqs)
+        if any(len(s) < longest for s in seqs) and self.pad_token_id < 0:
+            raise TokenizerError("cannot left-pad a batch of unequal lengths: the tokenizer has no pad token")
+        out = torch.tensor([[self.pad_token_id] * (longest - len(s)) + s for s in seqs], dtype=torch.long)
+        out = out.view(len(seqs), longest)
+        if return_offsets:
+            return out, torch.tensor([len(s) - longest for s in seqs], dtype=torch.int)
+        return out
+
+    def decode(self, ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+               decode_special_tokens: bool = False) -> str | list[str]:
+        """Text of 1-D ids, or a list of texts for 2-D ids. Pads are dropped; without decode_special_tokens
+        EOS and special tokens are dropped too."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() > 2:
+                raise TokenizerError(f"decode() expects 1-D or 2-D ids, got shape {tuple(ids.shape)}")
+            if ids.is_floating_point():
+                raise TokenizerError(f"decode() expects integer ids, got dtype {ids.dtype}")
+            ids = ids.tolist()
+        if not isinstance(ids, Sequence) or isinstance(ids, str):
+            raise TokenizerError(f"decode() expects a tensor or a list of ids, got {type(ids).__name__}")
+        if ids and isinstance(ids[0], Sequence):
+            return [self._decode_one(row, decode_special_tokens) for row in ids]  # type: ignore[arg-type]
+        return self._decode_one(ids, decode_special_tokens)  # type: ignore[arg-type]
+
+    def _decode_one(self, ids: Sequence[int], decode_special_tokens: bool) -> str:
+        try:
+            seq = [int(i) for i in ids]
+        except (TypeError, ValueError) as e:
+            raise TokenizerError(f"decode() expects integer ids: {e}") from e
+        return self._decode_visible([i for i in seq if self._is_visible(i, decode_special_tokens)])
+
+    def stream_decoder(self, decode_special_tokens: bool = False) -> StreamDecoder:
+        """An incremental decoder whose outputs concatenate to decode(all ids)."""
+        return StreamDecoder(self, decode_special_tokens)
+
+    def num_tokens(self, text: str) -> int:
+        return len(self.backend.encode(text, False))
+
+    def cached_encode_str(self, text: str) -> torch.Tensor:
+        """encode(text), remembering the last MAX_CACHED_STRINGS strings (stop strings, banned strings)."""
+        hit = self.tokenized_str_cache.get(text)
+        if hit is not None:
+            self.tokenized_str_cache.move_to_end(text)
+            return hit
+        enc = self.encode(text)
+        assert isinstance(enc, torch.Tensor)
+        self.tokenized_str_cache[text] = enc
+        while len(self.tokenized_str_cache) > self.max_cached_strings:
+            self.tokenized_str_cache.popitem(last=False)
+        return enc
+
+    def single_id(self, token: str) -> int:
+        """The id of a token given as text: an added token, a vocabulary piece, or text that is one token."""
+        for table in (self.extended_piece_to_id, self.unspecial_piece_to_id, self.piece_to_id):
+            if token in table:
+                return table[token]
+        ids = self.backend.encode(token, True)
+        if len(ids) != 1:
+            raise TokenizerError(f"{token!r} is not a single token (it encodes to {len(ids)} ids)")
+        return ids[0]
+
+    @staticmethod
+    def single_token(token_id: int) -> torch.Tensor:
+        return torch.tensor([[token_id]], dtype=torch.long)
+
+    def padding_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """Additive fp16 attention mask: -inf where ids are padding, 0 elsewhere (same shape as ids)."""
+        return torch.where(ids == self.pad_token_id, float("-inf"), 0.0).to(torch.float16)
+
+    # ------------------------------------------------------------------ pieces
+
+    def get_id_to_piece_list(self, include_special_tokens: bool = False) -> list[str]:
+        """Text of every id as it reads inside a longer text; special tokens are '' unless included."""
+        if self._pieces is None:
+            self._pieces = decoded_pieces(self.backend, self.actual_vocab_size, self._added)
+        if include_special_tokens:
+            return self._pieces
+        hidden = self.extended_id_to_piece
+        return [("" if i in hidden else p) for i, p in enumerate(self._pieces)]
+
+    def get_piece_to_id_dict(self) -> dict[str, int]:
+        """Decoded piece text -> id (the first id wins where two ids decode alike); specials excluded."""
+        table: dict[str, int] = {}
+        for i, p in enumerate(self.get_id_to_piece_list()):
+            if p:
+                table.setdefault(p, i)
+        return table
+
+    def _get_prefix_index(self) -> PrefixIndex:
+        if self._prefix_index is None:
+            self._prefix_index = PrefixIndex(self.get_id_to_piece_list(), set(self.extended_id_to_piece))
+        return self._prefix_index
+
+    def get_tokens_with_prefix_string(self, prefix: str) -> list[int]:
+        """Ids (specials excluded) whose piece text starts with `prefix` (token healing candidates)."""
+        return self._get_prefix_index().with_prefix(prefix)
+
+    def get_tokens_with_prefix_id(self, prefix_id: int) -> list[int]:
+        if not 0 <= prefix_id < self.actual_vocab_size:
+            raise TokenizerError(f"token id {prefix_id} is outside the vocabulary "
+                                 f"(size {self.actual_vocab_size})")
+        return self.get_tokens_with_prefix_string(self.get_id_to_piece_list(True)[prefix_id])
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """Render the model's chat template (tokenizer_config.json) or `chat_template` into a prompt string.
+        Encode it with encode_special_tokens=True (it already holds BOS where the template adds it)."""
+        template = chat_template or select_template(self.tokenizer_config.get("chat_template"),
+                                                    kwargs.pop("template_name", None), self.model_dir)
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
