@@ -49,17 +49,27 @@ class ExLlamaV2:
 
     def load(self, gpu_split: list[float] | None = None, lazy: bool = False, stats: bool = False,
              callback: Callable[[int, int], None] | None = None,
-             callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False) -> None:
-        for _ in self.load_gen(gpu_split, lazy, stats, callback, callback_gen, progress):
+             callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False,
+             device: str | torch.device | None = None) -> None:
+        """Load by explicit GB budgets per GPU (None: everything on GPU 0, or the CPU without a GPU).
+
+        `device` (an exlpy extension) puts every module on that one device, e.g. "cpu" for a reference run.
+        """
+        for _ in self.load_gen(gpu_split, lazy, stats, callback, callback_gen, progress, device):
             pass
 
     def load_gen(self, gpu_split: list[float] | None = None, lazy: bool = False, stats: bool = False,
                  callback: Callable[[int, int], None] | None = None,
-                 callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False
-                 ) -> Generator[Any, None, None]:
+                 callback_gen: Callable[[int, int], Any] | None = None, progress: bool = False,
+                 device: str | torch.device | None = None) -> Generator[Any, None, None]:
         from exlpy.parallel.placement import load_split_gen
 
         self._check_not_loaded()
+        if device is not None:
+            for i in range(len(self.modules)):
+                self.place_module(i, torch.device(device))
+            self.loaded = True
+            return
         yield from load_split_gen(self, gpu_split, callback, callback_gen, progress, lazy=lazy)
 
     def load_autosplit(self, cache: ExLlamaV2CacheBase, reserve_vram: int | list[int] | None = None,
