@@ -23,9 +23,25 @@ def register(name: str, fn: Callable[..., Any]) -> None:
     _TRITON[name] = fn
 
 
+_tried_triton = False
+
+
+def _load_triton() -> None:
+    """Import the Triton kernels once, on the first CUDA call; without triton the references serve."""
+    global _tried_triton
+    _tried_triton = True
+    try:
+        import exlpy.kernels.triton_ops  # noqa: F401 - registers its kernels on import
+    except ImportError:
+        pass
+
+
 def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
-    if not _DISABLED and t.is_cuda and name in _TRITON:
-        return _TRITON[name]
+    if not _DISABLED and t.is_cuda:
+        if not _tried_triton:
+            _load_triton()
+        if name in _TRITON:
+            return _TRITON[name]
     return getattr(reference, name)
 
 
@@ -56,4 +72,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
          is_causal: bool = False) -> torch.Tensor:
-    return reference.sdpa(q, k, v, scale, mask, is_causal)
+    return _impl("sdpa", q)(q, k, v, scale, mask, is_causal)

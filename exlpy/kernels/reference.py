@@ -32,12 +32,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """Write k/v [B,T,H,D] into flat cache rows `slots` [B,T] of caches viewed as [rows*S, H, D]."""
+    """Write k/v [B,T,H,D] into flat cache rows `slots` [B,T] of caches viewed as [rows*S, H, D].
+
+    Negative slots are skipped: padding rows of a batch-size bucket (CUDA graphs) write nowhere.
+    """
     kf = k_cache.view(-1, *k_cache.shape[-2:])
     vf = v_cache.view(-1, *v_cache.shape[-2:])
     idx = slots.reshape(-1)
-    kf.index_copy_(0, idx, k.reshape(-1, *k.shape[-2:]).to(kf.dtype))
-    vf.index_copy_(0, idx, v.reshape(-1, *v.shape[-2:]).to(vf.dtype))
+    ks, vs = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
+    if bool((idx < 0).any()):
+        keep = idx >= 0
+        idx, ks, vs = idx[keep], ks[keep], vs[keep]
+    kf.index_copy_(0, idx, ks.to(kf.dtype))
+    vf.index_copy_(0, idx, vs.to(vf.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
@@ -76,7 +83,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
         kt = kt.repeat_interleave(Hq // Hk, dim=1)
         vt = vt.repeat_interleave(Hq // Hk, dim=1)
     if mask is not None:
-        # A fully masked row (a padding query) would produce NaN; let it see key 0 instead, its output is unused.
+        # A fully masked row (a padding query) would produce NaN; let it see key 0, its output is unused.
         mask = mask | ~mask.any(-1, keepdim=True)
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal and mask is None,
                                        scale=scale)

@@ -11,6 +11,7 @@ from exlpy.config.config import ExLlamaV2Config
 from exlpy.config.rope import cos_sin_table
 from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
+from exlpy.model.fusion import add_linear, fuse_dense
 from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
 
@@ -101,6 +102,7 @@ class Attention(Module):
         self.k_proj: Linear | None = None
         self.v_proj: Linear | None = None
         self.o_proj: Linear | None = None
+        self.qkv_proj: Linear | None = None  # q, k and v side by side when they can fuse (dense, one device)
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -111,10 +113,12 @@ class Attention(Module):
         qkv_bias = True if s.arch.qkv_bias else None
         kw = {"gptq_v2": s.gptq_v2}
         self.norm_w = load_norm(self, self.norm_key, device)
-        self.q_proj = load_linear(idx, f"{self.key}.q_proj", s.hidden_size, hq, device, dt, bias=qkv_bias, **kw)
-        self.k_proj = load_linear(idx, f"{self.key}.k_proj", s.hidden_size, hk, device, dt, bias=qkv_bias, **kw)
-        self.v_proj = load_linear(idx, f"{self.key}.v_proj", s.hidden_size, hk, device, dt, bias=qkv_bias, **kw)
+        kb = {**kw, "bias": qkv_bias}
+        self.q_proj = load_linear(idx, f"{self.key}.q_proj", s.hidden_size, hq, device, dt, **kb)
+        self.k_proj = load_linear(idx, f"{self.key}.k_proj", s.hidden_size, hk, device, dt, **kb)
+        self.v_proj = load_linear(idx, f"{self.key}.v_proj", s.hidden_size, hk, device, dt, **kb)
         self.o_proj = load_linear(idx, f"{self.key}.o_proj", hq, s.hidden_size, device, dt, **kw)
+        self.qkv_proj = fuse_dense([self.q_proj, self.k_proj, self.v_proj])
         if s.arch.qk_norm:
             self.q_norm_w = load_norm(self, f"{self.key}.q_norm", device, d)
             self.k_norm_w = load_norm(self, f"{self.key}.k_norm", device, d)
@@ -122,7 +126,7 @@ class Attention(Module):
 
     def unload(self) -> None:
         self.norm_w = self.q_norm_w = self.k_norm_w = None
-        self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.qkv_proj = None
         super().unload()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -130,16 +134,21 @@ class Attention(Module):
         B, T, _ = x.shape
         eps = self.spec.norm_eps
         h = ops.rms_norm(x, self.norm_w, eps)
-        q = self.q_proj.forward(h).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj.forward(h).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj.forward(h).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj.forward(h).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj.forward(h), self.k_proj.forward(h), self.v_proj.forward(h)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm_w is not None and self.k_norm_w is not None:
             q = ops.rms_norm(q, self.q_norm_w, eps)
             k = ops.rms_norm(k, self.k_norm_w, eps)
         cos, sin = self.rotary.get(x.device, x.dtype)
         q, k = ops.apply_rope(q, k, cos, sin, batch.positions)
         o = self.attend(q, k, v, batch)  # [B, T, Hq, D]
-        return x + self.o_proj.forward(o.reshape(B, T, self.num_heads * self.head_dim))
+        return add_linear(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.cache is None:
@@ -177,6 +186,7 @@ class MLP(Module):
         self.gate_proj: Linear | None = None
         self.up_proj: Linear | None = None
         self.down_proj: Linear | None = None
+        self.gate_up_proj: Linear | None = None  # gate and up side by side when they can fuse
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -185,22 +195,26 @@ class MLP(Module):
         s, dt, idx = self.spec, self.dtype(device), self.index
         kw = {"gptq_v2": s.gptq_v2, "bias": True if s.mlp_bias else None}
         self.norm_w = load_norm(self, self.norm_key, device)
-        self.gate_proj = load_linear(idx, f"{self.key}.gate_proj", s.hidden_size, s.intermediate_size, device, dt,
-                                     **kw)
-        self.up_proj = load_linear(idx, f"{self.key}.up_proj", s.hidden_size, s.intermediate_size, device, dt, **kw)
-        self.down_proj = load_linear(idx, f"{self.key}.down_proj", s.intermediate_size, s.hidden_size, device, dt,
-                                     **kw)
+        hid, inter = s.hidden_size, s.intermediate_size
+        self.gate_proj = load_linear(idx, f"{self.key}.gate_proj", hid, inter, device, dt, **kw)
+        self.up_proj = load_linear(idx, f"{self.key}.up_proj", hid, inter, device, dt, **kw)
+        self.down_proj = load_linear(idx, f"{self.key}.down_proj", inter, hid, device, dt, **kw)
+        self.gate_up_proj = fuse_dense([self.gate_proj, self.up_proj])
         self.device = device
 
     def unload(self) -> None:
         self.norm_w = None
-        self.gate_proj = self.up_proj = self.down_proj = None
+        self.gate_proj = self.up_proj = self.down_proj = self.gate_up_proj = None
         super().unload()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.gate_proj and self.up_proj and self.down_proj and self.norm_w is not None
         h = ops.rms_norm(x, self.norm_w, self.spec.norm_eps)
-        return x + self.down_proj.forward(ops.silu_mul(self.gate_proj.forward(h), self.up_proj.forward(h)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj.forward(h).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj.forward(h), self.up_proj.forward(h)
+        return add_linear(x, self.down_proj, ops.silu_mul(gate, up))
 
 
 class Head(Module):
@@ -217,7 +231,8 @@ class Head(Module):
 
     def load(self, device: torch.device) -> None:
         s = self.spec
-        self.linear = load_linear(self.index, "lm_head", s.hidden_size, s.vocab_size, device, self.dtype(device),
+        dt = self.dtype(device)
+        self.linear = load_linear(self.index, "lm_head", s.hidden_size, s.vocab_size, device, dt,
                                   fallback_prefix="model.embed_tokens" if s.tie_word_embeddings else None)
         self.device = device
 

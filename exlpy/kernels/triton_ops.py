@@ -1,0 +1,58 @@
+"""CUDA implementations of the fused ops, registered into `ops` on first CUDA use (when triton imports).
+
+Prefill-shaped attention stays on torch SDPA (flash backend, native GQA); short query blocks over the cache
+(decode, speculative steps) use the Triton split-K kernel, which reads lengths from device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from exlpy.kernels import ops, reference
+from exlpy.kernels.activation import silu_mul
+from exlpy.kernels.kv_store import store_kv
+from exlpy.kernels.paged_attention import paged_decode_attention
+from exlpy.kernels.rmsnorm import rms_norm
+from exlpy.kernels.rope import apply_rope
+
+_MAX_DECODE_Q = 16  # longer query blocks re-read K/V per query in the decode kernel: SDPA is faster there
+
+
+def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+              is_causal: bool = False) -> torch.Tensor:
+    """`reference.sdpa` without materialising repeated K/V heads: SDPA's native GQA."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask is not None:
+        mask = mask | ~mask.any(-1, keepdim=True)  # fully masked padding queries see key 0, as the reference
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal and mask is None,
+                                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
+                         positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    if q.shape[1] <= _MAX_DECODE_Q:
+        return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                      positions, scale, key_mask)
+    k = reference.gather_kv(k_cache, block_table, page_size, max_seqlen)
+    v = reference.gather_kv(v_cache, block_table, page_size, max_seqlen)
+    t = torch.arange(max_seqlen, device=q.device)
+    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, :max_seqlen]
+    return sdpa_cuda(q, k, v, scale, mask.unsqueeze(1))
+
+
+def register_all() -> None:
+    ops.register("rms_norm", rms_norm)
+    ops.register("apply_rope", apply_rope)
+    ops.register("silu_mul", silu_mul)
+    ops.register("store_kv", store_kv)
+    ops.register("paged_attention", paged_attention_cuda)
+    ops.register("sdpa", sdpa_cuda)
+
+
+register_all()

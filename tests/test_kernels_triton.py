@@ -1,0 +1,121 @@
+"""Triton kernels against their torch references: small shapes on CPU (interpreter), real shapes on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
+
+import pytest
+import torch
+
+from exlpy.kernels import reference
+from tests.conftest import requires_cuda
+
+triton = pytest.importorskip("triton")
+
+from exlpy.kernels.activation import silu_mul  # noqa: E402
+from exlpy.kernels.kv_store import store_kv  # noqa: E402
+from exlpy.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from exlpy.kernels.rmsnorm import rms_norm  # noqa: E402
+from exlpy.kernels.rope import apply_rope  # noqa: E402
+
+
+def _dev_ok(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+def test_rms_norm_strided_rows() -> None:
+    _dev_ok("cpu")
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(3, 5, 80, generator=g)
+    x = big[..., :48]  # strided rows, as a view into a fused projection output
+    w = torch.rand(48, generator=g) + 0.5
+    _close(rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), 1e-5)
+
+
+def test_silu_mul_halves_of_fused_output() -> None:
+    _dev_ok("cpu")
+    gu = torch.randn(2, 3, 2 * 40, generator=torch.Generator().manual_seed(1))
+    gate, up = gu[..., :40], gu[..., 40:]
+    _close(silu_mul(gate, up), reference.silu_mul(gate, up), 1e-5)
+
+
+def test_rope_in_place_on_qkv_views() -> None:
+    _dev_ok("cpu")
+    g = torch.Generator().manual_seed(2)
+    B, T, hq, hk, D = 2, 3, 4, 2, 16
+    qkv = torch.randn(B, T, (hq + 2 * hk) * D, generator=g)
+    q = qkv[..., :hq * D].view(B, T, hq, D)
+    k = qkv[..., hq * D:(hq + hk) * D].view(B, T, hk, D)
+    cos, sin = torch.randn(20, D, generator=g), torch.randn(20, D, generator=g)
+    pos = torch.randint(0, 20, (B, T), generator=g)
+    rq, rk = reference.apply_rope(q.clone(), k.clone(), cos, sin, pos)
+    oq, ok = apply_rope(q, k, cos, sin, pos)
+    _close(oq, rq, 1e-5)
+    _close(ok, rk, 1e-5)
+    _close(qkv[..., :hq * D].view(B, T, hq, D), rq, 1e-5)  # really in place
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    _dev_ok("cpu")
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(3, 8, 2, 4, generator=g), torch.randn(3, 8, 2, 4, generator=g)
+    k, v = torch.randn(3, 2, 2, 4, generator=g), torch.randn(3, 2, 2, 4, generator=g)
+    slots = torch.tensor([[0, 9], [17, -1], [-1, 23]])
+    rk, rv = kc.clone(), vc.clone()
+    reference.store_kv(rk, rv, slots, k, v)
+    store_kv(kc, vc, slots, k, v)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+
+
+def _paged_case(B: int, T: int, hq: int, hk: int, D: int, page: int, pages: int, lens: list[int],
+                device: str, dtype: torch.dtype, masked: bool = False) -> None:
+    g = torch.Generator().manual_seed(4)
+    n_pages = B * pages + 2
+    kc = torch.randn(n_pages, page, hk, D, generator=g).to(device, dtype)
+    vc = torch.randn(n_pages, page, hk, D, generator=g).to(device, dtype)
+    bt = torch.randperm(n_pages, generator=g)[:B * pages].view(B, pages).int().to(device)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    pos = (seqlens.long().view(-1, 1) - T + torch.arange(T, device=device)).clamp(min=0)
+    q = torch.randn(B, T, hq, D, generator=g).to(device, dtype)
+    mask = None
+    if masked:
+        mask = torch.rand(B, pages * page, generator=g).to(device) > 0.3
+        mask[:, 0] = True
+    max_len = max(lens)
+    ref = reference.paged_attention(q.float(), kc.float(), vc.float(), bt, page, seqlens, max_len, pos, 0.3,
+                                    mask)
+    out = paged_decode_attention(q, kc, vc, bt, page, seqlens, max_len, pos, 0.3, mask)
+    live = seqlens > 0
+    _close(out[live], ref[live], 2e-2 if dtype == torch.float16 else 1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("T,lens,masked", [(1, [5, 200, 0], False), (2, [70, 3, 129], True)])
+def test_paged_decode_attention_cpu(T: int, lens: list[int], masked: bool) -> None:
+    _dev_ok("cpu")
+    _paged_case(3, T, 4, 2, 16, 32, 8, lens, "cpu", torch.float32, masked)
+
+
+@requires_cuda
+def test_kernels_real_shapes_cuda() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("run without TRITON_INTERPRET for compiled kernels")
+    dev, dt = "cuda", torch.float16
+    x = torch.randn(7, 4096, device=dev, dtype=dt)
+    w = torch.rand(4096, device=dev, dtype=dt) + 0.5
+    _close(rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), 2e-3)
+    gu = torch.randn(5, 2 * 14336, device=dev, dtype=dt)
+    _close(silu_mul(gu[:, :14336], gu[:, 14336:]), reference.silu_mul(gu[:, :14336], gu[:, 14336:]), 2e-3)
+    for lens in ([511], [4000], [1, 300, 1024, 77]):
+        _paged_case(len(lens), 1, 32, 8, 128, 256, 16, lens, dev, dt)
+    _paged_case(2, 1, 32, 8, 64, 2048, 1, [600, 2048], dev, dt)
