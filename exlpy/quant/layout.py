@@ -117,13 +117,17 @@ class QuantMatrix:
         return replace(self, q_weight=mv(self.q_weight), scales=mv(self.scales), scale_max=mv(self.scale_max),
                        zeros=mv(self.zeros), perm=mv(self.perm), group_rows=mv(self.group_rows))
 
-    def split_columns(self, start: int, end: int) -> QuantMatrix:
-        """Columns [start, end) (start a multiple of 8, EXL2 scale codes pack 8 columns per word)."""
+    def split_columns(self, start: int, end: int, copy: bool = True) -> QuantMatrix:
+        """Columns [start, end) (start a multiple of 8: EXL2 scale codes pack 8 columns per word).
+        copy=False returns strided views (kernels take strides), for slicing inside a forward pass."""
         end_p = min(end, self.q_weight.shape[1])
         if self.kind == "exl2":
             scales = self.scales[:, start // 8:(end_p + 7) // 8]
         else:
             scales = self.scales[:, start:end_p]
         zeros = None if self.zeros is None else self.zeros[:, start:end_p]
-        return replace(self, q_weight=self.q_weight[:, start:end_p].contiguous(), scales=scales.contiguous(),
-                       zeros=None if zeros is None else zeros.contiguous(), n=min(end, self.n) - start)
+        qw = self.q_weight[:, start:end_p]
+        if copy:
+            qw, scales = qw.contiguous(), scales.contiguous()
+            zeros = None if zeros is None else zeros.contiguous()
+        return replace(self, q_weight=qw, scales=scales, zeros=zeros, n=min(end, self.n) - start)
