@@ -1,0 +1,149 @@
+"""`ExLlamaV2BaseGenerator`: the simple batched generator (one unpadded cache row per prompt, ragged decode)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from exlpy.errors import GeneratorError
+from exlpy.model.batch import ForwardBatch
+
+
+class ExLlamaV2BaseGenerator:
+    def __init__(self, model: Any, cache: Any, tokenizer: Any) -> None:
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.sequence_ids: torch.Tensor | None = None
+
+    def warmup(self) -> None:
+        self.cache.current_seq_len = 0
+        self.model.forward(torch.tensor([[self.tokenizer.bos_token_id or 1]]), self.cache, preprocess_only=True)
+        self.cache.current_seq_len = 0
+
+    def generate_simple(self, prompt: str | list[str], gen_settings: Any, num_tokens: int, seed: int | None = None,
+                        token_healing: bool = False, encode_special_tokens: bool = False,
+                        decode_special_tokens: bool = False, loras: Any = None, stop_token: int | None = -1,
+                        add_bos: bool = False, abort_event: threading.Event | None = None,
+                        input_embeddings: Any = None, completion_only: bool = False,
+                        filters: list[Any] | None = None, filter_prefer_eos: bool = False) -> str | list[str]:
+        """Generate `num_tokens` tokens for a prompt or a batch of prompts (left-padded).
+
+        Every row stops at `stop_token` (-1: the tokenizer's EOS, None: never); the batch stops when all rows
+        have. Returns prompt + completion per row (completion only with `completion_only`).
+        """
+        from exlpy.generator.sampler import ExLlamaV2Sampler
+
+        if loras:
+            raise GeneratorError("LoRA adapters are not supported by exlpy's base generator")
+        if input_embeddings is not None:
+            raise GeneratorError("input_embeddings are not supported by exlpy's base generator")
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        if not prompts:
+            raise GeneratorError("generate_simple() got an empty list of prompts")
+        rows = [self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)[0]
+                for p in prompts]
+        B = len(rows)
+        if B > self.cache.batch_size:
+            raise GeneratorError(f"{B} prompts exceed the cache's batch_size {self.cache.batch_size}")
+        if token_healing:
+            heal = [int(r[-1]) if r.numel() > 1 else None for r in rows]
+            rows = [r[:-1] if r.numel() > 1 else r for r in rows]
+        else:
+            heal = [None] * B
+        if min(r.numel() for r in rows) < 1:
+            raise GeneratorError("a prompt encodes to no tokens; pass add_bos=True or a non-empty prompt")
+        L = max(r.numel() for r in rows)
+        if L + num_tokens > self.cache.max_seq_len:
+            raise GeneratorError(f"prompt ({L} tokens) + num_tokens ({num_tokens}) exceeds the cache's "
+                                 f"max_seq_len {self.cache.max_seq_len}")
+        lens = [r.numel() for r in rows]
+        gen = torch.Generator()
+        if seed is not None:
+            gen.manual_seed(seed)
+            torch.manual_seed(seed)
+        else:
+            gen.seed()
+        stop = self.tokenizer.eos_token_id if stop_token == -1 else stop_token
+        filters = list(filters or [])
+        if filters and B > 1:
+            raise GeneratorError("filters work with a single prompt only")
+        for f in filters:
+            if hasattr(f, "begin"):
+                f.begin("")
+
+        # Each row lives unpadded at the start of its own cache row, so positions equal cache indices and no
+        # attention mask is needed: prompts are prefilled row by row, then all rows decode together with their
+        # own lengths (ragged q_len-1 batch).
+        dev = self.model.modules[0].device
+        S = self.cache.max_seq_len
+        self.cache.current_seq_len = 0
+        for b, r in enumerate(rows):
+            if lens[b] > 1:
+                self.model.forward_batch(r[:-1].unsqueeze(0), self._rows_batch([b], [0], lens[b] - 1, S, dev),
+                                         preprocess_only=True)
+        done = [False] * B
+        new_tokens: list[list[int]] = [[] for _ in range(B)]
+        seqs = [r.clone() for r in rows]
+        for _ in range(num_tokens):
+            if abort_event is not None and abort_event.is_set():
+                break
+            ids = torch.stack([q[-1:] for q in seqs])
+            batch = self._rows_batch(list(range(B)), [q.numel() - 1 for q in seqs], 1, S, dev)
+            logits = self.model.forward_batch(ids, batch).float().cpu()
+            nxt = torch.empty(B, 1, dtype=torch.long)
+            for b in range(B):
+                row_seq = seqs[b].unsqueeze(0)
+                tok, _, _, _, end_filter = ExLlamaV2Sampler.sample(
+                    logits[b:b + 1, -1:], gen_settings, row_seq, None, self.tokenizer,
+                    prefix_token=heal[b] if not new_tokens[b] else None, filters=filters or None,
+                    filter_prefer_eos=filter_prefer_eos, generator=gen)
+                t = int(tok.view(-1)[0])
+                nxt[b, 0] = t
+                if not done[b]:
+                    new_tokens[b].append(t)
+                    for f in filters:
+                        if hasattr(f, "feed"):
+                            f.feed(t)
+                    if t == stop or end_filter:
+                        done[b] = True
+            seqs = [torch.cat([q, nxt[b]]) for b, q in enumerate(seqs)]
+            if all(done):
+                break
+        self.cache.current_seq_len = 0  # rows have different lengths: the contiguous fill is not meaningful
+
+        out = []
+        for b in range(B):
+            toks = new_tokens[b]
+            if stop is not None and toks and toks[-1] == stop:
+                toks = toks[:-1]
+            text = self._completion_text(rows[b].tolist(), toks, decode_special_tokens)
+            if heal[b] is not None:
+                text = text[len(self.tokenizer.get_id_to_piece_list(True)[heal[b]]):]  # type: ignore[index]
+            out.append(text if completion_only else prompts[b] + text)
+        return out[0] if single else out
+
+    def _rows_batch(self, rows: list[int], starts: list[int], q_len: int, seq_stride: int,
+                    device: torch.device) -> ForwardBatch:
+        """Batch whose row i writes cache row rows[i] from position starts[i] on (per-row lengths)."""
+        r = torch.tensor(rows, dtype=torch.long)
+        pos = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q_len).unsqueeze(0)
+        seqlens = (pos[:, -1] + 1).to(torch.int32)
+        return ForwardBatch(batch_size=len(rows), q_len=q_len, positions=pos.to(device), cache=self.cache,
+                            slots=(r.unsqueeze(1) * seq_stride + pos).to(device),
+                            block_table=r.to(torch.int32).unsqueeze(1).to(device), page_size=seq_stride,
+                            seqlens=seqlens.to(device), max_seqlen=int(seqlens.max()))
+
+    def _decode(self, toks: list[int], decode_special_tokens: bool) -> str:
+        if not toks:
+            return ""
+        text = self.tokenizer.decode(torch.tensor(toks, dtype=torch.long), decode_special_tokens=decode_special_tokens)
+        return text[0] if isinstance(text, list) else text
+
+    def _completion_text(self, prompt: list[int], toks: list[int], decode_special_tokens: bool) -> str:
+        # Decoded after the prompt, so tokenizers that strip a leading space at the start of a text do not
+        # eat the completion's first space.
+        head = self._decode(prompt, decode_special_tokens)
+        full = self._decode(prompt + toks, decode_special_tokens)
+        return full[len(head):] if full.startswith(head) else self._decode(toks, decode_special_tokens)

@@ -1,0 +1,316 @@
+"""`ExLlamaV2DynamicGenerator`: continuous batching over a paged KV cache shared by all jobs.
+
+Each `iterate()` (1) starts queued jobs while pages and batch room allow, (2) runs one prefill chunk per job
+that still has prompt left (skipping pages another job already computed), (3) runs one batched decode step
+(q_len 1) for every prefilled job and samples each row with that job's settings and torch.Generator.
+Finished or cancelled jobs give their pages back at once; full pages keep their prefix hash so a later prompt
+with the same prefix references them instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
+from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill
+
+
+class ExLlamaV2DynamicGenerator:
+    def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
+                 max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
+                 draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
+                 use_ngram_draft: bool = False, paged: bool = True, **kwargs: Any) -> None:
+        cfg = model.config
+        if draft_model is not None or draft_cache is not None or use_ngram_draft:
+            raise GeneratorError("speculative decoding (draft_model / use_ngram_draft) is not supported by "
+                                 "exlpy's dynamic generator")
+        if "8bit" in type(cache).__name__:
+            raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
+                                 "or Q4.")
+        if cache.batch_size != 1:
+            raise GeneratorError(f"the dynamic generator needs a cache with batch_size 1 (its rows are pages), "
+                                 f"got batch_size {cache.batch_size}")
+        if cache.max_seq_len % PAGE_SIZE != 0:
+            raise GeneratorError(f"cache max_seq_len {cache.max_seq_len} must be a multiple of the page size "
+                                 f"{PAGE_SIZE}")
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.paged = paged
+        self.max_q_size = max_q_size
+        default_batch = max(1, cfg.max_input_len // max_q_size)
+        # Unpaged mode keeps exllamav2's meaning (one sequence at a time) on top of the same page machinery.
+        self.max_batch_size = 1 if not paged else (max_batch_size or default_batch)
+        if self.max_batch_size < 1:
+            raise GeneratorError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_seq_len = min(max_seq_len or cache.max_seq_len, cache.max_seq_len)
+        chunk = max_chunk_size or cfg.max_input_len
+        if chunk % PAGE_SIZE != 0 or chunk < PAGE_SIZE:
+            raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {PAGE_SIZE}")
+        self.max_chunk_size = chunk
+        self.num_pages = cache.max_seq_len // PAGE_SIZE
+        self.page_table = PageTable(self.num_pages)
+        self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
+        self.special_ids = _special_ids(tokenizer)
+        self.pending: list[ExLlamaV2DynamicJob] = []
+        self.active: list[ExLlamaV2DynamicJob] = []
+        self.next_serial = 0
+        # Counters: tokens actually run through the model (prefill / decode), and prompt tokens served from cache.
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.cached_tokens = 0
+        self._lock = threading.RLock()
+
+    # --- queue ---------------------------------------------------------------------------------------------
+    def default_stop_conditions(self) -> list[int | str]:
+        ids = getattr(self.tokenizer, "stop_token_ids", None)
+        if ids:
+            return list(ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [eos] if eos is not None else []
+
+    def enqueue(self, job: ExLlamaV2DynamicJob | list[ExLlamaV2DynamicJob]) -> int | list[int]:
+        if isinstance(job, list):
+            return [self.enqueue(j) for j in job]  # type: ignore[misc]
+        if not isinstance(job, ExLlamaV2DynamicJob):
+            raise GeneratorError(f"enqueue() takes an ExLlamaV2DynamicJob (or a list of them), got "
+                                 f"{type(job).__name__}")
+        if job.serial is not None:
+            raise GeneratorError(f"job was already enqueued (serial {job.serial}); create a new job to run the "
+                                 "prompt again")
+        with self._lock:
+            serial = self.next_serial
+            job.prepare(self, serial)
+            if job.prompt_len >= self.max_seq_len:
+                job.serial = None
+                raise GeneratorError(f"prompt of {job.prompt_len} tokens does not fit max_seq_len "
+                                     f"{self.max_seq_len} with room for a new token")
+            if job.num_pages > self.num_pages:
+                job.serial = None
+                raise GeneratorError(f"Job requires {job.num_pages} pages (only {self.num_pages} available): "
+                                     f"{job.prompt_len} prompt + up to {job.max_new_tokens} new tokens at "
+                                     f"{PAGE_SIZE} tokens per page")
+            self.next_serial += 1
+            job.wait_reason = "queued"
+            self.pending.append(job)
+            return serial
+
+    def num_remaining_jobs(self) -> int:
+        return len(self.pending) + len(self.active)
+
+    def num_active_jobs(self) -> int:
+        return len(self.active)
+
+    def num_pending_jobs(self) -> int:
+        return len(self.pending)
+
+    def cancel(self, job: ExLlamaV2DynamicJob) -> None:
+        with self._lock:
+            if job in self.pending:
+                self.pending.remove(job)
+                job.finished = True
+            elif job in self.active:
+                self._release(job)
+            else:
+                raise GeneratorError(f"cannot cancel job {job.serial}: it is not queued or running in this "
+                                     "generator")
+
+    def clear_queue(self) -> None:
+        with self._lock:
+            for job in list(self.active):
+                self._release(job)
+            for job in self.pending:
+                job.finished = True
+            self.pending = []
+
+    def reset_page_table(self) -> None:
+        if self.active:
+            raise GeneratorError("reset_page_table() needs an idle generator: jobs are still running")
+        self.page_table.reset()
+
+    def set_loras(self, loras: Any) -> None:
+        if loras:
+            raise GeneratorError("LoRA adapters are not supported by exlpy's dynamic generator")
+
+    def warmup(self) -> None:
+        """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
+        if self.num_remaining_jobs():
+            raise GeneratorError("warmup() needs an empty queue")
+        from exlpy.generator.sampler import ExLlamaV2Sampler
+
+        bos = getattr(self.tokenizer, "bos_token_id", None) or 1
+        self.enqueue(ExLlamaV2DynamicJob(torch.tensor([[bos, bos]]), 2, stop_conditions=[],
+                                         gen_settings=ExLlamaV2Sampler.Settings.greedy()))
+        while self.num_remaining_jobs():
+            self.iterate()
+        self.page_table.reset()
+        self.prefill_tokens = self.decode_tokens = self.cached_tokens = 0
+
+    # --- iteration -----------------------------------------------------------------------------------------
+    def _release(self, job: ExLlamaV2DynamicJob) -> None:
+        valid = job.sequence.numel() - 1 if job.is_prefilled() else job.prefill_pos
+        self.page_table.release(job.pages, job.serial or 0, job.sequence, valid)
+        job.pages = []
+        job.finished = True
+        if job in self.active:
+            self.active.remove(job)
+
+    def _schedule(self, results: list[dict[str, Any]]) -> None:
+        for job in list(self.pending):
+            if len(self.active) >= self.max_batch_size:
+                job.wait_reason = f"batch full ({self.max_batch_size} jobs running)"
+                break
+            if not self.page_table.can_allocate(job.hashes, job.num_pages):
+                free = self.page_table.num_unreferenced()
+                job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
+                if job.skips >= job.max_skips:
+                    break  # skipped too often: later jobs may not overtake it any more
+                continue
+            pages, reused = self.page_table.allocate(job.hashes, job.num_pages, job.serial or 0)
+            for other in self.pending:
+                if other is job:
+                    break
+                other.skips += 1
+            self.pending.remove(job)
+            self.active.append(job)
+            job.start(pages, reused)
+            results.append(job.base_result("started"))
+
+    def iterate(self) -> list[dict[str, Any]]:
+        """Advance every job by one step; returns the results produced (see the module docstring)."""
+        with self._lock:
+            results: list[dict[str, Any]] = []
+            self._schedule(results)
+            for job in list(self.active):
+                if not job.is_prefilled():
+                    self._guard(job, results, lambda j=job: self._prefill(j, results))
+            decoding = [j for j in self.active if j.is_prefilled()]
+            if decoding:
+                try:
+                    logits = self._decode_logits(decoding)
+                except Exception as e:
+                    if len(decoding) == 1:
+                        self._fail(decoding[0], e, results)
+                        return results
+                    raise
+                for i, job in enumerate(decoding):
+                    self._guard(job, results, lambda j=job, row=logits[i:i + 1]: self._sample(j, row, results))
+            return results
+
+    def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
+        """Run one job's step; an exception ends that job with an error result and leaves the others running."""
+        try:
+            fn()
+        except Exception as e:
+            self._fail(job, e, results)
+
+    def _fail(self, job: ExLlamaV2DynamicJob, e: Exception, results: list[dict[str, Any]]) -> None:
+        r = job.base_result("streaming")
+        r.update(eos=True, text="", token_ids=torch.empty(1, 0, dtype=torch.long), error=e,
+                 error_message=f"{type(e).__name__}: {e}")
+        job.add_final_fields(r, "error")
+        self._release(job)
+        results.append(r)
+
+    def _prefill(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
+        plan = plan_prefill(job, self.max_chunk_size)
+        if plan is None:
+            job.wait_reason = "waiting for another job to finish computing a shared prefix page"
+            return
+        job.wait_reason = None
+        start, end, skipped = plan
+        self.cached_tokens += skipped
+        if end > start:
+            ids = job.sequence[start:end].unsqueeze(0)
+            batch = paged_batch([(job.page_ids(), start, end - start)], self.cache, self._device())
+            self.model.forward_batch(ids, batch, preprocess_only=True)
+            self.prefill_tokens += end - start
+            for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
+                job.pages[p].kv_position = max(job.pages[p].kv_position, min(PAGE_SIZE, end - p * PAGE_SIZE))
+            job.prefill_pos = end
+        r = job.base_result("prefill")
+        r.update(curr_progress=job.prefill_pos, max_progress=job.prefill_target)
+        results.append(r)
+
+    def _device(self) -> torch.device:
+        return self.model.modules[0].device
+
+    def _decode_logits(self, jobs: list[ExLlamaV2DynamicJob]) -> torch.Tensor:
+        rows = [(j.page_ids(), j.sequence.numel() - 1, 1) for j in jobs]
+        ids = torch.stack([j.sequence[-1:] for j in jobs])
+        batch = paged_batch(rows, self.cache, self._device())
+        logits = self.model.forward_batch(ids, batch, last_id_only=True)
+        self.decode_tokens += len(jobs)
+        return logits.float().cpu()
+
+    def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
+        from exlpy.generator.sampler import ExLlamaV2Sampler
+
+        settings = job.gen_settings or ExLlamaV2Sampler.Settings()
+        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, settings)
+        r = job.receive(token, payload, end_filter)
+        job.prefill_pos = job.sequence.numel() - 1
+        if r is not None:
+            results.append(r)
+            if r["eos"]:
+                self._release(job)
+
+    # --- one-call generation -------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str], max_new_tokens: int, min_new_tokens: int = 0,
+                 seed: int | None = None, gen_settings: Any = None, token_healing: bool = False,
+                 encode_special_tokens: bool = False, decode_special_tokens: bool = False,
+                 stop_conditions: Iterable[int | str] | None = None, add_bos: bool = False,
+                 abort_event: threading.Event | None = None, completion_only: bool = False,
+                 filters: list[Any] | None = None, filter_prefer_eos: bool = False,
+                 return_last_results: bool = False, embeddings: Any = None,
+                 banned_strings: list[str] | None = None, **kwargs: Any) -> Any:
+        """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
+        when `return_last_results`. A failing job raises its error here."""
+        if isinstance(prompt, tuple):
+            raise GeneratorError("CFG prompts (tuples) are not supported by exlpy's dynamic generator")
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
+        jobs = []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+            jobs.append(ExLlamaV2DynamicJob(
+                ids, max_new_tokens, min_new_tokens, gen_settings=settings[i], token_healing=token_healing,
+                seed=None if seed is None else seed + i, stop_conditions=stop_conditions,
+                decode_special_tokens=decode_special_tokens, filters=filters, filter_prefer_eos=filter_prefer_eos,
+                identifier=i, banned_strings=banned_strings, embeddings=embeddings))
+        self.enqueue(jobs)
+        completions = [""] * len(prompts)
+        last: list[dict[str, Any] | None] = [None] * len(prompts)
+        while any(not j.finished for j in jobs):
+            if abort_event is not None and abort_event.is_set():
+                for j in jobs:
+                    if not j.finished:
+                        self.cancel(j)
+                break
+            for r in self.iterate():
+                if r["stage"] != "streaming" or r["job"] not in jobs:
+                    continue
+                i = r["identifier"]
+                completions[i] += r.get("text", "")
+                if r["eos"]:
+                    if "error" in r:
+                        raise r["error"]
+                    last[i] = r
+        texts = [c if completion_only else p + c for p, c in zip(prompts, completions)]
+        out: Any = texts[0] if single else texts
+        if return_last_results:
+            return out, (last[0] if single else last)
+        return out
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    for name in ("extended_id_to_piece", "special_ids"):
+        v = getattr(tokenizer, name, None)
+        if v:
+            return set(v.keys()) if isinstance(v, dict) else set(v)
+    return set()

@@ -1,0 +1,234 @@
+"""`ExLlamaV2DynamicJob`: one generation request of the dynamic generator and its per-token bookkeeping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage, chain_hashes
+from exlpy.generator.dynamic.stops import Released, TextStream, split_stop_conditions, tokenizer_decode
+
+if TYPE_CHECKING:
+    from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
+
+
+class ExLlamaV2DynamicJob:
+    """A prompt plus its generation settings. Enqueue it with `generator.enqueue(job)`.
+
+    `wait_reason` is None while the job runs; while it waits in the queue it says why (no free pages, batch
+    full, ...), and `iterate()` reports it once per change as a `{"stage": "waiting", "reason": ...}` result.
+    """
+
+    def __init__(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int, min_new_tokens: int = 0,
+                 max_skips: int = 4, gen_settings: Any = None, seed: int | None = None,
+                 stop_conditions: Iterable[int | str] | None = None, decode_special_tokens: bool = False,
+                 return_top_tokens: int = 0, return_logits: bool = False, return_probs: bool = False,
+                 filters: list[Any] | None = None, filter_prefer_eos: bool = False, token_healing: bool = False,
+                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None,
+                 **kwargs: Any) -> None:
+        if isinstance(input_ids, (list, tuple)):
+            if len(input_ids) != 1:
+                raise GeneratorError("CFG jobs (a list of two input_ids) are not supported by exlpy's dynamic "
+                                     "generator; pass a single [1, n] tensor")
+            input_ids = input_ids[0]
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise GeneratorError(f"job input_ids must be a [1, n] LongTensor, got "
+                                 f"{getattr(input_ids, 'shape', type(input_ids))}")
+        if input_ids.shape[1] < 1:
+            raise GeneratorError("job input_ids is empty: a prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise GeneratorError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if embeddings:
+            raise GeneratorError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
+        if filters and banned_strings:
+            raise GeneratorError("banned_strings cannot be combined with filters")
+        if gen_settings is not None and getattr(gen_settings, "cfg_scale", None) is not None:
+            raise GeneratorError("cfg_scale is set but CFG is not supported by exlpy's dynamic generator")
+        self.input_ids = input_ids.detach().to("cpu", torch.long)
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.max_skips = max_skips
+        self.gen_settings = gen_settings
+        self.seed = seed
+        self.stop_conditions = list(stop_conditions) if stop_conditions is not None else None
+        self.decode_special_tokens = decode_special_tokens
+        self.return_top_tokens = return_top_tokens
+        self.return_logits = return_logits
+        self.return_probs = return_probs
+        self.filters = list(filters or [])
+        self.filter_prefer_eos = filter_prefer_eos
+        self.token_healing = token_healing
+        self.identifier = identifier
+        self.banned_strings = list(banned_strings or [])
+
+        self.serial: int | None = None
+        self.generator: ExLlamaV2DynamicGenerator | None = None
+        self.wait_reason: str | None = None
+        self.skips = 0
+        self.pages: list[CachePage] = []
+        self.cached_pages = 0
+        self.prefill_pos = 0  # tokens of `sequence` whose K/V is in the cache
+        self.new_tokens = 0
+        self.full_completion = ""
+        self.started = False
+        self.finished = False
+        self.time_enqueue = 0.0
+        self.time_start = 0.0
+        self.time_first_token = 0.0
+        self.ban_pos = -1
+        self.ban_set: set[int] = set()
+
+    # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
+    def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
+        self.generator = generator
+        self.serial = serial
+        self.time_enqueue = time.time()
+        tok = generator.tokenizer
+        ids = self.input_ids[0]
+        self.prefix_token: int | None = None
+        strip = 0
+        if self.token_healing and ids.numel() > 1:
+            self.prefix_token = int(ids[-1])
+            strip = len(generator.pieces[self.prefix_token])
+            ids = ids[:-1]
+        self.sequence = ids.clone()
+        self.prompt_len = ids.numel()
+        conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
+        self.stop_tokens, stop_strings = split_stop_conditions(conds)
+        self.stream = TextStream(generator.pieces, lambda t: tokenizer_decode(tok, t, self.decode_special_tokens),
+                                 self.stop_tokens, stop_strings, self.banned_strings, generator.special_ids,
+                                 self.decode_special_tokens, strip)
+        if self.seed is not None:
+            self.rng: torch.Generator = torch.Generator().manual_seed(self.seed)
+        else:
+            self.rng = torch.Generator()
+            self.rng.seed()
+        self.total_tokens = min(self.prompt_len + self.max_new_tokens, generator.max_seq_len)
+        self.num_pages = -(-self.total_tokens // PAGE_SIZE)
+        # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
+        self.hashes = chain_hashes(self.sequence, self.prompt_len - 1)
+
+    def start(self, pages: list[CachePage], reused: int) -> None:
+        self.pages = pages
+        self.cached_pages = reused
+        self.started = True
+        self.wait_reason = None
+        self.time_start = time.time()
+        for f in self.filters:
+            if hasattr(f, "begin"):
+                f.begin("")
+
+    @property
+    def prefill_target(self) -> int:
+        return self.sequence.numel() - 1
+
+    def is_prefilled(self) -> bool:
+        return self.prefill_pos >= self.prefill_target
+
+    def page_ids(self) -> list[int]:
+        return [p.index for p in self.pages]
+
+    # --- sampling ------------------------------------------------------------------------------------------
+    def blocked_tokens(self) -> list[int] | None:
+        blocked: set[int] = set()
+        if self.new_tokens < self.min_new_tokens:
+            blocked |= self.stop_tokens
+        if self.ban_pos == self.sequence.numel():
+            blocked |= self.ban_set
+        return sorted(blocked) if blocked else None
+
+    def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
+        """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
+        prefix = self.prefix_token if self.new_tokens == 0 else None
+        tok, top_tok, top_prob, prob, end_filter = sampler.sample(
+            logits, settings, self.sequence.unsqueeze(0), None, self.generator.tokenizer if self.generator else None,
+            prefix_token=prefix, return_top_tokens=self.return_top_tokens,
+            blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
+            filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+        token = int(tok.view(-1)[0])
+        payload: dict[str, Any] = {}
+        if self.return_probs:
+            payload["prob"] = float(prob.view(-1)[0])
+        if self.return_top_tokens:
+            payload["top_tokens"] = top_tok.view(1, -1)[0].clone()
+            payload["top_probs"] = top_prob.view(1, -1)[0].clone()
+        if self.return_logits:
+            payload["logits"] = logits.view(-1).clone()
+        return token, payload, bool(end_filter)
+
+    def receive(self, token: int, payload: dict[str, Any], end_filter: bool) -> dict[str, Any] | None:
+        """Append a sampled token; return the streaming result for it, or None when all of it is held."""
+        if self.new_tokens == 0:
+            self.time_first_token = time.time()
+        self.sequence = torch.cat([self.sequence, torch.tensor([token], dtype=torch.long)])
+        self.new_tokens += 1
+        for f in self.filters:
+            if hasattr(f, "feed"):
+                f.feed(token)
+        rel = self.stream.add(token, payload)
+        if rel.rewind:
+            self.new_tokens -= rel.rewind
+            self.sequence = self.sequence[:-rel.rewind]
+            self.prefill_pos = min(self.prefill_pos, self.sequence.numel() - 1)
+            if self.ban_pos != self.sequence.numel():
+                self.ban_pos, self.ban_set = self.sequence.numel(), set()
+            assert rel.ban is not None
+            self.ban_set.add(rel.ban)
+            return None
+        if not rel.eos:
+            assert self.generator is not None
+            if end_filter:
+                rel = self._end(rel, "end_filter")
+            elif self.new_tokens >= self.max_new_tokens or self.sequence.numel() >= self.generator.max_seq_len:
+                rel = self._end(rel, "max_new_tokens")
+        return self._result(rel)
+
+    def _end(self, rel: Released, reason: str) -> Released:
+        """`rel` plus everything still held, marked as the end."""
+        return self.stream.end(rel, reason)
+
+    def _result(self, rel: Released) -> dict[str, Any] | None:
+        self.full_completion += rel.text
+        if not rel.eos and not rel.text and not rel.tokens:
+            return None
+        r: dict[str, Any] = self.base_result("streaming")
+        r["eos"] = rel.eos
+        r["text"] = rel.text
+        r["token_ids"] = torch.tensor(rel.tokens, dtype=torch.long).unsqueeze(0)
+        if self.return_probs:
+            r["token_probs"] = torch.tensor([p.get("prob", 0.0) for p in rel.payloads]).unsqueeze(0)
+        if self.return_top_tokens and rel.payloads:
+            r["top_k_tokens"] = torch.stack([p["top_tokens"] for p in rel.payloads]).unsqueeze(0)
+            r["top_k_probs"] = torch.stack([p["top_probs"] for p in rel.payloads]).unsqueeze(0)
+        if self.return_logits and rel.payloads:
+            r["logits"] = torch.stack([p["logits"] for p in rel.payloads]).unsqueeze(0)
+        if rel.eos:
+            self.finished = True
+            self.add_final_fields(r, rel.eos_reason or "", rel.trigger)
+        return r
+
+    def base_result(self, stage: str) -> dict[str, Any]:
+        r: dict[str, Any] = {"job": self, "stage": stage, "eos": False, "serial": self.serial}
+        if self.identifier is not None:
+            r["identifier"] = self.identifier
+        return r
+
+    def add_final_fields(self, r: dict[str, Any], reason: str, trigger: Any = None) -> None:
+        now = time.time()
+        r["eos_reason"] = reason
+        if reason == "stop_token":
+            r["eos_triggering_token_id"] = trigger
+        elif reason == "stop_string":
+            r["eos_triggering_string"] = trigger
+        r["full_completion"] = self.full_completion
+        r["new_tokens"] = self.new_tokens
+        r["prompt_tokens"] = self.prompt_len
+        r["time_enqueued"] = self.time_start - self.time_enqueue
+        r["time_prefill"] = (self.time_first_token or now) - self.time_start
+        r["time_generate"] = now - (self.time_first_token or now)
+        r["cached_pages"] = self.cached_pages
+        r["cached_tokens"] = min(self.cached_pages * PAGE_SIZE, self.prompt_len)

@@ -1,0 +1,142 @@
+"""Page table of the paged KV cache: 256-token pages, reference counts, chained prefix hashes, LRU reuse.
+
+The cache is one flat row of `num_pages * 256` tokens; page p owns rows [p*256, (p+1)*256). A full page of
+tokens is identified by a chained hash `blake2b(prev_hash || int64 token bytes, 16 bytes)`, so equal hashes
+mean equal token prefixes and therefore equal K/V. Pages whose reference count drops to zero keep their hash
+and contents until the least-recently-used policy hands them to a new job: a later prompt with the same prefix
+references them again instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+PAGE_SIZE = 256
+
+
+def page_hash(prev: bytes | None, tokens: torch.Tensor) -> bytes:
+    """Chained hash of one full page of token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    if prev is not None:
+        h.update(prev)
+    h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
+    return h.digest()
+
+
+def chain_hashes(ids: torch.Tensor, num_tokens: int) -> list[bytes]:
+    """Hashes of the full pages among the first `num_tokens` ids (1-D CPU tensor)."""
+    out: list[bytes] = []
+    prev: bytes | None = None
+    for p in range(num_tokens // PAGE_SIZE):
+        prev = page_hash(prev, ids[p * PAGE_SIZE:(p + 1) * PAGE_SIZE])
+        out.append(prev)
+    return out
+
+
+@dataclass
+class CachePage:
+    index: int
+    phash: bytes  # content hash when `hashed`, else a random placeholder that matches nothing
+    hashed: bool = False
+    ref_count: int = 0
+    last_access: int = 0
+    kv_position: int = 0  # tokens of this page whose K/V is written and valid
+    filler: int | None = None  # serial of the job currently writing this page
+
+    @property
+    def complete(self) -> bool:
+        return self.hashed and self.kv_position == PAGE_SIZE
+
+
+class PageTable:
+    """Allocation of pages to jobs. Single-threaded: only the generator's iterate() touches it."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.pages = [CachePage(i, os.urandom(16)) for i in range(num_pages)]
+        self.by_hash: dict[bytes, CachePage] = {}
+        self.clock = 0
+
+    def reset(self) -> None:
+        self.__init__(self.num_pages)  # type: ignore[misc]
+
+    def num_unreferenced(self) -> int:
+        return sum(1 for p in self.pages if p.ref_count == 0)
+
+    def _tick(self, page: CachePage) -> None:
+        self.clock += 1
+        page.last_access = self.clock
+
+    def can_allocate(self, hashes: list[bytes], total_pages: int) -> bool:
+        """Whether `total_pages` pages fit, counting the cached prefix pages that would be shared."""
+        shared_live = 0
+        for h in hashes:
+            p = self.by_hash.get(h)
+            if p is None:
+                break
+            if p.ref_count > 0:
+                shared_live += 1
+        return total_pages - shared_live <= self.num_unreferenced()
+
+    def allocate(self, hashes: list[bytes], total_pages: int, serial: int) -> tuple[list[CachePage], int]:
+        """Pages for a job: reuse the cached chain of `hashes` as far as it goes, fresh LRU pages for the rest.
+
+        Returns (pages, number of leading pages reused from the cache). Fresh pages for hashed prefix positions
+        are registered under their hash at once, so a second job with the same prefix that starts before this
+        one has finished prefilling references (and waits for) the same pages instead of computing them twice.
+        """
+        pages: list[CachePage] = []
+        reused = 0
+        chain_ok = True
+        for i in range(total_pages):
+            h = hashes[i] if i < len(hashes) else None
+            page = self.by_hash.get(h) if (h is not None and chain_ok) else None
+            if page is not None:
+                reused += 1
+            else:
+                chain_ok = False
+                page = self._take_free()
+                if h is not None:
+                    page.phash, page.hashed = h, True
+                    self.by_hash[h] = page
+                page.filler = serial
+            page.ref_count += 1
+            self._tick(page)
+            pages.append(page)
+        return pages, reused
+
+    def _take_free(self) -> CachePage:
+        free = [p for p in self.pages if p.ref_count == 0]
+        if not free:
+            raise RuntimeError("page table exhausted (can_allocate() must be checked first)")
+        page = min(free, key=lambda p: p.last_access)
+        if page.hashed and self.by_hash.get(page.phash) is page:
+            del self.by_hash[page.phash]
+        page.phash, page.hashed, page.kv_position, page.filler = os.urandom(16), False, 0, None
+        return page
+
+    def release(self, pages: list[CachePage], serial: int, ids: torch.Tensor | None = None,
+                valid_tokens: int = 0) -> None:
+        """Drop a job's references. With `ids` (the job's full sequence) its full pages are hashed for reuse."""
+        hashes = chain_hashes(ids, valid_tokens) if ids is not None else []
+        for i, page in enumerate(pages):
+            if page.filler == serial:
+                page.filler = None
+                if page.hashed and page.kv_position < PAGE_SIZE and page.ref_count == 1:
+                    # Unfinished prefix page (cancelled mid-prefill) nobody else will finish: its hash would
+                    # promise K/V it lacks. A sharer that still holds it takes over filling it instead.
+                    self._unhash(page)
+            if i < len(hashes) and not page.hashed and page.ref_count == 1 and hashes[i] not in self.by_hash:
+                page.phash, page.hashed, page.kv_position = hashes[i], True, PAGE_SIZE
+                self.by_hash[hashes[i]] = page
+            page.ref_count -= 1
+            self._tick(page)
+
+    def _unhash(self, page: CachePage) -> None:
+        if self.by_hash.get(page.phash) is page:
+            del self.by_hash[page.phash]
+        page.phash, page.hashed, page.kv_position = os.urandom(16), False, 0

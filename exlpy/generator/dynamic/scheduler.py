@@ -1,0 +1,68 @@
+"""What runs through the model in one iteration: prefill chunk planning and paged ForwardBatch construction."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from exlpy.generator.dynamic.pages import PAGE_SIZE
+from exlpy.model.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+
+
+def plan_prefill(job: ExLlamaV2DynamicJob, max_chunk: int) -> tuple[int, int, int] | None:
+    """Next prefill span (start, end) for `job` and the number of cached tokens skipped to reach it.
+
+    Pages already complete in the cache (shared prefix) are skipped. A page that another running job is still
+    filling is waited for: returns None, and the job tries again next iteration.
+    """
+    serial = job.serial
+    target = job.prefill_target
+    pos = job.prefill_pos
+    skipped = 0
+    while pos < target:
+        page = job.pages[pos // PAGE_SIZE]
+        if page.complete and pos % PAGE_SIZE == 0 and pos + PAGE_SIZE <= target:
+            pos += PAGE_SIZE
+            skipped += PAGE_SIZE
+            continue
+        break
+    if pos >= target:
+        job.prefill_pos = pos
+        return (pos, pos, skipped)
+    end = pos
+    limit = min(target, pos + max_chunk)
+    while end < limit:
+        page = job.pages[end // PAGE_SIZE]
+        if page.complete:
+            break
+        if page.filler is not None and page.filler != serial:
+            break
+        page.filler = serial
+        end = min(limit, (end // PAGE_SIZE + 1) * PAGE_SIZE)
+    job.prefill_pos = pos
+    if end == pos:
+        return None
+    return (pos, end, skipped)
+
+
+def paged_batch(rows: list[tuple[list[int], int, int]], cache: object, device: torch.device) -> ForwardBatch:
+    """ForwardBatch for rows of (page ids, first position, q_len), all rows with the same q_len."""
+    B = len(rows)
+    T = rows[0][2]
+    P = max(len(p) for p, _, _ in rows)
+    positions = torch.empty(B, T, dtype=torch.long)
+    table = torch.zeros(B, P, dtype=torch.int32)
+    seqlens = torch.empty(B, dtype=torch.int32)
+    for b, (pages, start, q) in enumerate(rows):
+        assert q == T
+        positions[b] = torch.arange(start, start + T)
+        table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        seqlens[b] = start + T
+    slots = table.long().gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
+    return ForwardBatch(batch_size=B, q_len=T, positions=positions.to(device), cache=cache,
+                        slots=slots.to(device), block_table=table.to(device), page_size=PAGE_SIZE,
+                        seqlens=seqlens.to(device), max_seqlen=int(seqlens.max()))

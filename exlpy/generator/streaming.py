@@ -1,0 +1,189 @@
+"""`ExLlamaV2StreamingGenerator`: one sequence, a contiguous cache, text streamed chunk by chunk.
+
+The cache keeps the K/V of the previous sequence; a new prompt that shares a prefix with it only runs the
+tokens after the common prefix. Invariant while streaming: `cache.current_seq_len == len(sequence) - 1`; the
+last token is fed at the next step, which yields the logits for the token after it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic.stops import Released, TextStream, split_stop_conditions, tokenizer_decode
+
+
+class ExLlamaV2StreamingGenerator:
+    def __init__(self, model: Any, cache: Any, tokenizer: Any, draft_model: Any = None, draft_cache: Any = None,
+                 num_speculative_tokens: int = 5) -> None:
+        if draft_model is not None or draft_cache is not None:
+            raise GeneratorError("speculative decoding (draft_model) is not supported by exlpy's streaming "
+                                 "generator")
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
+        self.special_ids = set(getattr(tokenizer, "extended_id_to_piece", {}) or {})
+        self.stop_tokens: set[int] = {tokenizer.eos_token_id}
+        self.stop_strings: list[str] = []
+        self.sequence_ids: torch.Tensor | None = None
+        self.prefill_tokens = 0  # prompt tokens actually run through the model (prefix reuse skips the rest)
+        self.active = False
+
+    def set_stop_conditions(self, stop_conditions: Iterable[int | str]) -> None:
+        self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
+
+    # --- begin ---------------------------------------------------------------------------------------------
+    def begin_stream(self, input_ids: torch.Tensor, gen_settings: Any, token_healing: bool = False,
+                     loras: Any = None, input_mask: torch.Tensor | None = None,
+                     position_offsets: torch.Tensor | None = None, **kwargs: Any) -> None:
+        self.begin_stream_ex(input_ids, gen_settings, token_healing, loras, input_mask, position_offsets,
+                             **kwargs)
+
+    def begin_stream_ex(self, input_ids: torch.Tensor, gen_settings: Any, token_healing: bool = False,
+                        loras: Any = None, input_mask: torch.Tensor | None = None,
+                        position_offsets: torch.Tensor | None = None, return_probabilities: bool = False,
+                        return_top_tokens: int = 0, return_logits: bool = False,
+                        abort_event: threading.Event | None = None, input_embeddings: Any = None,
+                        decode_special_tokens: bool = False, banned_strings: list[str] | None = None,
+                        filters: list[Any] | None = None, filter_prefer_eos: bool = False,
+                        min_new_tokens: int = 0) -> None:
+        if loras:
+            raise GeneratorError("LoRA adapters are not supported by exlpy's streaming generator")
+        if input_embeddings is not None:
+            raise GeneratorError("input_embeddings are not supported by exlpy's streaming generator")
+        if filters and banned_strings:
+            raise GeneratorError("banned_strings cannot be combined with filters")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+            raise GeneratorError(f"input_ids must be a non-empty [1, n] tensor (batch > 1 is only for CFG, which "
+                                 f"is not supported), got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] >= self.cache.max_seq_len:
+            raise GeneratorError(f"prompt of {input_ids.shape[1]} tokens does not fit the cache "
+                                 f"(max_seq_len {self.cache.max_seq_len}) with room for a new token")
+        ids = input_ids.detach().to("cpu", torch.long)
+        self.settings = gen_settings
+        self.return_probabilities = return_probabilities
+        self.return_top_tokens = return_top_tokens
+        self.return_logits = return_logits
+        self.abort_event = abort_event
+        self.filters = list(filters or [])
+        self.filter_prefer_eos = filter_prefer_eos
+        self.min_new_tokens = min_new_tokens
+        self.input_mask, self.position_offsets = input_mask, position_offsets
+        self.prefix_token: int | None = None
+        strip = 0
+        if token_healing and ids.shape[1] > 1:
+            self.prefix_token = int(ids[0, -1])
+            strip = len(self.pieces[self.prefix_token])
+            ids = ids[:, :-1]
+        self.stream = TextStream(self.pieces, lambda t: tokenizer_decode(self.tokenizer, t, decode_special_tokens),
+                                 self.stop_tokens, self.stop_strings, banned_strings, self.special_ids,
+                                 decode_special_tokens, strip)
+        self._prefill(ids)
+        self.new_tokens = 0
+        self.ban_pos, self.ban_set = -1, set()
+        self.rng = torch.Generator()
+        self.rng.seed()
+        for f in self.filters:
+            if hasattr(f, "begin"):
+                f.begin("")
+        self.active = True
+
+    def _prefill(self, ids: torch.Tensor) -> None:
+        """Run ids[:-1] into the cache, reusing the cached prefix shared with the previous sequence."""
+        reuse = 0
+        old = self.sequence_ids
+        if old is not None and self.input_mask is None:
+            n = min(old.shape[1], ids.shape[1] - 1, self.cache.current_seq_len)
+            diff = (old[0, :n] != ids[0, :n]).nonzero()
+            reuse = int(diff[0, 0]) if diff.numel() else n
+        self.cache.current_seq_len = reuse
+        if ids.shape[1] - 1 > reuse:
+            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True, input_mask=self.input_mask,
+                               position_offsets=self.position_offsets)
+            self.prefill_tokens += ids.shape[1] - 1 - reuse
+        self.sequence_ids = ids
+
+    def set_seed(self, seed: int) -> None:
+        """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
+        self.rng = torch.Generator().manual_seed(seed)
+
+    # --- stream --------------------------------------------------------------------------------------------
+    def stream(self) -> tuple[str, bool, torch.Tensor]:
+        """Legacy form: (chunk, eos, chunk_token_ids)."""
+        r = self.stream_ex()
+        return r["chunk"], r["eos"], r["chunk_token_ids"]
+
+    def stream_ex(self) -> dict[str, Any]:
+        if not self.active or self.sequence_ids is None:
+            raise GeneratorError("stream_ex() called without an active stream: call begin_stream_ex() first")
+        if self.abort_event is not None and self.abort_event.is_set():
+            return self._result(self.stream.end(Released(), "aborted"))
+        if self.sequence_ids.shape[1] >= self.cache.max_seq_len:
+            return self._result(self.stream.end(Released(), "max_seq_len"))
+        from exlpy.generator.sampler import ExLlamaV2Sampler
+
+        seq = self.sequence_ids
+        logits = self.model.forward(seq[:, -1:], self.cache, input_mask=self.input_mask,
+                                    position_offsets=self.position_offsets).float().cpu()
+        blocked: set[int] = set(self.stop_tokens) if self.new_tokens < self.min_new_tokens else set()
+        if self.ban_pos == seq.shape[1]:
+            blocked |= self.ban_set
+        tok, top_tok, top_prob, prob, end_filter = ExLlamaV2Sampler.sample(
+            logits[:, -1:], self.settings, seq, None, self.tokenizer,
+            prefix_token=self.prefix_token if self.new_tokens == 0 else None,
+            return_top_tokens=self.return_top_tokens, blocked_tokens=sorted(blocked) or None,
+            filters=self.filters or None, filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+        token = int(tok.view(-1)[0])
+        payload: dict[str, Any] = {"prob": float(prob.view(-1)[0])}
+        if self.return_top_tokens:
+            payload["top_tokens"] = top_tok.view(1, -1)[0].clone()
+            payload["top_probs"] = top_prob.view(1, -1)[0].clone()
+        if self.return_logits:
+            payload["logits"] = logits[0, -1].clone()
+        self.sequence_ids = torch.cat([seq, torch.tensor([[token]])], dim=1)
+        self.new_tokens += 1
+        for f in self.filters:
+            if hasattr(f, "feed"):
+                f.feed(token)
+        rel = self.stream.add(token, payload)
+        if rel.rewind:
+            self._rewind(rel)
+            return self._result(Released())
+        if not rel.eos and end_filter:
+            rel = self.stream.end(rel, "end_filter")
+        return self._result(rel)
+
+    def _rewind(self, rel: Released) -> None:
+        """A banned string matched: drop its tokens and ban the first of them at that position."""
+        assert self.sequence_ids is not None and rel.ban is not None
+        self.sequence_ids = self.sequence_ids[:, :-rel.rewind]
+        self.new_tokens -= rel.rewind
+        self.cache.current_seq_len = self.sequence_ids.shape[1] - 1
+        pos = self.sequence_ids.shape[1]
+        if self.ban_pos != pos:
+            self.ban_pos, self.ban_set = pos, set()
+        self.ban_set.add(rel.ban)
+
+    def _result(self, rel: Released) -> dict[str, Any]:
+        r: dict[str, Any] = {"chunk": rel.text, "eos": rel.eos,
+                             "chunk_token_ids": torch.tensor([rel.tokens], dtype=torch.long).view(1, -1)}
+        if rel.eos:
+            r["eos_reason"] = rel.eos_reason
+            self.active = False
+        if self.return_probabilities:
+            r["probs"] = torch.tensor([[p["prob"] for p in rel.payloads]]).view(1, -1)
+        if self.return_top_tokens:
+            k = self.return_top_tokens
+            r["top_tokens"] = (torch.stack([p["top_tokens"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
+                               else torch.empty(1, 0, k, dtype=torch.long))
+            r["top_probs"] = (torch.stack([p["top_probs"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
+                              else torch.empty(1, 0, k))
+        if self.return_logits:
+            r["logits"] = (torch.stack([p["logits"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
+                           else torch.empty(1, 0, len(self.pieces)))
+        return r
