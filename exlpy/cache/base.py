@@ -17,6 +17,7 @@ class ExLlamaV2CacheBase:
 
     bytes_per_element_k: float = 2.0
     bytes_per_element_v: float = 2.0
+    supports_graphs = True  # K/V are read in place, so a captured decode step can address them
 
     def __init__(self, model: ExLlamaV2, batch_size: int = 1, max_seq_len: int = -1,
                  copy_from: ExLlamaV2CacheBase | None = None, lazy: bool = False,
@@ -62,6 +63,12 @@ class ExLlamaV2CacheBase:
     def free_layer(self, layer: int) -> None:
         self.key_states[layer] = None
         self.value_states[layer] = None
+
+    def begin_forward(self, batch: object) -> None:
+        """Called before a forward pass that uses this cache (quantized caches track what it touches)."""
+
+    def end_forward(self) -> None:
+        """Called after the forward pass."""
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.key_states[layer], self.value_states[layer]

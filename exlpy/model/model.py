@@ -107,6 +107,7 @@ class ExLlamaV2:
     def place_module(self, idx: int, device: torch.device) -> None:
         """Load module `idx` on `device`; attention layers also get their cache tensors there."""
         m = self.modules[idx]
+        self._graphs = None  # captured graphs hold weight and cache addresses
         m.load(device)
         if isinstance(m, Attention):
             self.cache_map[m.layer_idx] = device
@@ -117,6 +118,7 @@ class ExLlamaV2:
 
     def unplace_module(self, idx: int) -> None:
         m = self.modules[idx]
+        self._graphs = None
         m.unload()
         if isinstance(m, Attention):
             self.cache_map.pop(m.layer_idx, None)
@@ -179,6 +181,12 @@ class ExLlamaV2:
         if past + T > cache.max_seq_len:
             raise CacheTooSmallError(f"Total sequence length exceeds cache size in model.forward: {past} cached "
                                      f"+ {T} new tokens > cache max_seq_len {cache.max_seq_len}")
+        if T == 1 and key_mask is None and offsets is None and not (preprocess_only or return_last_state):
+            graphs = self._graph_runner()
+            if graphs is not None:  # the decode step as one CUDA-graph replay
+                logits = graphs.decode_contiguous(ids, cache, past)
+                cache.current_seq_len = past + 1
+                return logits.cpu() if cpu_logits else logits
         outputs: list[torch.Tensor] = []
         last_state = None
         pos = 0
@@ -207,10 +215,35 @@ class ExLlamaV2:
                       preprocess_only: bool = False) -> torch.Tensor | None:
         """Forward with caller-built metadata (paged caches, per-row positions): the generators' entry."""
         dev = self.modules[0].device
-        return self._run(input_ids.to(dev), batch.on(dev), preprocess_only, last_id_only, False, False)
+        ids, batch = input_ids.to(dev), batch.on(dev)
+        if batch.q_len == 1 and batch.key_mask is None and batch.cache is not None and not preprocess_only:
+            graphs = self._graph_runner()
+            logits = graphs.decode_paged(ids, batch) if graphs is not None else None
+            if logits is not None:
+                return logits
+        return self._run(ids, batch, preprocess_only, last_id_only, False, False)
+
+    def _graph_runner(self) -> Any:
+        """The CUDA-graph decode runner, or None where graphs do not apply (CPU, split models, no_graphs)."""
+        from exlpy.model.graphs import DecodeGraphs, graphs_supported
+
+        if self._graphs is None and graphs_supported(self):
+            self._graphs = DecodeGraphs(self)
+        return self._graphs if self._graphs is not None and not self.config.no_graphs else None
 
     def _run(self, ids: torch.Tensor, batch: ForwardBatch, preprocess_only: bool, last_id_only: bool,
              return_last_state: bool, cpu_logits: bool) -> Any:
+        cache = batch.cache
+        if cache is None:
+            return self._run_modules(ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)
+        cache.begin_forward(batch)  # type: ignore[attr-defined]
+        try:
+            return self._run_modules(ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)
+        finally:
+            cache.end_forward()  # type: ignore[attr-defined]
+
+    def _run_modules(self, ids: torch.Tensor, batch: ForwardBatch, preprocess_only: bool, last_id_only: bool,
+                     return_last_state: bool, cpu_logits: bool) -> Any:
         x = ids
         last_state = None
         for i, m in enumerate(self.modules):

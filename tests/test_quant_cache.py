@@ -1,0 +1,62 @@
+"""Quantized KV caches: codec accuracy, and incremental decoding close to the unquantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from exlpy.cache import ExLlamaV2Cache_8bit, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8, qcodec
+from tests.conftest import rel_err, shared_path
+
+
+@pytest.mark.parametrize("bits, bound", [(4, 0.2), (8, 0.012)])
+def test_codec_roundtrip(bits: int, bound: float) -> None:
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    x[:, 7] *= 20  # an outlier channel: the rotation spreads it over its group
+    q, s = qcodec.quantize(x, bits)
+    assert q.dtype == torch.uint8 and q.shape == (64, 256 * bits // 8) and s.shape == (64, 8)
+    y = qcodec.dequantize(q, s, bits, torch.float32)
+    err = ((y - x).norm() / x.norm()).item()
+    assert err < bound
+
+
+def test_fp8_truncation() -> None:
+    x = torch.randn(1000).half().float()
+    y = qcodec.fp8_decode(qcodec.fp8_encode(x), torch.float32)
+    assert ((y - x).abs() <= x.abs() * 0.25 + 1e-6).all()  # 2 mantissa bits: at most 25% off, truncated
+    assert (y.abs() <= x.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("cls, bound", [(ExLlamaV2Cache_Q4, 0.08), (ExLlamaV2Cache_Q6, 0.05),
+                                        (ExLlamaV2Cache_Q8, 0.01), (ExLlamaV2Cache_8bit, 0.1)])
+def test_incremental_decode_with_quantized_cache(cls: type, bound: float) -> None:
+    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
+    config.max_seq_len = 96
+    model = ExLlamaV2(config)
+    ref_cache = ExLlamaV2Cache(model, lazy=True)
+    cache = cls(model, lazy=True)
+    model.load_autosplit(ref_cache)
+    ids = torch.randint(0, 512, (1, 60), generator=torch.Generator().manual_seed(1))
+    ref = [model.forward(ids[:, :40], ref_cache)] + [model.forward(ids[:, i:i + 1], ref_cache) for i in range(40, 60)]
+    got = [model.forward(ids[:, :40], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(40, 60)]
+    ref_t, got_t = torch.cat(ref, 1), torch.cat(got, 1)
+    # The prompt chunk attends to its own fresh (unquantized) K/V: identical to the fp16 cache.
+    assert rel_err(got_t[:, :40], ref_t[:, :40]) < 1e-5
+    err = rel_err(got_t[:, 40:], ref_t[:, 40:])
+    assert 0 < err < bound
+    assert cache.current_seq_len == 60
+    k, v = cache.get_kv_state(0, 0, 0, 60)
+    rk, rv = ref_cache.get_kv_state(0, 0, 0, 60)
+    assert rel_err(k, rk) < bound * 3 and rel_err(v, rv) < bound * 3
+
+
+def test_quantized_cache_footprint_is_smaller() -> None:
+    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
+    config.max_seq_len = 256
+    model = ExLlamaV2(config)
+    q4 = ExLlamaV2Cache_Q4(model, lazy=True)
+    model.load_autosplit(q4)
+    per_layer = q4.key_states[0].numel() + q4.key_scales[0].numel() * 2
+    fp16_bytes = 256 * config.num_key_value_heads * config.head_dim * 2
+    assert per_layer == pytest.approx(fp16_bytes * 4.5 / 16)
