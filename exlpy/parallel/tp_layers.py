@@ -1,0 +1,254 @@
+"""Tensor-parallel modules: attention, MLP and the final norm + head, sharded over the TPContext's slots.
+
+The residual stream is replicated: every slot holds the full hidden state and runs the (cheap) RMSNorm itself.
+Each module is a list of *stages*; a stage runs on every slot and returns a tensor that is then summed over the
+slots in place (one all-reduce), after which it is either added to the residual ("residual") or becomes the
+next stage's input ("input"). The eager runner and the CUDA-graph runner share these stage functions.
+
+Two layouts for the projections that close a block (o_proj, down_proj):
+- "row" (Megatron): the input dim is split like the heads / intermediate, partial sums are all-reduced: one
+  collective per block. Used for dense weights.
+- "column" (spec §7.4): the closing projection is split by output columns (rs_split), so its full input is
+  all-gathered first: two collectives per block. Used for EXL2 weights, whose row split would need
+  group-aligned ranges and the permutation.
+`EXLPY_TP_MODE=column` forces the column layout for dense weights too (benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from exlpy.kernels import ops
+from exlpy.model.batch import ForwardBatch
+from exlpy.model.layers import MLP, Attention, Head, RMSNorm
+from exlpy.model.linear import DenseLinear, Linear
+from exlpy.parallel.tp_context import TPContext
+
+
+@dataclass
+class SlotState:
+    """One slot's view of a forward pass."""
+
+    slot: int
+    device: torch.device
+    x: torch.Tensor  # the replicated residual [B, T, hidden], owned by this slot (updated in place)
+    batch: ForwardBatch
+    cache: Any = None  # this slot's cache (holding its KV heads) or None
+    red: torch.Tensor | None = None  # the last stage's output, summed over slots
+    pending: str = ""  # what `red` becomes before the next stage: "residual" | "input"
+    inp: torch.Tensor | None = None
+    static_attn: bool = False  # graph capture: attend over the whole cache, lengths read from device memory
+    last_only: bool = False
+    last_state: torch.Tensor | None = None
+
+    def enter(self) -> None:
+        if self.pending == "residual":
+            assert self.red is not None
+            self.x.add_(self.red)
+        elif self.pending == "input":
+            self.inp = self.red
+        self.pending = ""
+
+
+@dataclass
+class Stage:
+    fn: Callable[[SlotState], torch.Tensor]
+    then: str  # "residual" | "input" | "out" (the head: slices are gathered, not reduced)
+
+
+def tp_mode() -> str:
+    mode = os.environ.get("EXLPY_TP_MODE", "auto")
+    return mode if mode in ("auto", "row", "column") else "auto"
+
+
+def split_rows(lin: Linear, start: int, end: int, device: torch.device, keep_bias: bool) -> DenseLinear | None:
+    """A dense linear restricted to input features [start, end) (None for formats without a row split)."""
+    if not isinstance(lin, DenseLinear):
+        return None
+    bias = lin.bias.to(device) if keep_bias and lin.bias is not None else None
+    return DenseLinear(lin.weight[:, start:end].to(device).contiguous(), bias)
+
+
+def _zeros_like_full(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.zeros(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
+
+
+def _place(full_width: int, part: torch.Tensor | None, start: int, like: torch.Tensor) -> torch.Tensor:
+    """`part` written at column `start` of a zeroed full-width tensor (an all-gather by all-reduce)."""
+    out = _zeros_like_full(like, full_width)
+    if part is not None:
+        out[..., start:start + part.shape[-1]] = part
+    return out
+
+
+class TPAttention:
+    def __init__(self, ctx: TPContext, attn: Attention) -> None:
+        s = attn.spec
+        self.layer_idx = attn.layer_idx
+        self.key = attn.key
+        self.eps = s.norm_eps
+        self.scale = attn.scale
+        self.head_dim = D = attn.head_dim
+        self.hidden = s.hidden_size
+        self.num_heads = attn.num_heads
+        assert attn.q_proj and attn.k_proj and attn.v_proj and attn.o_proj and attn.norm_w is not None
+        row = tp_mode() != "column" and isinstance(attn.o_proj, DenseLinear)
+        self.mode = "row" if row else "column"
+        self.shards: dict[int, dict[str, Any]] = {}
+        first = ctx.all_devices()[0]
+        for slot, ka, kb in ctx.kv_split:
+            dev = ctx.all_devs[slot]
+            qa, qb = ctx.slot_range(4, slot)
+            sh: dict[str, Any] = {
+                "norm": attn.norm_w.to(dev), "hq": qb - qa, "hk": kb - ka, "qa": qa,
+                "q": attn.q_proj.split_columns(qa * D, qb * D, dev),
+                "k": attn.k_proj.split_columns(ka * D, kb * D, dev),
+                "v": attn.v_proj.split_columns(ka * D, kb * D, dev),
+                "q_norm": None if attn.q_norm_w is None else attn.q_norm_w.to(dev),
+                "k_norm": None if attn.k_norm_w is None else attn.k_norm_w.to(dev),
+                "cos": ctx.cos[slot], "sin": ctx.sin[slot],
+            }
+            if row:
+                sh["o"] = split_rows(attn.o_proj, qa * D, qb * D, dev, keep_bias=slot == first)
+            self.shards[slot] = sh
+        if not row:
+            for slot, a, b in ctx.rs_split:
+                self.shards.setdefault(slot, {})["o_cols"] = attn.o_proj.split_columns(a, b, ctx.all_devs[slot])
+                self.shards[slot]["rs"] = a
+
+    def stages(self) -> list[Stage]:
+        if self.mode == "row":
+            return [Stage(self._row, "residual")]
+        return [Stage(self._heads_gathered, "input"), Stage(self._o_cols, "residual")]
+
+    def _heads(self, st: SlotState) -> torch.Tensor:
+        sh = self.shards[st.slot]
+        x = st.x
+        B, T, _ = x.shape
+        D = self.head_dim
+        h = ops.rms_norm(x, sh["norm"], self.eps)
+        q = sh["q"].forward(h).view(B, T, sh["hq"], D)
+        k = sh["k"].forward(h).view(B, T, sh["hk"], D)
+        v = sh["v"].forward(h).view(B, T, sh["hk"], D)
+        if sh["q_norm"] is not None:
+            q = ops.rms_norm(q, sh["q_norm"], self.eps)
+            k = ops.rms_norm(k, sh["k_norm"], self.eps)
+        q, k = ops.apply_rope(q, k, sh["cos"], sh["sin"], st.batch.positions)
+        return self._attend(q, k, v, st).reshape(B, T, sh["hq"] * D)
+
+    def _row(self, st: SlotState) -> torch.Tensor:
+        return self.shards[st.slot]["o"].forward(self._heads(st))
+
+    def _heads_gathered(self, st: SlotState) -> torch.Tensor:
+        o = self._heads(st)
+        return _place(self.num_heads * self.head_dim, o, self.shards[st.slot]["qa"] * self.head_dim, st.x)
+
+    def _o_cols(self, st: SlotState) -> torch.Tensor:
+        sh = self.shards.get(st.slot, {})
+        assert st.inp is not None
+        y = sh["o_cols"].forward(st.inp) if "o_cols" in sh else None
+        return _place(self.hidden, y, sh.get("rs", 0), st.x)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SlotState) -> torch.Tensor:
+        batch = st.batch
+        if st.cache is None:
+            mask = None
+            if batch.key_mask is not None:
+                causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
+                mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
+            return ops.sdpa(q, k, v, self.scale, mask, is_causal=True)
+        k_cache, v_cache = st.cache.layer_kv(self.layer_idx)
+        assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
+        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+        if not st.static_attn and batch.past_len is not None and batch.key_mask is None:
+            end = batch.past_len + batch.q_len  # contiguous cache, uniform past: attend over a slice
+            kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
+            if batch.q_len == 1:
+                return ops.sdpa(q, kc, vc, self.scale, None)
+            if batch.past_len == 0:
+                return ops.sdpa(q, kc, vc, self.scale, None, is_causal=True)
+            t = torch.arange(end, device=q.device)
+            mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
+            return ops.sdpa(q, kc, vc, self.scale, mask.view(1, 1, batch.q_len, end))
+        return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
+                                   batch.max_seqlen, batch.positions, self.scale, batch.key_mask)
+
+
+class TPMLP:
+    def __init__(self, ctx: TPContext, mlp: MLP) -> None:
+        s = mlp.spec
+        assert mlp.gate_proj and mlp.up_proj and mlp.down_proj and mlp.norm_w is not None
+        self.key = mlp.key
+        self.eps = s.norm_eps
+        self.hidden = s.hidden_size
+        self.intermediate = s.intermediate_size
+        row = tp_mode() != "column" and isinstance(mlp.down_proj, DenseLinear)
+        self.mode = "row" if row else "column"
+        first = ctx.all_devices()[0]
+        self.shards: dict[int, dict[str, Any]] = {s_: {"norm": mlp.norm_w.to(ctx.all_devs[s_])}
+                                                  for s_ in ctx.all_devices()}
+        for slot, a, b in ctx.id_split:
+            dev = ctx.all_devs[slot]
+            sh = self.shards[slot]
+            sh.update(gate=mlp.gate_proj.split_columns(a, b, dev), up=mlp.up_proj.split_columns(a, b, dev), ia=a)
+            if row:
+                sh["down"] = split_rows(mlp.down_proj, a, b, dev, keep_bias=slot == first)
+        if row and mlp.down_proj.bias is not None and "down" not in self.shards[first]:
+            self.shards[first]["bias"] = mlp.down_proj.bias.to(ctx.all_devs[first])  # first slot adds the bias
+        if not row:
+            for slot, a, b in ctx.rs_split:
+                self.shards[slot].update(down_cols=mlp.down_proj.split_columns(a, b, ctx.all_devs[slot]), rs=a)
+
+    def stages(self) -> list[Stage]:
+        if self.mode == "row":
+            return [Stage(self._row, "residual")]
+        return [Stage(self._act_gathered, "input"), Stage(self._down_cols, "residual")]
+
+    def _act(self, st: SlotState) -> torch.Tensor | None:
+        sh = self.shards[st.slot]
+        if "gate" not in sh:
+            return None
+        h = ops.rms_norm(st.x, sh["norm"], self.eps)
+        return ops.silu_mul(sh["gate"].forward(h), sh["up"].forward(h))
+
+    def _row(self, st: SlotState) -> torch.Tensor:
+        sh = self.shards[st.slot]
+        a = self._act(st)
+        if a is None:
+            y = torch.zeros_like(st.x)
+            return y + sh["bias"] if "bias" in sh else y
+        return sh["down"].forward(a)
+
+    def _act_gathered(self, st: SlotState) -> torch.Tensor:
+        return _place(self.intermediate, self._act(st), self.shards[st.slot].get("ia", 0), st.x)
+
+    def _down_cols(self, st: SlotState) -> torch.Tensor:
+        sh = self.shards[st.slot]
+        assert st.inp is not None
+        y = sh["down_cols"].forward(st.inp) if "down_cols" in sh else None
+        return _place(self.hidden, y, sh.get("rs", 0), st.x)
+
+
+class TPHead:
+    """Final RMSNorm (replicated on every slot) and the head split by vocabulary columns (vc_split)."""
+
+    def __init__(self, ctx: TPContext, norm: RMSNorm, head: Head) -> None:
+        assert norm.weight is not None and head.linear is not None
+        self.eps = norm.spec.norm_eps
+        self.norm = {s: norm.weight.to(ctx.all_devs[s]) for s in ctx.all_devices()}
+        self.heads = {slot: head.linear.split_columns(a, b, ctx.all_devs[slot]) for slot, a, b in ctx.vc_split}
+
+    def stages(self) -> list[Stage]:
+        return [Stage(self._logits, "out")]
+
+    def _logits(self, st: SlotState) -> torch.Tensor:
+        x = st.x[:, -1:] if st.last_only else st.x
+        h = ops.rms_norm(x, self.norm[st.slot], self.eps)
+        st.last_state = h
+        head = self.heads.get(st.slot)
+        return head.forward(h) if head is not None else h.new_empty(*h.shape[:-1], 0)
