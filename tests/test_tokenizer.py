@@ -155,7 +155,9 @@ def test_decode_filters(llama3: ExLlamaV2Tokenizer) -> None:
     eot = llama3.single_id("<|eot_id|>")
     seq = [llama3.pad_token_id, *ids, eot, llama3.eos_token_id, 999_999, -5]
     assert llama3.decode(seq) == "Hello world"
-    assert llama3.decode(torch.tensor(seq), decode_special_tokens=True) == "Hello world<|eot_id|>"
+    # Shown specials: the leading pad (left padding) is stripped, the EOS after <|eot_id|> is shown although
+    # this pad id is EOS.
+    assert llama3.decode(torch.tensor(seq), True) == "Hello world<|eot_id|><|end_of_text|>"
     assert llama3.decode([[*ids], [ids[0]]]) == ["Hello world", "Hello"]
     assert llama3.decode([]) == ""
 

@@ -29,6 +29,9 @@ class AddedToken:
 class TokenizerBackend(Protocol):
     kind: str  # "json" (HF tokenizers) or "spm" (sentencepiece)
     path: str
+    # Ids whose text may still change with the ids after them (HF's ByteFallback decoder turns a whole run of
+    # byte tokens into U+FFFDs when the run is invalid UTF-8, even bytes that were valid on their own).
+    regroup_ids: frozenset[int]
 
     def encode(self, text: str, encode_special_tokens: bool) -> list[int]:
         """Ids of `text` without BOS/EOS; special added tokens count only if `encode_special_tokens`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -29,6 +30,10 @@ class HFBackend:
             added.setdefault(t.id, t)
         self._added = sorted(added.values(), key=lambda t: t.id)
         self._split_special: bool | None = None
+        byte_piece = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+        self.regroup_ids = frozenset(
+            i for p, i in self.tk.get_vocab(with_added_tokens=False).items() if byte_piece.fullmatch(p)
+        ) if getattr(self.tk.model, "byte_fallback", False) else frozenset()
 
     def encode(self, text: str, encode_special_tokens: bool) -> list[int]:
         # The library flag has the opposite sense: True means "treat special tokens as plain text".

@@ -18,6 +18,7 @@ from exlpy.tokenizer.backend import AddedToken, extra_added_tokens
 
 class SPMBackend:
     kind = "spm"
+    regroup_ids: frozenset[int] = frozenset()  # sentencepiece replaces invalid bytes one by one, in place
 
     def __init__(self, path: str, model_dir: str) -> None:
         self.path = path

@@ -101,13 +101,15 @@ class ExLlamaV2Tokenizer:
         return ids[-1]
 
     def _is_visible(self, token_id: int, decode_special_tokens: bool) -> bool:
-        """Whether decode() keeps an id: pads and out-of-vocabulary ids never, EOS and specials on request."""
-        if token_id == self.pad_token_id or not 0 <= token_id < self.actual_vocab_size:
+        """Whether decode() keeps an id: out-of-vocabulary ids never; pads, EOS and specials on request.
+        (Shown specials include the pad id, which is often EOS; only leading pads, the left padding of a
+        batch, are stripped then.)"""
+        if not 0 <= token_id < self.actual_vocab_size:
             return False
         if decode_special_tokens:
             return True
         added = self._added.get(token_id)
-        return token_id != self.eos_token_id and (added is None or not added.special)
+        return token_id not in (self.pad_token_id, self.eos_token_id) and (added is None or not added.special)
 
     def _decode_visible(self, ids: list[int]) -> str:
         """Decode filtered ids: added tokens give their content, base-vocab runs go to the backend."""
@@ -157,8 +159,8 @@ class ExLlamaV2Tokenizer:
 
     def decode(self, ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
                decode_special_tokens: bool = False) -> str | list[str]:
-        """Text of 1-D ids, or a list of texts for 2-D ids. Pads are dropped; without decode_special_tokens
-        EOS and special tokens are dropped too."""
+        """Text of 1-D ids, or a list of texts for 2-D ids. Without decode_special_tokens pads, EOS and
+        special tokens are dropped; with it they read as their text, except the left padding."""
         if isinstance(ids, torch.Tensor):
             if ids.dim() > 2:
                 raise TokenizerError(f"decode() expects 1-D or 2-D ids, got shape {tuple(ids.shape)}")
@@ -176,6 +178,11 @@ class ExLlamaV2Tokenizer:
             seq = [int(i) for i in ids]
         except (TypeError, ValueError) as e:
             raise TokenizerError(f"decode() expects integer ids: {e}") from e
+        if decode_special_tokens:
+            start = 0
+            while start < len(seq) and seq[start] == self.pad_token_id:
+                start += 1
+            seq = seq[start:]
         return self._decode_visible([i for i in seq if self._is_visible(i, decode_special_tokens)])
 
     def stream_decoder(self, decode_special_tokens: bool = False) -> StreamDecoder:
