@@ -36,6 +36,13 @@ def _load_triton() -> None:
         pass
 
 
+def has_cuda_kernels() -> bool:
+    """True when the Triton kernels are registered (CUDA-graph capture relies on their sync-free paths)."""
+    if not _tried_triton:
+        _load_triton()
+    return not _DISABLED and "paged_attention" in _TRITON
+
+
 def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
     if not _DISABLED and t.is_cuda:
         if not _tried_triton:

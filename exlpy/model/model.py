@@ -182,7 +182,7 @@ class ExLlamaV2:
             raise CacheTooSmallError(f"Total sequence length exceeds cache size in model.forward: {past} cached "
                                      f"+ {T} new tokens > cache max_seq_len {cache.max_seq_len}")
         if T == 1 and key_mask is None and offsets is None and not (preprocess_only or return_last_state):
-            graphs = self._graph_runner()
+            graphs = self._graph_runner(cache)
             if graphs is not None:  # the decode step as one CUDA-graph replay
                 logits = graphs.decode_contiguous(ids, cache, past)
                 cache.current_seq_len = past + 1
@@ -217,16 +217,19 @@ class ExLlamaV2:
         dev = self.modules[0].device
         ids, batch = input_ids.to(dev), batch.on(dev)
         if batch.q_len == 1 and batch.key_mask is None and batch.cache is not None and not preprocess_only:
-            graphs = self._graph_runner()
+            graphs = self._graph_runner(batch.cache)
             logits = graphs.decode_paged(ids, batch) if graphs is not None else None
             if logits is not None:
                 return logits
         return self._run(ids, batch, preprocess_only, last_id_only, False, False)
 
-    def _graph_runner(self) -> Any:
-        """The CUDA-graph decode runner, or None where graphs do not apply (CPU, split models, no_graphs)."""
-        from exlpy.model.graphs import DecodeGraphs, graphs_supported
+    def _graph_runner(self, cache: Any = None) -> Any:
+        """The CUDA-graph decode runner, or None where graphs do not apply (CPU, split models, no_graphs,
+        quantized caches)."""
+        from exlpy.model.graphs import DecodeGraphs, cache_is_direct, graphs_supported
 
+        if cache is not None and not cache_is_direct(cache):
+            return None
         if self._graphs is None and graphs_supported(self):
             self._graphs = DecodeGraphs(self)
         return self._graphs if self._graphs is not None and not self.config.no_graphs else None

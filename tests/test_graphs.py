@@ -1,0 +1,137 @@
+"""The decode-graph runner's buffer logic, run with its eager body on CPU (and captured on CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from exlpy.model.batch import ForwardBatch
+from exlpy.model.graphs import DecodeGraphs, bucket_for, graphs_supported
+from tests.conftest import rel_err, requires_cuda
+from tests.hf_models import make_hf_model
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("graphs_model")
+    make_hf_model(path, "llama")  # GQA 4/2 heads
+    return path
+
+
+def _load(path: Path, device: str | None = None) -> ExLlamaV2:
+    config = ExLlamaV2Config(str(path))
+    config.max_seq_len = 64
+    model = ExLlamaV2(config)
+    if device is None:
+        model.load()
+    else:
+        for i in range(len(model.modules)):
+            model.place_module(i, torch.device(device))
+        model.loaded = True
+    return model
+
+
+def test_buckets_and_support(model_dir: Path) -> None:
+    assert [bucket_for(n) for n in (1, 3, 5, 32, 33)] == [1, 4, 8, 32, 64]
+    assert bucket_for(10_000) is None
+    model = _load(model_dir)
+    assert not graphs_supported(model)  # CPU: the model runs eagerly
+    assert model._graph_runner() is None
+
+
+def test_contiguous_decode_matches_eager(model_dir: Path) -> None:
+    model = _load(model_dir)
+    prompt = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=2), ExLlamaV2Cache(model, batch_size=2)
+    model.forward(prompt, eager_cache, preprocess_only=True)
+    model.forward(prompt, graph_cache, preprocess_only=True)
+    runner = DecodeGraphs(model, capture=False)
+    tok = prompt[:, -1:]
+    for _ in range(3):
+        ref = model.forward(tok, eager_cache)
+        past = graph_cache.current_seq_len
+        out = runner.decode_contiguous(tok, graph_cache, past)
+        graph_cache.current_seq_len = past + 1
+        assert out.shape == ref.shape and rel_err(out, ref) <= TOL
+        tok = ref[:, -1].argmax(-1, keepdim=True)
+    for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
+        assert rel_err(a[:, :12], b[:, :12]) <= TOL
+    assert len(runner._steps) == 1  # one step per (cache, batch size), reused
+
+
+def _paged(cache: ExLlamaV2Cache, page: int, tables: list[list[int]], lens: list[int]) -> ForwardBatch:
+    """One decode token per sequence; `lens` are the lengths after this step."""
+    B, width = len(tables), max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    pos = torch.tensor(lens).view(B, 1) - 1
+    slots = bt.long().gather(1, pos // page) * page + pos % page
+    return ForwardBatch(B, 1, pos, cache=cache, slots=slots, block_table=bt, page_size=page,
+                        seqlens=torch.tensor(lens, dtype=torch.int32), max_seqlen=max(lens))
+
+
+def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path) -> None:
+    model = _load(model_dir)
+    # The contiguous cache [4, 64, H, D] viewed as 16 pages of 16 rows (page p = flat rows p*16..p*16+15).
+    g = torch.Generator().manual_seed(1)
+    eager_cache = ExLlamaV2Cache(model, batch_size=4)
+    for t in eager_cache.all_tensors():
+        t.copy_(torch.randn(t.shape, generator=g))
+    graph_cache = ExLlamaV2Cache(model, batch_size=4, copy_from=eager_cache)
+    runner = DecodeGraphs(model, capture=False)
+    tables, lens = [[5, 2], [9], [0, 3, 11]], [20, 7, 40]  # 3 live rows: bucket 4 with one padding row
+    ids = torch.randint(3, 320, (3, 1), generator=g)
+    ref = model.forward_batch(ids, _paged(eager_cache, 16, tables, lens))
+    out = runner.decode_paged(ids, _paged(graph_cache, 16, tables, lens))
+    assert out is not None and out.shape == (3, 1, 320) and rel_err(out, ref) <= TOL
+    for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
+        assert rel_err(b, a) <= TOL  # same rows written, and the padding row wrote nowhere
+    # A 4-row step then a 3-row step in the same bucket: the stale 4th row must not write again.
+    ids4 = torch.randint(3, 320, (4, 1), generator=g)
+    tables4, lens4 = tables + [[14]], [21, 8, 41, 3]
+    model.forward_batch(ids4, _paged(eager_cache, 16, tables4, lens4))
+    runner.decode_paged(ids4, _paged(graph_cache, 16, tables4, lens4))
+    lens3 = [22, 9, 42]
+    ref = model.forward_batch(ids, _paged(eager_cache, 16, tables, lens3))
+    out = runner.decode_paged(ids, _paged(graph_cache, 16, tables, lens3))
+    assert rel_err(out, ref) <= TOL
+    for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
+        assert rel_err(b, a) <= TOL
+
+
+def test_step_rebuilt_when_cache_tensors_change(model_dir: Path) -> None:
+    model = _load(model_dir)
+    cache = ExLlamaV2Cache(model)
+    runner = DecodeGraphs(model, capture=False)
+    tok = torch.tensor([[5]])
+    runner.decode_contiguous(tok, cache, 0)
+    first = next(iter(runner._steps.values()))
+    cache.key_states[0] = cache.key_states[0].clone()  # e.g. reallocated after a reload
+    runner.decode_contiguous(tok, cache, 1)
+    assert next(iter(runner._steps.values())) is not first
+    model.unplace_module(1)
+    assert model._graphs is None
+
+
+@requires_cuda
+def test_captured_graph_equals_eager_cuda(model_dir: Path) -> None:
+    model = _load(model_dir, "cuda:0")
+    if not graphs_supported(model):
+        pytest.skip("Triton kernels unavailable: graphs are off")
+    prompt = torch.randint(3, 320, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    caches = [ExLlamaV2Cache(model, batch_size=2) for _ in range(2)]
+    for c in caches:
+        model.forward(prompt, c, preprocess_only=True)
+    tok = prompt[:, -1:]
+    for _ in range(4):
+        model.config.no_graphs = True
+        ref = model.forward(tok, caches[0])
+        model.config.no_graphs = False
+        out = model.forward(tok, caches[1])
+        assert rel_err(out, ref) <= 2e-2
+        tok = ref[:, -1].argmax(-1, keepdim=True)
+    assert model._graphs is not None and all(s.graph is not None for s in model._graphs._steps.values())
