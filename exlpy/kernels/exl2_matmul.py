@@ -91,6 +91,47 @@ def _qmv(x_ptr, perm_ptr, out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, N, 
 
 
 @triton.jit
+def _qmv32(x_ptr, perm_ptr, out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, N, stride_qw, stride_sc,
+           stride_z, g_lo, g_hi, gpp, row0, word0, BITS: tl.constexpr, GPTQ: tl.constexpr,
+           HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """_qmv for segments whose groups start on 32-row blocks: a block of 32 codes is BITS whole words, so each
+    code's word and shift are compile-time constants (static unroll over the 32 positions of a block)."""
+    NB: tl.constexpr = CHUNK // 32
+    pid_n = tl.program_id(0)
+    ga = g_lo + tl.program_id(1) * gpp
+    gb = tl.minimum(ga + gpp, g_hi)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for g in range(ga, gb):
+        r_lo = tl.load(grows_ptr + g)
+        r_hi = tl.load(grows_ptr + g + 1)
+        s, z = _scale_zero(sc_ptr, sm_ptr, z_ptr, stride_sc, stride_z, g, offs_n, n_mask, BITS, GPTQ)
+        part = tl.zeros((NB, BLOCK_N), tl.float32)
+        xs = tl.zeros((NB,), tl.float32)
+        for r0 in range(r_lo, r_hi, CHUNK):
+            brow = r0 + tl.arange(0, NB) * 32
+            wptr = qw_ptr + (word0 + (brow - row0) // 32 * BITS)[:, None] * stride_qw + offs_n[None, :]
+            for i in tl.static_range(32):
+                rmask = (brow + i) < r_hi
+                m2 = rmask[:, None] & n_mask[None, :]
+                w = tl.load(wptr + ((i * BITS) // 32) * stride_qw, mask=m2, other=0).to(tl.uint32, bitcast=True)
+                v = w >> ((i * BITS) % 32)
+                if (i * BITS) % 32 + BITS > 32:
+                    hi = tl.load(wptr + ((i * BITS) // 32 + 1) * stride_qw, mask=m2, other=0)
+                    v = v | (hi.to(tl.uint32, bitcast=True) << (32 - (i * BITS) % 32))
+                if HAS_PERM:
+                    src = tl.load(perm_ptr + brow + i, mask=rmask, other=0)
+                else:
+                    src = brow + i
+                xv = tl.load(x_ptr + src, mask=rmask, other=0.0).to(tl.float32)
+                part += xv[:, None] * (v & ((1 << BITS) - 1)).to(tl.float32)
+                xs += xv
+        acc += (tl.sum(part, axis=0) - tl.sum(xs, axis=0) * z) * s
+    tl.atomic_add(out_ptr + offs_n, acc, mask=n_mask)
+
+
+@triton.jit
 def _qmm(x_ptr, perm_ptr, out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, M, N, stride_xm, stride_om,
          stride_qw, stride_sc, stride_z, g_lo, g_hi, gpp, row0, word0, BITS: tl.constexpr, GPTQ: tl.constexpr,
          HAS_PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
@@ -156,7 +197,7 @@ def _num_sms(device: torch.device) -> int:
 def _split(seg: Segment, programs_n: int, device: torch.device) -> tuple[int, int]:
     """(groups per program, number of K splits) so that the grid fills the device a few times over."""
     groups = seg.g_hi - seg.g_lo
-    want = max(1, (4 * _num_sms(device) + programs_n - 1) // programs_n)
+    want = max(1, (WAVES * _num_sms(device) + programs_n - 1) // programs_n)
     gpp = max(1, -(-groups // want))
     return gpp, -(-groups // gpp)
 
@@ -168,11 +209,15 @@ def _args(qm: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     return qm.scales, sm, z, qm.scales.stride(0), z.stride(0)
 
 
-# Launch parameters; `tune` in benchmarks/quant_matmul.py overrides them to sweep.
+# Launch parameters; `tune` in benchmarks/quant_matmul.py overrides them to sweep. WAVES: fused-kernel programs
+# per SM aimed for when choosing the K split.
+WAVES = 4
+USE_QMV32 = True
 CONFIG: dict[str, dict[str, int]] = {
-    "qmv": {"BLOCK_N": 128, "CHUNK": 32, "num_warps": 4},
+    "qmv": {"BLOCK_N": 256, "CHUNK": 32, "num_warps": 4},
+    "qmv32": {"BLOCK_N": 256, "CHUNK": 64, "num_warps": 4},
     "qmm": {"BLOCK_N": 64, "CHUNK": 32, "num_warps": 4},
-    "dequant": {"BLOCK_N": 128, "CHUNK": 32, "num_warps": 4},
+    "dequant": {"BLOCK_N": 128, "CHUNK": 32, "num_warps": 8},
 }
 
 
@@ -185,10 +230,11 @@ def fused_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     gptq = qm.kind == "gptq"
     for seg in qm.layout.segments:
         if m == 1:
-            cfg = CONFIG["qmv"]
+            kern = _qmv32 if USE_QMV32 and seg.bits in qm.layout.aligned_bits() else _qmv
+            cfg = CONFIG["qmv32" if kern is _qmv32 else "qmv"]
             pn = triton.cdiv(qm.n, cfg["BLOCK_N"])
             gpp, nk = _split(seg, pn, x.device)
-            _qmv[(pn, nk)](x, perm, out, qm.q_weight, sc, sm, z, qm.group_rows, qm.n, qm.q_weight.stride(0), ssc,
+            kern[(pn, nk)](x, perm, out, qm.q_weight, sc, sm, z, qm.group_rows, qm.n, qm.q_weight.stride(0), ssc,
                            sz, seg.g_lo, seg.g_hi, gpp, seg.row0, seg.word0, BITS=seg.bits, GPTQ=gptq,
                            HAS_PERM=qm.perm is not None, **cfg)
         else:

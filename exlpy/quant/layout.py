@@ -35,6 +35,15 @@ class QuantLayout:
     def num_groups(self) -> int:
         return len(self.group_bits)
 
+    def aligned_bits(self) -> frozenset[int]:
+        """Bit widths whose segment has every group starting on a 32-row block (cached)."""
+        cached = self.__dict__.get("_aligned")
+        if cached is None:
+            cached = frozenset(s.bits for s in self.segments
+                               if all((self.group_rows[g] - s.row0) % 32 == 0 for g in range(s.g_lo, s.g_hi)))
+            object.__setattr__(self, "_aligned", cached)
+        return cached
+
     def row_bits(self) -> torch.Tensor:
         """Bit width of every sorted row, [K] int64."""
         counts = torch.tensor([b - a for a, b in zip(self.group_rows[:-1], self.group_rows[1:])])
