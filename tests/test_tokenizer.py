@@ -159,6 +159,7 @@ def test_decode_filters(llama3: ExLlamaV2Tokenizer) -> None:
     # this pad id is EOS.
     assert llama3.decode(torch.tensor(seq), True) == "Hello world<|eot_id|><|end_of_text|>"
     assert llama3.decode([[*ids], [ids[0]]]) == ["Hello world", "Hello"]
+    assert llama3.decode([torch.tensor(ids), torch.tensor(ids[:1])]) == ["Hello world", "Hello"]
     assert llama3.decode([]) == ""
 
 
@@ -240,3 +241,9 @@ def test_ids_from_tokenizer_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     tok = ExLlamaV2Tokenizer(str(tmp_path))
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)  # the exllamav2 defaults
+    (tmp_path / "config.json").write_text('{"bos_token_id": 5, "eos_token_id": 5}')
+    tok = ExLlamaV2Tokenizer(str(tmp_path))
+    assert tok.pad_token_id == -1  # EOS == BOS and no <pad>: no padding id at all
+    assert tok.encode(["same", "same"]).shape == (2, 1)
+    with pytest.raises(TokenizerError, match="no pad token"):
+        tok.encode(["a", "several more tokens"])

@@ -81,7 +81,8 @@ class ExLlamaV2Tokenizer:
                                    self._last_id(" "))
         self.tokenized_str_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.max_cached_strings = MAX_CACHED_STRINGS
-        self._pieces: list[str] | None = None
+        self._pieces: list[str] | None = None  # with special tokens' text
+        self._pieces_plain: list[str] | None = None  # special tokens as ''
         self._prefix_index: PrefixIndex | None = None
         if not lazy_init:
             self.get_id_to_piece_list()
@@ -169,14 +170,14 @@ class ExLlamaV2Tokenizer:
             ids = ids.tolist()
         if not isinstance(ids, Sequence) or isinstance(ids, str):
             raise TokenizerError(f"decode() expects a tensor or a list of ids, got {type(ids).__name__}")
-        if ids and isinstance(ids[0], Sequence):
+        if ids and (isinstance(ids[0], Sequence) or (isinstance(ids[0], torch.Tensor) and ids[0].dim() == 1)):
             return [self._decode_one(row, decode_special_tokens) for row in ids]  # type: ignore[arg-type]
         return self._decode_one(ids, decode_special_tokens)  # type: ignore[arg-type]
 
     def _decode_one(self, ids: Sequence[int], decode_special_tokens: bool) -> str:
         try:
             seq = [int(i) for i in ids]
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:
             raise TokenizerError(f"decode() expects integer ids: {e}") from e
         if decode_special_tokens:
             start = 0
@@ -231,8 +232,10 @@ class ExLlamaV2Tokenizer:
             self._pieces = decoded_pieces(self.backend, self.actual_vocab_size, self._added)
         if include_special_tokens:
             return self._pieces
-        hidden = self.extended_id_to_piece
-        return [("" if i in hidden else p) for i, p in enumerate(self._pieces)]
+        if self._pieces_plain is None:
+            hidden = self.extended_id_to_piece
+            self._pieces_plain = [("" if i in hidden else p) for i, p in enumerate(self._pieces)]
+        return self._pieces_plain
 
     def get_piece_to_id_dict(self) -> dict[str, int]:
         """Decoded piece text -> id (the first id wins where two ids decode alike); specials excluded."""
