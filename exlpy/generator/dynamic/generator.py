@@ -85,15 +85,15 @@ class ExLlamaV2DynamicGenerator:
         with self._lock:
             serial = self.next_serial
             job.prepare(self, serial)
-            if job.prompt_len >= self.max_seq_len:
-                job.serial = None
-                raise GeneratorError(f"prompt of {job.prompt_len} tokens does not fit max_seq_len "
-                                     f"{self.max_seq_len} with room for a new token")
             if job.num_pages > self.num_pages:
                 job.serial = None
                 raise GeneratorError(f"Job requires {job.num_pages} pages (only {self.num_pages} available): "
                                      f"{job.prompt_len} prompt + up to {job.max_new_tokens} new tokens at "
                                      f"{PAGE_SIZE} tokens per page")
+            if job.prompt_len >= self.max_seq_len:
+                job.serial = None
+                raise GeneratorError(f"prompt of {job.prompt_len} tokens does not fit max_seq_len "
+                                     f"{self.max_seq_len} with room for a new token")
             self.next_serial += 1
             job.wait_reason = "queued"
             self.pending.append(job)

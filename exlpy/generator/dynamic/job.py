@@ -107,7 +107,7 @@ class ExLlamaV2DynamicJob:
         else:
             self.rng = torch.Generator()
             self.rng.seed()
-        self.total_tokens = min(self.prompt_len + self.max_new_tokens, generator.max_seq_len)
+        self.total_tokens = self.prompt_len + self.max_new_tokens
         self.num_pages = -(-self.total_tokens // PAGE_SIZE)
         # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
         self.hashes = chain_hashes(self.sequence, self.prompt_len - 1)

@@ -1,0 +1,219 @@
+"""Dynamic generator on a real tiny model: exactness vs an argmax oracle, batching, prefix dedup, paging, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2Cache
+from exlpy.errors import GeneratorError
+from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+from tests.test_generator_helpers import PROMPTS, aidreams, argmax_tokens, drain
+
+GREEDY = ExLlamaV2Sampler.Settings.greedy()
+
+
+def make_gen(pages: int = 8, **kw: object) -> ExLlamaV2DynamicGenerator:
+    model, tok = aidreams()
+    return ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=pages * 256), tok, **kw)
+
+
+def job(ids: torch.Tensor, n: int, **kw: object) -> ExLlamaV2DynamicJob:
+    kw.setdefault("gen_settings", GREEDY)
+    kw.setdefault("stop_conditions", [])
+    return ExLlamaV2DynamicJob(ids, n, **kw)  # type: ignore[arg-type]
+
+
+def test_greedy_matches_argmax_oracle_and_batch_matches_single_runs() -> None:
+    model, tok = aidreams()
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS]
+    n = 12
+    solo = []
+    for i in ids[:3]:
+        g = make_gen()
+        j = job(i, n)
+        g.enqueue(j)
+        solo.append(drain(g)[j]["tokens"])
+    for i, s in zip(ids[:3], solo):
+        assert s == argmax_tokens(model, i, n)
+    g = make_gen()
+    jobs = [job(i, n) for i in ids]
+    g.enqueue(jobs)
+    res = drain(g)
+    for k, j in enumerate(jobs):
+        expect = solo[k] if k < 3 else argmax_tokens(model, ids[k], n)
+        assert res[j]["tokens"] == expect, PROMPTS[k]
+        fin = res[j]["final"]
+        assert fin["eos_reason"] == "max_new_tokens" and fin["new_tokens"] == n
+        full, head = tok.decode(torch.cat([ids[k][0], torch.tensor(expect)])), tok.decode(ids[k][0])
+        assert fin["full_completion"] == res[j]["text"] == full[len(head):]
+        assert fin["prompt_tokens"] == ids[k].shape[1]
+    assert g.decode_tokens == 8 * n
+
+
+def test_long_prompt_chunked_prefill_matches_oracle() -> None:
+    model, tok = aidreams()
+    torch.manual_seed(0)
+    ids = torch.cat([torch.tensor([[1]]), torch.randint(3, 500, (1, 700))], dim=1)
+    g = make_gen(max_chunk_size=256)
+    j = job(ids, 6)
+    g.enqueue(j)
+    res = drain(g)
+    assert res[j]["tokens"] == argmax_tokens(model, ids, 6)
+    assert res[j]["stages"].count("prefill") == 3  # 700 prompt tokens in 256-token chunks
+    assert g.prefill_tokens == 700
+
+
+def test_shared_prefix_is_computed_once() -> None:
+    model, tok = aidreams()
+    torch.manual_seed(1)
+    prefix = torch.cat([torch.tensor([[1]]), torch.randint(3, 500, (1, 599))], dim=1)  # 600 tokens
+    suffixes = [tok.encode(p) for p in PROMPTS[:4]]
+    prompts = [torch.cat([prefix, s], dim=1) for s in suffixes]
+    g = make_gen(pages=16)
+    jobs = [job(p, 5) for p in prompts]
+    g.enqueue(jobs)
+    res = drain(g)
+    # Pages 0-1 (512 tokens) are full prefix pages: computed by the first job, referenced by the others.
+    expected = 512 + sum(p.shape[1] - 1 - 512 for p in prompts)
+    assert g.prefill_tokens == expected
+    assert g.cached_tokens == 3 * 512
+    for p, j in zip(prompts, jobs):
+        assert res[j]["tokens"] == argmax_tokens(model, p, 5)
+    # The same prompt again after the jobs ended: its pages are still cached (ref count 0, hash kept).
+    before = g.prefill_tokens
+    j2 = job(prompts[0], 5)
+    g.enqueue(j2)
+    res2 = drain(g)
+    assert res2[j2]["tokens"] == res[jobs[0]]["tokens"]
+    assert res2[j2]["final"]["cached_pages"] == 2 and res2[j2]["final"]["cached_tokens"] == 512
+    assert g.prefill_tokens - before == prompts[0].shape[1] - 1 - 512
+
+
+def test_cancel_frees_pages_and_waiting_jobs_get_them() -> None:
+    _, tok = aidreams()
+    g = make_gen(pages=2)
+    ids = tok.encode("Echoes of", add_bos=True)
+    a, b, c = job(ids, 300), job(ids, 10), job(ids, 10)  # a needs 2 pages: the whole cache
+    g.enqueue([a, b, c])
+    g.iterate()
+    assert a in g.active and b.wait_reason is not None and "pages" in b.wait_reason
+    assert g.page_table.num_unreferenced() == 0
+    g.cancel(a)
+    assert g.page_table.num_unreferenced() == 2 and a not in g.active
+    res = drain(g)
+    assert res[b]["tokens"] == res[c]["tokens"] and len(res[b]["tokens"]) == 10
+    assert g.page_table.num_unreferenced() == 2
+    with pytest.raises(GeneratorError, match="not queued or running"):
+        g.cancel(a)
+
+
+def test_same_seed_same_text_batched_or_alone() -> None:
+    _, tok = aidreams()
+    s = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)
+    g = make_gen()
+    one = g.generate(PROMPTS[0], 16, seed=7, gen_settings=s, stop_conditions=[], add_bos=True)
+    again = g.generate(PROMPTS[0], 16, seed=7, gen_settings=s, stop_conditions=[], add_bos=True)
+    batch = g.generate(PROMPTS[:3], 16, seed=7, gen_settings=s, stop_conditions=[], add_bos=True)
+    other = [g.generate(PROMPTS[0], 16, seed=k, gen_settings=s, stop_conditions=[], add_bos=True)
+             for k in (8, 9, 10)]
+    assert one == again == batch[0]
+    assert any(o != one for o in other)
+
+
+def test_stop_string_across_tokens_is_held_and_not_emitted() -> None:
+    model, tok = aidreams()
+    ids = tok.encode("Echoes of", add_bos=True)
+    greedy = argmax_tokens(model, ids, 12)
+    pieces = tok.get_id_to_piece_list()
+    text = tok.decode(torch.cat([ids[0], torch.tensor(greedy)]))[len(tok.decode(ids[0])):]
+    assert text == "".join(pieces[t] for t in greedy)
+    # A stop string made of the last 2 chars of token k and the first 2 of token k + 1.
+    k = next(i for i in range(1, 10) if len(pieces[greedy[i]]) >= 3 and len(pieces[greedy[i + 1]]) >= 2)
+    at = len("".join(pieces[t] for t in greedy[:k + 1])) - 2
+    stop = text[at:at + 4]
+    assert stop not in text[:at + 3]
+    g = make_gen()
+    j = job(ids, 12, stop_conditions=[stop])
+    g.enqueue(j)
+    chunks = []
+    while g.num_remaining_jobs():
+        chunks += [r for r in g.iterate() if r["stage"] == "streaming"]
+    assert "".join(r["text"] for r in chunks) == text[:at]
+    assert all(stop[:2] not in r["text"] for r in chunks)
+    assert chunks[-1]["eos_reason"] == "stop_string" and chunks[-1]["eos_triggering_string"] == stop
+
+
+def test_min_new_tokens_suppresses_stop_token() -> None:
+    model, tok = aidreams()
+    ids = tok.encode("Echoes of", add_bos=True)
+    first = argmax_tokens(model, ids, 1)[0]
+    g = make_gen()
+    a, b = job(ids, 8, stop_conditions=[first]), job(ids, 8, stop_conditions=[first], min_new_tokens=3)
+    g.enqueue([a, b])
+    res = drain(g)
+    assert res[a]["final"]["eos_reason"] == "stop_token" and res[a]["tokens"] == [first]
+    assert res[b]["tokens"][0] != first and res[b]["final"]["new_tokens"] >= 3
+
+
+def test_banned_string_is_avoided() -> None:
+    model, tok = aidreams()
+    ids = tok.encode("Echoes of", add_bos=True)
+    plain = tok.decode(torch.cat([ids[0], torch.tensor(argmax_tokens(model, ids, 12))]))
+    word = plain.split()[2]  # a word the model would produce
+    g = make_gen()
+    j = job(ids, 12, banned_strings=[word.upper()])
+    g.enqueue(j)
+    res = drain(g)
+    assert word.lower() not in res[j]["text"].lower()
+    assert res[j]["final"]["new_tokens"] == 12
+
+
+def test_failing_job_does_not_take_down_the_others() -> None:
+    model, tok = aidreams()
+
+    class Broken:
+        def begin(self, prefix: str) -> None:
+            pass
+
+        def feed(self, token: int) -> None:
+            raise RuntimeError("filter exploded")
+
+        def next(self) -> tuple[set[int], set[int]]:
+            return set(range(512)), set()
+
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:3]]
+    g = make_gen()
+    jobs = [job(ids[0], 6), job(ids[1], 6, filters=[Broken()]), job(ids[2], 6)]
+    g.enqueue(jobs)
+    res = drain(g)
+    assert res[jobs[1]]["final"]["eos_reason"] == "error"
+    assert "filter exploded" in res[jobs[1]]["final"]["error_message"]
+    assert res[jobs[0]]["tokens"] == argmax_tokens(model, ids[0], 6)
+    assert res[jobs[2]]["tokens"] == argmax_tokens(model, ids[2], 6)
+    assert g.page_table.num_unreferenced() == g.num_pages
+
+
+def test_bad_input_errors() -> None:
+    _, tok = aidreams()
+    g = make_gen(pages=2)
+    ids = tok.encode("Echoes of", add_bos=True)
+    with pytest.raises(GeneratorError, match=r"Job requires 3 pages \(only 2 available\)"):
+        g.enqueue(job(torch.ones(1, 600, dtype=torch.long), 10))
+    with pytest.raises(GeneratorError, match="does not fit max_seq_len"):
+        make_gen(pages=2, max_seq_len=256).enqueue(job(torch.ones(1, 300, dtype=torch.long), 10))
+    j = job(ids, 4)
+    g.enqueue(j)
+    with pytest.raises(GeneratorError, match="already enqueued"):
+        g.enqueue(j)
+    with pytest.raises(GeneratorError, match="not queued or running"):
+        g.cancel(job(ids, 4))
+    with pytest.raises(GeneratorError, match=r"\[1, n\]"):
+        job(torch.ones(2, 3, dtype=torch.long), 4)
+    with pytest.raises(GeneratorError, match="CFG"):
+        job([ids, ids], 4)
+    with pytest.raises(GeneratorError, match="multiple of the page size"):
+        model, _ = aidreams()
+        ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=300), tok)
+    g.clear_queue()
+    assert g.num_remaining_jobs() == 0 and g.page_table.num_unreferenced() == 2

@@ -1,0 +1,55 @@
+"""Helpers shared by the generator tests (no tests here): the aidreams260K model and an argmax oracle."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from tests.conftest import shared_path
+
+PROMPTS = ["Echoes of", "Once", "The gentle hum of", "A", "Vectors align, and", "In the quiet", "Precision", "Why"]
+
+
+@lru_cache(maxsize=1)
+def _load(path: str) -> tuple[Any, Any]:
+    from exlpy import ExLlamaV2, ExLlamaV2Config
+    from exlpy.tokenizer import ExLlamaV2Tokenizer
+
+    cfg = ExLlamaV2Config(path)
+    cfg.max_seq_len = 2048  # trained for 128 positions; the paged tests need longer RoPE tables
+    model = ExLlamaV2(cfg)
+    model.load()
+    return model, ExLlamaV2Tokenizer(cfg)
+
+
+def aidreams() -> tuple[Any, Any]:
+    """(model, tokenizer), loaded once per test session."""
+    return _load(str(shared_path("models", "aidreams260K")))
+
+
+def argmax_tokens(model: Any, ids: torch.Tensor, n: int) -> list[int]:
+    """The oracle: n greedy tokens from full forward passes without any cache."""
+    out: list[int] = []
+    seq = ids.clone()
+    for _ in range(n):
+        t = int(model.forward(seq)[0, -1].argmax())
+        out.append(t)
+        seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
+    return out
+
+
+def drain(gen: Any) -> dict[Any, dict[str, Any]]:
+    """Run a dynamic generator until idle; per job: concatenated text, token ids and the final result."""
+    acc: dict[Any, dict[str, Any]] = {}
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            a = acc.setdefault(r["job"], {"text": "", "tokens": [], "final": None, "stages": []})
+            a["stages"].append(r["stage"])
+            if r["stage"] == "streaming":
+                a["text"] += r["text"]
+                a["tokens"] += r["token_ids"][0].tolist()
+                if r["eos"]:
+                    a["final"] = r
+    return acc
