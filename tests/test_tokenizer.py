@@ -247,3 +247,20 @@ def test_ids_from_tokenizer_config(tmp_path: Path) -> None:
     assert tok.encode(["same", "same"]).shape == (2, 1)
     with pytest.raises(TokenizerError, match="no pad token"):
         tok.encode(["a", "several more tokens"])
+
+
+def test_mistral_spm_matches_json(tmp_path: Path) -> None:
+    """Mistral ships tokenizer.model as tokenizer.model.v1; under the usual name it agrees with tokenizer.json."""
+    src = shared_path("tokenizers", "mistral")
+    for name, link in (("tokenizer.json", "tokenizer.json"), ("tokenizer_config.json", "tokenizer_config.json"),
+                       ("tokenizer.model.v1", "tokenizer.model")):
+        (tmp_path / link).symlink_to(src / name)
+    js, sp = ExLlamaV2Tokenizer(str(tmp_path)), ExLlamaV2Tokenizer(str(tmp_path), force_spm=True)
+    texts = [t for t, _ in load_vectors("llama-spm")] + ["[INST] hi <s> there </s>[/INST]"]
+    for text in texts:
+        for special in (False, True):
+            ids = js.encode(text, encode_special_tokens=special)[0].tolist()
+            assert ids == sp.encode(text, encode_special_tokens=special)[0].tolist(), repr(text)
+            assert js.decode(ids, special) == sp.decode(ids, special)
+    assert (js.bos_token_id, js.eos_token_id, js.pad_token_id) == (sp.bos_token_id, sp.eos_token_id,
+                                                                    sp.pad_token_id) == (1, 2, 2)
