@@ -1,9 +1,29 @@
 """exlpy: the exllamav2 API in pure Python + Triton."""
 
-from exlpy.cache import ExLlamaV2Cache, ExLlamaV2CacheBase
+import exlpy.env  # noqa: F401  (first: sets CUDA_MODULE_LOADING before torch initializes CUDA)
+from exlpy.cache import (
+    ExLlamaV2Cache,
+    ExLlamaV2Cache_8bit,
+    ExLlamaV2Cache_Q4,
+    ExLlamaV2Cache_Q6,
+    ExLlamaV2Cache_Q8,
+    ExLlamaV2CacheBase,
+)
 from exlpy.config import ExLlamaV2Config
 from exlpy.model import ExLlamaV2
+from exlpy.tokenizer import ExLlamaV2Tokenizer
 
 __version__ = "0.1.0"
 
-__all__ = ["ExLlamaV2", "ExLlamaV2Cache", "ExLlamaV2CacheBase", "ExLlamaV2Config", "__version__"]
+__all__ = [
+    "ExLlamaV2",
+    "ExLlamaV2Cache",
+    "ExLlamaV2Cache_8bit",
+    "ExLlamaV2Cache_Q4",
+    "ExLlamaV2Cache_Q6",
+    "ExLlamaV2Cache_Q8",
+    "ExLlamaV2CacheBase",
+    "ExLlamaV2Config",
+    "ExLlamaV2Tokenizer",
+    "__version__",
+]
