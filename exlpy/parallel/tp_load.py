@@ -18,7 +18,8 @@ from exlpy.model.batch import ForwardBatch
 from exlpy.model.layers import MLP, Attention, Embedding, Head, RMSNorm
 from exlpy.model.linear import linear_format
 from exlpy.parallel.tp_context import TPContext
-from exlpy.parallel.tp_layers import SlotState, Stage, TPAttention, TPHead, TPMLP
+from exlpy.parallel.tp_graph import TPGraphs, graphs_wanted
+from exlpy.parallel.tp_layers import TPMLP, SlotState, Stage, TPAttention, TPHead
 
 if TYPE_CHECKING:
     from exlpy.model.model import ExLlamaV2
@@ -31,27 +32,45 @@ def check_supported(model: ExLlamaV2) -> None:
     if not s.arch.supports_tp:
         raise TensorParallelError(f"Tensor-parallel is not supported for {s.architecture}")
     if s.intermediate_size % 128:
-        raise TensorParallelError(f"Model intermediate size must be divisible by 128 (intermediate_size = "
-                                  f"{s.intermediate_size})")
+        raise TensorParallelError(
+            f"Model intermediate size must be divisible by 128 (intermediate_size = {s.intermediate_size})"
+        )
     if s.num_attention_heads % s.num_key_value_heads:
-        raise TensorParallelError("Tensor-parallel needs num_attention_heads to be a multiple of "
-                                  f"num_key_value_heads ({s.num_attention_heads} / {s.num_key_value_heads})")
-    formats = {linear_format(model.config.index, f"{m.key}.{p}") for m in model.modules
-               if isinstance(m, (Attention, MLP))
-               for p in (("q_proj", "k_proj", "v_proj", "o_proj") if isinstance(m, Attention)
-                         else ("gate_proj", "up_proj", "down_proj"))}
+        raise TensorParallelError(
+            "Tensor-parallel needs num_attention_heads to be a multiple of "
+            f"num_key_value_heads ({s.num_attention_heads} / {s.num_key_value_heads})"
+        )
+    formats = {
+        linear_format(model.config.index, f"{m.key}.{p}")
+        for m in model.modules
+        if isinstance(m, (Attention, MLP))
+        for p in (
+            ("q_proj", "k_proj", "v_proj", "o_proj")
+            if isinstance(m, Attention)
+            else ("gate_proj", "up_proj", "down_proj")
+        )
+    }
     if "gptq" in formats:
-        raise TensorParallelError("Tensor split not implemented for GPTQ matrices: load this model with load() "
-                                  "or load_autosplit()")
+        raise TensorParallelError(
+            "Tensor split not implemented for GPTQ matrices: load this model with load() or load_autosplit()"
+        )
     if "exl2" in formats and s.head_dim % 32:
-        raise TensorParallelError(f"Tensor-parallel EXL2 needs head_dim divisible by 32 (EXL2 columns split in "
-                                  f"units of 32), head_dim = {s.head_dim}")
+        raise TensorParallelError(
+            f"Tensor-parallel EXL2 needs head_dim divisible by 32 (EXL2 columns split in "
+            f"units of 32), head_dim = {s.head_dim}"
+        )
 
 
-def load_tp_gen(model: ExLlamaV2, gpu_split: list[float] | None, callback: Callable[[int, int], None] | None,
-                callback_gen: Callable[[int, int], Any] | None, progress: bool, expect_cache_tokens: int = 0,
-                expect_cache_base: type | None = None, devices: list[torch.device | str] | None = None
-                ) -> Generator[Any, None, None]:
+def load_tp_gen(
+    model: ExLlamaV2,
+    gpu_split: list[float] | None,
+    callback: Callable[[int, int], None] | None,
+    callback_gen: Callable[[int, int], Any] | None,
+    progress: bool,
+    expect_cache_tokens: int = 0,
+    expect_cache_base: type | None = None,
+    devices: list[torch.device | str] | None = None,
+) -> Generator[Any, None, None]:
     """Load every module sharded over the TP slots (`devices`: explicit slot devices, for tests)."""
     check_supported(model)
     ctx = TPContext(model, gpu_split, expect_cache_tokens, expect_cache_base, devices=devices)
@@ -93,6 +112,8 @@ def load_tp_gen(model: ExLlamaV2, gpu_split: list[float] | None, callback: Calla
         model.tp_context = None
         raise
     ctx.modules = tp_modules
+    if graphs_wanted(ctx):
+        ctx.graphs = TPGraphs(ctx)
     model._run = functools.partial(tp_run, model)  # type: ignore[method-assign]
     model.loaded = True
     if callback is not None:
@@ -103,8 +124,13 @@ def load_tp_gen(model: ExLlamaV2, gpu_split: list[float] | None, callback: Calla
         bar(n)
 
 
-def load_tp(model: ExLlamaV2, gpu_split: list[float] | None = None, devices: list[torch.device | str] | None = None,
-            expect_cache_tokens: int = 0, expect_cache_base: type | None = None) -> None:
+def load_tp(
+    model: ExLlamaV2,
+    gpu_split: list[float] | None = None,
+    devices: list[torch.device | str] | None = None,
+    expect_cache_tokens: int = 0,
+    expect_cache_base: type | None = None,
+) -> None:
     """`model.load_tp` with explicit slot devices (several may be the same CPU device: tests)."""
     if model.loaded:
         from exlpy.errors import ModelStateError
@@ -137,14 +163,18 @@ def make_states(ctx: TPContext, x: torch.Tensor, batch: ForwardBatch, last_only:
 
     cache = batch.cache
     if cache is not None and not isinstance(cache, ExLlamaV2Cache_TP):
-        raise TensorParallelError(f"a model loaded with load_tp() needs an ExLlamaV2Cache_TP, got "
-                                  f"{type(cache).__name__}")
+        raise TensorParallelError(
+            f"a model loaded with load_tp() needs an ExLlamaV2Cache_TP, got {type(cache).__name__}"
+        )
     states = []
     for slot in ctx.all_devices():
         dev = ctx.all_devs[slot]
         xs = x.to(device=dev, dtype=ctx.model.config.compute_dtype(dev), copy=True)  # owned: updated in place
-        states.append(SlotState(slot, dev, xs, batch.on(dev), None if cache is None else cache.slot_cache(slot),
-                                last_only=last_only))
+        states.append(
+            SlotState(
+                slot, dev, xs, batch.on(dev), None if cache is None else cache.slot_cache(slot), last_only=last_only
+            )
+        )
     return states
 
 
@@ -169,8 +199,15 @@ def gather_logits(ctx: TPContext, outs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([o.to(dev).float() for o in outs if o.shape[-1] > 0], dim=-1)
 
 
-def tp_run(model: ExLlamaV2, ids: torch.Tensor, batch: ForwardBatch, preprocess_only: bool, last_id_only: bool,
-           return_last_state: bool, cpu_logits: bool) -> Any:
+def tp_run(
+    model: ExLlamaV2,
+    ids: torch.Tensor,
+    batch: ForwardBatch,
+    preprocess_only: bool,
+    last_id_only: bool,
+    return_last_state: bool,
+    cpu_logits: bool,
+) -> Any:
     """The tensor-parallel replacement of `ExLlamaV2._run` (same arguments, same results)."""
     ctx: TPContext = model.tp_context
     emb = model.modules[0]

@@ -1,0 +1,296 @@
+"""Tensor-parallel benchmark: correctness against one GPU, decode / prefill speed, memory over a long run.
+
+    PYTHONPATH=. python benchmarks/tp.py --gpus 2 --out tp2.json
+    PYTHONPATH=. python benchmarks/tp.py --gpus 4 --split 40,20,20,10 --out tp4.json
+
+The model is 70B-layer-shaped (hidden 8192, intermediate 28672, 64 Q / 8 KV heads, head_dim 128), 8 layers,
+fp16 random weights written once to /tmp. Single-GPU and TP runs happen in the same process, one after the
+other. Collective backends are timed first (all-reduce of one decode token and of a 2048-token prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v  # NVLink multicast stays off (shared machines)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
+from exlpy.cache.tp import ExLlamaV2Cache_TP  # noqa: E402
+from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable  # noqa: E402
+
+
+def build_model(path: Path, layers: int, vocab: int, hidden: int = 8192, inter: int = 28672, heads: int = 64,
+                kv: int = 8, hd: int = 128) -> Path:
+    from safetensors.torch import save_file
+
+    if (path / "done").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+           "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+    (path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+
+    def r(*shape: int, std: float = 0.01) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda:0", dtype=torch.float16) * std).cpu()
+
+    # One random layer reused for every layer keeps the build fast; the benchmark only needs the shapes.
+    layer = {"input_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
+             "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
+             "self_attn.q_proj.weight": r(heads * hd, hidden), "self_attn.k_proj.weight": r(kv * hd, hidden),
+             "self_attn.v_proj.weight": r(kv * hd, hidden), "self_attn.o_proj.weight": r(hidden, heads * hd),
+             "mlp.gate_proj.weight": r(inter, hidden), "mlp.up_proj.weight": r(inter, hidden),
+             "mlp.down_proj.weight": r(hidden, inter, std=0.006)}
+    wmap = {}
+    for i in range(layers):
+        name = f"layer{i}.safetensors"
+        save_file({f"model.layers.{i}.{k}": v for k, v in layer.items()}, str(path / name))
+        wmap.update({f"model.layers.{i}.{k}": name for k in layer})
+    save_file({"model.embed_tokens.weight": r(vocab, hidden, std=1.0), "model.norm.weight":
+               torch.ones(hidden, dtype=torch.float16), "lm_head.weight": r(vocab, hidden)},
+              str(path / "outer.safetensors"))
+    wmap.update({k: "outer.safetensors" for k in ("model.embed_tokens.weight", "model.norm.weight",
+                                                  "lm_head.weight")})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    (path / "done").write_text("ok")
+    return path
+
+
+def sync_all(n: int) -> None:
+    for i in range(n):
+        torch.cuda.synchronize(i)
+
+
+def time_comm(n: int, results: dict) -> None:
+    devs = [torch.device("cuda", i) for i in range(n)]
+    backends = [LocalComm(), HostComm()] + ([NcclComm()] if nccl_usable(devs) else [])
+    for rows, iters in ((1, 300), (2048, 20)):
+        for be in backends:
+            ts = [torch.randn(rows, 8192, device=d).half() for d in devs]
+            for _ in range(3):
+                be.all_reduce(ts)
+            sync_all(n)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                be.all_reduce(ts)
+            sync_all(n)
+            results.setdefault("allreduce_us", {})[f"{be.name}_{rows}x8192"] = round(
+                (time.perf_counter() - t0) / iters * 1e6, 1)
+
+
+DIST_WORKER = r"""
+import os, sys, time, json, datetime, torch, torch.distributed as dist
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank))
+out = {}
+for rows, iters in ((1, 300), (2048, 20)):
+    t = torch.randn(rows, 8192, device="cuda").half()
+    for _ in range(5): dist.all_reduce(t)
+    torch.cuda.synchronize(); dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters): dist.all_reduce(t)
+    torch.cuda.synchronize()
+    out[f"dist_{rows}x8192"] = round((time.perf_counter() - t0) / iters * 1e6, 1)
+if rank == 0: print("DIST " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def time_dist(n: int, results: dict) -> None:
+    """torch.distributed NCCL, one process per GPU (a 60 s timeout guards against hangs)."""
+    procs = [subprocess.Popen([sys.executable, "-c", DIST_WORKER, str(r), str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        results["allreduce_us"]["dist"] = "timed out"
+        return
+    for line in outs[0].splitlines():
+        if line.startswith("DIST "):
+            results["allreduce_us"].update(json.loads(line[5:]))
+            return
+    results["allreduce_us"]["dist"] = "failed: " + outs[0][-300:]
+
+
+def decode_ms(model: ExLlamaV2, cache, prompt: torch.Tensor, steps: int, n: int) -> float:
+    cache.current_seq_len = 0
+    logits = model.forward(prompt, cache, last_id_only=True)
+    tok = logits[:, -1:].argmax(-1).cpu()
+    for _ in range(3):
+        model.forward(tok, cache)
+    sync_all(n)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = model.forward(tok, cache)[:, -1:].argmax(-1).cpu()  # a real sampling loop reads the token back
+    sync_all(n)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def prefill_ms(model: ExLlamaV2, cache, ids: torch.Tensor, n: int) -> float:
+    cache.current_seq_len = 0
+    model.forward(ids, cache, preprocess_only=True)
+    sync_all(n)
+    best = 1e9
+    for _ in range(3):
+        cache.current_seq_len = 0
+        sync_all(n)
+        t0 = time.perf_counter()
+        model.forward(ids, cache, last_id_only=True)
+        sync_all(n)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def mem(n: int) -> list[dict]:
+    return [{"alloc_MiB": round(torch.cuda.memory_allocated(i) / 2**20, 1),
+             "max_MiB": round(torch.cuda.max_memory_allocated(i) / 2**20, 1)} for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--out", default="tp_results.json")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--mem-steps", type=int, default=10000)
+    ap.add_argument("--split", default="", help="uneven gpu_split (GB, comma separated) checked after the main run")
+    ap.add_argument("--model", default="/tmp/exlpy_tp70b")
+    ap.add_argument("--no-dist", action="store_true")
+    ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
+    args = ap.parse_args()
+    n = args.gpus
+    assert torch.cuda.device_count() >= n, f"needs {n} GPUs, {torch.cuda.device_count()} visible"
+    res: dict = {"gpus": n, "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+    t = time.perf_counter()
+    path = build_model(Path(f"{args.model}_{args.layers}_{args.vocab}"), args.layers, args.vocab)
+    res["build_s"] = round(time.perf_counter() - t, 1)
+    time_comm(n, res)
+    if not args.no_dist:
+        time_dist(n, res)
+    print(json.dumps(res), flush=True)
+    save()
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, args.vocab, (1, 128), generator=g)
+    long_ids = torch.randint(3, args.vocab, (1, 2048), generator=g)
+
+    cfg = ExLlamaV2Config(str(path))
+    cfg.max_seq_len, cfg.max_input_len, cfg.max_attention_size = 4096, 2048, 2048**2
+    single = ExLlamaV2(cfg)
+    single.load([200])
+    ref = single.forward(prompt[:, :64]).float()
+    cache = ExLlamaV2Cache(single, max_seq_len=4096)
+    res["single_decode_ms"] = round(decode_ms(single, cache, prompt, args.steps, 1), 3)
+    res["single_prefill2048_ms"] = round(prefill_ms(single, cache, long_ids, 1), 2)
+    print(json.dumps(res), flush=True)
+    save()
+    del cache
+    single.unload()
+    torch.cuda.empty_cache()
+
+    def tp_run(split: list[float] | None, tag: str, full: bool) -> None:
+        cfg2 = ExLlamaV2Config(str(path))
+        cfg2.max_seq_len, cfg2.max_input_len, cfg2.max_attention_size = 4096, 2048, 2048**2
+        m = ExLlamaV2(cfg2)
+        m.load_tp(split, expect_cache_tokens=4096)
+        ctx = m.tp_context
+        out = {"kv_split": ctx.kv_split, "id_split": ctx.id_split, "vc_split": ctx.vc_split,
+               "comm": ctx.comm.name, "mode": ctx.modules[0].mode}
+        tp_logits = m.forward(prompt[:, :64]).float()
+        out["max_abs_diff"] = round((tp_logits.cpu() - ref.cpu()).abs().max().item(), 4)
+        out["ref_absmax"] = round(ref.abs().max().item(), 3)
+        out["argmax_agree"] = float((tp_logits.argmax(-1).cpu() == ref.argmax(-1).cpu()).float().mean())
+        c = ExLlamaV2Cache_TP(m, max_seq_len=4096)
+        try:
+            out["decode_ms_graphs"] = round(decode_ms(m, c, prompt, args.steps, n), 3)
+        except Exception:  # noqa: BLE001 - record and go on with eager decode
+            import traceback
+
+            out["graph_error"] = traceback.format_exc()[-1500:]
+            print(out["graph_error"], flush=True)
+            ctx.graphs = None
+            out["decode_ms_graphs"] = round(decode_ms(m, c, prompt, args.steps, n), 3)
+        # Graph decode equals eager decode (same cache state, same token).
+        c.current_seq_len = 0
+        m.forward(prompt, c, preprocess_only=True)
+        tok = prompt[:, -1:]
+        lg = m.forward(tok, c)
+        c.current_seq_len -= 1
+        graphs, ctx.graphs = ctx.graphs, None
+        le = m.forward(tok, c)
+        out["graph_vs_eager_maxdiff"] = round((lg - le).abs().max().item(), 4)
+        if full:
+            out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
+        ctx.graphs = graphs
+        out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        if full:
+            nccl = ctx.comm
+            for be in (LocalComm(), HostComm()):
+                ctx.comm = be
+                out[f"decode_ms_graphs_{be.name}"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
+                out[f"prefill2048_ms_{be.name}"] = round(prefill_ms(m, c, long_ids, n), 2)
+            ctx.comm = nccl
+            if args.mem_steps:
+                c.current_seq_len = 0
+                m.forward(prompt, c)
+                tok = prompt[:, -1:]
+                m.forward(tok, c)
+                sync_all(n)
+                for i in range(n):
+                    torch.cuda.reset_peak_memory_stats(i)
+                start = mem(n)
+                t0 = time.perf_counter()
+                for s in range(args.mem_steps):
+                    if c.current_seq_len >= 4000:
+                        c.current_seq_len = 128  # wrap inside the cache: the step itself is what is measured
+                    tok = m.forward(tok, c)[:, -1:].argmax(-1).cpu()
+                sync_all(n)
+                out["mem_steps"] = args.mem_steps
+                out["mem_steps_s"] = round(time.perf_counter() - t0, 1)
+                out["mem_start"], out["mem_end"] = start, mem(n)
+        res[tag] = out
+        print(json.dumps({tag: out}), flush=True)
+        save()
+        del c
+        m.unload()
+        torch.cuda.empty_cache()
+
+    tp_run(None, "tp", True)
+    res["speedup_decode"] = round(res["single_decode_ms"] / res["tp"]["decode_ms_graphs"], 2)
+    res["speedup_prefill"] = round(res["single_prefill2048_ms"] / res["tp"]["prefill2048_ms"], 2)
+    save()
+    if args.column:
+        os.environ["EXLPY_TP_MODE"] = "column"
+        tp_run(None, "tp_column", False)
+        os.environ.pop("EXLPY_TP_MODE")
+    if args.split:
+        tp_run([float(x) for x in args.split.split(",")], "tp_uneven", False)
+    print("RESULT " + json.dumps(res), flush=True)
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""CUDA graphs for tensor-parallel decode (one new token per row, contiguous TP cache).
+
+One process drives every GPU, so Python launch overhead grows with the device count; graphs remove it. Each
+stage (see tp_layers) is captured as one graph per slot; between stages the host issues the all-reduce
+(NCCL or peer copies, outside the graphs), so a step is `stages x slots` graph launches plus one collective per
+stage instead of hundreds of kernel launches per slot.
+
+Inputs live in static per-slot buffers (residual, positions, cache slots, lengths); attention reads lengths
+from device memory over the whole cache (`max_seqlen` = cache length only sizes the split-K kernel), so one
+graph set serves every step of a (batch size, cache) pair. Nothing is allocated per step apart from the
+logits gather.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from exlpy.model.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from exlpy.parallel.tp_context import TPContext
+
+_MAX_SETS = 4
+
+
+def graphs_wanted(ctx: TPContext) -> bool:
+    devs = [ctx.all_devs[s] for s in ctx.all_devices()]
+    if os.environ.get("EXLLAMA_NO_GRAPHS") or os.environ.get("EXLPY_TP_NO_GRAPHS"):
+        return False
+    return all(d.type == "cuda" for d in devs) and len({str(d) for d in devs}) == len(devs)
+
+
+class _GraphSet:
+    def __init__(self, ctx: TPContext, cache: Any, batch_size: int) -> None:
+        from exlpy.parallel.tp_layers import SlotState
+        from exlpy.parallel.tp_load import _stage_list
+
+        self.ctx = ctx
+        self.cache_ref = weakref.ref(cache)
+        self.B = B = batch_size
+        cfg = ctx.model.config
+        S = cache.max_seq_len
+        self.stages, _ = _stage_list(ctx)
+        self.states: list[SlotState] = []
+        self.inputs: list[dict[str, torch.Tensor]] = []
+        for slot in ctx.all_devices():
+            dev = ctx.all_devs[slot]
+            rows = torch.arange(B, device=dev)
+            inp = {
+                "x": torch.zeros(B, 1, cfg.hidden_size, dtype=cfg.compute_dtype(dev), device=dev),
+                "pos": torch.zeros(B, 1, dtype=torch.long, device=dev),
+                "slots": (rows * S).view(B, 1).clone(),
+                "row_base": (rows * S).view(B, 1),
+                "seqlens": torch.ones(B, dtype=torch.int32, device=dev),
+            }
+            batch = ForwardBatch(
+                B,
+                1,
+                inp["pos"],
+                cache=cache,
+                slots=inp["slots"],
+                block_table=rows.int().view(B, 1),
+                page_size=S,
+                seqlens=inp["seqlens"],
+                max_seqlen=S,
+                past_len=None,
+            )
+            self.inputs.append(inp)
+            self.states.append(SlotState(slot, dev, inp["x"], batch, cache.slot_cache(slot), static_attn=True))
+        self.graphs: list[list[torch.cuda.CUDAGraph]] = []
+        self.outs: list[list[torch.Tensor]] = []
+
+    def _set_inputs(self, x: torch.Tensor, past: int) -> None:
+        for inp in self.inputs:
+            inp["x"].copy_(x)
+            inp["pos"].fill_(past)
+            torch.add(inp["row_base"], past, out=inp["slots"])
+            inp["seqlens"].fill_(past + 1)
+
+    def _reset_states(self) -> None:
+        for st, inp in zip(self.states, self.inputs):
+            st.x, st.red, st.pending, st.inp = inp["x"], None, "", None
+
+    def capture(self, x: torch.Tensor, past: int) -> None:
+        from exlpy.parallel.tp_load import run_stages
+
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS workspaces, NCCL communicators
+            self._set_inputs(x, past)
+            self._reset_states()
+            run_stages(self.ctx, self.stages, self.states)
+        self.ctx.wait_streams()
+        self._set_inputs(x, past)
+        self._reset_states()
+        pools = {}
+        streams = {}
+        for st in self.states:
+            with torch.cuda.device(st.device):
+                pools[st.slot] = torch.cuda.graph_pool_handle()
+                streams[st.slot] = torch.cuda.Stream(st.device)
+        for stage in self.stages:
+            row_g, row_o = [], []
+            for st in self.states:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.device(st.device), torch.cuda.graph(g, pool=pools[st.slot], stream=streams[st.slot]):
+                    st.enter()
+                    out = stage.fn(st)
+                row_g.append(g)
+                row_o.append(out)
+            for st, out in zip(self.states, row_o):
+                st.red, st.pending = out, stage.then
+            self.graphs.append(row_g)
+            self.outs.append(row_o)
+        self.ctx.wait_streams()
+
+    def replay(self, x: torch.Tensor, past: int) -> torch.Tensor:
+        from exlpy.parallel.tp_load import gather_logits
+
+        self._set_inputs(x, past)
+        for stage, row_g, row_o in zip(self.stages, self.graphs, self.outs):
+            for st, g in zip(self.states, row_g):
+                with torch.cuda.device(st.device):
+                    g.replay()
+            if stage.then != "out":
+                self.ctx.all_reduce(row_o)
+        return gather_logits(self.ctx, self.outs[-1])
+
+
+class TPGraphs:
+    """Decode graph sets keyed by (batch size, cache), built on first use."""
+
+    def __init__(self, ctx: TPContext) -> None:
+        self.ctx = ctx
+        self.sets: dict[tuple[int, int], _GraphSet] = {}
+
+    def clear(self) -> None:
+        self.sets.clear()
+
+    def try_run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits for a graph-eligible decode step, else None (the caller runs the eager path)."""
+        cache = batch.cache
+        if (
+            cache is None
+            or batch.q_len != 1
+            or batch.past_len is None
+            or batch.key_mask is not None
+            or batch.page_size != getattr(cache, "max_seq_len", -1)
+        ):
+            return None
+        if batch.block_table is None or batch.block_table.shape[1] != 1:
+            return None
+        rows = batch.block_table[:, 0]
+        if int(rows[0]) != 0 or int(rows[-1]) != batch.batch_size - 1:
+            return None  # a row offset into the cache: eager
+        key = (batch.batch_size, id(cache))
+        gs = self.sets.get(key)
+        if gs is not None and gs.cache_ref() is not cache:
+            del self.sets[key]
+            gs = None
+        if gs is None:
+            if len(self.sets) >= _MAX_SETS:
+                self.sets.pop(next(iter(self.sets)))
+            gs = _GraphSet(self.ctx, cache, batch.batch_size)
+            gs.capture(x, batch.past_len)
+            self.sets[key] = gs
+        return gs.replay(x, batch.past_len)
