@@ -1,0 +1,56 @@
+"""HF transformers decode speed on the same model directory; run as a subprocess so a slow compile can be capped.
+
+python benchmarks/hf_bench.py --model DIR --mode eager|compile --prompt-len 512 --gen-len 256
+prints one JSON line: {"mode", "tokens_per_s", "prefill_s", "compile_s", ...}.
+Decode rate = (N - 1) new tokens ÷ (time of generate(N) - time of generate(1)), greedy, EOS suppressed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=256)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float16, device_map="cuda:0").eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device="cuda:0")
+    kw: dict = dict(do_sample=False, pad_token_id=0)
+    compile_s = 0.0
+    if args.mode == "compile":
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        t0 = time.perf_counter()
+        for _ in range(2):  # compiles (prefill and decode shapes) and records the graphs
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        assert out.shape[1] == args.prompt_len + n
+        return time.perf_counter() - t0
+
+    timed(2)
+    t1 = min(timed(1) for _ in range(2))
+    tn = timed(args.gen_len)
+    print(json.dumps({"mode": args.mode, "tokens_per_s": (args.gen_len - 1) / (tn - t1), "prefill_s": t1,
+                      "compile_s": compile_s, "gen_len": args.gen_len, "prompt_len": args.prompt_len}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Random-weight Llama models of real shapes, written as safetensors shards (fp16 and EXL2 4-bit g128).
+
+Speed depends on shapes and formats only, so random weights (fp16 std 0.02; for EXL2 random packed codes,
+random 4-bit scale codes with q_scale_max ~0.01, a random act-order permutation) measure what real weights
+would. Tensors are drawn on the GPU when there is one (fast), then written per shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES: dict[str, dict] = {
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                      rope_theta=500000.0),
+    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                        rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100000.0),
+}
+
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _config(shape: dict, max_pos: int = 8192) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "float16", "attention_bias": False, "mlp_bias": False, **shape}
+
+
+def _linears(shape: dict, i: int) -> Iterator[tuple[str, int, int]]:
+    """(name, in_features, out_features) of layer i's projections."""
+    h, d, im = shape["hidden_size"], shape["head_dim"], shape["intermediate_size"]
+    hq, hk = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    p = f"model.layers.{i}"
+    yield from [(f"{p}.self_attn.q_proj", h, hq), (f"{p}.self_attn.k_proj", h, hk), (f"{p}.self_attn.v_proj", h, hk),
+                (f"{p}.self_attn.o_proj", hq, h), (f"{p}.mlp.gate_proj", h, im), (f"{p}.mlp.up_proj", h, im),
+                (f"{p}.mlp.down_proj", im, h)]
+
+
+def _dense(out_f: int, in_f: int) -> torch.Tensor:
+    return (torch.randn(out_f, in_f, device=_DEV, dtype=torch.float16) * 0.02).cpu()
+
+
+def _norm(n: int) -> torch.Tensor:
+    return (1.0 + 0.1 * torch.randn(n, device=_DEV)).half().cpu()
+
+
+def _exl2(prefix: str, k: int, n: int, bits: int) -> dict[str, torch.Tensor]:
+    """EXL2 tensors of one linear, uniform `bits`, groups of 128 rows (spec §3.1-3.4)."""
+    gs = 128
+    groups = (k + gs - 1) // gs
+    words_per_group = gs * bits // 32
+    n_pad = (n + 31) // 32 * 32
+    words = (k * bits + 31) // 32
+    qg = torch.tensor([[bits, g * words_per_group] for g in range(groups)], dtype=torch.int16).flatten()
+    rnd = lambda *s: torch.randint(-2**31, 2**31 - 1, s, dtype=torch.int64, device=_DEV).to(torch.int32).cpu()
+    return {
+        f"{prefix}.q_weight": rnd(words, n_pad),  # any 32-bit word is a valid run of codes
+        f"{prefix}.q_invperm": torch.randperm(k, device=_DEV).to(torch.int32).cpu(),
+        f"{prefix}.q_scale": rnd(groups, n_pad // 8),
+        f"{prefix}.q_scale_max": (0.01 * (0.5 + torch.rand(groups))).half(),
+        f"{prefix}.q_groups": qg,
+    }
+
+
+def write_model(out_dir: str, shape_name: str, exl2_bits: int = 0, head_bits: int = 6,
+                shard_bytes: int = 4 * 2**30) -> str:
+    """Write the model once (a `.complete` marker makes later calls free); returns out_dir."""
+    if os.path.exists(os.path.join(out_dir, ".complete")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    shape = SHAPES[shape_name]
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    count = [0]
+
+    def flush() -> None:
+        if shard:
+            name = f"model-{count[0]:05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+            weight_map.update({t: name for t in shard})
+            shard.clear()
+            count[0] += 1
+
+    def add(tensors: dict[str, torch.Tensor]) -> None:
+        shard.update(tensors)
+        if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
+            flush()
+
+    add({"model.embed_tokens.weight": _dense(v, h)})
+    for i in range(shape["num_hidden_layers"]):
+        add({f"model.layers.{i}.input_layernorm.weight": _norm(h),
+             f"model.layers.{i}.post_attention_layernorm.weight": _norm(h)})
+        for name, k, n in _linears(shape, i):
+            add(_exl2(name, k, n, exl2_bits) if exl2_bits else {f"{name}.weight": _dense(n, k)})
+    add({"model.norm.weight": _norm(h)})
+    if not shape["tie_word_embeddings"]:
+        add(_exl2("lm_head", h, v, head_bits) if exl2_bits else {"lm_head.weight": _dense(v, h)})
+    flush()
+    cfg = _config(shape)
+    if exl2_bits:
+        cfg["quantization_config"] = {"quant_method": "exl2", "bits": exl2_bits, "head_bits": head_bits}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    open(os.path.join(out_dir, ".complete"), "w").close()
+    return out_dir
