@@ -100,7 +100,7 @@ def run_hf(model_dir: str, mode: str, prompt_len: int, gen_len: int, timeout: in
 
 def bench_model(key: str, d: str, label: str, args: argparse.Namespace, row, lines: list[str],
                 extra: list[str]) -> None:
-    model = load_model(d, args.prompt_len + args.gen_len + 64, max(1, args.batched))
+    model = load_model(d, max(args.prompt_len + args.gen_len + 64, args.prefill), max(1, args.batched))
     try:
         err = graph_matches_eager(model)
         extra.append(f"- {label}: graph replay vs eager step, max |Δlogits| / max |logits| = {err:.2e}")

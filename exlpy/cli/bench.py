@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt-len, --gen-len and --batch must be positive")
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s")
-    model = load_model(args.model, args.prompt_len + args.gen_len + 16, max(args.batch), args.no_graphs)
+    seq = max(args.prompt_len + args.gen_len + 16, args.prefill)
+    model = load_model(args.model, seq, max(args.batch), args.no_graphs)
     print(f"{'batch':>5} {'prompt':>6} {'gen':>5} {'tok/s':>9} {'ms/step':>8} {'TB/s':>6} {'of limit':>8}")
     for b in args.batch:
         r = time_decode(model, b, args.prompt_len, args.gen_len)
