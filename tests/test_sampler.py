@@ -149,6 +149,15 @@ def test_xtc_probability_one_excludes_top_choice() -> None:
     assert ktok.item() == 0
 
 
+def test_xtc_partial_probability_resorts_candidates() -> None:
+    # top choice 0.4 -> 0.04, the rest scaled by (1 - 0.1 * 0.4) / 0.6 = 1.6: order becomes 1, 2, 3, 0
+    s = plain(xtc_probability=0.9, xtc_threshold=0.25)
+    tok, ktok, kprob, prob, _ = ExLlamaV2Sampler.sample(logits_of(P4), s, None, 0.99, return_top_tokens=4)
+    assert ktok[0, 0].tolist() == [1, 2, 3, 0]
+    torch.testing.assert_close(kprob[0, 0], torch.tensor([0.48, 0.32, 0.16, 0.04]))
+    assert tok.item() == 0 and prob.item() == pytest.approx(0.04)
+
+
 def test_skew_shifts_draw_to_less_likely() -> None:
     assert ExLlamaV2Sampler.sample(logits_of(P4), plain(), None, 0.25)[0].item() == 0
     assert ExLlamaV2Sampler.sample(logits_of(P4), plain(skew=math.log(4)), None, 0.25)[0].item() == 2  # r'=.707
