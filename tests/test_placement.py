@@ -192,3 +192,17 @@ def test_cache_must_be_lazy_and_split_entries_checked_through_the_model_api() ->
             warnings.simplefilter("ignore")
             model.load()  # None: everything on the one device there is
         assert model.loaded
+
+
+def test_quantized_cache_bytes_match_the_plan_including_per_device_temps() -> None:
+    from exlpy.cache.quant import ExLlamaV2Cache_Q4
+
+    model = make_model()
+    cache = ExLlamaV2Cache_Q4(model, max_seq_len=256, lazy=True)
+    drain(autosplit_gen_on(model, cache, 0, False, None, None, False, DEVS, sim(100, 100), [0, 0]))
+    plan = model.placement_plan
+    assert set(plan.devices) == {0, 1}
+    real = sum(t.numel() * t.element_size() for t in cache.all_tensors())
+    # Codes + scales per layer, plus one fp32 K/V temp pair per device (cpu:0 and cpu:1 are distinct keys).
+    assert sum(u.cache for u in plan.usage) == real
+    assert all(u.cache > 2 * 256 * 2 * 64 * 4 for u in plan.usage)

@@ -33,24 +33,29 @@ class CacheSpec:
     name: str
     bytes_k: float
     bytes_v: float
+    # Quantized caches also keep one K and one V buffer of full shape in the compute dtype per device,
+    # dequantized on read (spec §5 "temp tensors").
+    temp_per_device: bool = False
 
 
 CACHE_TYPES: dict[str, CacheSpec] = {
     "fp16": CacheSpec("fp16", 2.0, 2.0),
-    "fp8": CacheSpec("fp8", 1.0, 1.0),
-    "q4": CacheSpec("q4", 0.5625, 0.5625),
-    "q6": CacheSpec("q6", 1.0625, 0.5625),
-    "q8": CacheSpec("q8", 1.0625, 1.0625),
+    "fp8": CacheSpec("fp8", 1.0, 1.0, True),
+    "q4": CacheSpec("q4", 0.5625, 0.5625, True),
+    "q6": CacheSpec("q6", 1.0625, 0.5625, True),
+    "q8": CacheSpec("q8", 1.0625, 1.0625, True),
 }
 
 
-def cache_spec_of(cache: Any) -> CacheSpec:
-    """CacheSpec of a cache object (or class): its `bytes_per_element_k/v` class attributes."""
-    return CacheSpec(
-        type(cache).__name__ if not isinstance(cache, type) else cache.__name__,
-        float(cache.bytes_per_element_k),
-        float(cache.bytes_per_element_v),
-    )
+def cache_spec_of(cache: Any, act_bytes: int = 2) -> CacheSpec:
+    """CacheSpec of a cache object: its `bytes_per_element_k/v`; quantized ones (with `k_bits`) keep temps.
+
+    An unquantized cache stores the compute dtype, which is fp32 on the CPU: `act_bytes` then wins.
+    """
+    name = type(cache).__name__
+    if getattr(cache, "k_bits", None) is not None:
+        return CacheSpec(name, float(cache.bytes_per_element_k), float(cache.bytes_per_element_v), True)
+    return CacheSpec(name, float(act_bytes), float(act_bytes))
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,13 @@ def cache_bytes_per_layer(shape: ModelShape, run: RunShape, cache: CacheSpec) ->
     """K + V bytes of one layer: batch · max_seq_len · Hkv · D · (bytes_K + bytes_V)."""
     elems = run.batch_size * run.max_seq_len * shape.num_kv_heads * shape.head_dim
     return math.ceil(elems * (cache.bytes_k + cache.bytes_v))
+
+
+def cache_temp_bytes(shape: ModelShape, run: RunShape, cache: CacheSpec) -> int:
+    """Per-device dequantization buffers of a quantized cache (0 for unquantized ones)."""
+    if not cache.temp_per_device:
+        return 0
+    return 2 * run.batch_size * run.max_seq_len * shape.num_kv_heads * shape.head_dim * run.act_bytes
 
 
 def kv_bytes_per_token(shape: ModelShape, cache: CacheSpec) -> float:

@@ -58,9 +58,7 @@ def _nvml() -> list[DeviceMemory]:
         if torch.cuda.is_available() and torch.version.cuda is not None:
             for i in range(torch.cuda.device_count()):
                 uuid = str(torch.cuda.get_device_properties(i).uuid)
-                handles.append(
-                    pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-                )
+                handles.append(pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"))
         else:
             entries = visible_entries()
             if entries is None:
@@ -99,18 +97,14 @@ def parse_rocm_smi(text: str) -> list[DeviceMemory]:
     for key, val in data.items():
         if not key.startswith("card") or not isinstance(val, dict):
             continue
-        total = next(
-            (int(v) for k, v in val.items() if "total" in k.lower() and "used" not in k.lower()), None
-        )
+        total = next((int(v) for k, v in val.items() if "total" in k.lower() and "used" not in k.lower()), None)
         used = next((int(v) for k, v in val.items() if "used" in k.lower()), None)
         if total is not None and used is not None:
             cards[int(key[4:])] = (total, used)
     entries = visible_entries("HIP_VISIBLE_DEVICES") or visible_entries()
     order = [int(e) for e in entries if e.isdigit()] if entries is not None else sorted(cards)
     return [
-        DeviceMemory(i, cards[c][0], cards[c][0] - cards[c][1], "rocm-smi")
-        for i, c in enumerate(order)
-        if c in cards
+        DeviceMemory(i, cards[c][0], cards[c][0] - cards[c][1], "rocm-smi") for i, c in enumerate(order) if c in cards
     ]
 
 

@@ -51,20 +51,11 @@ def default_device() -> torch.device:
 
 
 def cuda_devices() -> list[torch.device]:
-    return (
-        [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available()
-        else []
-    )
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def _number(value: Any, what: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or math.isnan(value)
-        or math.isinf(value)
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
         raise GpuSplitError(f"{what} must be a finite number, got {value!r}")
     if value < 0:
         raise GpuSplitError(f"{what} must not be negative, got {value!r}")
@@ -91,41 +82,36 @@ def parse_reserve(reserve_vram: Any, num_devices: int) -> list[int]:
     if isinstance(reserve_vram, (int, float)) and not isinstance(reserve_vram, bool):
         return [int(_number(reserve_vram, "reserve_vram"))] * num_devices
     if isinstance(reserve_vram, (str, bytes)) or not isinstance(reserve_vram, Sequence):
-        raise GpuSplitError(
-            f"reserve_vram must be bytes (int) or a list of bytes per device, got {reserve_vram!r}"
-        )
+        raise GpuSplitError(f"reserve_vram must be bytes (int) or a list of bytes per device, got {reserve_vram!r}")
     if len(reserve_vram) > num_devices:
         raise GpuSplitError(
-            f"Too many entries in reserve_vram: {len(reserve_vram)} entries for {num_devices} "
-            "visible CUDA device(s)"
+            f"Too many entries in reserve_vram: {len(reserve_vram)} entries for {num_devices} visible CUDA device(s)"
         )
     out = [int(_number(v, f"reserve_vram[{i}]")) for i, v in enumerate(reserve_vram)]
     return out + parse_reserve(None, num_devices)[len(out) :]
 
 
-def _layer_cache_bytes(model: ExLlamaV2, caches: Sequence[ExLlamaV2CacheBase]) -> int:
+def _layer_cache_bytes(model: ExLlamaV2, caches: Sequence[ExLlamaV2CacheBase], device: torch.device) -> int:
     """Bytes per attention layer that place_module will allocate for these caches (fixed-device ones
     aside)."""
+    width = model.config.compute_dtype(device).itemsize
     total = 0.0
     for c in caches:
         if c.fixed_device is None:
-            total += (
-                c.batch_size
-                * c.max_seq_len
-                * c.num_key_value_heads
-                * c.head_dim
-                * (c.bytes_per_element_k + c.bytes_per_element_v)
-            )
+            spec = cache_spec_of(c, width)
+            total += c.batch_size * c.max_seq_len * c.num_key_value_heads * c.head_dim * (spec.bytes_k + spec.bytes_v)
     return math.ceil(total)
+
+
+def _width(model: ExLlamaV2, device: torch.device) -> int:
+    return model.config.compute_dtype(device).itemsize
 
 
 def _attached(model: ExLlamaV2) -> list[ExLlamaV2CacheBase]:
     return [c for c in (r() for r in model._caches) if c is not None]
 
 
-def _budgets(
-    memory: Sequence[DeviceMemory], reserve: list[int], overheads: Sequence[int] | None
-) -> list[DeviceBudget]:
+def _budgets(memory: Sequence[DeviceMemory], reserve: list[int], overheads: Sequence[int] | None) -> list[DeviceBudget]:
     out = []
     for i, mem in enumerate(memory):
         if reserve[i] > mem.total:
@@ -133,9 +119,7 @@ def _budgets(
                 f"reserve_vram[{i}] = {fmt_mib(reserve[i])} is larger than device {i}'s total "
                 f"memory {fmt_mib(mem.total)}"
             )
-        ov = (
-            overheads[i] if overheads is not None else (0 if has_context(mem.ordinal) else CUDA_CONTEXT_BYTES)
-        )
+        ov = overheads[i] if overheads is not None else (0 if has_context(mem.ordinal) else CUDA_CONTEXT_BYTES)
         out.append(DeviceBudget(mem.free, reserve[i], ov))
     return out
 
@@ -159,9 +143,7 @@ def plan_for_model(
     return make_plan(module_costs(model, width), shape, run, cache, budgets, policy, layer_cache=layer_cache)
 
 
-def _report(
-    i: int, n: int, callback: Callback, callback_gen: CallbackGen, bar: Any
-) -> Generator[Any, None, None]:
+def _report(i: int, n: int, callback: Callback, callback_gen: CallbackGen, bar: Any) -> Generator[Any, None, None]:
     if bar is not None:
         bar[0].update(bar[1], completed=i)
     if callback is not None:
@@ -236,15 +218,12 @@ def _try_place(model: ExLlamaV2, i: int, device: torch.device) -> str | None:
     return None
 
 
-def _oom_message(
-    model: ExLlamaV2, i: int, devices: Sequence[torch.device], plan: Plan | None, err: str
-) -> str:
+def _oom_message(model: ExLlamaV2, i: int, devices: Sequence[torch.device], plan: Plan | None, err: str) -> str:
     m = model.modules[i]
     msg = f"Insufficient VRAM for model and cache: {m.key} did not fit on any of {len(devices)} device(s)"
     if plan is not None:
         per = ", ".join(
-            f"dev {u.index}: planned {fmt_mib(u.total)} of {fmt_mib(u.free)} free, reserve "
-            f"{fmt_mib(u.reserve)}"
+            f"dev {u.index}: planned {fmt_mib(u.total)} of {fmt_mib(u.free)} free, reserve {fmt_mib(u.reserve)}"
             for u in plan.usage
         )
         msg += f" ({per})"
@@ -255,9 +234,7 @@ def _cpu_fallback(
     model: ExLlamaV2, callback: Callback, callback_gen: CallbackGen, progress: bool
 ) -> Generator[Any, None, None]:
     warnings.warn("exlpy: no CUDA device is visible; loading the whole model on the CPU (slow)", stacklevel=5)
-    yield from load_on_devices(
-        model, [0] * len(model.modules), [torch.device("cpu")], callback, callback_gen, progress
-    )
+    yield from load_on_devices(model, [0] * len(model.modules), [torch.device("cpu")], callback, callback_gen, progress)
 
 
 # --- load(gpu_split)
@@ -292,9 +269,7 @@ def split_gen_on(
         yield from _cpu_fallback(model, callback, callback_gen, progress)
         return
     if budgets is None:
-        yield from load_on_devices(
-            model, [0] * len(model.modules), devices[:1], callback, callback_gen, progress
-        )
+        yield from load_on_devices(model, [0] * len(model.modules), devices[:1], callback, callback_gen, progress)
         return
     caches = _attached(model)
     cfg = model.config
@@ -304,13 +279,11 @@ def split_gen_on(
         devices[0],
         max_seq_len=max([c.max_seq_len for c in caches], default=cfg.max_seq_len),
         batch_size=max([c.batch_size for c in caches], default=cfg.max_batch_size),
-        cache=cache_spec_of(caches[0]) if caches else CacheSpec("none", 0.0, 0.0),
-        layer_cache=_layer_cache_bytes(model, caches),
+        cache=cache_spec_of(caches[0], _width(model, devices[0])) if caches else CacheSpec("none", 0.0, 0.0),
+        layer_cache=_layer_cache_bytes(model, caches, devices[0]),
         policy="greedy",
     )
-    yield from load_on_devices(
-        model, plan.devices, devices[: len(budgets)], callback, callback_gen, progress, plan
-    )
+    yield from load_on_devices(model, plan.devices, devices[: len(budgets)], callback, callback_gen, progress, plan)
 
 
 # --- load_autosplit
@@ -378,8 +351,8 @@ def autosplit_gen_on(
         devices[0],
         max_seq_len=cache.max_seq_len,
         batch_size=cache.batch_size,
-        cache=cache_spec_of(cache),
-        layer_cache=_layer_cache_bytes(model, _attached(model)),
+        cache=cache_spec_of(cache, _width(model, devices[0])),
+        layer_cache=_layer_cache_bytes(model, _attached(model), devices[0]),
         last_id_only=last_id_only,
         policy=policy,
     )

@@ -30,6 +30,7 @@ from exlpy.parallel.costs import (
     ModuleCost,
     RunShape,
     cache_bytes_per_layer,
+    cache_temp_bytes,
     fmt_mib,
     scratch_by_kind,
 )
@@ -93,9 +94,7 @@ class Plan:
 
     def layers_on(self, device: int) -> list[int]:
         """Transformer layer indices whose attention module is on `device`."""
-        return [
-            m.layer_idx for m, d in zip(self.modules, self.devices) if d == device and m.layer_idx is not None
-        ]
+        return [m.layer_idx for m, d in zip(self.modules, self.devices) if d == device and m.layer_idx is not None]
 
     def used_devices(self) -> list[int]:
         return sorted(set(self.devices))
@@ -113,17 +112,22 @@ def _cost(m: ModuleCost, layer_cache: int) -> int:
 class _Fill:
     """Running totals per device while a plan is built."""
 
-    def __init__(self, budgets: Sequence[DeviceBudget], scratch: dict[str, int]) -> None:
+    def __init__(self, budgets: Sequence[DeviceBudget], scratch: dict[str, int], temp: int = 0) -> None:
         self.budgets = budgets
         self.scratch_of = scratch
+        self.temp = temp  # quantized caches: dequant buffers on each device that hosts attention
         n = len(budgets)
         self.weights, self.cache, self.scratch = [0] * n, [0] * n, [0] * n
+        self.has_attn = [False] * n
+
+    def _temp(self, d: int, m: ModuleCost) -> int:
+        return self.temp if m.kind == "attention" and not self.has_attn[d] else 0
 
     def need(self, d: int, m: ModuleCost, layer_cache: int) -> tuple[int, int]:
         """(bytes this module would add including scratch growth, bytes left for it on device d)."""
         grow = max(0, self.scratch_of.get(m.kind, 0) - self.scratch[d])
         left = self.budgets[d].usable - self.weights[d] - self.cache[d] - self.scratch[d]
-        return _cost(m, layer_cache) + grow, left
+        return _cost(m, layer_cache) + grow + self._temp(d, m), left
 
     def fits(self, d: int, m: ModuleCost, layer_cache: int) -> bool:
         need, left = self.need(d, m, layer_cache)
@@ -132,7 +136,8 @@ class _Fill:
     def add(self, d: int, m: ModuleCost, layer_cache: int) -> None:
         self.weights[d] += m.weight_bytes
         if m.kind == "attention":
-            self.cache[d] += layer_cache
+            self.cache[d] += layer_cache + self._temp(d, m)
+            self.has_attn[d] = True
         self.scratch[d] = max(self.scratch[d], self.scratch_of.get(m.kind, 0))
 
     def load(self, d: int) -> int:
@@ -158,11 +163,12 @@ def make_plan(
     if layer_cache is None:
         layer_cache = cache_bytes_per_layer(shape, run, cache)
     scratch = scratch_by_kind(shape, run)
+    temp = cache_temp_bytes(shape, run, cache)
     placed = None
     if policy == "balanced" and len(budgets) > 1:
-        placed = _place_balanced(modules, budgets, scratch, layer_cache)
+        placed = _place_balanced(modules, budgets, scratch, layer_cache, temp)
     if placed is None:
-        placed = _place_greedy(modules, budgets, scratch, layer_cache, shape, run, cache)
+        placed = _place_greedy(modules, budgets, scratch, layer_cache, shape, run, cache, temp)
     devices, fill = placed
     usage = tuple(
         DeviceUse(
@@ -187,8 +193,9 @@ def _place_greedy(
     shape: ModelShape,
     run: RunShape,
     cache: CacheSpec,
+    temp: int,
 ) -> tuple[list[int], _Fill]:
-    fill = _Fill(budgets, scratch)
+    fill = _Fill(budgets, scratch, temp)
     devices: list[int] = []
     d = 0
     for m in modules:
@@ -202,7 +209,11 @@ def _place_greedy(
 
 
 def _place_balanced(
-    modules: Sequence[ModuleCost], budgets: Sequence[DeviceBudget], scratch: dict[str, int], layer_cache: int
+    modules: Sequence[ModuleCost],
+    budgets: Sequence[DeviceBudget],
+    scratch: dict[str, int],
+    layer_cache: int,
+    temp: int,
 ) -> tuple[list[int], _Fill] | None:
     layer_scratch = max(scratch["attention"], scratch["mlp"])
     caps = [max(0, b.usable - layer_scratch) for b in budgets]
@@ -210,7 +221,7 @@ def _place_balanced(
     if sum(caps) <= 0 or total > sum(caps):
         return None
     targets = [total * c / sum(caps) for c in caps]
-    fill = _Fill(budgets, scratch)
+    fill = _Fill(budgets, scratch, temp)
     devices: list[int] = []
     d = 0
     for m in modules:
