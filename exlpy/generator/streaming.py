@@ -80,7 +80,7 @@ class ExLlamaV2StreamingGenerator:
             self.prefix_token = int(ids[0, -1])
             strip = len(self.pieces[self.prefix_token])
             ids = ids[:, :-1]
-        self.stream = TextStream(self.pieces, lambda t: tokenizer_decode(self.tokenizer, t, decode_special_tokens),
+        self.text_stream = TextStream(self.pieces, lambda t: tokenizer_decode(self.tokenizer, t, decode_special_tokens),
                                  self.stop_tokens, self.stop_strings, banned_strings, self.special_ids,
                                  decode_special_tokens, strip)
         self._prefill(ids)
@@ -122,9 +122,9 @@ class ExLlamaV2StreamingGenerator:
         if not self.active or self.sequence_ids is None:
             raise GeneratorError("stream_ex() called without an active stream: call begin_stream_ex() first")
         if self.abort_event is not None and self.abort_event.is_set():
-            return self._result(self.stream.end(Released(), "aborted"))
+            return self._result(self.text_stream.end(Released(), "aborted"))
         if self.sequence_ids.shape[1] >= self.cache.max_seq_len:
-            return self._result(self.stream.end(Released(), "max_seq_len"))
+            return self._result(self.text_stream.end(Released(), "max_seq_len"))
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
         seq = self.sequence_ids
@@ -150,12 +150,12 @@ class ExLlamaV2StreamingGenerator:
         for f in self.filters:
             if hasattr(f, "feed"):
                 f.feed(token)
-        rel = self.stream.add(token, payload)
+        rel = self.text_stream.add(token, payload)
         if rel.rewind:
             self._rewind(rel)
             return self._result(Released())
         if not rel.eos and end_filter:
-            rel = self.stream.end(rel, "end_filter")
+            rel = self.text_stream.end(rel, "end_filter")
         return self._result(rel)
 
     def _rewind(self, rel: Released) -> None:
