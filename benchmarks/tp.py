@@ -263,7 +263,7 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats(i)
                 start = mem(n)
                 t0 = time.perf_counter()
-                for s in range(args.mem_steps):
+                for _ in range(args.mem_steps):
                     if c.current_seq_len >= 4000:
                         c.current_seq_len = 128  # wrap inside the cache: the step itself is what is measured
                     tok = m.forward(tok, c)[:, -1:].argmax(-1).cpu()
