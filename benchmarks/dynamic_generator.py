@@ -28,7 +28,7 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 def build_random_model(path: Path, device: str) -> None:
     """Write config.json, random fp16 safetensors and a synthetic tokenizer.json for a SmolLM2-135M shape."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     c = SMOLLM2_135M
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -55,9 +55,13 @@ def build_random_model(path: Path, device: str) -> None:
         t[p + "mlp.up_proj.weight"] = rnd(i, h)
         t[p + "mlp.down_proj.weight"] = rnd(h, i)
     save_file(t, str(path / "model.safetensors"))
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{k}": k for k in range(3, v)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    # Byte-level BPE over the 256 byte symbols plus filler pieces: any text encodes, every id decodes.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + k for k, ch in enumerate(alphabet)}}
+    vocab.update({f"\u0120w{k}": k for k in range(len(vocab), v)})
+    tk = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(["<unk>", "<s>", "</s>"])
     tk.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
