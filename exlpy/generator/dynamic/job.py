@@ -19,8 +19,12 @@ if TYPE_CHECKING:
 class ExLlamaV2DynamicJob:
     """A prompt plus its generation settings. Enqueue it with `generator.enqueue(job)`.
 
-    `wait_reason` is None while the job runs; while it waits in the queue it says why (no free pages, batch
-    full, ...), and `iterate()` reports it once per change as a `{"stage": "waiting", "reason": ...}` result.
+    While the job is not running, `job.wait_reason` says why in plain words: "queued" (not yet considered),
+    "batch full (N jobs running)", "not enough free cache pages (needs N, M free)", or, during prefill,
+    "waiting for another job to finish computing a shared prefix page". It is None while the job makes
+    progress. A job whose pages can never fit is refused at enqueue() with a GeneratorError instead.
+    A job that fails while running (e.g. its filter raises) ends with a result whose `eos_reason` is "error"
+    and which carries `error` (the exception) and `error_message`; the other jobs continue.
     """
 
     def __init__(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int, min_new_tokens: int = 0,
