@@ -191,14 +191,18 @@ class ExLlamaV2DynamicGenerator:
             decoding = [j for j in self.active if j.is_prefilled()]
             if decoding:
                 try:
-                    logits = self._decode_logits(decoding)
+                    greedy, logits = self._decode_step(decoding)
                 except Exception as e:
                     if len(decoding) == 1:
                         self._fail(decoding[0], e, results)
                         return results
                     raise
                 for i, job in enumerate(decoding):
-                    self._guard(job, results, lambda j=job, row=logits[i:i + 1]: self._sample(j, row, results))
+                    if i in greedy:
+                        self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
+                    else:
+                        row = logits[i:i + 1]
+                        self._guard(job, results, lambda j=job, row=row: self._sample(j, row, results))
             return results
 
     def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
@@ -239,19 +243,36 @@ class ExLlamaV2DynamicGenerator:
     def _device(self) -> torch.device:
         return self.model.modules[0].device
 
-    def _decode_logits(self, jobs: list[ExLlamaV2DynamicJob]) -> torch.Tensor:
+    def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], torch.Tensor]:
+        """One batched q_len-1 step. Plain-greedy rows are reduced to their argmax on the device; only the
+        other rows' logits travel to the CPU for the sampler. Returns ({row: token}, logits [B, 1, V] CPU)."""
         rows = [(j.page_ids(), j.sequence.numel() - 1, 1) for j in jobs]
         ids = torch.stack([j.sequence[-1:] for j in jobs])
         batch = paged_batch(rows, self.cache, self._device())
         logits = self.model.forward_batch(ids, batch, last_id_only=True)
         self.decode_tokens += len(jobs)
-        return logits.float().cpu()
+        fast = [i for i, j in enumerate(jobs) if j.plain_greedy()]
+        greedy: dict[int, int] = {}
+        if fast:
+            # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
+            picks = logits[fast, -1, :len(self.pieces)].argmax(-1).tolist()
+            greedy = dict(zip(fast, picks))
+        slow = [i for i in range(len(jobs)) if i not in greedy]
+        cpu = torch.empty(0)
+        if slow:
+            cpu = torch.zeros(len(jobs), 1, logits.shape[-1])
+            cpu[slow] = logits[slow, -1:].float().cpu()
+        return greedy, cpu
 
     def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
         settings = job.gen_settings or ExLlamaV2Sampler.Settings()
         token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, settings)
+        self._accept(job, token, payload, end_filter, results)
+
+    def _accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
+                results: list[dict[str, Any]]) -> None:
         r = job.receive(token, payload, end_filter)
         job.prefill_pos = job.sequence.numel() - 1
         if r is not None:

@@ -145,6 +145,16 @@ class ExLlamaV2DynamicJob:
             blocked |= self.ban_set
         return sorted(blocked) if blocked else None
 
+    def plain_greedy(self) -> bool:
+        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, filter, ban, healing
+        or per-token extras), so the generator may take it on the device for the whole batch at once."""
+        s = self.gen_settings
+        return (s is not None and getattr(s, "top_k", 0) == 1 and s.token_repetition_penalty == 1.0
+                and s.token_frequency_penalty == 0.0 and s.token_presence_penalty == 0.0 and s.token_bias is None
+                and s.dry_multiplier == 0.0 and s.cfg_scale is None and not s.post_sampling_hooks
+                and not self.filters and not (self.return_probs or self.return_top_tokens or self.return_logits)
+                and (self.prefix_token is None or self.new_tokens > 0) and self.blocked_tokens() is None)
+
     def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
         """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
