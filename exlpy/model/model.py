@@ -11,10 +11,12 @@ import torch
 
 from exlpy.cache.base import ExLlamaV2CacheBase
 from exlpy.config.config import ExLlamaV2Config
+from exlpy.env import oom_guard
 from exlpy.errors import CacheTooSmallError, ModelStateError, SequenceLengthError
 from exlpy.model.batch import ForwardBatch, contiguous_batch
 from exlpy.model.layers import MLP, Attention, Embedding, Head, RMSNorm, RotaryTables
 from exlpy.model.module import Module
+from exlpy.parallel.p2p import safe_move_tensor
 
 
 class ExLlamaV2:
@@ -145,12 +147,22 @@ class ExLlamaV2:
         return seen
 
     # --- forward --------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cache: ExLlamaV2CacheBase | None = None, *args: Any,
+                **kwargs: Any) -> Any:
+        """Logits [batch, seq, vocab] (float32) for `input_ids` [batch, seq], continuing `cache` if given.
+
+        Same arguments as exllamav2: input_mask, preprocess_only, last_id_only, loras, return_last_state,
+        position_offsets, abort_event, cpu_logits. An out-of-memory becomes InsufficientVRAMError saying what to
+        reduce.
+        """
+        with oom_guard("the forward pass"):
+            return self._forward(input_ids, cache, *args, **kwargs)
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: ExLlamaV2CacheBase | None = None,
+    def _forward(self, input_ids: torch.Tensor, cache: ExLlamaV2CacheBase | None = None,
                 input_mask: torch.Tensor | None = None, preprocess_only: bool = False, last_id_only: bool = False,
                 loras: Any = None, return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
                 abort_event: Any = None, cpu_logits: bool = False, **kwargs: Any) -> Any:
-        """Logits [batch, seq, vocab] (float32) for `input_ids` [batch, seq], continuing `cache` if given."""
         if not self.loaded:
             raise ModelStateError("model is not loaded: call load(), load_autosplit() or load_tp() first")
         if loras:
@@ -254,7 +266,7 @@ class ExLlamaV2:
                 return None
             assert m.device is not None
             if x.device != m.device:
-                x = x.to(m.device)  # the one place where the hidden state hops between devices
+                x = safe_move_tensor(x, m.device)  # the one place where the hidden state hops between devices
             if i == self.head_layer_idx - 1 and last_id_only:
                 x = x[:, -1:]
             if i == self.head_layer_idx and return_last_state:
