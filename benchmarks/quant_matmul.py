@@ -139,7 +139,8 @@ def tune(dev: torch.device, log: list[str]) -> None:
     km.USE_QMV32 = False
     log.append(f"generic _qmv (gather loads), 4.0 bpw 4096x14336: {decode_bw(4096, 14336, 4.0, dev) / 1e9:.0f} GB/s")
     km.USE_QMV32 = True
-    sweeps = {"qmv32": ((128, 256), (32, 64, 128), (4, 8), (2, 4, 8)), "dequant": ((64, 128, 256), (32, 64), (4, 8), (4,))}
+    sweeps = {"qmv32": ((128, 256), (32, 64, 128), (4, 8), (2, 4, 8)),
+              "dequant": ((64, 128, 256), (32, 64), (4, 8), (4,))}
     for name, (bns, chs, nws, wvs) in sweeps.items():
         best = None
         for bn in bns:
@@ -187,7 +188,7 @@ def main() -> None:
             pq, pd = prefill(k, n, bpw, dev)
             rows.append(f"| {k} x {n} | {bpw} | {d / 1e9:.0f} | {100 * d / bw:.0f}% | {pq:.0f} | {pd:.0f} |")
             print(rows[-1], flush=True)
-    text = [f"# Quantized matmul benchmark\n", f"- device: {torch.cuda.get_device_name(dev)}",
+    text = ["# Quantized matmul benchmark\n", f"- device: {torch.cuda.get_device_name(dev)}",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
             f"- torch {torch.__version__}, triton {__import__('triton').__version__}",
