@@ -15,6 +15,7 @@ from tests.conftest import requires_cuda
 triton = pytest.importorskip("triton")
 
 from exlpy.kernels.activation import silu_mul  # noqa: E402
+from exlpy.kernels.gemv import linear_add  # noqa: E402
 from exlpy.kernels.kv_store import store_kv  # noqa: E402
 from exlpy.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from exlpy.kernels.rmsnorm import rms_norm  # noqa: E402
@@ -47,6 +48,20 @@ def test_silu_mul_halves_of_fused_output() -> None:
     gu = torch.randn(2, 3, 2 * 40, generator=torch.Generator().manual_seed(1))
     gate, up = gu[..., :40], gu[..., 40:]
     _close(silu_mul(gate, up), reference.silu_mul(gate, up), 1e-5)
+
+
+@pytest.mark.parametrize("N,K", [(40, 1024), (700, 300)])
+def test_gemv_single_row_with_and_without_residual(N: int, K: int) -> None:
+    _dev_ok("cpu")
+    g = torch.Generator().manual_seed(5)
+    x, w, r = torch.randn(1, 1, K, generator=g), torch.randn(N, K, generator=g), torch.randn(1, 1, N, generator=g)
+    _close(linear_add(x, w), reference.linear_add(x, w), 1e-5)
+    expect = reference.linear_add(x, w, r.clone())
+    out = linear_add(x, w, r)
+    assert out.data_ptr() == r.data_ptr()  # accumulated in place
+    _close(out, expect, 1e-5)
+    x3 = torch.randn(3, K, generator=g)  # several rows: the cuBLAS path
+    _close(linear_add(x3, w), reference.linear_add(x3, w), 1e-5)
 
 
 def test_rope_in_place_on_qkv_views() -> None:
@@ -116,6 +131,10 @@ def test_kernels_real_shapes_cuda() -> None:
     _close(rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), 2e-3)
     gu = torch.randn(5, 2 * 14336, device=dev, dtype=dt)
     _close(silu_mul(gu[:, :14336], gu[:, 14336:]), reference.silu_mul(gu[:, :14336], gu[:, 14336:]), 2e-3)
+    for n, k in ((6144, 4096), (4096, 14336), (2048, 2048)):
+        xs, ws, rs = (torch.randn(1, k, device=dev, dtype=dt), torch.randn(n, k, device=dev, dtype=dt) * 0.02,
+                      torch.randn(1, n, device=dev, dtype=dt))
+        _close(linear_add(xs, ws, rs.clone()), reference.linear_add(xs, ws, rs), 2e-3)
     for lens in ([511], [4000], [1, 300, 1024, 77]):
         _paged_case(len(lens), 1, 32, 8, 128, 256, 16, lens, dev, dt)
     _paged_case(2, 1, 32, 8, 64, 2048, 1, [600, 2048], dev, dt)

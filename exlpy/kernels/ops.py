@@ -65,6 +65,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _impl("silu_mul", gate)(gate, up)
 
 
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    return _impl("linear_add", x)(x, weight, residual)
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     _impl("store_kv", k)(k_cache, v_cache, slots, k, v)

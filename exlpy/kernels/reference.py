@@ -26,6 +26,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return ((q * c + rotate_half(q) * s).to(q.dtype), (k * c + rotate_half(k) * s).to(k.dtype))
 
 
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x @ weight^T (weight [N, K] as in F.linear); just the product when residual is None.
+
+    The CUDA version may write the sum into `residual` and return it; callers use the return value.
+    """
+    y = F.linear(x, weight)
+    return y if residual is None else residual + y
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from exlpy.kernels import ops, reference
 from exlpy.kernels.activation import silu_mul
+from exlpy.kernels.gemv import linear_add
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.rmsnorm import rms_norm
 from exlpy.kernels.rope import apply_rope
 
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _MAX_DECODE_Q = 16  # longer query blocks re-read K/V per query in the decode kernel: SDPA is faster there
 
 
@@ -23,10 +26,14 @@ def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
               is_causal: bool = False) -> torch.Tensor:
     """`reference.sdpa` without materialising repeated K/V heads: SDPA's native GQA."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if mask is not None:
-        mask = mask | ~mask.any(-1, keepdim=True)  # fully masked padding queries see key 0, as the reference
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal and mask is None,
-                                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    gqa = q.shape[2] != k.shape[2]
+    if mask is None:
+        # Flash first: the cuDNN backend re-plans for every new sequence length (~1 ms per call).
+        with sdpa_kernel(_NO_CUDNN):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return o.transpose(1, 2)
+    mask = mask | ~mask.any(-1, keepdim=True)  # fully masked padding queries see key 0, as the reference
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)
 
 
@@ -50,6 +57,7 @@ def register_all() -> None:
     ops.register("rms_norm", rms_norm)
     ops.register("apply_rope", apply_rope)
     ops.register("silu_mul", silu_mul)
+    ops.register("linear_add", linear_add)
     ops.register("store_kv", store_kv)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from exlpy.kernels import ops
 from exlpy.model.linear import DenseLinear, Linear
 
 
-def fuse_dense(parts: list[Linear]) -> DenseLinear | None:
+class FusedDense(DenseLinear):
+    """Several dense projections side by side; single rows (batch-1 decode) use the streaming GEMV kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.linear_add(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def fuse_dense(parts: list[Linear]) -> FusedDense | None:
     """One DenseLinear computing every part's outputs side by side, or None when the parts cannot fuse.
 
     Fusing needs plain dense weights of one dtype on one device, with biases on all parts or none. The
@@ -35,17 +44,16 @@ def fuse_dense(parts: list[Linear]) -> DenseLinear | None:
         p.weight = weight[start:end]
         p.bias = bias[start:end] if bias is not None else None
         start = end
-    return DenseLinear(weight, bias)
+    return FusedDense(weight, bias)
 
 
 def add_linear(x: torch.Tensor, linear: Linear, h: torch.Tensor) -> torch.Tensor:
     """x + linear(h).
 
-    On CUDA a bias-free dense layer accumulates into x in place (cuBLAS beta=1): no extra kernel and no
-    extra pass over x. The residual stream is owned by the forward pass, so nothing else sees x change.
+    On CUDA a bias-free dense layer accumulates into x in place (the GEMV epilogue, or cuBLAS beta=1): no
+    extra kernel and no extra pass over x. The residual stream is owned by the forward pass, so nothing else
+    sees x change.
     """
-    if type(linear) is DenseLinear and linear.bias is None and x.is_cuda and x.is_contiguous():
-        assert isinstance(linear, DenseLinear)
-        x.view(-1, x.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), linear.weight.t())
-        return x
+    if isinstance(linear, DenseLinear) and linear.bias is None and x.is_contiguous():
+        return ops.linear_add(h, linear.weight, x)
     return x + linear.forward(h)

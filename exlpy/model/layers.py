@@ -160,12 +160,11 @@ class Attention(Module):
         k_cache, v_cache = batch.cache.layer_kv(self.layer_idx)  # type: ignore[attr-defined]
         assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
         ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-        if batch.past_len is not None and batch.key_mask is None:
-            # Contiguous cache, same past for every row: attend over a slice, no gather.
+        if batch.past_len is not None and batch.key_mask is None and batch.q_len > 1:
+            # Prefill into a contiguous cache, same past for every row: SDPA over a slice, no gather.
+            # (Decode steps take the paged kernel below, as inside CUDA graphs: one path, same numerics.)
             end = batch.past_len + batch.q_len
             kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
-            if batch.q_len == 1:
-                return ops.sdpa(q, kc, vc, self.scale, None)
             if batch.past_len == 0:
                 return ops.sdpa(q, kc, vc, self.scale, None, is_causal=True)
             t = torch.arange(end, device=q.device)
