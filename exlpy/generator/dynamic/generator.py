@@ -152,9 +152,9 @@ class ExLlamaV2DynamicGenerator:
 
     # --- iteration -----------------------------------------------------------------------------------------
     def _release(self, job: ExLlamaV2DynamicJob) -> None:
-        valid = job.sequence.numel() - 1 if job.is_prefilled() else job.prefill_pos
-        self.page_table.release(job.pages, job.serial or 0, job.sequence, valid)
-        job.pages = []
+        for q in job.seqs:
+            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
+            q.pages = []
         job.finished = True
         if job in self.active:
             self.active.remove(job)
@@ -164,20 +164,23 @@ class ExLlamaV2DynamicGenerator:
             if len(self.active) >= self.max_batch_size:
                 job.wait_reason = f"batch full ({self.max_batch_size} jobs running)"
                 break
-            if not self.page_table.can_allocate(job.hashes, job.num_pages):
+            if not self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs]):
                 free = self.page_table.num_unreferenced()
                 job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
                 if job.skips >= job.max_skips:
                     break  # skipped too often: later jobs may not overtake it any more
                 continue
-            pages, reused = self.page_table.allocate(job.hashes, job.num_pages, job.serial or 0)
+            reused = 0
+            for q in job.seqs:
+                q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
+                reused += n
             for other in self.pending:
                 if other is job:
                     break
                 other.skips += 1
             self.pending.remove(job)
             self.active.append(job)
-            job.start(pages, reused)
+            job.start(reused)
             results.append(job.base_result("started"))
 
     def iterate(self) -> list[dict[str, Any]]:
@@ -201,8 +204,7 @@ class ExLlamaV2DynamicGenerator:
                     if i in greedy:
                         self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
                     else:
-                        row = logits[i:i + 1]
-                        self._guard(job, results, lambda j=job, row=row: self._sample(j, row, results))
+                        self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
             return results
 
     def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
@@ -221,48 +223,63 @@ class ExLlamaV2DynamicGenerator:
         results.append(r)
 
     def _prefill(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
-        plan = plan_prefill(job, self.max_chunk_size)
-        if plan is None:
-            job.wait_reason = "waiting for another job to finish computing a shared prefix page"
-            return
-        job.wait_reason = None
-        start, end, skipped = plan
-        self.cached_tokens += skipped
-        if end > start:
-            ids = job.sequence[start:end].unsqueeze(0)
-            batch = paged_batch([(job.page_ids(), start, end - start)], self.cache, self._device())
-            self.model.forward_batch(ids, batch, preprocess_only=True)
-            self.prefill_tokens += end - start
-            for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
-                job.pages[p].kv_position = max(job.pages[p].kv_position, min(PAGE_SIZE, end - p * PAGE_SIZE))
-            job.prefill_pos = end
-        r = job.base_result("prefill")
-        r.update(curr_progress=job.prefill_pos, max_progress=job.prefill_target)
-        results.append(r)
+        progressed = False
+        for q in job.seqs:
+            if q.is_prefilled():
+                continue
+            plan = plan_prefill(q, job.serial or 0, self.max_chunk_size)
+            if plan is None:
+                job.wait_reason = "waiting for another job to finish computing a shared prefix page"
+                continue
+            progressed = True
+            start, end, skipped = plan
+            self.cached_tokens += skipped
+            if end > start:
+                ids = q.ids[start:end].unsqueeze(0)
+                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device())
+                self.model.forward_batch(ids, batch, preprocess_only=True)
+                self.prefill_tokens += end - start
+                for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
+                    q.pages[p].kv_position = max(q.pages[p].kv_position, min(PAGE_SIZE, end - p * PAGE_SIZE))
+                q.prefill_pos = end
+        if progressed:
+            job.wait_reason = None
+            r = job.base_result("prefill")
+            r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
+                     max_progress=sum(q.prefill_target for q in job.seqs))
+            results.append(r)
 
     def _device(self) -> torch.device:
         return self.model.modules[0].device
 
-    def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], torch.Tensor]:
-        """One batched q_len-1 step. Plain-greedy rows are reduced to their argmax on the device; only the
-        other rows' logits travel to the CPU for the sampler. Returns ({row: token}, logits [B, 1, V] CPU)."""
-        rows = [(j.page_ids(), j.sequence.numel() - 1, 1) for j in jobs]
-        ids = torch.stack([j.sequence[-1:] for j in jobs])
+    def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
+        """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
+        are reduced to their argmax on the device; only the other jobs' logits travel to the CPU for the
+        sampler. Returns ({job index: token}, per job its logits [rows, 1, V] on the CPU)."""
+        rows, owner = [], []
+        for k, j in enumerate(jobs):
+            for q in j.seqs:
+                rows.append((q.page_ids(), q.ids.numel() - 1, 1))
+                owner.append(k)
+        ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
         batch = paged_batch(rows, self.cache, self._device())
         logits = self.model.forward_batch(ids, batch, last_id_only=True)
-        self.decode_tokens += len(jobs)
-        fast = [i for i, j in enumerate(jobs) if j.plain_greedy()]
+        self.decode_tokens += len(rows)
+        first = {k: owner.index(k) for k in range(len(jobs))}
+        fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
         greedy: dict[int, int] = {}
         if fast:
             # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-            picks = logits[fast, -1, :len(self.pieces)].argmax(-1).tolist()
+            picks = logits[[first[k] for k in fast], -1, :len(self.pieces)].argmax(-1).tolist()
             greedy = dict(zip(fast, picks))
-        slow = [i for i in range(len(jobs)) if i not in greedy]
-        cpu = torch.empty(0)
+        slow = [r for r, k in enumerate(owner) if k not in greedy]
+        per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
         if slow:
-            cpu = torch.zeros(len(jobs), 1, logits.shape[-1])
-            cpu[slow] = logits[slow, -1:].float().cpu()
-        return greedy, cpu
+            cpu = logits[slow, -1:].float().cpu()
+            for i, r in enumerate(slow):
+                per_job[owner[r]] = cpu[i:i + 1] if per_job[owner[r]].numel() == 0 \
+                    else torch.cat([per_job[owner[r]], cpu[i:i + 1]])
+        return greedy, per_job
 
     def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler
@@ -274,14 +291,15 @@ class ExLlamaV2DynamicGenerator:
     def _accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
                 results: list[dict[str, Any]]) -> None:
         r = job.receive(token, payload, end_filter)
-        job.prefill_pos = job.sequence.numel() - 1
+        for q in job.seqs:
+            q.prefill_pos = q.ids.numel() - 1
         if r is not None:
             results.append(r)
             if r["eos"]:
                 self._release(job)
 
     # --- one-call generation -------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[str], max_new_tokens: int, min_new_tokens: int = 0,
+    def generate(self, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int, min_new_tokens: int = 0,
                  seed: int | None = None, gen_settings: Any = None, token_healing: bool = False,
                  encode_special_tokens: bool = False, decode_special_tokens: bool = False,
                  stop_conditions: Iterable[int | str] | None = None, add_bos: bool = False,
@@ -291,19 +309,23 @@ class ExLlamaV2DynamicGenerator:
                  banned_strings: list[str] | None = None, **kwargs: Any) -> Any:
         """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
         when `return_last_results`. A failing job raises its error here."""
-        if isinstance(prompt, tuple):
-            raise GeneratorError("CFG prompts (tuples) are not supported by exlpy's dynamic generator")
-        single = isinstance(prompt, str)
+        single = isinstance(prompt, (str, tuple))
         prompts = [prompt] if single else list(prompt)
         settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
+        # Filters hold per-sequence state: a batch takes one list of filters per prompt.
+        per_prompt_filters = filters if (filters and not single and isinstance(filters[0], list)) else None
         jobs = []
         for i, p in enumerate(prompts):
-            ids = self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+            texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
+            ids = [self.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+                   for t in texts]
             jobs.append(ExLlamaV2DynamicJob(
-                ids, max_new_tokens, min_new_tokens, gen_settings=settings[i], token_healing=token_healing,
-                seed=None if seed is None else seed + i, stop_conditions=stop_conditions,
-                decode_special_tokens=decode_special_tokens, filters=filters, filter_prefer_eos=filter_prefer_eos,
-                identifier=i, banned_strings=banned_strings, embeddings=embeddings))
+                ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
+                token_healing=token_healing, seed=None if seed is None else seed + i,
+                stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
+                filters=per_prompt_filters[i] if per_prompt_filters else filters,
+                filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
+                embeddings=embeddings))
         self.enqueue(jobs)
         completions = [""] * len(prompts)
         last: list[dict[str, Any] | None] = [None] * len(prompts)
@@ -322,7 +344,8 @@ class ExLlamaV2DynamicGenerator:
                     if "error" in r:
                         raise r["error"]
                     last[i] = r
-        texts = [c if completion_only else p + c for p, c in zip(prompts, completions)]
+        texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c
+                 for p, c in zip(prompts, completions)]
         out: Any = texts[0] if single else texts
         if return_last_results:
             return out, (last[0] if single else last)

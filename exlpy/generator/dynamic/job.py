@@ -16,6 +16,32 @@ if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
 
 
+class SeqState:
+    """One token sequence of a job (CFG jobs have two) and the cache pages that hold its K/V."""
+
+    def __init__(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+        self.ids = ids  # 1-D: prompt, then generated tokens
+        self.prompt_len = ids.numel()
+        self.num_pages = -(-(self.prompt_len + max_new_tokens) // PAGE_SIZE)
+        # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
+        self.hashes = chain_hashes(ids, self.prompt_len - 1)
+        self.pages: list[CachePage] = []
+        self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache
+
+    @property
+    def prefill_target(self) -> int:
+        return self.ids.numel() - 1
+
+    def is_prefilled(self) -> bool:
+        return self.prefill_pos >= self.prefill_target
+
+    def kv_valid(self) -> int:
+        return self.ids.numel() - 1 if self.is_prefilled() else self.prefill_pos
+
+    def page_ids(self) -> list[int]:
+        return [p.index for p in self.pages]
+
+
 class ExLlamaV2DynamicJob:
     """A prompt plus its generation settings. Enqueue it with `generator.enqueue(job)`.
 
@@ -34,25 +60,29 @@ class ExLlamaV2DynamicJob:
                  filters: list[Any] | None = None, filter_prefer_eos: bool = False, token_healing: bool = False,
                  identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None,
                  **kwargs: Any) -> None:
-        if isinstance(input_ids, (list, tuple)):
-            if len(input_ids) != 1:
-                raise GeneratorError("CFG jobs (a list of two input_ids) are not supported by exlpy's dynamic "
-                                     "generator; pass a single [1, n] tensor")
-            input_ids = input_ids[0]
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise GeneratorError(f"job input_ids must be a [1, n] LongTensor, got "
-                                 f"{getattr(input_ids, 'shape', type(input_ids))}")
-        if input_ids.shape[1] < 1:
-            raise GeneratorError("job input_ids is empty: a prompt needs at least one token")
+        prompts = list(input_ids) if isinstance(input_ids, (list, tuple)) else [input_ids]
+        cfg = gen_settings is not None and getattr(gen_settings, "cfg_scale", None) is not None
+        if len(prompts) not in (1, 2) or (len(prompts) == 2) != cfg:
+            raise GeneratorError("CFG takes exactly two input_ids (positive, negative) together with "
+                                 "gen_settings.cfg_scale; any other job takes one [1, n] tensor and no cfg_scale "
+                                 f"(got {len(prompts)} input_ids, cfg_scale "
+                                 f"{getattr(gen_settings, 'cfg_scale', None)})")
+        for p in prompts:
+            if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.shape[0] != 1:
+                raise GeneratorError(f"job input_ids must be a [1, n] LongTensor, got "
+                                     f"{getattr(p, 'shape', type(p))}")
+            if p.shape[1] < 1:
+                raise GeneratorError("job input_ids is empty: a prompt needs at least one token")
+        if cfg and token_healing:
+            raise GeneratorError("token_healing cannot be combined with CFG")
         if max_new_tokens < 1:
             raise GeneratorError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if embeddings:
             raise GeneratorError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
-        if gen_settings is not None and getattr(gen_settings, "cfg_scale", None) is not None:
-            raise GeneratorError("cfg_scale is set but CFG is not supported by exlpy's dynamic generator")
-        self.input_ids = input_ids.detach().to("cpu", torch.long)
+        self.all_input_ids = [p.detach().to("cpu", torch.long) for p in prompts]
+        self.input_ids = self.all_input_ids[0]
         self.max_new_tokens = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.max_skips = max_skips
@@ -73,9 +103,8 @@ class ExLlamaV2DynamicJob:
         self.generator: ExLlamaV2DynamicGenerator | None = None
         self.wait_reason: str | None = None
         self.skips = 0
-        self.pages: list[CachePage] = []
+        self.seqs: list[SeqState] = []
         self.cached_pages = 0
-        self.prefill_pos = 0  # tokens of `sequence` whose K/V is in the cache
         self.new_tokens = 0
         self.full_completion = ""
         self.started = False
@@ -99,7 +128,8 @@ class ExLlamaV2DynamicJob:
             self.prefix_token = int(ids[-1])
             strip = len(generator.pieces[self.prefix_token])
             ids = ids[:-1]
-        self.sequence = ids.clone()
+        rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
+        self.seqs = [SeqState(r.clone(), self.max_new_tokens) for r in rows]
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
         self.stop_tokens, stop_strings = split_stop_conditions(conds)
@@ -111,13 +141,9 @@ class ExLlamaV2DynamicJob:
         else:
             self.rng = torch.Generator()
             self.rng.seed()
-        self.total_tokens = self.prompt_len + self.max_new_tokens
-        self.num_pages = -(-self.total_tokens // PAGE_SIZE)
-        # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
-        self.hashes = chain_hashes(self.sequence, self.prompt_len - 1)
+        self.num_pages = sum(q.num_pages for q in self.seqs)
 
-    def start(self, pages: list[CachePage], reused: int) -> None:
-        self.pages = pages
+    def start(self, reused: int) -> None:
         self.cached_pages = reused
         self.started = True
         self.wait_reason = None
@@ -127,14 +153,16 @@ class ExLlamaV2DynamicJob:
                 f.begin("")
 
     @property
-    def prefill_target(self) -> int:
-        return self.sequence.numel() - 1
+    def sequence(self) -> torch.Tensor:
+        """The job's token ids (prompt + generated so far), 1-D; for CFG the positive sequence."""
+        return self.seqs[0].ids
+
+    @property
+    def pages(self) -> list[CachePage]:
+        return [p for q in self.seqs for p in q.pages]
 
     def is_prefilled(self) -> bool:
-        return self.prefill_pos >= self.prefill_target
-
-    def page_ids(self) -> list[int]:
-        return [p.index for p in self.pages]
+        return all(q.is_prefilled() for q in self.seqs)
 
     # --- sampling ------------------------------------------------------------------------------------------
     def blocked_tokens(self) -> list[int] | None:
@@ -171,14 +199,16 @@ class ExLlamaV2DynamicJob:
             payload["top_tokens"] = top_tok.view(1, -1)[0].clone()
             payload["top_probs"] = top_prob.view(1, -1)[0].clone()
         if self.return_logits:
-            payload["logits"] = logits.view(-1).clone()
+            payload["logits"] = logits[0].reshape(-1).clone()  # CFG: the positive row
         return token, payload, bool(end_filter)
 
     def receive(self, token: int, payload: dict[str, Any], end_filter: bool) -> dict[str, Any] | None:
         """Append a sampled token; return the streaming result for it, or None when all of it is held."""
         if self.new_tokens == 0:
             self.time_first_token = time.time()
-        self.sequence = torch.cat([self.sequence, torch.tensor([token], dtype=torch.long)])
+        new = torch.tensor([token], dtype=torch.long)
+        for q in self.seqs:
+            q.ids = torch.cat([q.ids, new])
         self.new_tokens += 1
         for f in self.filters:
             if hasattr(f, "feed"):
@@ -186,8 +216,9 @@ class ExLlamaV2DynamicJob:
         rel = self.stream.add(token, payload)
         if rel.rewind:
             self.new_tokens -= rel.rewind
-            self.sequence = self.sequence[:-rel.rewind]
-            self.prefill_pos = min(self.prefill_pos, self.sequence.numel() - 1)
+            for q in self.seqs:
+                q.ids = q.ids[:-rel.rewind]
+                q.prefill_pos = min(q.prefill_pos, q.ids.numel() - 1)
             if self.ban_pos != self.sequence.numel():
                 self.ban_pos, self.ban_set = self.sequence.numel(), set()
             assert rel.ban is not None
@@ -197,7 +228,8 @@ class ExLlamaV2DynamicJob:
             assert self.generator is not None
             if end_filter:
                 rel = self._end(rel, "end_filter")
-            elif self.new_tokens >= self.max_new_tokens or self.sequence.numel() >= self.generator.max_seq_len:
+            elif self.new_tokens >= self.max_new_tokens or max(q.ids.numel() for q in self.seqs) >= \
+                    self.generator.max_seq_len:
                 rel = self._end(rel, "max_new_tokens")
         return self._result(rel)
 

@@ -71,16 +71,20 @@ class PageTable:
         self.clock += 1
         page.last_access = self.clock
 
-    def can_allocate(self, hashes: list[bytes], total_pages: int) -> bool:
-        """Whether `total_pages` pages fit, counting the cached prefix pages that would be shared."""
-        shared_live = 0
-        for h in hashes:
-            p = self.by_hash.get(h)
-            if p is None:
-                break
-            if p.ref_count > 0:
-                shared_live += 1
-        return total_pages - shared_live <= self.num_unreferenced()
+    def can_allocate(self, needs: list[tuple[list[bytes], int]]) -> bool:
+        """Whether sequences needing (prefix hashes, total pages) each all fit, counting the cached prefix
+        pages that would be shared with running jobs (they cost no free page)."""
+        need = 0
+        for hashes, total_pages in needs:
+            shared_live = 0
+            for h in hashes:
+                p = self.by_hash.get(h)
+                if p is None:
+                    break
+                if p.ref_count > 0:
+                    shared_live += 1
+            need += total_pages - shared_live
+        return need <= self.num_unreferenced()
 
     def allocate(self, hashes: list[bytes], total_pages: int, serial: int) -> tuple[list[CachePage], int]:
         """Pages for a job: reuse the cached chain of `hashes` as far as it goes, fresh LRU pages for the rest.

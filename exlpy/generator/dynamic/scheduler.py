@@ -10,16 +10,15 @@ from exlpy.generator.dynamic.pages import PAGE_SIZE
 from exlpy.model.batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+    from exlpy.generator.dynamic.job import SeqState
 
 
-def plan_prefill(job: ExLlamaV2DynamicJob, max_chunk: int) -> tuple[int, int, int] | None:
-    """Next prefill span (start, end) for `job` and the number of cached tokens skipped to reach it.
+def plan_prefill(job: SeqState, serial: int, max_chunk: int) -> tuple[int, int, int] | None:
+    """Next prefill span (start, end) of one job sequence and the number of cached tokens skipped to reach it.
 
     Pages already complete in the cache (shared prefix) are skipped. A page that another running job is still
     filling is waited for: returns None, and the job tries again next iteration.
     """
-    serial = job.serial
     target = job.prefill_target
     pos = job.prefill_pos
     skipped = 0
