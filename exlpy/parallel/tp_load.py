@@ -7,6 +7,7 @@ positions are shared with the single-device path; only the module loop differs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -184,8 +185,10 @@ def run_stages(ctx: TPContext, stages: list[Stage], states: list[SlotState]) -> 
     for stage in stages:
         outs = []
         for st in states:
-            st.enter()
-            outs.append(stage.fn(st))
+            # Triton launches on the *current* device whatever the tensors' device: make it the slot's.
+            with torch.cuda.device(st.device) if st.device.type == "cuda" else contextlib.nullcontext():
+                st.enter()
+                outs.append(stage.fn(st))
         if stage.then == "out":
             break
         ctx.all_reduce(outs)
