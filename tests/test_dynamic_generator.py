@@ -217,3 +217,29 @@ def test_bad_input_errors() -> None:
         ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=300), tok)
     g.clear_queue()
     assert g.num_remaining_jobs() == 0 and g.page_table.num_unreferenced() == 2
+
+
+def test_cfg_job_matches_manual_guidance() -> None:
+    model, tok = aidreams()
+    pos, neg = tok.encode("Echoes of", add_bos=True), tok.encode("Once", add_bos=True)
+    scale, n = 3.0, 8
+    expect: list[int] = []
+    a, b = pos.clone(), neg.clone()
+    for _ in range(n):
+        la = torch.log_softmax(model.forward(a)[0, -1], -1)
+        lb = torch.log_softmax(model.forward(b)[0, -1], -1)
+        t = int((scale * la + (1 - scale) * lb).argmax())
+        expect.append(t)
+        a, b = torch.cat([a, torch.tensor([[t]])], 1), torch.cat([b, torch.tensor([[t]])], 1)
+    assert expect != argmax_tokens(model, pos, n)  # guidance changes the output
+    g = make_gen()
+    j = job([pos, neg], n, gen_settings=ExLlamaV2Sampler.Settings.greedy(cfg_scale=scale))
+    plain = job(pos, n)
+    g.enqueue([j, plain])
+    res = drain(g)
+    assert res[j]["tokens"] == expect
+    assert res[plain]["tokens"] == argmax_tokens(model, pos, n)
+    assert g.page_table.num_unreferenced() == g.num_pages
+    text = g.generate(("Echoes of", "Once"), n, gen_settings=ExLlamaV2Sampler.Settings.greedy(
+        cfg_scale=scale), add_bos=True, stop_conditions=[], completion_only=True)
+    assert text == res[j]["text"]
