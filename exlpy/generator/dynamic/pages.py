@@ -129,14 +129,14 @@ class PageTable:
         hashes = chain_hashes(ids, valid_tokens) if ids is not None else []
         for i, page in enumerate(pages):
             if page.filler == serial:
-                page.filler = None
-                if page.hashed and page.kv_position < PAGE_SIZE and page.ref_count == 1:
-                    # Unfinished prefix page (cancelled mid-prefill) nobody else will finish: its hash would
-                    # promise K/V it lacks. A sharer that still holds it takes over filling it instead.
-                    self._unhash(page)
+                page.filler = None  # a sharer that still holds an unfinished page claims and finishes it
             if i < len(hashes) and not page.hashed and page.ref_count == 1 and hashes[i] not in self.by_hash:
                 page.phash, page.hashed, page.kv_position = hashes[i], True, PAGE_SIZE
                 self.by_hash[hashes[i]] = page
+            if page.ref_count == 1 and page.hashed and page.kv_position < PAGE_SIZE:
+                # Last holder of a prefix page nobody finished (cancelled mid-prefill): its hash would promise
+                # K/V that is not there.
+                self._unhash(page)
             page.ref_count -= 1
             self._tick(page)
 
