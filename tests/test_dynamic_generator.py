@@ -80,14 +80,15 @@ def test_shared_prefix_is_computed_once() -> None:
     assert g.cached_tokens == 3 * 512
     for p, j in zip(prompts, jobs):
         assert res[j]["tokens"] == argmax_tokens(model, p, 5)
-    # The same prompt again after the jobs ended: its pages are still cached (ref count 0, hash kept).
+    # The same prompt again after the jobs ended: its full pages are still cached (ref count 0, hash kept)...
     before = g.prefill_tokens
     j2 = job(prompts[0], 5)
     g.enqueue(j2)
     res2 = drain(g)
     assert res2[j2]["tokens"] == res[jobs[0]]["tokens"]
     assert res2[j2]["final"]["cached_pages"] == 2 and res2[j2]["final"]["cached_tokens"] == 512
-    assert g.prefill_tokens - before == prompts[0].shape[1] - 1 - 512
+    # ...and its last, partial page is copied from the freed page that held the same tokens: nothing to run.
+    assert g.prefill_tokens == before
 
 
 def test_cancel_frees_pages_and_waiting_jobs_get_them() -> None:
@@ -243,3 +244,24 @@ def test_cfg_job_matches_manual_guidance() -> None:
     text = g.generate(("Echoes of", "Once"), n, gen_settings=ExLlamaV2Sampler.Settings.greedy(
         cfg_scale=scale), add_bos=True, stop_conditions=[], completion_only=True)
     assert text == res[j]["text"]
+
+
+def test_next_chat_turn_reuses_full_and_partial_pages() -> None:
+    model, tok = aidreams()
+    torch.manual_seed(2)
+    first = torch.cat([torch.tensor([[1]]), torch.randint(3, 500, (1, 299))], dim=1)  # 300 tokens
+    g = make_gen()
+    a = job(first, 20)
+    g.enqueue(a)
+    turn1 = drain(g)[a]["tokens"]
+    # Next turn: the whole previous conversation plus a new message. Page 0 comes back by hash; page 1 was
+    # partial (tokens 256..318 have K/V) and is copied from the freed page; only the rest is computed.
+    second = torch.cat([first, torch.tensor([turn1]), torch.randint(3, 500, (1, 40))], dim=1)
+    before, cached_before = g.prefill_tokens, g.cached_tokens
+    b = job(second, 6)
+    g.enqueue(b)
+    res = drain(g)
+    valid_turn1 = first.shape[1] + len(turn1) - 1
+    assert g.cached_tokens - cached_before == valid_turn1
+    assert g.prefill_tokens - before == second.shape[1] - 1 - valid_turn1
+    assert res[b]["tokens"] == argmax_tokens(model, second, 6)

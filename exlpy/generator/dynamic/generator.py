@@ -4,7 +4,11 @@ Each `iterate()` (1) starts queued jobs while pages and batch room allow, (2) ru
 that still has prompt left (skipping pages another job already computed), (3) runs one batched decode step
 (q_len 1) for every prefilled job and samples each row with that job's settings and torch.Generator.
 Finished or cancelled jobs give their pages back at once; full pages keep their prefix hash so a later prompt
-with the same prefix references them instead of recomputing them.
+with the same prefix references them instead of recomputing them, and a partly filled last page remembers its
+tokens so that the next turn of a conversation copies its K/V instead of recomputing it.
+
+Counters: `prefill_tokens` (prompt tokens actually run through the model), `cached_tokens` (prompt tokens
+served from the cache instead) and `decode_tokens` (rows of batched decode steps).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
-from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill
+from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
 
 
 class ExLlamaV2DynamicGenerator:
@@ -63,6 +67,7 @@ class ExLlamaV2DynamicGenerator:
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.cached_tokens = 0
+        self.copy_partial_pages = True
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -227,13 +232,15 @@ class ExLlamaV2DynamicGenerator:
         for q in job.seqs:
             if q.is_prefilled():
                 continue
+            self.cached_tokens += skip_cached_pages(q)
+            self._copy_partial_page(q, job.serial or 0)
+            self.cached_tokens += skip_cached_pages(q)
             plan = plan_prefill(q, job.serial or 0, self.max_chunk_size)
             if plan is None:
                 job.wait_reason = "waiting for another job to finish computing a shared prefix page"
                 continue
             progressed = True
-            start, end, skipped = plan
-            self.cached_tokens += skipped
+            start, end = plan
             if end > start:
                 ids = q.ids[start:end].unsqueeze(0)
                 batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device())
@@ -248,6 +255,30 @@ class ExLlamaV2DynamicGenerator:
             r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
                      max_progress=sum(q.prefill_target for q in job.seqs))
             results.append(r)
+
+    def _copy_partial_page(self, q: SeqState, serial: int) -> None:
+        """At a page start, copy K/V from a free page that followed the same prefix and holds the same leading
+        tokens (e.g. the previous turn of a chat, whose last page was not full): those tokens skip prefill."""
+        pos, target = q.prefill_pos, q.prefill_target
+        if not self.copy_partial_pages:
+            return
+        p = pos // PAGE_SIZE
+        if pos % PAGE_SIZE or pos >= target or (p > 0 and p - 1 >= len(q.hashes)):
+            return
+        page = q.pages[p]
+        if page.complete or page.kv_position or page.filler not in (None, serial):
+            return
+        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else None, q.ids[pos:target])
+        if donor is None or n == 0:
+            return
+        try:
+            self.cache.copy_states(self.cache, donor.index * PAGE_SIZE, n, page.index * PAGE_SIZE, n, 0, 1, 0, 1)
+        except NotImplementedError:
+            self.copy_partial_pages = False  # e.g. quantized caches: recompute instead
+            return
+        page.filler, page.kv_position = serial, n
+        q.prefill_pos += n
+        self.cached_tokens += n
 
     def _device(self) -> torch.device:
         return self.model.modules[0].device

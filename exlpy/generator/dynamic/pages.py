@@ -46,6 +46,9 @@ class CachePage:
     last_access: int = 0
     kv_position: int = 0  # tokens of this page whose K/V is written and valid
     filler: int | None = None  # serial of the job currently writing this page
+    # Unhashed pages given back keep what they hold, so a later prompt can copy a matching partial page:
+    prev_hash: bytes | None = None  # chain hash of the page before it (None: first page of a sequence)
+    tokens: torch.Tensor | None = None  # the token ids whose K/V it holds, from its start
 
     @property
     def complete(self) -> bool:
@@ -121,6 +124,7 @@ class PageTable:
         if page.hashed and self.by_hash.get(page.phash) is page:
             del self.by_hash[page.phash]
         page.phash, page.hashed, page.kv_position, page.filler = os.urandom(16), False, 0, None
+        page.prev_hash, page.tokens = None, None  # about to be overwritten
         return page
 
     def release(self, pages: list[CachePage], serial: int, ids: torch.Tensor | None = None,
@@ -133,12 +137,30 @@ class PageTable:
             if i < len(hashes) and not page.hashed and page.ref_count == 1 and hashes[i] not in self.by_hash:
                 page.phash, page.hashed, page.kv_position = hashes[i], True, PAGE_SIZE
                 self.by_hash[hashes[i]] = page
+            if ids is not None and page.ref_count == 1 and not page.hashed and (i == 0 or i - 1 < len(hashes)):
+                held = ids[i * PAGE_SIZE:min(valid_tokens, (i + 1) * PAGE_SIZE)]
+                if held.numel():
+                    page.prev_hash, page.tokens = (hashes[i - 1] if i else None), held.clone()
             if page.ref_count == 1 and page.hashed and page.kv_position < PAGE_SIZE:
                 # Last holder of a prefix page nobody finished (cancelled mid-prefill): its hash would promise
                 # K/V that is not there.
                 self._unhash(page)
             page.ref_count -= 1
             self._tick(page)
+
+    def find_partial(self, prev_hash: bytes | None, want: torch.Tensor) -> tuple[CachePage | None, int]:
+        """The unreferenced page after `prev_hash` whose held tokens share the longest prefix with `want`."""
+        best: CachePage | None = None
+        best_n = 0
+        for page in self.pages:
+            if page.ref_count or page.tokens is None or page.prev_hash != prev_hash:
+                continue
+            m = min(page.tokens.numel(), want.numel())
+            diff = (page.tokens[:m] != want[:m]).nonzero()
+            n = int(diff[0, 0]) if diff.numel() else m
+            if n > best_n:
+                best, best_n = page, n
+        return best, best_n
 
     def _unhash(self, page: CachePage) -> None:
         if self.by_hash.get(page.phash) is page:

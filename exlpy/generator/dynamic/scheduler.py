@@ -13,39 +13,38 @@ if TYPE_CHECKING:
     from exlpy.generator.dynamic.job import SeqState
 
 
-def plan_prefill(job: SeqState, serial: int, max_chunk: int) -> tuple[int, int, int] | None:
-    """Next prefill span (start, end) of one job sequence and the number of cached tokens skipped to reach it.
+def skip_cached_pages(seq: SeqState) -> int:
+    """Advance the prefill position over leading pages whose K/V another job already computed; returns the
+    number of tokens skipped."""
+    target = seq.prefill_target
+    pos = seq.prefill_pos
+    start = pos
+    while pos < target and pos % PAGE_SIZE == 0 and pos + PAGE_SIZE <= target and seq.pages[pos // PAGE_SIZE].complete:
+        pos += PAGE_SIZE
+    seq.prefill_pos = pos
+    return pos - start
 
-    Pages already complete in the cache (shared prefix) are skipped. A page that another running job is still
-    filling is waited for: returns None, and the job tries again next iteration.
+
+def plan_prefill(seq: SeqState, serial: int, max_chunk: int) -> tuple[int, int] | None:
+    """Next prefill span (start, end) of one job sequence, after `skip_cached_pages`.
+
+    A page that another running job is still filling is waited for: returns None, and the job tries again
+    next iteration. An empty span means the sequence is prefilled.
     """
-    target = job.prefill_target
-    pos = job.prefill_pos
-    skipped = 0
-    while pos < target:
-        page = job.pages[pos // PAGE_SIZE]
-        if page.complete and pos % PAGE_SIZE == 0 and pos + PAGE_SIZE <= target:
-            pos += PAGE_SIZE
-            skipped += PAGE_SIZE
-            continue
-        break
-    if pos >= target:
-        job.prefill_pos = pos
-        return (pos, pos, skipped)
+    pos, target = seq.prefill_pos, seq.prefill_target
     end = pos
     limit = min(target, pos + max_chunk)
     while end < limit:
-        page = job.pages[end // PAGE_SIZE]
+        page = seq.pages[end // PAGE_SIZE]
         if page.complete:
             break
         if page.filler is not None and page.filler != serial:
             break
         page.filler = serial
         end = min(limit, (end // PAGE_SIZE + 1) * PAGE_SIZE)
-    job.prefill_pos = pos
-    if end == pos:
+    if end == pos and pos < target:
         return None
-    return (pos, end, skipped)
+    return (pos, end)
 
 
 def paged_batch(rows: list[tuple[list[int], int, int]], cache: object, device: torch.device) -> ForwardBatch:
