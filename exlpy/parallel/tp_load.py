@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,11 @@ def load_tp_gen(
             if bar is not None:
                 bar(i)
             if isinstance(m, Embedding):
-                m.load(torch.device("cpu") if staging.type == "cuda" else staging)  # as exllamav2: in host RAM
+                # exllamav2 keeps the table in host RAM; a CPU lookup plus fp32->fp16 and pageable copies cost
+                # ~60 ms of a 2048-token prefill (benchmarks/results/tp.md), so it goes on the first slot unless
+                # EXLPY_TP_EMBED_CPU=1 asks to save that VRAM.
+                on_cpu = staging.type == "cuda" and os.environ.get("EXLPY_TP_EMBED_CPU", "") not in ("", "0")
+                m.load(torch.device("cpu") if on_cpu else staging)
             elif isinstance(m, (Attention, MLP)):
                 m.load(staging)
                 tp_modules.append(TPAttention(ctx, m) if isinstance(m, Attention) else TPMLP(ctx, m))
