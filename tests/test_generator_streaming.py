@@ -151,3 +151,25 @@ def test_async_generator_matches_sync() -> None:
 
     got = asyncio.run(run())
     assert got == [argmax_tokens(model, i, 8) for i in ids]
+
+
+def test_sampling_is_reproducible_with_torch_seed_or_set_seed() -> None:
+    model, tok = aidreams()
+    s = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)
+    sg = ExLlamaV2StreamingGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok)
+    sg.set_stop_conditions([])
+    ids = tok.encode("Once", add_bos=True)
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)  # exllamav2 style: the global RNG
+        sg.begin_stream_ex(ids, s)
+        runs.append(stream_all(sg, 12)[1])
+    sg.begin_stream_ex(ids, s)
+    sg.set_seed(3)
+    own = stream_all(sg, 12)[1]
+    sg.begin_stream_ex(ids, s)
+    sg.set_seed(3)
+    assert runs[0] == runs[1] != runs[2] and stream_all(sg, 12)[1] == own
+    bg = ExLlamaV2BaseGenerator(model, ExLlamaV2Cache(model, batch_size=2, max_seq_len=64), tok)
+    one = bg.generate_simple(["Once", "Why"], s, 12, seed=9, add_bos=True, stop_token=None)
+    assert one == bg.generate_simple(["Once", "Why"], s, 12, seed=9, add_bos=True, stop_token=None)

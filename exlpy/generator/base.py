@@ -59,12 +59,8 @@ class ExLlamaV2BaseGenerator:
             raise GeneratorError(f"prompt ({L} tokens) + num_tokens ({num_tokens}) exceeds the cache's "
                                  f"max_seq_len {self.cache.max_seq_len}")
         lens = [r.numel() for r in rows]
-        gen = torch.Generator()
-        if seed is not None:
-            gen.manual_seed(seed)
-            torch.manual_seed(seed)
-        else:
-            gen.seed()
+        # Seeded: a private generator (reproducible whatever else draws random numbers); else the global RNG.
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
         stop = self.tokenizer.eos_token_id if stop_token == -1 else stop_token
         filters = list(filters or [])
         if filters and B > 1:

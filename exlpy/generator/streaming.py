@@ -86,8 +86,7 @@ class ExLlamaV2StreamingGenerator:
         self._prefill(ids)
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
-        self.rng = torch.Generator()
-        self.rng.seed()
+        self.rng: torch.Generator | None = None  # global torch RNG (torch.manual_seed) unless set_seed()
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
