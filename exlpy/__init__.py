@@ -9,6 +9,7 @@ from exlpy.cache import (
     ExLlamaV2Cache_Q8,
     ExLlamaV2CacheBase,
 )
+from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.config import ExLlamaV2Config
 from exlpy.model import ExLlamaV2
 from exlpy.tokenizer import ExLlamaV2Tokenizer
@@ -22,6 +23,7 @@ __all__ = [
     "ExLlamaV2Cache_Q4",
     "ExLlamaV2Cache_Q6",
     "ExLlamaV2Cache_Q8",
+    "ExLlamaV2Cache_TP",
     "ExLlamaV2CacheBase",
     "ExLlamaV2Config",
     "ExLlamaV2Tokenizer",

@@ -42,8 +42,9 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size() + b
 
     def split_columns(self, start: int, end: int, device: torch.device) -> DenseLinear:
-        bias = self.bias[start:end].to(device) if self.bias is not None else None
-        return DenseLinear(self.weight[start:end].to(device).contiguous(), bias)
+        # Copies, never views: a view would keep the whole unsplit weight alive on its device.
+        bias = self.bias[start:end].to(device, copy=True) if self.bias is not None else None
+        return DenseLinear(self.weight[start:end].to(device, copy=True).contiguous(), bias)
 
 
 def linear_format(index: SafetensorsIndex, prefix: str) -> str:

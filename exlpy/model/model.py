@@ -248,6 +248,10 @@ class ExLlamaV2:
 
     def _run(self, ids: torch.Tensor, batch: ForwardBatch, preprocess_only: bool, last_id_only: bool,
              return_last_state: bool, cpu_logits: bool) -> Any:
+        if self.tp_context is not None:
+            from exlpy.parallel.tp_load import tp_run
+
+            return tp_run(self, ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)
         cache = batch.cache
         if cache is None:
             return self._run_modules(ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)

@@ -150,8 +150,6 @@ class TPContext:
             self.graphs.clear()
             self.graphs = None
         self.modules = []
-        if "_run" in vars(self.model):
-            del self.model._run  # the TP forward installed by load_tp
 
     # --- exllamav2-style collectives ------------------------------------------------------------------------
     def get_sin_cos(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:

@@ -1,6 +1,6 @@
 """`load_tp`: build the TPContext, shard every module over its slots, and run the tensor-parallel forward.
 
-The model's forward stays the entry point: `load_tp` installs `tp_run` as the model's `_run` (an instance
+The model's forward stays the entry point: `ExLlamaV2._run` hands over to `tp_run` while a TP context is set (an
 attribute, removed again by `TPContext.unload`), so `model.forward` / `forward_batch` chunking, cache checks and
 positions are shared with the single-device path; only the module loop differs.
 """
@@ -8,7 +8,6 @@ positions are shared with the single-device path; only the module loop differs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -120,7 +119,6 @@ def load_tp_gen(
     ctx.modules = tp_modules
     if graphs_wanted(ctx):
         ctx.graphs = TPGraphs(ctx)
-    model._run = functools.partial(tp_run, model)  # type: ignore[method-assign]
     model.loaded = True
     if callback is not None:
         callback(n, n)
