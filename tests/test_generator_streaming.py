@@ -173,3 +173,43 @@ def test_sampling_is_reproducible_with_torch_seed_or_set_seed() -> None:
     bg = ExLlamaV2BaseGenerator(model, ExLlamaV2Cache(model, batch_size=2, max_seq_len=64), tok)
     one = bg.generate_simple(["Once", "Why"], s, 12, seed=9, add_bos=True, stop_token=None)
     assert one == bg.generate_simple(["Once", "Why"], s, 12, seed=9, add_bos=True, stop_token=None)
+
+
+class Forced:
+    """A filter that allows exactly one token per step: the generator must produce `ids` in order."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.k = ids, 0
+
+    def begin(self, prefix: str) -> None:
+        self.k = 0
+
+    def feed(self, token: int) -> None:
+        self.k += 1
+
+    def next(self) -> tuple[set[int], set[int]]:
+        return {self.ids[min(self.k, len(self.ids) - 1)]}, set()
+
+
+def test_partial_utf8_held_back_end_to_end() -> None:
+    model, tok = aidreams()
+    target = tok.encode(" caf\u00e9 \u2713 ok")[0].tolist()
+    pieces = tok.get_id_to_piece_list()
+    assert sum("\ufffd" in pieces[t] for t in target) >= 4  # byte-fallback tokens
+    ids = tok.encode("Once", add_bos=True)
+    expect = tok.decode(torch.cat([ids[0], torch.tensor(target)]))[len(tok.decode(ids[0])):]
+
+    sg = ExLlamaV2StreamingGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok)
+    sg.set_stop_conditions([])
+    sg.begin_stream_ex(ids, GREEDY, filters=[Forced(target)])
+    chunks = [sg.stream_ex()["chunk"] for _ in target]
+    assert all("\ufffd" not in c for c in chunks) and "".join(chunks) == expect
+    assert "" in chunks  # something was held back while a character was incomplete
+
+    dg = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok)
+    job = ExLlamaV2DynamicJob(ids, len(target), gen_settings=GREEDY, stop_conditions=[], filters=[Forced(target)])
+    dg.enqueue(job)
+    texts = []
+    while dg.num_remaining_jobs():
+        texts += [r["text"] for r in dg.iterate() if r["stage"] == "streaming"]
+    assert all("\ufffd" not in t for t in texts) and "".join(texts) == expect
