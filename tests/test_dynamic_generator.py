@@ -265,3 +265,48 @@ def test_next_chat_turn_reuses_full_and_partial_pages() -> None:
     assert g.cached_tokens - cached_before == valid_turn1
     assert g.prefill_tokens - before == second.shape[1] - 1 - valid_turn1
     assert res[b]["tokens"] == argmax_tokens(model, second, 6)
+
+
+def test_max_skips_stops_later_jobs_from_overtaking() -> None:
+    _, tok = aidreams()
+    ids = tok.encode("Once", add_bos=True)
+    g = make_gen(pages=3)
+    a, b = job(ids, 300), job(ids, 300, max_skips=1)  # 2 pages each
+    c, d = job(ids, 3), job(ids, 3)  # 1 page each
+    g.enqueue([a, b, c, d])
+    g.iterate()
+    assert g.active == [a, c] and b.skips == 1  # c overtook b once
+    while c in g.active:
+        g.iterate()
+    # A page is free and d would fit, but b has been skipped max_skips times: nobody may overtake it again.
+    g.iterate()
+    assert d not in g.active and "pages" in (b.wait_reason or "")
+    order = []
+    while g.num_remaining_jobs():
+        order += [r["job"] for r in g.iterate() if r["stage"] == "started"]
+    assert order == [b, d]
+
+
+def test_result_fields_and_stages() -> None:
+    _, tok = aidreams()
+    g = make_gen()
+    j = job(tok.encode("Once", add_bos=True), 5, return_probs=True, return_top_tokens=4, return_logits=True,
+            identifier="x")
+    g.enqueue(j)
+    results = []
+    while g.num_remaining_jobs():
+        results += g.iterate()
+    assert [r["stage"] for r in results][:2] == ["started", "prefill"]
+    stream = [r for r in results if r["stage"] == "streaming"]
+    assert all(r["identifier"] == "x" and r["serial"] == j.serial for r in results)
+    n = sum(r["token_ids"].shape[1] for r in stream)
+    assert n == 5
+    for r in stream:
+        k = r["token_ids"].shape[1]
+        assert r["token_probs"].shape == (1, k) and r["top_k_tokens"].shape == (1, k, 4)
+        assert r["logits"].shape[:2] == (1, k)
+        assert torch.equal(r["top_k_tokens"][0, :, 0], r["token_ids"][0])  # greedy: the top token is drawn
+    last = stream[-1]
+    for key in ("eos_reason", "full_completion", "new_tokens", "prompt_tokens", "time_enqueued", "time_prefill",
+                "time_generate", "cached_pages", "cached_tokens"):
+        assert key in last
