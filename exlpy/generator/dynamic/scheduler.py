@@ -48,19 +48,26 @@ def plan_prefill(seq: SeqState, serial: int, max_chunk: int) -> tuple[int, int] 
 
 
 def paged_batch(rows: list[tuple[list[int], int, int]], cache: object, device: torch.device) -> ForwardBatch:
-    """ForwardBatch for rows of (page ids, first position, q_len), all rows with the same q_len."""
+    """ForwardBatch for rows of (page ids, first position, q_len), all rows with the same q_len.
+
+    Built from Python lists with one tensor per field: this runs every decode step, and per-row tensor ops
+    would cost more host time than a small model's whole step on the GPU.
+    """
     B = len(rows)
     T = rows[0][2]
     P = max(len(p) for p, _, _ in rows)
-    positions = torch.empty(B, T, dtype=torch.long)
-    table = torch.zeros(B, P, dtype=torch.int32)
-    seqlens = torch.empty(B, dtype=torch.int32)
-    for b, (pages, start, q) in enumerate(rows):
-        assert q == T
-        positions[b] = torch.arange(start, start + T)
-        table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        seqlens[b] = start + T
-    slots = table.long().gather(1, positions // PAGE_SIZE) * PAGE_SIZE + positions % PAGE_SIZE
-    return ForwardBatch(batch_size=B, q_len=T, positions=positions.to(device), cache=cache,
-                        slots=slots.to(device), block_table=table.to(device), page_size=PAGE_SIZE,
-                        seqlens=seqlens.to(device), max_seqlen=int(seqlens.max()))
+    positions, slots, table, seqlens = [], [], [], []
+    for pages, start, q in rows:
+        assert q == T, "all rows of one paged batch need the same q_len"
+        pos = list(range(start, start + T))
+        positions.append(pos)
+        slots.append([pages[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE for t in pos])
+        table.append(pages + [0] * (P - len(pages)))
+        seqlens.append(start + T)
+    return ForwardBatch(batch_size=B, q_len=T,
+                        positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+                        cache=cache, slots=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+                        block_table=torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True),
+                        page_size=PAGE_SIZE,
+                        seqlens=torch.tensor(seqlens, dtype=torch.int32).to(device, non_blocking=True),
+                        max_seqlen=max(seqlens))
