@@ -51,7 +51,8 @@ class ExLlamaV2DynamicGenerator:
         self.max_batch_size = 1 if not paged else (max_batch_size or default_batch)
         if self.max_batch_size < 1:
             raise GeneratorError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.max_seq_len = min(max_seq_len or cache.max_seq_len, cache.max_seq_len)
+        # A sequence may not outgrow the cache nor the model's context (its RoPE tables end there).
+        self.max_seq_len = min(max_seq_len or cache.max_seq_len, cache.max_seq_len, cfg.max_seq_len)
         chunk = max_chunk_size or cfg.max_input_len
         if chunk % PAGE_SIZE != 0 or chunk < PAGE_SIZE:
             raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {PAGE_SIZE}")
