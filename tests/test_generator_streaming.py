@@ -213,3 +213,27 @@ def test_partial_utf8_held_back_end_to_end() -> None:
     while dg.num_remaining_jobs():
         texts += [r["text"] for r in dg.iterate() if r["stage"] == "streaming"]
     assert all("\ufffd" not in t for t in texts) and "".join(texts) == expect
+
+
+def test_streaming_cfg_matches_dynamic_cfg() -> None:
+    model, tok = aidreams()
+    s = ExLlamaV2Sampler.Settings.greedy(cfg_scale=3.0)
+    pos, neg = tok.encode("Echoes of", add_bos=True), tok.encode("Once", add_bos=True)
+    dg = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=512), tok)
+    job = ExLlamaV2DynamicJob([pos, neg], 8, gen_settings=s, stop_conditions=[])
+    dg.enqueue(job)
+    expect: list[int] = []
+    while dg.num_remaining_jobs():
+        expect += [t for r in dg.iterate() if r["stage"] == "streaming" for t in r["token_ids"][0].tolist()]
+    assert expect != argmax_tokens(model, pos, 8)
+
+    ids, offsets = tok.encode(["Echoes of", "Once"], add_bos=True, return_offsets=True)
+    sg = ExLlamaV2StreamingGenerator(model, ExLlamaV2Cache(model, batch_size=2, max_seq_len=128), tok)
+    sg.set_stop_conditions([])
+    sg.begin_stream_ex(ids, s, input_mask=tok.padding_mask(ids), position_offsets=offsets)
+    assert stream_all(sg, 8)[1] == expect
+    # Afterwards a plain prompt starts over (no prefix reuse from the CFG rows) and is still exact.
+    sg.begin_stream_ex(pos, GREEDY)
+    assert stream_all(sg, 8)[1] == argmax_tokens(model, pos, 8)
+    with pytest.raises(GeneratorError, match="cfg_scale"):
+        sg.begin_stream_ex(ids, GREEDY)

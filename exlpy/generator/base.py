@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
-from exlpy.model.batch import ForwardBatch
+from exlpy.generator.dynamic.scheduler import cache_rows_batch
 
 
 class ExLlamaV2BaseGenerator:
@@ -73,11 +73,10 @@ class ExLlamaV2BaseGenerator:
         # attention mask is needed: prompts are prefilled row by row, then all rows decode together with their
         # own lengths (ragged q_len-1 batch).
         dev = self.model.modules[0].device
-        S = self.cache.max_seq_len
         self.cache.current_seq_len = 0
         for b, r in enumerate(rows):
             if lens[b] > 1:
-                self.model.forward_batch(r[:-1].unsqueeze(0), self._rows_batch([b], [0], lens[b] - 1, S, dev),
+                self.model.forward_batch(r[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0], lens[b] - 1, dev),
                                          preprocess_only=True)
         done = [False] * B
         new_tokens: list[list[int]] = [[] for _ in range(B)]
@@ -86,7 +85,7 @@ class ExLlamaV2BaseGenerator:
             if abort_event is not None and abort_event.is_set():
                 break
             ids = torch.stack([q[-1:] for q in seqs])
-            batch = self._rows_batch(list(range(B)), [q.numel() - 1 for q in seqs], 1, S, dev)
+            batch = cache_rows_batch(self.cache, list(range(B)), [q.numel() - 1 for q in seqs], 1, dev)
             logits = self.model.forward_batch(ids, batch).float().cpu()
             nxt = torch.empty(B, 1, dtype=torch.long)
             for b in range(B):
@@ -119,17 +118,6 @@ class ExLlamaV2BaseGenerator:
                 text = text[len(self.tokenizer.get_id_to_piece_list(True)[heal[b]]):]  # type: ignore[index]
             out.append(text if completion_only else prompts[b] + text)
         return out[0] if single else out
-
-    def _rows_batch(self, rows: list[int], starts: list[int], q_len: int, seq_stride: int,
-                    device: torch.device) -> ForwardBatch:
-        """Batch whose row i writes cache row rows[i] from position starts[i] on (per-row lengths)."""
-        r = torch.tensor(rows, dtype=torch.long)
-        pos = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q_len).unsqueeze(0)
-        seqlens = (pos[:, -1] + 1).to(torch.int32)
-        return ForwardBatch(batch_size=len(rows), q_len=q_len, positions=pos.to(device), cache=self.cache,
-                            slots=(r.unsqueeze(1) * seq_stride + pos).to(device),
-                            block_table=r.to(torch.int32).unsqueeze(1).to(device), page_size=seq_stride,
-                            seqlens=seqlens.to(device), max_seqlen=int(seqlens.max()))
 
     def _decode(self, toks: list[int], decode_special_tokens: bool) -> str:
         if not toks:

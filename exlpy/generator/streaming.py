@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic.scheduler import cache_rows_batch
 from exlpy.generator.dynamic.stops import Released, TextStream, split_stop_conditions, tokenizer_decode
 
 
@@ -31,6 +32,8 @@ class ExLlamaV2StreamingGenerator:
         self.sequence_ids: torch.Tensor | None = None
         self.prefill_tokens = 0  # prompt tokens actually run through the model (prefix reuse skips the rest)
         self.active = False
+        self.reusable = True
+        self.negative = None
 
     def set_stop_conditions(self, stop_conditions: Iterable[int | str]) -> None:
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
@@ -58,13 +61,20 @@ class ExLlamaV2StreamingGenerator:
             raise GeneratorError("banned_strings cannot be combined with filters")
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
-            raise GeneratorError(f"input_ids must be a non-empty [1, n] tensor (batch > 1 is only for CFG, which "
-                                 f"is not supported), got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[1] >= self.cache.max_seq_len:
-            raise GeneratorError(f"prompt of {input_ids.shape[1]} tokens does not fit the cache "
+        cfg = getattr(gen_settings, "cfg_scale", None) is not None
+        if input_ids.dim() != 2 or input_ids.shape[0] != (2 if cfg else 1) or input_ids.shape[1] < 1:
+            raise GeneratorError(f"input_ids must be a non-empty [1, n] tensor, or [2, n] (positive, negative) "
+                                 f"with gen_settings.cfg_scale; got shape {tuple(input_ids.shape)} and cfg_scale "
+                                 f"{getattr(gen_settings, 'cfg_scale', None)}")
+        if cfg and token_healing:
+            raise GeneratorError("token_healing cannot be combined with CFG")
+        if cfg and self.cache.batch_size < 2:
+            raise GeneratorError(f"CFG needs a cache with batch_size >= 2, got {self.cache.batch_size}")
+        rows = _unpad_rows(input_ids.detach().to("cpu", torch.long), input_mask)
+        if max(r.numel() for r in rows) >= self.cache.max_seq_len:
+            raise GeneratorError(f"prompt of {max(r.numel() for r in rows)} tokens does not fit the cache "
                                  f"(max_seq_len {self.cache.max_seq_len}) with room for a new token")
-        ids = input_ids.detach().to("cpu", torch.long)
+        ids = rows[0].unsqueeze(0)
         self.settings = gen_settings
         self.return_probabilities = return_probabilities
         self.return_top_tokens = return_top_tokens
@@ -73,7 +83,8 @@ class ExLlamaV2StreamingGenerator:
         self.filters = list(filters or [])
         self.filter_prefer_eos = filter_prefer_eos
         self.min_new_tokens = min_new_tokens
-        self.input_mask, self.position_offsets = input_mask, position_offsets
+        # Padding is stripped (rows sit unpadded in their cache rows), so masks and offsets are not needed.
+        self.negative: torch.Tensor | None = rows[1] if cfg else None
         self.prefix_token: int | None = None
         strip = 0
         if token_healing and ids.shape[1] > 1:
@@ -94,18 +105,45 @@ class ExLlamaV2StreamingGenerator:
 
     def _prefill(self, ids: torch.Tensor) -> None:
         """Run ids[:-1] into the cache, reusing the cached prefix shared with the previous sequence."""
+        if self.negative is not None:
+            self._prefill_cfg(ids)
+            return
         reuse = 0
         old = self.sequence_ids
-        if old is not None and self.input_mask is None:
+        if old is not None and self.reusable:
             n = min(old.shape[1], ids.shape[1] - 1, self.cache.current_seq_len)
             diff = (old[0, :n] != ids[0, :n]).nonzero()
             reuse = int(diff[0, 0]) if diff.numel() else n
         self.cache.current_seq_len = reuse
         if ids.shape[1] - 1 > reuse:
-            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True, input_mask=self.input_mask,
-                               position_offsets=self.position_offsets)
+            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True)
             self.prefill_tokens += ids.shape[1] - 1 - reuse
         self.sequence_ids = ids
+        self.reusable = True
+
+    def _prefill_cfg(self, ids: torch.Tensor) -> None:
+        """CFG: positive and negative prompt in cache rows 0 and 1, each from position 0."""
+        assert self.negative is not None
+        dev = self.model.modules[0].device
+        for b, row in enumerate((ids[0], self.negative)):
+            if row.numel() > 1:
+                self.model.forward_batch(row[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0],
+                                         row.numel() - 1, dev), preprocess_only=True)
+                self.prefill_tokens += row.numel() - 1
+        self.sequence_ids = ids
+        self.reusable = False  # the cache no longer holds one plain sequence: the next prompt starts over
+        self.cache.current_seq_len = 0
+
+    def _logits(self) -> torch.Tensor:
+        """Logits [rows, 1, V] (CPU) for the token after the current sequence (two rows for CFG)."""
+        seq = self.sequence_ids
+        assert seq is not None
+        if self.negative is None:
+            return self.model.forward(seq[:, -1:], self.cache).float().cpu()
+        ids = torch.stack([seq[0, -1:], self.negative[-1:]])
+        batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
+                                 self.model.modules[0].device)
+        return self.model.forward_batch(ids, batch).float().cpu()
 
     def set_seed(self, seed: int) -> None:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
@@ -122,13 +160,13 @@ class ExLlamaV2StreamingGenerator:
             raise GeneratorError("stream_ex() called without an active stream: call begin_stream_ex() first")
         if self.abort_event is not None and self.abort_event.is_set():
             return self._result(self.text_stream.end(Released(), "aborted"))
-        if self.sequence_ids.shape[1] >= self.cache.max_seq_len:
+        longest = max(self.sequence_ids.shape[1], self.negative.numel() if self.negative is not None else 0)
+        if longest >= self.cache.max_seq_len:
             return self._result(self.text_stream.end(Released(), "max_seq_len"))
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
         seq = self.sequence_ids
-        logits = self.model.forward(seq[:, -1:], self.cache, input_mask=self.input_mask,
-                                    position_offsets=self.position_offsets).float().cpu()
+        logits = self._logits()
         blocked: set[int] = set(self.stop_tokens) if self.new_tokens < self.min_new_tokens else set()
         if self.ban_pos == seq.shape[1]:
             blocked |= self.ban_set
@@ -143,8 +181,10 @@ class ExLlamaV2StreamingGenerator:
             payload["top_tokens"] = top_tok.view(1, -1)[0].clone()
             payload["top_probs"] = top_prob.view(1, -1)[0].clone()
         if self.return_logits:
-            payload["logits"] = logits[0, -1].clone()
+            payload["logits"] = logits[0, -1].clone()  # CFG: the positive row
         self.sequence_ids = torch.cat([seq, torch.tensor([[token]])], dim=1)
+        if self.negative is not None:
+            self.negative = torch.cat([self.negative, torch.tensor([token])])
         self.new_tokens += 1
         for f in self.filters:
             if hasattr(f, "feed"):
@@ -161,6 +201,8 @@ class ExLlamaV2StreamingGenerator:
         """A banned string matched: drop its tokens and ban the first of them at that position."""
         assert self.sequence_ids is not None and rel.ban is not None
         self.sequence_ids = self.sequence_ids[:, :-rel.rewind]
+        if self.negative is not None:
+            self.negative = self.negative[:-rel.rewind]
         self.new_tokens -= rel.rewind
         self.cache.current_seq_len = self.sequence_ids.shape[1] - 1
         pos = self.sequence_ids.shape[1]
@@ -186,3 +228,16 @@ class ExLlamaV2StreamingGenerator:
             r["logits"] = (torch.stack([p["logits"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
                            else torch.empty(1, 0, len(self.pieces)))
         return r
+
+
+def _unpad_rows(ids: torch.Tensor, input_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The real tokens of each row of a (left-)padded batch; `input_mask` is bool (True = token) or additive
+    (0 = token, -inf = padding), as from tokenizer.padding_mask()."""
+    if input_mask is None:
+        return [r for r in ids]
+    m = input_mask.reshape(ids.shape[0], -1)[:, -ids.shape[1]:].cpu()
+    keep = m if m.dtype == torch.bool else m > -1.0
+    rows = [ids[b][keep[b]] for b in range(ids.shape[0])]
+    if min(r.numel() for r in rows) < 1:
+        raise GeneratorError("input_mask leaves a row without any token")
+    return rows

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,3 +71,20 @@ def paged_batch(rows: list[tuple[list[int], int, int]], cache: object, device: t
                         page_size=PAGE_SIZE,
                         seqlens=torch.tensor(seqlens, dtype=torch.int32).to(device, non_blocking=True),
                         max_seqlen=max(seqlens))
+
+
+def cache_rows_batch(cache: Any, rows: list[int], starts: list[int], q_len: int,
+                     device: torch.device) -> ForwardBatch:
+    """Batch over a contiguous cache where row i writes cache row rows[i] from position starts[i] on.
+
+    Each sequence sits unpadded at the start of its own cache row, so positions equal cache indices and rows of
+    different lengths need no attention mask (the streaming generator's CFG pair, the base generator's batch).
+    """
+    stride = cache.max_seq_len
+    r = torch.tensor(rows, dtype=torch.long)
+    pos = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q_len).unsqueeze(0)
+    seqlens = (pos[:, -1] + 1).to(torch.int32)
+    return ForwardBatch(batch_size=len(rows), q_len=q_len, positions=pos.to(device), cache=cache,
+                        slots=(r.unsqueeze(1) * stride + pos).to(device),
+                        block_table=r.to(torch.int32).unsqueeze(1).to(device), page_size=stride,
+                        seqlens=seqlens.to(device), max_seqlen=int(seqlens.max()))
