@@ -131,3 +131,22 @@ def test_unload_and_reload(tmp_path: Path) -> None:
     assert not model.loaded and all(m.device is None for m in model.modules)
     model.load()
     assert rel_err(model.forward(ids), before) == 0.0
+
+
+def test_left_padded_batch_with_cache_matches_single_rows(tmp_path: Path) -> None:
+    """Padding keys are masked and RoPE positions shifted, while cache rows keep physical slots."""
+    make_hf_model(tmp_path, "llama")
+    model, _ = load(tmp_path, max_seq_len=64)
+    cache = ExLlamaV2Cache(model, batch_size=2, max_seq_len=64)
+    a = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(8))
+    b = torch.randint(3, 320, (1, 8), generator=torch.Generator().manual_seed(9))
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    batch[0], batch[1, 4:] = a[0], b[0]
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, :4] = False
+    offsets = torch.tensor([0, -4])
+    out = model.forward(batch[:, :10], cache, input_mask=mask, position_offsets=offsets)
+    out2 = model.forward(batch[:, 10:], cache, input_mask=mask, position_offsets=offsets)
+    full = torch.cat([out, out2], dim=1)
+    assert rel_err(full[0], model.forward(a)[0]) <= TOL
+    assert rel_err(full[1, 4:], model.forward(b)[0]) <= TOL

@@ -26,7 +26,14 @@ class ForwardBatch:
     max_seqlen: int = 0  # host-side bound of seqlens, sizes the reference path
     past_len: int | None = None  # uniform past length of a contiguous cache: enables the slicing fast path
     key_mask: torch.Tensor | None = None  # [B, >=max_seqlen] bool, False = padding key
+    # RoPE positions when they differ from the cache positions (left-padded rows start at position 0 while
+    # their tokens sit further right in the cache); None means `positions`.
+    rope_positions: torch.Tensor | None = None
     _per_device: dict[str, ForwardBatch] = field(default_factory=dict, repr=False)
+
+    @property
+    def rope_pos(self) -> torch.Tensor:
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     def on(self, device: torch.device) -> ForwardBatch:
         """This batch with its tensors on `device` (copied once per device, then reused by every layer)."""
@@ -37,7 +44,8 @@ class ForwardBatch:
             mv = lambda t: None if t is None else t.to(device, non_blocking=True)
             self._per_device[key] = replace(
                 self, positions=mv(self.positions), slots=mv(self.slots), block_table=mv(self.block_table),
-                seqlens=mv(self.seqlens), key_mask=mv(self.key_mask), _per_device={})
+                seqlens=mv(self.seqlens), key_mask=mv(self.key_mask), rope_positions=mv(self.rope_positions),
+                _per_device={})
         return self._per_device[key]
 
 

@@ -146,7 +146,7 @@ class Attention(Module):
             q = ops.rms_norm(q, self.q_norm_w, eps)
             k = ops.rms_norm(k, self.k_norm_w, eps)
         cos, sin = self.rotary.get(x.device, x.dtype)
-        q, k = ops.apply_rope(q, k, cos, sin, batch.positions)
+        q, k = ops.apply_rope(q, k, cos, sin, batch.rope_pos)
         o = self.attend(q, k, v, batch)  # [B, T, Hq, D]
         return add_linear(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
 

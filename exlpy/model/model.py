@@ -184,7 +184,7 @@ class ExLlamaV2:
                                           f"{limit} (max_input_len * max_batch_size // batch); pass a cache "
                                           "to process long inputs in chunks")
             batch = contiguous_batch(B, T, 0, None, 0, dev, key_mask)
-            batch.positions = _offset(batch.positions, offsets)
+            batch.rope_positions = _offset(batch.positions, offsets)
             return self._run(ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)
 
         past = cache.current_seq_len
@@ -209,7 +209,7 @@ class ExLlamaV2:
             n = max(1, min(T - pos, cfg.max_input_len, att))
             last = pos + n >= T
             batch = contiguous_batch(B, n, cur, cache, cache.max_seq_len, dev, key_mask)
-            batch.positions = _offset(batch.positions, offsets)
+            batch.rope_positions = _offset(batch.positions, offsets)
             r = self._run(ids[:, pos:pos + n], batch, preprocess_only or not last and last_id_only,
                           last_id_only, return_last_state, cpu_logits)
             cache.current_seq_len = cur + n
@@ -292,5 +292,5 @@ def _key_mask(input_mask: torch.Tensor | None, device: torch.device) -> torch.Te
     return m if m.dtype == torch.bool else m > -1.0
 
 
-def _offset(positions: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    return positions if offsets is None else (positions + offsets).clamp(min=0)
+def _offset(positions: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor | None:
+    return None if offsets is None else (positions + offsets).clamp(min=0)

@@ -147,7 +147,7 @@ class TPAttention:
         if sh["q_norm"] is not None:
             q = ops.rms_norm(q, sh["q_norm"], self.eps)
             k = ops.rms_norm(k, sh["k_norm"], self.eps)
-        q, k = ops.apply_rope(q, k, sh["cos"], sh["sin"], st.batch.positions)
+        q, k = ops.apply_rope(q, k, sh["cos"], sh["sin"], st.batch.rope_pos)
         return self._attend(q, k, v, st).reshape(B, T, sh["hq"] * D)
 
     def _row(self, st: SlotState) -> torch.Tensor:
