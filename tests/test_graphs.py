@@ -39,7 +39,7 @@ def _load(path: Path, device: str | None = None) -> ExLlamaV2:
 def test_buckets_and_support(model_dir: Path) -> None:
     assert [bucket_for(n) for n in (1, 3, 5, 32, 33)] == [1, 4, 8, 32, 64]
     assert bucket_for(10_000) is None
-    model = _load(model_dir)
+    model = _load(model_dir, "cpu")
     assert not graphs_supported(model)  # CPU: the model runs eagerly
     assert model._graph_runner() is None
 

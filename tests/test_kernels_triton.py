@@ -15,7 +15,7 @@ from tests.conftest import requires_cuda
 triton = pytest.importorskip("triton")
 
 from exlpy.kernels.activation import silu_mul  # noqa: E402
-from exlpy.kernels.gemv import linear_add  # noqa: E402
+from exlpy.kernels.gemv import linear_add, norm_linear  # noqa: E402
 from exlpy.kernels.kv_store import store_kv  # noqa: E402
 from exlpy.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from exlpy.kernels.rmsnorm import rms_norm  # noqa: E402
@@ -62,6 +62,9 @@ def test_gemv_single_row_with_and_without_residual(N: int, K: int) -> None:
     _close(out, expect, 1e-5)
     x3 = torch.randn(3, K, generator=g)  # several rows: the cuBLAS path
     _close(linear_add(x3, w), reference.linear_add(x3, w), 1e-5)
+    nw = torch.rand(K, generator=g) + 0.5
+    _close(norm_linear(x, nw, 1e-5, w), reference.norm_linear(x, nw, 1e-5, w), 1e-5)
+    _close(norm_linear(x3, nw, 1e-5, w), reference.norm_linear(x3, nw, 1e-5, w), 1e-5)
 
 
 def test_rope_in_place_on_qkv_views() -> None:
@@ -135,6 +138,8 @@ def test_kernels_real_shapes_cuda() -> None:
         xs, ws, rs = (torch.randn(1, k, device=dev, dtype=dt), torch.randn(n, k, device=dev, dtype=dt) * 0.02,
                       torch.randn(1, n, device=dev, dtype=dt))
         _close(linear_add(xs, ws, rs.clone()), reference.linear_add(xs, ws, rs), 2e-3)
+        nw = torch.rand(k, device=dev, dtype=dt) + 0.5
+        _close(norm_linear(xs, nw, 1e-5, ws), reference.norm_linear(xs, nw, 1e-5, ws), 2e-3)
     for lens in ([511], [4000], [1, 300, 1024, 77]):
         _paged_case(len(lens), 1, 32, 8, 128, 256, 16, lens, dev, dt)
     _paged_case(2, 1, 32, 8, 64, 2048, 1, [600, 2048], dev, dt)

@@ -16,11 +16,19 @@ _SMS = 132  # an H100's SM count; only sizes the rows per program
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, N, K, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, EVEN_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    if HAS_NORM:
+        # RMSNorm of the input row, recomputed per program from L2 (16 KB) instead of a separate kernel.
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xf = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            ss += xf * xf
+        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -30,6 +38,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, N, K, w_stride, BLOCK_N: tl.constex
         else:
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        if HAS_NORM:
+            # Rounded to the input dtype before the weight multiply, exactly as the RMSNorm kernel.
+            x = (x.to(tl.float32) * inv).to(x.dtype) * tl.load(nw_ptr + k, mask=k < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_RES:
@@ -49,13 +60,31 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | N
             return torch.nn.functional.linear(x, weight)
         residual.view(-1, N).addmm_(x.reshape(-1, K), weight.t())
         return residual
+    return _launch(x, weight, residual, None, 0.0)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as `reference.norm_linear`: rms_norm(x) @ weight^T, the norm fused in for one row."""
+    N, K = weight.shape
+    if x.numel() != K or weight.stride(1) != 1 or x.dtype != weight.dtype or norm_weight.dtype != x.dtype:
+        from exlpy.kernels.rmsnorm import rms_norm
+
+        return torch.nn.functional.linear(rms_norm(x, norm_weight, eps), weight)
+    return _launch(x, weight, None, norm_weight, eps)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            eps: float) -> torch.Tensor:
+    N, K = weight.shape
     x1 = x.reshape(K)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
     out = residual if residual is not None else torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     block_n = 8 if N >= 8 * 4 * _SMS else 4
     block_k = 512 if K >= 512 else triton.next_power_of_2(K)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x1, weight, out, out, N, K, weight.stride(0), BLOCK_N=block_n,
-                                             BLOCK_K=block_k, HAS_RES=residual is not None,
-                                             EVEN_K=K % block_k == 0, num_warps=4)
+    nw = norm_weight if norm_weight is not None else x1
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x1, weight, out, out, nw, N, K, weight.stride(0), eps,
+                                             BLOCK_N=block_n, BLOCK_K=block_k, HAS_RES=residual is not None,
+                                             HAS_NORM=norm_weight is not None, EVEN_K=K % block_k == 0,
+                                             num_warps=4)
     return out

@@ -69,6 +69,10 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | N
     return _impl("linear_add", x)(x, weight, residual)
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    return _impl("norm_linear", x)(x, norm_weight, eps, weight)
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     _impl("store_kv", k)(k_cache, v_cache, slots, k, v)

@@ -35,6 +35,11 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | N
     return y if residual is None else residual + y
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x, norm_weight, eps) @ weight^T: a pre-norm block's first projection."""
+    return F.linear(rms_norm(x, norm_weight, eps), weight)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

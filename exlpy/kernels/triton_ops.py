@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from exlpy.kernels import ops, reference
 from exlpy.kernels.activation import silu_mul
-from exlpy.kernels.gemv import linear_add
+from exlpy.kernels.gemv import linear_add, norm_linear
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.rmsnorm import rms_norm
@@ -58,6 +58,7 @@ def register_all() -> None:
     ops.register("apply_rope", apply_rope)
     ops.register("silu_mul", silu_mul)
     ops.register("linear_add", linear_add)
+    ops.register("norm_linear", norm_linear)
     ops.register("store_kv", store_kv)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)

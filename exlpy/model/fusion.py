@@ -19,6 +19,11 @@ class FusedDense(DenseLinear):
         y = ops.linear_add(x, self.weight)
         return y if self.bias is None else y + self.bias
 
+    def forward_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """forward(rms_norm(x)); one kernel at batch 1, where the norm would otherwise launch on its own."""
+        y = ops.norm_linear(x, norm_weight, eps, self.weight)
+        return y if self.bias is None else y + self.bias
+
 
 def fuse_dense(parts: list[Linear]) -> FusedDense | None:
     """One DenseLinear computing every part's outputs side by side, or None when the parts cannot fuse.

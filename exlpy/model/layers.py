@@ -11,7 +11,7 @@ from exlpy.config.config import ExLlamaV2Config
 from exlpy.config.rope import cos_sin_table
 from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
-from exlpy.model.fusion import add_linear, fuse_dense
+from exlpy.model.fusion import FusedDense, add_linear, fuse_dense
 from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
 
@@ -102,7 +102,7 @@ class Attention(Module):
         self.k_proj: Linear | None = None
         self.v_proj: Linear | None = None
         self.o_proj: Linear | None = None
-        self.qkv_proj: Linear | None = None  # q, k and v side by side when they can fuse (dense, one device)
+        self.qkv_proj: FusedDense | None = None  # q, k and v side by side when they can fuse (dense, one device)
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -133,11 +133,11 @@ class Attention(Module):
         assert self.q_proj and self.k_proj and self.v_proj and self.o_proj and self.norm_w is not None
         B, T, _ = x.shape
         eps = self.spec.norm_eps
-        h = ops.rms_norm(x, self.norm_w, eps)
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj.forward(h).split(
+        if self.qkv_proj is not None:  # pre-norm fused into one q|k|v projection
+            q, k, v = self.qkv_proj.forward_normed(x, self.norm_w, eps).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         else:
+            h = ops.rms_norm(x, self.norm_w, eps)
             q, k, v = self.q_proj.forward(h), self.k_proj.forward(h), self.v_proj.forward(h)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -185,7 +185,7 @@ class MLP(Module):
         self.gate_proj: Linear | None = None
         self.up_proj: Linear | None = None
         self.down_proj: Linear | None = None
-        self.gate_up_proj: Linear | None = None  # gate and up side by side when they can fuse
+        self.gate_up_proj: FusedDense | None = None  # gate and up side by side when they can fuse
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -208,10 +208,11 @@ class MLP(Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.gate_proj and self.up_proj and self.down_proj and self.norm_w is not None
-        h = ops.rms_norm(x, self.norm_w, self.spec.norm_eps)
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj.forward(h).chunk(2, dim=-1)
+        eps = self.spec.norm_eps
+        if self.gate_up_proj is not None:  # pre-norm fused into one gate|up projection
+            gate, up = self.gate_up_proj.forward_normed(x, self.norm_w, eps).chunk(2, dim=-1)
         else:
+            h = ops.rms_norm(x, self.norm_w, eps)
             gate, up = self.gate_proj.forward(h), self.up_proj.forward(h)
         return add_linear(x, self.down_proj, ops.silu_mul(gate, up))
 
