@@ -21,15 +21,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
-    if HAS_NORM:
-        # RMSNorm of the input row, recomputed per program from L2 (16 KB) instead of a separate kernel.
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xf = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            ss += xf * xf
-        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -38,11 +31,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_
         else:
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        xf = x.to(tl.float32)
         if HAS_NORM:
-            # Rounded to the input dtype before the weight multiply, exactly as the RMSNorm kernel.
-            x = (x.to(tl.float32) * inv).to(x.dtype) * tl.load(nw_ptr + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            # RMSNorm folded in: y = rsqrt(mean(x²) + eps) · Σ W (x · w_norm), in the same pass over x. It
+            # differs from norm-then-GEMV only by the fp16 rounding of the normalized input.
+            ss += xf * xf
+            xf = xf * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
     y = tl.sum(acc, axis=1)
+    if HAS_NORM:
+        y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_RES:
         y += tl.load(r_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
