@@ -5,10 +5,11 @@ stage (see tp_layers) is captured as one graph per slot; between stages the host
 (NCCL or peer copies, outside the graphs), so a step is `stages x slots` graph launches plus one collective per
 stage instead of hundreds of kernel launches per slot.
 
-Inputs live in static per-slot buffers (residual, positions, cache slots, lengths); attention reads lengths
-from device memory over the whole cache (`max_seqlen` = cache length only sizes the split-K kernel), so one
-graph set serves every step of a (batch size, cache) pair. Nothing is allocated per step apart from the
-logits gather.
+Inputs live in static per-slot buffers: the residual and one int64 `past` per slot, from which the first
+stage's graph derives positions, cache slots and lengths (one host launch per slot and step instead of three).
+Attention reads lengths from device memory over the whole cache (`max_seqlen` = cache length only sizes the
+split-K kernel), so one graph set serves every step of a (batch size, cache) pair. Nothing is allocated per
+step apart from the logits. A step never waits on the host: no `.item()`/`int()` of device values.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _GraphSet:
             rows = torch.arange(B, device=dev)
             inp = {
                 "x": torch.zeros(B, 1, cfg.hidden_size, dtype=cfg.compute_dtype(dev), device=dev),
+                "past": torch.zeros(1, dtype=torch.long, device=dev),
                 "pos": torch.zeros(B, 1, dtype=torch.long, device=dev),
                 "slots": (rows * S).view(B, 1).clone(),
                 "row_base": (rows * S).view(B, 1),
@@ -74,12 +76,20 @@ class _GraphSet:
         self.graphs: list[list[torch.cuda.CUDAGraph]] = []
         self.outs: list[list[torch.Tensor]] = []
 
-    def _set_inputs(self, x: torch.Tensor, past: int) -> None:
+    def _set_inputs(self, x: torch.Tensor, past: int, derive: bool) -> None:
         for inp in self.inputs:
             inp["x"].copy_(x)
-            inp["pos"].fill_(past)
-            torch.add(inp["row_base"], past, out=inp["slots"])
-            inp["seqlens"].fill_(past + 1)
+            inp["past"].fill_(past)
+            if derive:  # eager warm-up; captured graphs derive them themselves
+                self._derive(inp)
+
+    @staticmethod
+    def _derive(inp: dict[str, torch.Tensor]) -> None:
+        """Positions, cache slots and key counts of this step from the device-side `past`."""
+        past = inp["past"]
+        inp["pos"].copy_(past.view(1, 1).expand_as(inp["pos"]))
+        torch.add(inp["row_base"], past, out=inp["slots"])
+        inp["seqlens"].copy_((past + 1).expand_as(inp["seqlens"]))
 
     def _reset_states(self) -> None:
         for st, inp in zip(self.states, self.inputs):
@@ -89,11 +99,11 @@ class _GraphSet:
         from exlpy.parallel.tp_load import run_stages
 
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS workspaces, NCCL communicators
-            self._set_inputs(x, past)
+            self._set_inputs(x, past, derive=True)
             self._reset_states()
             run_stages(self.ctx, self.stages, self.states)
         self.ctx.wait_streams()
-        self._set_inputs(x, past)
+        self._set_inputs(x, past, derive=True)
         self._reset_states()
         pools = {}
         streams = {}
@@ -101,11 +111,13 @@ class _GraphSet:
             with torch.cuda.device(st.device):
                 pools[st.slot] = torch.cuda.graph_pool_handle()
                 streams[st.slot] = torch.cuda.Stream(st.device)
-        for stage in self.stages:
+        for i, stage in enumerate(self.stages):
             row_g, row_o = [], []
-            for st in self.states:
+            for st, inp in zip(self.states, self.inputs):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.device(st.device), torch.cuda.graph(g, pool=pools[st.slot], stream=streams[st.slot]):
+                    if i == 0:
+                        self._derive(inp)
                     st.enter()
                     out = stage.fn(st)
                 row_g.append(g)
@@ -119,7 +131,7 @@ class _GraphSet:
     def replay(self, x: torch.Tensor, past: int) -> torch.Tensor:
         from exlpy.parallel.tp_load import gather_logits
 
-        self._set_inputs(x, past)
+        self._set_inputs(x, past, derive=False)
         for stage, row_g, row_o in zip(self.stages, self.graphs, self.outs):
             for st, g in zip(self.states, row_g):
                 with torch.cuda.device(st.device):
@@ -152,9 +164,8 @@ class TPGraphs:
             return None
         if batch.block_table is None or batch.block_table.shape[1] != 1:
             return None
-        rows = batch.block_table[:, 0]
-        if int(rows[0]) != 0 or int(rows[-1]) != batch.batch_size - 1:
-            return None  # a row offset into the cache: eager
+        # A batch with `past_len` set addresses cache rows 0..B-1 (the eager fast path slices k_cache[:B] on the
+        # same promise), so the rows need no check here: reading them back would stall the step on the GPU.
         key = (batch.batch_size, id(cache))
         gs = self.sets.get(key)
         if gs is not None and gs.cache_ref() is not cache:

@@ -2,8 +2,13 @@
 
 The residual stream is replicated: every slot holds the full hidden state and runs the (cheap) RMSNorm itself.
 Each module is a list of *stages*; a stage runs on every slot and returns a tensor that is then summed over the
-slots in place (one all-reduce), after which it is either added to the residual ("residual") or becomes the
-next stage's input ("input"). The eager runner and the CUDA-graph runner share these stage functions.
+slots in place (one all-reduce), after which it either becomes the new residual ("replace": the first slot's
+closing GEMM already added the residual, in its epilogue), is added to the residual ("residual"), or becomes
+the next stage's input ("input"). The eager runner and the CUDA-graph runner share these stage functions.
+
+Per slot, q/k/v shards are one fused GEMM and gate/up another (dense weights), and every dense projection goes
+through `ops.linear_add`: the single-row Triton GEMV at decode (cuBLAS picks split-K GEMVs plus a reduce kernel
+there), cuBLAS with beta=1 into the residual for prefill.
 
 Two layouts for the projections that close a block (o_proj, down_proj):
 - "row" (Megatron): the input dim is split like the heads / intermediate, partial sums are all-reduced: one
@@ -25,6 +30,7 @@ import torch
 
 from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
+from exlpy.model.fusion import fuse_dense
 from exlpy.model.layers import MLP, Attention, Head, RMSNorm
 from exlpy.model.linear import DenseLinear, Linear
 from exlpy.parallel.tp_context import TPContext
@@ -47,7 +53,10 @@ class SlotState:
     last_state: torch.Tensor | None = None
 
     def enter(self) -> None:
-        if self.pending == "residual":
+        if self.pending == "replace":
+            assert self.red is not None
+            self.x = self.red
+        elif self.pending == "residual":
             assert self.red is not None
             self.x.add_(self.red)
         elif self.pending == "input":
@@ -58,7 +67,7 @@ class SlotState:
 @dataclass
 class Stage:
     fn: Callable[[SlotState], torch.Tensor]
-    then: str  # "residual" | "input" | "out" (the head: slices are gathered, not reduced)
+    then: str  # "replace" | "residual" | "input" | "out" (the head: slices are gathered, not reduced)
 
 
 def tp_mode() -> str:
@@ -81,6 +90,24 @@ def cols(lin: Linear, start: int, end: int, device: torch.device) -> Linear:
     if isinstance(part, DenseLinear) and part.weight.untyped_storage().nbytes() > part.weight.nbytes:
         part = DenseLinear(part.weight.clone(), None if part.bias is None else part.bias.clone())
     return part
+
+
+def matmul(lin: Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`residual + lin(x)` (just `lin(x)` without a residual). Dense weights use `ops.linear_add`, which on CUDA
+    writes the sum into `residual` (callers use the return value)."""
+    if isinstance(lin, DenseLinear):
+        if residual is not None and not residual.is_contiguous():
+            residual = residual.contiguous()
+        y = ops.linear_add(x, lin.weight, residual)
+        return y if lin.bias is None else y.add_(lin.bias)
+    y = lin.forward(x)
+    return y if residual is None else residual + y
+
+
+def fused(parts: list[Linear]) -> Linear | None:
+    """One dense linear over `parts` side by side (one GEMM/GEMV per slot instead of len(parts)), or None."""
+    f = fuse_dense(parts)
+    return None if f is None else DenseLinear(f.weight, f.bias)
 
 
 def _zeros_like_full(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -122,8 +149,12 @@ class TPAttention:
                 "k_norm": None if attn.k_norm_w is None else attn.k_norm_w.to(dev),
                 "cos": ctx.cos[slot], "sin": ctx.sin[slot],
             }
+            sh["qkv"] = fused([sh["q"], sh["k"], sh["v"]])
+            if sh["qkv"] is not None:  # the parts are views of the fused weight now; only it is used
+                sh["q"] = sh["k"] = sh["v"] = None
             if row:
                 sh["o"] = split_rows(attn.o_proj, qa * D, qb * D, dev, keep_bias=slot == first)
+                sh["adds_residual"] = slot == first
             self.shards[slot] = sh
         if not row:
             for slot, a, b in ctx.rs_split:
@@ -132,7 +163,7 @@ class TPAttention:
 
     def stages(self) -> list[Stage]:
         if self.mode == "row":
-            return [Stage(self._row, "residual")]
+            return [Stage(self._row, "replace")]
         return [Stage(self._heads_gathered, "input"), Stage(self._o_cols, "residual")]
 
     def _heads(self, st: SlotState) -> torch.Tensor:
@@ -141,9 +172,13 @@ class TPAttention:
         B, T, _ = x.shape
         D = self.head_dim
         h = ops.rms_norm(x, sh["norm"], self.eps)
-        q = sh["q"].forward(h).view(B, T, sh["hq"], D)
-        k = sh["k"].forward(h).view(B, T, sh["hk"], D)
-        v = sh["v"].forward(h).view(B, T, sh["hk"], D)
+        if sh["qkv"] is not None:
+            q, k, v = matmul(sh["qkv"], h).split([sh["hq"] * D, sh["hk"] * D, sh["hk"] * D], dim=-1)
+        else:
+            q, k, v = matmul(sh["q"], h), matmul(sh["k"], h), matmul(sh["v"], h)
+        q = q.view(B, T, sh["hq"], D)
+        k = k.view(B, T, sh["hk"], D)
+        v = v.view(B, T, sh["hk"], D)
         if sh["q_norm"] is not None:
             q = ops.rms_norm(q, sh["q_norm"], self.eps)
             k = ops.rms_norm(k, sh["k_norm"], self.eps)
@@ -151,7 +186,11 @@ class TPAttention:
         return self._attend(q, k, v, st).reshape(B, T, sh["hq"] * D)
 
     def _row(self, st: SlotState) -> torch.Tensor:
-        return self.shards[st.slot]["o"].forward(self._heads(st))
+        """This slot's partial o_proj; the first slot adds the residual in the GEMM, so the all-reduced sum is
+        the next residual (no separate add pass over [rows, hidden] on every slot)."""
+        sh = self.shards[st.slot]
+        o = self._heads(st)
+        return matmul(sh["o"], o, st.x if sh["adds_residual"] else None)
 
     def _heads_gathered(self, st: SlotState) -> torch.Tensor:
         o = self._heads(st)
@@ -160,7 +199,7 @@ class TPAttention:
     def _o_cols(self, st: SlotState) -> torch.Tensor:
         sh = self.shards.get(st.slot, {})
         assert st.inp is not None
-        y = sh["o_cols"].forward(st.inp) if "o_cols" in sh else None
+        y = matmul(sh["o_cols"], st.inp) if "o_cols" in sh else None
         return _place(self.hidden, y, sh.get("rs", 0), st.x)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SlotState) -> torch.Tensor:
@@ -204,34 +243,44 @@ class TPMLP:
         for slot, a, b in ctx.id_split:
             dev = ctx.all_devs[slot]
             sh = self.shards[slot]
-            sh.update(gate=cols(mlp.gate_proj, a, b, dev), up=cols(mlp.up_proj, a, b, dev), ia=a)
+            gate, up = cols(mlp.gate_proj, a, b, dev), cols(mlp.up_proj, a, b, dev)
+            gate_up = fused([gate, up])
+            sh.update(gate_up=gate_up, gate=None if gate_up else gate, up=None if gate_up else up, ia=a, n=b - a)
             if row:
                 sh["down"] = split_rows(mlp.down_proj, a, b, dev, keep_bias=slot == first)
         if row and mlp.down_proj.bias is not None and "down" not in self.shards[first]:
             self.shards[first]["bias"] = mlp.down_proj.bias.to(ctx.all_devs[first])  # first slot adds the bias
+        self.shards[first]["adds_residual"] = True
         if not row:
             for slot, a, b in ctx.rs_split:
                 self.shards[slot].update(down_cols=cols(mlp.down_proj, a, b, ctx.all_devs[slot]), rs=a)
 
     def stages(self) -> list[Stage]:
         if self.mode == "row":
-            return [Stage(self._row, "residual")]
+            return [Stage(self._row, "replace")]
         return [Stage(self._act_gathered, "input"), Stage(self._down_cols, "residual")]
 
     def _act(self, st: SlotState) -> torch.Tensor | None:
         sh = self.shards[st.slot]
-        if "gate" not in sh:
+        if "ia" not in sh:
             return None
         h = ops.rms_norm(st.x, sh["norm"], self.eps)
-        return ops.silu_mul(sh["gate"].forward(h), sh["up"].forward(h))
+        if sh["gate_up"] is not None:
+            gate, up = matmul(sh["gate_up"], h).split([sh["n"], sh["n"]], dim=-1)
+        else:
+            gate, up = matmul(sh["gate"], h), matmul(sh["up"], h)
+        return ops.silu_mul(gate, up)
 
     def _row(self, st: SlotState) -> torch.Tensor:
+        """Partial down_proj; the first slot adds the residual in the GEMM (see TPAttention._row)."""
         sh = self.shards[st.slot]
+        res = st.x if sh.get("adds_residual") else None
         a = self._act(st)
-        if a is None:
-            y = torch.zeros_like(st.x)
-            return y + sh["bias"] if "bias" in sh else y
-        return sh["down"].forward(a)
+        if a is None:  # no intermediate share on this slot
+            if res is None:
+                return torch.zeros_like(st.x)
+            return res.add_(sh["bias"]) if "bias" in sh else res
+        return matmul(sh["down"], a, res)
 
     def _act_gathered(self, st: SlotState) -> torch.Tensor:
         return _place(self.intermediate, self._act(st), self.shards[st.slot].get("ia", 0), st.x)
@@ -239,7 +288,7 @@ class TPMLP:
     def _down_cols(self, st: SlotState) -> torch.Tensor:
         sh = self.shards[st.slot]
         assert st.inp is not None
-        y = sh["down_cols"].forward(st.inp) if "down_cols" in sh else None
+        y = matmul(sh["down_cols"], st.inp) if "down_cols" in sh else None
         return _place(self.hidden, y, sh.get("rs", 0), st.x)
 
 
@@ -260,4 +309,4 @@ class TPHead:
         h = ops.rms_norm(x, self.norm[st.slot], self.eps)
         st.last_state = h
         head = self.heads.get(st.slot)
-        return head.forward(h) if head is not None else h.new_empty(*h.shape[:-1], 0)
+        return matmul(head, h) if head is not None else h.new_empty(*h.shape[:-1], 0)

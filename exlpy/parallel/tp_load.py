@@ -201,8 +201,16 @@ def run_stages(ctx: TPContext, stages: list[Stage], states: list[SlotState]) -> 
 
 
 def gather_logits(ctx: TPContext, outs: list[torch.Tensor]) -> torch.Tensor:
+    """The vocabulary slices (slot order = vocabulary order) joined as float32 on the first slot's device: one
+    copy-with-cast per slot into a fresh tensor (the caller may keep it past the next step)."""
     dev = ctx.all_devs[ctx.device]
-    return torch.cat([o.to(dev).float() for o in outs if o.shape[-1] > 0], dim=-1)
+    parts = [o for o in outs if o.shape[-1] > 0]
+    out = torch.empty(*parts[0].shape[:-1], sum(o.shape[-1] for o in parts), dtype=torch.float32, device=dev)
+    a = 0
+    for o in parts:
+        out[..., a:a + o.shape[-1]].copy_(o)
+        a += o.shape[-1]
+    return out
 
 
 def tp_run(
