@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from exlpy.kernels import exl2_gemv as kg
 from exlpy.kernels import exl2_matmul as km
 from exlpy.quant.exl2_ref import build_exl2_matrix, dequant_dense
 from exlpy.quant.gptq_ref import build_gptq_matrix
@@ -76,13 +77,19 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * a.numel() / t
 
 
-def decode_bw(k: int, n: int, bpw: float, dev: torch.device) -> float:
+def decode_mats(k: int, n: int, bpw: float, dev: torch.device) -> list[QuantMatrix]:
+    """Rotating copies of one random matrix, > 400 MB together (L2 is 50 MB): every call streams from HBM."""
     base = random_matrix(k, n, bpw, dev)
     copies = max(1, min(32, (400 << 20) // base.nbytes()))
-    mats = [base] + [_clone(base) for _ in range(copies - 1)]
+    return [base] + [_clone(base) for _ in range(copies - 1)]
+
+
+def decode_bw(k: int, n: int, bpw: float, dev: torch.device, mats: list[QuantMatrix] | None = None) -> float:
+    """GB/s of packed bytes (q_weight, scales, scale max, perm) for single-row matmuls, CUDA-graph replays."""
+    mats = mats or decode_mats(k, n, bpw, dev)
     x = torch.randn(1, k, device=dev, dtype=torch.float16)
-    t = graph_time(lambda: [km.exl2_matmul(x, m) for m in mats]) / copies
-    return base.nbytes() / t
+    t = graph_time(lambda: [km.exl2_matmul(x, m) for m in mats]) / len(mats)
+    return mats[0].nbytes() / t
 
 
 def _clone(qm: QuantMatrix) -> QuantMatrix:
@@ -134,35 +141,67 @@ def check(dev: torch.device, log: list[str]) -> bool:
     return ok
 
 
+def check_gemv(dev: torch.device, log: list[str]) -> bool:
+    """The decode kernel at real shapes: every width, mixed, odd N, partial last group, both x-gather modes,
+    bias, repeated calls (self-cleaning workspace) and CUDA-graph replay against eager."""
+    gen = torch.Generator().manual_seed(1)
+    ok = True
+    cases = [(4096, 4096, [(b, 128)] * 32) for b in (4, 8, 6, 5, 3, 2)]
+    cases += [(4096, 1000, [(8, 128), (6, 128)] + [(5, 128)] * 2 + [(4, 128)] * 12 + [(3, 128)] * 8
+               + [(2, 128)] * 8), (3990, 4097, [(4, 128)] * 31 + [(4, 22)]),
+              (4086, 1001, [(3, 128)] * 31 + [(3, 118)]), (4096, 14336, [(4, 128)] * 32)]
+    for ci, (k, n, groups) in enumerate(cases):
+        t = random_exl2(k, n, groups, gen)
+        qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], k, n,
+                               "gemv")
+        assert kg.supports(qm)
+        w = dequant_dense(qm).to(dev)
+        qg = qm.to(dev)
+        bias = torch.randn(n, device=dev, dtype=torch.float16)
+        x = torch.randn(1, k, device=dev, dtype=torch.float16)
+        ref = x.float() @ w + bias.float()
+        for xpre in (1, 0) if ci in (0, 7, 8) else (1,):  # in-loop gather: a few cases (compile time)
+            kg.CONFIG["XPRE"] = xpre
+            errs = [((km.exl2_matmul(x, qg, bias).float() - ref).abs().max() / ref.abs().max()).item()
+                    for _ in range(3)]
+            ok &= max(errs) < 2e-3
+            log.append(f"check gemv xpre={xpre} K={k} N={n} bits={sorted({b for b, _ in groups})}: "
+                       f"rel err {max(errs):.2e} over 3 calls")
+        kg.CONFIG["XPRE"] = 1
+    y_eager = km.exl2_matmul(x, qg, bias)
+    g = torch.cuda.CUDAGraph()
+    km.exl2_matmul(x, qg, bias)
+    with torch.cuda.graph(g):
+        y_graph = km.exl2_matmul(x, qg, bias)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    ref = x.float() @ w + bias.float()
+    err = ((y_graph.float() - ref).abs().max() / ref.abs().max()).item()
+    ok &= err < 2e-3 and not torch.equal(y_graph, y_eager)
+    log.append(f"check gemv CUDA graph replay with new x: rel err {err:.2e}")
+    return ok
+
+
 def tune(dev: torch.device, log: list[str]) -> None:
-    """Sweep block sizes of the decode and dequant kernels on 4.0 bpw, keep the best in km.CONFIG."""
-    km.USE_QMV32 = False
-    log.append(f"generic _qmv (gather loads), 4.0 bpw 4096x14336: {decode_bw(4096, 14336, 4.0, dev) / 1e9:.0f} GB/s")
-    km.USE_QMV32 = True
-    sweeps = {"qmv32": ((128, 256), (32, 64, 128), (4, 8), (2, 4, 8)),
-              "dequant": ((64, 128, 256), (32, 64), (4, 8), (4,))}
-    for name, (bns, chs, nws, wvs) in sweeps.items():
-        best = None
-        for bn in bns:
-            for ch in chs:
-                for nw in nws:
-                    for waves in wvs:
-                        km.CONFIG[name] = {"BLOCK_N": bn, "CHUNK": ch, "num_warps": nw}
-                        km.WAVES = waves
-                        tot = 0.0
-                        for k, n in ((4096, 14336), (14336, 4096)) if name == "qmv32" else ((4096, 14336),):
-                            if name == "qmv32":
-                                tot += 1 / decode_bw(k, n, 4.0, dev)
-                            else:
-                                qm = random_matrix(k, n, 4.0, dev)
-                                tot += graph_time(lambda qm=qm: km.dequantize(qm))
-                        if best is None or tot < best[0]:
-                            best = (tot, dict(km.CONFIG[name]), waves)
-        assert best is not None
-        km.CONFIG[name] = best[1]
-        if name == "qmv32":
-            km.WAVES = best[2]
-        log.append(f"tuned {name}: {best[1]} waves={best[2]}")
+    """Sweep the decode kernel (kg.CONFIG) on 4.0 bpw and keep the best (the dequant kernel keeps its config)."""
+    km.USE_GEMV = False
+    log.append(f"old _qmv32 path, 4.0 bpw 4096x14336: {decode_bw(4096, 14336, 4.0, dev) / 1e9:.0f} GB/s")
+    km.USE_GEMV = True
+    shapes = {(k, n): decode_mats(k, n, 4.0, dev) for k, n in ((4096, 14336), (14336, 4096))}
+    best = None
+    for xpre in (1, 0):
+        for bn in (512, 1024):
+            for waves in (2, 4, 8):
+                for words in (16, 32):
+                    kg.CONFIG.update(BLOCK_N=bn, WAVES=waves, XPRE=xpre, WORDS=words)
+                    bws = [decode_bw(k, n, 4.0, dev, m) for (k, n), m in shapes.items()]
+                    tot = sum(1 / b for b in bws)
+                    log.append(f"gemv {dict(kg.CONFIG)}: " + " ".join(f"{b / 1e9:.0f}" for b in bws) + " GB/s")
+                    if best is None or tot < best[0]:
+                        best = (tot, dict(kg.CONFIG))
+    assert best is not None
+    kg.CONFIG.update(best[1])
+    log.append(f"tuned gemv: {best[1]}")
 
 
 def main() -> None:
@@ -173,12 +212,17 @@ def main() -> None:
     dev = torch.device("cuda")
     log: list[str] = []
     t0 = time.time()
-    ok = check(dev, log)
+    ok = check_gemv(dev, log)
+    ok &= check(dev, log)
     log.append(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)")
+    if not ok:
+        print("\n".join(log), flush=True)
+        sys.exit(1)
     print("\n".join(log), flush=True)
     if not args.no_tune:
         tune(dev, log)
-        print(log[-2:], flush=True)
+        log.append(f"tuning done at {time.time() - t0:.0f} s")
+        print("\n".join(log[-80:]), flush=True)
     bw = copy_bandwidth(dev)
     rows = ["| K x N | bpw | decode GB/s | % of copy BW | prefill TFLOP/s | fp16 cuBLAS TFLOP/s |",
             "|---|---|---|---|---|---|"]
@@ -193,7 +237,8 @@ def main() -> None:
             f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
             f"- torch {torch.__version__}, triton {__import__('triton').__version__}",
             f"- device copy bandwidth (1 GiB D2D, read + write): {bw / 1e9:.0f} GB/s",
-            "- decode: M = 1, CUDA-graph replay over rotating weight copies (> L2); GB/s of packed bytes read",
+            "- decode: M = 1 (exl2_gemv), CUDA-graph replay over rotating weight copies (> L2); GB/s of packed "
+            "bytes read (q_weight, q_scale, scale max, perm)",
             "- prefill: M = 2048, triton.testing.do_bench median (dequantize to fp16 scratch + cuBLAS)\n",
             "\n".join(rows), "\n## Log\n", "\n".join(f"- {line}" for line in log)]
     with open(args.out, "w") as f:

@@ -1,7 +1,8 @@
 """Triton matmuls on packed EXL2/GPTQ weights (spec §3.2-3.6), with `exl2_matmul_ref` as the torch twin.
 
 Strategy (as in the reference library): up to 32 activation rows run a fused dequantize-and-multiply kernel that
-reads every packed word once (`_qmv` for one row, `_qmm` with tensor cores for 2-32 rows); more rows dequantize
+reads every packed word once (exl2_gemv.py for one row, with `_qmv32`/`_qmv` here for layouts it does not take;
+`_qmm` with tensor cores for 2-32 rows); more rows dequantize
 the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM.
 
 The packed matrix is processed one *segment* (all groups of one bit width) at a time so the width is a
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exlpy.kernels import exl2_gemv
 from exlpy.quant.exl2_ref import exl2_matmul_ref as _dense_ref
 from exlpy.quant.layout import QuantMatrix, Segment
 
@@ -213,6 +215,7 @@ def _args(qm: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
 # per SM aimed for when choosing the K split.
 WAVES = 4
 USE_QMV32 = True
+USE_GEMV = True  # one activation row: exl2_gemv (block-aligned groups); else _qmv32/_qmv below
 CONFIG: dict[str, dict[str, int]] = {
     "qmv": {"BLOCK_N": 256, "CHUNK": 32, "num_warps": 4},
     "qmv32": {"BLOCK_N": 256, "CHUNK": 64, "num_warps": 4},
@@ -284,6 +287,8 @@ def exl2_matmul(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = No
     """y = x @ W (+ bias) for x [..., K] on the packed matrix qm; result [..., N] in x's dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, qm.k).to(torch.float16).contiguous()
+    if x2.shape[0] == 1 and USE_GEMV and exl2_gemv.supports(qm):
+        return exl2_gemv.exl2_gemv(x2, qm, bias).to(x.dtype).reshape(*lead, qm.n)
     if x2.shape[0] <= MAX_FUSED_ROWS:
         y = fused_matmul(x2, qm)
     else:
