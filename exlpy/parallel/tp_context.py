@@ -87,6 +87,7 @@ class TPContext:
         self.scratch_pos = [0] * self.num_devices
         self.modules: list[Any] = []  # TPAttention / TPMLP / TPHead, set by load_tp
         self.graphs: Any = None  # TPGraphs (CUDA decode graphs), set by load_tp when usable
+        self.timer: Any = None  # a tp_timing.StageTimer while a benchmark times the forward passes
 
     # --- planning -------------------------------------------------------------------------------------------
     def define_split(self, gpu_split: list[float] | None, expect_cache_tokens: int = 0,

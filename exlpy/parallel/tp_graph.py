@@ -15,6 +15,7 @@ step apart from the logits. A step never waits on the host: no `.item()`/`int()`
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -131,13 +132,28 @@ class _GraphSet:
     def replay(self, x: torch.Tensor, past: int) -> torch.Tensor:
         from exlpy.parallel.tp_load import gather_logits
 
+        timer = self.ctx.timer
+        if timer is not None:
+            from exlpy.parallel.tp_load import stage_labels
+
+            timer.labels = stage_labels(self.ctx)
         self._set_inputs(x, past, derive=False)
-        for stage, row_g, row_o in zip(self.stages, self.graphs, self.outs):
-            for st, g in zip(self.states, row_g):
+        for i, (stage, row_g, row_o) in enumerate(zip(self.stages, self.graphs, self.outs)):
+            t0 = time.perf_counter()
+            for k, (st, g) in enumerate(zip(self.states, row_g)):
                 with torch.cuda.device(st.device):
+                    if timer is not None:
+                        timer.mark(i, k, 0, st.device)
                     g.replay()
+                    if timer is not None:
+                        timer.mark(i, k, 1, st.device)
             if stage.then != "out":
                 self.ctx.all_reduce(row_o)
+                if timer is not None:
+                    for k, st in enumerate(self.states):
+                        timer.mark(i, k, 2, st.device)
+            if timer is not None:
+                timer.host(i, time.perf_counter() - t0)
         return gather_logits(self.ctx, self.outs[-1])
 
 

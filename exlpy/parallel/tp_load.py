@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from exlpy.model.linear import linear_format
 from exlpy.parallel.tp_context import TPContext
 from exlpy.parallel.tp_graph import TPGraphs, graphs_wanted
 from exlpy.parallel.tp_layers import TPMLP, SlotState, Stage, TPAttention, TPHead
+from exlpy.parallel.tp_timing import StageTimer
 
 if TYPE_CHECKING:
     from exlpy.model.model import ExLlamaV2
@@ -171,9 +173,13 @@ def make_states(ctx: TPContext, x: torch.Tensor, batch: ForwardBatch, last_only:
             f"a model loaded with load_tp() needs an ExLlamaV2Cache_TP, got {type(cache).__name__}"
         )
     states = []
-    for slot in ctx.all_devices():
+    for i, slot in enumerate(ctx.all_devices()):
         dev = ctx.all_devs[slot]
-        xs = x.to(device=dev, dtype=ctx.model.config.compute_dtype(dev), copy=True)  # owned: updated in place
+        dt = ctx.model.config.compute_dtype(dev)
+        # Each slot owns its residual (updated in place); the embedding output is this pass's own tensor, so
+        # the first slot on its device takes it as it is (one [rows, hidden] copy fewer).
+        own = i == 0 and x.device == dev and x.dtype == dt and x.is_contiguous()
+        xs = x if own else x.to(device=dev, dtype=dt, copy=True)
         states.append(
             SlotState(
                 slot, dev, xs, batch.on(dev), None if cache is None else cache.slot_cache(slot), last_only=last_only
@@ -182,22 +188,44 @@ def make_states(ctx: TPContext, x: torch.Tensor, batch: ForwardBatch, last_only:
     return states
 
 
-def run_stages(ctx: TPContext, stages: list[Stage], states: list[SlotState]) -> list[torch.Tensor]:
-    """Run stages eagerly on every slot; returns the last stage's per-slot outputs."""
+def run_stages(ctx: TPContext, stages: list[Stage], states: list[SlotState], timer: StageTimer | None = None
+               ) -> list[torch.Tensor]:
+    """Run stages eagerly on every slot; returns the last stage's per-slot outputs.
+
+    Every slot's kernels of a stage are issued before the collective and nothing here waits on a device, so
+    the slots compute concurrently: the host is only ever ahead of the GPUs.
+    """
     outs: list[torch.Tensor] = []
-    for stage in stages:
+    for i, stage in enumerate(stages):
+        t0 = time.perf_counter()
         outs = []
-        for st in states:
+        for k, st in enumerate(states):
             # Triton launches on the *current* device whatever the tensors' device: make it the slot's.
             with torch.cuda.device(st.device) if st.device.type == "cuda" else contextlib.nullcontext():
+                if timer is not None:
+                    timer.mark(i, k, 0, st.device)
                 st.enter()
                 outs.append(stage.fn(st))
+                if timer is not None:
+                    timer.mark(i, k, 1, st.device)
         if stage.then == "out":
+            if timer is not None:
+                timer.host(i, time.perf_counter() - t0)
             break
         ctx.all_reduce(outs)
         for st, r in zip(states, outs):
             st.red, st.pending = r, stage.then
+        if timer is not None:
+            for k, st in enumerate(states):
+                timer.mark(i, k, 2, st.device)
+            timer.host(i, time.perf_counter() - t0)
     return outs
+
+
+def stage_labels(ctx: TPContext) -> list[str]:
+    """"attn" / "mlp" / "head" per stage of `_stage_list` (timing reports)."""
+    names = {TPAttention: "attn", TPMLP: "mlp", TPHead: "head"}
+    return [names[type(m)] for m in ctx.modules for _ in m.stages()]
 
 
 def gather_logits(ctx: TPContext, outs: list[torch.Tensor]) -> torch.Tensor:
@@ -224,20 +252,37 @@ def tp_run(
 ) -> Any:
     """The tensor-parallel replacement of `ExLlamaV2._run` (same arguments, same results)."""
     ctx: TPContext = model.tp_context
+    timer: StageTimer | None = ctx.timer
+    first = ctx.all_devs[ctx.device]
     emb = model.modules[0]
     assert emb.device is not None
+    if timer is not None:
+        timer.reset()
+        timer.labels = stage_labels(ctx)
+        timer.phase("start", first)
     x = emb.forward(ids.to(emb.device), batch)
+    if timer is not None:
+        timer.phase("embedded", first)
     graphs = getattr(ctx, "graphs", None)
     if graphs is not None and not preprocess_only and not return_last_state:
         logits = graphs.try_run(x, batch)
         if logits is not None:
+            if timer is not None:
+                timer.phase("logits", first)
             return logits.cpu() if cpu_logits else logits
     stages, cut = _stage_list(ctx)
     states = make_states(ctx, x, batch, last_id_only)
+    if timer is not None:
+        timer.phase("states", first)
     if preprocess_only:
-        run_stages(ctx, stages[:cut], states)
+        run_stages(ctx, stages[:cut], states, timer)
         return None
-    logits = gather_logits(ctx, run_stages(ctx, stages, states))
+    outs = run_stages(ctx, stages, states, timer)
+    if timer is not None:
+        timer.phase("stages", first)
+    logits = gather_logits(ctx, outs)
+    if timer is not None:
+        timer.phase("logits", first)
     if cpu_logits:
         logits = logits.cpu()
     if return_last_state:
