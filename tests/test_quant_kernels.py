@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from exlpy.kernels import exl2_gemv  # noqa: E402
 from exlpy.kernels.exl2_matmul import exl2_matmul, exl2_matmul_ref  # noqa: E402
 from exlpy.kernels.gptq_matmul import gptq_matmul, gptq_matmul_ref  # noqa: E402
 from exlpy.quant.exl2_ref import build_exl2_matrix  # noqa: E402
@@ -23,6 +24,7 @@ CASES = {  # name: (K, N, groups (bits, rows))
     "partial_last_group": (116, 100, [(4, 32)] * 3 + [(4, 20)]),
     "odd_n_3bit_partial": (104, 33, [(3, 64), (3, 40)]),
     "unaligned_2bit": (96, 136, [(6, 64), (2, 16), (2, 16)]),
+    "mixed_blocked": (288, 70, [(8, 32), (6, 32), (5, 64), (4, 64), (3, 32), (2, 64)]),
 }
 
 
@@ -45,6 +47,48 @@ def test_exl2_kernels_interpreter(name: str, m: int) -> None:
     assert rel_err(y, exl2_matmul_ref(x.float(), qm, bias.float())) < 2e-3
 
 
+@pytest.mark.parametrize("xpre", [1, 0])
+@pytest.mark.parametrize("name", ["2bit", "3bit", "4bit", "5bit", "6bit", "8bit", "mixed_blocked",
+                                  "partial_last_group", "odd_n_3bit_partial"])
+def test_gemv_interpreter(name: str, xpre: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernel itself (split-K, the self-resetting workspace, both x-gather modes), twice in a row."""
+    monkeypatch.setitem(exl2_gemv.CONFIG, "XPRE", xpre)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)) + xpre)
+    qm = _exl2(name, gen)
+    assert exl2_gemv.supports(qm)
+    _, plan = exl2_gemv._plan(qm, torch.device("cpu"))
+    assert sum(nk for _, nk, _ in plan) > 1  # the split-K + arrival-counter path runs
+    bias = torch.randn(qm.n, generator=gen).half()
+    for _ in range(2):  # a second call finds the workspace and counters zero again
+        x = torch.randn(1, qm.k, generator=gen).half()
+        y = exl2_gemv.exl2_gemv(x, qm, bias)
+        assert y.shape == (1, qm.n) and y.dtype == torch.float16
+        assert rel_err(y, exl2_matmul_ref(x.float(), qm, bias.float())) < 2e-3
+    ws, cnt = exl2_gemv._workspace(torch.device("cpu"))
+    assert not ws.any() and not cnt.any()
+
+
+def test_gemv_single_program_per_column_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide and short: one K split, so the kernel writes y directly (no workspace)."""
+    monkeypatch.setitem(exl2_gemv.CONFIG, "WAVES", 1)
+    gen = torch.Generator().manual_seed(3)
+    t = random_exl2(64, 1100, [(4, 32), (4, 32)], gen)
+    qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], 64, 1100,
+                           "t")
+    _, plan = exl2_gemv._plan(qm, torch.device("cpu"))
+    assert plan == ((2, 1, 1),)  # one program covers both groups of a column block
+    x = torch.randn(1, 64, generator=gen).half()
+    assert rel_err(exl2_gemv.exl2_gemv(x, qm), exl2_matmul_ref(x.float(), qm)) < 2e-3
+
+
+def test_gemv_routing() -> None:
+    """One row goes to exl2_gemv when every group spans whole 32-row blocks; 16-row 2-bit groups do not."""
+    gen = torch.Generator().manual_seed(5)
+    assert exl2_gemv.supports(_exl2("partial_last_group", gen))
+    assert not exl2_gemv.supports(_exl2("unaligned_2bit", gen))
+    assert not exl2_gemv.supports(_exl2("mixed_all", gen))
+
+
 @pytest.mark.parametrize("act_order,v2", [(False, False), (True, False), (False, True), (True, True)])
 def test_gptq_kernels_interpreter(act_order: bool, v2: bool) -> None:
     gen = torch.Generator().manual_seed(7)
@@ -56,6 +100,25 @@ def test_gptq_kernels_interpreter(act_order: bool, v2: bool) -> None:
         ref = x.float() @ dq
         assert rel_err(gptq_matmul(x, qm), ref) < 2e-3
         assert rel_err(gptq_matmul_ref(x.float(), qm), ref) < 1e-5
+
+
+@requires_cuda
+def test_gemv_cuda_graph() -> None:
+    """Captured once, replayed with new x: same as the oracle (no host sync, no data-dependent shapes)."""
+    gen = torch.Generator().manual_seed(11)
+    t = random_exl2(4096, 1000, [(4, 128)] * 31 + [(4, 96)], gen)
+    qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], 4096,
+                           1000, "t")
+    qg = qm.to("cuda")
+    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    exl2_matmul(x, qg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = exl2_matmul(x, qg)
+    for _ in range(2):
+        x.copy_(torch.randn(1, 4096, generator=gen).half())
+        g.replay()
+        assert rel_err(y.cpu(), exl2_matmul_ref(x.cpu().float(), qm)) < 2e-3
 
 
 @requires_cuda
