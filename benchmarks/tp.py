@@ -6,15 +6,25 @@
 The model is 70B-layer-shaped (hidden 8192, intermediate 28672, 64 Q / 8 KV heads, head_dim 128), 8 layers,
 fp16 random weights written once to /tmp. Single-GPU and TP runs happen in the same process, one after the
 other. Collective backends are timed first (all-reduce of one decode token and of a 2048-token prefill).
+
+Where the time goes (benchmarks/tp_diag.py): `single_phases` times the one-GPU prefill per module kind;
+`tp_phases` times TP prefill and graph decode per stage and slot with CUDA events (compute vs collective vs
+host-bound gaps, plus embedding / copies / gather); `sync_check` lists host syncs inside a TP prefill and a
+decode step; `top_kernels` lists the profiler's most expensive kernels of one prefill (1 GPU and TP).
+
+It cannot hang: a watchdog writes what was measured so far and exits with status 124 after --timeout
+seconds (Python stacks go to stderr first), and the torch.distributed probe has its own 60 s limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.tp_diag import flop_model, single_phases, sync_check, top_kernels, tp_phases  # noqa: E402
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
 from exlpy.cache.tp import ExLlamaV2Cache_TP  # noqa: E402
 from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable  # noqa: E402
@@ -171,7 +182,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--mem-steps", type=int, default=10000)
+    ap.add_argument("--mem-steps", type=int, default=3000)
+    ap.add_argument("--timeout", type=float, default=570.0, help="watchdog: save and exit after this many s")
+    ap.add_argument("--no-diag", action="store_true", help="skip the phase timing / sync / profiler diagnostics")
     ap.add_argument("--split", default="", help="uneven gpu_split (GB, comma separated) checked after the main run")
     ap.add_argument("--model", default="/tmp/exlpy_tp70b")
     ap.add_argument("--no-dist", action="store_true")
@@ -184,9 +197,23 @@ def main() -> None:
     def save() -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
+    def watchdog() -> None:
+        time.sleep(args.timeout)
+        res["timed_out"] = f"watchdog after {args.timeout:.0f} s in phase {res.get('phase')!r}"
+        faulthandler.dump_traceback(all_threads=True)
+        try:
+            save()
+            print("RESULT " + json.dumps(res), flush=True)
+        finally:
+            os._exit(124)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+
     t = time.perf_counter()
+    res["phase"] = "build"
     path = build_model(Path(f"{args.model}_{args.layers}_{args.vocab}"), args.layers, args.vocab)
     res["build_s"] = round(time.perf_counter() - t, 1)
+    res["phase"] = "collectives"
     time_comm(n, res)
     if not args.no_dist:
         time_dist(n, res)
@@ -199,19 +226,49 @@ def main() -> None:
 
     cfg = ExLlamaV2Config(str(path))
     cfg.max_seq_len, cfg.max_input_len, cfg.max_attention_size = 4096, 2048, 2048**2
+    res["flops"] = flop_model(cfg, 2048, n)
+    res["phase"] = "single"
     single = ExLlamaV2(cfg)
     single.load([200])
     ref = single.forward(prompt[:, :64]).float()
     cache = ExLlamaV2Cache(single, max_seq_len=4096)
     res["single_decode_ms"] = round(decode_ms(single, cache, prompt, args.steps, 1), 3)
     res["single_prefill2048_ms"] = round(prefill_ms(single, cache, long_ids, 1), 2)
+    if not args.no_diag:
+        res["single_prefill_phases"] = single_phases(single, cache, long_ids)
+        res["single_prefill_top_kernels"] = top_kernels(
+            lambda c=cache: single.forward(long_ids, c, last_id_only=True), 1)
+        cache.current_seq_len = 0
     print(json.dumps(res), flush=True)
     save()
     del cache
     single.unload()
     torch.cuda.empty_cache()
 
+    def tp_diag(m: ExLlamaV2, c: ExLlamaV2Cache_TP, out: dict) -> None:
+        """Per-stage timing of prefill (eager loop) and graph decode, host syncs, top kernels."""
+
+        def prefill() -> None:
+            c.current_seq_len = 0
+            m.forward(long_ids, c, last_id_only=True)
+
+        res["phase"] = "tp_diag"
+        out["prefill_phases"] = tp_phases(m, prefill, n, 3)
+        c.current_seq_len = 0
+        m.forward(prompt, c, preprocess_only=True)
+        tok = prompt[:, -1:]
+        m.forward(tok, c)  # graphs captured
+
+        def step() -> None:
+            m.forward(tok, c)
+
+        out["decode_phases"] = tp_phases(m, step, n, 20)
+        out["sync_check_prefill"] = sync_check(prefill, n)
+        out["sync_check_decode"] = sync_check(step, n)
+        out["prefill_top_kernels"] = top_kernels(prefill, n)
+
     def tp_run(split: list[float] | None, tag: str, full: bool) -> None:
+        res["phase"] = tag
         cfg2 = ExLlamaV2Config(str(path))
         cfg2.max_seq_len, cfg2.max_input_len, cfg2.max_attention_size = 4096, 2048, 2048**2
         m = ExLlamaV2(cfg2)
@@ -219,6 +276,7 @@ def main() -> None:
         ctx = m.tp_context
         out = {"kv_split": ctx.kv_split, "id_split": ctx.id_split, "vc_split": ctx.vc_split,
                "comm": ctx.comm.name, "mode": ctx.modules[0].mode}
+        res[tag] = out  # filled in as it goes: a watchdog exit still saves the partial figures
         tp_logits = m.forward(prompt[:, :64]).float()
         out["max_abs_diff"] = round((tp_logits.cpu() - ref.cpu()).abs().max().item(), 4)
         out["ref_absmax"] = round(ref.abs().max().item(), 3)
@@ -246,6 +304,18 @@ def main() -> None:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
         ctx.graphs = graphs
         out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        print(json.dumps({tag: out}), flush=True)
+        save()
+        if full and not args.no_diag:
+            try:
+                tp_diag(m, c, out)
+            except Exception:  # noqa: BLE001 - diagnostics must not cost the speed figures
+                import traceback
+
+                out["diag_error"] = traceback.format_exc()[-1500:]
+            print(json.dumps({tag: out}), flush=True)
+            save()
+            res["phase"] = tag
         if full:
             nccl = ctx.comm
             for be in (LocalComm(), HostComm()):
@@ -288,6 +358,7 @@ def main() -> None:
         os.environ.pop("EXLPY_TP_MODE")
     if args.split:
         tp_run([float(x) for x in args.split.split(",")], "tp_uneven", False)
+    res["phase"] = "done"
     print("RESULT " + json.dumps(res), flush=True)
     save()
 
