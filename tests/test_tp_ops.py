@@ -111,3 +111,19 @@ def test_graph_input_derivation() -> None:
     ref = contiguous_batch(B, 1, 17, object(), S, torch.device("cpu"))
     assert torch.equal(inp["pos"], ref.positions) and torch.equal(inp["slots"], ref.slots)
     assert torch.equal(inp["seqlens"], ref.seqlens)
+
+
+def test_first_slot_without_mlp_share(tmp_path: Path) -> None:
+    """The first slot adds the residual in its closing GEMM; with no intermediate / vocabulary share (its budget
+    went to the cache) it passes the residual on unchanged and the sum is still exact."""
+    d = make_model_dir(tmp_path / "m", hidden=192, heads=6, kv_heads=3, vocab=1600, intermediate=768, seed=9)
+    ids = torch.randint(0, 1600, (2, 5), generator=torch.Generator().manual_seed(2))
+    ref = ExLlamaV2(ExLlamaV2Config(str(d)))
+    ref.load(device="cpu")
+    m = ExLlamaV2(ExLlamaV2Config(str(d)))
+    # 2.2M tokens of cache are ~1.6 GiB; slot 0 holds 2 of 3 KV heads, so its 1 GiB budget is used up.
+    load_tp(m, [1, 1], devices=["cpu", "cpu"], expect_cache_tokens=2_200_000)
+    ctx = m.tp_context
+    assert [s for s, _, _ in ctx.id_split] == [1] and [s for s, _, _ in ctx.vc_split] == [1]
+    assert [b - a for _, a, b in ctx.kv_split] == [2, 1]
+    torch.testing.assert_close(m.forward(ids), ref.forward(ids), atol=2e-5, rtol=1e-5)
