@@ -11,9 +11,9 @@ nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv | tee "$
 nvidia-smi topo -m | tee -a "$OUT/gpus.txt"
 case "${1:-1}" in
   1)
-    CUDA_VISIBLE_DEVICES=0,1 timeout 200 python benchmarks/multigpu_split.py --out "$OUT/multigpu_split.md" --steps 64
-    CUDA_VISIBLE_DEVICES=0,1 timeout 150 python benchmarks/tp.py --gpus 2 --out "$OUT/tp2.md"
-    timeout 170 python benchmarks/tp.py --gpus 4 --split 40,20,20,10 --mem-steps 2000 --out "$OUT/tp4.md"
+    CUDA_VISIBLE_DEVICES=0,1 timeout 200 python benchmarks/multigpu_split.py --out "$OUT/multigpu_split.md" --steps 64 --dir /tmp/llama3-8b-random
+    CUDA_VISIBLE_DEVICES=0,1 timeout 170 python benchmarks/tp.py --gpus 2 --timeout 160 --no-dist --out "$OUT/tp2.json"
+    timeout 190 python benchmarks/tp.py --gpus 4 --split 40,20,20,10 --mem-steps 1000 --timeout 180 --no-dist --out "$OUT/tp4.json"
     ;;
   2)
     CUDA_VISIBLE_DEVICES=0,1,2,3 timeout 400 python benchmarks/llama70b.py --format fp16 --out "$OUT/llama70b.md"
