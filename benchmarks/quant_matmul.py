@@ -203,7 +203,23 @@ def tune(dev: torch.device, log: list[str], quick: bool = False) -> None:
     log.append(f"tuned gemv: {best[1]}")
 
 
+def write(path: str, bw: float, rows: list[str], log: list[str]) -> None:
+    text = ["# Quantized matmul benchmark\n", f"- device: {torch.cuda.get_device_name()}",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
+            f"- torch {torch.__version__}, triton {__import__('triton').__version__}",
+            f"- device copy bandwidth (1 GiB D2D, read + write): {bw / 1e9:.0f} GB/s",
+            "- decode: M = 1 (exl2_gemv), CUDA-graph replay over rotating weight copies (> L2); GB/s of packed "
+            "bytes read (q_weight, q_scale, scale max, perm)",
+            "- prefill: M = 2048, triton.testing.do_bench median (dequantize to fp16 scratch + cuBLAS)\n",
+            "\n".join(rows), "\n## Log\n", "\n".join(f"- {line}" for line in log)]
+    with open(path, "w") as f:
+        f.write("\n".join(text) + "\n")
+
+
 def main() -> None:
+    """Decode checks, copy bandwidth, the table (written after every row, so a cut-off run keeps what it has),
+    then the tuning sweep and the other kernels' checks."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/quant_matmul.md")
     ap.add_argument("--no-tune", action="store_true")
@@ -213,36 +229,30 @@ def main() -> None:
     log: list[str] = []
     t0 = time.time()
     ok = check_gemv(dev, log)
-    ok &= check(dev, log)
-    log.append(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)")
-    if not ok:
-        print("\n".join(log), flush=True)
-        sys.exit(1)
+    log.append(f"decode correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)")
     print("\n".join(log), flush=True)
-    if not args.no_tune:
-        tune(dev, log, args.quick_tune)
-        log.append(f"tuning done at {time.time() - t0:.0f} s")
-        print("\n".join(log[-80:]), flush=True)
+    if not ok:
+        sys.exit(1)
     bw = copy_bandwidth(dev)
     rows = ["| K x N | bpw | decode GB/s | % of copy BW | prefill TFLOP/s | fp16 cuBLAS TFLOP/s |",
             "|---|---|---|---|---|---|"]
-    for k, n in SHAPES:
-        for bpw in PLANS:
-            d = decode_bw(k, n, bpw, dev)
-            pq, pd = prefill(k, n, bpw, dev)
-            rows.append(f"| {k} x {n} | {bpw} | {d / 1e9:.0f} | {100 * d / bw:.0f}% | {pq:.0f} | {pd:.0f} |")
-            print(rows[-1], flush=True)
-    text = ["# Quantized matmul benchmark\n", f"- device: {torch.cuda.get_device_name(dev)}",
-            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
-            f"- torch {torch.__version__}, triton {__import__('triton').__version__}",
-            f"- device copy bandwidth (1 GiB D2D, read + write): {bw / 1e9:.0f} GB/s",
-            "- decode: M = 1 (exl2_gemv), CUDA-graph replay over rotating weight copies (> L2); GB/s of packed "
-            "bytes read (q_weight, q_scale, scale max, perm)",
-            "- prefill: M = 2048, triton.testing.do_bench median (dequantize to fp16 scratch + cuBLAS)\n",
-            "\n".join(rows), "\n## Log\n", "\n".join(f"- {line}" for line in log)]
-    with open(args.out, "w") as f:
-        f.write("\n".join(text) + "\n")
+    order = [(4.0, s) for s in SHAPES] + [(b, s) for b in (8.0, 6.0, 2.5) for s in SHAPES]
+    for bpw, (k, n) in order:
+        d = decode_bw(k, n, bpw, dev)
+        pq, pd = prefill(k, n, bpw, dev)
+        rows.append(f"| {k} x {n} | {bpw} | {d / 1e9:.0f} | {100 * d / bw:.0f}% | {pq:.0f} | {pd:.0f} |")
+        print(rows[-1], flush=True)
+        write(args.out, bw, rows, log)
+    log.append(f"table done at {time.time() - t0:.0f} s with gemv config {dict(kg.CONFIG)}")
+    if not args.no_tune:
+        tune(dev, log, args.quick_tune)
+        log.append(f"tuning done at {time.time() - t0:.0f} s")
+        print("\n".join(log[-30:]), flush=True)
+        write(args.out, bw, rows, log)
+    ok = check(dev, log)
+    log.append(f"other kernels' correctness: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)")
+    print("\n".join(log[-30:]), flush=True)
+    write(args.out, bw, rows, log)
 
 
 if __name__ == "__main__":
