@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Generator
@@ -110,7 +111,8 @@ class ExLlamaV2:
         """Load module `idx` on `device`; attention layers also get their cache tensors there."""
         m = self.modules[idx]
         self._graphs = None  # captured graphs hold weight and cache addresses
-        m.load(device)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            m.load(device)
         if isinstance(m, Attention):
             self.cache_map[m.layer_idx] = device
             for ref in self._caches:
@@ -265,17 +267,25 @@ class ExLlamaV2:
                      return_last_state: bool, cpu_logits: bool) -> Any:
         x = ids
         last_state = None
-        for i, m in enumerate(self.modules):
-            if preprocess_only and i > self.last_kv_layer_idx:
-                return None
-            assert m.device is not None
-            if x.device != m.device:
-                x = safe_move_tensor(x, m.device)  # the one place where the hidden state hops between devices
-            if i == self.head_layer_idx - 1 and last_id_only:
-                x = x[:, -1:]
-            if i == self.head_layer_idx and return_last_state:
-                last_state = x
-            x = m.forward(x, batch.on(m.device))
+        with contextlib.ExitStack() as device_scope:
+            current: torch.device | None = None
+            for i, m in enumerate(self.modules):
+                if preprocess_only and i > self.last_kv_layer_idx:
+                    return None
+                assert m.device is not None
+                if m.device != current:
+                    # Kernels (Triton's above all) launch on the *current* CUDA device and its stream: make it
+                    # the module's own, or a split model's layers would run on GPU 0 reading peer memory.
+                    current = m.device
+                    if current.type == "cuda":
+                        device_scope.enter_context(torch.cuda.device(current))
+                if x.device != m.device:
+                    x = safe_move_tensor(x, m.device)  # the one place where the hidden state hops between devices
+                if i == self.head_layer_idx - 1 and last_id_only:
+                    x = x[:, -1:]
+                if i == self.head_layer_idx and return_last_state:
+                    last_state = x
+                x = m.forward(x, batch.on(m.device))
         logits = x.float()
         if cpu_logits:
             logits = logits.cpu()
