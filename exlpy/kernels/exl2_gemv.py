@@ -161,9 +161,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Launch parameters; benchmarks/quant_matmul.py sweeps them. BLOCK_N shrinks (down to MIN_BLOCK_N) until the
-# grid has WAVES programs per SM; num_warps keeps 4 columns (one 16-byte load) per thread per word row.
-# XPRE: gather x into act order by a small first kernel (1) or inside the main loop through q_perm (0).
-CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 128, "WAVES": 4, "WORDS": 16, "XPRE": 1}
+# grid has WAVES programs per SM; num_warps = BLOCK_N / (32 * COLS) gives each thread COLS columns (4: one
+# 16-byte load per word row). XPRE: gather x into act order by a small first kernel (1) or inside the main loop
+# through q_perm (0). MAXNREG: register cap per thread (0: compiler's choice), trading hoisted loads for
+# occupancy. Defaults: best of the H100 sweep in benchmarks/results/quant_matmul.md.
+CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 128, "WAVES": 4, "WORDS": 16, "XPRE": 0, "COLS": 4,
+                          "MAXNREG": 0}
 _MAGIC = 0x4B000000  # fp32 2^23: OR-ing a field below bit 23 into its mantissa gives 2^23 + field
 _ROW_PAD = 16 * 32  # xp is zero-padded this far past K: a step covers at most WORDS // 2 (<= 16) blocks of 32
 
@@ -185,7 +188,7 @@ def _plan_cached(lay: QuantLayout, n: int, sms: int, cfg: tuple[tuple[str, int],
     c = dict(cfg)
     want = c["WAVES"] * sms
     bn = c["BLOCK_N"]
-    while bn > c["MIN_BLOCK_N"] and triton.cdiv(n, bn) * lay.num_groups < want:
+    while bn > max(c["MIN_BLOCK_N"], 32 * c["COLS"]) and triton.cdiv(n, bn) * lay.num_groups < want:
         bn //= 2
     pn = triton.cdiv(n, bn)
     cost = [(lay.group_rows[s.g_hi] - s.row0) * s.bits for s in lay.segments]
@@ -232,6 +235,9 @@ def exl2_gemv(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None
         _xperm[(triton.cdiv(kp, 1024),)](x, perm, xp, qm.k, kp, HAS_PERM=qm.perm is not None, BLOCK=1024,
                                           num_warps=4)
         x = xp
+    launch = {"num_warps": max(1, bn // (32 * CONFIG["COLS"]))}
+    if CONFIG["MAXNREG"]:
+        launch["maxnreg"] = CONFIG["MAXNREG"]
     last = len(plan) - 1
     for i, (seg, (gpp, nk, nb)) in enumerate(zip(qm.layout.segments, plan)):
         mode = 0 if (last == 0 and nk == 1) else (2 if i == last else 1)
@@ -239,5 +245,5 @@ def exl2_gemv(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None
             x, perm, qm.q_weight, qm.scales, sm, z, qm.group_rows, bias if bias is not None else y, y, ws, cnt,
             _MAGIC, qm.n, qm.q_weight.shape[1], qm.q_weight.stride(0), qm.scales.stride(0), z.stride(0), seg.g_lo,
             seg.g_hi, gpp, seg.row0, seg.word0, BITS=seg.bits, GPTQ=gptq, HAS_PERM=qm.perm is not None,
-            HAS_BIAS=bias is not None, MODE=mode, XPRE=xpre, BLOCK_N=bn, NB=nb, num_warps=max(1, bn // 128))
+            HAS_BIAS=bias is not None, MODE=mode, XPRE=xpre, BLOCK_N=bn, NB=nb, **launch)
     return y
