@@ -151,27 +151,36 @@ class Attention(Module):
         return add_linear(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.cache is None:
-            mask = None
-            if batch.key_mask is not None:
-                causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
-                mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
-            return ops.sdpa(q, k, v, self.scale, mask, is_causal=True)
-        k_cache, v_cache = batch.cache.layer_kv(self.layer_idx)  # type: ignore[attr-defined]
-        assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
-        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-        if batch.past_len is not None and batch.key_mask is None and batch.q_len > 1:
-            # Prefill into a contiguous cache, same past for every row: SDPA over a slice, no gather.
-            # (Decode steps take the paged kernel below, as inside CUDA graphs: one path, same numerics.)
-            end = batch.past_len + batch.q_len
-            kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
-            if batch.past_len == 0:
-                return ops.sdpa(q, kc, vc, self.scale, None, is_causal=True)
-            t = torch.arange(end, device=q.device)
-            mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
-            return ops.sdpa(q, kc, vc, self.scale, mask.view(1, 1, batch.q_len, end))
-        return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
-                                   batch.max_seqlen, batch.positions, self.scale, batch.key_mask)
+        return attend(q, k, v, batch, batch.cache, self.layer_idx, self.scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: object | None,
+           layer_idx: int, scale: float, static: bool = False) -> torch.Tensor:
+    """Causal attention of q [B,T,Hq,D] after writing k/v to `cache` (when there is one): [B,T,Hq,D].
+
+    `static` forces the paged kernel, whose shapes do not depend on host-side lengths (CUDA graphs).
+    """
+    if cache is None:
+        mask = None
+        if batch.key_mask is not None:
+            causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
+            mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
+        return ops.sdpa(q, k, v, scale, mask, is_causal=True)
+    k_cache, v_cache = cache.layer_kv(layer_idx)  # type: ignore[attr-defined]
+    assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
+    ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+    if not static and batch.past_len is not None and batch.key_mask is None and batch.q_len > 1:
+        # Prefill into a contiguous cache, same past for every row: SDPA over a slice, no gather.
+        # (Decode steps take the paged kernel below, as inside CUDA graphs: one path, same numerics.)
+        end = batch.past_len + batch.q_len
+        kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
+        if batch.past_len == 0:
+            return ops.sdpa(q, kc, vc, scale, None, is_causal=True)
+        t = torch.arange(end, device=q.device)
+        mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
+        return ops.sdpa(q, kc, vc, scale, mask.view(1, 1, batch.q_len, end))
+    return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
+                               batch.max_seqlen, batch.positions, scale, batch.key_mask)
 
 
 class MLP(Module):

@@ -31,7 +31,7 @@ import torch
 from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.fusion import fuse_dense
-from exlpy.model.layers import MLP, Attention, Head, RMSNorm
+from exlpy.model.layers import MLP, Attention, Head, RMSNorm, attend
 from exlpy.model.linear import DenseLinear, Linear
 from exlpy.parallel.tp_context import TPContext
 
@@ -203,28 +203,7 @@ class TPAttention:
         return _place(self.hidden, y, sh.get("rs", 0), st.x)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SlotState) -> torch.Tensor:
-        batch = st.batch
-        if st.cache is None:
-            mask = None
-            if batch.key_mask is not None:
-                causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
-                mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
-            return ops.sdpa(q, k, v, self.scale, mask, is_causal=True)
-        k_cache, v_cache = st.cache.layer_kv(self.layer_idx)
-        assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
-        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-        if not st.static_attn and batch.past_len is not None and batch.key_mask is None:
-            end = batch.past_len + batch.q_len  # contiguous cache, uniform past: attend over a slice
-            kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
-            if batch.q_len == 1:
-                return ops.sdpa(q, kc, vc, self.scale, None)
-            if batch.past_len == 0:
-                return ops.sdpa(q, kc, vc, self.scale, None, is_causal=True)
-            t = torch.arange(end, device=q.device)
-            mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
-            return ops.sdpa(q, kc, vc, self.scale, mask.view(1, 1, batch.q_len, end))
-        return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
-                                   batch.max_seqlen, batch.positions, self.scale, batch.key_mask)
+        return attend(q, k, v, st.batch, st.cache, self.layer_idx, self.scale, static=st.static_attn)
 
 
 class TPMLP:
