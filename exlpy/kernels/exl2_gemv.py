@@ -16,6 +16,9 @@ lane-ops/s). How the kernel keeps to ~3-4 operations per code:
   last program of each column block (a self-resetting arrival counter) adds the bias, writes fp16 y and zeroes
   the workspace again: one launch per bit-width segment, no memset, no host sync, CUDA-graph safe.
 
+Launch defaults (CONFIG) come from the H100 sweep in benchmarks/results/quant_matmul.md: the x gather as a tiny
+first kernel and a 96-register cap (5 instead of 4 programs per SM) took 4-bit 4096x14336 from 1.2 to 1.6 TB/s.
+
 The workspace is shared by all matmuls on a device: two of them must not run concurrently on different streams
 of one device (decode runs one stream per device).
 """
@@ -165,8 +168,8 @@ def _num_sms(device: torch.device) -> int:
 # 16-byte load per word row). XPRE: gather x into act order by a small first kernel (1) or inside the main loop
 # through q_perm (0). MAXNREG: register cap per thread (0: compiler's choice), trading hoisted loads for
 # occupancy. Defaults: best of the H100 sweep in benchmarks/results/quant_matmul.md.
-CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 128, "WAVES": 4, "WORDS": 16, "XPRE": 0, "COLS": 4,
-                          "MAXNREG": 0}
+CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 128, "WAVES": 4, "WORDS": 16, "XPRE": 1, "COLS": 4,
+                          "MAXNREG": 96}
 _MAGIC = 0x4B000000  # fp32 2^23: OR-ing a field below bit 23 into its mantissa gives 2^23 + field
 _ROW_PAD = 16 * 32  # xp is zero-padded this far past K: a step covers at most WORDS // 2 (<= 16) blocks of 32
 
@@ -236,7 +239,7 @@ def exl2_gemv(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None
                                           num_warps=4)
         x = xp
     launch = {"num_warps": max(1, bn // (32 * CONFIG["COLS"]))}
-    if CONFIG["MAXNREG"]:
+    if CONFIG["MAXNREG"] and dev.type == "cuda":
         launch["maxnreg"] = CONFIG["MAXNREG"]
     last = len(plan) - 1
     for i, (seg, (gpp, nk, nb)) in enumerate(zip(qm.layout.segments, plan)):
