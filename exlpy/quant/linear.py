@@ -23,6 +23,11 @@ class QuantLinear:
         self.in_features = qm.k
         self.out_features = qm.n
         self._dense: torch.Tensor | None = None
+        if qm.device.type == "cuda":
+            # the decode kernel's per-device workspace, allocated now rather than inside a CUDA-graph capture
+            from exlpy.kernels.exl2_gemv import prepare
+
+            prepare(qm.device)
 
     @property
     def device(self) -> torch.device:
