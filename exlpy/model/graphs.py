@@ -19,6 +19,7 @@ With `capture=False` the same buffer logic runs the step eagerly: that is the de
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,9 +146,14 @@ class DecodeGraphs:
         return step
 
     def _finish(self, step: _Step, ids: torch.Tensor, B: int) -> torch.Tensor:
-        if self.capture and step.graph is None:
-            self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
-        return step.run()[:B].clone()  # the static output is overwritten by the next replay
+        # Capture and replay happen on the *current* device's streams: make it the model's, or a model placed
+        # on cuda:1 would be captured on (and replayed into) a stream of cuda:0.
+        on_device = (torch.cuda.device(self.device) if self.capture and self.device is not None
+                     and self.device.type == "cuda" else contextlib.nullcontext())
+        with on_device:
+            if self.capture and step.graph is None:
+                self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+            return step.run()[:B].clone()  # the static output is overwritten by the next replay
 
     def _capture(self, step: _Step) -> None:
         side = torch.cuda.Stream(self.device)
@@ -159,7 +165,9 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # An explicit capture stream: torch.cuda.graph's default one is created once per process, on whichever
+        # device was current at its first use.
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             step.output = step.body()
         step.graph = graph
 
