@@ -60,3 +60,20 @@ def test_quantized_cache_footprint_is_smaller() -> None:
     per_layer = q4.key_states[0].numel() + q4.key_scales[0].numel() * 2
     fp16_bytes = 256 * config.num_key_value_heads * config.head_dim * 2
     assert per_layer == pytest.approx(fp16_bytes * 4.5 / 16)
+
+
+def test_unload_releases_working_copies_and_reload_restores_them() -> None:
+    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
+    config.max_seq_len = 64
+    model = ExLlamaV2(config)
+    q4 = ExLlamaV2Cache_Q4(model, lazy=True)
+    model.load_autosplit(q4)
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(2))
+    before = model.forward(ids, q4)
+    assert q4.footprint()  # codes, scales and the fp16 working copies
+    model.unload()
+    assert q4.footprint() == {}  # nothing of the cache stays allocated once the model is gone
+    model.load_autosplit(q4)
+    q4.current_seq_len = 0
+    after = model.forward(ids, q4)
+    assert rel_err(after, before) < 1e-6

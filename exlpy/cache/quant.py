@@ -59,9 +59,14 @@ class _QuantizedCache(ExLlamaV2CacheBase):
                                                                                               device=dev))
 
     def free_layer(self, layer: int) -> None:
+        freed = self.key_states[layer]
         super().free_layer(layer)
         if self.key_scales:
             self.key_scales[layer] = self.value_scales[layer] = None
+        # The fp16 working copies are the largest part of a quantized cache: they go with the device's last layer
+        # (model.unload(), or a module moved elsewhere by a failed autosplit try).
+        if freed is not None and not any(t is not None and t.device == freed.device for t in self.key_states):
+            self._temps.pop(str(freed.device), None)
 
     def all_tensors(self) -> list[torch.Tensor]:
         extra = [t for t in self.key_scales + self.value_scales if t is not None]
