@@ -64,6 +64,24 @@ def test_tp_vocab_split_and_uneven(llama_dir: Path) -> None:
     torch.testing.assert_close(m.forward(ids), _single(llama_dir).forward(ids), atol=2e-5, rtol=1e-5)
 
 
+def test_tp_unload_restores_the_graph_setting(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EXLLAMA_NO_GRAPHS", raising=False)
+    m = ExLlamaV2(ExLlamaV2Config(str(llama_dir)))
+    assert m.config.no_graphs is False
+    load_tp(m, [1, 1], devices=["cpu", "cpu"])
+    assert m.config.no_graphs is True  # the single-device graph runner stays out of a TP model
+    m.unload()
+    assert m.config.no_graphs is False  # a later load() gets its CUDA graphs back
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("shard failed")
+
+    monkeypatch.setattr("exlpy.parallel.tp_load.TPMLP", broken)  # fails after the context is set up
+    with pytest.raises(RuntimeError, match="shard failed"):
+        load_tp(m, [1, 1], devices=["cpu", "cpu"])
+    assert m.config.no_graphs is False and m.tp_context is None and not m.loaded
+
+
 def test_tp_cache_incremental(llama_dir: Path) -> None:
     ids = torch.randint(0, 1600, (2, 12), generator=torch.Generator().manual_seed(2))
     ref = _single(llama_dir).forward(ids)

@@ -88,6 +88,7 @@ class TPContext:
         self.modules: list[Any] = []  # TPAttention / TPMLP / TPHead, set by load_tp
         self.graphs: Any = None  # TPGraphs (CUDA decode graphs), set by load_tp when usable
         self.timer: Any = None  # a tp_timing.StageTimer while a benchmark times the forward passes
+        self.saved_no_graphs = model.config.no_graphs  # restored by model.unload(); load_tp forces graphs off
 
     # --- planning -------------------------------------------------------------------------------------------
     def define_split(self, gpu_split: list[float] | None, expect_cache_tokens: int = 0,

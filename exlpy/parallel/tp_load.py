@@ -78,7 +78,9 @@ def load_tp_gen(
     check_supported(model)
     ctx = TPContext(model, gpu_split, expect_cache_tokens, expect_cache_base, devices=devices)
     model.tp_context = ctx
-    # The single-device CUDA-graph machinery stays out; the TP runner captures its own graphs.
+    # The single-device CUDA-graph machinery stays out; the TP runner captures its own graphs. The user's
+    # setting comes back when the TP model is unloaded (or fails to load).
+    ctx.saved_no_graphs = model.config.no_graphs
     model.config.no_graphs = True
     ctx.finalize()
     staging = ctx.all_devs[ctx.device]
@@ -117,6 +119,7 @@ def load_tp_gen(
         for m in mods:
             m.unload()
         model.tp_context = None
+        model.config.no_graphs = ctx.saved_no_graphs
         raise
     ctx.modules = tp_modules
     if graphs_wanted(ctx):
