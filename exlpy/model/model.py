@@ -136,6 +136,7 @@ class ExLlamaV2:
             self.unplace_module(i)
         if self.tp_context is not None:
             self.tp_context.unload()
+            self.config.no_graphs = self.tp_context.saved_no_graphs
             self.tp_context = None
         self.rotary.clear()
         self._graphs = None
