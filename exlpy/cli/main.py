@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each subcommand module exposes add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ("generate", "plan", "bench")
+SUBCOMMANDS = ("generate", "plan", "bench", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

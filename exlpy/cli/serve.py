@@ -1,0 +1,45 @@
+"""`exlpy serve`: an OpenAI-compatible HTTP server (the bundled demo model by default). Needs the `server` extra."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                       "/v1/chat/completions)")
+    p.add_argument("--model", "-m", default=None, help="model directory (default: the bundled 260K demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length of one request (default: the "
+                   "model's)")
+    p.add_argument("--cache-size", type=int, default=None, metavar="TOKENS",
+                   help="KV cache shared by all requests, in tokens (rounded up to 256-token pages; default: the "
+                   "context length, at least 2048). Each running request reserves pages for prompt + max_tokens")
+    p.add_argument("--max-batch-size", type=int, default=None, help="most requests decoding at once "
+                   "(default: the generator's)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to start before new ones "
+                   "are refused with 503 (default: 64)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(_run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from exlpy.errors import ConfigError
+
+    try:
+        import uvicorn
+
+        from exlpy.server import create_app, load_state
+    except ImportError as e:
+        raise ConfigError(f"exlpy serve needs fastapi and uvicorn ({e}): pip install 'exlpy[server]'") from e
+    if args.max_queue < 1:
+        raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
+    state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
+                       max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+    g = state.bridge.generator
+    print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, cache {g.num_pages} pages x 256 "
+          f"tokens, batch up to {g.max_batch_size}, queue up to {args.max_queue}; http://{args.host}:{args.port}/v1",
+          flush=True)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

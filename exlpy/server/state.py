@@ -1,0 +1,72 @@
+"""What a running server holds (bridge, tokenizer, model name) and how `exlpy serve` builds it from a model dir."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from exlpy.errors import ConfigError
+from exlpy.generator.dynamic.pages import PAGE_SIZE
+from exlpy.server.bridge import GeneratorBridge
+
+MIN_CACHE_TOKENS = 2048  # a default cache below this would run one request at a time on short-context models
+
+
+@dataclass
+class ServerState:
+    bridge: GeneratorBridge
+    tokenizer: Any
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.bridge.generator.max_seq_len)
+
+    @property
+    def pieces(self) -> list[str]:
+        return self.bridge.generator.pieces
+
+
+def state_from_generator(generator: Any, model_name: str, max_queue: int = 64) -> ServerState:
+    return ServerState(GeneratorBridge(generator, max_queue=max_queue), generator.tokenizer, model_name)
+
+
+def round_to_pages(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cache_size: int | None = None,
+               max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True) -> ServerState:
+    """Load a model (the bundled demo by default) with a lazily allocated paged cache and wrap it for serving.
+
+    The cache holds `cache_size` tokens (rounded up to whole 256-token pages; default: the context length, at
+    least 2048): concurrent requests share it, each reserving pages for its prompt plus max_tokens.
+    """
+    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exlpy.demo import DEMO_MODEL_DIR
+    from exlpy.generator.dynamic import ExLlamaV2DynamicGenerator
+
+    model_dir = model_dir or DEMO_MODEL_DIR
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ConfigError(f"--max-seq-len must be >= 1, got {max_seq_len}")
+    if cache_size is not None and cache_size < 1:
+        raise ConfigError(f"--cache-size must be >= 1 token, got {cache_size}")
+    config = ExLlamaV2Config(model_dir)
+    if max_seq_len:
+        config.max_seq_len = max_seq_len
+    cache_tokens = round_to_pages(cache_size or max(config.max_seq_len, MIN_CACHE_TOKENS))
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
+    model.load_autosplit(cache, progress=sys.stderr.isatty())
+    tokenizer = ExLlamaV2Tokenizer(config)
+    chunk = max(PAGE_SIZE, config.max_input_len // PAGE_SIZE * PAGE_SIZE)
+    generator = ExLlamaV2DynamicGenerator(model, cache, tokenizer, max_batch_size=max_batch_size,
+                                          max_chunk_size=chunk)
+    if warmup:
+        generator.warmup()
+    name = os.path.basename(os.path.normpath(model_dir))
+    return state_from_generator(generator, name, max_queue)
