@@ -64,6 +64,24 @@ def test_contiguous_decode_matches_eager(model_dir: Path) -> None:
     assert len(runner._steps) == 1  # one step per (cache, batch size), reused
 
 
+def test_forward_graph_path_builds_no_eager_batch(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load(model_dir)
+    prompt = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2))
+    eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=2), ExLlamaV2Cache(model, batch_size=2)
+    model.forward(prompt, eager_cache, preprocess_only=True)
+    model.forward(prompt, graph_cache, preprocess_only=True)
+    tok = prompt[:, -1:]
+    ref = model.forward(tok, eager_cache)
+    model._graphs = DecodeGraphs(model, capture=False)  # what _graph_runner keeps on a CUDA model
+
+    def no_eager_batch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the graph path built the eager path's per-step batch")
+
+    monkeypatch.setattr("exlpy.model.model.contiguous_batch", no_eager_batch)
+    out = model.forward(tok.int(), graph_cache)  # int32 ids are copied into the static int64 buffer
+    assert graph_cache.current_seq_len == 10 and out.shape == ref.shape and rel_err(out, ref) <= TOL
+
+
 def _paged(cache: ExLlamaV2Cache, page: int, tables: list[list[int]], lens: list[int]) -> ForwardBatch:
     """One decode token per sequence; `lens` are the lengths after this step."""
     B, width = len(tables), max(len(t) for t in tables)

@@ -176,6 +176,23 @@ class ExLlamaV2:
         cfg = self.config
         dev = self.modules[0].device
         assert dev is not None
+        if cache is not None:
+            past = cache.current_seq_len
+            if B > cache.batch_size:
+                raise CacheTooSmallError(f"batch size {B} exceeds the cache's batch_size {cache.batch_size}")
+            if past + T > cache.max_seq_len:
+                raise CacheTooSmallError(f"Total sequence length exceeds cache size in model.forward: {past} "
+                                         f"cached + {T} new tokens > cache max_seq_len {cache.max_seq_len}")
+            if (T == 1 and input_mask is None and position_offsets is None
+                    and not (preprocess_only or return_last_state)):
+                graphs = self._graph_runner(cache)
+                if graphs is not None:
+                    # The decode step as one CUDA-graph replay: it copies the ids straight into its static
+                    # input and derives positions and slots on the device, so none of the per-step tensors
+                    # below are built.
+                    logits = graphs.decode_contiguous(input_ids, cache, past)
+                    cache.current_seq_len = past + 1
+                    return logits.cpu() if cpu_logits else logits
         ids = input_ids.to(dev, dtype=torch.long)
         key_mask = _key_mask(input_mask, dev)
         offsets = position_offsets.to(dev).view(-1, 1) if position_offsets is not None else None
@@ -190,18 +207,6 @@ class ExLlamaV2:
             batch.rope_positions = _offset(batch.positions, offsets)
             return self._run(ids, batch, preprocess_only, last_id_only, return_last_state, cpu_logits)
 
-        past = cache.current_seq_len
-        if B > cache.batch_size:
-            raise CacheTooSmallError(f"batch size {B} exceeds the cache's batch_size {cache.batch_size}")
-        if past + T > cache.max_seq_len:
-            raise CacheTooSmallError(f"Total sequence length exceeds cache size in model.forward: {past} cached "
-                                     f"+ {T} new tokens > cache max_seq_len {cache.max_seq_len}")
-        if T == 1 and key_mask is None and offsets is None and not (preprocess_only or return_last_state):
-            graphs = self._graph_runner(cache)
-            if graphs is not None:  # the decode step as one CUDA-graph replay
-                logits = graphs.decode_contiguous(ids, cache, past)
-                cache.current_seq_len = past + 1
-                return logits.cpu() if cpu_logits else logits
         outputs: list[torch.Tensor] = []
         last_state = None
         pos = 0
