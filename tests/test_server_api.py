@@ -104,6 +104,7 @@ def test_chat_with_template(tmp_path: Path) -> None:
 def test_chat_without_template_is_400(client: Any) -> None:
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
 
 
 def test_stop_strings(client: Any) -> None:

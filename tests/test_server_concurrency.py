@@ -153,7 +153,7 @@ def test_full_queue_answers_503() -> None:
     ra, rb, refused, health = run(state, body)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     msg = refused.json()["error"]["message"]
-    assert "server busy" in msg and "--max-queue 1" in msg and "1 are running" in msg
+    assert "server busy" in msg and "--max-queue 1" in msg and "1 running" in msg
     assert health["running"] == 1 and health["queued"] == 1 and health["rejected"] == 1
     for r, p in ((ra, "Once"), (rb, "Why")):
         assert r.status_code == 200

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Any
 
-from exlpy.errors import ExlpyError
+from exlpy.errors import ConfigError, ExlpyError
 
 log = logging.getLogger("exlpy.server")
 
@@ -79,7 +79,7 @@ class GeneratorBridge:
 
     def __init__(self, generator: Any, max_queue: int = 64) -> None:
         if max_queue < 1:
-            raise ServerBusyError(f"max_queue must be >= 1, got {max_queue}")
+            raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.generator = generator
         self.max_queue = max_queue
         self._inbox: list[JobHandle] = []
@@ -170,8 +170,8 @@ class GeneratorBridge:
         reason = next((h.job.wait_reason for h in self._handles.values() if not h.started and h.job.wait_reason),
                       None)
         why = f"; the next one waits because: {reason}" if reason else ""
-        return (f"server busy: {queued} requests are already waiting to start (--max-queue {self.max_queue}), "
-                f"{self.num_running()} are running{why}. Retry later, or start the server with a larger "
+        return (f"server busy: {queued} request(s) already waiting to start (--max-queue {self.max_queue}), "
+                f"{self.num_running()} running{why}. Retry later, or start the server with a larger "
                 f"--cache-size / --max-queue.")
 
     # --- owner task ----------------------------------------------------------------------------------------

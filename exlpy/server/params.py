@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import ExlpyError, GeneratorError, SamplerError, SequenceLengthError
+from exlpy.errors import ExlpyError, GeneratorError, SamplerError, SequenceLengthError, TokenizerError
 from exlpy.generator.dynamic import ExLlamaV2DynamicJob
 from exlpy.generator.sampler import ExLlamaV2Sampler
 from exlpy.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -163,7 +163,11 @@ def chat_ids(req: ChatCompletionRequest, tokenizer: Any) -> torch.Tensor:
         content = m.content if isinstance(m.content, str) else \
             "".join(p.text or "" for p in (m.content or []) if p.type == "text")
         messages.append({"role": m.role, "content": content})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except TokenizerError as e:  # no template, or the template rejected the conversation
+        e.param = "messages"  # type: ignore[attr-defined]
+        raise
     # The template writes BOS itself where the model wants it.
     return tokenizer.encode(text, add_bos=False, encode_special_tokens=True).view(1, -1)
 
