@@ -26,6 +26,7 @@ from tests.test_server_helpers import (  # noqa: E402
     make_state,
     prompt_ids,
     reference_greedy,
+    single_torch_thread,  # noqa: F401  (autouse fixture)
     slow_steps,
     sse_events,
     wait_for,

@@ -27,6 +27,16 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['c
 NO_EOS = {"2": -100.0}  # logit_bias that keeps the demo model from ending early (its EOS id is 2)
 
 
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Any:
+    """One intra-op thread while a test runs: the demo model gains nothing from more, and on a busy 2-core machine
+    a second thread makes every step wait for a descheduled peer (4 ms steps turn into 10-50 ms)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @lru_cache(maxsize=1)
 def demo() -> tuple[Any, Any]:
     """(model, tokenizer) of the bundled demo model (context 128), loaded once."""
