@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from exlpy.errors import ConfigError
 from tests.conftest import rel_err, shared_path
 from tests.hf_models import make_hf_model
 
@@ -150,3 +151,33 @@ def test_left_padded_batch_with_cache_matches_single_rows(tmp_path: Path) -> Non
     full = torch.cat([out, out2], dim=1)
     assert rel_err(full[0], model.forward(a)[0]) <= TOL
     assert rel_err(full[1, 4:], model.forward(b)[0]) <= TOL
+
+
+def test_max_output_len_chunks_the_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_hf_model(tmp_path, "llama")
+    model, cache = load(tmp_path, max_seq_len=64)
+    ids = torch.randint(0, 320, (2, 21), generator=torch.Generator().manual_seed(8))
+    full = model.forward(ids)
+    head = model.modules[model.head_layer_idx]
+    widths: list[int] = []
+    forward = head.forward
+    monkeypatch.setattr(head, "forward", lambda x, b: widths.append(x.shape[1]) or forward(x, b))
+    model.config.max_output_len = 8
+    chunked = model.forward(ids)
+    assert widths == [8, 8, 5]  # no head pass over more than max_output_len positions
+    assert chunked.shape == full.shape and chunked.dtype == torch.float32
+    assert rel_err(chunked, full) <= TOL
+    widths.clear()
+    last = model.forward(ids[:1], cache, last_id_only=True)  # one position: one head pass
+    assert widths == [1] and rel_err(last[0, 0], full[0, -1]) <= TOL
+
+
+def test_arch_compat_overrides_is_callable_and_changes_nothing(tmp_path: Path) -> None:
+    make_hf_model(tmp_path, "mistral")
+    config = ExLlamaV2Config(str(tmp_path))
+    before = (config.no_flash_attn, config.no_xformers, config.no_sdpa, config.no_graphs)
+    config.arch_compat_overrides()
+    config.arch_compat_overrides(quiet=True, warn_only=True)
+    assert (config.no_flash_attn, config.no_xformers, config.no_sdpa, config.no_graphs) == before
+    with pytest.raises(ConfigError, match="prepare"):
+        ExLlamaV2Config().arch_compat_overrides()

@@ -48,6 +48,13 @@ class ExLlamaV2Config:
         if self.max_output_len is not None:
             self.max_output_len = min(self.max_output_len, 1024)
 
+    def arch_compat_overrides(self, quiet: bool = False, warn_only: bool = False) -> None:
+        """exllamav2 switches off attention back ends (flash-attn, xformers) that cannot serve the model's
+        logit softcapping or sliding window. exlpy has neither back end and supports no architecture that needs
+        either, so nothing is overridden; the method exists so that exllamav2 scripts (model_init) run as they
+        are. Like exllamav2's, it needs a prepared config."""
+        self._s()
+
     def prepare(self, no_tensors: bool = False) -> None:
         if self.prepared and (no_tensors or self.index is not None):
             return  # prepare() is idempotent: exllamav2 scripts call it after the constructor already did

@@ -291,11 +291,24 @@ class ExLlamaV2:
                     x = x[:, -1:]
                 if i == self.head_layer_idx and return_last_state:
                     last_state = x
-                x = m.forward(x, batch.on(m.device))
+                if i == self.head_layer_idx:
+                    x = self._run_head(m, x, batch.on(m.device))
+                else:
+                    x = m.forward(x, batch.on(m.device))
         logits = x.float()
         if cpu_logits:
             logits = logits.cpu()
         return (logits, last_state) if return_last_state else logits
+
+
+    def _run_head(self, head: Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The head over at most `config.max_output_len` positions at a time (exllamav2's bound on the head's
+        working memory), joined into the logits of every position."""
+        n = self.config.max_output_len
+        if not n or x.shape[1] <= n:
+            return head.forward(x, batch)
+        # Each slice leaves as float32 (what the caller gets anyway), so no full-width half-precision copy.
+        return torch.cat([head.forward(x[:, a:a + n], batch).float() for a in range(0, x.shape[1], n)], dim=1)
 
 
 def _key_mask(input_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
