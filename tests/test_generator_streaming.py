@@ -127,6 +127,7 @@ def test_streaming_errors_and_legacy_tuple() -> None:
     r = sg.stream_ex()
     n = r["chunk_token_ids"].shape[1]
     assert r["probs"].shape == (1, n) and r["top_tokens"].shape == (1, n, 3) and r["logits"].shape[:2] == (1, n)
+    assert sg.get_sd_stats() == (0.0, 0.0, 2, 0, 0)  # two tokens sampled, none drafted
 
 
 def test_async_generator_matches_sync() -> None:

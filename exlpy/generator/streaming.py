@@ -31,6 +31,7 @@ class ExLlamaV2StreamingGenerator:
         self.stop_strings: list[str] = []
         self.sequence_ids: torch.Tensor | None = None
         self.prefill_tokens = 0  # prompt tokens actually run through the model (prefix reuse skips the rest)
+        self.total_tokens = 0  # tokens sampled over all streams (exllamav2's get_sd_stats counter)
         self.active = False
         self.reusable = True
         self.negative = None
@@ -149,6 +150,11 @@ class ExLlamaV2StreamingGenerator:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
         self.rng = torch.Generator().manual_seed(seed)
 
+    def get_sd_stats(self) -> tuple[float, float, int, int, int]:
+        """(efficiency, accuracy, total tokens, drafted tokens, accepted drafts), as exllamav2 reports its
+        speculative decoding. This generator never drafts, so the draft counts and both ratios are 0."""
+        return 0.0, 0.0, self.total_tokens, 0, 0
+
     # --- stream --------------------------------------------------------------------------------------------
     def stream(self) -> tuple[str, bool, torch.Tensor]:
         """Legacy form: (chunk, eos, chunk_token_ids)."""
@@ -186,6 +192,7 @@ class ExLlamaV2StreamingGenerator:
         if self.negative is not None:
             self.negative = torch.cat([self.negative, torch.tensor([token])])
         self.new_tokens += 1
+        self.total_tokens += 1
         for f in self.filters:
             if hasattr(f, "feed"):
                 f.feed(token)
