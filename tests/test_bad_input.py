@@ -92,38 +92,34 @@ def _st_file(d: Path) -> Path:
     return next(d.glob("*.safetensors"))
 
 
-def test_truncated_file(model_dir: Path) -> None:
+def _truncate(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _garble_header(data: bytes) -> bytes:
+    return data[:8] + b"\xff\xfe{{" + data[12:]
+
+
+def _huge_header_length(data: bytes) -> bytes:
+    return struct.pack("<Q", 10**12) + data[8:]
+
+
+def _empty(data: bytes) -> bytes:
+    return b""
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (_truncate, "truncated or corrupt"),
+    (_garble_header, "corrupt safetensors header"),
+    (_huge_header_length, "header length"),
+    (_empty, "truncated"),
+])
+def test_damaged_safetensors_file(model_dir: Path, corrupt, match: str) -> None:  # noqa: ANN001
     f = _st_file(model_dir)
-    data = f.read_bytes()
-    f.write_bytes(data[: len(data) // 2])
-    with pytest.raises(WeightsError, match="truncated or corrupt") as e:
+    f.write_bytes(corrupt(f.read_bytes()))
+    with pytest.raises(WeightsError, match=match) as e:
         ExLlamaV2Config(str(model_dir))
-    assert str(f) in str(e.value)
-
-
-def test_corrupt_header(model_dir: Path) -> None:
-    f = _st_file(model_dir)
-    data = bytearray(f.read_bytes())
-    data[8:12] = b"\xff\xfe{{"
-    f.write_bytes(bytes(data))
-    with pytest.raises(WeightsError, match="corrupt safetensors header") as e:
-        ExLlamaV2Config(str(model_dir))
-    assert str(f) in str(e.value)
-
-
-def test_header_length_garbage(model_dir: Path) -> None:
-    f = _st_file(model_dir)
-    data = bytearray(f.read_bytes())
-    data[:8] = struct.pack("<Q", 10**12)
-    f.write_bytes(bytes(data))
-    with pytest.raises(WeightsError, match="header length"):
-        ExLlamaV2Config(str(model_dir))
-
-
-def test_empty_file(model_dir: Path) -> None:
-    _st_file(model_dir).write_bytes(b"")
-    with pytest.raises(WeightsError, match="truncated"):
-        ExLlamaV2Config(str(model_dir))
+    assert str(f) in str(e.value)  # the message names the damaged file
 
 
 def _rewrite(model_dir: Path, fn) -> None:  # noqa: ANN001
