@@ -15,7 +15,14 @@ import torch
 
 from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.scheduler import cache_rows_batch
-from exlpy.generator.dynamic.stops import Released, TextStream, split_stop_conditions, tokenizer_decode
+from exlpy.generator.dynamic.stops import (
+    Released,
+    TextStream,
+    heal_split,
+    split_stop_conditions,
+    token_payload,
+    tokenizer_decode,
+)
 
 
 class ExLlamaV2StreamingGenerator:
@@ -86,12 +93,8 @@ class ExLlamaV2StreamingGenerator:
         self.min_new_tokens = min_new_tokens
         # Padding is stripped (rows sit unpadded in their cache rows), so masks and offsets are not needed.
         self.negative: torch.Tensor | None = rows[1] if cfg else None
-        self.prefix_token: int | None = None
-        strip = 0
-        if token_healing and ids.shape[1] > 1:
-            self.prefix_token = int(ids[0, -1])
-            strip = len(self.pieces[self.prefix_token])
-            ids = ids[:, :-1]
+        row, self.prefix_token, strip = heal_split(ids[0], self.pieces, token_healing)
+        ids = row.unsqueeze(0)
         self.text_stream = TextStream(self.pieces, lambda t: tokenizer_decode(self.tokenizer, t, decode_special_tokens),
                                  self.stop_tokens, self.stop_strings, banned_strings, self.special_ids,
                                  decode_special_tokens, strip)
@@ -182,12 +185,9 @@ class ExLlamaV2StreamingGenerator:
             return_top_tokens=self.return_top_tokens, blocked_tokens=sorted(blocked) or None,
             filters=self.filters or None, filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
-        payload: dict[str, Any] = {"prob": float(prob.view(-1)[0])}
-        if self.return_top_tokens:
-            payload["top_tokens"] = top_tok.view(1, -1)[0].clone()
-            payload["top_probs"] = top_prob.view(1, -1)[0].clone()
-        if self.return_logits:
-            payload["logits"] = logits[0, -1].clone()  # CFG: the positive row
+        # CFG: the positive row's logits
+        payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
+                                self.return_logits)
         self.sequence_ids = torch.cat([seq, torch.tensor([[token]])], dim=1)
         if self.negative is not None:
             self.negative = torch.cat([self.negative, torch.tensor([token])])

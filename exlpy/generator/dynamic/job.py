@@ -10,7 +10,14 @@ import torch
 
 from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage, chain_hashes
-from exlpy.generator.dynamic.stops import Released, TextStream, split_stop_conditions, tokenizer_decode
+from exlpy.generator.dynamic.stops import (
+    Released,
+    TextStream,
+    heal_split,
+    split_stop_conditions,
+    token_payload,
+    tokenizer_decode,
+)
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
@@ -121,13 +128,7 @@ class ExLlamaV2DynamicJob:
         self.serial = serial
         self.time_enqueue = time.time()
         tok = generator.tokenizer
-        ids = self.input_ids[0]
-        self.prefix_token: int | None = None
-        strip = 0
-        if self.token_healing and ids.numel() > 1:
-            self.prefix_token = int(ids[-1])
-            strip = len(generator.pieces[self.prefix_token])
-            ids = ids[:-1]
+        ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
         self.seqs = [SeqState(r.clone(), self.max_new_tokens) for r in rows]
         self.prompt_len = ids.numel()
@@ -192,14 +193,9 @@ class ExLlamaV2DynamicJob:
             blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
             filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
-        payload: dict[str, Any] = {}
-        if self.return_probs:
-            payload["prob"] = float(prob.view(-1)[0])
-        if self.return_top_tokens:
-            payload["top_tokens"] = top_tok.view(1, -1)[0].clone()
-            payload["top_probs"] = top_prob.view(1, -1)[0].clone()
-        if self.return_logits:
-            payload["logits"] = logits[0].reshape(-1).clone()  # CFG: the positive row
+        # CFG: the positive row's logits
+        payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
+                                self.return_logits)
         return token, payload, bool(end_filter)
 
     def receive(self, token: int, payload: dict[str, Any], end_filter: bool) -> dict[str, Any] | None:

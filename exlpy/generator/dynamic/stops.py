@@ -39,6 +39,30 @@ def tokenizer_decode(tokenizer: Any, ids: list[int], decode_special_tokens: bool
     return out[0] if isinstance(out, list) else out
 
 
+def heal_split(ids: torch.Tensor, pieces: list[str], token_healing: bool) -> tuple[torch.Tensor, int | None, int]:
+    """Token healing: the prompt (1-D) without its last token, that token (the first sampled token must start
+    with its piece) and the length of its piece (text the TextStream strips from the front). Unchanged prompt,
+    None and 0 without healing or for a one-token prompt."""
+    if not token_healing or ids.numel() < 2:
+        return ids, None, 0
+    prefix = int(ids[-1])
+    return ids[:-1], prefix, len(pieces[prefix])
+
+
+def token_payload(prob: torch.Tensor, top_tokens: torch.Tensor, top_probs: torch.Tensor, logits: torch.Tensor,
+                  with_prob: bool, top_k: int, with_logits: bool) -> dict[str, Any]:
+    """The per-token extras a result may carry, from one sampler call (`logits`: the row sampled from, [V])."""
+    payload: dict[str, Any] = {}
+    if with_prob:
+        payload["prob"] = float(prob.view(-1)[0])
+    if top_k:
+        payload["top_tokens"] = top_tokens.view(1, -1)[0].clone()
+        payload["top_probs"] = top_probs.view(1, -1)[0].clone()
+    if with_logits:
+        payload["logits"] = logits.reshape(-1).clone()
+    return payload
+
+
 def split_stop_conditions(conditions: Iterable[int | str] | None) -> tuple[set[int], list[str]]:
     tokens: set[int] = set()
     strings: list[str] = []
