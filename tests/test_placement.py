@@ -58,6 +58,8 @@ def test_autosplit_over_two_simulated_devices_matches_one_device() -> None:
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     out = model.forward(ids, cache)
     torch.testing.assert_close(out, reference_logits(ids), rtol=0, atol=0)
+    model.unload()
+    assert model.placement_plan is None and model.cache_map == {}  # no stale placement after unload
 
 
 def test_callback_gen_items_are_re_yielded_and_cpu_fallback_warns_once() -> None:

@@ -21,6 +21,9 @@ from exlpy.parallel.p2p import safe_move_tensor
 
 
 class ExLlamaV2:
+    """The model: its module list (embedding, attention/MLP per layer, final norm, head), where each module
+    is loaded, and the forward pass. Nothing is loaded until one of the load methods runs."""
+
     def __init__(self, config: ExLlamaV2Config, lazy_load: bool = False) -> None:
         config.prepare()
         self.config = config
@@ -37,6 +40,7 @@ class ExLlamaV2:
         self.tp_context: Any = None
         self._caches: list[weakref.ref[ExLlamaV2CacheBase]] = []
         self._graphs: Any = None
+        self.placement_plan: Any = None  # the exlpy.parallel.plan.Plan the last load() / load_autosplit() followed
 
     # --- caches ---------------------------------------------------------------------------------------------
     def attach_cache(self, cache: ExLlamaV2CacheBase) -> None:
@@ -140,6 +144,7 @@ class ExLlamaV2:
             self.tp_context = None
         self.rotary.clear()
         self._graphs = None
+        self.placement_plan = None  # it described devices the modules no longer occupy
         self.loaded = False
 
     def devices(self) -> list[torch.device]:

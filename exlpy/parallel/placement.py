@@ -199,7 +199,7 @@ def load_on_devices(
         if bar is not None:
             bar[0].stop()
     model.loaded = True
-    model.placement_plan = plan  # type: ignore[attr-defined]
+    model.placement_plan = plan
     used = model.devices()
     if any(d.type == "cuda" for d in used):
         limit_cpu_threads_for_gpu()
