@@ -1,7 +1,7 @@
 """`load_tp`: build the TPContext, shard every module over its slots, and run the tensor-parallel forward.
 
-The model's forward stays the entry point: `ExLlamaV2._run` hands over to `tp_run` while a TP context is set (an
-attribute, removed again by `TPContext.unload`), so `model.forward` / `forward_batch` chunking, cache checks and
+The model's forward stays the entry point: `ExLlamaV2._run` hands over to `tp_run` while `model.tp_context` is
+set (`model.unload()` clears it), so `model.forward` / `forward_batch` chunking, cache checks and
 positions are shared with the single-device path; only the module loop differs.
 """
 
