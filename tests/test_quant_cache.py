@@ -10,6 +10,13 @@ from exlpy.cache import ExLlamaV2Cache_8bit, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q
 from tests.conftest import rel_err, shared_path
 
 
+def _tiny_model(max_seq_len: int) -> ExLlamaV2:
+    """tiny-llama-fp16 (from ../shared) with the given context, not yet loaded."""
+    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
+    config.max_seq_len = max_seq_len
+    return ExLlamaV2(config)
+
+
 @pytest.mark.parametrize("bits, bound", [(4, 0.2), (8, 0.012)])
 def test_codec_roundtrip(bits: int, bound: float) -> None:
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
@@ -31,9 +38,7 @@ def test_fp8_truncation() -> None:
 @pytest.mark.parametrize("cls, bound", [(ExLlamaV2Cache_Q4, 0.08), (ExLlamaV2Cache_Q6, 0.05),
                                         (ExLlamaV2Cache_Q8, 0.01), (ExLlamaV2Cache_8bit, 0.1)])
 def test_incremental_decode_with_quantized_cache(cls: type, bound: float) -> None:
-    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
-    config.max_seq_len = 96
-    model = ExLlamaV2(config)
+    model = _tiny_model(96)
     ref_cache = ExLlamaV2Cache(model, lazy=True)
     cache = cls(model, lazy=True)
     model.load_autosplit(ref_cache)
@@ -52,9 +57,8 @@ def test_incremental_decode_with_quantized_cache(cls: type, bound: float) -> Non
 
 
 def test_quantized_cache_footprint_is_smaller() -> None:
-    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
-    config.max_seq_len = 256
-    model = ExLlamaV2(config)
+    model = _tiny_model(256)
+    config = model.config
     q4 = ExLlamaV2Cache_Q4(model, lazy=True)
     model.load_autosplit(q4)
     per_layer = q4.key_states[0].numel() + q4.key_scales[0].numel() * 2
@@ -63,9 +67,7 @@ def test_quantized_cache_footprint_is_smaller() -> None:
 
 
 def test_unload_releases_working_copies_and_reload_restores_them() -> None:
-    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
-    config.max_seq_len = 64
-    model = ExLlamaV2(config)
+    model = _tiny_model(64)
     q4 = ExLlamaV2Cache_Q4(model, lazy=True)
     model.load_autosplit(q4)
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(2))
