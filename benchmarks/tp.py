@@ -317,6 +317,12 @@ def main() -> None:
             save()
             res["phase"] = tag
         if full:
+            out["graph_mode"] = next(iter(ctx.graphs.sets.values())).mode if ctx.graphs and ctx.graphs.sets else None
+            os.environ["EXLPY_TP_GRAPH"] = "stage"  # the per-stage graphs with host-issued NCCL, for comparison
+            ctx.graphs.clear()
+            out["decode_ms_graphs_stage"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
+            os.environ.pop("EXLPY_TP_GRAPH")
+            ctx.graphs.clear()
             nccl = ctx.comm
             for be in (LocalComm(), HostComm()):
                 ctx.comm = be

@@ -44,13 +44,15 @@ def test_buckets_and_support(model_dir: Path) -> None:
     assert model._graph_runner() is None
 
 
-def test_contiguous_decode_matches_eager(model_dir: Path) -> None:
+@pytest.mark.parametrize("cuts", [(), (2,), (1, 3)])  # cuts: segments as on a model split over GPUs
+def test_contiguous_decode_matches_eager(model_dir: Path, cuts: tuple[int, ...]) -> None:
     model = _load(model_dir)
     prompt = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
     eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=2), ExLlamaV2Cache(model, batch_size=2)
     model.forward(prompt, eager_cache, preprocess_only=True)
     model.forward(prompt, graph_cache, preprocess_only=True)
-    runner = DecodeGraphs(model, capture=False)
+    runner = DecodeGraphs(model, capture=False, cuts=cuts)
+    assert len(runner.ranges) == len(cuts) + 1
     tok = prompt[:, -1:]
     for _ in range(3):
         ref = model.forward(tok, eager_cache)
@@ -92,7 +94,8 @@ def _paged(cache: ExLlamaV2Cache, page: int, tables: list[list[int]], lens: list
                         seqlens=torch.tensor(lens, dtype=torch.int32), max_seqlen=max(lens))
 
 
-def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path) -> None:
+@pytest.mark.parametrize("cuts", [(), (2,)])
+def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path, cuts: tuple[int, ...]) -> None:
     model = _load(model_dir)
     # The contiguous cache [4, 64, H, D] viewed as 16 pages of 16 rows (page p = flat rows p*16..p*16+15).
     g = torch.Generator().manual_seed(1)
@@ -100,7 +103,7 @@ def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path) 
     for t in eager_cache.all_tensors():
         t.copy_(torch.randn(t.shape, generator=g))
     graph_cache = ExLlamaV2Cache(model, batch_size=4, copy_from=eager_cache)
-    runner = DecodeGraphs(model, capture=False)
+    runner = DecodeGraphs(model, capture=False, cuts=cuts)
     tables, lens = [[5, 2], [9], [0, 3, 11]], [20, 7, 40]  # 3 live rows: bucket 4 with one padding row
     ids = torch.randint(3, 320, (3, 1), generator=g)
     ref = model.forward_batch(ids, _paged(eager_cache, 16, tables, lens))

@@ -13,6 +13,11 @@ Attention inside the graph takes its key ranges from device memory (the Triton s
 from host values. A graph is rebuilt when the cache tensors behind it change; the model drops all graphs
 when modules are unloaded or moved.
 
+A model split over several GPUs is captured as one graph per *segment* (a run of modules on one device): each
+segment has its own static step inputs on its device, and between replays the host copies the hidden state
+into the next segment's static input: the same one hop per device boundary as the eager path, and one
+launch per GPU per step instead of one per kernel.
+
 With `capture=False` the same buffer logic runs the step eagerly: that is the debugging path
 (`EXLLAMA_NO_GRAPHS` keeps the model off this module entirely) and what the CPU tests exercise.
 """
@@ -37,14 +42,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def graphs_supported(model: ExLlamaV2) -> bool:
-    """Graphs need every module on one CUDA device, no tensor parallelism and the Triton kernels."""
+    """Graphs need every module on a CUDA device, no tensor parallelism and the Triton kernels."""
     if model.config.no_graphs or model.tp_context is not None or not torch.cuda.is_available():
         return False
     devices = {m.device for m in model.modules}
-    if len(devices) != 1:
-        return False
-    dev = next(iter(devices))
-    return dev is not None and dev.type == "cuda" and ops.has_cuda_kernels()
+    return all(d is not None and d.type == "cuda" for d in devices) and ops.has_cuda_kernels()
 
 
 def cache_is_direct(cache: Any) -> bool:
@@ -67,36 +69,94 @@ def cache_signature(cache: Any, layers: list[int]) -> tuple[int, ...]:
 
 
 @dataclass
-class _Step:
-    """Static inputs, the captured graph (or None: eager) and its output for one (cache, shape) key."""
+class _Segment:
+    """Modules [start, stop) on one device: static inputs there, a body that runs them, its graph and output."""
 
+    device: torch.device
+    start: int
+    stop: int
     inputs: dict[str, torch.Tensor]
-    body: Callable[[], torch.Tensor]
-    cache_ref: weakref.ref[Any]
-    signature: tuple[int, ...]
+    body: Callable[[], torch.Tensor] | None = None
+    x_in: torch.Tensor | None = None  # static hidden state fed by the previous segment (the first reads ids)
+    stream: Any = None
     graph: Any = None
     output: torch.Tensor | None = None
+
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
+        # Capture, replay and Triton launches all use the *current* device: make it this segment's.
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass
+class _Step:
+    """The segments of one (cache, shape) key. `inputs` are the first segment's static inputs; per-step
+    metadata written there is mirrored to the later segments' copies (`mirrored` names them)."""
+
+    segments: list[_Segment]
+    cache_ref: weakref.ref[Any]
+    signature: tuple[int, ...]
+    mirrored: tuple[str, ...] = ()
     live: int = -1  # live rows at the last call; padding rows are reset when it changes
     meta: dict[str, int] = field(default_factory=dict)
 
-    def run(self) -> torch.Tensor:
-        if self.graph is None:
-            return self.body()
-        self.graph.replay()
-        assert self.output is not None
-        return self.output
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return self.segments[0].inputs
+
+    def mirror(self) -> None:
+        for seg in self.segments[1:]:
+            for name in self.mirrored:
+                seg.inputs[name].copy_(self.inputs[name])
+
+    def run(self, warm: bool = False) -> torch.Tensor:
+        """One step: every segment in order, the hidden state copied across each device boundary. `warm`
+        runs the bodies eagerly on the segments' own streams (the warm-up before capture)."""
+        from exlpy.parallel.p2p import peer_copy_ok
+
+        out: torch.Tensor | None = None
+        for seg in self.segments:
+            if out is not None:
+                if seg.x_in is None:  # allocated by the first (warm-up or eager) run, never under capture
+                    seg.x_in = torch.empty_like(out, device=seg.device)
+                direct = out.device.type != "cuda" or peer_copy_ok(out.device, seg.device)
+                seg.x_in.copy_(out if direct else out.cpu())
+            with seg.scope():
+                if seg.graph is not None:
+                    seg.graph.replay()
+                elif warm:
+                    cur = torch.cuda.current_stream(seg.device)
+                    seg.stream.wait_stream(cur)
+                    with torch.cuda.stream(seg.stream):
+                        seg.output = seg.body()
+                    cur.wait_stream(seg.stream)
+                else:
+                    seg.output = seg.body()
+            out = seg.output
+        assert out is not None
+        return out
 
 
 class DecodeGraphs:
-    """Decode-step runner owned by one model; see the module docstring."""
+    """Decode-step runner owned by one model; see the module docstring.
 
-    def __init__(self, model: ExLlamaV2, capture: bool = True) -> None:
+    `cuts`: extra segment boundaries (module indices) on top of the device changes; the CPU tests use them to
+    exercise the cross-segment hop without GPUs."""
+
+    def __init__(self, model: ExLlamaV2, capture: bool = True, cuts: tuple[int, ...] = ()) -> None:
         self.model = model
         self.capture = capture
         self.device = model.modules[0].device
         self.layers = [m.layer_idx for m in model.attention_modules()]
         self._steps: dict[tuple[Any, ...], _Step] = {}
-        self._pool: Any = None
+        self._pools: dict[str, Any] = {}
+        self.ranges: list[tuple[torch.device, int, int]] = []
+        start = 0
+        for i in range(1, len(model.modules) + 1):
+            if i == len(model.modules) or model.modules[i].device != model.modules[start].device or i in cuts:
+                dev = model.modules[start].device
+                assert dev is not None
+                self.ranges.append((dev, start, i))
+                start = i
 
     def clear(self) -> None:
         self._steps.clear()
@@ -107,7 +167,8 @@ class DecodeGraphs:
         B = ids.shape[0]
         step = self._get(("contiguous", id(cache), B), cache, lambda: self._contiguous_step(cache, B))
         step.inputs["ids"].copy_(ids.view(B, 1))
-        step.inputs["past"].fill_(past)
+        for seg in step.segments:
+            seg.inputs["past"].fill_(past)
         return self._finish(step, ids, B)
 
     def decode_paged(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
@@ -132,6 +193,7 @@ class DecodeGraphs:
         inp["slots"][:B].copy_(batch.slots.view(B, 1))
         inp["block_table"][:B, :pages].copy_(batch.block_table)
         inp["seqlens"][:B].copy_(batch.seqlens)
+        step.mirror()
         return self._finish(step, ids, B)
 
     # --- capture ----------------------------------------------------------------------------------------------
@@ -146,65 +208,82 @@ class DecodeGraphs:
         return step
 
     def _finish(self, step: _Step, ids: torch.Tensor, B: int) -> torch.Tensor:
-        # Capture and replay happen on the *current* device's streams: make it the model's, or a model placed
-        # on cuda:1 would be captured on (and replayed into) a stream of cuda:0.
-        on_device = (torch.cuda.device(self.device) if self.capture and self.device is not None
-                     and self.device.type == "cuda" else contextlib.nullcontext())
-        with on_device:
-            if self.capture and step.graph is None:
-                self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+        if self.capture and step.segments[0].graph is None:
+            self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+        with step.segments[-1].scope():
             return step.run()[:B].clone()  # the static output is overwritten by the next replay
 
     def _capture(self, step: _Step) -> None:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compiles Triton kernels and sets up cuBLAS workspaces outside the capture
-                step.body()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # An explicit capture stream: torch.cuda.graph's default one is created once per process, on whichever
-        # device was current at its first use.
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            step.output = step.body()
-        step.graph = graph
+        for seg in step.segments:
+            seg.stream = torch.cuda.Stream(seg.device)
+        for _ in range(2):  # compiles Triton kernels and sets up cuBLAS workspaces outside the capture
+            step.run(warm=True)
+        for seg in step.segments:
+            key = str(seg.device)
+            with seg.scope():
+                if key not in self._pools:
+                    self._pools[key] = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # An explicit capture stream: torch.cuda.graph's default one is created once per process, on
+                # whichever device was current at its first use.
+                assert seg.body is not None
+                with torch.cuda.graph(graph, pool=self._pools[key], stream=seg.stream):
+                    seg.output = seg.body()
+            seg.graph = graph
 
-    def _run_model(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model._run(ids, batch, False, False, False, False)
+    def _segment_body(self, seg: _Segment, batch: Callable[[], ForwardBatch]) -> Callable[[], torch.Tensor]:
+        """Run the segment's modules on its static input; the last segment returns float32 logits."""
+        model = self.model
+        last = seg.stop == len(model.modules)
+
+        def body() -> torch.Tensor:
+            x = seg.inputs["ids"] if seg.start == 0 else seg.x_in
+            assert x is not None
+            out = model._run_segment(x, batch(), seg.start, seg.stop)
+            return out.float() if last else out
+
+        return body
+
+    def _segments(self, make_inputs: Callable[[torch.device], dict[str, torch.Tensor]],
+                  make_batch: Callable[[dict[str, torch.Tensor]], ForwardBatch]) -> list[_Segment]:
+        segs = []
+        for dev, a, b in self.ranges:
+            seg = _Segment(dev, a, b, make_inputs(dev))
+            seg.body = self._segment_body(seg, lambda s=seg: make_batch(s.inputs))
+            segs.append(seg)
+        return segs
 
     def _contiguous_step(self, cache: Any, B: int) -> _Step:
-        dev = self.device
         S = cache.max_seq_len
-        ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        past = torch.zeros(1, dtype=torch.long, device=dev)
-        rows = torch.arange(B, device=dev)
-        block_table = rows.int().unsqueeze(1)
 
-        def body() -> torch.Tensor:
-            positions = past.expand(B).unsqueeze(1)
-            batch = ForwardBatch(B, 1, positions, cache=cache, slots=rows.unsqueeze(1) * S + positions,
-                                 block_table=block_table, page_size=S, seqlens=(positions[:, 0] + 1).int(),
-                                 max_seqlen=S)
-            return self._run_model(ids, batch)
+        def inputs(dev: torch.device) -> dict[str, torch.Tensor]:
+            rows = torch.arange(B, device=dev)
+            return {"ids": torch.zeros(B, 1, dtype=torch.long, device=dev),
+                    "past": torch.zeros(1, dtype=torch.long, device=dev),
+                    "rows": rows, "block_table": rows.int().unsqueeze(1)}
 
-        return _Step({"ids": ids, "past": past}, body, weakref.ref(cache), cache_signature(cache, self.layers))
+        def batch(inp: dict[str, torch.Tensor]) -> ForwardBatch:
+            positions = inp["past"].expand(B).unsqueeze(1)
+            return ForwardBatch(B, 1, positions, cache=cache, slots=inp["rows"].unsqueeze(1) * S + positions,
+                                block_table=inp["block_table"], page_size=S,
+                                seqlens=(positions[:, 0] + 1).int(), max_seqlen=S)
+
+        return _Step(self._segments(inputs, batch), weakref.ref(cache), cache_signature(cache, self.layers))
 
     def _paged_step(self, cache: Any, bucket: int, width: int, page_size: int) -> _Step:
-        dev = self.device
-        inp = {
-            "ids": torch.zeros(bucket, 1, dtype=torch.long, device=dev),
-            "positions": torch.zeros(bucket, 1, dtype=torch.long, device=dev),
-            "slots": torch.full((bucket, 1), -1, dtype=torch.long, device=dev),
-            "block_table": torch.zeros(bucket, width, dtype=torch.int32, device=dev),
-            "seqlens": torch.zeros(bucket, dtype=torch.int32, device=dev),
-        }
+        def inputs(dev: torch.device) -> dict[str, torch.Tensor]:
+            return {
+                "ids": torch.zeros(bucket, 1, dtype=torch.long, device=dev),
+                "positions": torch.zeros(bucket, 1, dtype=torch.long, device=dev),
+                "slots": torch.full((bucket, 1), -1, dtype=torch.long, device=dev),
+                "block_table": torch.zeros(bucket, width, dtype=torch.int32, device=dev),
+                "seqlens": torch.zeros(bucket, dtype=torch.int32, device=dev),
+            }
 
-        def body() -> torch.Tensor:
-            batch = ForwardBatch(bucket, 1, inp["positions"], cache=cache, slots=inp["slots"],
-                                 block_table=inp["block_table"], page_size=page_size, seqlens=inp["seqlens"],
-                                 max_seqlen=width * page_size)
-            return self._run_model(inp["ids"], batch)
+        def batch(inp: dict[str, torch.Tensor]) -> ForwardBatch:
+            return ForwardBatch(bucket, 1, inp["positions"], cache=cache, slots=inp["slots"],
+                                block_table=inp["block_table"], page_size=page_size, seqlens=inp["seqlens"],
+                                max_seqlen=width * page_size)
 
-        return _Step(inp, body, weakref.ref(cache), cache_signature(cache, self.layers))
+        return _Step(self._segments(inputs, batch), weakref.ref(cache), cache_signature(cache, self.layers),
+                     mirrored=("positions", "slots", "block_table", "seqlens"))

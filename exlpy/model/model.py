@@ -306,6 +306,14 @@ class ExLlamaV2:
         return (logits, last_state) if return_last_state else logits
 
 
+    def _run_segment(self, x: torch.Tensor, batch: ForwardBatch, start: int, stop: int) -> torch.Tensor:
+        """Modules [start, stop), all on one device that is already current (the decode graphs' unit): no
+        hops, no slicing; the caller hands over ids or the previous segment's hidden state."""
+        for i in range(start, stop):
+            m = self.modules[i]
+            x = self._run_head(m, x, batch) if i == self.head_layer_idx else m.forward(x, batch)
+        return x
+
     def _run_head(self, head: Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The head over at most `config.max_output_len` positions at a time (exllamav2's bound on the head's
         working memory), joined into the logits of every position."""

@@ -1,9 +1,15 @@
 """CUDA graphs for tensor-parallel decode (one new token per row, contiguous TP cache).
 
-One process drives every GPU, so Python launch overhead grows with the device count; graphs remove it. Each
-stage (see tp_layers) is captured as one graph per slot; between stages the host issues the all-reduce
-(NCCL or peer copies, outside the graphs), so a step is `stages x slots` graph launches plus one collective per
-stage instead of hundreds of kernel launches per slot.
+One process drives every GPU, so Python launch overhead grows with the device count; graphs remove it. Two
+granularities:
+
+- "step" (default with NCCL): the whole decode step, all-reduces included, is captured as one graph per slot.
+  Every slot's stream captures at the same time and NCCL's single-process group call records its kernels into
+  each slot's graph (the same scheme as nccl-tests' multi-GPU-per-thread graph mode), so a step costs one graph
+  launch per GPU and the host never issues a collective.
+- "stage": each stage (see tp_layers) is one graph per slot and the host issues the all-reduce between stages.
+  Used for the peer-copy and host-staging backends, whose cross-device copies cannot live inside one device's
+  graph, and when step capture fails. `EXLPY_TP_GRAPH=stage` forces it (benchmarks compare both).
 
 Inputs live in static per-slot buffers: the residual and one int64 `past` per slot, from which the first
 stage's graph derives positions, cache slots and lengths (one host launch per slot and step instead of three).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +49,7 @@ class _GraphSet:
         from exlpy.parallel.tp_load import _stage_list
 
         self.ctx = ctx
+        self.comm = ctx.comm
         self.cache_ref = weakref.ref(cache)
         self.B = B = batch_size
         cfg = ctx.model.config
@@ -74,8 +82,9 @@ class _GraphSet:
             )
             self.inputs.append(inp)
             self.states.append(SlotState(slot, dev, inp["x"], batch, cache.slot_cache(slot), static_attn=True))
-        self.graphs: list[list[torch.cuda.CUDAGraph]] = []
+        self.graphs: list[list[torch.cuda.CUDAGraph]] = []  # [stage][slot] ("step": one row, the whole step)
         self.outs: list[list[torch.Tensor]] = []
+        self.mode = "stage"
 
     def _set_inputs(self, x: torch.Tensor, past: int, derive: bool) -> None:
         for inp in self.inputs:
@@ -97,6 +106,7 @@ class _GraphSet:
             st.x, st.red, st.pending, st.inp = inp["x"], None, "", None
 
     def capture(self, x: torch.Tensor, past: int) -> None:
+        from exlpy.parallel.tp_comm import NcclComm
         from exlpy.parallel.tp_load import run_stages
 
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS workspaces, NCCL communicators
@@ -104,14 +114,66 @@ class _GraphSet:
             self._reset_states()
             run_stages(self.ctx, self.stages, self.states)
         self.ctx.wait_streams()
-        self._set_inputs(x, past, derive=True)
-        self._reset_states()
         pools = {}
         streams = {}
         for st in self.states:
             with torch.cuda.device(st.device):
                 pools[st.slot] = torch.cuda.graph_pool_handle()
                 streams[st.slot] = torch.cuda.Stream(st.device)
+        self.mode = "stage"
+        # Phase timing needs the host between stages, so a timed context gets per-stage graphs.
+        step = os.environ.get("EXLPY_TP_GRAPH", "step") != "stage" and self.ctx.timer is None
+        if step and isinstance(self.ctx.comm, NcclComm):
+            try:
+                self._capture_step(x, past, pools, streams)
+                self.mode = "step"
+            except RuntimeError as e:  # a driver or NCCL that refuses multi-stream capture: per-stage graphs
+                warnings.warn(f"TP decode: whole-step graph capture failed ({e}); using per-stage graphs",
+                              stacklevel=2)
+                self.graphs, self.outs = [], []
+                for st in self.states:
+                    with torch.cuda.device(st.device):
+                        pools[st.slot] = torch.cuda.graph_pool_handle()
+                        streams[st.slot] = torch.cuda.Stream(st.device)
+        if self.mode == "stage":
+            self._capture_stages(x, past, pools, streams)
+        self.ctx.wait_streams()
+
+    def _capture_step(self, x: torch.Tensor, past: int, pools: dict[int, Any], streams: dict[int, Any]) -> None:
+        """One graph per slot holding the whole step. All slots' captures are open at once: the eager stage
+        runner then issues each slot's kernels and the NCCL group calls onto the capturing streams."""
+        from exlpy.parallel.tp_load import run_stages
+
+        self._set_inputs(x, past, derive=True)
+        self._reset_states()
+        self.ctx.wait_streams()
+        graphs = [torch.cuda.CUDAGraph() for _ in self.states]
+        prev = {st.slot: torch.cuda.current_stream(st.device) for st in self.states}
+        begun: list[int] = []
+        try:
+            for k, st in enumerate(self.states):
+                with torch.cuda.device(st.device):
+                    torch.cuda.set_stream(streams[st.slot])
+                    # thread_local: the other slots' open captures must not make this thread's calls illegal
+                    graphs[k].capture_begin(pool=pools[st.slot], capture_error_mode="thread_local")
+                    begun.append(k)
+            for st, inp in zip(self.states, self.inputs):
+                with torch.cuda.device(st.device):
+                    self._derive(inp)
+            outs = run_stages(self.ctx, self.stages, self.states)
+        finally:
+            for k in begun:
+                with torch.cuda.device(self.states[k].device):
+                    graphs[k].capture_end()
+            for st in self.states:
+                with torch.cuda.device(st.device):  # set_stream also makes the stream's device current
+                    torch.cuda.set_stream(prev[st.slot])
+        self.graphs = [graphs]
+        self.outs = [outs]
+
+    def _capture_stages(self, x: torch.Tensor, past: int, pools: dict[int, Any], streams: dict[int, Any]) -> None:
+        self._set_inputs(x, past, derive=True)
+        self._reset_states()
         for i, stage in enumerate(self.stages):
             row_g, row_o = [], []
             for st, inp in zip(self.states, self.inputs):
@@ -127,7 +189,6 @@ class _GraphSet:
                 st.red, st.pending = out, stage.then
             self.graphs.append(row_g)
             self.outs.append(row_o)
-        self.ctx.wait_streams()
 
     def replay(self, x: torch.Tensor, past: int) -> torch.Tensor:
         from exlpy.parallel.tp_load import gather_logits
@@ -138,6 +199,11 @@ class _GraphSet:
 
             timer.labels = stage_labels(self.ctx)
         self._set_inputs(x, past, derive=False)
+        if self.mode == "step":
+            for st, g in zip(self.states, self.graphs[0]):
+                with torch.cuda.device(st.device):
+                    g.replay()
+            return gather_logits(self.ctx, self.outs[0])
         for i, (stage, row_g, row_o) in enumerate(zip(self.stages, self.graphs, self.outs)):
             t0 = time.perf_counter()
             for k, (st, g) in enumerate(zip(self.states, row_g)):
@@ -184,7 +250,8 @@ class TPGraphs:
         # same promise), so the rows need no check here: reading them back would stall the step on the GPU.
         key = (batch.batch_size, id(cache))
         gs = self.sets.get(key)
-        if gs is not None and gs.cache_ref() is not cache:
+        # A step graph holds its NCCL calls: a context whose backend was swapped needs new graphs.
+        if gs is not None and (gs.cache_ref() is not cache or gs.comm is not self.ctx.comm):
             del self.sets[key]
             gs = None
         if gs is None:
