@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.tp_diag import flop_model, single_phases, sync_check, top_kernels, tp_phases  # noqa: E402
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
 from exlpy.cache.tp import ExLlamaV2Cache_TP  # noqa: E402
-from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable  # noqa: E402
+from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable, peer_comm  # noqa: E402
 
 
 def build_model(path: Path, layers: int, vocab: int, hidden: int = 8192, inter: int = 28672, heads: int = 64,
@@ -89,6 +89,8 @@ def sync_all(n: int) -> None:
 def time_comm(n: int, results: dict) -> None:
     devs = [torch.device("cuda", i) for i in range(n)]
     backends = [LocalComm(), HostComm()] + ([NcclComm()] if nccl_usable(devs) else [])
+    peer = peer_comm(devs, NcclComm() if nccl_usable(devs) else LocalComm())
+    backends += [peer] if peer is not None else []
     for rows, iters in ((1, 300), (2048, 20)):
         for be in backends:
             ts = [torch.randn(rows, 8192, device=d).half() for d in devs]
@@ -168,6 +170,10 @@ def prefill_ms(model: ExLlamaV2, cache, ids: torch.Tensor, n: int) -> float:
         sync_all(n)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def ctx_devs(ctx) -> list[torch.device]:  # noqa: ANN001
+    return [ctx.all_devs[s] for s in ctx.all_devices()]
 
 
 def mem(n: int) -> list[dict]:
@@ -323,12 +329,14 @@ def main() -> None:
             out["decode_ms_graphs_stage"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
             os.environ.pop("EXLPY_TP_GRAPH")
             ctx.graphs.clear()
-            nccl = ctx.comm
-            for be in (LocalComm(), HostComm()):
+            default = ctx.comm
+            others = [NcclComm()] if default.name != "nccl" and nccl_usable(ctx_devs(ctx)) else []
+            for be in others + [LocalComm(), HostComm()]:
                 ctx.comm = be
                 out[f"decode_ms_graphs_{be.name}"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
                 out[f"prefill2048_ms_{be.name}"] = round(prefill_ms(m, c, long_ids, n), 2)
-            ctx.comm = nccl
+            ctx.comm = default
+            ctx.graphs.clear()
             if args.mem_steps:
                 c.current_seq_len = 0
                 m.forward(prompt, c)

@@ -102,3 +102,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal and mask is None,
                                        scale=scale)
     return o.transpose(1, 2)
+
+
+def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int = 0) -> None:
+    """In-place sum over `tensors` (float32 accumulation), the result in every one of them."""
+    acc = torch.zeros(tensors[0].shape, dtype=torch.float32, device=tensors[0].device)
+    for t in tensors:
+        acc += t.to(acc.device, torch.float32)
+    for t in tensors:
+        t.copy_(acc.to(t.device, t.dtype))

@@ -8,9 +8,12 @@ latency-bound anyway). Backends:
   peer-to-peer path: cross-device `copy_` is ordered against both devices' current streams by PyTorch.
 - `host`: stages partials through one pinned host buffer (the spec's design; works without P2P).
 - `nccl`: `torch.cuda.nccl.all_reduce`, NCCL's single-process multi-GPU group call on the current streams.
+- `peer`: a one-shot Triton all-reduce that reads the peers' partials over P2P (kernels/peer_allreduce.py),
+  for decode-sized messages; larger ones go to NCCL (or `local`).
 
-Select with `EXLPY_TP_COMM=local|host|nccl`; the default is nccl when every slot is a distinct CUDA device and
-NCCL answers, else local. benchmarks/results/tp.md records how they compare.
+Select with `EXLPY_TP_COMM=local|host|nccl|peer`; the default is peer (with NCCL behind it) when every slot
+is a distinct CUDA device and the peer kernel passes its probe, else nccl when NCCL answers, else local.
+benchmarks/results/tp.md records how they compare.
 """
 
 from __future__ import annotations
@@ -80,6 +83,55 @@ class NcclComm:
         nccl.all_reduce(tensors)
 
 
+class PeerComm:
+    """Decode-sized sums by the peer-memory kernel, larger ones by `fallback`."""
+
+    name = "peer"
+
+    def __init__(self, devices: list[torch.device], fallback: NcclComm | LocalComm) -> None:
+        from exlpy.kernels.peer_allreduce import PeerState
+
+        self.state = PeerState(devices)
+        self.fallback = fallback
+
+    def all_reduce(self, tensors: list[torch.Tensor]) -> None:
+        from exlpy.kernels.peer_allreduce import fits, peer_all_reduce
+
+        if len(tensors) == 1:
+            return
+        if all(fits(t) for t in tensors):
+            peer_all_reduce(tensors, self.state)
+        else:
+            self.fallback.all_reduce(tensors)
+
+
+def peer_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -> PeerComm | None:
+    """A PeerComm over `devices` if every pair has P2P access and a probe sums correctly, else None."""
+    if len({str(d) for d in devices}) != len(devices) or any(d.type != "cuda" for d in devices):
+        return None
+    try:
+        from exlpy.kernels.peer_allreduce import MAX_SLOTS, peer_all_reduce
+
+        if len(devices) > MAX_SLOTS or not all(torch.cuda.can_device_access_peer(a, b)
+                                               for a in devices for b in devices if a != b):
+            return None
+        for a in devices:  # a cross-device copy makes torch enable peer access between the two devices
+            for b in devices:
+                if a != b:
+                    torch.ones(1, device=a).to(b)
+        comm = PeerComm(devices, fallback)
+        probe = [torch.full((3, 1000), float(i + 1), device=d) for i, d in enumerate(devices)]
+        for _ in range(2):
+            peer_all_reduce(probe, comm.state, spin=1 << 20)
+        for d in devices:
+            torch.cuda.synchronize(d)
+        want = float(sum(range(1, len(devices) + 1)) * len(devices))  # the second call sums the first's sums
+        ok = comm.state.error_count() == 0 and all(bool((p == want).all()) for p in probe)
+        return comm if ok else None
+    except Exception:  # noqa: BLE001 - any failure means "use another backend"
+        return None
+
+
 def nccl_usable(devices: list[torch.device]) -> bool:
     if len({str(d) for d in devices}) != len(devices) or any(d.type != "cuda" for d in devices):
         return False
@@ -97,7 +149,7 @@ def nccl_usable(devices: list[torch.device]) -> bool:
         return False
 
 
-def make_comm(devices: list[torch.device], name: str | None = None) -> LocalComm | HostComm | NcclComm:
+def make_comm(devices: list[torch.device], name: str | None = None) -> LocalComm | HostComm | NcclComm | PeerComm:
     """The backend `name` (or EXLPY_TP_COMM, or the fastest that works) for these slot devices."""
     name = name or os.environ.get("EXLPY_TP_COMM") or None
     all_cuda = all(d.type == "cuda" for d in devices)
@@ -109,9 +161,16 @@ def make_comm(devices: list[torch.device], name: str | None = None) -> LocalComm
         if not nccl_usable(devices):
             raise TensorParallelError(f"EXLPY_TP_COMM=nccl but NCCL cannot all-reduce over {devices}")
         return NcclComm()
+    if name == "peer":
+        peer = peer_comm(devices, NcclComm() if nccl_usable(devices) else LocalComm())
+        if peer is None:
+            raise TensorParallelError(f"EXLPY_TP_COMM=peer but the peer all-reduce does not work over {devices} "
+                                      "(needs P2P access between every pair of GPUs)")
+        return peer
     if name is not None:
-        raise TensorParallelError(f"unknown TP collective backend '{name}' (EXLPY_TP_COMM): use local, host "
-                                  "or nccl")
-    if all_cuda and len(devices) > 1 and nccl_usable(devices):
-        return NcclComm()
-    return LocalComm()
+        raise TensorParallelError(f"unknown TP collective backend '{name}' (EXLPY_TP_COMM): use local, host, "
+                                  "nccl or peer")
+    if not (all_cuda and len(devices) > 1):
+        return LocalComm()
+    fallback: NcclComm | LocalComm = NcclComm() if nccl_usable(devices) else LocalComm()
+    return peer_comm(devices, fallback) or fallback

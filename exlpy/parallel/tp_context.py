@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.errors import GpuSplitError, TensorParallelError
-from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, make_comm
+from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, PeerComm, make_comm
 from exlpy.parallel.tp_split import (
     BROADCAST_ID,
     BROADCAST_KV,
@@ -79,7 +79,7 @@ class TPContext:
         self.all_devs = self.all_devs[:self.num_devices]
         self.sin: list[torch.Tensor | None] = [None] * self.num_devices
         self.cos: list[torch.Tensor | None] = [None] * self.num_devices
-        self.comm: LocalComm | HostComm | NcclComm | None = None
+        self.comm: LocalComm | HostComm | NcclComm | PeerComm | None = None
         self.pinned: list[torch.Tensor] = []
         self.streams: list[Any] = []
         self.scratch_bytes = [0] * self.num_devices

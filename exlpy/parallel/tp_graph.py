@@ -3,10 +3,11 @@
 One process drives every GPU, so Python launch overhead grows with the device count; graphs remove it. Two
 granularities:
 
-- "step" (default with NCCL): the whole decode step, all-reduces included, is captured as one graph per slot.
-  Every slot's stream captures at the same time and NCCL's single-process group call records its kernels into
-  each slot's graph (the same scheme as nccl-tests' multi-GPU-per-thread graph mode), so a step costs one graph
-  launch per GPU and the host never issues a collective.
+- "step" (default with the peer and NCCL backends): the whole decode step, all-reduces included, is captured
+  as one graph per slot. Every slot's stream captures at the same time; the peer all-reduce is one kernel per
+  GPU, and NCCL's single-process group call records its kernels into each slot's graph (the scheme of
+  nccl-tests' multi-GPU-per-thread graph mode), so a step costs one graph launch per GPU and the host never
+  issues a collective.
 - "stage": each stage (see tp_layers) is one graph per slot and the host issues the all-reduce between stages.
   Used for the peer-copy and host-staging backends, whose cross-device copies cannot live inside one device's
   graph, and when step capture fails. `EXLPY_TP_GRAPH=stage` forces it (benchmarks compare both).
@@ -106,7 +107,7 @@ class _GraphSet:
             st.x, st.red, st.pending, st.inp = inp["x"], None, "", None
 
     def capture(self, x: torch.Tensor, past: int) -> None:
-        from exlpy.parallel.tp_comm import NcclComm
+        from exlpy.parallel.tp_comm import NcclComm, PeerComm
         from exlpy.parallel.tp_load import run_stages
 
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS workspaces, NCCL communicators
@@ -123,7 +124,7 @@ class _GraphSet:
         self.mode = "stage"
         # Phase timing needs the host between stages, so a timed context gets per-stage graphs.
         step = os.environ.get("EXLPY_TP_GRAPH", "step") != "stage" and self.ctx.timer is None
-        if step and isinstance(self.ctx.comm, NcclComm):
+        if step and isinstance(self.ctx.comm, (NcclComm, PeerComm)):
             try:
                 self._capture_step(x, past, pools, streams)
                 self.mode = "step"
@@ -150,24 +151,33 @@ class _GraphSet:
         graphs = [torch.cuda.CUDAGraph() for _ in self.states]
         prev = {st.slot: torch.cuda.current_stream(st.device) for st in self.states}
         begun: list[int] = []
+        failed = True
         try:
             for k, st in enumerate(self.states):
                 with torch.cuda.device(st.device):
                     torch.cuda.set_stream(streams[st.slot])
-                    # thread_local: the other slots' open captures must not make this thread's calls illegal
-                    graphs[k].capture_begin(pool=pools[st.slot], capture_error_mode="thread_local")
+                    # relaxed: under "global" or "thread_local" the second capture_begin is refused while the
+                    # first slot's capture is open (benchmarks/capture_probe.py; H200, torch 2.11, CUDA 13)
+                    graphs[k].capture_begin(pool=pools[st.slot], capture_error_mode="relaxed")
                     begun.append(k)
             for st, inp in zip(self.states, self.inputs):
                 with torch.cuda.device(st.device):
                     self._derive(inp)
             outs = run_stages(self.ctx, self.stages, self.states)
+            failed = False
         finally:
-            for k in begun:
+            end_error: RuntimeError | None = None
+            for k in begun:  # every open capture is closed, whatever happened
                 with torch.cuda.device(self.states[k].device):
-                    graphs[k].capture_end()
+                    try:
+                        graphs[k].capture_end()
+                    except RuntimeError as e:  # after a failure above, the invalidated captures say so again
+                        end_error = end_error or e
             for st in self.states:
                 with torch.cuda.device(st.device):  # set_stream also makes the stream's device current
                     torch.cuda.set_stream(prev[st.slot])
+            if end_error is not None and not failed:
+                raise end_error
         self.graphs = [graphs]
         self.outs = [outs]
 
