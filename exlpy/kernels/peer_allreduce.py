@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 MAX_SLOTS = 8
+_SLOTS = tl.constexpr(MAX_SLOTS)  # the flag row stride, inside the kernels
 MAX_PROGRAMS = 128
 BLOCK = 8192  # elements per program: one program's tile stays in registers across the end barrier
 MAX_NUMEL = MAX_PROGRAMS * BLOCK
@@ -56,10 +57,10 @@ def _barrier(flags_mine, f0, f1, f2, f3, f4, f5, f6, f7, errors, phase_off, b, r
     for j in tl.static_range(N):
         if j != rank:
             peer = _pick(j, f0, f1, f2, f3, f4, f5, f6, f7)
-            tl.atomic_xchg(peer + phase_off + b * MAX_SLOTS + rank, e, sem="release", scope="sys")
+            tl.atomic_xchg(peer + phase_off + b * _SLOTS + rank, e, sem="release", scope="sys")
     for j in tl.static_range(N):
         if j != rank:
-            ptr = flags_mine + phase_off + b * MAX_SLOTS + j
+            ptr = flags_mine + phase_off + b * _SLOTS + j
             seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             n = 0
             while (seen != e) & (n < spin):
@@ -83,7 +84,7 @@ def _allreduce_kernel(out, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f
         src = _pick(j, p0, p1, p2, p3, p4, p5, p6, p7)
         acc += tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.debug_barrier()  # every thread's loads are done before any thread tells the peers so
-    _barrier(flags_mine, f0, f1, f2, f3, f4, f5, f6, f7, errors, PROGRAMS * MAX_SLOTS, b, rank, e, spin, N)
+    _barrier(flags_mine, f0, f1, f2, f3, f4, f5, f6, f7, errors, PROGRAMS * _SLOTS, b, rank, e, spin, N)
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
     tl.store(epochs + b, e)
 
