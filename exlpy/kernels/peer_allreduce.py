@@ -70,7 +70,9 @@ def _barrier(flags_mine, f0, f1, f2, f3, f4, f5, f6, f7, errors, phase_off, b, r
                 tl.atomic_add(errors, 1)
 
 
-@triton.jit
+# Every GPU must run the *same* compiled kernel without a compile in between: a rank (or size) specialised
+# by Triton would compile for rank 1 while rank 0's kernel already waits at the barrier.
+@triton.jit(do_not_specialize=["numel", "rank", "spin"])
 def _allreduce_kernel(out, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f5, f6, f7, flags_mine,
                       epochs, errors, numel, rank, spin, N: tl.constexpr, BLOCK: tl.constexpr,
                       PROGRAMS: tl.constexpr):
