@@ -155,4 +155,5 @@ def test_captured_graph_equals_eager_cuda(model_dir: Path) -> None:
         out = model.forward(tok, caches[1])
         assert rel_err(out, ref) <= 2e-2
         tok = ref[:, -1].argmax(-1, keepdim=True)
-    assert model._graphs is not None and all(s.graph is not None for s in model._graphs._steps.values())
+    assert model._graphs is not None and all(seg.graph is not None for s in model._graphs._steps.values()
+                                             for seg in s.segments)
