@@ -34,12 +34,17 @@ def _tokens(vocab: int, steps: int) -> torch.Tensor:
     return torch.randint(3, vocab, (2, steps), generator=torch.Generator().manual_seed(9))
 
 
-@pytest.mark.parametrize("comm", ["peer", "nccl", "local"])
+@pytest.mark.parametrize(("comm", "embed_cpu"), [("peer", False), ("nccl", False), ("local", False),
+                                                 ("peer", True)])
 @pytest.mark.parametrize("graph_mode", ["step", "stage"])
-def test_tp_graph_decode_equals_eager(tmp_path: Path, graph_mode: str, comm: str,
+def test_tp_graph_decode_equals_eager(tmp_path: Path, graph_mode: str, comm: str, embed_cpu: bool,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """step + peer/nccl: the fast step (embedding and logits gather inside the graphs); with the embedding on
+    the CPU, the step graphs over an embedded input; stage: per-stage graphs."""
     monkeypatch.setenv("EXLPY_TP_GRAPH", graph_mode)
     monkeypatch.setenv("EXLPY_TP_COMM", comm)
+    if embed_cpu:
+        monkeypatch.setenv("EXLPY_TP_EMBED_CPU", "1")
     d = make_model_dir(tmp_path / "m", hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024,
                        vocab=3000, layers=3, dtype=torch.float16, seed=5)
     ids = torch.randint(3, 3000, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -59,6 +64,7 @@ def test_tp_graph_decode_equals_eager(tmp_path: Path, graph_mode: str, comm: str
     assert ctx.comm.name == comm
     expected = graph_mode if comm in ("nccl", "peer") else "stage"
     assert sets[0].mode == expected
+    assert sets[0].fast == (expected == "step" and not embed_cpu)
     cache.reset()
     graphs, ctx.graphs = ctx.graphs, None
     eager = _decode(m, cache, ids, _tokens(3000, 12))

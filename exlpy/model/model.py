@@ -190,6 +190,12 @@ class ExLlamaV2:
                                          f"cached + {T} new tokens > cache max_seq_len {cache.max_seq_len}")
             if (T == 1 and input_mask is None and position_offsets is None
                     and not (preprocess_only or return_last_state)):
+                tp_graphs = getattr(self.tp_context, "graphs", None)
+                if tp_graphs is not None:
+                    logits = tp_graphs.decode(input_ids, cache, past)
+                    if logits is not None:
+                        cache.current_seq_len = past + 1
+                        return logits.cpu() if cpu_logits else logits
                 graphs = self._graph_runner(cache)
                 if graphs is not None:
                     # The decode step as one CUDA-graph replay: it copies the ids straight into its static

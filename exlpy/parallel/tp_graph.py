@@ -45,10 +45,11 @@ def graphs_wanted(ctx: TPContext) -> bool:
 
 
 class _GraphSet:
-    def __init__(self, ctx: TPContext, cache: Any, batch_size: int) -> None:
+    def __init__(self, ctx: TPContext, cache: Any, batch_size: int, fast: bool = False) -> None:
         from exlpy.parallel.tp_layers import SlotState
         from exlpy.parallel.tp_load import _stage_list
 
+        self.fast = fast
         self.ctx = ctx
         self.comm = ctx.comm
         self.cache_ref = weakref.ref(cache)
@@ -68,6 +69,8 @@ class _GraphSet:
                 "slots": (rows * S).view(B, 1).clone(),
                 "row_base": (rows * S).view(B, 1),
                 "seqlens": torch.ones(B, dtype=torch.int32, device=dev),
+                # fast step: token ids and past length as float32 (exact below 2^24), broadcast in the graph
+                "tok": torch.zeros(B + 1, dtype=torch.float32, device=dev),
             }
             batch = ForwardBatch(
                 B,
@@ -113,7 +116,13 @@ class _GraphSet:
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS workspaces, NCCL communicators
             self._set_inputs(x, past, derive=True)
             self._reset_states()
-            run_stages(self.ctx, self.stages, self.states)
+            if self.fast:  # its collectives (float32 ids among them) must not compile inside the capture
+                self._embed_in_graph()
+                for inp in self.inputs:
+                    self._derive(inp)
+            outs = run_stages(self.ctx, self.stages, self.states)
+            if self.fast:
+                self._gather_in_graph(outs)
         self.ctx.wait_streams()
         pools = {}
         streams = {}
@@ -160,10 +169,14 @@ class _GraphSet:
                     # first slot's capture is open (benchmarks/capture_probe.py; H200, torch 2.11, CUDA 13)
                     graphs[k].capture_begin(pool=pools[st.slot], capture_error_mode="relaxed")
                     begun.append(k)
+            if self.fast:
+                self._embed_in_graph()
             for st, inp in zip(self.states, self.inputs):
                 with torch.cuda.device(st.device):
                     self._derive(inp)
             outs = run_stages(self.ctx, self.stages, self.states)
+            if self.fast:
+                outs = [self._gather_in_graph(outs)]
             failed = False
         finally:
             end_error: RuntimeError | None = None
@@ -180,6 +193,54 @@ class _GraphSet:
                 raise end_error
         self.graphs = [graphs]
         self.outs = [outs]
+
+    def _embed_in_graph(self) -> None:
+        """Captured: the host wrote [ids..., past] into the first slot's `tok`; one all-reduce (the other
+        slots contribute zeros) hands it to every slot, the first slot embeds, a second one broadcasts x."""
+        toks = [inp["tok"] for inp in self.inputs]
+        for st, t in zip(self.states[1:], toks[1:]):
+            with torch.cuda.device(st.device):
+                t.zero_()
+        self.ctx.all_reduce(toks)
+        B = self.B
+        emb = self.ctx.model.modules[0]
+        for k, (st, inp) in enumerate(zip(self.states, self.inputs)):
+            with torch.cuda.device(st.device):
+                inp["past"].copy_(inp["tok"][B:].long())
+                if k == 0:
+                    inp["x"].copy_(emb.forward(inp["tok"][:B].long().view(B, 1), None).view_as(inp["x"]))
+                else:
+                    inp["x"].zero_()
+        self.ctx.all_reduce([inp["x"] for inp in self.inputs])
+
+    def _gather_in_graph(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Captured: every slot places its vocabulary slice in a zeroed full-width row, an all-reduce joins
+        them; the first slot's float32 copy is the graph's output."""
+        vocab = sum(o.shape[-1] for o in outs)
+        full, a = [], 0
+        for st, o in zip(self.states, outs):
+            with torch.cuda.device(st.device):
+                f = torch.zeros(*o.shape[:-1], vocab, dtype=o.dtype, device=o.device)
+                f[..., a:a + o.shape[-1]] = o
+                full.append(f)
+                a += o.shape[-1]
+        self.ctx.all_reduce(full)
+        with torch.cuda.device(self.states[0].device):
+            return full[0].float()
+
+    def decode(self, ids: torch.Tensor, past: int) -> torch.Tensor:
+        """Logits [B, 1, vocab] (float32, first slot's device) for token ids [B, 1] at `past` (fast step)."""
+        B = self.B
+        host = torch.empty(B + 1, dtype=torch.float32)
+        host[:B] = ids.reshape(B)
+        host[B] = past
+        # A pageable copy waits for the stream, so the previous replay has read `tok` before it is rewritten.
+        self.inputs[0]["tok"].copy_(host)
+        for st, g in zip(self.states, self.graphs[0]):
+            with torch.cuda.device(st.device):
+                g.replay()
+        with torch.cuda.device(self.states[0].device):
+            return self.outs[0][0].clone()
 
     def _capture_stages(self, x: torch.Tensor, past: int, pools: dict[int, Any], streams: dict[int, Any]) -> None:
         self._set_inputs(x, past, derive=True)
@@ -238,7 +299,39 @@ class TPGraphs:
 
     def __init__(self, ctx: TPContext) -> None:
         self.ctx = ctx
-        self.sets: dict[tuple[int, int], _GraphSet] = {}
+        self.sets: dict[tuple[Any, ...], _GraphSet] = {}
+        self.fast_failed = False
+
+    def decode(self, ids: torch.Tensor, cache: Any, past: int) -> torch.Tensor | None:
+        """The fast decode step (`model.forward` with one token per row over a TP cache): the whole step,
+        embedding and logits gather included, is one graph per GPU, so the host issues one small copy and
+        one launch per GPU. None where it does not apply (the caller takes the general path)."""
+        from exlpy.parallel.tp_comm import NcclComm, PeerComm
+
+        ctx = self.ctx
+        B = ids.shape[0]
+        emb = ctx.model.modules[0]
+        if (self.fast_failed or not isinstance(ctx.comm, (NcclComm, PeerComm)) or ctx.timer is not None
+                or os.environ.get("EXLPY_TP_GRAPH", "step") == "stage" or ids.shape[1] != 1
+                or B > getattr(cache, "batch_size", 0) or emb.device != ctx.all_devs[ctx.all_devices()[0]]):
+            return None
+        key = ("fast", B, id(cache))
+        gs = self.sets.get(key)
+        if gs is not None and (gs.cache_ref() is not cache or gs.comm is not ctx.comm):
+            del self.sets[key]
+            gs = None
+        if gs is None:
+            if len(self.sets) >= _MAX_SETS:
+                self.sets.pop(next(iter(self.sets)))
+            gs = _GraphSet(ctx, cache, B, fast=True)
+            x = emb.forward(ids.to(emb.device, torch.long).view(B, 1), None)
+            gs.inputs[0]["tok"].copy_(torch.cat([ids.reshape(B).float().cpu(), torch.tensor([float(past)])]))
+            gs.capture(x, past)
+            if gs.mode != "step":  # step capture failed: the general path serves this model from now on
+                self.fast_failed = True
+                return None
+            self.sets[key] = gs
+        return gs.decode(ids, past)
 
     def clear(self) -> None:
         self.sets.clear()
