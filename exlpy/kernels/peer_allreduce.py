@@ -15,6 +15,8 @@ Protocol, per program b (one tile of BLOCK elements; the grid is the same on eve
   5. store the sum into our own partial, epochs[b] = e.
 Waits compare for equality, so counters may wrap. A wait gives up after `spin` polls (a peer that never
 comes: the result is then wrong, but the GPU is not hung); `errors[0]` counts such give-ups.
+One thread drives a state at a time: two threads interleaving their ranks' launches on the same streams can
+make each GPU wait for a kernel queued behind its own (NCCL's single-process group calls share this rule).
 """
 
 from __future__ import annotations
