@@ -25,6 +25,7 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -315,14 +316,7 @@ class TPGraphs:
                 or os.environ.get("EXLPY_TP_GRAPH", "step") == "stage" or ids.shape[1] != 1
                 or B > getattr(cache, "batch_size", 0) or emb.device != ctx.all_devs[ctx.all_devices()[0]]):
             return None
-        key = ("fast", B, id(cache))
-        gs = self.sets.get(key)
-        if gs is not None and (gs.cache_ref() is not cache or gs.comm is not ctx.comm):
-            del self.sets[key]
-            gs = None
-        if gs is None:
-            if len(self.sets) >= _MAX_SETS:
-                self.sets.pop(next(iter(self.sets)))
+        def build() -> _GraphSet | None:
             gs = _GraphSet(ctx, cache, B, fast=True)
             x = emb.forward(ids.to(emb.device, torch.long).view(B, 1), None)
             gs.inputs[0]["tok"].copy_(torch.cat([ids.reshape(B).float().cpu(), torch.tensor([float(past)])]))
@@ -330,8 +324,25 @@ class TPGraphs:
             if gs.mode != "step":  # step capture failed: the general path serves this model from now on
                 self.fast_failed = True
                 return None
-            self.sets[key] = gs
-        return gs.decode(ids, past)
+            return gs
+
+        gs = self._get(("fast", B, id(cache)), cache, build)
+        return None if gs is None else gs.decode(ids, past)
+
+    def _get(self, key: tuple[Any, ...], cache: Any, build: Callable[[], _GraphSet | None]) -> _GraphSet | None:
+        """The graph set under `key`, rebuilt when its cache or collective backend changed (a step graph holds
+        its NCCL or peer calls), the oldest set evicted past `_MAX_SETS`."""
+        gs = self.sets.get(key)
+        if gs is not None and (gs.cache_ref() is not cache or gs.comm is not self.ctx.comm):
+            del self.sets[key]
+            gs = None
+        if gs is None:
+            if len(self.sets) >= _MAX_SETS:
+                self.sets.pop(next(iter(self.sets)))
+            gs = build()
+            if gs is not None:
+                self.sets[key] = gs
+        return gs
 
     def clear(self) -> None:
         self.sets.clear()
@@ -351,16 +362,13 @@ class TPGraphs:
             return None
         # A batch with `past_len` set addresses cache rows 0..B-1 (the eager fast path slices k_cache[:B] on the
         # same promise), so the rows need no check here: reading them back would stall the step on the GPU.
-        key = (batch.batch_size, id(cache))
-        gs = self.sets.get(key)
-        # A step graph holds its NCCL calls: a context whose backend was swapped needs new graphs.
-        if gs is not None and (gs.cache_ref() is not cache or gs.comm is not self.ctx.comm):
-            del self.sets[key]
-            gs = None
-        if gs is None:
-            if len(self.sets) >= _MAX_SETS:
-                self.sets.pop(next(iter(self.sets)))
+        past = batch.past_len
+
+        def build() -> _GraphSet:
             gs = _GraphSet(self.ctx, cache, batch.batch_size)
-            gs.capture(x, batch.past_len)
-            self.sets[key] = gs
-        return gs.replay(x, batch.past_len)
+            gs.capture(x, past)
+            return gs
+
+        gs = self._get((batch.batch_size, id(cache)), cache, build)
+        assert gs is not None
+        return gs.replay(x, past)
