@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -10,6 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from exlpy.kernels import exl2_gemv  # noqa: E402
+from exlpy.kernels.act_order import act_order  # noqa: E402
+from exlpy.kernels.exl2_gemv_plan import plan_for  # noqa: E402
 from exlpy.kernels.exl2_matmul import exl2_matmul, exl2_matmul_ref  # noqa: E402
 from exlpy.kernels.gptq_matmul import gptq_matmul, gptq_matmul_ref  # noqa: E402
 from exlpy.quant.exl2_ref import build_exl2_matrix  # noqa: E402
@@ -47,17 +50,15 @@ def test_exl2_kernels_interpreter(name: str, m: int) -> None:
     assert rel_err(y, exl2_matmul_ref(x.float(), qm, bias.float())) < 2e-3
 
 
-@pytest.mark.parametrize("xpre", [1, 0])
 @pytest.mark.parametrize("name", ["2bit", "3bit", "4bit", "5bit", "6bit", "8bit", "mixed_blocked",
                                   "partial_last_group", "odd_n_3bit_partial"])
-def test_gemv_interpreter(name: str, xpre: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode kernel itself (split-K, the self-resetting workspace, both x-gather modes), twice in a row."""
-    monkeypatch.setitem(exl2_gemv.CONFIG, "XPRE", xpre)
-    gen = torch.Generator().manual_seed(sum(map(ord, name)) + xpre)
+def test_gemv_interpreter(name: str) -> None:
+    """The decode kernel itself (split-K, the self-resetting workspace), twice in a row."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
     qm = _exl2(name, gen)
     assert exl2_gemv.supports(qm)
-    _, plan = exl2_gemv._plan(qm, torch.device("cpu"))
-    assert sum(nk for _, nk, _ in plan) > 1  # the split-K + arrival-counter path runs
+    plan = plan_for([qm], torch.device("cpu"))
+    assert plan.mode == 1 and sum(ln.programs for ln in plan.launches) > 1  # split-K + arrival counters run
     bias = torch.randn(qm.n, generator=gen).half()
     for _ in range(2):  # a second call finds the workspace and counters zero again
         x = torch.randn(1, qm.k, generator=gen).half()
@@ -75,10 +76,49 @@ def test_gemv_single_program_per_column_block(monkeypatch: pytest.MonkeyPatch) -
     t = random_exl2(64, 1100, [(4, 32), (4, 32)], gen)
     qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], 64, 1100,
                            "t")
-    _, plan = exl2_gemv._plan(qm, torch.device("cpu"))
-    assert plan == ((2, 1, 1),)  # one program covers both groups of a column block
+    plan = plan_for([qm], torch.device("cpu"))
+    assert plan.mode == 0 and plan.launches[0].programs == 3  # one program covers both groups of a column block
     x = torch.randn(1, 64, generator=gen).half()
     assert rel_err(exl2_gemv.exl2_gemv(x, qm), exl2_matmul_ref(x.float(), qm)) < 2e-3
+
+
+def _same_perm_parts(gen: torch.Generator, k: int, shapes: list[tuple[int, list[tuple[int, int]]]]
+                     ) -> list[QuantMatrix]:
+    parts = []
+    for n, groups in shapes:
+        t = random_exl2(k, n, groups, gen)
+        parts.append(build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"],
+                                       t["q_groups"], k, n, "t"))
+    return [dataclasses.replace(p, perm=parts[0].perm) for p in parts]  # as q/k/v of one EXL2 layer
+
+
+def test_gemv_group_interpreter() -> None:
+    """q|k|v-like group with different layouts per matrix (widths 3-6, partial last groups): one launch per
+    width, every part's outputs side by side, bias, twice in a row."""
+    gen = torch.Generator().manual_seed(21)
+    parts = _same_perm_parts(gen, 160, [(70, [(4, 64), (4, 64), (4, 32)]), (40, [(6, 32), (4, 96), (3, 32)]),
+                                        (33, [(5, 64), (5, 96)])])
+    bias = torch.randn(143, generator=gen).half()
+    group = exl2_gemv.GemvGroup(parts, bias)
+    assert sorted(ln.bits for ln in group.plan.launches) == [3, 4, 5, 6]
+    for _ in range(2):
+        x = torch.randn(1, 160, generator=gen).half()
+        y = group.run(act_order(x, parts[0].perm, exl2_gemv.ROW_PAD), torch.float16)
+        ref = torch.cat([exl2_matmul_ref(x.float(), p) for p in parts], -1) + bias.float()
+        assert y.shape == (1, 143) and rel_err(y, ref) < 2e-3
+    ws, cnt = exl2_gemv._workspace(torch.device("cpu"))
+    assert not ws.any() and not cnt.any()
+
+
+def test_gemv_residual_in_place() -> None:
+    gen = torch.Generator().manual_seed(23)
+    qm = _exl2("mixed_blocked", gen)
+    res = torch.randn(1, qm.n, generator=gen).half()
+    before = res.clone()
+    x = torch.randn(1, qm.k, generator=gen).half()
+    out = exl2_gemv.exl2_gemv(x, qm, None, residual=res)
+    assert out is res
+    assert rel_err(res, before.float() + exl2_matmul_ref(x.float(), qm)) < 2e-3
 
 
 def test_gemv_column_slice() -> None:

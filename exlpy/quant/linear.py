@@ -46,6 +46,17 @@ class QuantLinear:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x). One decode row on CUDA adds inside the GEMV's epilogue, into `residual` in
+        place (the residual stream belongs to the forward pass, so nothing else sees it change)."""
+        if x.is_cuda and x.numel() == self.in_features and residual.is_contiguous():
+            from exlpy.kernels import exl2_gemv, exl2_matmul
+
+            if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm):
+                exl2_gemv.exl2_gemv(x.reshape(1, -1), self.qm, self.bias, residual=residual.view(1, -1))
+                return residual
+        return residual + self.forward(x)
+
     def nbytes(self) -> int:
         b = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
         return self.qm.nbytes() + b

@@ -1,0 +1,57 @@
+"""The input row of a quantized decode GEMV: fp32, in the matrix's act order, zero-padded (exl2_gemv.py).
+
+EXL2 (and act-order GPTQ) matrices store rows sorted by importance, so their matmul reads x[perm]. Gathering
+x into that order in the kernel that produces x (the RMSNorm before q|k|v and gate|up) costs nothing extra,
+where a separate gather costs a launch per matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _gather(x_ptr, w_ptr, perm_ptr, out_ptr, K, KP, eps, HAS_PERM: tl.constexpr, NORM: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """out[r] = x[perm[r]] (* w[perm[r]] * rsqrt(mean(x²) + eps) with NORM) for r < K, 0 for K <= r < KP."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = r < K
+    src = tl.load(perm_ptr + r, mask=m, other=0) if HAS_PERM else r
+    v = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        # every program reduces the whole row itself (a few KB from L2): no second launch, no grid sync
+        ss = tl.zeros((BLOCK,), tl.float32)
+        for k0 in range(0, K, BLOCK):
+            xk = tl.load(x_ptr + k0 + tl.arange(0, BLOCK), mask=k0 + tl.arange(0, BLOCK) < K, other=0.0)
+            ss += xk.to(tl.float32) * xk.to(tl.float32)
+        v = v * tl.load(w_ptr + src, mask=m, other=0.0).to(tl.float32) * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    tl.store(out_ptr + r, v, mask=r < KP)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor | None, eps: float, perm: torch.Tensor | None, k: int,
+            pad: int) -> torch.Tensor:
+    if x.numel() != k:
+        raise ValueError(f"act-order gather takes one row of {k} features, got shape {tuple(x.shape)}")
+    x1 = x.reshape(k)
+    if x1.stride(0) != 1:
+        x1 = x1.contiguous()
+    out = torch.empty(k + pad, dtype=torch.float32, device=x.device)
+    _gather[(triton.cdiv(k + pad, _BLOCK),)](x1, w if w is not None else x1, perm if perm is not None else out,
+                                              out, k, k + pad, eps, HAS_PERM=perm is not None, NORM=w is not None,
+                                              BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+def act_order(x: torch.Tensor, perm: torch.Tensor | None, pad: int) -> torch.Tensor:
+    """Same contract as `reference.act_order`."""
+    return _launch(x, None, 0.0, perm, x.shape[-1], pad)
+
+
+def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor | None,
+                       pad: int) -> torch.Tensor:
+    """Same contract as `reference.rms_norm_act_order`."""
+    return _launch(x, weight, eps, perm, x.shape[-1], pad)
