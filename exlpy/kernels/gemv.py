@@ -3,7 +3,8 @@
 At one row, y = W x streams the weight once; cuBLAS picks split-K kernels for the tall-K shapes (o_proj,
 down_proj) that need a second reduction kernel and reach ~2.4-2.7 TB/s. Here each program owns BLOCK_N
 whole output rows and reads them end to end (coalesced along K), so there is one kernel and no reduction,
-and the residual add rides in the epilogue.
+and the residual add rides in the epilogue. For the fused gate|up projection the SwiGLU activation rides
+there too (`norm_linear_swiglu`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,24 @@ import torch
 import triton
 import triton.language as tl
 
+from exlpy.errors import ConfigError
+from exlpy.kernels.activation import silu_mul
+
 _SMS = 132  # an H100's SM count; only sizes the rows per program
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, EVEN_K: tl.constexpr,
+                 SWIGLU: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+    # SWIGLU: the weight is [gate; up] with 2N rows; this program also streams the up rows n + N that match
+    # its gate rows, so silu(gate) * up is formed in registers and the [.., 2N] intermediate never exists.
+    rows_u = w_ptr + (n + N).to(tl.int64)[:, None] * w_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # stays unused (and is folded away) without SWIGLU
     ss = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -38,9 +47,20 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_
             ss += xf * xf
             xf = xf * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * xf[None, :]
+        if SWIGLU:
+            if EVEN_K:
+                wu = tl.load(rows_u + k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                wu = tl.load(rows_u + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            acc_u += wu.to(tl.float32) * xf[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    if SWIGLU:
+        u = tl.sum(acc_u, axis=1)
+        if HAS_NORM:
+            u = u * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        y = y / (1.0 + tl.exp(-y)) * u
     if HAS_RES:
         y += tl.load(r_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -71,18 +91,42 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     return _launch(x, weight, None, norm_weight, eps)
 
 
+def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                       ) -> torch.Tensor:
+    """Same contract as `reference.norm_linear_swiglu`: silu(gate) * up of rms_norm(x) @ [gate; up]^T.
+
+    One row runs the GEMV kernel with the activation in its epilogue (one launch instead of GEMV + silu_mul);
+    more rows keep the fused GEMM and the separate activation kernel.
+    """
+    two_n, K = weight.shape
+    if two_n % 2:
+        raise ConfigError(f"norm_linear_swiglu: weight {tuple(weight.shape)} must stack gate and up rows of "
+                          "equal count")
+    if x.numel() != K or weight.stride(1) != 1 or x.dtype != weight.dtype or norm_weight.dtype != x.dtype:
+        gate, up = norm_linear(x, norm_weight, eps, weight).chunk(2, dim=-1)
+        return silu_mul(gate, up)
+    return _launch(x, weight, None, norm_weight, eps, swiglu=True)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-            eps: float) -> torch.Tensor:
+            eps: float, swiglu: bool = False) -> torch.Tensor:
     N, K = weight.shape
+    if swiglu:
+        N //= 2
     x1 = x.reshape(K)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
     out = residual if residual is not None else torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    block_n = 8 if N >= 8 * 4 * _SMS else 4
+    # Weight rows per program: 8 on large outputs. With SWIGLU each output reads a gate and an up row, so half
+    # as many outputs per program keeps the same rows (and registers) per program.
+    rows = 2 * N if swiglu else N
+    block_n = 8 if rows >= 8 * 4 * _SMS else 4
+    if swiglu:
+        block_n //= 2
     block_k = 512 if K >= 512 else triton.next_power_of_2(K)
     nw = norm_weight if norm_weight is not None else x1
     _gemv_kernel[(triton.cdiv(N, block_n),)](x1, weight, out, out, nw, N, K, weight.stride(0), eps,
                                              BLOCK_N=block_n, BLOCK_K=block_k, HAS_RES=residual is not None,
                                              HAS_NORM=norm_weight is not None, EVEN_K=K % block_k == 0,
-                                             num_warps=4)
+                                             SWIGLU=swiglu, num_warps=4)
     return out

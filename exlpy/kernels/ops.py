@@ -78,6 +78,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     _impl("store_kv", k)(k_cache, v_cache, slots, k, v)
 
 
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("rope_store_kv", q)(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+
+
+def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                       ) -> torch.Tensor:
+    return _impl("norm_linear_swiglu", x)(x, norm_weight, eps, weight)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,6 +61,25 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     vf.index_copy_(0, idx, vs.to(vf.dtype))
 
 
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope then store_kv of the rotated k (and v); returns the rotated (q, k).
+
+    The CUDA version rotates q and k in place and writes the cache in the same kernel.
+    """
+    q, k = apply_rope(q, k, cos, sin, positions)
+    store_kv(k_cache, v_cache, slots, k, v)
+    return q, k
+
+
+def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                       ) -> torch.Tensor:
+    """silu(gate) * up of norm_linear with weight [2I, K] = [gate; up] stacked by rows: [..., I]."""
+    gate, up = norm_linear(x, norm_weight, eps, weight).chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
     """Gather the first `length` tokens of every sequence: cache [rows, S, H, D] -> [B, length, H, D]."""
     t = torch.arange(length, device=cache.device)

@@ -12,11 +12,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from exlpy.kernels import ops, reference
 from exlpy.kernels.activation import silu_mul
-from exlpy.kernels.gemv import linear_add, norm_linear
+from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.rmsnorm import rms_norm
-from exlpy.kernels.rope import apply_rope
+from exlpy.kernels.rope import apply_rope, rope_store_kv
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _MAX_DECODE_Q = 16  # longer query blocks re-read K/V per query in the decode kernel: SDPA is faster there
@@ -60,6 +60,8 @@ def register_all() -> None:
     ops.register("linear_add", linear_add)
     ops.register("norm_linear", norm_linear)
     ops.register("store_kv", store_kv)
+    ops.register("rope_store_kv", rope_store_kv)
+    ops.register("norm_linear_swiglu", norm_linear_swiglu)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from exlpy.errors import ConfigError
 from exlpy.kernels import ops
 from exlpy.model.linear import DenseLinear, Linear
 
@@ -23,6 +24,21 @@ class FusedDense(DenseLinear):
         """forward(rms_norm(x)); one kernel at batch 1, where the norm would otherwise launch on its own."""
         y = ops.norm_linear(x, norm_weight, eps, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def forward_normed_swiglu(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """silu(gate) * up of forward_normed(x) for a [gate; up] fusion: [..., I].
+
+        Without a bias this is one op, whose batch-1 kernel applies the activation in the GEMV epilogue; the
+        weight keeps its plain [gate; up] row layout, so the parts' views and tensor-parallel splits still see
+        ordinary gate and up weights.
+        """
+        if self.weight.shape[0] % 2:
+            raise ConfigError(f"forward_normed_swiglu: fused weight {tuple(self.weight.shape)} is not a "
+                              "[gate; up] pair of equal halves")
+        if self.bias is None:
+            return ops.norm_linear_swiglu(x, norm_weight, eps, self.weight)
+        gate, up = self.forward_normed(x, norm_weight, eps).chunk(2, dim=-1)
+        return ops.silu_mul(gate, up)
 
 
 def fuse_dense(parts: list[Linear]) -> FusedDense | None:

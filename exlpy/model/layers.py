@@ -145,22 +145,27 @@ class Attention(Module):
         if self.q_norm_w is not None and self.k_norm_w is not None:
             q = ops.rms_norm(q, self.q_norm_w, eps)
             k = ops.rms_norm(k, self.k_norm_w, eps)
-        cos, sin = self.rotary.get(x.device, x.dtype)
-        q, k = ops.apply_rope(q, k, cos, sin, batch.rope_pos)
-        o = self.attend(q, k, v, batch)  # [B, T, Hq, D]
+        rope = self.rotary.get(x.device, x.dtype)
+        o = self.attend(q, k, v, batch, rope)  # [B, T, Hq, D]
         return add_linear(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return attend(q, k, v, batch, batch.cache, self.layer_idx, self.scale)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return attend(q, k, v, batch, batch.cache, self.layer_idx, self.scale, rope=rope)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: object | None,
-           layer_idx: int, scale: float, static: bool = False) -> torch.Tensor:
+           layer_idx: int, scale: float, static: bool = False,
+           rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of q [B,T,Hq,D] after writing k/v to `cache` (when there is one): [B,T,Hq,D].
 
     `static` forces the paged kernel, whose shapes do not depend on host-side lengths (CUDA graphs).
+    `rope` = (cos, sin) tables: q and k arrive unrotated and are rotated here at `batch.rope_pos`, in the same
+    kernel that writes the cache (one launch fewer per layer); without it q and k arrive rotated.
     """
     if cache is None:
+        if rope is not None:
+            q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
         mask = None
         if batch.key_mask is not None:
             causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
@@ -168,7 +173,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
         return ops.sdpa(q, k, v, scale, mask, is_causal=True)
     k_cache, v_cache = cache.layer_kv(layer_idx)  # type: ignore[attr-defined]
     assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
-    ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+    if rope is None:
+        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+    elif k_cache.is_contiguous() and v_cache.is_contiguous():
+        # Quantized caches land here too: layer_kv hands out their contiguous fp16 working copies, the same
+        # tensors store_kv would write.
+        q, k = ops.rope_store_kv(q, k, v, rope[0], rope[1], batch.rope_pos, k_cache, v_cache, batch.slots)
+    else:
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
     if not static and batch.past_len is not None and batch.key_mask is None and batch.q_len > 1:
         # Prefill into a contiguous cache, same past for every row: SDPA over a slice, no gather.
         # (Decode steps take the paged kernel below, as inside CUDA graphs: one path, same numerics.)
@@ -218,12 +231,12 @@ class MLP(Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.gate_proj and self.up_proj and self.down_proj and self.norm_w is not None
         eps = self.spec.norm_eps
-        if self.gate_up_proj is not None:  # pre-norm fused into one gate|up projection
-            gate, up = self.gate_up_proj.forward_normed(x, self.norm_w, eps).chunk(2, dim=-1)
+        if self.gate_up_proj is not None:  # pre-norm and activation fused into one gate|up projection
+            act = self.gate_up_proj.forward_normed_swiglu(x, self.norm_w, eps)
         else:
             h = ops.rms_norm(x, self.norm_w, eps)
-            gate, up = self.gate_proj.forward(h), self.up_proj.forward(h)
-        return add_linear(x, self.down_proj, ops.silu_mul(gate, up))
+            act = ops.silu_mul(self.gate_proj.forward(h), self.up_proj.forward(h))
+        return add_linear(x, self.down_proj, act)
 
 
 class Head(Module):
