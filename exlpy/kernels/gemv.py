@@ -54,12 +54,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_
                 wu = tl.load(rows_u + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             acc_u += wu.to(tl.float32) * xf[None, :]
     y = tl.sum(acc, axis=1)
+    u = tl.sum(acc_u, axis=1)
     if HAS_NORM:
-        y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        y = y * inv_rms
+        u = u * inv_rms
     if SWIGLU:
-        u = tl.sum(acc_u, axis=1)
-        if HAS_NORM:
-            u = u * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         y = y / (1.0 + tl.exp(-y)) * u
     if HAS_RES:
         y += tl.load(r_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
