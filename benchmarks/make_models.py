@@ -1,8 +1,9 @@
 """Random-weight Llama models of real shapes, written as safetensors shards (fp16 and EXL2 4-bit g128).
 
 Speed depends on shapes and formats only, so random weights (fp16 std 0.02; for EXL2 random packed codes,
-random 4-bit scale codes with q_scale_max ~0.01, a random act-order permutation) measure what real weights
-would. Tensors are drawn on the GPU when there is one (fast), then written per shard.
+random 4-bit scale codes with q_scale_max ~0.01, a random act-order permutation per input, shared by q/k/v and
+by gate/up as in real files) measure what real weights would. Tensors are drawn on the GPU when there is one
+(fast), then written per shard.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def _norm(n: int) -> torch.Tensor:
     return (1.0 + 0.1 * torch.randn(n, device=_DEV)).half().cpu()
 
 
-def _exl2(prefix: str, k: int, n: int, bits: int) -> dict[str, torch.Tensor]:
-    """EXL2 tensors of one linear, uniform `bits`, groups of 128 rows (spec §3.1-3.4)."""
+def _exl2(prefix: str, k: int, n: int, bits: int, invperm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """EXL2 tensors of one linear, uniform `bits`, groups of 128 rows (spec §3.1-3.4). `invperm`: the act order
+    (projections of one input share it in real EXL2 files: q/k/v, gate/up); random when None."""
     gs = 128
     groups = (k + gs - 1) // gs
     words_per_group = gs * bits // 32
@@ -66,7 +68,7 @@ def _exl2(prefix: str, k: int, n: int, bits: int) -> dict[str, torch.Tensor]:
     rnd = lambda *s: torch.randint(-2**31, 2**31 - 1, s, dtype=torch.int64, device=_DEV).to(torch.int32).cpu()
     return {
         f"{prefix}.q_weight": rnd(words, n_pad),  # any 32-bit word is a valid run of codes
-        f"{prefix}.q_invperm": torch.randperm(k, device=_DEV).to(torch.int32).cpu(),
+        f"{prefix}.q_invperm": invperm if invperm is not None else torch.randperm(k).to(torch.int32),
         f"{prefix}.q_scale": rnd(groups, n_pad // 8),
         f"{prefix}.q_scale_max": (0.01 * (0.5 + torch.rand(groups))).half(),
         f"{prefix}.q_groups": qg,
@@ -102,8 +104,11 @@ def write_model(out_dir: str, shape_name: str, exl2_bits: int = 0, head_bits: in
     for i in range(shape["num_hidden_layers"]):
         add({f"model.layers.{i}.input_layernorm.weight": _norm(h),
              f"model.layers.{i}.post_attention_layernorm.weight": _norm(h)})
+        shared = {"q_proj": torch.randperm(h).to(torch.int32), "gate_proj": torch.randperm(h).to(torch.int32)}
+        shared.update(k_proj=shared["q_proj"], v_proj=shared["q_proj"], up_proj=shared["gate_proj"])
         for name, k, n in _linears(shape, i):
-            add(_exl2(name, k, n, exl2_bits) if exl2_bits else {f"{name}.weight": _dense(n, k)})
+            perm = shared.get(name.rsplit(".", 1)[1])
+            add(_exl2(name, k, n, exl2_bits, perm) if exl2_bits else {f"{name}.weight": _dense(n, k)})
     add({"model.norm.weight": _norm(h)})
     if not shape["tie_word_embeddings"]:
         add(_exl2("lm_head", h, v, head_bits) if exl2_bits else {"lm_head.weight": _dense(v, h)})

@@ -1,20 +1,48 @@
 #!/usr/bin/env bash
-# Final single-GPU checks: GPU tests, fp16/EXL2 logits vs references (real SmolLM2 included), SmolLM2 decode speed,
-# the dynamic generator with 32 concurrent jobs. Expects the SmolLM2 EXL2 dir at /tmp/smol (reassembled from
-# .gpu/p1..p3, carried in pieces) and the small shared models under .gpu/p3/models.
+# Single-GPU checks and timings in one go: `bash benchmarks/run_single_gpu.sh [PART ...]` (default: all).
+#   tests   GPU tests of the kernels, graphs and decode fusions
+#   check   fp16/EXL2 logits vs references on the small shared models (.gpu/p3/models) and, when reassembled
+#           at /tmp/smol (from .gpu/p1..p3, carried in pieces), the real SmolLM2-135M EXL2 plus its decode speed
+#   decode  benchmarks/decode.py: 8B fp16 and 8B EXL2 4.0 bpw decode, prefill 2048, paged b32, HF compile, profiles
+#   gemv    benchmarks/quant_matmul.py decode-kernel checks and table
+#   dyn     the dynamic generator with 32 concurrent jobs (SmolLM2 EXL2 and fp16)
+# Results go to $OUT (default /tmp/exlpy-results).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 OUT=${OUT:-/tmp/exlpy-results}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+PARTS=${*:-tests check decode}
 M=.gpu/p3/models
-timeout 120 python -m pytest -q -x -p no:cacheprovider tests/test_quant_kernels.py tests/test_kernels_triton.py \
-  tests/test_graphs.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt"
-timeout 90 python benchmarks/gpu_check.py --models $M/tiny-llama-fp16 $M/aidreams260K $M/stories260K \
-  $M/tiny-llama-exl2-2.5 $M/tiny-llama-exl2-4.0 $M/tiny-llama-exl2-6.0 $M/tiny-llama-exl2-8.0 /tmp/smol \
-  --out "$OUT/gpu_check.md"
-timeout 60 python -m exlpy bench --model /tmp/smol --prompt-len 512 --gen-len 256 --prefill 0 2>&1 | tail -12 \
-  | tee "$OUT/smol_bench.txt"
-timeout 90 python benchmarks/dynamic_generator.py --model /tmp/smol --jobs 32 --out "$OUT/dynamic_smol_exl2.md"
-timeout 90 python benchmarks/dynamic_generator.py --jobs 32 --out "$OUT/dynamic_smol_fp16.md"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+if [ -f .gpu/p3/smolpart2 ] && [ -f /tmp/smolpart0 ] && [ -f /tmp/smolpart1 ] && [ ! -d /tmp/smol ]; then
+  mkdir -p /tmp/smol && cp .gpu/p3/smol/* /tmp/smol/
+  cat /tmp/smolpart0 /tmp/smolpart1 .gpu/p3/smolpart2 > /tmp/smol/model.safetensors
+fi
+for part in $PARTS; do
+  echo "=== $part ($(date -u +%H:%M:%S))"
+  case $part in
+    tests)
+      timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_quant_kernels.py tests/test_kernels_triton.py \
+        tests/test_graphs.py tests/test_decode_fusions.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt" ;;
+    check)
+      SMOL=""; [ -d /tmp/smol ] && SMOL=/tmp/smol
+      timeout 150 python benchmarks/gpu_check.py --models $M/tiny-llama-fp16 $M/aidreams260K $M/stories260K \
+        $M/tiny-llama-exl2-2.5 $M/tiny-llama-exl2-4.0 $M/tiny-llama-exl2-6.0 $M/tiny-llama-exl2-8.0 $SMOL \
+        --out "$OUT/gpu_check.md" 2>&1 | tail -20
+      if [ -n "$SMOL" ]; then
+        timeout 90 python -m exlpy bench --model /tmp/smol --prompt-len 512 --gen-len 256 --prefill 0 2>&1 \
+          | tail -12 | tee "$OUT/smol_bench.txt"
+      fi ;;
+    decode)
+      timeout 420 python benchmarks/decode.py --models 8b,exl2 --hf compile --hf-timeout 200 --profile \
+        --out "$OUT/decode.md" 2>&1 | tail -30 ;;
+    gemv)
+      timeout 300 python benchmarks/quant_matmul.py --quick-tune --skip-other-checks --out "$OUT/quant_matmul.md" \
+        2>&1 | tail -30 ;;
+    dyn)
+      timeout 90 python benchmarks/dynamic_generator.py --model /tmp/smol --jobs 32 --out "$OUT/dynamic_smol_exl2.md"
+      timeout 90 python benchmarks/dynamic_generator.py --jobs 32 --out "$OUT/dynamic_smol_fp16.md" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
 ls -la "$OUT"

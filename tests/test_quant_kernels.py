@@ -182,3 +182,48 @@ def test_exl2_kernels_cuda(groups: list[tuple[int, int]], m: int) -> None:
     ref = exl2_matmul_ref(x.float(), qm)
     y = exl2_matmul(x.cuda(), qm.to("cuda"))
     assert rel_err(y.cpu(), ref) < 2e-3
+
+
+@pytest.mark.parametrize("k", [96, 1500])
+@pytest.mark.parametrize("with_perm", [True, False])
+def test_act_order_kernels_interpreter(k: int, with_perm: bool) -> None:
+    """The decode GEMV's input row (act order, fp32, zero pad), with and without the fused RMSNorm."""
+    from exlpy.kernels import act_order as ak
+    from exlpy.kernels import reference
+
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(1, 1, k, generator=gen).half() * 3
+    w = (1 + 0.1 * torch.randn(k, generator=gen)).half()
+    perm = torch.randperm(k, generator=gen).to(torch.int32) if with_perm else None
+    for got, ref in ((ak.act_order(x, perm, 512), reference.act_order(x, perm, 512)),
+                     (ak.rms_norm_act_order(x, w, 1e-5, perm, 512), reference.rms_norm_act_order(x, w, 1e-5, perm,
+                                                                                                  512))):
+        assert got.shape == (k + 512,) and got.dtype == torch.float32
+        assert not got[k:].any()
+        assert rel_err(got, ref) < 1e-6
+    normed = reference.rms_norm(x, w, 1e-5).float().reshape(-1)
+    ref = reference.rms_norm_act_order(x, w, 1e-5, perm, 0)
+    assert rel_err(ref, normed[perm.long()] if perm is not None else normed) < 2e-3  # = rms_norm, unrounded
+
+
+def test_fused_quant_matches_parts_interpreter() -> None:
+    """FusedQuant (q|k|v-like, shared act order) computes the parts side by side: its decode path (grouped GEMV
+    after the fused RMSNorm gather) equals the parts run one by one after rms_norm."""
+    from exlpy.kernels import reference
+    from exlpy.quant.group import FusedQuant
+    from exlpy.quant.linear import QuantLinear
+
+    gen = torch.Generator().manual_seed(31)
+    qms = _same_perm_parts(gen, 128, [(64, [(4, 128)]), (32, [(5, 64), (4, 64)]), (32, [(6, 128)])])
+    parts = [QuantLinear(q, torch.randn(q.n, generator=gen).half() if i == 1 else None, torch.float16)
+             for i, q in enumerate(qms)]
+    fused = FusedQuant(parts)  # type: ignore[arg-type]
+    x = torch.randn(1, 1, 128, generator=gen).half()
+    w = (1 + 0.1 * torch.randn(128, generator=gen)).half()
+    xp = reference.rms_norm_act_order(x, w, 1e-5, fused.perm, exl2_gemv.ROW_PAD)
+    got = fused.group.run(xp, torch.float16)
+    h = reference.rms_norm(x, w, 1e-5).float().reshape(1, -1)
+    ref = torch.cat([exl2_matmul_ref(h, q, p.bias.float() if p.bias is not None else None)
+                     for q, p in zip(qms, parts)], -1)
+    assert rel_err(got, ref) < 3e-3
+    assert rel_err(fused.forward_normed(x.float(), w.float(), 1e-5).reshape(1, -1), ref) < 3e-3  # CPU path

@@ -89,6 +89,15 @@ def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     return _impl("norm_linear_swiglu", x)(x, norm_weight, eps, weight)
 
 
+def act_order(x: torch.Tensor, perm: torch.Tensor | None, pad: int) -> torch.Tensor:
+    return _impl("act_order", x)(x, perm, pad)
+
+
+def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor | None,
+                       pad: int) -> torch.Tensor:
+    return _impl("rms_norm_act_order", x)(x, weight, eps, perm, pad)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -80,6 +80,19 @@ def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     return silu_mul(gate, up)
 
 
+def act_order(x: torch.Tensor, perm: torch.Tensor | None, pad: int) -> torch.Tensor:
+    """One row x [..., K] as fp32 [K + pad] in a quantized matrix's act order (x[perm]), zero past K."""
+    v = x.reshape(-1).float()
+    return F.pad(v[perm.long()] if perm is not None else v, (0, pad))
+
+
+def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor | None,
+                       pad: int) -> torch.Tensor:
+    """act_order(rms_norm(x)) kept in fp32 (no rounding of the normalized row to x's dtype)."""
+    xf = x.reshape(-1).float()
+    return act_order(xf * torch.rsqrt(xf.pow(2).mean() + eps) * weight.float(), perm, pad)
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
     """Gather the first `length` tokens of every sequence: cache [rows, S, H, D] -> [B, length, H, D]."""
     t = torch.arange(length, device=cache.device)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from exlpy.kernels import ops, reference
+from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import silu_mul
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
@@ -62,6 +63,8 @@ def register_all() -> None:
     ops.register("store_kv", store_kv)
     ops.register("rope_store_kv", rope_store_kv)
     ops.register("norm_linear_swiglu", norm_linear_swiglu)
+    ops.register("act_order", act_order)
+    ops.register("rms_norm_act_order", rms_norm_act_order)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)
 

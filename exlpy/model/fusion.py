@@ -1,4 +1,4 @@
-"""Load-time fusion of dense projections that read the same input, and residual adds fused into GEMMs.
+"""Load-time fusion of projections that read the same input, and residual adds fused into GEMMs.
 
 One matmul over [q; k; v] (or [gate; up]) reads the input once and launches one kernel instead of three,
 which matters at batch 1 where every launch costs the same as a small GEMV.
@@ -11,6 +11,8 @@ import torch
 from exlpy.errors import ConfigError
 from exlpy.kernels import ops
 from exlpy.model.linear import DenseLinear, Linear
+from exlpy.quant.group import FusedQuant, fuse_quant
+from exlpy.quant.linear import QuantLinear
 
 
 class FusedDense(DenseLinear):
@@ -77,4 +79,11 @@ def add_linear(x: torch.Tensor, linear: Linear, h: torch.Tensor) -> torch.Tensor
     """
     if isinstance(linear, DenseLinear) and linear.bias is None and x.is_contiguous():
         return ops.linear_add(h, linear.weight, x)
+    if isinstance(linear, QuantLinear) and x.is_contiguous():
+        return linear.forward_add(h, x)  # one decode row: the quantized GEMV's epilogue adds into x
     return x + linear.forward(h)
+
+
+def fuse_linears(parts: list[Linear]) -> FusedDense | FusedQuant | None:
+    """The parts side by side as one projection (dense, or quantized with a shared act order), or None."""
+    return fuse_dense(parts) or fuse_quant(parts)

@@ -11,7 +11,7 @@ from exlpy.config.config import ExLlamaV2Config
 from exlpy.config.rope import cos_sin_table
 from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
-from exlpy.model.fusion import FusedDense, add_linear, fuse_dense
+from exlpy.model.fusion import FusedDense, FusedQuant, add_linear, fuse_linears
 from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
 
@@ -102,7 +102,7 @@ class Attention(Module):
         self.k_proj: Linear | None = None
         self.v_proj: Linear | None = None
         self.o_proj: Linear | None = None
-        self.qkv_proj: FusedDense | None = None  # q, k and v side by side when they can fuse (dense, one device)
+        self.qkv_proj: FusedDense | FusedQuant | None = None  # q, k and v side by side when they can fuse
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -118,7 +118,7 @@ class Attention(Module):
         self.k_proj = load_linear(idx, f"{self.key}.k_proj", s.hidden_size, hk, device, dt, **kb)
         self.v_proj = load_linear(idx, f"{self.key}.v_proj", s.hidden_size, hk, device, dt, **kb)
         self.o_proj = load_linear(idx, f"{self.key}.o_proj", hq, s.hidden_size, device, dt, **kw)
-        self.qkv_proj = fuse_dense([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         if s.arch.qk_norm:
             self.q_norm_w = load_norm(self, f"{self.key}.q_norm", device, d)
             self.k_norm_w = load_norm(self, f"{self.key}.k_norm", device, d)
@@ -207,7 +207,7 @@ class MLP(Module):
         self.gate_proj: Linear | None = None
         self.up_proj: Linear | None = None
         self.down_proj: Linear | None = None
-        self.gate_up_proj: FusedDense | None = None  # gate and up side by side when they can fuse
+        self.gate_up_proj: FusedDense | FusedQuant | None = None  # gate and up side by side when they can fuse
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -220,7 +220,7 @@ class MLP(Module):
         self.gate_proj = load_linear(idx, f"{self.key}.gate_proj", hid, inter, device, dt, **kw)
         self.up_proj = load_linear(idx, f"{self.key}.up_proj", hid, inter, device, dt, **kw)
         self.down_proj = load_linear(idx, f"{self.key}.down_proj", inter, hid, device, dt, **kw)
-        self.gate_up_proj = fuse_dense([self.gate_proj, self.up_proj])
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         self.device = device
 
     def unload(self) -> None:

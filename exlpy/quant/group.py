@@ -1,0 +1,79 @@
+"""Quantized projections that read the same input (q|k|v, gate|up) run as one decode GEMV.
+
+EXL2 orders a matrix's rows by the Hessian of its input, which projections of one input share, so q, k and v
+(and gate and up) carry the same act-order permutation: the input is gathered into that order once, by the
+RMSNorm that makes it, and one launch per bit width computes every part's outputs side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exlpy.kernels import ops
+from exlpy.quant.linear import QuantLinear
+
+
+class FusedQuant:
+    """Several QuantLinears side by side. Batch-1 decode on CUDA runs the grouped GEMV; everything else (CPU,
+    prefill) runs the parts one by one and concatenates."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        from exlpy.kernels.exl2_gemv import GemvGroup
+
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.perm = parts[0].qm.perm
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([p.bias if p.bias is not None else
+                              torch.zeros(p.out_features, dtype=parts[0].dtype, device=p.device) for p in parts])
+        self.group = GemvGroup([p.qm for p in parts], bias)
+
+    def _decode_row(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.numel() == self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._decode_row(x):
+            from exlpy.kernels.exl2_gemv import ROW_PAD
+
+            y = self.group.run(ops.act_order(x, self.perm, ROW_PAD), x.dtype)
+            return y.view(*x.shape[:-1], self.out_features)
+        return torch.cat([p.forward(x) for p in self.parts], dim=-1)
+
+    def forward_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """forward(rms_norm(x)); at batch 1 the norm writes the act-order input itself (no extra launch)."""
+        if self._decode_row(x):
+            from exlpy.kernels.exl2_gemv import ROW_PAD
+
+            xp = ops.rms_norm_act_order(x, norm_weight, eps, self.perm, ROW_PAD)
+            return self.group.run(xp, x.dtype).view(*x.shape[:-1], self.out_features)
+        return self.forward(ops.rms_norm(x, norm_weight, eps))
+
+    def forward_normed_swiglu(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """silu(gate) * up of forward_normed(x) for a [gate; up] pair: [..., I]."""
+        gate, up = self.forward_normed(x, norm_weight, eps).chunk(2, dim=-1)
+        return ops.silu_mul(gate, up)
+
+
+def fuse_quant(parts: list[object]) -> FusedQuant | None:
+    """A FusedQuant over `parts`, or None when they cannot share one launch: all must be quantized matrices of one
+    kind on one CUDA device with the same K and act order, each taken by the decode kernel."""
+    from exlpy.kernels.exl2_gemv import supports
+
+    if not all(isinstance(p, QuantLinear) for p in parts):
+        return None
+    qparts = [p for p in parts if isinstance(p, QuantLinear)]
+    q0 = qparts[0].qm
+    if q0.device.type != "cuda" or not all(supports(p.qm) for p in qparts):
+        return None
+    for p in qparts[1:]:
+        qm = p.qm
+        if qm.kind != q0.kind or qm.device != q0.device or qm.k != q0.k or p.dtype != qparts[0].dtype:
+            return None
+        if (qm.perm is None) != (q0.perm is None) or (qm.perm is not None and not torch.equal(qm.perm, q0.perm)):
+            return None
+    try:
+        return FusedQuant(qparts)
+    except ValueError:  # more output columns than the decode workspace holds
+        return None
