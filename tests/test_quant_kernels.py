@@ -154,17 +154,17 @@ def test_gptq_kernels_interpreter(act_order: bool, v2: bool) -> None:
 def test_gemv_cuda_graph() -> None:
     """Captured once, replayed with new x: same as the oracle (no host sync, no data-dependent shapes)."""
     gen = torch.Generator().manual_seed(11)
-    t = random_exl2(4096, 1000, [(4, 128)] * 31 + [(4, 96)], gen)
-    qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], 4096,
+    t = random_exl2(4064, 1000, [(4, 128)] * 31 + [(4, 96)], gen)
+    qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], 4064,
                            1000, "t")
     qg = qm.to("cuda")
-    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    x = torch.randn(1, 4064, generator=gen).half().cuda()
     exl2_matmul(x, qg)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = exl2_matmul(x, qg)
     for _ in range(2):
-        x.copy_(torch.randn(1, 4096, generator=gen).half())
+        x.copy_(torch.randn(1, 4064, generator=gen).half())
         g.replay()
         assert rel_err(y.cpu(), exl2_matmul_ref(x.cpu().float(), qm)) < 2e-3
 
@@ -227,3 +227,24 @@ def test_fused_quant_matches_parts_interpreter() -> None:
                      for q, p in zip(qms, parts)], -1)
     assert rel_err(got, ref) < 3e-3
     assert rel_err(fused.forward_normed(x.float(), w.float(), 1e-5).reshape(1, -1), ref) < 3e-3  # CPU path
+
+
+@requires_cuda
+def test_gemv_group_cuda() -> None:
+    """The grouped decode GEMV at q|k|v shapes of an 8B model with mixed widths, eager and graph-replayed."""
+    gen = torch.Generator().manual_seed(41)
+    mixed = [(5, 128)] * 4 + [(4, 128)] * 24 + [(3, 128)] * 4
+    parts = _same_perm_parts(gen, 4096, [(4096, mixed), (1024, [(4, 128)] * 32), (1024, [(6, 128)] * 32)])
+    group = exl2_gemv.GemvGroup([p.to("cuda") for p in parts], None)
+    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
+    xp = act_order(x, group.perm, exl2_gemv.ROW_PAD)
+    assert rel_err(group.run(xp, torch.float16).cpu(), ref) < 2e-3
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = group.run(act_order(x, group.perm, exl2_gemv.ROW_PAD), torch.float16)
+    for _ in range(2):
+        x.copy_(torch.randn(1, 4096, generator=gen).half())
+        g.replay()
+        ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
+        assert rel_err(y.cpu(), ref) < 2e-3
