@@ -108,6 +108,7 @@ def write_model(out_dir: str, shape_name: str, exl2_bits: int = 0, head_bits: in
         shared.update(k_proj=shared["q_proj"], v_proj=shared["q_proj"], up_proj=shared["gate_proj"])
         for name, k, n in _linears(shape, i):
             perm = shared.get(name.rsplit(".", 1)[1])
+            perm = perm.clone() if perm is not None else None  # safetensors stores no shared tensors
             add(_exl2(name, k, n, exl2_bits, perm) if exl2_bits else {f"{name}.weight": _dense(n, k)})
     add({"model.norm.weight": _norm(h)})
     if not shape["tie_word_embeddings"]:
