@@ -5,6 +5,7 @@
 #           at /tmp/smol (from .gpu/p1..p3, carried in pieces), the real SmolLM2-135M EXL2 plus its decode speed
 #   decode  benchmarks/decode.py: 8B fp16 and 8B EXL2 4.0 bpw decode, prefill 2048, paged b32, HF compile, profiles
 #   gemv    benchmarks/quant_matmul.py decode-kernel checks and table
+#   sweep   benchmarks/gemv_sweep.py: GEMV launch parameters timed in whole-model decode (8B fp16 and EXL2)
 #   dyn     the dynamic generator with 32 concurrent jobs (SmolLM2 EXL2 and fp16)
 # Results go to $OUT (default /tmp/exlpy-results).
 set -u
@@ -39,6 +40,8 @@ for part in $PARTS; do
     gemv)
       timeout 300 python benchmarks/quant_matmul.py --quick-tune --skip-other-checks --out "$OUT/quant_matmul.md" \
         2>&1 | tail -30 ;;
+    sweep)
+      timeout 500 python benchmarks/gemv_sweep.py --out "$OUT/gemv_sweep.md" 2>&1 | tail -25 ;;
     dyn)
       timeout 90 python benchmarks/dynamic_generator.py --model /tmp/smol --jobs 32 --out "$OUT/dynamic_smol_exl2.md"
       timeout 90 python benchmarks/dynamic_generator.py --jobs 32 --out "$OUT/dynamic_smol_fp16.md" ;;

@@ -231,8 +231,17 @@ class GemvGroup:
         self.k = parts[0].k
         self.n = sum(p.n for p in parts)
         self.perm = parts[0].perm
-        self.plan = plan_for(parts, _device(parts[0].device))
+        # made now, not inside a CUDA-graph capture (the task table is copied to the device)
+        self._plan = (tuple(sorted(CONFIG.items())), plan_for(parts, _device(parts[0].device)))
         prepare(parts[0].device)
+
+    @property
+    def plan(self) -> GemvPlan:
+        """Made again after CONFIG changes (launch-parameter sweeps, which recapture graphs)."""
+        cfg = tuple(sorted(CONFIG.items()))
+        if self._plan[0] != cfg:
+            self._plan = (cfg, plan_for(self.parts, _device(self.parts[0].device)))
+        return self._plan[1]
 
     def run(self, xp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """xp: act-order fp32 x [K + ROW_PAD] (exlpy/kernels/act_order.py) -> y [1, N total] in dtype."""

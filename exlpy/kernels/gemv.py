@@ -17,6 +17,9 @@ from exlpy.errors import ConfigError
 from exlpy.kernels.activation import silu_mul
 
 _SMS = 132  # an H100's SM count; only sizes the rows per program
+# Launch parameters (benchmarks/gemv_sweep.py times alternatives in whole-model decode): weight rows per program
+# on large / small outputs, K tile, warps per program.
+CONFIG: dict[str, int] = {"ROWS": 8, "ROWS_SMALL": 4, "BLOCK_K": 512, "WARPS": 4}
 
 
 @triton.jit
@@ -117,16 +120,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
     out = residual if residual is not None else torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    # Weight rows per program: 8 on large outputs. With SWIGLU each output reads a gate and an up row, so half
+    # Weight rows per program: more on large outputs. With SWIGLU each output reads a gate and an up row, so half
     # as many outputs per program keeps the same rows (and registers) per program.
     rows = 2 * N if swiglu else N
-    block_n = 8 if rows >= 8 * 4 * _SMS else 4
+    block_n = CONFIG["ROWS"] if rows >= CONFIG["ROWS"] * 4 * _SMS else CONFIG["ROWS_SMALL"]
     if swiglu:
-        block_n //= 2
-    block_k = 512 if K >= 512 else triton.next_power_of_2(K)
+        block_n = max(1, block_n // 2)
+    block_k = CONFIG["BLOCK_K"] if K >= CONFIG["BLOCK_K"] else triton.next_power_of_2(K)
     nw = norm_weight if norm_weight is not None else x1
     _gemv_kernel[(triton.cdiv(N, block_n),)](x1, weight, out, out, nw, N, K, weight.stride(0), eps,
                                              BLOCK_N=block_n, BLOCK_K=block_k, HAS_RES=residual is not None,
                                              HAS_NORM=norm_weight is not None, EVEN_K=K % block_k == 0,
-                                             SWIGLU=swiglu, num_warps=4)
+                                             SWIGLU=swiglu, num_warps=CONFIG["WARPS"])
     return out
