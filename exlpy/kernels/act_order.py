@@ -11,15 +11,20 @@ import torch
 import triton
 import triton.language as tl
 
+from exlpy.kernels import pdl
+
 _BLOCK = 1024
 
 
 @triton.jit
 def _gather(x_ptr, w_ptr, perm_ptr, out_ptr, K, KP, eps, HAS_PERM: tl.constexpr, NORM: tl.constexpr,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[r] = x[perm[r]] (* w[perm[r]] * rsqrt(mean(x²) + eps) with NORM) for r < K, 0 for K <= r < KP."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < K
+    if PDL:  # launched early (exlpy/kernels/pdl.py); x comes from the previous kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     src = tl.load(perm_ptr + r, mask=m, other=0) if HAS_PERM else r
     v = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
     if NORM:
@@ -42,7 +47,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor | None, eps: float, perm: torch.Ten
     out = torch.empty(k + pad, dtype=torch.float32, device=x.device)
     _gather[(triton.cdiv(k + pad, _BLOCK),)](x1, w if w is not None else x1, perm if perm is not None else out,
                                               out, k, k + pad, eps, HAS_PERM=perm is not None, NORM=w is not None,
-                                              BLOCK=_BLOCK, num_warps=4)
+                                              BLOCK=_BLOCK, num_warps=4, PDL=pdl.enabled(x.device),
+                                              **pdl.launch_options(x.device))
     return out
 
 

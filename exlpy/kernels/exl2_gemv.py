@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exlpy.kernels import pdl
 from exlpy.kernels.act_order import act_order
 from exlpy.kernels.exl2_gemv_plan import CONFIG, FIELDS, ROW_PAD, WS_BLOCKS, WS_COLS, GemvPlan, plan_for, supports
 from exlpy.quant.layout import QuantMatrix
@@ -72,7 +73,7 @@ def _code(t, x, magic, oo: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
 def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, magic,
           BITS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
           MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-          NF: tl.constexpr):
+          NF: tl.constexpr, PDL: tl.constexpr):
     """One program per task row. MODE 0: every column block has one program, which writes y; MODE 1: add into
     the workspace, and the last program to arrive at a column block writes y and resets workspace and counter.
     aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]."""
@@ -98,6 +99,8 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
     offs_n = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     ld_mask = offs_n < ld_n  # q_weight holds a multiple of 32 columns: keeps 16-byte loads possible
     qw = qw_ptr + o_qw
+    if PDL:  # launched early (exlpy/kernels/pdl.py): the task row above is static, x and the workspace are not
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for g in range(ga, gb):
         r_lo = tl.load(gr + g)
@@ -143,6 +146,8 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
             w = tl.load(sc_ptr + o_sc + g * s_sc + offs_n // 8, mask=ld_mask, other=0)
             c1 = (((w >> ((offs_n % 8) * 4)) & 15) + 1).to(tl.float32)
             acc += part * (c1 * c1 * tl.load(aux_ptr + o_aux + g))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out_mask = offs_n < n
     cols = tl.load(t + _O_Y) + offs_n  # column in the group's y
     if MODE == 0:
@@ -207,7 +212,8 @@ def run_plan(plan: GemvPlan, xp: torch.Tensor, parts: list[QuantMatrix], bias: t
             xp, q0.q_weight, q0.scales, aux, q0.group_rows, bias if bias is not None else out,
             residual if residual is not None else out, out, ws, cnt, ln.tasks, _MAGIC, BITS=ln.bits,
             GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None, MODE=plan.mode,
-            ALIGNED=plan.aligned, BLOCK_N=plan.block_n, NB=ln.nb, NF=len(FIELDS), **launch)
+            ALIGNED=plan.aligned, BLOCK_N=plan.block_n, NB=ln.nb, NF=len(FIELDS), PDL=pdl.enabled(dev),
+            **launch, **pdl.launch_options(dev))
     return out
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from exlpy.errors import ConfigError
+from exlpy.kernels import pdl
 from exlpy.kernels.activation import silu_mul
 
 _SMS = 132  # an H100's SM count; only sizes the rows per program
@@ -25,7 +26,9 @@ CONFIG: dict[str, int] = {"ROWS": 8, "ROWS_SMALL": 4, "BLOCK_K": 512, "WARPS": 4
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, EVEN_K: tl.constexpr,
-                 SWIGLU: tl.constexpr):
+                 SWIGLU: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (exlpy/kernels/pdl.py): x and the residual come from the previous kernel
+        tl.extra.cuda.gdc_wait()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
@@ -56,6 +59,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, r_ptr, nw_ptr, N, K, w_stride, eps, BLOCK_
             else:
                 wu = tl.load(rows_u + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             acc_u += wu.to(tl.float32) * xf[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     u = tl.sum(acc_u, axis=1)
     if HAS_NORM:
@@ -131,5 +136,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(N, block_n),)](x1, weight, out, out, nw, N, K, weight.stride(0), eps,
                                              BLOCK_N=block_n, BLOCK_K=block_k, HAS_RES=residual is not None,
                                              HAS_NORM=norm_weight is not None, EVEN_K=K % block_k == 0,
-                                             SWIGLU=swiglu, num_warps=CONFIG["WARPS"])
+                                             SWIGLU=swiglu, num_warps=CONFIG["WARPS"], PDL=pdl.enabled(x.device),
+                                             **pdl.launch_options(x.device))
     return out
