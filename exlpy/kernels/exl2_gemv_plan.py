@@ -29,8 +29,8 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "o_sc", "s_sc", "o_aux", "s_aux", "
 # grid has WAVES programs per SM; num_warps = BLOCK_N / (32 * COLS) gives each thread COLS columns (4: one
 # 16-byte load per word row). WORDS: packed words in flight per thread and step. MAXNREG: register cap per
 # thread (0: compiler's choice), trading hoisted loads for occupancy. Defaults: best of the H100 sweep in
-# benchmarks/results/quant_matmul.md.
-CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 128, "WAVES": 4, "WORDS": 16, "COLS": 4, "MAXNREG": 96}
+# benchmarks/results/quant_matmul.md (MIN_BLOCK_N: benchmarks/results/decode.md, session 3 sweep).
+CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 256, "WAVES": 4, "WORDS": 16, "COLS": 4, "MAXNREG": 96}
 
 
 @dataclass(frozen=True)
