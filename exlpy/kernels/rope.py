@@ -15,8 +15,10 @@ from exlpy.errors import ConfigError
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, k_tok_stride, tab_stride, hq,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotate(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, k_tok_stride, tab_stride, hq,
+            HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Rotate this program's (token, head) row of q or k in place; returns the two rotated halves (in the
+    row's dtype, so a cache gets exactly what apply_rope would leave) and the column offsets/mask."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -34,8 +36,17 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, k_tok_st
     s1 = tl.load(sin_ptr + tab + cols, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + tab + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + cols, (x1f * c1 - x2f * s1).to(x1.dtype), mask=mask)
-    tl.store(base + HALF + cols, (x2f * c2 + x1f * s2).to(x1.dtype), mask=mask)
+    r1 = (x1f * c1 - x2f * s1).to(x1.dtype)
+    r2 = (x2f * c2 + x1f * s2).to(x1.dtype)
+    tl.store(base + cols, r1, mask=mask)
+    tl.store(base + HALF + cols, r2, mask=mask)
+    return r1, r2, cols, mask
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, k_tok_stride, tab_stride, hq,
+                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+    _rotate(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, k_tok_stride, tab_stride, hq, HALF, BLOCK)
 
 
 def _tokens_view(t: torch.Tensor) -> torch.Tensor:
@@ -70,28 +81,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, q_tok_stride,
                        k_tok_stride, v_tok_stride, tab_stride, hq, hk, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    r1, r2, cols, mask = _rotate(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, k_tok_stride, tab_stride,
+                                 hq, HALF, BLOCK)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HALF
-    if head < hq:
-        base = q_ptr + tok * q_tok_stride + head * (2 * HALF)
-    else:
-        base = k_ptr + tok * k_tok_stride + (head - hq) * (2 * HALF)
-    x1 = tl.load(base + cols, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF + cols, mask=mask, other=0.0)
-    tab = pos * tab_stride
-    c1 = tl.load(cos_ptr + tab + cols, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + tab + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + tab + cols, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + tab + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    # Rounded to the input dtype first, so the cache holds exactly what apply_rope + store_kv would store.
-    r1 = (x1f * c1 - x2f * s1).to(x1.dtype)
-    r2 = (x2f * c2 + x1f * s2).to(x1.dtype)
-    tl.store(base + cols, r1, mask=mask)
-    tl.store(base + HALF + cols, r2, mask=mask)
     if head >= hq:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         if slot >= 0:  # negative slots are padding rows of a batch bucket: they write nowhere
