@@ -54,15 +54,20 @@ def _prefill_then_decode(model: ExLlamaV2, cache: Any, ids: torch.Tensor, prompt
     return torch.cat(out, dim=1)
 
 
+def _load(model_dir: Path, cache_cls: Any) -> tuple[ExLlamaV2, Any]:
+    config = ExLlamaV2Config(str(model_dir))
+    config.max_seq_len = 32
+    model = ExLlamaV2(config)
+    cache = cache_cls(model, lazy=True)
+    model.load_autosplit(cache)
+    return model, cache
+
+
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True}], ids=["llama", "bias"])
 def test_triton_fused_decode_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         overrides: dict[str, Any]) -> None:
     hf = make_hf_model(tmp_path, "llama", **overrides)  # GQA: 4 query heads over 2 KV heads
-    config = ExLlamaV2Config(str(tmp_path))
-    config.max_seq_len = 32
-    model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache(model, lazy=True)
-    model.load_autosplit(cache)
+    model, cache = _load(tmp_path, ExLlamaV2Cache)
     ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(21))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -78,11 +83,7 @@ def test_quantized_cache_same_through_fused_kernels(tmp_path: Path, monkeypatch:
     """A quantized cache hands attend its fp16 working copies; the fused kernel writes the same rows there as
     apply_rope + store_kv, so the reference path and the Triton path agree."""
     make_hf_model(tmp_path, "llama", seed=3)
-    config = ExLlamaV2Config(str(tmp_path))
-    config.max_seq_len = 32
-    model = ExLlamaV2(config)
-    cache = ExLlamaV2Cache_Q8(model, lazy=True)
-    model.load_autosplit(cache)
+    model, cache = _load(tmp_path, ExLlamaV2Cache_Q8)
     ids = torch.randint(0, 320, (1, 11), generator=torch.Generator().manual_seed(22))
     ref = _prefill_then_decode(model, cache, ids, 7)
     cache.current_seq_len = 0
