@@ -11,7 +11,7 @@ from exlpy.cache import (
 )
 from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.config import ExLlamaV2Config
-from exlpy.model import ExLlamaV2
+from exlpy.engine import ExLlamaV2
 from exlpy.tokenizer import ExLlamaV2Tokenizer
 
 __version__ = "0.1.0"

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from exlpy.config.hf import ModelSpec, load_spec
 from exlpy.errors import ConfigError, WeightsError
+from exlpy.runtime import options
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
 LAYER_KEYS = (
@@ -27,10 +26,11 @@ class ExLlamaV2Config:
         self.max_output_len: int | None = None
         self.scale_pos_emb = 1.0
         self.scale_alpha_value = 1.0
-        self.no_flash_attn = "EXLLAMA_NO_FLASH_ATTN" in os.environ
-        self.no_xformers = "EXLLAMA_NO_XFORMERS" in os.environ
-        self.no_sdpa = "EXLLAMA_NO_SDPA" in os.environ
-        self.no_graphs = "EXLLAMA_NO_GRAPHS" in os.environ
+        opts = options()  # exllamav2 reads these from the environment; exlpy's one snapshot of it
+        self.no_flash_attn = opts.no_flash_attn
+        self.no_xformers = opts.no_xformers
+        self.no_sdpa = opts.no_sdpa
+        self.no_graphs = opts.no_graphs
         self.load_in_q4 = False
         self.max_dq_size = 512 * 1024**2
         # Compute dtype; None picks fp16 on CUDA and fp32 on the CPU (where fp16 matmuls are slow and lossy).

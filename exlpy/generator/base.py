@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
-from exlpy.generator.dynamic.scheduler import cache_rows_batch
+from exlpy.model.batch import cache_rows_batch
 
 
 class ExLlamaV2BaseGenerator:
@@ -72,7 +72,7 @@ class ExLlamaV2BaseGenerator:
         # Each row lives unpadded at the start of its own cache row, so positions equal cache indices and no
         # attention mask is needed: prompts are prefilled row by row, then all rows decode together with their
         # own lengths (ragged q_len-1 batch).
-        dev = self.model.modules[0].device
+        dev = self.model.strategy_for_forward().first_device
         self.cache.current_seq_len = 0
         for b, r in enumerate(rows):
             if lens[b] > 1:

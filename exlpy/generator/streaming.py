@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
-from exlpy.generator.dynamic.scheduler import cache_rows_batch
 from exlpy.generator.dynamic.stops import (
     Released,
     TextStream,
@@ -23,6 +22,7 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.model.batch import cache_rows_batch
 
 
 class ExLlamaV2StreamingGenerator:
@@ -128,7 +128,7 @@ class ExLlamaV2StreamingGenerator:
     def _prefill_cfg(self, ids: torch.Tensor) -> None:
         """CFG: positive and negative prompt in cache rows 0 and 1, each from position 0."""
         assert self.negative is not None
-        dev = self.model.modules[0].device
+        dev = self.model.strategy_for_forward().first_device
         for b, row in enumerate((ids[0], self.negative)):
             if row.numel() > 1:
                 self.model.forward_batch(row[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0],
@@ -146,7 +146,7 @@ class ExLlamaV2StreamingGenerator:
             return self.model.forward(seq[:, -1:], self.cache).float().cpu()
         ids = torch.stack([seq[0, -1:], self.negative[-1:]])
         batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
-                                 self.model.modules[0].device)
+                                 self.model.strategy_for_forward().first_device)
         return self.model.forward_batch(ids, batch).float().cpu()
 
     def set_seed(self, seed: int) -> None:

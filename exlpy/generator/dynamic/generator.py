@@ -22,7 +22,8 @@ import torch
 from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.scheduler import plan_prefill, skip_cached_pages
+from exlpy.model.batch import paged_batch
 
 
 class ExLlamaV2DynamicGenerator:
@@ -244,7 +245,7 @@ class ExLlamaV2DynamicGenerator:
             start, end = plan
             if end > start:
                 ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device())
+                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE)
                 self.model.forward_batch(ids, batch, preprocess_only=True)
                 self.prefill_tokens += end - start
                 for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
@@ -282,7 +283,7 @@ class ExLlamaV2DynamicGenerator:
         self.cached_tokens += n
 
     def _device(self) -> torch.device:
-        return self.model.modules[0].device
+        return self.model.strategy_for_forward().first_device
 
     def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
         """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
@@ -293,7 +294,7 @@ class ExLlamaV2DynamicGenerator:
             first.append(len(rows))
             rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
         ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-        batch = paged_batch(rows, self.cache, self._device())
+        batch = paged_batch(rows, self.cache, self._device(), PAGE_SIZE)
         logits = self.model.forward_batch(ids, batch, last_id_only=True)
         self.decode_tokens += len(rows)
         fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
