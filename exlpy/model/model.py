@@ -13,14 +13,15 @@ import torch
 from exlpy.cache.base import ExLlamaV2CacheBase
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.env import oom_guard
-from exlpy.errors import CacheTooSmallError, ModelStateError, SequenceLengthError
+from exlpy.errors import CacheTooSmallError, ModelStateError, NotSupportedError, SequenceLengthError
 from exlpy.model.batch import ForwardBatch, contiguous_batch
+from exlpy.model.compat_api import ModelCompatMixin
 from exlpy.model.layers import MLP, Attention, Embedding, Head, RMSNorm, RotaryTables
 from exlpy.model.module import Module
 from exlpy.parallel.p2p import safe_move_tensor
 
 
-class ExLlamaV2:
+class ExLlamaV2(ModelCompatMixin):
     """The model: its module list (embedding, attention/MLP per layer, final norm, head), where each module
     is loaded, and the forward pass. Nothing is loaded until one of the load methods runs."""
 
@@ -163,6 +164,8 @@ class ExLlamaV2:
         position_offsets, abort_event, cpu_logits. An out-of-memory becomes InsufficientVRAMError saying what to
         reduce.
         """
+        if isinstance(cache, (list, tuple)) or not self.FORWARD_KWARGS.issuperset(kwargs):
+            return self.forward_compat(input_ids, cache, *args, **kwargs)  # exlpy/model/compat_api.py
         with oom_guard("the forward pass"):
             return self._forward(input_ids, cache, *args, **kwargs)
 
@@ -174,7 +177,7 @@ class ExLlamaV2:
         if not self.loaded:
             raise ModelStateError("model is not loaded: call load(), load_autosplit() or load_tp() first")
         if loras:
-            raise ModelStateError("LoRA adapters are not supported by exlpy yet")
+            raise NotSupportedError("LoRA adapters are not supported by exlpy yet")
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         B, T = input_ids.shape
