@@ -147,3 +147,13 @@ class ExLlamaV2BaseGenerator:
         head = self._decode(prompt, decode_special_tokens)
         full = self._decode(prompt + toks, decode_special_tokens)
         return full[len(head):] if full.startswith(head) else self._decode(toks, decode_special_tokens)
+
+
+def __getattr__(name: str) -> Any:
+    # exllamav2's base-generator module also exposes ExLlamaV2Filter (formatron imports it from there); the
+    # class itself lives in exlpy.generator.filters, imported on first use.
+    if name == "ExLlamaV2Filter":
+        from exlpy.generator.filters import ExLlamaV2Filter
+
+        return ExLlamaV2Filter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
