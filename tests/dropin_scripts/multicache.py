@@ -5,7 +5,6 @@ import argparse
 import json
 
 import torch
-
 from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 from exllamav2.generator import ExLlamaV2Sampler
 
