@@ -8,7 +8,7 @@ one of exlpy's backends (tokenizer.json or tokenizer.model); hf.py and spm.py na
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from exlpy.tokenizer.backend import TokenizerBackend
@@ -69,8 +69,11 @@ class BackendTokenizerModel(ExLlamaV2TokenizerBase):
     """The interface over an exlpy backend. Like exllamav2's: `encode` recognises special-token text, `decode`
     leaves special tokens out, BOS/EOS/PAD come from the model config (so the *_id methods answer None)."""
 
-    def __init__(self, backend: TokenizerBackend) -> None:
+    def __init__(self, backend: TokenizerBackend, pieces: Callable[[], list[str]] | None = None) -> None:
+        """`pieces`: where enumerate_tokens() gets the decoded pieces (ExLlamaV2Tokenizer passes its own list, so
+        both agree and it is computed once); by default they are decoded here."""
         self.backend = backend
+        self._pieces_source = pieces
         self._raw = backend.raw_pieces()
         self._ids = {p: i for i, p in enumerate(self._raw) if p}
         self._special = {t.id for t in backend.added_tokens() if t.special}
@@ -106,6 +109,8 @@ class BackendTokenizerModel(ExLlamaV2TokenizerBase):
 
     def enumerate_tokens(self) -> Iterator[tuple[int, str]]:
         """(id, text) for every id: its text inside a longer text; special tokens as ''."""
+        if self.vocab is None and self._pieces_source is not None:
+            self.vocab = list(self._pieces_source())
         if self.vocab is None:
             added = {t.id: t for t in self.backend.added_tokens()}
             pieces = decoded_pieces(self.backend, self.vocab_size(), added)

@@ -61,8 +61,8 @@ class ExLlamaV2Tokenizer:
         self.backend = open_backend(model_dir, force_json, force_spm)
         # exllamav2's wrapper of the tokenizer library; integrations read it as `tokenizer.tokenizer`.
         self.tokenizer_model: BackendTokenizerModel = (
-            ExLlamaV2TokenizerHF(self.backend) if isinstance(self.backend, HFBackend)
-            else ExLlamaV2TokenizerSPM(self.backend))
+            ExLlamaV2TokenizerHF(self.backend, self.get_id_to_piece_list) if isinstance(self.backend, HFBackend)
+            else ExLlamaV2TokenizerSPM(self.backend, self.get_id_to_piece_list))
 
         self._added: dict[int, AddedToken] = {t.id: t for t in self.backend.added_tokens()}
         self.extended_piece_to_id = {t.content: t.id for t in self._added.values() if t.special}
