@@ -163,7 +163,8 @@ def test_tokenizer_backend_object_and_tables() -> None:
     assert m.vocab_size() == tok.get_vocab_size() == 49152 and m.hf_tokenizer.get_vocab_size() == 49152
     assert m.space_char() == "Ġ" and m.newline_char() == "Ċ" and m.bos_id() is None and tok.unk_token_id is None
     hello = tok.encode("Hello")[0].tolist()
-    assert m.id_to_piece(hello[0]) == "Hello" and m.piece_to_id("Hello") == hello[0] and m.piece_to_id("no such piece \u2603") is None
+    assert m.id_to_piece(hello[0]) == "Hello" and m.piece_to_id("Hello") == hello[0]
+    assert m.piece_to_id("no such piece \u2603") is None
     assert m.encode("<|im_start|>Hi") == tok.encode_special("<|im_start|>Hi") == [1, tok.single_id("Hi")]
     assert tok.encode_unspecial("<|im_start|>")[0] != 1 and m.decode([1] + hello) == "Hello"
     vocab = dict(m.enumerate_tokens())
