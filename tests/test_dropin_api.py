@@ -60,9 +60,11 @@ def test_rope_attributes_read_config_json_and_validate(tmp_path: Path) -> None:
         c.scale_long_factor = [1.0]
     with pytest.raises(ConfigError, match="positive number"):
         c.yarn_rope_factor = -2
-    c.alt_rope_method = "llama3"
+    c.alt_rope_method = "llama3"  # scripts set the method first, then its values: not an error yet...
+    model = ExLlamaV2(c)
+    model.load(device="cpu")
     with pytest.raises(ConfigError, match="config.l3_rope_factor, .* is not set"):
-        _ = c.spec
+        model.forward(torch.zeros(1, 3, dtype=torch.long))  # ...until the RoPE tables are built from it
     c.prepare()  # idempotent: does not reset settings
 
 

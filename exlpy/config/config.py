@@ -63,7 +63,7 @@ class ExLlamaV2Config(RuntimeSettings):
         self.fasttensors = False  # deprecated no-op in exllamav2 too
         # Compute dtype; None picks fp16 on CUDA and fp32 on the CPU (where fp16 matmuls are slow and lossy).
         self.dtype: torch.dtype | None = None
-        self.spec = None
+        self._set_base_spec(None)
         self.index: SafetensorsIndex | None = None
         self.generation_config: dict[str, list[int]] = {}
         self.prepared = False
@@ -89,7 +89,7 @@ class ExLlamaV2Config(RuntimeSettings):
         if self.model_dir is None:
             raise ConfigError("ExLlamaV2Config.model_dir is not set")
         spec, gen_eos = load_spec(self.model_dir)
-        self.spec = spec
+        self._set_base_spec(spec)
         self.generation_config = {"eos_token_id": gen_eos}
         self.max_seq_len = spec.max_position_embeddings
         self.original_max_seq_len = spec.max_position_embeddings

@@ -2,9 +2,9 @@
 
 exllamav2 scripts change RoPE by assigning config attributes after `prepare()` (`alt_rope_method`,
 `yarn_rope_factor`, `l3_rope_*`, `rotary_embedding_base`, ...). Here those attributes are views of one
-override table; `config.spec` (what the model reads) is config.json's spec with the overrides applied, so an
-assignment changes the RoPE tables the next load builds. Changing them while a model built on this config is
-loaded raises ModelStateError instead of being ignored (the tables already exist on the devices).
+override table; each assignment rebuilds `config.spec` (what the model reads) as config.json's spec with the
+overrides applied, so it changes the RoPE tables the next load builds. Changing them while a model built on
+this config is loaded raises ModelStateError instead of being ignored (the tables already exist on the devices).
 """
 
 from __future__ import annotations
@@ -67,27 +67,22 @@ class RuntimeSettings:
     def _init_runtime(self) -> None:
         self._base_spec = None
         self._rope_overrides = {}
-        self._effective: ModelSpec | None = None
+        self.spec: ModelSpec | None = None
         # Models built on this config that are loaded: their RoPE tables exist, so RoPE settings are frozen.
         self._loaded_models: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # --- the spec the model reads -----------------------------------------------------------------------------
-    @property
-    def spec(self) -> ModelSpec | None:
-        """config.json's architecture, with the RoPE attributes set on this object applied."""
-        if self._base_spec is None or not self._rope_overrides:
-            return self._base_spec
-        if self._effective is None:
-            self._effective = dataclasses.replace(self._base_spec, rope_theta=self.rotary_embedding_base,
-                                                  rope_scaling=self._scaling())
-        return self._effective
-
-    @spec.setter
-    def spec(self, value: ModelSpec | None) -> None:
-        # prepare() re-reads config.json: like exllamav2, it resets every RoPE attribute to the file's values.
-        self._base_spec = value
+    # `spec` stays a plain attribute (modules read it on every forward): each RoPE assignment rebuilds it.
+    def _set_base_spec(self, spec: ModelSpec | None) -> None:
+        """prepare() read config.json: like exllamav2's, it resets every RoPE attribute to the file's values."""
+        self._base_spec = spec
         self._rope_overrides = {}
-        self._effective = None
+        self.spec = spec
+
+    def _refresh_spec(self) -> None:
+        base = self._base_spec
+        if base is not None:
+            self.spec = dataclasses.replace(base, rope_theta=self.rotary_embedding_base, rope_scaling=self._scaling())
 
     def _scaling(self) -> RopeScaling:
         base = self._base_spec
@@ -99,8 +94,10 @@ class RuntimeSettings:
         fields = {f: getattr(self, a) for a, (k, f) in SCALING_ATTRS.items() if k == method}
         missing = [a for a, (k, f) in SCALING_ATTRS.items() if k == method and fields[f] is None]
         if missing:
-            raise ConfigError(f"config.alt_rope_method is {method!r} but {', '.join('config.' + m for m in missing)} "
-                              "is not set")
+            # Scripts set the method and its values one by one: an incomplete setting is only an error if the
+            # RoPE tables are built from it (rope.py raises this message then).
+            return RopeScaling("invalid", problem=f"config.alt_rope_method is {method!r} but "
+                                                  f"{', '.join('config.' + m for m in missing)} is not set")
         keep = base.rope_scaling if base.rope_scaling.kind == method else RopeScaling(method)
         return dataclasses.replace(keep, kind=method, **fields)
 
@@ -114,11 +111,7 @@ class RuntimeSettings:
             setattr(self, "_" + name, value)  # plain values, read by the RoPE tables directly
             return
         self._rope_overrides[name] = value
-        self._effective = None
-
-    def _check_rope_settings(self) -> None:
-        """Raise now (not at the first forward pass) if the RoPE attributes do not form a valid setting."""
-        _ = self.spec
+        self._refresh_spec()
 
     # --- attributes ------------------------------------------------------------------------------------------
     @property
