@@ -112,6 +112,12 @@ def test_forward_with_a_list_of_caches() -> None:
     assert logits.shape == (3, 2, 512) and state.shape == (3, 2, model.config.hidden_size)
     assert rel_err(logits, expect) <= 1e-5
     assert [c.current_seq_len for c in caches] == [7, 11, 5]
+    one = torch.randint(0, 512, (3, 1), generator=g)  # decode steps (CUDA-graph replays on a GPU)
+    for _ in range(2):
+        got = model.forward(one, caches)
+        want = torch.cat([model.forward(one[i:i + 1], refs[i]) for i in range(3)])
+        assert rel_err(got, want) <= 1e-3
+    assert [c.current_seq_len for c in caches] == [9, 13, 7]
     with pytest.raises(CacheError, match="2 caches for 3 input rows"):
         model.forward(step, caches[:2])
     with pytest.raises(CacheError, match="appears twice"):
