@@ -1,0 +1,149 @@
+"""Damaged weights: every safetensors defect is a WeightsError naming the file (and the tensor where there is
+one); non-finite weights are refused at load naming the tensor; odd directory names load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Config
+from exlpy.errors import WeightsError
+from exlpy.weights.safetensors_index import SafetensorsIndex
+from tests.hf_models import make_hf_model
+
+GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+TWO = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+       "b": {"dtype": "F16", "shape": [2, 2], "data_offsets": [8, 16]}}
+
+
+def _write(path: Path, header: dict | bytes, data: bytes, hlen: bytes | None = None) -> Path:
+    hb = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes((hlen if hlen is not None else struct.pack("<Q", len(hb))) + hb + data)
+    return path
+
+
+def _entry(**changes: object) -> dict:
+    return {"a": {**GOOD["a"], **changes}}
+
+
+# (header, data, header-length override, words the message must hold, tensor named)
+CASES: dict[str, tuple[dict | bytes, bytes, bytes | None, str, str | None]] = {
+    "trailing_byte": (GOOD, b"\0" * 9, None, "trailing bytes", None),
+    "header_length_minus_1": (GOOD, b"\0" * 8, struct.pack("<q", -1), "header length -1", None),
+    "header_length_past_end": (GOOD, b"\0" * 8, struct.pack("<Q", 10**6), "header length 1000000", None),
+    "overlapping_offsets": ({**TWO, "b": {**TWO["b"], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlaps",
+                            "b"),
+    "gapped_offsets": ({**TWO, "b": {**TWO["b"], "data_offsets": [12, 20]}}, b"\0" * 20, None, "gap", "b"),
+    "metadata_not_string": ({"__metadata__": {"format": 5}, **GOOD}, b"\0" * 8, None, "__metadata__", None),
+    "metadata_not_object": ({"__metadata__": [1], **GOOD}, b"\0" * 8, None, "__metadata__", None),
+    "float_shape": (_entry(shape=[2.0]), b"\0" * 8, None, "shape", "a"),
+    "negative_shape": (_entry(shape=[-2, -1]), b"\0" * 8, None, "shape", "a"),
+    "bool_shape": (_entry(shape=[True, 2]), b"\0" * 8, None, "shape", "a"),
+    "dtype_list": (_entry(dtype=["F32"]), b"\0" * 8, None, "dtype", "a"),
+    "dtype_unknown": (_entry(dtype="F7"), b"\0" * 8, None, "unsupported dtype", "a"),
+    "offsets_float": (_entry(data_offsets=[0.0, 8.0]), b"\0" * 8, None, "data_offsets", "a"),
+    "offsets_three": (_entry(data_offsets=[0, 4, 8]), b"\0" * 8, None, "data_offsets", "a"),
+    "offsets_reversed": (_entry(data_offsets=[8, 0]), b"\0" * 8, None, "size mismatch", "a"),
+    "size_mismatch": (_entry(shape=[3]), b"\0" * 8, None, "size mismatch", "a"),
+    "entry_not_object": ({"a": [1, 2]}, b"", None, "expected an object", "a"),
+    "entry_missing_key": ({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None, "missing", "a"),
+    "header_is_list": (b"[1, 2]", b"", None, "not an object", None),
+    "header_not_utf8": (b"{\xff\xfe}", b"", None, "not JSON", None),
+    "deep_nesting": (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", None, "nested too deeply", None),
+    "huge_int": (b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}', b"\0" * 8,
+                 None, "not JSON", None),
+    "data_past_end": (_entry(shape=[4], data_offsets=[0, 16]), b"\0" * 8, None, "past the end", None),
+    "empty_file": (b"", b"", b"", "truncated", None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_damaged_header_is_weights_error(tmp_path: Path, name: str) -> None:
+    header, data, hlen, words, tensor = CASES[name]
+    f = _write(tmp_path / "model.safetensors", header, data, hlen)
+    with pytest.raises(WeightsError) as e:
+        SafetensorsIndex(str(tmp_path))
+    msg = str(e.value)
+    assert words in msg and str(f) in msg  # what is wrong, and which file
+    assert e.value.file == str(f)
+    if tensor is not None:
+        assert e.value.tensor == tensor and f"tensor: {tensor}" in msg
+
+
+def test_valid_hand_written_header_reads(tmp_path: Path) -> None:
+    """The checks accept what the format allows: metadata strings, zero-sized tensors, any entry order."""
+    header = {"__metadata__": {"format": "pt"}, "z": {"dtype": "F16", "shape": [0, 4], "data_offsets": [8, 8]},
+              **{k: TWO[k] for k in ("b", "a")}}
+    data = torch.tensor([1.5, -2.0]).numpy().tobytes() + torch.tensor([1, 2, 3, 4], dtype=torch.float16).numpy(
+    ).tobytes()
+    _write(tmp_path / "x.safetensors", header, data)
+    idx = SafetensorsIndex(str(tmp_path))
+    assert idx.get("a").tolist() == [1.5, -2.0]
+    assert idx.get("b").tolist() == [[1, 2], [3, 4]] and idx.get("z").shape == (0, 4)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_named_safetensors_does_not_hang(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "model.safetensors")
+    old = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("reading a FIFO hung"))
+    signal.alarm(10)
+    try:
+        with pytest.raises(WeightsError, match="not a regular file") as e:
+            SafetensorsIndex(str(tmp_path))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert "model.safetensors" in str(e.value)
+
+
+def test_directory_named_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(WeightsError, match="not a regular file"):
+        SafetensorsIndex(str(tmp_path))
+
+
+def test_model_dir_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(WeightsError, match="cannot list") as e:
+        SafetensorsIndex(str(tmp_path / "f"))
+    assert str(tmp_path / "f") in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bw") / "m"
+    make_hf_model(d, "llama")
+    return d
+
+
+@pytest.mark.parametrize("dirname", ["llama[v2]", "m*?", "a b{1,2}"])
+def test_directory_name_with_glob_characters_loads(hf_dir: Path, tmp_path: Path, dirname: str) -> None:
+    d = tmp_path / dirname
+    shutil.copytree(hf_dir, d)
+    (d / "._model.safetensors").write_bytes(b"\0" * 4)  # a macOS resource fork is not a shard
+    model = ExLlamaV2(ExLlamaV2Config(str(d)))
+    model.load()
+    logits = model.forward(torch.randint(0, 320, (1, 5)))
+    assert logits.shape == (1, 5, 320) and torch.isfinite(logits).all()
+
+
+def test_tensor_data_replaced_after_header_read(hf_dir: Path, tmp_path: Path) -> None:
+    """The file is swapped for a FIFO between reading headers and loading: still a typed error."""
+    d = tmp_path / "m"
+    shutil.copytree(hf_dir, d)
+    config = ExLlamaV2Config(str(d))
+    f = next(p for p in d.iterdir() if p.suffix == ".safetensors")
+    f.unlink()
+    os.mkfifo(f) if hasattr(os, "mkfifo") else f.mkdir()
+    with pytest.raises(WeightsError, match="not a regular file") as e:
+        ExLlamaV2(config).load()
+    assert str(f) in str(e.value)
+
+
