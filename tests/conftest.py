@@ -33,3 +33,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (vocab 320, 2 layers, fp32) written once per session; copy it before damaging it."""
+    from tests.hf_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("tiny_llama") / "m"
+    make_hf_model(d, "llama")
+    return d

@@ -16,7 +16,6 @@ import torch
 from exlpy import ExLlamaV2, ExLlamaV2Config
 from exlpy.errors import WeightsError
 from exlpy.weights.safetensors_index import SafetensorsIndex
-from tests.hf_models import make_hf_model
 
 GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
 TWO = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
@@ -116,11 +115,9 @@ def test_model_dir_not_a_directory(tmp_path: Path) -> None:
     assert str(tmp_path / "f") in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("bw") / "m"
-    make_hf_model(d, "llama")
-    return d
+@pytest.fixture
+def hf_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir
 
 
 @pytest.mark.parametrize("dirname", ["llama[v2]", "m*?", "a b{1,2}"])

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from exlpy.cache.checks import check_cache_args
 from exlpy.errors import ModelStateError
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ class ExLlamaV2CacheBase:
     def __init__(self, model: ExLlamaV2, batch_size: int = 1, max_seq_len: int = -1,
                  copy_from: ExLlamaV2CacheBase | None = None, lazy: bool = False,
                  num_key_value_heads: int | None = None, fixed_device: str | torch.device | None = None) -> None:
+        batch_size, max_seq_len, num_key_value_heads = check_cache_args(model, batch_size, max_seq_len,
+                                                                        num_key_value_heads)
         cfg = model.config
         self.model = model
         self.batch_size = batch_size

@@ -17,6 +17,7 @@ from exlpy.errors import CacheTooSmallError, ModelStateError, SequenceLengthErro
 from exlpy.model.batch import ForwardBatch, contiguous_batch
 from exlpy.model.layers import MLP, Attention, Embedding, Head, RMSNorm, RotaryTables
 from exlpy.model.module import Module
+from exlpy.model.validate import check_forward, check_load_device
 from exlpy.parallel.p2p import safe_move_tensor
 
 
@@ -26,6 +27,7 @@ class ExLlamaV2:
 
     def __init__(self, config: ExLlamaV2Config, lazy_load: bool = False) -> None:
         config.prepare()
+        config.check_settings()
         self.config = config
         self.rotary = RotaryTables(config)
         self.modules: list[Module] = [Embedding(config)]
@@ -53,6 +55,7 @@ class ExLlamaV2:
     def _check_not_loaded(self) -> None:
         if self.loaded:
             raise ModelStateError("model is already loaded; call model.unload() before loading again")
+        self.config.check_settings()
 
     def load(self, gpu_split: list[float] | None = None, lazy: bool = False, stats: bool = False,
              callback: Callable[[int, int], None] | None = None,
@@ -74,7 +77,7 @@ class ExLlamaV2:
         self._check_not_loaded()
         if device is not None:
             for i in range(len(self.modules)):
-                self.place_module(i, torch.device(device))
+                self.place_module(i, check_load_device(device))
             self.loaded = True
             return
         yield from load_split_gen(self, gpu_split, callback, callback_gen, progress, lazy=lazy)
@@ -175,8 +178,7 @@ class ExLlamaV2:
             raise ModelStateError("model is not loaded: call load(), load_autosplit() or load_tp() first")
         if loras:
             raise ModelStateError("LoRA adapters are not supported by exlpy yet")
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
+        input_ids = check_forward(self, input_ids, cache)
         B, T = input_ids.shape
         cfg = self.config
         dev = self.modules[0].device
@@ -231,12 +233,12 @@ class ExLlamaV2:
             batch.rope_positions = _offset(batch.positions, offsets)
             r = self._run(ids[:, pos:pos + n], batch, preprocess_only or not last and last_id_only,
                           last_id_only, return_last_state, cpu_logits)
-            cache.current_seq_len = cur + n
             if return_last_state and r is not None:
                 r, last_state = r
             if r is not None:
                 outputs.append(r)
             pos += n
+        cache.current_seq_len = past + T  # only once every chunk ran: a failed forward leaves the cache as it was
         if preprocess_only:
             return None
         logits = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
