@@ -23,6 +23,7 @@ from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.validate import check_job_vocab
 
 
 class ExLlamaV2DynamicGenerator:
@@ -81,13 +82,23 @@ class ExLlamaV2DynamicGenerator:
 
     def enqueue(self, job: ExLlamaV2DynamicJob | list[ExLlamaV2DynamicJob]) -> int | list[int]:
         if isinstance(job, list):
-            return [self.enqueue(j) for j in job]  # type: ignore[misc]
+            done: list[ExLlamaV2DynamicJob] = []
+            try:
+                for j in job:
+                    self.enqueue(j)
+                    done.append(j)
+            except Exception:
+                for j in done:  # all or nothing: no orphan jobs left running for a caller that got an error
+                    self.cancel(j)
+                raise
+            return [j.serial for j in done]  # type: ignore[misc]
         if not isinstance(job, ExLlamaV2DynamicJob):
             raise GeneratorError(f"enqueue() takes an ExLlamaV2DynamicJob (or a list of them), got "
                                  f"{type(job).__name__}")
         if job.serial is not None:
             raise GeneratorError(f"job was already enqueued (serial {job.serial}); create a new job to run the "
                                  "prompt again")
+        check_job_vocab(job.all_input_ids, self.model.config.vocab_size)
         with self._lock:
             serial = self.next_serial
             job.prepare(self, serial)
@@ -176,18 +187,22 @@ class ExLlamaV2DynamicGenerator:
                 if job.skips >= job.max_skips:
                     break  # skipped too often: later jobs may not overtake it any more
                 continue
-            reused = 0
-            for q in job.seqs:
-                q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
-                reused += n
             for other in self.pending:
                 if other is job:
                     break
                 other.skips += 1
             self.pending.remove(job)
             self.active.append(job)
-            job.start(reused)
-            results.append(job.base_result("started"))
+            # A job that cannot start (its filters' begin() raises...) ends with an error result, pages freed.
+            self._guard(job, results, lambda j=job: self._start(j, results))
+
+    def _start(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
+        reused = 0
+        for q in job.seqs:
+            q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
+            reused += n
+        job.start(reused)
+        results.append(job.base_result("started"))
 
     def iterate(self) -> list[dict[str, Any]]:
         """Advance every job by one step; returns the results produced (see the module docstring)."""
@@ -200,17 +215,26 @@ class ExLlamaV2DynamicGenerator:
             decoding = [j for j in self.active if j.is_prefilled()]
             if decoding:
                 try:
-                    greedy, logits = self._decode_step(decoding)
+                    groups = [(decoding, self._decode_step(decoding))]
                 except Exception as e:
                     if len(decoding) == 1:
                         self._fail(decoding[0], e, results)
                         return results
-                    raise
-                for i, job in enumerate(decoding):
-                    if i in greedy:
-                        self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
-                    else:
-                        self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
+                    # One job's row broke the batched step: run each job alone (rewriting the same K/V slots),
+                    # so only the job that fails on its own ends, with an error result.
+                    groups = []
+                    for job in decoding:
+                        try:
+                            groups.append(([job], self._decode_step([job])))
+                        except Exception as e1:
+                            self._fail(job, e1, results)
+                for jobs, (greedy, logits) in groups:
+                    for i, job in enumerate(jobs):
+                        if i in greedy:
+                            self._guard(job, results,
+                                        lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
+                        else:
+                            self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
             return results
 
     def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
@@ -375,6 +399,9 @@ class ExLlamaV2DynamicGenerator:
                 completions[i] += r.get("text", "")
                 if r["eos"]:
                     if "error" in r:
+                        for j in jobs:  # the call fails as a whole: its other jobs stop and free their pages
+                            if not j.finished:
+                                self.cancel(j)
                         raise r["error"]
                     last[i] = r
         texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c
