@@ -4,6 +4,7 @@ one); non-finite weights are refused at load naming the tensor; odd directory na
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import torch
 from exlpy import ExLlamaV2, ExLlamaV2Config
 from exlpy.errors import WeightsError
 from exlpy.weights.safetensors_index import SafetensorsIndex
+from tests.conftest import shared_path
 
 GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
 TWO = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
@@ -144,3 +146,129 @@ def test_tensor_data_replaced_after_header_read(hf_dir: Path, tmp_path: Path) ->
     assert str(f) in str(e.value)
 
 
+
+
+def _poison(src: Path, dst: Path, edits: dict[str, tuple[tuple[int, ...], float]], dtype: torch.dtype | None = None
+            ) -> Path:
+    """Copy a model directory, setting single values of named tensors (name -> (index, value))."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for f in [p for p in dst.iterdir() if p.suffix == ".safetensors" and p.name != "reference.safetensors"]:
+        with safe_open(str(f), "pt") as h:
+            tensors = {n: h.get_tensor(n) for n in h.keys()}
+        hit = False
+        for name, (idx, value) in edits.items():
+            if name in tensors:
+                t = tensors[name].clone() if dtype is None else tensors[name].to(dtype)
+                t[idx] = value
+                tensors[name], hit = t, True
+        if hit:
+            f.unlink()
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+NONFINITE: dict[str, tuple[str, tuple[int, ...], float]] = {
+    "embedding_nan": ("model.embed_tokens.weight", (7, 3), math.nan),
+    "q_proj_nan": ("model.layers.0.self_attn.q_proj.weight", (5, 1), math.nan),
+    "down_proj_inf": ("model.layers.1.mlp.down_proj.weight", (0, 0), math.inf),
+    "norm_neg_inf": ("model.layers.1.input_layernorm.weight", (4,), -math.inf),
+    "final_norm_nan": ("model.norm.weight", (0,), math.nan),
+    "lm_head_nan": ("lm_head.weight", (300, 63), math.nan),
+}
+
+
+@pytest.mark.parametrize("case", list(NONFINITE))
+def test_nonfinite_dense_weight_named(hf_dir: Path, tmp_path: Path, case: str) -> None:
+    name, idx, value = NONFINITE[case]
+    d = _poison(hf_dir, tmp_path / "m", {name: (idx, value)})
+    model = ExLlamaV2(ExLlamaV2Config(str(d)))
+    with pytest.raises(WeightsError, match="non-finite") as e:
+        model.load(device="cpu")
+    assert e.value.tensor == name and f"index {list(idx)}" in str(e.value)
+    assert e.value.file is not None and e.value.file.endswith(".safetensors")
+
+
+def test_nonfinite_bias_named(tmp_path: Path) -> None:
+    from tests.hf_models import make_hf_model
+
+    src = tmp_path / "q"
+    make_hf_model(src, "qwen2")
+    name = "model.layers.0.self_attn.k_proj.bias"
+    d = _poison(src, tmp_path / "m", {name: ((3,), math.nan)})
+    with pytest.raises(WeightsError, match="non-finite") as e:
+        ExLlamaV2(ExLlamaV2Config(str(d))).load(device="cpu")
+    assert e.value.tensor == name
+
+
+def test_fp32_value_past_fp16_range_is_named_with_dtype_hint(hf_dir: Path, tmp_path: Path) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    d = _poison(hf_dir, tmp_path / "m", {name: ((2, 2), 1e6)})
+    config = ExLlamaV2Config(str(d))
+    config.dtype = torch.float16
+    with pytest.raises(WeightsError, match="became inf in torch.float16") as e:
+        ExLlamaV2(config).load(device="cpu")
+    assert e.value.tensor == name
+    config.dtype = torch.float32  # the value is finite in fp32: loads
+    m = ExLlamaV2(config)
+    m.load(device="cpu")
+    assert torch.isfinite(m.forward(torch.tensor([[1, 2, 3]]))).all()
+
+
+@pytest.mark.parametrize("layer, value", [(0, math.nan), (1, math.inf)])
+def test_nonfinite_exl2_q_scale_max_named(tmp_path: Path, layer: int, value: float) -> None:
+    name = f"model.layers.{layer}.self_attn.q_proj.q_scale_max"
+    d = _poison(shared_path("models", "tiny-llama-exl2-4.0"), tmp_path / "m", {name: ((0,), value)})
+    with pytest.raises(WeightsError, match="non-finite") as e:
+        ExLlamaV2(ExLlamaV2Config(str(d))).load(device="cpu")
+    assert e.value.tensor == name and e.value.file.endswith("output.safetensors")
+
+
+def test_nonfinite_gptq_scales_named(tmp_path: Path) -> None:
+    from tests.test_gptq import _write_models
+
+    qdir, _ = _write_models(tmp_path, v2=False)
+    name = "model.layers.1.mlp.gate_proj.scales"
+    d = _poison(qdir, tmp_path / "m", {name: ((0, 5), math.nan)})
+    with pytest.raises(WeightsError, match="non-finite") as e:
+        ExLlamaV2(ExLlamaV2Config(str(d))).load(device="cpu")
+    assert e.value.tensor == name
+
+
+def test_weight_checks_can_be_skipped(hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _poison(hf_dir, tmp_path / "m", {"model.norm.weight": ((0,), math.nan)})
+    monkeypatch.setenv("EXLPY_SKIP_WEIGHT_CHECKS", "1")
+    m = ExLlamaV2(ExLlamaV2Config(str(d)))
+    m.load(device="cpu")  # the user asked for it: loads, and the NaN shows in the logits
+    assert torch.isnan(m.forward(torch.tensor([[1, 2]]))).all()
+
+
+def test_module_checks_sync_once_per_module() -> None:
+    """Inside module_checks() the sums are only read at the end, in one stack: count the host reads."""
+    from exlpy.weights import checks
+
+    class Index:
+        tensors: dict = {}
+        model_dir = "m"
+
+    reads = {"n": 0}
+    real = checks.verify
+
+    def counting(pending: list) -> None:
+        reads["n"] += 1
+        real(pending)
+
+    checks.verify = counting  # type: ignore[assignment]
+    try:
+        with checks.module_checks():
+            for i in range(5):
+                checks.landed(Index(), f"t{i}", torch.randn(10))
+        assert reads["n"] == 1
+        with pytest.raises(WeightsError, match="tensor: t3"):
+            with checks.module_checks():
+                for i in range(5):
+                    checks.landed(Index(), f"t{i}", torch.full((4,), math.nan) if i == 3 else torch.randn(4))
+    finally:
+        checks.verify = real  # type: ignore[assignment]

@@ -14,6 +14,7 @@ from exlpy.model.batch import ForwardBatch
 from exlpy.model.fusion import FusedDense, FusedQuant, add_linear, fuse_linears
 from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
+from exlpy.weights.checks import landed
 
 
 class RotaryTables:
@@ -44,8 +45,9 @@ class Embedding(Module):
 
     def load(self, device: torch.device) -> None:
         s = self.spec
-        self.weight = self.index.get("model.embed_tokens.weight", shape=(s.vocab_size, s.hidden_size)).to(
-            device=device, dtype=self.dtype(device))
+        self.weight = landed(self.index, "model.embed_tokens.weight", self.index.get(
+            "model.embed_tokens.weight", shape=(s.vocab_size, s.hidden_size)).to(device=device,
+                                                                                 dtype=self.dtype(device)))
         self.device = device
 
     def unload(self) -> None:
@@ -79,7 +81,8 @@ class RMSNorm(Module):
 
 def load_norm(m: Module, key: str, device: torch.device, size: int | None = None) -> torch.Tensor:
     size = size or m.spec.hidden_size
-    return m.index.get(f"{key}.weight", shape=(size,)).to(device=device, dtype=m.dtype(device))
+    return landed(m.index, f"{key}.weight", m.index.get(f"{key}.weight", shape=(size,)).to(device=device,
+                                                                                         dtype=m.dtype(device)))
 
 
 class Attention(Module):

@@ -19,6 +19,7 @@ from exlpy.model.layers import MLP, Attention, Embedding, Head, RMSNorm, RotaryT
 from exlpy.model.module import Module
 from exlpy.model.validate import check_forward, check_load_device
 from exlpy.parallel.p2p import safe_move_tensor
+from exlpy.weights.checks import module_checks
 
 
 class ExLlamaV2:
@@ -118,7 +119,7 @@ class ExLlamaV2:
         """Load module `idx` on `device`; attention layers also get their cache tensors there."""
         m = self.modules[idx]
         self._graphs = None  # captured graphs hold weight and cache addresses
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), module_checks():
             m.load(device)
         if isinstance(m, Attention):
             self.cache_map[m.layer_idx] = device
