@@ -118,7 +118,16 @@ def cos_sin_table(head_dim: int, theta: float, scaling: RopeScaling, alpha: floa
     as_positive_float(scale_pos_emb, "scale_pos_emb", "ExLlamaV2Config")
     as_positive_float(alpha, "scale_alpha_value", "ExLlamaV2Config")
     as_int(max_seq_len, "max_seq_len", "ExLlamaV2Config", 1, MAX_POSITIONS, strict=True)
+    if alpha != 1.0 and head_dim <= 2:
+        raise ConfigError(f"ExLlamaV2Config: scale_alpha_value {alpha} needs head_dim > 2 (NTK scaling divides by "
+                          f"head_dim - 2), got head_dim {head_dim}")
     f, attn_factor = inv_freq(head_dim, theta, scaling, alpha, max_seq_len)
+    # Values that each pass their own check can still combine into overflow (rope_theta 1e-300: frequencies of
+    # 1e300, beyond fp32): refuse NaN/inf tables instead of producing NaN logits.
+    top = (max_seq_len - 1) / scale_pos_emb * float(f.abs().max())
+    if not (bool(torch.isfinite(f).all()) and math.isfinite(attn_factor) and math.isfinite(top) and top < 3e38):
+        raise ConfigError(f"RoPE settings give non-finite rotary angles (rope_theta {theta}, {scaling}, "
+                          f"scale_alpha_value {alpha}, scale_pos_emb {scale_pos_emb}, max_seq_len {max_seq_len})")
     t = torch.arange(max_seq_len, dtype=torch.float32) / scale_pos_emb
     freqs = torch.outer(t, f)
     emb = torch.cat((freqs, freqs), dim=-1)

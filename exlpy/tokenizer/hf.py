@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 from exlpy.errors import TokenizerError
-from exlpy.tokenizer.backend import AddedToken, check_added_ids, extra_added_tokens, read_json
+from exlpy.tokenizer.backend import MAX_ID_GAP, AddedToken, check_added_ids, extra_added_tokens, read_json
 
 
 class HFBackend:
@@ -28,7 +28,12 @@ class HFBackend:
         self.tk.no_truncation()
         added = {i: AddedToken(i, t.content, bool(t.special))
                  for i, t in self.tk.get_added_tokens_decoder().items()}
-        base_size = len(self.tk.get_vocab(with_added_tokens=False))
+        base = self.tk.get_vocab(with_added_tokens=False)
+        base_size = len(base)
+        top = max(base.values(), default=-1)
+        if top >= base_size + MAX_ID_GAP:  # raw_pieces() sizes a table by the largest id
+            raise TokenizerError(f"tokenizer.json: vocabulary id {top} is far beyond its {base_size} pieces (ids may "
+                                 f"exceed the piece count by at most {MAX_ID_GAP}): {path}")
         check_added_ids(list(added.values()), base_size, path)
         for t in extra_added_tokens(model_dir, base_size):
             added.setdefault(t.id, t)
