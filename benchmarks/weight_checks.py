@@ -85,6 +85,7 @@ def main() -> None:
     import exlpy.quant.exl2  # noqa: F401 - so the timing wrapper reaches the quantized loaders too
     import exlpy.quant.gptq  # noqa: F401
 
+    load_avg = os.getloadavg()
     load_once(a.model, a.device, True)  # warm the page cache and imports
     on, off, inside, nbytes = [], [], [], 0
     for _ in range(n):
@@ -102,7 +103,8 @@ def main() -> None:
         f"- device: {dev}, torch {torch.__version__}",
         f"- command: `python {' '.join(sys.argv)}`",
         f"- model: `{a.model}`; floating tensors checked: {nbytes / 1e6:.1f} MB (in their loaded dtype)",
-        f"- loads: {n} with the check and {n} without, alternating",
+        f"- loads: {n} with the check and {n} without, alternating; load average before: "
+        f"{' '.join(f'{x:.1f}' for x in load_avg)} (a shared machine)",
         "",
         "| | median load (s) | all loads (s) |",
         "|---|---|---|",

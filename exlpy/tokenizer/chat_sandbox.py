@@ -170,10 +170,13 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         return "".join(texts)
 
 
-def render_limited(template: Any, variables: dict[str, Any], max_steps: int = MAX_STEPS,
-                   max_seconds: float = MAX_SECONDS, max_output: int = MAX_OUTPUT_CHARS) -> str:
-    """Render a template compiled by ChatSandbox within the limits (TemplateLimitError past any of them)."""
-    token = _budget.set(_Budget(max_steps, max_seconds))
+def render_limited(template: Any, variables: dict[str, Any], max_steps: int | None = None,
+                   max_seconds: float | None = None, max_output: int | None = None) -> str:
+    """Render a template compiled by ChatSandbox within the limits (TemplateLimitError past any of them);
+    None takes the module's limit."""
+    max_output = MAX_OUTPUT_CHARS if max_output is None else max_output
+    token = _budget.set(_Budget(MAX_STEPS if max_steps is None else max_steps,
+                                MAX_SECONDS if max_seconds is None else max_seconds))
     try:
         out: list[str] = []
         total = 0
