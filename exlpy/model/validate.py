@@ -2,7 +2,8 @@
 
 Bad arguments would otherwise fail deep inside torch (an IndexError from the embedding for an id past the
 vocabulary, a device-side assert on CUDA), be silently truncated (float ids), or write past the RoPE tables.
-Each check costs a few microseconds: the ids' min and max are read in one go.
+Each check costs a few microseconds: the ids' min and max are read in one go, for ids on the host (ids already
+on a GPU are not read, which would cost a sync per decode step).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def check_ids(input_ids: Any, vocab_size: int, what: str = "input_ids") -> torch
         raise InputError(f"{what} has a batch of 0 rows (shape {tuple(ids.shape)}); pass at least one sequence")
     if ids.shape[1] == 0:
         raise InputError(f"{what} holds no tokens (shape {tuple(ids.shape)})")
+    if ids.device.type != "cpu":
+        # Ids already on a GPU are the model's own picks (a decode loop's argmax): reading them would add a
+        # host sync to every step, so only host ids (the tokenizer's, the user's) are range-checked.
+        return ids
     lo, hi = (int(v) for v in torch.aminmax(ids))
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
