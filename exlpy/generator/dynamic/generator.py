@@ -22,7 +22,7 @@ import torch
 from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.scheduler import decode_step, paged_batch, plan_prefill, skip_cached_pages
 from exlpy.generator.dynamic.validate import check_job_vocab
 
 
@@ -309,33 +309,10 @@ class ExLlamaV2DynamicGenerator:
         return self.model.modules[0].device
 
     def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
-        """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
-        are reduced to their argmax on the device; only the other jobs' logits travel to the CPU for the
-        sampler. Returns ({job index: token}, per job its logits [rows, 1, V] on the CPU)."""
-        rows, first = [], []  # first: each job's first row (a job's rows are consecutive)
-        for j in jobs:
-            first.append(len(rows))
-            rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
-        ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-        batch = paged_batch(rows, self.cache, self._device())
-        logits = self.model.forward_batch(ids, batch, last_id_only=True)
-        self.decode_tokens += len(rows)
-        fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
-        greedy: dict[int, int] = {}
-        if fast:
-            # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-            picks = logits[[first[k] for k in fast], -1, :len(self.pieces)].argmax(-1).tolist()
-            greedy = dict(zip(fast, picks))
-        slow = [k for k in range(len(jobs)) if k not in greedy]
-        per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-        if slow:
-            # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
-            cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))], -1:].float().cpu()
-            i = 0
-            for k in slow:
-                n = len(jobs[k].seqs)
-                per_job[k] = cpu[i:i + n]
-                i += n
+        """One batched q_len-1 step over `jobs` (scheduler.decode_step): ({job index: greedy token}, per job its
+        logits [rows, 1, V] on the CPU)."""
+        greedy, per_job, rows = decode_step(self.model, self.cache, self._device(), jobs, len(self.pieces))
+        self.decode_tokens += rows
         return greedy, per_job
 
     def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
