@@ -170,3 +170,16 @@ def test_generate_batch_with_failing_job_cancels_the_rest() -> None:
         g.generate(PROMPTS[:3], max_new_tokens=50, gen_settings=settings, stop_conditions=[], add_bos=True)
     _idle_and_clean(g)  # the batch's other jobs do not run on for a caller that already got the error
     assert g.generate("Once", max_new_tokens=3, gen_settings=GREEDY, stop_conditions=[], add_bos=True)
+
+
+def test_job_broken_after_its_checks_fails_in_scheduler_without_blocking_queue() -> None:
+    """max_new_tokens changed to 2.5 after the job was built (past every check) reaches the scheduler, as in the
+    original report: that job ends with an error result and the job behind it runs."""
+    g = make_gen()
+    bad, good = _job(ids_of("Once"), 4), _job(ids_of("Echoes of"), 4)
+    bad.max_new_tokens = 2.5
+    g.enqueue([bad, good])
+    res = drain(g)
+    assert res[bad]["final"]["eos_reason"] == "error"
+    assert res[good]["tokens"] == argmax_tokens(aidreams()[0], ids_of("Echoes of"), 4)
+    _idle_and_clean(g)

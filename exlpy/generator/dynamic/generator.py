@@ -181,7 +181,13 @@ class ExLlamaV2DynamicGenerator:
             if len(self.active) >= self.max_batch_size:
                 job.wait_reason = f"batch full ({self.max_batch_size} jobs running)"
                 break
-            if not self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs]):
+            try:
+                fits = self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs])
+            except Exception as e:  # a job the enqueue checks missed ends here instead of blocking the queue
+                self.pending.remove(job)
+                self._fail(job, e, results)
+                continue
+            if not fits:
                 free = self.page_table.num_unreferenced()
                 job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
                 if job.skips >= job.max_skips:
@@ -216,18 +222,13 @@ class ExLlamaV2DynamicGenerator:
             if decoding:
                 try:
                     groups = [(decoding, self._decode_step(decoding))]
-                except Exception as e:
-                    if len(decoding) == 1:
-                        self._fail(decoding[0], e, results)
-                        return results
-                    # One job's row broke the batched step: run each job alone (rewriting the same K/V slots),
-                    # so only the job that fails on its own ends, with an error result.
+                except Exception:  # retried job by job (same K/V slots): only a job that fails alone ends
                     groups = []
                     for job in decoding:
                         try:
                             groups.append(([job], self._decode_step([job])))
-                        except Exception as e1:
-                            self._fail(job, e1, results)
+                        except Exception as e:
+                            self._fail(job, e, results)
                 for jobs, (greedy, logits) in groups:
                     for i, job in enumerate(jobs):
                         if i in greedy:
