@@ -57,7 +57,7 @@ def _load(model_dir: Path, cache_cls: Any) -> tuple[ExLlamaV2, Any]:
     config.max_seq_len = 32
     model = ExLlamaV2(config)
     cache = cache_cls(model, lazy=True)
-    model.load_autosplit(cache)
+    model.load(device="cpu")  # CPU tensors for the interpreter, on GPU machines too
     return model, cache
 
 
