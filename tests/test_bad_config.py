@@ -169,3 +169,14 @@ def test_dtype_int32_at_cache(model_dir: Path) -> None:
     config.dtype = torch.int32
     with pytest.raises(ConfigError, match="dtype"):
         ExLlamaV2Cache(model, max_seq_len=32)
+
+
+def test_numpy_and_torch_integers_are_integers(model_dir: Path) -> None:
+    import numpy as np
+
+    config = ExLlamaV2Config(str(model_dir))
+    config.max_seq_len, config.max_input_len = np.int64(64), torch.tensor(32)
+    model = ExLlamaV2(config)
+    model.load(device="cpu")
+    cache = ExLlamaV2Cache(model, max_seq_len=np.int32(64), batch_size=np.int64(1))
+    assert cache.max_seq_len == 64 and model.forward(torch.tensor([[1, 2, 3]]), cache).shape == (1, 3, 320)

@@ -9,6 +9,7 @@ few million positions) and far below what would exhaust memory: a layer count of
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -37,6 +38,11 @@ def as_int(value: Any, key: str, where: str, lo: int, hi: int, *, strict: bool =
     that way, but not with `strict` (arguments and runtime settings, which are used as they are)."""
     if not strict and isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
+    if not is_int(value) and not isinstance(value, (bool, float)) and hasattr(value, "__index__"):
+        try:
+            value = operator.index(value)  # numpy and 0-dim torch integers
+        except TypeError:
+            pass
     if not is_int(value):
         raise ConfigError(f"{where}: '{key}' should be an integer, got {_shown(value)}")
     if not lo <= value <= hi:

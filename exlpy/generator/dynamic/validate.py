@@ -7,6 +7,7 @@ batched decode step, taking the other jobs down with it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +19,14 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An int (numpy and 0-dim torch integers too), not a bool or a float."""
+    if isinstance(v, (bool, float)) or not hasattr(v, "__index__"):
+        return False
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
 
 
 def check_job_args(max_new_tokens: Any, min_new_tokens: Any, max_skips: Any, seed: Any, return_top_tokens: Any,
