@@ -131,7 +131,7 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     q_off = b * q_bstride + tok * q_tstride + head * D
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     if K_FMT == 1:
-        q = rotate_rows(q.to(tl.float32), BLOCK_D)  # q.H, dotted with the still-rotated key codes
+        q = rotate_rows(q.to(tl.float32), BLOCK_M, BLOCK_D)  # q.H, dotted with the still-rotated key codes
     if K_FMT == 0:
         q = q.to(kc_ptr.dtype.element_ty)
     else:
@@ -157,7 +157,7 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if V_FMT == 1:
-        o = rotate_rows(o, BLOCK_D)  # (sum p.g).H: back from the rotated value codes
+        o = rotate_rows(o, BLOCK_M, BLOCK_D)  # (sum p.g).H: back from the rotated value codes
     row = (b * T + tok) * hq + head  # [B, T, Hq] flattened
     o_mask = r_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -227,10 +227,12 @@ def _config(D: int, rows: int, quant: bool) -> tuple[int, int, int, int]:
 
 def num_splits(programs: int, bound: int, block_n: int, sms: int) -> int:
     """Key-range splits for `programs` (query tiles x KV heads): none once two waves are busy, else enough to
-    fill about four waves, never more than there are key blocks."""
+    fill about four waves, about no more than there are key blocks. A power of two, so that the combine
+    kernel (which takes the count as a constexpr) has a handful of variants to compile, not one per length."""
     if programs >= 2 * sms:
         return 1
-    return max(1, min(triton.cdiv(4 * sms, max(programs, 1)), triton.cdiv(max(bound, 1), block_n), _MAX_SPLITS))
+    n = min(triton.cdiv(4 * sms, max(programs, 1)), triton.cdiv(max(bound, 1), block_n), _MAX_SPLITS)
+    return min(next_pow2(n), _MAX_SPLITS)
 
 
 def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_table: torch.Tensor,

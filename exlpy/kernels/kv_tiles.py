@@ -40,9 +40,32 @@ def hadamard_blocks(BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def rotate_rows(x, BLOCK_D: tl.constexpr):
-    """x [M, BLOCK_D] (fp32) times the block-diagonal Hadamard matrix, in full fp32 precision."""
-    return tl.dot(x, hadamard_blocks(BLOCK_D), input_precision="ieee")
+def hadamard32_signs():
+    """The 32x32 Sylvester-Hadamard matrix unnormalized (entries +-1, exact in fp16), as fp16."""
+    i = tl.arange(0, 32)[:, None]
+    j = tl.arange(0, 32)[None, :]
+    x = i & j
+    parity = (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3) ^ (x >> 4)) & 1
+    return tl.where(parity == 0, 1.0, -1.0).to(tl.float16)
+
+
+@triton.jit
+def rotate_rows(x, M: tl.constexpr, D: tl.constexpr):
+    """x [M, D] fp32 times the block-diagonal orthonormal Hadamard matrix (every 32 columns rotated alone).
+
+    Each row is cut into its D/32 groups, and the [M*D/32, 32] x [32, 32] product runs on the tensor cores:
+    x is split into an fp16 high part and an fp16 remainder (together ~22 significant bits) against the exact
+    +-1 matrix with fp32 accumulation, then scaled by 1/sqrt(32): fp32-grade accuracy for two tiny MMAs,
+    where one fp32 FMA product of the whole [D, D] block-diagonal matrix would cost more than a decode
+    program's share of the K/V read.
+    """
+    xr = tl.reshape(x, [M * D // 32, 32])
+    h = hadamard32_signs()
+    hi = xr.to(tl.float16)
+    lo = (xr - hi.to(tl.float32)).to(tl.float16)
+    y = tl.dot(hi, h, out_dtype=tl.float32)
+    y = tl.dot(lo, h, y, out_dtype=tl.float32)
+    return tl.reshape(y * 0.17677669529663687, [M, D])
 
 
 @triton.jit
