@@ -168,8 +168,8 @@ def test_quant_attention_reads_codes_in_place(k_bits: int, v_bits: int, fp8: boo
     lens = torch.tensor([50, 37], dtype=torch.int32)
     t = torch.arange(pages * page)
     slots = torch.where(t < lens.view(-1, 1), bt[:, t // page].long() * page + t % page, -1)
-    ops.store_kv_quant(kq, ks, vq, vs, slots, torch.randn(B, pages * page, hk, D, generator=g),
-                       torch.randn(B, pages * page, hk, D, generator=g), k_bits, v_bits)
+    k_all, v_all = torch.randn(B, pages * page, hk, D, generator=g), torch.randn(B, pages * page, hk, D, generator=g)
+    ops.store_kv_quant(kq, ks, vq, vs, slots, k_all, v_all, k_bits, v_bits)
     pos = lens.long().view(-1, 1) - T + torch.arange(T)
     q = torch.randn(B, T, hk * G, D, generator=g)
     ref = reference.quant_attention(q, kq, ks, vq, vs, bt, page, lens, 50, pos, 0.2, k_bits, v_bits)
@@ -178,6 +178,16 @@ def test_quant_attention_reads_codes_in_place(k_bits: int, v_bits: int, fp8: boo
                                      lens, 50, pos, 0.2, config=(16, 16, 4, 1), splits=splits)
         _close(out, ref, 3e-3)
     _close(quant_attention(q, kq, ks, vq, vs, bt, page, lens, 50, pos, 0.2, k_bits, v_bits), ref, 3e-3)
+    # This step's own K/V unquantized (exllamav2's fresh rows in its fp16 working copy).
+    rows = pos.unsqueeze(-1).unsqueeze(-1).expand(-1, -1, hk, D)
+    k_new, v_new = k_all.gather(1, rows), v_all.gather(1, rows)
+    ref_new = reference.quant_attention(q, kq, ks, vq, vs, bt, page, lens, 50, pos, 0.2, k_bits, v_bits,
+                                        k_new=k_new, v_new=v_new)
+    assert ((ref_new - ref).abs().max() > 1e-3).item()  # the fresh rows do change the result
+    for splits in (1, 3):
+        out = flash_attention_launch(q, quant_operand(kq, ks, k_bits), quant_operand(vq, vs, v_bits), bt, page,
+                                     lens, 50, pos, 0.2, None, k_new, v_new, config=(16, 16, 4, 1), splits=splits)
+        _close(out, ref_new, 3e-3)
 
 
 def test_quant_attention_rejects_unsupported_head_dim() -> None:

@@ -52,25 +52,36 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, start, n, pos, s_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, mask_row,
+def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, mask_row,
                   mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
+                  kn_ptr, vn_ptr, new_tstride, c0,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr,
                   K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr, ALIGNED: tl.constexpr,
-                  HAS_MASK: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
-    """One BLOCK_N block of keys [start, start + BLOCK_N) into the running (acc, m_i, l_i)."""
+                  HAS_MASK: tl.constexpr, MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
+    """One BLOCK_N block of keys [start, start + BLOCK_N) (those < r_hi) into the running (acc, m_i, l_i).
+
+    FRESH blocks read this step's own K/V rows (unquantized, key t at row t - c0 of kn/vn) instead of the
+    cache; for rotated formats they are rotated like the codes so that they share q's and acc's basis."""
     t = start + n
-    n_ok = t < s_hi
-    if ALIGNED:  # the block lies inside one page: one block-table read, loop-invariant tile offsets
-        base = tl.load(bt_row + start // page_size).to(tl.int64) * page_size + start % page_size
-        rows = n
-    elif MASKED:
-        base = 0
-        rows = tl.load(bt_row + t // page_size, mask=n_ok, other=0).to(tl.int64) * page_size + t % page_size
+    n_ok = t < r_hi
+    if FRESH:
+        k = load_kv_tile(kn_ptr, kn_ptr, start - c0, n, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16,
+                         MASKED)
+        if K_FMT == 1:
+            k = rotate_rows(k.to(tl.float32), BLOCK_N, BLOCK_D)
+        k = k.to(q.dtype)
     else:
-        base = 0
-        rows = tl.load(bt_row + t // page_size).to(tl.int64) * page_size + t % page_size
-    k = load_kv_tile(kc_ptr, ks_ptr, base, rows, kvh, n_ok, k_row_stride, ks_row_stride, D, BLOCK_D, BLOCK_N,
-                     K_FMT, K_BITS, MASKED)
+        if ALIGNED:  # the block lies inside one page: one block-table read, loop-invariant tile offsets
+            base = tl.load(bt_row + start // page_size).to(tl.int64) * page_size + start % page_size
+            rows = n
+        elif MASKED:
+            base = 0
+            rows = tl.load(bt_row + t // page_size, mask=n_ok, other=0).to(tl.int64) * page_size + t % page_size
+        else:
+            base = 0
+            rows = tl.load(bt_row + t // page_size).to(tl.int64) * page_size + t % page_size
+        k = load_kv_tile(kc_ptr, ks_ptr, base, rows, kvh, n_ok, k_row_stride, ks_row_stride, D, BLOCK_D, BLOCK_N,
+                         K_FMT, K_BITS, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)  # scaled by qk_scale (log2 units) inside exp2's FMA
     if MASKED or HAS_MASK:
         if MASKED:
@@ -89,21 +100,52 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, s_hi, kvh, kc_ptr, vc_ptr, ks
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = load_kv_tile(vc_ptr, vs_ptr, base, rows, kvh, n_ok, v_row_stride, vs_row_stride, D, BLOCK_D, BLOCK_N,
-                     V_FMT, V_BITS, MASKED)
+    if FRESH:
+        v = load_kv_tile(vn_ptr, vn_ptr, start - c0, n, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16,
+                         MASKED)
+        if V_FMT == 1:
+            v = rotate_rows(v.to(tl.float32), BLOCK_N, BLOCK_D)
+        if V_FMT != 0:
+            v = v.to(tl.float16)
+    else:
+        v = load_kv_tile(vc_ptr, vs_ptr, base, rows, kvh, n_ok, v_row_stride, vs_row_stride, D, BLOCK_D, BLOCK_N,
+                         V_FMT, V_BITS, MASKED)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
+def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, mask_row,
+               mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr,
+               vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
+               ALIGNED: tl.constexpr, HAS_MASK: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
+    """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest."""
+    interior = r_lo + tl.maximum(tl.minimum(full, r_hi) - r_lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(r_lo, interior, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                      bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
+                                      ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride, c0,
+                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False,
+                                      FRESH, PREC)
+    for start in range(interior, r_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                      bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
+                                      ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride, c0,
+                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, True,
+                                      FRESH, PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
-                  part_ptr, lse_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride, mask_stride,
-                  mask_len, T, hq, hk, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride,
-                  qk_scale, m_tiles, n_splits,
+                  part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride,
+                  mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size, k_row_stride, v_row_stride,
+                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
                   V_FMT: tl.constexpr, V_BITS: tl.constexpr, ALIGNED: tl.constexpr, HAS_MASK: tl.constexpr,
-                  PREC: tl.constexpr):
+                  HAS_NEW: tl.constexpr, PREC: tl.constexpr):
     tile = m_tiles - 1 - tl.program_id(0)  # latest query rows (longest key ranges) first: a shorter tail
     bh = tl.program_id(1)
     b = (bh // hk).to(tl.int64)
@@ -116,7 +158,6 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     seqlen = tl.load(seqlen_ptr + b).to(tl.int64)
     hi = tl.maximum(tl.minimum(seqlen, tl.max(pos, axis=0) + 1), 0)  # keys any row of the tile sees
     full = tl.minimum(seqlen, tl.min(tl.where(r_ok, pos, seqlen), axis=0) + 1)  # keys every row sees
-    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(hi, n_splits), BLOCK_N) * BLOCK_N
         lo = tl.program_id(2) * chunk
@@ -124,7 +165,6 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     else:
         lo = hi * 0
         s_hi = hi
-    mid = tl.maximum(tl.minimum(full, s_hi), lo)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -143,16 +183,25 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * bt_stride
     mask_row = mask_ptr + b * mask_stride
-    for start in range(lo, mid, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, s_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                      bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                      ks_row_stride, vs_row_stride, qk_scale, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                      V_FMT, V_BITS, ALIGNED, HAS_MASK, False, PREC)
-    for start in range(mid, s_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, s_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                      bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                      ks_row_stride, vs_row_stride, qk_scale, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                      V_FMT, V_BITS, ALIGNED, HAS_MASK, True, PREC)
+    if HAS_NEW:  # keys before this step's first position from the cache, the step's own from kn/vn
+        c0 = tl.load(pos_ptr + b * pos_bstride).to(tl.int64)
+        kn_b = kn_ptr + b * new_bstride
+        vn_b = vn_ptr + b * new_bstride
+        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
+                                   ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
+                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_b, vn_b, new_tstride,
+                                   c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False,
+                                   PREC)
+        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
+                                   ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
+                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_b, vn_b, new_tstride,
+                                   c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, True,
+                                   PREC)
+    else:
+        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                   bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
+                                   ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, D, BLOCK_N,
+                                   BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -238,12 +287,15 @@ def num_splits(programs: int, bound: int, block_n: int, sms: int) -> int:
 def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_table: torch.Tensor,
                            page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                            scale: float, key_mask: torch.Tensor | None = None,
+                           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                            config: tuple[int, int, int, int] | None = None, splits: int | None = None
                            ) -> torch.Tensor:
     """Causal attention of q [B, T, Hq, D] over the cache operands; [B, T, Hq, D] in q's dtype.
 
     `max_seqlen` (a host-side bound of seqlens, or the cache capacity) only sizes the key-range split;
-    `config` / `splits` override the tables (benchmarks/flash_sweep.py).
+    `k_new`/`v_new` [B, T, Hkv, D]: this step's own K/V, read instead of the cache for keys at positions
+    >= positions[b, 0] (the step's tokens sit at consecutive positions); `config` / `splits` override the
+    tables (benchmarks/flash_sweep.py).
     """
     B, T, hq, D = q.shape
     hk = k.kv_heads(D)
@@ -274,16 +326,24 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
         mask = key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()
         mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mask_len, mask_stride = mask.shape[-1], mask.stride(0)
+    kn = vn = q
+    new_bstride = new_tstride = 0
+    if k_new is not None and v_new is not None:
+        kn, vn = k_new, v_new
+        if not (kn.stride() == vn.stride() and kn.stride(-1) == 1 and kn.stride(-2) == D):
+            kn, vn = kn.contiguous(), vn.contiguous()
+        new_bstride, new_tstride = kn.stride(0), kn.stride(1)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     ks = k.scales if k.scales is not None else k.values
     vs = v.scales if v.scales is not None else v.values
     _flash_kernel[(m_tiles, B * hk, n_split)](
-        q, k.values, v.values, ks, vs, bt, seqlens, positions, mask, out, part, lse,
+        q, k.values, v.values, ks, vs, bt, seqlens, positions, mask, out, part, lse, kn, vn,
         q.stride(0), q.stride(1), positions.stride(0), positions.stride(1), bt.stride(0), mask_stride, mask_len,
-        T, hq, hk, page_size, k.row_stride, v.row_stride, k.srow_stride, v.srow_stride, scale * _LOG2E, m_tiles,
-        n_split, G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)), SPLIT=n_split > 1,
+        new_bstride, new_tstride, T, hq, hk, page_size, k.row_stride, v.row_stride, k.srow_stride, v.srow_stride,
+        scale * _LOG2E, m_tiles, n_split,
+        G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)), SPLIT=n_split > 1,
         K_FMT=k.fmt, K_BITS=k.bits, V_FMT=v.fmt, V_BITS=v.bits, ALIGNED=page_size % bn == 0 or bt.shape[1] == 1,
-        HAS_MASK=key_mask is not None, PREC=prec, num_warps=warps, num_stages=stages)
+        HAS_MASK=key_mask is not None, HAS_NEW=k_new is not None, PREC=prec, num_warps=warps, num_stages=stages)
     if n_split > 1:
         _combine_kernel[(B * T * hq,)](part, lse, out, D=D, BLOCK_D=next_pow2(D), SPLITS=n_split,
                                        BLOCK_S=max(2, next_pow2(n_split)), num_warps=4)
@@ -301,11 +361,12 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
-                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.quant_attention`: K/V read as codes [rows, S, W] (+ scales [rows, S, E/32])."""
     return flash_attention_launch(q, quant_operand(k_codes, k_scales, k_bits),
                                   quant_operand(v_codes, v_scales, v_bits), block_table, page_size, seqlens,
-                                  max_seqlen, positions, scale, key_mask)
+                                  max_seqlen, positions, scale, key_mask, k_new, v_new)
 
 
 __all__ = ["FP8", "INT", "PLAIN", "KVOperand", "flash_attention", "flash_attention_launch", "quant_attention"]

@@ -116,10 +116,12 @@ def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
-                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """`flash_attention` over a quantized cache read at its own width (any query length); see reference."""
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """`flash_attention` over a quantized cache read at its own width (any query length), with this step's own
+    K/V optionally taken unquantized from k_new/v_new; see reference."""
     return _impl("quant_attention", q)(q, k_codes, k_scales, v_codes, v_scales, block_table, page_size, seqlens,
-                                        max_seqlen, positions, scale, k_bits, v_bits, key_mask)
+                                        max_seqlen, positions, scale, k_bits, v_bits, key_mask, k_new, v_new)
 
 
 def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,

@@ -147,17 +147,28 @@ def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor | None, bits: int, d
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
-                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` over a quantized cache (exlpy.cache.quant layout): codes [rows, S, W] uint8 and fp16
-    group scales [rows, S, Hkv*D/32] per K and V, `*_bits` 4 or 8; scales None means the FP8 cache (8 bits)."""
+    group scales [rows, S, Hkv*D/32] per K and V, `*_bits` 4 or 8; scales None means the FP8 cache (8 bits).
+
+    With `k_new`/`v_new` [B,T,Hkv,D] (this step's own K/V, the step's tokens at consecutive positions from
+    positions[b, 0]), keys at those positions are taken unquantized from them, as exllamav2 attends over its
+    fp16 working copy in which the step's rows are still fresh."""
     B, T, Hq, D = q.shape
     kv = []
-    for codes, scales, bits in ((k_codes, k_scales, k_bits), (v_codes, v_scales, v_bits)):
+    for codes, scales, bits, new in ((k_codes, k_scales, k_bits, k_new), (v_codes, v_scales, v_bits, v_new)):
         c = gather_kv(codes.reshape(-1, 1, codes.shape[-1]), block_table, page_size, max_seqlen)
         s = None if scales is None else gather_kv(scales.reshape(-1, 1, scales.shape[-1]), block_table,
                                                   page_size, max_seqlen)
         vals = _dequant_rows(c.squeeze(2), None if s is None else s.squeeze(2), bits, q.dtype)
-        kv.append(vals.view(B, max_seqlen, -1, D))
+        vals = vals.view(B, max_seqlen, -1, D)
+        if new is not None:
+            t = positions[:, :1] + torch.arange(T, device=q.device)  # [B, T] positions of the step's rows
+            keep = t < max_seqlen
+            vals = vals.clone()
+            vals[torch.arange(B, device=q.device).view(-1, 1).expand(-1, T)[keep], t[keep]] = new[keep].to(q.dtype)
+        kv.append(vals)
     return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
 
 

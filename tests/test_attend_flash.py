@@ -1,0 +1,81 @@
+"""The proposed attention routing (benchmarks/attend_flash.py) in a whole model: same logits as today's path for
+the fp16 cache and for every quantized cache (whose codes it reads in place instead of the fp16 working copy),
+also with the Triton kernels themselves running under the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks.attend_flash import install
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from exlpy.cache import ExLlamaV2Cache_8bit, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8
+from exlpy.kernels import ops
+from tests.conftest import rel_err, shared_path
+
+CACHES = [ExLlamaV2Cache, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8, ExLlamaV2Cache_8bit]
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[ExLlamaV2]:
+    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
+    config.max_seq_len = 64
+    config.max_input_len = 16  # prompts go in chunks: later chunks read the earlier ones from the cache
+    m = ExLlamaV2(config)
+    m.load_autosplit(ExLlamaV2Cache(m, lazy=True))
+    yield m
+    m.unload()
+
+
+def _run(model: ExLlamaV2, cache_cls: type, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Prompt in chunks, then token-by-token decode: all logits."""
+    cache = cache_cls(model)
+    out = [model.forward(ids[:, :prompt], cache)]
+    out += [model.forward(ids[:, i:i + 1], cache) for i in range(prompt, ids.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.fixture
+def routed() -> Iterator[Callable[[], None]]:
+    uninstall = install()
+    yield uninstall
+    uninstall()
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_routing_matches_todays_attention(model: ExLlamaV2, cache_cls: type, routed: Any) -> None:
+    ids = torch.randint(0, 512, (1, 44), generator=torch.Generator().manual_seed(0))
+    new = _run(model, cache_cls, ids, 36)
+    routed()  # back to the current attend
+    old = _run(model, cache_cls, ids, 36)
+    assert rel_err(new, old) < 1e-4
+    if cache_cls is not ExLlamaV2Cache:  # the prompt's first chunk sees only fresh K/V: identical to fp16
+        fp16 = _run(model, ExLlamaV2Cache, ids, 36)
+        assert rel_err(new[:, :16], fp16[:, :16]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_cls", [ExLlamaV2Cache, ExLlamaV2Cache_Q4])
+def test_routing_with_triton_kernels(model: ExLlamaV2, cache_cls: type, routed: Any,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new ops run as their Triton kernels on CPU tensors (interpreter) inside the model."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+    pytest.importorskip("triton")
+    import exlpy.kernels.triton_ops  # noqa: F401 - registers the kernels
+
+    names = {"flash_attention", "quant_attention", "store_kv_quant"}
+    plain = ops._impl
+    monkeypatch.setattr(ops, "_impl", lambda name, t: ops._TRITON[name] if name in names else plain(name, t))
+    ids = torch.randint(0, 512, (1, 22), generator=torch.Generator().manual_seed(1))
+    got = _run(model, cache_cls, ids, 20)
+    monkeypatch.setattr(ops, "_impl", plain)
+    ref = _run(model, cache_cls, ids, 20)
+    assert rel_err(got, ref) < 3e-3
