@@ -37,10 +37,12 @@ _LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim for long query blocks (prefill chunks). Chosen for the
 # H100: BLOCK_M = 128 rows feed two warpgroups' wgmma with a [128, D] fp32 accumulator that fits the register
 # file next to the [128, BLOCK_N] score tile; BLOCK_N = 64 keeps three K and V stages in shared memory at
-# D = 128 (3 x 2 x 64 x 128 x 2 B = 96 KB). benchmarks/flash_sweep.py times the alternatives;
+# D = 128 (3 x 2 x 64 x 128 x 2 B = 96 KB). Screened offline with ptxas for sm_90a
+# (benchmarks/flash_compile_check.py): D 128 -> 244 registers, D 64 with 8 warps -> 184, no spills (D 64
+# with 4 warps spills, as does BLOCK_N 128 at D 128). benchmarks/flash_sweep.py times the alternatives;
 # EXLPY_FLASH_CONFIG="BM,BN,warps,stages" overrides the table for a run.
 PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    64: (128, 64, 4, 3),
+    64: (128, 64, 8, 3),
     128: (128, 64, 8, 3),
     256: (64, 32, 8, 2),
 }
@@ -61,15 +63,12 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
     """One BLOCK_N block of keys [start, start + BLOCK_N) (those < r_hi) into the running (acc, m_i, l_i).
 
     FRESH blocks read this step's own K/V rows (unquantized, key t at row t - c0 of kn/vn) instead of the
-    cache; for rotated formats they are rotated like the codes so that they share q's and acc's basis."""
+    cache, with the unrotated q, into a state of their own (merged with the cache's at the end)."""
     t = start + n
     n_ok = t < r_hi
     if FRESH:
         k = load_kv_tile(kn_ptr, kn_ptr, start - c0, n, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16,
                          MASKED)
-        if K_FMT == 1:
-            k = rotate_rows(k.to(tl.float32), BLOCK_N, BLOCK_D)
-        k = k.to(q.dtype)
     else:
         if ALIGNED:  # the block lies inside one page: one block-table read, loop-invariant tile offsets
             base = tl.load(bt_row + start // page_size).to(tl.int64) * page_size + start % page_size
@@ -103,10 +102,6 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
     if FRESH:
         v = load_kv_tile(vn_ptr, vn_ptr, start - c0, n, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16,
                          MASKED)
-        if V_FMT == 1:
-            v = rotate_rows(v.to(tl.float32), BLOCK_N, BLOCK_D)
-        if V_FMT != 0:
-            v = v.to(tl.float16)
     else:
         v = load_kv_tile(vc_ptr, vs_ptr, base, rows, kvh, n_ok, v_row_stride, vs_row_stride, D, BLOCK_D, BLOCK_N,
                          V_FMT, V_BITS, MASKED)
@@ -169,13 +164,13 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q_off = b * q_bstride + tok * q_tstride + head * D
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    if K_FMT == 1:
-        q = rotate_rows(q.to(tl.float32), BLOCK_M, BLOCK_D)  # q.H, dotted with the still-rotated key codes
+    q_in = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     if K_FMT == 0:
-        q = q.to(kc_ptr.dtype.element_ty)
+        q = q_in.to(kc_ptr.dtype.element_ty)
+    elif K_FMT == 1:
+        q = rotate_rows(q_in.to(tl.float32), BLOCK_M, BLOCK_D).to(tl.float16)  # q.H: dotted with rotated codes
     else:
-        q = q.to(tl.float16)
+        q = q_in.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -185,18 +180,29 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     mask_row = mask_ptr + b * mask_stride
     if HAS_NEW:  # keys before this step's first position from the cache, the step's own from kn/vn
         c0 = tl.load(pos_ptr + b * pos_bstride).to(tl.int64)
-        kn_b = kn_ptr + b * new_bstride
-        vn_b = vn_ptr + b * new_bstride
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
                                    ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
-                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_b, vn_b, new_tstride,
-                                   c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False,
-                                   PREC)
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
-                                   ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
-                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_b, vn_b, new_tstride,
-                                   c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, True,
-                                   PREC)
+                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0, D,
+                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False, PREC)
+        if V_FMT == 1:  # (sum p.g).H: back from the rotated value codes, normalized so fp16 parts never overflow
+            l_r = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            acc = rotate_rows(acc / l_r, BLOCK_M, BLOCK_D) * l_r
+        # The fresh rows in a softmax state of their own (unrotated q and values), merged below.
+        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l2 = tl.zeros([BLOCK_M], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc2, m2, l2 = _key_range(acc2, m2, l2, q_in, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
+                                  ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
+                                  v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr + b * new_bstride,
+                                  vn_ptr + b * new_bstride, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
+                                  V_FMT, V_BITS, ALIGNED, HAS_MASK, True, PREC)
+        m_new = tl.maximum(m_i, m2)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a1 = tl.exp2(m_i - m_use)
+        a2 = tl.exp2(m2 - m_use)
+        acc = acc * a1[:, None] + acc2 * a2[:, None]
+        l_i = l_i * a1 + l2 * a2
+        m_i = m_new
     else:
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                    bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
@@ -205,8 +211,8 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if V_FMT == 1:
-        o = rotate_rows(o, BLOCK_M, BLOCK_D)  # (sum p.g).H: back from the rotated value codes
+    if V_FMT == 1 and not HAS_NEW:
+        o = rotate_rows(o, BLOCK_M, BLOCK_D)  # (sum p.g).H / l: back from the rotated value codes
     row = (b * T + tok) * hq + head  # [B, T, Hq] flattened
     o_mask = r_ok[:, None] & d_ok[None, :]
     if SPLIT:
