@@ -69,7 +69,7 @@ def _ptxas_report(ptx: str) -> dict:
 
 def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt: int = fa.PLAIN,
                   k_bits: int = 16, v_fmt: int = fa.PLAIN, v_bits: int = 16, split: bool = False,
-                  has_new: bool = False) -> dict:
+                  has_new: bool = False, paging: int = 1) -> dict:
     bm, bn, warps, stages = cfg
     vals = {fa.PLAIN: "*" + dt, fa.INT: "*u8", fa.FP8: "*u8"}
     scales = {fa.PLAIN: "*" + dt, fa.INT: "*fp16", fa.FP8: "*u8"}
@@ -77,13 +77,17 @@ def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt
             "vs_ptr": scales[v_fmt], "bt_ptr": "*i32", "seqlen_ptr": "*i32", "pos_ptr": "*i64", "mask_ptr": "*u8",
             "out_ptr": "*" + dt, "part_ptr": "*fp32", "lse_ptr": "*fp32", "kn_ptr": "*" + dt, "vn_ptr": "*" + dt}
     consts = dict(G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, SPLIT=split, K_FMT=k_fmt, K_BITS=k_bits,
-                  V_FMT=v_fmt, V_BITS=v_bits, ALIGNED=True, HAS_MASK=False, HAS_NEW=has_new, PREC="tf32")
+                  V_FMT=v_fmt, V_BITS=v_bits, PAGING=paging, GROUP_PAGES=fa.GROUP_PAGES, HAS_MASK=False,
+                  HAS_NEW=has_new, PREC="tf32")
     sig, attrs = _signature(fa._flash_kernel, ptrs, consts)
     k = triton.compile(ASTSource(fa._flash_kernel, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
+    # Tiles in flight while one is consumed: the largest `num` of the loops' async waits (0 = no overlap).
+    waits = [int(x) for x in re.findall(r"async_wait[^{\n]*\{num = (\d+)", k.asm["ttgir"])]
     return {"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-            "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), **_ptxas_report(ptx)}
+            "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "in_flight": max(waits, default=0),
+            **_ptxas_report(ptx)}
 
 
 def compile_store(k_fmt: int, k_bits: int, v_fmt: int, v_bits: int, E: int = 1024) -> dict:
@@ -101,7 +105,8 @@ def variants() -> dict[str, dict]:
     out = {}
     for d, cfg in fa.PREFILL_CONFIGS.items():
         if d <= 128:
-            out[f"prefill fp16 D{d} {cfg}"] = compile_flash("fp16", d, 4, cfg)
+            out[f"prefill fp16 D{d} contiguous {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=0)
+            out[f"prefill fp16 D{d} paged {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=1)
     bn, w, st = fa.DECODE_CONFIGS["plain"]
     out[f"verify fp16 D128 split {(16, bn, w, st)}"] = compile_flash("fp16", 128, 4, (16, bn, w, st), split=True)
     bn, w, st = fa.DECODE_CONFIGS["quant"]
@@ -124,7 +129,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.config:
         cfg = tuple(int(x) for x in args.config.split(","))
-        res = {f"prefill fp16 D{args.head_dim} {cfg}": compile_flash("fp16", args.head_dim, 4, cfg)}
+        res = {f"prefill fp16 D{args.head_dim} {p} {cfg}": compile_flash("fp16", args.head_dim, 4, cfg, paging=i)
+               for i, p in enumerate(("contiguous", "paged"))}
     else:
         res = variants()
     if args.json:

@@ -1,7 +1,8 @@
 """The attention kernels compile for an H100 (sm_90a) without a GPU, with the launch tables' settings: the
-prefill variants on wgmma tensor cores with cp.async pipelining and no register spills, every variant within
-the H100's shared memory. Numerics are tested under the interpreter (test_attention_kernels.py) and on GPUs
-(test_attention_kernels_cuda.py); this catches what only the compiler sees (layouts, resources) on CPU CI."""
+prefill variants (contiguous and paged caches) on wgmma tensor cores with a software pipeline that keeps K/V
+tiles in flight, no register spills, every variant within the H100's shared memory. Numerics are tested under
+the interpreter (test_attention_kernels.py) and on GPUs (test_attention_kernels_cuda.py); this catches what
+only the compiler sees (loop-carried types, layouts, resources, pipelining) on CPU CI."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ def test_attention_kernels_compile_for_sm90() -> None:
         pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
     assert lines, r.stderr[-3000:]
     res = json.loads(lines[0][5:])
-    assert any(k.startswith("prefill fp16 D128") for k in res) and any(k.startswith("decode Q4") for k in res)
+    assert any(k.startswith("prefill fp16 D128 paged") for k in res) and any(k.startswith("decode Q4") for k in res)
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["shared"] <= H100_SHARED, (name, v)
         if name.startswith("prefill"):
             assert v["spill_bytes"] == 0, (name, v)
             assert v["wgmma"] > 0 and v["cp_async"] > 0, (name, v)
+            # The interior loop keeps a K/V tile in flight while it computes (a load feeding the tile addresses
+            # inside the loop, e.g. an unhoisted block-table read, makes this 0).
+            assert v["in_flight"] >= 1, (name, v)

@@ -80,9 +80,14 @@ def test_flash_prefill_contiguous_rows_with_different_pasts(G: int, D: int) -> N
     _close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("page", [16, 24])  # a whole number of key blocks per page, and not
-def test_flash_chunked_prefill_into_paged_cache(page: int) -> None:
-    """Chunks written one after the other; each chunk's queries read the earlier chunks' K/V from the pages."""
+# Pages of whole key blocks (table entries read in groups of 8 or 2 pages), and pages that split key blocks.
+@pytest.mark.parametrize("page,group", [(16, 8), (16, 2), (24, 8)])
+def test_flash_chunked_prefill_into_paged_cache(page: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks written one after the other; each chunk's queries read the earlier chunks' K/V from the pages
+    (table entries read `group` pages at a time), or not."""
+    from exlpy.kernels import flash_attention as fa
+
+    monkeypatch.setattr(fa, "GROUP_PAGES", group)
     g = torch.Generator().manual_seed(page)
     B, hk, G, D, L = 2, 2, 4, 32, 70
     kc, vc, bt = _paged(B, 5, page, hk, D, g)

@@ -51,34 +51,42 @@ PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {"plain": (64, 4, 3), "quant": (64, 4, 3)}
 SHORT_ROWS = 64
 _MAX_SPLITS = 64
+GROUP_PAGES = 8  # block-table entries read at once by the paged interior loop (2,048 keys of 256-token pages)
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, mask_row,
-                  mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
+def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, page,
+                  mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
                   kn_ptr, vn_ptr, new_tstride, c0,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr,
-                  K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr, ALIGNED: tl.constexpr,
+                  K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr,
                   HAS_MASK: tl.constexpr, MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
     """One BLOCK_N block of keys [start, start + BLOCK_N) (those < r_hi) into the running (acc, m_i, l_i).
 
-    FRESH blocks read this step's own K/V rows (unquantized, key t at row t - c0 of kn/vn) instead of the
-    cache, with the unrotated q, into a state of their own (merged with the cache's at the end)."""
+    Cache rows: PAGING 0 (contiguous: the whole sequence in `page`), 1 (the block inside page `page`, looked
+    up by the caller), 2 (a block-table lookup per key). FRESH blocks read this step's own K/V rows
+    (unquantized, key t at row t - c0 of kn/vn) instead of the cache, with the unrotated q, into a state of
+    their own (merged with the cache's at the end)."""
     t = start + n
     n_ok = t < r_hi
     if FRESH:
-        k = load_kv_tile(kn_ptr, kn_ptr, start - c0, n, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16,
-                         MASKED)
+        base = start - c0
+        rows = n
+    elif PAGING == 0:
+        base = page * page_size + start
+        rows = n
+    elif PAGING == 1:
+        base = page * page_size + start % page_size
+        rows = n
     else:
-        if ALIGNED:  # the block lies inside one page: one block-table read, loop-invariant tile offsets
-            base = tl.load(bt_row + start // page_size).to(tl.int64) * page_size + start % page_size
-            rows = n
-        elif MASKED:
-            base = 0
+        base = 0
+        if MASKED:
             rows = tl.load(bt_row + t // page_size, mask=n_ok, other=0).to(tl.int64) * page_size + t % page_size
         else:
-            base = 0
             rows = tl.load(bt_row + t // page_size).to(tl.int64) * page_size + t % page_size
+    if FRESH:
+        k = load_kv_tile(kn_ptr, kn_ptr, base, rows, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16, MASKED)
+    else:
         k = load_kv_tile(kc_ptr, ks_ptr, base, rows, kvh, n_ok, k_row_stride, ks_row_stride, D, BLOCK_D, BLOCK_N,
                          K_FMT, K_BITS, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)  # scaled by qk_scale (log2 units) inside exp2's FMA
@@ -100,8 +108,7 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
     p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if FRESH:
-        v = load_kv_tile(vn_ptr, vn_ptr, start - c0, n, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16,
-                         MASKED)
+        v = load_kv_tile(vn_ptr, vn_ptr, base, rows, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16, MASKED)
     else:
         v = load_kv_tile(vc_ptr, vs_ptr, base, rows, kvh, n_ok, v_row_stride, vs_row_stride, D, BLOCK_D, BLOCK_N,
                          V_FMT, V_BITS, MASKED)
@@ -114,20 +121,46 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
                mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr,
                vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
-               ALIGNED: tl.constexpr, HAS_MASK: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
-    """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest."""
+               PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, HAS_MASK: tl.constexpr, FRESH: tl.constexpr,
+               PREC: tl.constexpr):
+    """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest.
+
+    No load inside the interior loop may feed the K/V addresses: Triton's software pipeline would then wait
+    for each tile right before using it (measured in the compiled code: one buffer in flight instead of two).
+    So contiguous caches read their page once, and paged ones read the block-table entries of GROUP_PAGES
+    pages as one vector before an inner loop over their blocks, which picks its page arithmetically."""
     interior = r_lo + tl.maximum(tl.minimum(full, r_hi) - r_lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(r_lo, interior, BLOCK_N):
+    page = tl.load(bt_row).to(tl.int64) if PAGING == 0 and not FRESH else 0
+    if PAGING == 1 and not FRESH:
+        span = GROUP_PAGES * page_size
+        gi = tl.arange(0, GROUP_PAGES)
+        for g0 in range(r_lo // span * span, interior, span):
+            first = g0 // page_size
+            pages = tl.load(bt_row + first + gi, mask=first + gi < tl.cdiv(interior, page_size), other=0)
+            pages = pages.to(tl.int64)
+            for start in range(tl.maximum(g0, r_lo), tl.minimum(g0 + span, interior), BLOCK_N):
+                pg = tl.sum(tl.where(gi == start // page_size - first, pages, 0), axis=0)
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
+                                              vs_ptr, bt_row, pg, mask_row, mask_len, page_size, k_row_stride,
+                                              v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
+                                              new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS,
+                                              PAGING, HAS_MASK, False, FRESH, PREC)
+    else:
+        for start in range(r_lo, interior, BLOCK_N):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
+                                          vs_ptr, bt_row, page, mask_row, mask_len, page_size, k_row_stride,
+                                          v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
+                                          new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING,
+                                          HAS_MASK, False, FRESH, PREC)
+    for start in range(interior, r_hi, BLOCK_N):  # at most a few blocks: a table read per block is fine here
+        if PAGING == 1 and not FRESH:
+            pg = tl.load(bt_row + start // page_size).to(tl.int64)
+        else:
+            pg = page
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                      bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
+                                      bt_row, pg, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
                                       ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride, c0,
-                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False,
-                                      FRESH, PREC)
-    for start in range(interior, r_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                      bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                      ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride, c0,
-                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, True,
+                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, HAS_MASK, True,
                                       FRESH, PREC)
     return acc, m_i, l_i
 
@@ -139,8 +172,8 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
                   ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
-                  V_FMT: tl.constexpr, V_BITS: tl.constexpr, ALIGNED: tl.constexpr, HAS_MASK: tl.constexpr,
-                  HAS_NEW: tl.constexpr, PREC: tl.constexpr):
+                  V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr,
+                  HAS_MASK: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr):
     tile = m_tiles - 1 - tl.program_id(0)  # latest query rows (longest key ranges) first: a shorter tail
     bh = tl.program_id(1)
     b = (bh // hk).to(tl.int64)
@@ -183,7 +216,8 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
                                    ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                    v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0, D,
-                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False, PREC)
+                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK,
+                                   False, PREC)
         if V_FMT == 1:  # (sum p.g).H: back from the rotated value codes, normalized so fp16 parts never overflow
             l_r = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             acc = rotate_rows(acc / l_r, BLOCK_M, BLOCK_D) * l_r
@@ -195,7 +229,7 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
                                   ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr + b * new_bstride,
                                   vn_ptr + b * new_bstride, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                  V_FMT, V_BITS, ALIGNED, HAS_MASK, True, PREC)
+                                  V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK, True, PREC)
         m_new = tl.maximum(m_i, m2)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a1 = tl.exp2(m_i - m_use)
@@ -207,7 +241,8 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                    bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
                                    ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, D, BLOCK_N,
-                                   BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, ALIGNED, HAS_MASK, False, PREC)
+                                   BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK, False,
+                                   PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -340,6 +375,9 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
             kn, vn = kn.contiguous(), vn.contiguous()
         new_bstride, new_tstride = kn.stride(0), kn.stride(1)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # Contiguous caches (one page per sequence, which holds every key) read no block table in the loop;
+    # pages holding whole key blocks are looked up per group of pages; other page sizes per key.
+    paging = 0 if bt.shape[1] == 1 else (1 if page_size % bn == 0 else 2)
     ks = k.scales if k.scales is not None else k.values
     vs = v.scales if v.scales is not None else v.values
     _flash_kernel[(m_tiles, B * hk, n_split)](
@@ -348,7 +386,7 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
         new_bstride, new_tstride, T, hq, hk, page_size, k.row_stride, v.row_stride, k.srow_stride, v.srow_stride,
         scale * _LOG2E, m_tiles, n_split,
         G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)), SPLIT=n_split > 1,
-        K_FMT=k.fmt, K_BITS=k.bits, V_FMT=v.fmt, V_BITS=v.bits, ALIGNED=page_size % bn == 0 or bt.shape[1] == 1,
+        K_FMT=k.fmt, K_BITS=k.bits, V_FMT=v.fmt, V_BITS=v.bits, PAGING=paging, GROUP_PAGES=GROUP_PAGES,
         HAS_MASK=key_mask is not None, HAS_NEW=k_new is not None, PREC=prec, num_warps=warps, num_stages=stages)
     if n_split > 1:
         _combine_kernel[(B * T * hq,)](part, lse, out, D=D, BLOCK_D=next_pow2(D), SPLITS=n_split,
