@@ -79,3 +79,33 @@ def test_routing_with_triton_kernels(model: ExLlamaV2, cache_cls: type, routed: 
     monkeypatch.setattr(ops, "_impl", plain)
     ref = _run(model, cache_cls, ids, 20)
     assert rel_err(got, ref) < 3e-3
+
+
+@pytest.mark.parametrize("cache_cls", [ExLlamaV2Cache, ExLlamaV2Cache_Q4])
+def test_left_padded_batch_with_kernels(model: ExLlamaV2, cache_cls: type, routed: Any,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A left-padded batch (key mask, shifted RoPE positions) over two chunks, kernels under the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+    pytest.importorskip("triton")
+    import exlpy.kernels.triton_ops  # noqa: F401 - registers the kernels
+
+    ids = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, :5] = False
+    offsets = torch.tensor([0, -5])
+
+    def run() -> torch.Tensor:
+        cache = cache_cls(model, batch_size=2, max_seq_len=24)
+        a = model.forward(ids[:, :17], cache, input_mask=mask, position_offsets=offsets)
+        b = model.forward(ids[:, 17:18], cache, input_mask=mask, position_offsets=offsets)
+        return torch.cat([a, b], 1)
+
+    names = {"flash_attention", "quant_attention", "store_kv_quant"}
+    plain = ops._impl
+    monkeypatch.setattr(ops, "_impl", lambda name, t: ops._TRITON[name] if name in names else plain(name, t))
+    got = run()
+    monkeypatch.setattr(ops, "_impl", plain)
+    routed()
+    ref = run()  # today's attention path
+    assert rel_err(got[0], ref[0]) < 3e-3 and rel_err(got[1, 5:], ref[1, 5:]) < 3e-3
