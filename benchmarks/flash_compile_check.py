@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from exlpy.kernels import flash_attention as fa  # noqa: E402
+from exlpy.kernels import flash_kernel as fk  # noqa: E402
 from exlpy.kernels import quant_kv_store as qs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -79,8 +80,8 @@ def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt
     consts = dict(G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, SPLIT=split, K_FMT=k_fmt, K_BITS=k_bits,
                   V_FMT=v_fmt, V_BITS=v_bits, PAGING=paging, GROUP_PAGES=fa.GROUP_PAGES, HAS_MASK=False,
                   HAS_NEW=has_new, PREC="tf32")
-    sig, attrs = _signature(fa._flash_kernel, ptrs, consts)
-    k = triton.compile(ASTSource(fa._flash_kernel, sig, consts, attrs), target=TARGET,
+    sig, attrs = _signature(fk._flash_kernel, ptrs, consts)
+    k = triton.compile(ASTSource(fk._flash_kernel, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
     # Tiles in flight while one is consumed: the largest `num` of the loops' async waits (0 = no overlap).
@@ -115,6 +116,9 @@ def variants() -> dict[str, dict]:
     out[f"decode Q6 D128 split+fresh {cfg}"] = compile_flash("fp16", 128, 4, cfg, fa.INT, 8, fa.INT, 4, True, True)
     out[f"decode FP8 D128 split+fresh {cfg}"] = compile_flash("fp16", 128, 4, cfg, fa.FP8, 8, fa.FP8, 8, True,
                                                               True)
+    cfg = fa.QUANT_PREFILL_CONFIGS[128]
+    out[f"prefill Q4 D128 paged+fresh {cfg}"] = compile_flash("fp16", 128, 4, cfg, fa.INT, 4, fa.INT, 4, False,
+                                                             True)
     out["store Q4"] = compile_store(fa.INT, 4, fa.INT, 4)
     out["store Q6"] = compile_store(fa.INT, 8, fa.INT, 4)
     out["store FP8"] = compile_store(fa.FP8, 8, fa.FP8, 8)

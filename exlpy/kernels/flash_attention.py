@@ -5,12 +5,8 @@ ones (block table [B, P], any page size), fp16/bf16 and the quantized formats of
 width, dequantized in registers), with the K/V of earlier chunks: query row i of sequence b sees the keys
 t <= positions[b, i], t < seqlens[b] (and key_mask[b, t] when given).
 
-Layout of the work: a program owns BLOCK_M query rows of one (sequence, KV head), where a row is one
-(token, query head of the group) pair, row = token * G + g. The G query heads that share a KV head are thus
-processed together and every K/V tile is loaded once per group; the causal diagonal is also G times narrower
-in tokens than in rows. Keys are visited in two loops: the interior, keys every row of the tile sees (no
-masks, no -inf bookkeeping, unpredicated loads the compiler can pipeline), then the boundary blocks with the
-causal/length/key masks. Softmax is online in the log2 domain, accumulation in fp32.
+The G query heads that share a KV head are processed together, so every K/V tile is loaded once per group
+(flash_kernel.py describes the work layout). Softmax is online in the log2 domain, accumulation in fp32.
 
 Short query blocks (decode, speculative verification) leave too few programs to fill the GPU, so the key range
 is split over `splits` programs whose partial results a second kernel combines (flash-decoding). Every bound is
@@ -26,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from exlpy.errors import ConfigError
-from exlpy.kernels.kv_tiles import FP8, INT, PLAIN, fmt_code, load_kv_tile, next_pow2, rotate_rows
+from exlpy.kernels.flash_kernel import _flash_kernel
+from exlpy.kernels.kv_tiles import FP8, INT, PLAIN, fmt_code, next_pow2
 from exlpy.kernels.paged_attention import _combine_kernel
 
 _LOG2E = 1.4426950408889634
@@ -46,217 +42,19 @@ PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
     128: (128, 64, 8, 3),
     256: (64, 32, 8, 2),
 }
+# Long query blocks over quantized caches (prefill chunks with a Q4/Q6/Q8/FP8 cache): the dequantized tiles
+# and the fresh rows' second softmax state need registers: BLOCK_N 32 at D 128 (64 spills 144 bytes).
+QUANT_PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    64: (128, 64, 8, 3),
+    128: (128, 32, 8, 3),
+    256: (64, 16, 8, 2),
+}
 # Short query blocks (<= 64 rows per KV head: decode, verify steps) are bound by the K/V read: small M tiles,
 # 4 warps, keys split over programs. (BLOCK_N, num_warps, num_stages) per cache format.
 DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {"plain": (64, 4, 3), "quant": (64, 4, 3)}
 SHORT_ROWS = 64
 _MAX_SPLITS = 64
 GROUP_PAGES = 8  # block-table entries read at once by the paged interior loop (2,048 keys of 256-token pages)
-
-
-@triton.jit
-def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, page,
-                  mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
-                  kn_ptr, vn_ptr, new_tstride, c0,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr,
-                  K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr,
-                  HAS_MASK: tl.constexpr, MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
-    """One BLOCK_N block of keys [start, start + BLOCK_N) (those < r_hi) into the running (acc, m_i, l_i).
-
-    Cache rows: PAGING 0 (contiguous: the whole sequence in `page`), 1 (the block inside page `page`, looked
-    up by the caller), 2 (a block-table lookup per key). FRESH blocks read this step's own K/V rows
-    (unquantized, key t at row t - c0 of kn/vn) instead of the cache, with the unrotated q, into a state of
-    their own (merged with the cache's at the end)."""
-    t = start + n
-    n_ok = t < r_hi
-    if FRESH:
-        base = start - c0
-        rows = n
-    elif PAGING == 0:
-        base = page * page_size + start
-        rows = n
-    elif PAGING == 1:
-        base = page * page_size + start % page_size
-        rows = n
-    else:
-        base = 0
-        if MASKED:
-            rows = tl.load(bt_row + t // page_size, mask=n_ok, other=0).to(tl.int64) * page_size + t % page_size
-        else:
-            rows = tl.load(bt_row + t // page_size).to(tl.int64) * page_size + t % page_size
-    if FRESH:
-        k = load_kv_tile(kn_ptr, kn_ptr, base, rows, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16, MASKED)
-    else:
-        k = load_kv_tile(kc_ptr, ks_ptr, base, rows, kvh, n_ok, k_row_stride, ks_row_stride, D, BLOCK_D, BLOCK_N,
-                         K_FMT, K_BITS, MASKED)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC)  # scaled by qk_scale (log2 units) inside exp2's FMA
-    if MASKED or HAS_MASK:
-        if MASKED:
-            ok = (t[None, :] <= pos[:, None]) & n_ok[None, :]
-        else:
-            ok = n_ok[None, :]
-        if HAS_MASK:
-            keep = tl.load(mask_row + t, mask=n_ok & (t < mask_len), other=0) != 0
-            ok = ok & keep[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet stays at zero
-    else:  # interior: every row sees every key, scores are finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s * qk_scale - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FRESH:
-        v = load_kv_tile(vn_ptr, vn_ptr, base, rows, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16, MASKED)
-    else:
-        v = load_kv_tile(vc_ptr, vs_ptr, base, rows, kvh, n_ok, v_row_stride, vs_row_stride, D, BLOCK_D, BLOCK_N,
-                         V_FMT, V_BITS, MASKED)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, mask_row,
-               mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr,
-               vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
-               PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, HAS_MASK: tl.constexpr, FRESH: tl.constexpr,
-               PREC: tl.constexpr):
-    """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest.
-
-    No load inside the interior loop may feed the K/V addresses: Triton's software pipeline would then wait
-    for each tile right before using it (measured in the compiled code: one buffer in flight instead of two).
-    So contiguous caches read their page once, and paged ones read the block-table entries of GROUP_PAGES
-    pages as one vector before an inner loop over their blocks, which picks its page arithmetically."""
-    interior = r_lo + tl.maximum(tl.minimum(full, r_hi) - r_lo, 0) // BLOCK_N * BLOCK_N
-    page = tl.load(bt_row).to(tl.int64) if PAGING == 0 and not FRESH else 0
-    if PAGING == 1 and not FRESH:
-        span = GROUP_PAGES * page_size
-        gi = tl.arange(0, GROUP_PAGES)
-        for g0 in range(r_lo // span * span, interior, span):
-            first = g0 // page_size
-            pages = tl.load(bt_row + first + gi, mask=first + gi < tl.cdiv(interior, page_size), other=0)
-            pages = pages.to(tl.int64)
-            for start in range(tl.maximum(g0, r_lo), tl.minimum(g0 + span, interior), BLOCK_N):
-                pg = tl.sum(tl.where(gi == start // page_size - first, pages, 0), axis=0)
-                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
-                                              vs_ptr, bt_row, pg, mask_row, mask_len, page_size, k_row_stride,
-                                              v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
-                                              new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS,
-                                              PAGING, HAS_MASK, False, FRESH, PREC)
-    else:
-        for start in range(r_lo, interior, BLOCK_N):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
-                                          vs_ptr, bt_row, page, mask_row, mask_len, page_size, k_row_stride,
-                                          v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
-                                          new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING,
-                                          HAS_MASK, False, FRESH, PREC)
-    for start in range(interior, r_hi, BLOCK_N):  # at most a few blocks: a table read per block is fine here
-        if PAGING == 1 and not FRESH:
-            pg = tl.load(bt_row + start // page_size).to(tl.int64)
-        else:
-            pg = page
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                      bt_row, pg, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                      ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride, c0,
-                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, HAS_MASK, True,
-                                      FRESH, PREC)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
-                  part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride,
-                  mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size, k_row_stride, v_row_stride,
-                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
-                  V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr,
-                  HAS_MASK: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr):
-    tile = m_tiles - 1 - tl.program_id(0)  # latest query rows (longest key ranges) first: a shorter tail
-    bh = tl.program_id(1)
-    b = (bh // hk).to(tl.int64)
-    kvh = bh % hk
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = r < T * G
-    tok = (r // G).to(tl.int64)
-    head = kvh * G + r % G
-    pos = tl.load(pos_ptr + b * pos_bstride + tok * pos_tstride, mask=r_ok, other=-1).to(tl.int64)
-    seqlen = tl.load(seqlen_ptr + b).to(tl.int64)
-    hi = tl.maximum(tl.minimum(seqlen, tl.max(pos, axis=0) + 1), 0)  # keys any row of the tile sees
-    full = tl.minimum(seqlen, tl.min(tl.where(r_ok, pos, seqlen), axis=0) + 1)  # keys every row sees
-    if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(hi, n_splits), BLOCK_N) * BLOCK_N
-        lo = tl.program_id(2) * chunk
-        s_hi = tl.minimum(lo + chunk, hi)
-    else:
-        lo = hi * 0
-        s_hi = hi
-
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q_off = b * q_bstride + tok * q_tstride + head * D
-    q_in = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    if K_FMT == 0:
-        q = q_in.to(kc_ptr.dtype.element_ty)
-    elif K_FMT == 1:
-        q = rotate_rows(q_in.to(tl.float32), BLOCK_M, BLOCK_D).to(tl.float16)  # q.H: dotted with rotated codes
-    else:
-        q = q_in.to(tl.float16)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    bt_row = bt_ptr + b * bt_stride
-    mask_row = mask_ptr + b * mask_stride
-    if HAS_NEW:  # keys before this step's first position from the cache, the step's own from kn/vn
-        c0 = tl.load(pos_ptr + b * pos_bstride).to(tl.int64)
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
-                                   ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
-                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0, D,
-                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK,
-                                   False, PREC)
-        if V_FMT == 1:  # (sum p.g).H: back from the rotated value codes, normalized so fp16 parts never overflow
-            l_r = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            acc = rotate_rows(acc / l_r, BLOCK_M, BLOCK_D) * l_r
-        # The fresh rows in a softmax state of their own (unrotated q and values), merged below.
-        m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l2 = tl.zeros([BLOCK_M], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        acc2, m2, l2 = _key_range(acc2, m2, l2, q_in, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
-                                  ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
-                                  v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr + b * new_bstride,
-                                  vn_ptr + b * new_bstride, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                  V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK, True, PREC)
-        m_new = tl.maximum(m_i, m2)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a1 = tl.exp2(m_i - m_use)
-        a2 = tl.exp2(m2 - m_use)
-        acc = acc * a1[:, None] + acc2 * a2[:, None]
-        l_i = l_i * a1 + l2 * a2
-        m_i = m_new
-    else:
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                   bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                   ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, D, BLOCK_N,
-                                   BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK, False,
-                                   PREC)
-
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if V_FMT == 1 and not HAS_NEW:
-        o = rotate_rows(o, BLOCK_M, BLOCK_D)  # (sum p.g).H / l: back from the rotated value codes
-    row = (b * T + tok) * hq + head  # [B, T, Hq] flattened
-    o_mask = r_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        idx = row * n_splits + tl.program_id(2)
-        tl.store(part_ptr + idx[:, None] * D + d[None, :], o, mask=o_mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(lse_ptr + idx, lse, mask=r_ok)
-    else:
-        tl.store(out_ptr + row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @dataclass
@@ -312,7 +110,8 @@ def _config(D: int, rows: int, quant: bool) -> tuple[int, int, int, int]:
     if env:
         bm, bn, warps, stages = (int(x) for x in env.split(","))
         return bm, bn, warps, stages
-    return PREFILL_CONFIGS.get(next_pow2(max(D, 64)), PREFILL_CONFIGS[256])
+    table = QUANT_PREFILL_CONFIGS if quant else PREFILL_CONFIGS
+    return table.get(next_pow2(max(D, 64)), table[256])
 
 
 def num_splits(programs: int, bound: int, block_n: int, sms: int) -> int:
