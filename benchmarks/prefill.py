@@ -244,6 +244,8 @@ def main() -> int:
     ap.add_argument("--decode-context", type=int, default=32768)
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--skip-prefill", action="store_true", help="only the decode part")
+    ap.add_argument("--skip-decode", action="store_true", help="only the prefill part")
     ap.add_argument("--hf-timeout", type=int, default=400)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prefill_run.md"))
     args = ap.parse_args()
@@ -256,29 +258,32 @@ def main() -> int:
     lines = [f"## Prefill and quantized-cache decode, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
              f"UTC on {torch.cuda.get_device_name()}", "",
              f"Command: `python benchmarks/prefill.py {' '.join(sys.argv[1:])}`  ",
-             f"torch {torch.__version__}; Llama-3-8B shape fp16, random weights; chunk {args.chunk}", "",
-             "| tokens | exlpy today | flash, one forward | flash, contiguous chunks | flash, paged chunks | "
-             "HF SDPA, one forward | one forward / HF | paged chunks / HF |", "|---|---|---|---|---|---|---|---|"]
+             f"torch {torch.__version__}; Llama-3-8B shape fp16, random weights; chunk {args.chunk}", ""]
+    if not args.skip_prefill:
+        lines += ["| tokens | exlpy today | flash, one forward | flash, contiguous chunks | flash, paged chunks | "
+                  "HF SDPA, one forward | one forward / HF | paged chunks / HF |", "|---|---|---|---|---|---|---|---|"]
     model = load_model(d, max(max(lengths), ctx + steps + 16))
-    results = prefill_results(model, lengths, args.chunk, reps)
-    lines_decode = ["", f"### Decode, batch 1, {ctx:,} tokens of context", ""]
-    uninstall = install()
-    try:
-        lines_decode += decode_rows(model, ctx, steps)
-    finally:
-        uninstall()
+    results = {} if args.skip_prefill else prefill_results(model, lengths, args.chunk, reps)
+    lines_decode: list[str] = []
+    if not args.skip_decode:
+        lines_decode = ["", f"### Decode, batch 1, {ctx:,} tokens of context", ""]
+        uninstall = install()
+        try:
+            lines_decode += decode_rows(model, ctx, steps)
+        finally:
+            uninstall()
     model.unload()
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    hf = {} if args.no_hf else run_hf(d, lengths, reps, args.hf_timeout)
+    hf = {} if args.no_hf or args.skip_prefill else run_hf(d, lengths, reps, args.hf_timeout)
 
     def cell(n: int, r: tuple[float, float] | None) -> str:
         if r is None:
             return "–"
         return f"{n / r[0]:,.0f} tok/s ({r[1]:.1f} GB)" if r[0] == r[0] else "out of memory"
 
-    for n in lengths:
+    for n in lengths if results else []:
         h = hf.get(n, {"error": "not run"})
         hcell = f"{h['tokens_per_s']:,.0f} tok/s ({h['peak_gb']:.1f} GB)" if "tokens_per_s" in h else h["error"]
         ratios = []
@@ -287,9 +292,10 @@ def main() -> int:
             ratios.append(f"{n / r[0] / h['tokens_per_s']:.2f}x" if ok else "–")
         lines.append(f"| {n:,} | " + " | ".join(cell(n, r) for r in results[n]) + f" | {hcell} | "
                      + " | ".join(ratios) + " |")
-    lines.append("")
-    lines.append("Peak GPU memory in parentheses (weights 16 GB included). Target (issue 22): one forward and paged "
-                 "chunks each >= 1.2x HF.")
+    if results:
+        lines.append("")
+        lines.append("Peak GPU memory in parentheses (weights 16 GB included). Target (issue 22): one forward and "
+                     "paged chunks each >= 1.2x HF.")
     text = "\n".join(lines + lines_decode) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
