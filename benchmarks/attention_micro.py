@@ -65,17 +65,19 @@ def prefill_case(hq: int, hk: int, d: int, T: int, seed: int = 0) -> dict:
                 bt0=torch.zeros(1, 1, dtype=torch.int32, device=DEV))
 
 
-def flash_one_shot(c: dict, config: tuple[int, int, int, int] | None = None) -> Callable[[], object]:
+def flash_one_shot(c: dict, config: tuple[int, int, int, int] | None = None, tma: bool | None = None
+                   ) -> Callable[[], object]:
     T, d = c["q"].shape[1], c["q"].shape[3]
     return lambda: flash_attention_launch(c["q"], plain_operand(c["k"]), plain_operand(c["v"]), c["bt0"], T,
-                                          c["lens"], T, c["pos"], d ** -0.5, config=config)
+                                          c["lens"], T, c["pos"], d ** -0.5, config=config, tma=tma)
 
 
-def flash_last_chunk(c: dict, chunk: int, config: tuple[int, int, int, int] | None = None) -> Callable[[], object]:
+def flash_last_chunk(c: dict, chunk: int, config: tuple[int, int, int, int] | None = None,
+                     tma: bool | None = None) -> Callable[[], object]:
     T, d = c["q"].shape[1], c["q"].shape[3]
     q, pos = c["q"][:, T - chunk:], c["pos"][:, T - chunk:]
     return lambda: flash_attention_launch(q, plain_operand(c["kp"]), plain_operand(c["vp"]), c["bt"], PAGE,
-                                          c["lens"], T, pos, d ** -0.5, config=config)
+                                          c["lens"], T, pos, d ** -0.5, config=config, tma=tma)
 
 
 def sdpa_one_shot(c: dict, flash_only: bool) -> Callable[[], object]:
@@ -98,15 +100,17 @@ def sdpa_one_shot(c: dict, flash_only: bool) -> Callable[[], object]:
 
 
 def prefill_rows(quick: bool) -> list[str]:
-    lines = ["| Hq/Hkv/D | tokens | flash one-shot | flash last 2k chunk (paged) | SDPA flash | SDPA default |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| Hq/Hkv/D | tokens | flash one-shot | flash one-shot, TMA | flash last 2k chunk (paged) | "
+             "flash last 2k chunk, TMA | SDPA flash | SDPA default |", "|---|---|---|---|---|---|---|---|"]
     lengths = [2048, 8192] if quick else [2048, 8192, 32768, 65536]
     for hq, hk, d in SHAPES[:1] if quick else SHAPES:
         for T in lengths:
             c = prefill_case(hq, hk, d, T)
             full, chunk = causal_flops(hq, d, 0, T), causal_flops(hq, d, T - min(T, 2048), min(T, 2048))
             cells = []
-            for fn, fl in ((flash_one_shot(c), full), (flash_last_chunk(c, min(T, 2048)), chunk),
+            n = min(T, 2048)
+            for fn, fl in ((flash_one_shot(c, tma=False), full), (flash_one_shot(c, tma=True), full),
+                           (flash_last_chunk(c, n, tma=False), chunk), (flash_last_chunk(c, n, tma=True), chunk),
                            (sdpa_one_shot(c, True), full), (sdpa_one_shot(c, False), full)):
                 try:
                     ms = bench(fn)

@@ -49,7 +49,7 @@ def _signature(fn, ptrs: dict[str, str], consts: dict) -> tuple[dict, dict]:
             sig[name] = "i32"
     # Pointers and the strides of dense tensors are 16-aligned at launch: Triton specializes on that.
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-             if n in ptrs or n in ALIGNED_ARGS}
+             if (n in ptrs and ptrs[n].startswith("*")) or n in ALIGNED_ARGS}
     return sig, attrs
 
 
@@ -70,22 +70,28 @@ def _ptxas_report(ptx: str) -> dict:
 
 def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt: int = fa.PLAIN,
                   k_bits: int = 16, v_fmt: int = fa.PLAIN, v_bits: int = 16, split: bool = False,
-                  has_new: bool = False, paging: int = 1) -> dict:
+                  has_new: bool = False, paging: int = 1, tma: bool = False) -> dict:
     bm, bn, warps, stages = cfg
     vals = {fa.PLAIN: "*" + dt, fa.INT: "*u8", fa.FP8: "*u8"}
     scales = {fa.PLAIN: "*" + dt, fa.INT: "*fp16", fa.FP8: "*u8"}
     ptrs = {"q_ptr": "*" + dt, "kc_ptr": vals[k_fmt], "vc_ptr": vals[v_fmt], "ks_ptr": scales[k_fmt],
             "vs_ptr": scales[v_fmt], "bt_ptr": "*i32", "seqlen_ptr": "*i32", "pos_ptr": "*i64", "mask_ptr": "*u8",
-            "out_ptr": "*" + dt, "part_ptr": "*fp32", "lse_ptr": "*fp32", "kn_ptr": "*" + dt, "vn_ptr": "*" + dt}
+            "out_ptr": "*" + dt, "part_ptr": "*fp32", "lse_ptr": "*fp32", "kn_ptr": "*" + dt, "vn_ptr": "*" + dt,
+            "k_desc": f"tensordesc<{dt}[{bn}, {D}]>" if tma else "*" + dt,
+            "v_desc": f"tensordesc<{dt}[{bn}, {D}]>" if tma else "*" + dt}
     consts = dict(G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, SPLIT=split, K_FMT=k_fmt, K_BITS=k_bits,
-                  V_FMT=v_fmt, V_BITS=v_bits, PAGING=paging, GROUP_PAGES=fa.GROUP_PAGES, HAS_MASK=False,
-                  HAS_NEW=has_new, PREC="tf32")
+                  V_FMT=v_fmt, V_BITS=v_bits, PAGING=paging, GROUP_PAGES=fa.GROUP_PAGES, USE_TMA=tma,
+                  HAS_MASK=False, HAS_NEW=has_new, PREC="tf32")
     sig, attrs = _signature(fk._flash_kernel, ptrs, consts)
     k = triton.compile(ASTSource(fk._flash_kernel, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
-    # Tiles in flight while one is consumed: the largest `num` of the loops' async waits (0 = no overlap).
-    waits = [int(x) for x in re.findall(r"async_wait[^{\n]*\{num = (\d+)", k.asm["ttgir"])]
+    # Tiles in flight while one is consumed: the largest `num` of the loops' cp.async waits (0 = no overlap), or
+    # for TMA copies the ring of K/V buffers less the one being read.
+    ir = k.asm["ttgir"]
+    waits = [int(x) for x in re.findall(r"async_wait[^{\n]*\{num = (\d+)", ir)]
+    if "async_tma_copy" in ir:
+        waits += [int(x) - 1 for x in re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{bn}x{D}x", ir)]
     return {"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
             "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "in_flight": max(waits, default=0),
             **_ptxas_report(ptx)}
@@ -108,6 +114,7 @@ def variants() -> dict[str, dict]:
         if d <= 128:
             out[f"prefill fp16 D{d} contiguous {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=0)
             out[f"prefill fp16 D{d} paged {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=1)
+            out[f"prefill fp16 D{d} paged TMA {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=1, tma=True)
     bn, w, st = fa.DECODE_CONFIGS["plain"]
     out[f"verify fp16 D128 split {(16, bn, w, st)}"] = compile_flash("fp16", 128, 4, (16, bn, w, st), split=True)
     bn, w, st = fa.DECODE_CONFIGS["quant"]
@@ -133,8 +140,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.config:
         cfg = tuple(int(x) for x in args.config.split(","))
-        res = {f"prefill fp16 D{args.head_dim} {p} {cfg}": compile_flash("fp16", args.head_dim, 4, cfg, paging=i)
-               for i, p in enumerate(("contiguous", "paged"))}
+        res = {f"prefill fp16 D{args.head_dim} {p}{' TMA' if t else ''} {cfg}":
+               compile_flash("fp16", args.head_dim, 4, cfg, paging=i, tma=t)
+               for i, p in enumerate(("contiguous", "paged")) for t in (False, True)}
     else:
         res = variants()
     if args.json:

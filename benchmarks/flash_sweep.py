@@ -36,25 +36,26 @@ from exlpy.kernels import flash_attention as fa  # noqa: E402
 
 
 def prefill_sweep(d: int, quick: bool) -> tuple[list[str], tuple]:
-    lines = [f"| D {d}: BM, BN, warps, stages | one-shot 8k TFLOP/s | last 2k chunk of 32k TFLOP/s |",
+    lines = [f"| D {d}: BM, BN, warps, stages, TMA | one-shot 8k TFLOP/s | last 2k chunk of 32k TFLOP/s |",
              "|---|---|---|"]
     short, long_ = prefill_case(32, 8, d, 8192), prefill_case(32, 8, d, 8192 if quick else 32768, seed=1)
     f_short, L = causal_flops(32, d, 0, 8192), long_["q"].shape[1]
     f_chunk = causal_flops(32, d, L - 2048, 2048)
-    grid = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4])
+    grid = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [False, True])
     if quick:
-        grid = itertools.product([128], [64, 128], [4, 8], [3])
+        grid = itertools.product([128], [64, 128], [8], [3], [False, True])
     best = (0.0, None)
-    for cfg in grid:
+    for *cfg, tma in grid:
+        cfg = tuple(cfg)
         try:
-            a = f_short / bench(flash_one_shot(short, cfg)) / 1e9
-            b = f_chunk / bench(flash_last_chunk(long_, 2048, cfg)) / 1e9
+            a = f_short / bench(flash_one_shot(short, cfg, tma)) / 1e9
+            b = f_chunk / bench(flash_last_chunk(long_, 2048, cfg, tma)) / 1e9
         except Exception as e:  # out of shared memory / registers for this tile
-            lines.append(f"| {cfg} | failed: {type(e).__name__}: {str(e)[:80]} | |")
+            lines.append(f"| {cfg}, {tma} | failed: {type(e).__name__}: {str(e)[:80]} | |")
             continue
-        lines.append(f"| {cfg} | {a:.0f} | {b:.0f} |")
+        lines.append(f"| {cfg}, {tma} | {a:.0f} | {b:.0f} |")
         print(lines[-1], flush=True)
-        best = max(best, (a + b, cfg), key=lambda x: x[0])
+        best = max(best, (a + b, (cfg, tma)), key=lambda x: x[0])
     lines.append(f"| best (sum) | {best[1]} | table now: {fa.PREFILL_CONFIGS.get(d)} |")
     del short, long_
     torch.cuda.empty_cache()
@@ -113,7 +114,7 @@ def main() -> int:
         rows, best[d] = prefill_sweep(d, args.quick)
         lines += rows + [""]
     lines += decode_sweep(args.quick)
-    lines += ["", f"Suggested PREFILL_CONFIGS entries: {best}"]
+    lines += ["", f"Suggested PREFILL_CONFIGS entries ((config), TMA): {best}"]
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -105,6 +105,26 @@ def test_flash_chunked_prefill_into_paged_cache(page: int, group: int, monkeypat
         _close(out, whole[:, a:e], 1e-5)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_tma_tiles(paged: bool) -> None:
+    """Interior tiles as tensor-descriptor (TMA) copies, boundary tiles as masked loads."""
+    g = torch.Generator().manual_seed(11)
+    B, hk, G, D, page, T = 2, 2, 4, 32, 16, 20
+    if paged:
+        kc, vc, bt = _paged(B, 5, page, hk, D, g)
+    else:
+        page = 90
+        kc, vc = torch.randn(B, page, hk, D, generator=g), torch.randn(B, page, hk, D, generator=g)
+        bt = torch.arange(B).int().view(B, 1)
+    lens = torch.tensor([70, 45], dtype=torch.int32)
+    pos = lens.long().view(-1, 1) - T + torch.arange(T)
+    q = torch.randn(B, T, hk * G, D, generator=g)
+    ref = reference.paged_attention(q, kc, vc, bt, page, lens, 70, pos, 0.3)
+    out = flash_attention_launch(q, plain_operand(kc), plain_operand(vc), bt, page, lens, 70, pos, 0.3,
+                                 config=SMALL, tma=True)
+    _close(out, ref, 1e-5)
+
+
 def test_flash_key_mask_padding_rows_and_splits() -> None:
     g = torch.Generator().manual_seed(7)
     B, hk, G, D, page, T = 3, 2, 2, 16, 16, 6

@@ -106,6 +106,31 @@ def test_flash_chunked_prefill_paged(hq: int, hk: int, D: int, T: int, chunk: in
         assert _rel(out[0, rows - a], _ref_rows(q, k, v, t, rows, scale)) < 2e-3, (a, e)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_tma_tiles_8k(paged: bool) -> None:
+    """The TMA variant (EXLPY_FLASH_TMA=1) on an 8k block, over a contiguous cache and over shuffled pages."""
+    from exlpy.kernels.flash_attention import flash_attention_launch, plain_operand
+
+    torch.manual_seed(6)
+    T, hq, hk, D = 8192, 32, 8, 128
+    q = torch.randn(1, T, hq, D, device=DEV, dtype=torch.float16)
+    k = torch.randn(T, hk, D, device=DEV, dtype=torch.float16)
+    v = torch.randn(T, hk, D, device=DEV, dtype=torch.float16)
+    t = torch.arange(T, device=DEV)
+    if paged:
+        kc, vc, bt = _pool(T, hk, D, torch.float16, 6)
+        rows = bt[0, t // PAGE].long() * PAGE + t % PAGE
+        kc.view(-1, hk, D)[rows], vc.view(-1, hk, D)[rows] = k, v
+        page = PAGE
+    else:
+        kc, vc, bt, page = k[None], v[None], torch.zeros(1, 1, dtype=torch.int32, device=DEV), T
+    lens = torch.tensor([T], dtype=torch.int32, device=DEV)
+    out = flash_attention_launch(q, plain_operand(kc), plain_operand(vc), bt, page, lens, T, t[None], D ** -0.5,
+                                 tma=True)
+    rows = _sample_rows(T)
+    assert _rel(out[0, rows], _ref_rows(q[0], k, v, t, rows, D ** -0.5)) < 2e-3
+
+
 @pytest.mark.parametrize("T", [1, 4, 8])
 def test_flash_short_blocks_split_keys(T: int) -> None:
     """Decode and verify-sized blocks of two sequences of different lengths (32k and 5k) in one paged pool."""

@@ -54,6 +54,7 @@ QUANT_PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {"plain": (64, 4, 3), "quant": (64, 4, 3)}
 SHORT_ROWS = 64
 _MAX_SPLITS = 64
+_TMA = os.environ.get("EXLPY_FLASH_TMA", "0") not in ("", "0")
 GROUP_PAGES = 8  # block-table entries read at once by the paged interior loop (2,048 keys of 256-token pages)
 
 
@@ -128,14 +129,14 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
                            page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                            scale: float, key_mask: torch.Tensor | None = None,
                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                           config: tuple[int, int, int, int] | None = None, splits: int | None = None
-                           ) -> torch.Tensor:
+                           config: tuple[int, int, int, int] | None = None, splits: int | None = None,
+                           tma: bool | None = None) -> torch.Tensor:
     """Causal attention of q [B, T, Hq, D] over the cache operands; [B, T, Hq, D] in q's dtype.
 
     `max_seqlen` (a host-side bound of seqlens, or the cache capacity) only sizes the key-range split;
     `k_new`/`v_new` [B, T, Hkv, D]: this step's own K/V, read instead of the cache for keys at positions
     >= positions[b, 0] (the step's tokens sit at consecutive positions); `config` / `splits` override the
-    tables (benchmarks/flash_sweep.py).
+    tables (benchmarks/flash_sweep.py), `tma` the EXLPY_FLASH_TMA choice.
     """
     B, T, hq, D = q.shape
     hk = k.kv_heads(D)
@@ -179,13 +180,23 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
     paging = 0 if bt.shape[1] == 1 else (1 if page_size % bn == 0 else 2)
     ks = k.scales if k.scales is not None else k.values
     vs = v.scales if v.scales is not None else v.values
+    # Interior K/V tiles as TMA bulk copies (Hopper): the cache as a [rows, Hkv*D] matrix, box [BLOCK_N, D] at
+    # column kvh*D. Off by default until an H100 run shows it faster (EXLPY_FLASH_TMA=1; flash_sweep.py).
+    use_tma = (_TMA if tma is None else tma) and k.fmt == v.fmt == PLAIN and paging != 2 and D == next_pow2(D)
+    k_desc, v_desc = k.values, v.values
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc, v_desc = (TensorDescriptor(t.values, [t.values.numel() // (hk * D), hk * D], [hk * D, 1], [bn, D])
+                          for t in (k, v))
     _flash_kernel[(m_tiles, B * hk, n_split)](
-        q, k.values, v.values, ks, vs, bt, seqlens, positions, mask, out, part, lse, kn, vn,
+        q, k.values, v.values, ks, vs, k_desc, v_desc, bt, seqlens, positions, mask, out, part, lse, kn, vn,
         q.stride(0), q.stride(1), positions.stride(0), positions.stride(1), bt.stride(0), mask_stride, mask_len,
         new_bstride, new_tstride, T, hq, hk, page_size, k.row_stride, v.row_stride, k.srow_stride, v.srow_stride,
         scale * _LOG2E, m_tiles, n_split,
         G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)), SPLIT=n_split > 1,
         K_FMT=k.fmt, K_BITS=k.bits, V_FMT=v.fmt, V_BITS=v.bits, PAGING=paging, GROUP_PAGES=GROUP_PAGES,
+        USE_TMA=use_tma,
         HAS_MASK=key_mask is not None, HAS_NEW=k_new is not None, PREC=prec, num_warps=warps, num_stages=stages)
     if n_split > 1:
         _combine_kernel[(B * T * hq,)](part, lse, out, D=D, BLOCK_D=next_pow2(D), SPLITS=n_split,

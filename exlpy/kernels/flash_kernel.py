@@ -18,12 +18,12 @@ from exlpy.kernels.kv_tiles import load_kv_tile, rotate_rows
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, page,
-                  mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
-                  kn_ptr, vn_ptr, new_tstride, c0,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr,
-                  K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr,
-                  HAS_MASK: tl.constexpr, MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
+def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_row,
+                  page, mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride,
+                  qk_scale, kn_ptr, vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr,
+                  V_BITS: tl.constexpr, PAGING: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
+                  MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
     """One BLOCK_N block of keys [start, start + BLOCK_N) (those < r_hi) into the running (acc, m_i, l_i).
 
     Cache rows: PAGING 0 (contiguous: the whole sequence in `page`), 1 (the block inside page `page`, looked
@@ -49,6 +49,8 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
             rows = tl.load(bt_row + t // page_size).to(tl.int64) * page_size + t % page_size
     if FRESH:
         k = load_kv_tile(kn_ptr, kn_ptr, base, rows, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16, MASKED)
+    elif USE_TMA and not MASKED and PAGING != 2:  # one bulk copy per tile (K_FMT is PLAIN and BLOCK_D == D)
+        k = k_desc.load([base.to(tl.int32), kvh * D])
     else:
         k = load_kv_tile(kc_ptr, ks_ptr, base, rows, kvh, n_ok, k_row_stride, ks_row_stride, D, BLOCK_D, BLOCK_N,
                          K_FMT, K_BITS, MASKED)
@@ -72,6 +74,8 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if FRESH:
         v = load_kv_tile(vn_ptr, vn_ptr, base, rows, kvh, n_ok, new_tstride, 0, D, BLOCK_D, BLOCK_N, 0, 16, MASKED)
+    elif USE_TMA and not MASKED and PAGING != 2:
+        v = v_desc.load([base.to(tl.int32), kvh * D])
     else:
         v = load_kv_tile(vc_ptr, vs_ptr, base, rows, kvh, n_ok, v_row_stride, vs_row_stride, D, BLOCK_D, BLOCK_N,
                          V_FMT, V_BITS, MASKED)
@@ -80,12 +84,12 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
 
 
 @triton.jit
-def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, mask_row,
-               mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr,
-               vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_row,
+               mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
+               kn_ptr, vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
-               PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, HAS_MASK: tl.constexpr, FRESH: tl.constexpr,
-               PREC: tl.constexpr):
+               PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
+               FRESH: tl.constexpr, PREC: tl.constexpr):
     """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest.
 
     No load inside the interior loop may feed the K/V addresses: Triton's software pipeline would then wait
@@ -104,39 +108,39 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
             for start in range(tl.maximum(g0, r_lo), tl.minimum(g0 + span, interior), BLOCK_N):
                 pg = tl.sum(tl.where(gi == start // page_size - first, pages, 0), axis=0)
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
-                                              vs_ptr, bt_row, pg, mask_row, mask_len, page_size, k_row_stride,
-                                              v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
-                                              new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS,
-                                              PAGING, HAS_MASK, False, FRESH, PREC)
+                                              vs_ptr, k_desc, v_desc, bt_row, pg, mask_row, mask_len, page_size,
+                                              k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
+                                              kn_ptr, vn_ptr, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
+                                              V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK, False, FRESH, PREC)
     else:
         for start in range(r_lo, interior, BLOCK_N):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
-                                          vs_ptr, bt_row, page, mask_row, mask_len, page_size, k_row_stride,
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                          k_desc, v_desc, bt_row, page, mask_row, mask_len, page_size, k_row_stride,
                                           v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
                                           new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING,
-                                          HAS_MASK, False, FRESH, PREC)
+                                          USE_TMA, HAS_MASK, False, FRESH, PREC)
     for start in range(interior, r_hi, BLOCK_N):  # at most a few blocks: a table read per block is fine here
         if PAGING == 1 and not FRESH:
             pg = tl.load(bt_row + start // page_size).to(tl.int64)
         else:
             pg = page
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                      bt_row, pg, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                      ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride, c0,
-                                      D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, HAS_MASK, True,
-                                      FRESH, PREC)
+                                      k_desc, v_desc, bt_row, pg, mask_row, mask_len, page_size, k_row_stride,
+                                      v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride,
+                                      c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK,
+                                      True, FRESH, PREC)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
+def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
                   part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride,
                   mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size, k_row_stride, v_row_stride,
-                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
-                  V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr,
-                  HAS_MASK: tl.constexpr, HAS_NEW: tl.constexpr, PREC: tl.constexpr):
+                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits, G: tl.constexpr, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                  K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
+                  PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
+                  HAS_NEW: tl.constexpr, PREC: tl.constexpr):
     tile = m_tiles - 1 - tl.program_id(0)  # latest query rows (longest key ranges) first: a shorter tail
     bh = tl.program_id(1)
     b = (bh // hk).to(tl.int64)
@@ -177,10 +181,10 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
     if HAS_NEW:  # keys before this step's first position from the cache, the step's own from kn/vn
         c0 = tl.load(pos_ptr + b * pos_bstride).to(tl.int64)
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
-                                   ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
+                                   ks_ptr, vs_ptr, k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                    v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0, D,
-                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK,
-                                   False, PREC)
+                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA,
+                                   HAS_MASK, False, PREC)
         if V_FMT == 1:  # (sum p.g).H: back from the rotated value codes, normalized so fp16 parts never overflow
             l_r = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             acc = rotate_rows(acc / l_r, BLOCK_M, BLOCK_D) * l_r
@@ -189,10 +193,10 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
         l2 = tl.zeros([BLOCK_M], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         acc2, m2, l2 = _key_range(acc2, m2, l2, q_in, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
-                                  ks_ptr, vs_ptr, bt_row, mask_row, mask_len, page_size, k_row_stride,
+                                  ks_ptr, vs_ptr, k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr + b * new_bstride,
                                   vn_ptr + b * new_bstride, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                  V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK, True, PREC)
+                                  V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA, HAS_MASK, True, PREC)
         m_new = tl.maximum(m_i, m2)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a1 = tl.exp2(m_i - m_use)
@@ -202,10 +206,9 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlen_ptr, pos
         m_i = m_new
     else:
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                   bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                   ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, D, BLOCK_N,
-                                   BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, HAS_MASK, False,
-                                   PREC)
+                                   k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
+                                   ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, D, BLOCK_N, BLOCK_D,
+                                   K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA, HAS_MASK, False, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
