@@ -231,7 +231,7 @@ def test_graph_replay_of_flash_and_quant_steps() -> None:
         ops.store_kv(kp, vp, slots, knew, vnew)
         ops.store_kv_quant(kq, ks, vq, vs, slots, knew, vnew, 4, 4)
         a = ops.paged_attention(q, kp, vp, bt, PAGE, lens, cap, pos, 0.1)
-        b = ops.quant_attention(q, kq, ks, vq, vs, bt, PAGE, lens, cap, pos, 0.1, 4, 4)
+        b = ops.quant_attention(q, kq, ks, vq, vs, bt, PAGE, lens, cap, pos, 0.1, 4, 4, None, knew, vnew)
         return a, b
 
     def set_inputs(lengths: list[int]) -> None:
