@@ -33,10 +33,11 @@ _LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim for long query blocks (prefill chunks). Chosen for the
 # H100: BLOCK_M = 128 rows feed two warpgroups' wgmma with a [128, D] fp32 accumulator that fits the register
 # file next to the [128, BLOCK_N] score tile; BLOCK_N = 64 keeps three K and V stages in shared memory at
-# D = 128 (3 x 2 x 64 x 128 x 2 B = 96 KB). Screened offline with ptxas for sm_90a
-# (benchmarks/flash_compile_check.py): D 128 -> 244 registers, D 64 with 8 warps -> 184, no spills (D 64
-# with 4 warps spills, as does BLOCK_N 128 at D 128). benchmarks/flash_sweep.py times the alternatives;
-# EXLPY_FLASH_CONFIG="BM,BN,warps,stages" overrides the table for a run.
+# D = 128 (3 x 2 x 64 x 128 x 2 B = 96 KB, plus the q tile). Screened offline with ptxas for sm_90a
+# (benchmarks/flash_compile_check.py): D 128 -> 228-254 registers, D 64 with 8 warps -> 174-186, no spills,
+# two K/V tiles in flight (D 64 with 4 warps spills, as does BLOCK_N 128 at D 128). Not yet timed on a GPU:
+# benchmarks/flash_sweep.py times the alternatives; EXLPY_FLASH_CONFIG="BM,BN,warps,stages" overrides the
+# table for a run.
 PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
     64: (128, 64, 8, 3),
     128: (128, 64, 8, 3),
