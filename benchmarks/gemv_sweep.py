@@ -53,7 +53,7 @@ def main() -> int:
         for delta in deltas:
             cfg.clear()
             cfg.update(base, **delta)
-            model._graphs = None  # recapture with the new launches
+            model.strategy = None  # recapture with the new launches
             try:
                 tps = time_decode(model, 1, 512, args.gen_len).tokens_per_s
             except Exception as e:  # e.g. a setting the compiler rejects

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import make_models  # noqa: E402
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
+from exlpy.model import run_module  # noqa: E402
 from exlpy.model.batch import contiguous_batch  # noqa: E402
 
 make_models.SHAPES["llama3-70b"] = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
@@ -41,7 +42,7 @@ def streamed_reference(path: str, ids: torch.Tensor) -> torch.Tensor:
     batch = contiguous_batch(ids.shape[0], ids.shape[1], 0, None, 0, dev)
     for m in model.modules:
         m.load(dev)
-        x = m.forward(x, batch)
+        x = run_module(m, x, batch)
         m.unload()
         torch.cuda.empty_cache()
     return x.float().cpu()

@@ -90,8 +90,8 @@ def allocated() -> list[int]:
 
 def run_case(name: str, path: Path, seq: int, ids: torch.Tensor, steps: int, split_gb: float) -> dict:
     from exlpy import ExLlamaV2Cache
+    from exlpy.engine.placement import plan_for_model
     from exlpy.parallel.costs import cache_spec_of
-    from exlpy.parallel.placement import plan_for_model
     from exlpy.parallel.plan import DeviceBudget
 
     model = make_model(path, seq)

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Single-GPU checks and timings in one go: `bash benchmarks/run_single_gpu.sh [PART ...]` (default: all).
+#   setup   link .gpu/shared (a carried copy of the small files of ../shared) to ../shared
+#   suite   the whole test suite in one session (CPU interpreter tests skip themselves here)
 #   tests   GPU tests of the kernels, graphs and decode fusions
+#   ab      benchmarks/decode.py on the code in .gpu/before (git archive of an older commit) and on this tree,
+#           one after the other in one run: 8B fp16 b1, 8B EXL2 4.0 b1, prefill 2048, paged b32
 #   check   fp16/EXL2 logits vs references on the small shared models (.gpu/p3/models) and, when reassembled
 #           at /tmp/smol (from .gpu/p1..p3, carried in pieces), the real SmolLM2-135M EXL2 plus its decode speed
 #   decode  benchmarks/decode.py: 8B fp16 and 8B EXL2 4.0 bpw decode, prefill 2048, paged b32, HF compile, profiles
@@ -22,6 +26,16 @@ fi
 for part in $PARTS; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case $part in
+    setup)
+      [ -d ../shared ] || ln -s "$PWD/.gpu/shared" ../shared; ls ../shared ;;
+    suite)
+      timeout 400 python -m pytest -q -p no:cacheprovider tests 2>&1 | tail -15 | tee "$OUT/pytest_suite.txt" ;;
+    ab)
+      for tree in ${AB_ORDER:-before after}; do
+        dir=.; [ "$tree" = before ] && dir=.gpu/before
+        (cd $dir && PYTHONPATH=. timeout 200 python benchmarks/decode.py --models 8b,exl2 --hf '' \
+          --work /tmp/exlpy_bench --out "$OUT/decode_$tree.md" 2>&1 | tail -12)
+      done ;;
     tests)
       timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_quant_kernels.py tests/test_kernels_triton.py \
         tests/test_graphs.py tests/test_decode_fusions.py -k cuda 2>&1 | tail -5 | tee "$OUT/pytest_gpu.txt" ;;

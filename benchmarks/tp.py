@@ -8,9 +8,9 @@ fp16 random weights written once to /tmp. Single-GPU and TP runs happen in the s
 other. Collective backends are timed first (all-reduce of one decode token and of a 2048-token prefill).
 
 Where the time goes (benchmarks/tp_diag.py): `single_phases` times the one-GPU prefill per module kind;
-`tp_phases` times TP prefill and graph decode per stage and slot with CUDA events (compute vs collective vs
-host-bound gaps, plus embedding / copies / gather); `sync_check` lists host syncs inside a TP prefill and a
-decode step; `top_kernels` lists the profiler's most expensive kernels of one prefill (1 GPU and TP).
+`sync_check` lists host syncs inside a TP prefill and a decode step; `top_kernels` lists the profiler's most
+expensive kernels of one prefill (1 GPU and TP). Other collective backends are compared by reloading the
+model with `RuntimeOptions(tp_comm=...)`.
 
 It cannot hang: a watchdog writes what was measured so far and exits with status 124 after --timeout
 seconds (Python stacks go to stderr first), and the torch.distributed probe has its own 60 s limit.
@@ -35,10 +35,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tp_diag import flop_model, single_phases, sync_check, top_kernels, tp_phases  # noqa: E402
+from benchmarks.tp_diag import flop_model, single_phases, sync_check, top_kernels  # noqa: E402
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
 from exlpy.cache.tp import ExLlamaV2Cache_TP  # noqa: E402
+from exlpy.model.parallel_linear import RowParallel  # noqa: E402
 from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable, peer_comm  # noqa: E402
+from exlpy.runtime import RuntimeOptions  # noqa: E402
 
 
 def build_model(path: Path, layers: int, vocab: int, hidden: int = 8192, inter: int = 28672, heads: int = 64,
@@ -259,7 +261,6 @@ def main() -> None:
             m.forward(long_ids, c, last_id_only=True)
 
         res["phase"] = "tp_diag"
-        out["prefill_phases"] = tp_phases(m, prefill, n, 3)
         c.current_seq_len = 0
         m.forward(prompt, c, preprocess_only=True)
         tok = prompt[:, -1:]
@@ -268,20 +269,25 @@ def main() -> None:
         def step() -> None:
             m.forward(tok, c)
 
-        out["decode_phases"] = tp_phases(m, step, n, 20)
         out["sync_check_prefill"] = sync_check(prefill, n)
         out["sync_check_decode"] = sync_check(step, n)
         out["prefill_top_kernels"] = top_kernels(prefill, n)
 
-    def tp_run(split: list[float] | None, tag: str, full: bool) -> None:
-        res["phase"] = tag
+    def load(split: list[float] | None, opts: RuntimeOptions | None = None) -> ExLlamaV2:
         cfg2 = ExLlamaV2Config(str(path))
         cfg2.max_seq_len, cfg2.max_input_len, cfg2.max_attention_size = 4096, 2048, 2048**2
         m = ExLlamaV2(cfg2)
-        m.load_tp(split, expect_cache_tokens=4096)
+        m.load_tp(split, expect_cache_tokens=4096, options=opts)
+        return m
+
+    def tp_run(split: list[float] | None, tag: str, full: bool, opts: RuntimeOptions | None = None) -> None:
+        res["phase"] = tag
+        m = load(split, opts)
         ctx = m.tp_context
+        closer = m.strategy.stages[0].lanes[0].modules[1].o_proj
         out = {"kv_split": ctx.kv_split, "id_split": ctx.id_split, "vc_split": ctx.vc_split,
-               "comm": ctx.comm.name, "mode": ctx.modules[0].mode}
+               "comm": ctx.comm.name, "mode": "row" if isinstance(closer, RowParallel) else "column",
+               "graphs": m.strategy.graph_safe}
         res[tag] = out  # filled in as it goes: a watchdog exit still saves the partial figures
         tp_logits = m.forward(prompt[:, :64]).float()
         out["max_abs_diff"] = round((tp_logits.cpu() - ref.cpu()).abs().max().item(), 4)
@@ -295,7 +301,7 @@ def main() -> None:
 
             out["graph_error"] = traceback.format_exc()[-1500:]
             print(out["graph_error"], flush=True)
-            ctx.graphs = None
+            m.config.no_graphs = True
             out["decode_ms_graphs"] = round(decode_ms(m, c, prompt, args.steps, n), 3)
         # Graph decode equals eager decode (same cache state, same token).
         c.current_seq_len = 0
@@ -303,12 +309,12 @@ def main() -> None:
         tok = prompt[:, -1:]
         lg = m.forward(tok, c)
         c.current_seq_len -= 1
-        graphs, ctx.graphs = ctx.graphs, None
+        no_graphs, m.config.no_graphs = m.config.no_graphs, True
         le = m.forward(tok, c)
         out["graph_vs_eager_maxdiff"] = round((lg - le).abs().max().item(), 4)
         if full:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
-        ctx.graphs = graphs
+        m.config.no_graphs = no_graphs
         out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
         print(json.dumps({tag: out}), flush=True)
         save()
@@ -323,20 +329,23 @@ def main() -> None:
             save()
             res["phase"] = tag
         if full:
-            out["graph_mode"] = next(iter(ctx.graphs.sets.values())).mode if ctx.graphs and ctx.graphs.sets else None
-            os.environ["EXLPY_TP_GRAPH"] = "stage"  # the per-stage graphs with host-issued NCCL, for comparison
-            ctx.graphs.clear()
-            out["decode_ms_graphs_stage"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
-            os.environ.pop("EXLPY_TP_GRAPH")
-            ctx.graphs.clear()
-            default = ctx.comm
-            others = [NcclComm()] if default.name != "nccl" and nccl_usable(ctx_devs(ctx)) else []
-            for be in others + [LocalComm(), HostComm()]:
-                ctx.comm = be
-                out[f"decode_ms_graphs_{be.name}"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
-                out[f"prefill2048_ms_{be.name}"] = round(prefill_ms(m, c, long_ids, n), 2)
-            ctx.comm = default
-            ctx.graphs.clear()
+            default = ctx.comm.name
+            others = ["nccl"] if default != "nccl" and nccl_usable(ctx_devs(ctx)) else []
+            for name in others + ["local", "host"]:  # each backend: the same model reloaded with it
+                m2 = None
+                try:
+                    del c
+                    m.unload()
+                    m2 = load(split, RuntimeOptions(tp_comm=name))
+                    c2 = ExLlamaV2Cache_TP(m2, max_seq_len=4096)
+                    out[f"decode_ms_{name}"] = round(decode_ms(m2, c2, prompt, args.steps // 2, n), 3)
+                    out[f"prefill2048_ms_{name}"] = round(prefill_ms(m2, c2, long_ids, n), 2)
+                    del c2
+                finally:
+                    if m2 is not None:
+                        m2.unload()
+                m = load(split, opts)
+                c = ExLlamaV2Cache_TP(m, max_seq_len=4096)
             if args.mem_steps:
                 c.current_seq_len = 0
                 m.forward(prompt, c)
@@ -367,9 +376,7 @@ def main() -> None:
     res["speedup_prefill"] = round(res["single_prefill2048_ms"] / res["tp"]["prefill2048_ms"], 2)
     save()
     if args.column:
-        os.environ["EXLPY_TP_MODE"] = "column"
-        tp_run(None, "tp_column", False)
-        os.environ.pop("EXLPY_TP_MODE")
+        tp_run(None, "tp_column", False, RuntimeOptions(tp_layout="column"))
     if args.split:
         tp_run([float(x) for x in args.split.split(",")], "tp_uneven", False)
     res["phase"] = "done"

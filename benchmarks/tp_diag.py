@@ -2,8 +2,6 @@
 
 - `flop_model`: GEMM + attention FLOPs of a prefill and the bytes a decode step must read, per device.
 - `single_phases`: one-GPU prefill timed per module with CUDA events (embedding, attention, MLP, head).
-- `tp_phases`: TP forward passes with `ctx.timer` set (exlpy/parallel/tp_timing.py): per slot compute vs
-  collective vs host-bound gaps, and the embedding / copy / gather phases.
 - `sync_check`: runs a callable under `torch.cuda.set_sync_debug_mode("warn")` and reports every host sync.
 - `top_kernels`: the torch profiler's most expensive CUDA kernels of one call.
 """
@@ -17,9 +15,11 @@ from typing import Any
 
 import torch
 
+from exlpy.model import run_module
+from exlpy.model.attention import Attention
 from exlpy.model.batch import contiguous_batch
-from exlpy.model.layers import MLP, Attention, Embedding
-from exlpy.parallel.tp_timing import StageTimer, average
+from exlpy.model.embedding import Embedding
+from exlpy.model.mlp import MLP
 
 
 def flop_model(cfg: Any, tokens: int, n: int) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def single_phases(model: Any, cache: Any, ids: torch.Tensor, repeats: int = 3) -
                     "mlp" if isinstance(m, MLP) else "head")
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            x = m.forward(x, batch)
+            x = run_module(m, x, batch)
             b.record()
             evs.append((kind, a, b))
         torch.cuda.synchronize(dev)
@@ -77,22 +77,6 @@ def single_phases(model: Any, cache: Any, ids: torch.Tensor, repeats: int = 3) -
 def _sync_all(n: int) -> None:
     for i in range(n):
         torch.cuda.synchronize(i)
-
-
-def tp_phases(model: Any, run: Callable[[], Any], n: int, repeats: int) -> dict[str, Any]:
-    """Mean `StageTimer` summary of `repeats` calls of `run` (each one TP forward)."""
-    ctx = model.tp_context
-    timer = StageTimer()
-    ctx.timer = timer
-    sums = []
-    try:
-        for _ in range(repeats):
-            run()
-            _sync_all(n)
-            sums.append(timer.summary())
-    finally:
-        ctx.timer = None
-    return average(sums)
 
 
 def sync_check(fn: Callable[[], Any], n: int) -> dict[str, Any]:

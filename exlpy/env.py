@@ -40,7 +40,9 @@ def torch_has_gpu_backend() -> bool:
 def warn_if_cpu_only_torch() -> None:
     """Warn once per process when torch was built without CUDA/ROCm."""
     global _warned_cpu_only
-    if _warned_cpu_only or torch_has_gpu_backend() or os.environ.get("EXLPY_NO_CPU_WARNING"):
+    from exlpy.runtime import options
+
+    if _warned_cpu_only or torch_has_gpu_backend() or not options().cpu_warning:
         return
     _warned_cpu_only = True
     warnings.warn(

@@ -1,4 +1,5 @@
-"""The decode-graph runner's buffer logic, run with its eager body on CPU (and captured on CUDA)."""
+"""The step-graph runner's buffer logic, run with its eager body on CPU (and captured on CUDA), for every
+strategy: one device, a layer split (cuts stand in for device boundaries) and tensor parallelism."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import pytest
 import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
-from exlpy.model.batch import ForwardBatch
-from exlpy.model.graphs import DecodeGraphs, bucket_for, graphs_supported
+from exlpy.engine.forward import graph_runner
+from exlpy.engine.graphs import StepGraphs, bucket_for
+from exlpy.engine.split import layer_split
+from exlpy.model import Transformer
+from exlpy.model.batch import ForwardBatch, paged_batch
 from tests.conftest import rel_err, requires_cuda
 from tests.hf_models import make_hf_model
 
@@ -36,12 +40,17 @@ def _load(path: Path, device: str | None = None) -> ExLlamaV2:
     return model
 
 
+def _runner(model: ExLlamaV2, cuts: tuple[int, ...] = ()) -> StepGraphs:
+    return StepGraphs(layer_split(Transformer(model.modules), cuts), capture=False)
+
+
 def test_buckets_and_support(model_dir: Path) -> None:
     assert [bucket_for(n) for n in (1, 3, 5, 32, 33)] == [1, 4, 8, 32, 64]
     assert bucket_for(10_000) is None
     model = _load(model_dir, "cpu")
-    assert not graphs_supported(model)  # CPU: the model runs eagerly
-    assert model._graph_runner() is None
+    strategy = model.strategy_for_forward()
+    assert not strategy.graph_safe  # CPU: the model runs eagerly
+    assert graph_runner(model, strategy) is None
 
 
 @pytest.mark.parametrize("cuts", [(), (2,), (1, 3)])  # cuts: segments as on a model split over GPUs
@@ -51,19 +60,37 @@ def test_contiguous_decode_matches_eager(model_dir: Path, cuts: tuple[int, ...])
     eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=2), ExLlamaV2Cache(model, batch_size=2)
     model.forward(prompt, eager_cache, preprocess_only=True)
     model.forward(prompt, graph_cache, preprocess_only=True)
-    runner = DecodeGraphs(model, capture=False, cuts=cuts)
-    assert len(runner.ranges) == len(cuts) + 1
+    runner = _runner(model, cuts)
+    assert len(runner.strategy.stages) == len(cuts) + 1
     tok = prompt[:, -1:]
     for _ in range(3):
         ref = model.forward(tok, eager_cache)
         past = graph_cache.current_seq_len
-        out = runner.decode_contiguous(tok, graph_cache, past)
+        out = runner.run_rows(tok, graph_cache, [past] * 2, None, graph_cache.max_seq_len)
         graph_cache.current_seq_len = past + 1
-        assert out.shape == ref.shape and rel_err(out, ref) <= TOL
+        assert out is not None and out.shape == ref.shape and rel_err(out, ref) <= TOL
         tok = ref[:, -1].argmax(-1, keepdim=True)
     for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
         assert rel_err(a[:, :12], b[:, :12]) <= TOL
-    assert len(runner._steps) == 1  # one step per (cache, batch size), reused
+    assert len(runner.steps) == 1  # one step per (cache, shape), reused
+
+
+@pytest.mark.parametrize("cuts", [(), (3,)])
+def test_multi_token_step_matches_eager(model_dir: Path, cuts: tuple[int, ...]) -> None:
+    """Speculative verification: 4 tokens per row through the same static step (T is part of its shape)."""
+    model = _load(model_dir)
+    prompt = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(3))
+    eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=2), ExLlamaV2Cache(model, batch_size=2)
+    model.forward(prompt, eager_cache, preprocess_only=True)
+    model.forward(prompt, graph_cache, preprocess_only=True)
+    runner = _runner(model, cuts)
+    draft = torch.randint(3, 320, (2, 4), generator=torch.Generator().manual_seed(4))
+    ref = model.forward(draft, eager_cache)
+    out = runner.run_rows(draft, graph_cache, [9, 9], None, graph_cache.max_seq_len)
+    assert out is not None and out.shape == (2, 4, 320) and rel_err(out, ref) <= TOL
+    for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
+        assert rel_err(a[:, :13], b[:, :13]) <= TOL
+    assert runner.run_rows(torch.zeros(2, 9, dtype=torch.long), graph_cache, [13, 13], None, 64) is None
 
 
 def test_forward_graph_path_builds_no_eager_batch(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,12 +101,15 @@ def test_forward_graph_path_builds_no_eager_batch(model_dir: Path, monkeypatch: 
     model.forward(prompt, graph_cache, preprocess_only=True)
     tok = prompt[:, -1:]
     ref = model.forward(tok, eager_cache)
-    model._graphs = DecodeGraphs(model, capture=False)  # what _graph_runner keeps on a CUDA model
+    strategy = model.strategy_for_forward()
+    strategy.graph_safe = True  # as on a CUDA model; the runner below runs its body eagerly
+    strategy.graph_cache["runner"] = StepGraphs(strategy, capture=False)
 
     def no_eager_batch(*args: object, **kwargs: object) -> None:
         raise AssertionError("the graph path built the eager path's per-step batch")
 
-    monkeypatch.setattr("exlpy.model.model.contiguous_batch", no_eager_batch)
+    monkeypatch.setattr("exlpy.engine.forward.build_batch", no_eager_batch)
+    monkeypatch.setattr("exlpy.engine.forward.execute", no_eager_batch)
     out = model.forward(tok.int(), graph_cache)  # int32 ids are copied into the static int64 buffer
     assert graph_cache.current_seq_len == 10 and out.shape == ref.shape and rel_err(out, ref) <= TOL
 
@@ -103,11 +133,11 @@ def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path, 
     for t in eager_cache.all_tensors():
         t.copy_(torch.randn(t.shape, generator=g))
     graph_cache = ExLlamaV2Cache(model, batch_size=4, copy_from=eager_cache)
-    runner = DecodeGraphs(model, capture=False, cuts=cuts)
+    runner = _runner(model, cuts)
     tables, lens = [[5, 2], [9], [0, 3, 11]], [20, 7, 40]  # 3 live rows: bucket 4 with one padding row
     ids = torch.randint(3, 320, (3, 1), generator=g)
     ref = model.forward_batch(ids, _paged(eager_cache, 16, tables, lens))
-    out = runner.decode_paged(ids, _paged(graph_cache, 16, tables, lens))
+    out = runner.run_batch(ids, _paged(graph_cache, 16, tables, lens))
     assert out is not None and out.shape == (3, 1, 320) and rel_err(out, ref) <= TOL
     for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
         assert rel_err(b, a) <= TOL  # same rows written, and the padding row wrote nowhere
@@ -115,11 +145,19 @@ def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path, 
     ids4 = torch.randint(3, 320, (4, 1), generator=g)
     tables4, lens4 = tables + [[14]], [21, 8, 41, 3]
     model.forward_batch(ids4, _paged(eager_cache, 16, tables4, lens4))
-    runner.decode_paged(ids4, _paged(graph_cache, 16, tables4, lens4))
+    runner.run_batch(ids4, _paged(graph_cache, 16, tables4, lens4))
     lens3 = [22, 9, 42]
     ref = model.forward_batch(ids, _paged(eager_cache, 16, tables, lens3))
-    out = runner.decode_paged(ids, _paged(graph_cache, 16, tables, lens3))
-    assert rel_err(out, ref) <= TOL
+    out = runner.run_batch(ids, _paged(graph_cache, 16, tables, lens3))
+    assert out is not None and rel_err(out, ref) <= TOL
+    for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
+        assert rel_err(b, a) <= TOL
+    # The same step from host integers (build_batch keeps them): re-packed into the static layout.
+    lens4b = [23, 10, 43]
+    ref = model.forward_batch(ids, _paged(eager_cache, 16, tables, lens4b))
+    built = paged_batch([(t, n - 1, 1) for t, n in zip(tables, lens4b)], graph_cache, torch.device("cpu"), 16)
+    out = runner.run_batch(ids, built)
+    assert out is not None and rel_err(out, ref) <= TOL
     for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
         assert rel_err(b, a) <= TOL
 
@@ -127,21 +165,22 @@ def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path, 
 def test_step_rebuilt_when_cache_tensors_change(model_dir: Path) -> None:
     model = _load(model_dir)
     cache = ExLlamaV2Cache(model)
-    runner = DecodeGraphs(model, capture=False)
+    runner = _runner(model)
     tok = torch.tensor([[5]])
-    runner.decode_contiguous(tok, cache, 0)
-    first = next(iter(runner._steps.values()))
+    runner.run_rows(tok, cache, [0], None, cache.max_seq_len)
+    first = next(iter(runner.steps.values()))
     cache.key_states[0] = cache.key_states[0].clone()  # e.g. reallocated after a reload
-    runner.decode_contiguous(tok, cache, 1)
-    assert next(iter(runner._steps.values())) is not first
+    runner.run_rows(tok, cache, [1], None, cache.max_seq_len)
+    assert next(iter(runner.steps.values())) is not first
+    model.strategy_for_forward()
     model.unplace_module(1)
-    assert model._graphs is None
+    assert model.strategy is None  # the strategy and its graphs went with the moved module
 
 
 @requires_cuda
 def test_captured_graph_equals_eager_cuda(model_dir: Path) -> None:
     model = _load(model_dir, "cuda:0")
-    if not graphs_supported(model):
+    if not model.strategy_for_forward().graph_safe:
         pytest.skip("Triton kernels unavailable: graphs are off")
     prompt = torch.randint(3, 320, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     caches = [ExLlamaV2Cache(model, batch_size=2) for _ in range(2)]
@@ -155,5 +194,5 @@ def test_captured_graph_equals_eager_cuda(model_dir: Path) -> None:
         out = model.forward(tok, caches[1])
         assert rel_err(out, ref) <= 2e-2
         tok = ref[:, -1].argmax(-1, keepdim=True)
-    assert model._graphs is not None and all(seg.graph is not None for s in model._graphs._steps.values()
-                                             for seg in s.segments)
+    runner = model.strategy.graph_cache["runner"]
+    assert all(ls.graph is not None for s in runner.steps.values() for _, lanes in s.stages for ls in lanes)

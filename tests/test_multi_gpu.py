@@ -1,5 +1,5 @@
-"""Two GPUs: tensor-parallel decode graphs (whole step with NCCL inside, and per stage) equal eager TP decode
-and the single-GPU model; a layer-split model's per-device graphs equal its eager decode. Needs two CUDA
+"""Two GPUs: tensor-parallel decode graphs (the whole step with the peer or NCCL collectives inside) equal
+eager TP decode and the single-GPU model; a layer-split model's per-device graphs equal its eager decode. Needs two CUDA
 devices; skipped elsewhere."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.parallel.tp_comm import LocalComm
+from exlpy.runtime import RuntimeOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_util import make_model_dir  # noqa: E402
@@ -34,17 +35,15 @@ def _tokens(vocab: int, steps: int) -> torch.Tensor:
     return torch.randint(3, vocab, (2, steps), generator=torch.Generator().manual_seed(9))
 
 
-@pytest.mark.parametrize(("comm", "embed_cpu"), [("peer", False), ("nccl", False), ("local", False),
-                                                 ("peer", True)])
-@pytest.mark.parametrize("graph_mode", ["step", "stage"])
-def test_tp_graph_decode_equals_eager(tmp_path: Path, graph_mode: str, comm: str, embed_cpu: bool,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """step + peer/nccl: the fast step (embedding and logits gather inside the graphs); with the embedding on
-    the CPU, the step graphs over an embedded input; stage: per-stage graphs."""
-    monkeypatch.setenv("EXLPY_TP_GRAPH", graph_mode)
-    monkeypatch.setenv("EXLPY_TP_COMM", comm)
-    if embed_cpu:
-        monkeypatch.setenv("EXLPY_TP_EMBED_CPU", "1")
+def _runner_steps(m: ExLlamaV2) -> list[object]:
+    runner = m.strategy.graph_cache.get("runner") if m.strategy is not None else None
+    return [] if runner is None else list(runner.steps.values())
+
+
+@pytest.mark.parametrize("comm", ["peer", "nccl", "local"])
+def test_tp_graph_decode_equals_eager(tmp_path: Path, comm: str) -> None:
+    """The whole TP decode step (vocab-parallel embedding, every all-reduce, the logits gather) as one graph
+    per GPU with peer or NCCL collectives; the local backend cannot be captured and runs eagerly."""
     d = make_model_dir(tmp_path / "m", hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024,
                        vocab=3000, layers=3, dtype=torch.float16, seed=5)
     ids = torch.randint(3, 3000, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -55,20 +54,21 @@ def test_tp_graph_decode_equals_eager(tmp_path: Path, graph_mode: str, comm: str
     single.unload()
 
     m = ExLlamaV2(ExLlamaV2Config(str(d)))
-    m.load_tp([1, 1])
+    m.load_tp([1, 1], options=RuntimeOptions(tp_comm=comm))
     ctx = m.tp_context
+    assert ctx.comm.name == comm
     cache = ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=64)
     graphed = _decode(m, cache, ids, _tokens(3000, 12))
-    sets = list(ctx.graphs.sets.values())
-    assert len(sets) == 1
-    assert ctx.comm.name == comm
-    expected = graph_mode if comm in ("nccl", "peer") else "stage"
-    assert sets[0].mode == expected
-    assert sets[0].fast == (expected == "step" and not embed_cpu)
+    steps = _runner_steps(m)
+    if comm == "local":
+        assert not m.strategy.graph_safe and not steps
+    else:
+        assert len(steps) == 1 and all(ls.graph is not None for _, lanes in steps[0].stages for ls in lanes)
+        assert len(steps[0].stages[0][1]) == 2  # one graph per GPU
     cache.reset()
-    graphs, ctx.graphs = ctx.graphs, None
+    m.config.no_graphs = True
     eager = _decode(m, cache, ids, _tokens(3000, 12))
-    ctx.graphs = graphs
+    m.config.no_graphs = False
     torch.testing.assert_close(graphed, eager, atol=2e-3, rtol=0)
     torch.testing.assert_close(graphed, ref, atol=2e-2, rtol=0)
     m.unload()
@@ -76,20 +76,17 @@ def test_tp_graph_decode_equals_eager(tmp_path: Path, graph_mode: str, comm: str
 
 def test_split_model_graph_decode_equals_eager(tmp_path: Path) -> None:
     """Layers split over 2 GPUs: one graph per device segment, the hidden state hopped between replays."""
-    from exlpy.model.graphs import graphs_supported
-
     d = make_model_dir(tmp_path / "m", hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024,
                        vocab=3000, layers=4, dtype=torch.float16, seed=6)
     ids = torch.randint(3, 3000, (2, 17), generator=torch.Generator().manual_seed(1))
     m = ExLlamaV2(ExLlamaV2Config(str(d)))
     m.load(gpu_split=[0.016, 10])  # 16 MB on GPU 0: the embedding and layers 0-1 (exlpy plan), the rest on 1
     assert {str(x.device) for x in m.modules} == {"cuda:0", "cuda:1"}
-    assert graphs_supported(m)
     cache = ExLlamaV2Cache(m, batch_size=2, max_seq_len=64)
     graphed = _decode(m, cache, ids, _tokens(3000, 12))
-    runner = m._graphs
-    assert runner is not None and len(runner.ranges) >= 2
-    assert all(seg.graph is not None for step in runner._steps.values() for seg in step.segments)
+    assert m.strategy.graph_safe and len(m.strategy.stages) >= 2
+    steps = _runner_steps(m)
+    assert steps and all(ls.graph is not None for st in steps for _, lanes in st.stages for ls in lanes)
     cache.current_seq_len = 0
     m.config.no_graphs = True
     eager = _decode(m, cache, ids, _tokens(3000, 12))
@@ -189,7 +186,7 @@ def test_split_model_paged_graph_decode_equals_eager(tmp_path: Path) -> None:
         m.config.no_graphs = False
         out = m.forward_batch(ids, paged(caches[1], tables, lens))
         torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=2e-3, rtol=0)
-    assert m._graphs is not None and any(len(s.segments) == 2 for s in m._graphs._steps.values())
+    assert any(len(st.stages) == 2 for st in _runner_steps(m))
     for a, b in zip(caches[0].all_tensors(), caches[1].all_tensors()):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
     m.unload()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from exlpy.engine.placement import autosplit_gen_on, parse_gpu_split, parse_reserve, split_gen_on
 from exlpy.errors import GpuSplitError, InsufficientVRAMError, ModelStateError
 from exlpy.parallel.memory import DeviceMemory
-from exlpy.parallel.placement import autosplit_gen_on, parse_gpu_split, parse_reserve, split_gen_on
 from tests.conftest import shared_path
 
 DEVS = [torch.device("cpu", 0), torch.device("cpu", 1)]  # distinct device objects, same memory

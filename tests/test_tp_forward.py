@@ -11,7 +11,8 @@ import torch
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.errors import GpuSplitError, TensorParallelError
-from exlpy.parallel.tp_load import load_tp
+from exlpy.model.parallel_linear import ColumnParallel, RowParallel
+from exlpy.runtime import RuntimeOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import shared_path  # noqa: E402
@@ -24,10 +25,20 @@ def _single(path: Path) -> ExLlamaV2:
     return m
 
 
+def load_tp(m: ExLlamaV2, split: list[float] | None, **kw: object) -> None:
+    m.load_tp(split, **kw)  # type: ignore[arg-type]
+
+
 def _tp(path: Path, split: list[float], **kw: object) -> ExLlamaV2:
     m = ExLlamaV2(ExLlamaV2Config(str(path)))
-    load_tp(m, split, devices=["cpu"] * len(split), **kw)  # type: ignore[arg-type]
+    load_tp(m, split, devices=["cpu"] * len(split), **kw)
     return m
+
+
+def closers(m: ExLlamaV2, slot: int = 0) -> list[object]:
+    """The closing projections (o_proj, down_proj) of slot `slot`'s first layer."""
+    mods = m.strategy.stages[0].lanes[slot].modules
+    return [mods[1].o_proj, mods[2].down_proj]
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +48,16 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("mode", ["row", "column"])
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
-def test_tp_equals_single(tmp_path: Path, arch: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EXLPY_TP_MODE", mode)
+def test_tp_equals_single(tmp_path: Path, arch: str, mode: str) -> None:
+    opts = RuntimeOptions(tp_layout=mode)
     d = make_model_dir(tmp_path / "m", arch=arch, hidden=512, heads=6, kv_heads=3, vocab=1100,
                        tie=arch == "Qwen2ForCausalLM", seed=3)
     ids = torch.randint(0, 1100, (2, 7), generator=torch.Generator().manual_seed(0))
     ref = _single(d).forward(ids)
     for split in ([1, 1], [1, 1, 1], [3, 2, 2]):
-        m = _tp(d, split)
-        ctx = m.tp_context
-        assert ctx.modules[0].mode == mode and ctx.modules[1].mode == mode
+        m = _tp(d, split, options=opts)
+        kind = RowParallel if mode == "row" else ColumnParallel
+        assert all(isinstance(c, kind) for c in closers(m))
         out = m.forward(ids)
         assert out.shape == ref.shape and out.dtype == torch.float32
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
@@ -64,19 +75,18 @@ def test_tp_vocab_split_and_uneven(llama_dir: Path) -> None:
     torch.testing.assert_close(m.forward(ids), _single(llama_dir).forward(ids), atol=2e-5, rtol=1e-5)
 
 
-def test_tp_unload_restores_the_graph_setting(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("EXLLAMA_NO_GRAPHS", raising=False)
+def test_tp_leaves_the_graph_setting_alone(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     m = ExLlamaV2(ExLlamaV2Config(str(llama_dir)))
     assert m.config.no_graphs is False
     load_tp(m, [1, 1], devices=["cpu", "cpu"])
-    assert m.config.no_graphs is True  # the single-device graph runner stays out of a TP model
+    assert m.config.no_graphs is False  # the user's setting: TP decides about its own graphs
     m.unload()
-    assert m.config.no_graphs is False  # a later load() gets its CUDA graphs back
+    assert m.config.no_graphs is False
 
     def broken(*args: object) -> None:
         raise RuntimeError("shard failed")
 
-    monkeypatch.setattr("exlpy.parallel.tp_load.TPMLP", broken)  # fails after the context is set up
+    monkeypatch.setattr("exlpy.engine.tensor_parallel.shard_mlp", broken)  # fails after the context is set up
     with pytest.raises(RuntimeError, match="shard failed"):
         load_tp(m, [1, 1], devices=["cpu", "cpu"])
     assert m.config.no_graphs is False and m.tp_context is None and not m.loaded
@@ -184,7 +194,7 @@ def test_tp_exl2_tiny_llama() -> None:
     ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(4))
     ref = _single(d).forward(ids)
     m = _tp(d, [1, 1])
-    assert m.tp_context.modules[0].mode == "column"  # EXL2 closes blocks with column splits
+    assert all(isinstance(c, ColumnParallel) for c in closers(m))  # EXL2 closes blocks with column splits
     cache = ExLlamaV2Cache_TP(m, max_seq_len=16)
     out = torch.cat([m.forward(ids[:, :6], cache)] + [m.forward(ids[:, t:t + 1], cache) for t in range(6, 10)], 1)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

@@ -1,5 +1,5 @@
-"""What each TP stage runs (torch profiler on CPU "devices"), the stage timer, and the decode-graph input
-derivation: one fused q/k/v GEMM + o_proj per slot per attention stage, gate/up + down per MLP stage."""
+"""What each tensor-parallel lane runs (torch profiler on CPU "devices"), and the step metadata the graphs
+upload: one fused q/k/v GEMM + o_proj per lane per attention block, gate/up + down per MLP block."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from exlpy import ExLlamaV2, ExLlamaV2Config
-from exlpy.cache.tp import ExLlamaV2Cache_TP
-from exlpy.model.batch import contiguous_batch
-from exlpy.parallel.tp_graph import _GraphSet
-from exlpy.parallel.tp_layers import Stage
-from exlpy.parallel.tp_load import _stage_list, load_tp, make_states, run_stages, stage_labels
-from exlpy.parallel.tp_timing import StageTimer, average
+from exlpy.model.batch import build_batch, contiguous_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_util import make_model_dir  # noqa: E402
 
 MATMULS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm")
+
+
+def load_tp(m: ExLlamaV2, split: list[float], **kw: object) -> None:
+    m.load_tp(split, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -42,75 +41,51 @@ def _top_matmuls(ev: object) -> int:
 
 
 @torch.inference_mode()
-def test_stage_op_counts(model: ExLlamaV2) -> None:
+def test_block_op_counts(model: ExLlamaV2, monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = model.tp_context
-    assert ctx.modules[0].mode == "row"
-    stages, _ = _stage_list(ctx)
-    labels = stage_labels(ctx)
-    assert labels == ["attn", "mlp", "attn", "mlp", "head"]
-    assert [s.then for s in stages] == ["replace"] * 4 + ["out"]
+    lanes = model.strategy.stages[0].lanes
+    kinds = ["embed", "attn", "mlp", "attn", "mlp", "norm", "head"]
 
-    def wrap(i: int, stage: Stage) -> Stage:
-        def fn(st: object) -> torch.Tensor:
-            with record_function(f"stage{i}.slot{st.slot}"):  # type: ignore[attr-defined]
-                return stage.fn(st)  # type: ignore[arg-type]
-        return Stage(fn, stage.then)
+    def wrap(label: str, fn: object) -> object:
+        async def run(x: torch.Tensor, batch: object) -> object:
+            with record_function(label):
+                return await fn(x, batch)  # type: ignore[operator]
+        return run
 
-    wrapped = [wrap(i, s) for i, s in enumerate(stages)]
+    for k, lane in enumerate(lanes):
+        assert [type(m).__name__ for m in lane.modules] == ["Embedding", "Attention", "MLP", "Attention", "MLP",
+                                                            "RMSNorm", "Head"]
+        for i, m in enumerate(lane.modules):
+            monkeypatch.setattr(m, "forward", wrap(f"{kinds[i]}{i}.slot{k}", m.forward))
     ids = torch.randint(0, 640, (1, 6), generator=torch.Generator().manual_seed(0))
-    cache = ExLlamaV2Cache_TP(model, max_seq_len=16)
-    batch = contiguous_batch(1, 6, 0, cache, 16, torch.device("cpu"))
-    x = model.modules[0].forward(ids, batch)
-    states = make_states(ctx, x, batch, last_only=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_stages(ctx, wrapped, states)
+        model.forward(ids, last_id_only=True)
     counts: dict[str, int] = {}
     for ev in prof.events():
-        if ev.name.startswith("stage"):
+        if ev.name[:4] in ("embe", "attn", "mlp1", "mlp2", "mlp4", "norm", "head"):
             counts[ev.name] = _top_matmuls(ev)
     # Fused q/k/v + o_proj, fused gate/up + down_proj, one head slice per vocabulary slot.
     vocab_slots = {s for s, _, _ in ctx.vc_split}  # a small vocabulary stays on one slot (minimum share)
-    expect = {f"stage{i}.slot{k}": (int(k in vocab_slots) if labels[i] == "head" else 2)
-              for i in range(5) for k in (0, 1)}
+    expect = {}
+    for k in (0, 1):
+        for i, kind in enumerate(kinds):
+            n = {"embed": 0, "norm": 0, "head": int(k in vocab_slots)}.get(kind, 2)
+            expect[f"{kind}{i}.slot{k}"] = n
     assert counts == expect
 
 
-@torch.inference_mode()
-def test_stage_timer_cpu(model: ExLlamaV2) -> None:
-    ctx = model.tp_context
-    timer = StageTimer()
-    ctx.timer = timer
-    try:
-        ids = torch.randint(0, 640, (1, 5), generator=torch.Generator().manual_seed(1))
-        ref = None
-        sums = []
-        for _ in range(2):
-            out = model.forward(ids)
-            ref = out if ref is None else ref
-            torch.testing.assert_close(out, ref)
-            sums.append(timer.summary())
-    finally:
-        ctx.timer = None
-    s = average(sums)
-    assert s["stages"] == 5 and len(s["slots"]) == 2
-    assert set(s["phases_ms"]) == {"start->embedded", "embedded->states", "states->stages", "stages->logits"}
-    for sl in s["slots"]:
-        assert sl["compute_ms"] > 0 and sl["collective_ms"] >= 0 and sl["stage_loop_ms"] >= sl["compute_ms"]
-        assert set(sl["compute_by_kind_ms"]) == {"attn", "mlp", "head"}
-    assert s["host_issue_ms"] > 0
-
-
-def test_graph_input_derivation() -> None:
-    """Decode graphs derive positions / cache slots / key counts from one device-side `past` per slot."""
+def test_step_metadata_for_contiguous_rows() -> None:
+    """The packed metadata (positions / cache slots / key counts) every strategy's step uploads equals the
+    per-row arithmetic of a contiguous cache; padding rows write nowhere and read nothing."""
     B, S = 3, 40
-    rows = torch.arange(B)
-    inp = {"past": torch.tensor([17]), "pos": torch.zeros(B, 1, dtype=torch.long),
-           "slots": torch.zeros(B, 1, dtype=torch.long), "row_base": (rows * S).view(B, 1),
-           "seqlens": torch.zeros(B, dtype=torch.int32)}
-    _GraphSet._derive(inp)
-    ref = contiguous_batch(B, 1, 17, object(), S, torch.device("cpu"))
-    assert torch.equal(inp["pos"], ref.positions) and torch.equal(inp["slots"], ref.slots)
-    assert torch.equal(inp["seqlens"], ref.seqlens)
+    b = contiguous_batch(B, 1, 17, object(), S, torch.device("cpu"))
+    assert torch.equal(b.positions, torch.full((B, 1), 17))
+    assert torch.equal(b.slots, (torch.arange(B) * S + 17).view(B, 1))
+    assert torch.equal(b.seqlens, torch.full((B,), 18))
+    padded = build_batch([17] * B, 1, torch.device("cpu"), cache=object(), tables=[[r] for r in range(B)],
+                         page_size=S, rows=4, width=2)
+    assert torch.equal(padded.slots[:B], b.slots) and padded.slots[B:].eq(-1).all()
+    assert padded.seqlens[B:].eq(0).all() and padded.block_table.shape == (4, 2)
 
 
 def test_first_slot_without_mlp_share(tmp_path: Path) -> None:

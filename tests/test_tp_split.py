@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exlpy.errors import GpuSplitError, TensorParallelError
-from exlpy.parallel.tp_split import ModelShape, integer_split, plan_split
+from exlpy.parallel.costs import ModelShape
+from exlpy.parallel.tp_split import integer_split, plan_split
 from exlpy.tensor_p import BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, BROADCAST_RS, BROADCAST_VC
+
+
+def tp_shape(heads: int, kv: int, head_dim: int, layers: int, hidden: int, inter: int, vocab: int) -> ModelShape:
+    return ModelShape(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                      intermediate_size=inter, vocab_size=vocab)
 
 weights_st = st.lists(st.floats(min_value=0.5, max_value=200.0), min_size=1, max_size=8)
 
@@ -70,7 +76,7 @@ def _check_split(split: list[tuple[int, int, int]], total: int, unit: int) -> No
        vocab=st.sampled_from([32000, 128256, 151936, 50]), tokens=st.integers(0, 100000))
 def test_plan_split_covers(budgets: list[float], kv: int, groups: int, inter: int, hidden: int, vocab: int,
                            tokens: int) -> None:
-    shape = ModelShape(kv * groups, kv, 128, 8, hidden, inter, vocab)
+    shape = tp_shape(kv * groups, kv, 128, 8, hidden, inter, vocab)
     mib = [b * 1024 for b in budgets]
     try:
         plan = plan_split(mib, shape, 2.0, tokens, [10 * 2**20] * 8)
@@ -97,7 +103,7 @@ def test_plan_split_covers(budgets: list[float], kv: int, groups: int, inter: in
 
 
 def test_plan_split_subtracts_cache_and_attention() -> None:
-    shape = ModelShape(64, 8, 128, 80, 8192, 28672, 128256)
+    shape = tp_shape(64, 8, 128, 80, 8192, 28672, 128256)
     # Device 0 holds 6 of 8 KV heads: the cache and attention weights come mostly out of its budget, so the
     # MLP split leans towards device 1 even though device 0 has three times the memory.
     plan = plan_split([30 * 1024, 10 * 1024], shape, 2.0, 16384, [200 * 2**20] * 20)
@@ -111,10 +117,10 @@ def test_plan_split_subtracts_cache_and_attention() -> None:
 
 
 def test_plan_split_errors() -> None:
-    shape = ModelShape(32, 8, 128, 4, 4096, 14336, 32000)
+    shape = tp_shape(32, 8, 128, 4, 4096, 14336, 32000)
     with pytest.raises(TensorParallelError, match="device 2 with no KV head"):
         plan_split([100, 100, 1], shape, 2.0, 0, [])
     with pytest.raises(TensorParallelError, match="positive budget"):
         plan_split([100, 0], shape, 2.0, 0, [])
     with pytest.raises(TensorParallelError, match="divisible by 128"):
-        plan_split([100], ModelShape(32, 8, 128, 4, 4096, 14300, 32000), 2.0, 0, [])
+        plan_split([100], tp_shape(32, 8, 128, 4, 4096, 14300, 32000), 2.0, 0, [])

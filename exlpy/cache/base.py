@@ -2,70 +2,98 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+from exlpy.cache.layout import CacheLayout
 from exlpy.errors import ModelStateError
 
-if TYPE_CHECKING:
-    from exlpy.model.model import ExLlamaV2
+
+def layout_of(model_or_layout: Any) -> CacheLayout:
+    """exllamav2 builds caches from the model; exlpy only asks it for the layout (shapes and devices)."""
+    if isinstance(model_or_layout, CacheLayout):
+        return model_or_layout
+    get = getattr(model_or_layout, "cache_layout", None)
+    if get is None:
+        raise ModelStateError(f"a cache is built from an ExLlamaV2 model (or a CacheLayout), got "
+                              f"{type(model_or_layout).__name__}")
+    return get()
 
 
 class ExLlamaV2CacheBase:
-    """Common machinery. Subclasses choose the storage dtype (bytes per element)."""
+    """Common machinery. Subclasses choose the storage (bytes per element)."""
 
     bytes_per_element_k: float = 2.0
     bytes_per_element_v: float = 2.0
-    supports_graphs = True  # K/V are read in place, so a captured decode step can address them
+    graph_safe = True  # K/V are read in place, so a captured decode step can address them
 
-    def __init__(self, model: ExLlamaV2, batch_size: int = 1, max_seq_len: int = -1,
+    def __init__(self, model: Any, batch_size: int = 1, max_seq_len: int = -1,
                  copy_from: ExLlamaV2CacheBase | None = None, lazy: bool = False,
                  num_key_value_heads: int | None = None, fixed_device: str | torch.device | None = None) -> None:
-        cfg = model.config
-        self.model = model
+        layout = layout_of(model)
+        self.layout = layout
         self.batch_size = batch_size
-        self.max_seq_len = max_seq_len if max_seq_len != -1 else cfg.max_seq_len
-        self.num_key_value_heads = num_key_value_heads or cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.num_hidden_layers = cfg.num_hidden_layers
+        self.max_seq_len = max_seq_len if max_seq_len != -1 else layout.default_max_seq_len
+        self.num_key_value_heads = num_key_value_heads or layout.num_kv_heads
+        self.head_dim = layout.head_dim
+        self.num_hidden_layers = layout.num_layers
         self.fixed_device = torch.device(fixed_device) if fixed_device is not None else None
         self.lazy = lazy
         self.current_seq_len = 0
         self.key_states: list[torch.Tensor | None] = [None] * self.num_hidden_layers
         self.value_states: list[torch.Tensor | None] = [None] * self.num_hidden_layers
-        model.attach_cache(self)
+        if self.fixed_device is None:
+            layout.devices.subscribe(self)
         if not lazy:
             self.update_cache_tensors()
         if copy_from is not None:
             self.copy_from(copy_from)
 
-    # --- allocation -----------------------------------------------------------------------------------------
+    # --- allocation (LayerDevices calls allocate_layer / release_layer as layers are placed) -----------------
     def storage_dtype(self, device: torch.device) -> torch.dtype:
-        return self.model.config.compute_dtype(device)
+        return self.layout.dtype_for(device)
 
     def layer_device(self, layer: int) -> torch.device | None:
-        if self.fixed_device is not None:
-            return self.fixed_device
-        return self.model.cache_map.get(layer)
+        return self.fixed_device if self.fixed_device is not None else self.layout.devices.get(layer)
 
     def update_cache_tensors(self) -> None:
         """Allocate K/V for every layer whose device is known and that has none yet."""
-        shape = (self.batch_size, self.max_seq_len, self.num_key_value_heads, self.head_dim)
         for i in range(self.num_hidden_layers):
             dev = self.layer_device(i)
-            if dev is None or self.key_states[i] is not None:
-                continue
-            dt = self.storage_dtype(dev)
-            self.key_states[i] = torch.zeros(shape, dtype=dt, device=dev)
-            self.value_states[i] = torch.zeros(shape, dtype=dt, device=dev)
+            if dev is not None:
+                self.allocate_layer(i, dev)
+
+    def allocate_layer(self, layer: int, device: torch.device) -> None:
+        if self.key_states[layer] is not None:
+            return
+        shape = (self.batch_size, self.max_seq_len, self.num_key_value_heads, self.head_dim)
+        dt = self.storage_dtype(device)
+        self.key_states[layer] = torch.zeros(shape, dtype=dt, device=device)
+        self.value_states[layer] = torch.zeros(shape, dtype=dt, device=device)
+
+    def release_layer(self, layer: int) -> None:
+        if self.fixed_device is None:
+            self.free_layer(layer)
 
     def free_layer(self, layer: int) -> None:
         self.key_states[layer] = None
         self.value_states[layer] = None
 
+    # --- the forward-pass protocol (KVCache) -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_scope(self, batch: Any) -> Iterator[None]:
+        """Around a forward pass that uses this cache (quantized caches track what it touches)."""
+        self.begin_forward(batch)
+        try:
+            yield
+        finally:
+            self.end_forward()
+
     def begin_forward(self, batch: object) -> None:
-        """Called before a forward pass that uses this cache (quantized caches track what it touches)."""
+        """Called before a forward pass that uses this cache."""
 
     def end_forward(self) -> None:
         """Called after the forward pass."""
@@ -124,7 +152,7 @@ class ExLlamaV2CacheBase:
         self.current_seq_len = other.current_seq_len
 
     def clone(self) -> ExLlamaV2CacheBase:
-        return type(self)(self.model, self.batch_size, self.max_seq_len, copy_from=self,
+        return type(self)(self.layout, self.batch_size, self.max_seq_len, copy_from=self,
                           num_key_value_heads=self.num_key_value_heads, fixed_device=self.fixed_device)
 
     def roll_left(self) -> None:
@@ -135,6 +163,3 @@ class ExLlamaV2CacheBase:
 
 class ExLlamaV2Cache(ExLlamaV2CacheBase):
     """Unquantized cache in the model's compute dtype (fp16 on GPUs; fp32 for CPU reference runs)."""
-
-    def storage_dtype(self, device: torch.device) -> torch.dtype:
-        return self.model.config.compute_dtype(device)

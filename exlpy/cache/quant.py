@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from exlpy.cache import qcodec
-from exlpy.cache.base import ExLlamaV2CacheBase
+from exlpy.cache.base import ExLlamaV2CacheBase, layout_of
 from exlpy.errors import ConfigError
 
 
@@ -20,13 +20,14 @@ class _QuantizedCache(ExLlamaV2CacheBase):
     k_bits: int = 4
     v_bits: int = 4
     has_scales = True
-    supports_graphs = False  # reads depend on host-side lengths; the decode graph path uses fp16 caches
+    graph_safe = False  # reads depend on host-side lengths; the decode graph path uses fp16 caches
 
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
-        cfg = model.config
-        if (cfg.num_key_value_heads * cfg.head_dim) % qcodec.GROUP:
+        layout = layout_of(model)
+        heads = kwargs.get("num_key_value_heads") or layout.num_kv_heads
+        if (heads * layout.head_dim) % qcodec.GROUP:
             raise ConfigError(f"{type(self).__name__}: num_key_value_heads*head_dim "
-                              f"({cfg.num_key_value_heads * cfg.head_dim}) must be a multiple of {qcodec.GROUP}")
+                              f"({heads * layout.head_dim}) must be a multiple of {qcodec.GROUP}")
         self.key_scales: list[torch.Tensor | None] = []
         self.value_scales: list[torch.Tensor | None] = []
         self._temps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -38,25 +39,24 @@ class _QuantizedCache(ExLlamaV2CacheBase):
     def _width(bits: int, e: int) -> int:
         return e * bits // 8 if bits != 16 else e
 
-    def update_cache_tensors(self) -> None:
+    def allocate_layer(self, layer: int, device: torch.device) -> None:
         n, e = self.num_hidden_layers, self.num_key_value_heads * self.head_dim
         if not self.key_scales:
             self.key_scales, self.value_scales = [None] * n, [None] * n
-        for i in range(n):
-            dev = self.layer_device(i)
-            if dev is None or self.key_states[i] is not None:
-                continue
-            shape = (self.batch_size, self.max_seq_len)
-            self.key_states[i] = torch.zeros(*shape, self._width(self.k_bits, e), dtype=torch.uint8, device=dev)
-            self.value_states[i] = torch.zeros(*shape, self._width(self.v_bits, e), dtype=torch.uint8, device=dev)
-            if self.has_scales:
-                self.key_scales[i] = torch.zeros(*shape, e // qcodec.GROUP, dtype=torch.float16, device=dev)
-                self.value_scales[i] = torch.zeros(*shape, e // qcodec.GROUP, dtype=torch.float16, device=dev)
-            if str(dev) not in self._temps:
-                full = (self.batch_size, self.max_seq_len, self.num_key_value_heads, self.head_dim)
-                dt = self.model.config.compute_dtype(dev)
-                self._temps[str(dev)] = (torch.zeros(full, dtype=dt, device=dev), torch.zeros(full, dtype=dt,
-                                                                                              device=dev))
+        if self.key_states[layer] is not None:
+            return
+        i, dev = layer, device
+        shape = (self.batch_size, self.max_seq_len)
+        self.key_states[i] = torch.zeros(*shape, self._width(self.k_bits, e), dtype=torch.uint8, device=dev)
+        self.value_states[i] = torch.zeros(*shape, self._width(self.v_bits, e), dtype=torch.uint8, device=dev)
+        if self.has_scales:
+            self.key_scales[i] = torch.zeros(*shape, e // qcodec.GROUP, dtype=torch.float16, device=dev)
+            self.value_scales[i] = torch.zeros(*shape, e // qcodec.GROUP, dtype=torch.float16, device=dev)
+        if str(dev) not in self._temps:
+            full = (self.batch_size, self.max_seq_len, self.num_key_value_heads, self.head_dim)
+            dt = self.layout.dtype_for(dev)
+            self._temps[str(dev)] = (torch.zeros(full, dtype=dt, device=dev), torch.zeros(full, dtype=dt,
+                                                                                          device=dev))
 
     def free_layer(self, layer: int) -> None:
         freed = self.key_states[layer]
@@ -139,7 +139,7 @@ class _QuantizedCache(ExLlamaV2CacheBase):
                            (self.value_states[layer], self.value_scales[layer], self.v_bits)):
             assert q is not None
             dec = self._decode(q[batch, offset:end], None if s is None else s[batch, offset:end], bits,
-                               self.model.config.compute_dtype(q.device))
+                               self.layout.dtype_for(q.device))
             out.append(dec.view(end - offset, self.num_key_value_heads, self.head_dim))
         return out[0], out[1]
 
@@ -156,17 +156,25 @@ class _QuantizedCache(ExLlamaV2CacheBase):
         raise NotImplementedError("copy_states is only implemented for ExLlamaV2Cache")
 
 
-class ExLlamaV2Cache_Q4(_QuantizedCache):  # noqa: N801 - exllamav2's public name
+class ExLlamaV2Cache_Q(_QuantizedCache):  # noqa: N801 - exllamav2's public name: base of the Q4/Q6/Q8 caches
+    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self) is ExLlamaV2Cache_Q:
+            raise ConfigError("ExLlamaV2Cache_Q is the base class of the quantized caches: create an "
+                              "ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6 or ExLlamaV2Cache_Q8")
+        super().__init__(model, *args, **kwargs)
+
+
+class ExLlamaV2Cache_Q4(ExLlamaV2Cache_Q):  # noqa: N801 - exllamav2's public name
     k_bits = v_bits = 4
     bytes_per_element_k = bytes_per_element_v = 4.5 / 8
 
 
-class ExLlamaV2Cache_Q6(_QuantizedCache):  # noqa: N801
+class ExLlamaV2Cache_Q6(ExLlamaV2Cache_Q):  # noqa: N801
     k_bits, v_bits = 8, 4  # exllamav2's Q6 stores K at 8 bits and V at 4
     bytes_per_element_k, bytes_per_element_v = 8.5 / 8, 4.5 / 8
 
 
-class ExLlamaV2Cache_Q8(_QuantizedCache):  # noqa: N801
+class ExLlamaV2Cache_Q8(ExLlamaV2Cache_Q):  # noqa: N801
     k_bits = v_bits = 8
     bytes_per_element_k = bytes_per_element_v = 8.5 / 8
 

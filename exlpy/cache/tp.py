@@ -2,41 +2,40 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from exlpy.cache.base import ExLlamaV2Cache, ExLlamaV2CacheBase
+from exlpy.cache.base import ExLlamaV2Cache, ExLlamaV2CacheBase, layout_of
 from exlpy.errors import TensorParallelError
-
-if TYPE_CHECKING:
-    from exlpy.model.model import ExLlamaV2
 
 
 class ExLlamaV2Cache_TP(ExLlamaV2CacheBase):  # noqa: N801 - exllamav2's public name
     """A cache for a model loaded with `load_tp()`: `caches[slot]` is a `base` cache on that slot's device with
-    the slot's share of the KV heads (kv_split). Sequence state (`current_seq_len`) is shared by all of them."""
+    the slot's share of the KV heads. Sequence state (`current_seq_len`) is shared by all of them."""
 
-    def __init__(self, model: ExLlamaV2, base: type[ExLlamaV2CacheBase] = ExLlamaV2Cache, batch_size: int = 1,
+    def __init__(self, model: Any, base: type[ExLlamaV2CacheBase] = ExLlamaV2Cache, batch_size: int = 1,
                  max_seq_len: int = -1, copy_from: ExLlamaV2Cache_TP | None = None) -> None:
-        ctx = model.tp_context
-        if ctx is None:
+        layout = layout_of(model)
+        if layout.tp_slots is None:
             raise TensorParallelError("Cannot create TP cache unless model is loaded with load_tp()")
         if not (isinstance(base, type) and issubclass(base, ExLlamaV2CacheBase)) or base is ExLlamaV2Cache_TP:
             raise TensorParallelError(f"ExLlamaV2Cache_TP base must be a cache class such as ExLlamaV2Cache, "
                                       f"got {base!r}")
-        if ctx.expect_cache_base is not None and base is not ctx.expect_cache_base:
+        expected = layout.tp_cache_base
+        if expected is not None and base is not expected:
             raise TensorParallelError(
-                f"cache type mismatch: the model was loaded with expect_cache_base={ctx.expect_cache_base.__name__} "
+                f"cache type mismatch: the model was loaded with expect_cache_base={expected.__name__} "
                 f"(its memory plan assumes that cache) but ExLlamaV2Cache_TP got base={base.__name__}")
         self.base = base
         self.bytes_per_element_k = base.bytes_per_element_k
         self.bytes_per_element_v = base.bytes_per_element_v
+        self.graph_safe = base.graph_safe
         self.caches: dict[int, ExLlamaV2CacheBase] = {
-            slot: base(model, batch_size, max_seq_len, num_key_value_heads=b - a, fixed_device=ctx.all_devs[slot])
-            for slot, a, b in ctx.kv_split}
+            slot: base(layout.for_heads(heads), batch_size, max_seq_len, fixed_device=dev)
+            for slot, (dev, heads) in enumerate(layout.tp_slots)}
         self._seq_len = 0
-        super().__init__(model, batch_size, max_seq_len, lazy=True)
+        super().__init__(layout, batch_size, max_seq_len, lazy=True)
         if copy_from is not None:
             self.copy_from(copy_from)
 
@@ -59,6 +58,9 @@ class ExLlamaV2Cache_TP(ExLlamaV2CacheBase):  # noqa: N801 - exllamav2's public 
 
     def update_cache_tensors(self) -> None:
         pass  # every part is allocated on its fixed device at construction
+
+    def allocate_layer(self, layer: int, device: torch.device) -> None:
+        pass
 
     def free_layer(self, layer: int) -> None:
         pass
@@ -106,7 +108,7 @@ class ExLlamaV2Cache_TP(ExLlamaV2CacheBase):  # noqa: N801 - exllamav2's public 
         self.current_seq_len = other.current_seq_len
 
     def clone(self) -> ExLlamaV2Cache_TP:
-        return ExLlamaV2Cache_TP(self.model, self.base, self.batch_size, self.max_seq_len, copy_from=self)
+        return ExLlamaV2Cache_TP(self.layout, self.base, self.batch_size, self.max_seq_len, copy_from=self)
 
     def roll_left(self) -> None:
         for c in self.caches.values():

@@ -66,7 +66,7 @@ def _floats(text: str, what: str) -> list[float]:
 
 def _budgets(args: argparse.Namespace) -> tuple[list[DeviceBudget], str]:
     """Device budgets and a one-line description of where they came from."""
-    from exlpy.parallel.placement import parse_gpu_split, parse_reserve
+    from exlpy.engine.placement import parse_gpu_split, parse_reserve
 
     if args.devices:
         free = [int(v * MiB) for v in _floats(args.devices, "--devices")]
@@ -94,12 +94,12 @@ def _budgets(args: argparse.Namespace) -> tuple[list[DeviceBudget], str]:
 
 def run(args: argparse.Namespace) -> int:
     from exlpy.config.config import ExLlamaV2Config
-    from exlpy.model.model import ExLlamaV2
+    from exlpy.engine import ExLlamaV2
 
     config = ExLlamaV2Config(args.model)  # reads config.json and safetensors headers only
     model = ExLlamaV2(config)
     shape = ModelShape.from_spec(config.spec)
-    costs = module_costs(model, 2)  # fp16 on GPUs
+    costs = module_costs(model.modules, 2)  # fp16 on GPUs
     cache = CACHE_TYPES[args.cache_type]
     budgets, source = _budgets(args)
     policy = args.policy or ("greedy" if args.gpu_split is not None else "balanced")

@@ -1,21 +1,20 @@
 """The one dispatch layer between model code and kernels.
 
 Each op takes the same arguments as its torch reference. Triton kernels register themselves here for CUDA
-tensors; everything else (CPU, or `EXLPY_NO_TRITON=1`) runs the reference.
+tensors; everything else (CPU, or `EXLPY_NO_TRITON=1`, see exlpy/runtime.py) runs the reference.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from exlpy.kernels import reference
+from exlpy.runtime import options
 
 _TRITON: dict[str, Callable[..., Any]] = {}
-_DISABLED = os.environ.get("EXLPY_NO_TRITON", "") not in ("", "0")
 
 
 def register(name: str, fn: Callable[..., Any]) -> None:
@@ -40,11 +39,11 @@ def has_cuda_kernels() -> bool:
     """True when the Triton kernels are registered (CUDA-graph capture relies on their sync-free paths)."""
     if not _tried_triton:
         _load_triton()
-    return not _DISABLED and "paged_attention" in _TRITON
+    return options().triton and "paged_attention" in _TRITON
 
 
 def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
-    if not _DISABLED and t.is_cuda:
+    if t.is_cuda and options().triton:
         if not _tried_triton:
             _load_triton()
         if name in _TRITON:

@@ -7,22 +7,25 @@ are visible; the previous kernel lets it in once its main loop is done (`gdc_lau
 launched this way must call `gdc_wait` before it touches anything an earlier kernel wrote, so only kernels
 compiled with their PDL flag on are launched with it.
 
-`EXLPY_PDL=0` turns it off (then every launch waits for the previous kernel to end, as usual).
+`EXLPY_PDL=0` (RuntimeOptions.pdl) turns it off (then every launch waits for the previous kernel to end, as usual).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from exlpy.runtime import RuntimeOptions, options
+
+
+def enabled(device: torch.device) -> bool:
+    return _enabled(device, options())
+
 
 @functools.lru_cache(maxsize=16)
-def enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("EXLPY_PDL", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+def _enabled(device: torch.device, opts: RuntimeOptions) -> bool:
+    if device.type != "cuda" or not opts.pdl or opts.triton_interpret:
         return False
     try:
         import triton.language.extra.cuda as tlc

@@ -1,35 +1,54 @@
-"""Per-forward metadata: positions and where each token's K/V lives in the cache."""
+"""Per-forward metadata: positions and where each token's K/V lives in the cache, built in one place.
+
+Every cache is addressed as flat rows in pages: a paged cache (the dynamic generator's) has pages of 256
+rows and a block table per sequence; a contiguous cache [batch, S, H, D] is a paged cache whose page is a
+whole row of S positions and whose block table for sequence b is [b]. `build_batch` turns host-side
+integers (where each row starts, its pages) into a `ForwardBatch`; every caller uses it: `model.forward`,
+the generators, and the CUDA-graph runner, which asks for the same layout padded to its static shape.
+
+All integer metadata travels to the device as ONE int64 tensor (positions | slots | lengths | block table),
+copied from a pinned host buffer without waiting for the device, so the host can prepare step n+1 while
+the GPU runs step n. The batch's fields are views of that tensor.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
+
+LOGITS_ALL, LOGITS_LAST, LOGITS_NONE = "all", "last", "none"
 
 
 @dataclass
 class ForwardBatch:
-    """Everything a forward pass needs besides the hidden state, built once per call.
-
-    Caches are addressed as flat rows: a contiguous cache [batch, S, H, D] is a paged cache whose page size is
-    S and whose block table for sequence b is [b]. So one attention path serves both.
-    """
+    """Everything a forward pass needs besides the hidden state, built once per call."""
 
     batch_size: int
     q_len: int
     positions: torch.Tensor  # [B, T] int64 absolute positions
-    cache: object | None = None
-    slots: torch.Tensor | None = None  # [B, T] int64 flat cache rows to write
-    block_table: torch.Tensor | None = None  # [B, P] int32 pages of each sequence
+    cache: Any = None  # the KVCache this pass reads and writes (a tensor-parallel lane's own part)
+    slots: torch.Tensor | None = None  # [B, T] flat cache rows to write; -1 writes nowhere
+    block_table: torch.Tensor | None = None  # [B, W] pages of each sequence
     page_size: int = 0
-    seqlens: torch.Tensor | None = None  # [B] int32 valid keys after this step
+    seqlens: torch.Tensor | None = None  # [B] valid keys after this step (0: a padding row)
     max_seqlen: int = 0  # host-side bound of seqlens, sizes the reference path
     past_len: int | None = None  # uniform past length of a contiguous cache: enables the slicing fast path
     key_mask: torch.Tensor | None = None  # [B, >=max_seqlen] bool, False = padding key
     # RoPE positions when they differ from the cache positions (left-padded rows start at position 0 while
     # their tokens sit further right in the cache); None means `positions`.
     rope_positions: torch.Tensor | None = None
-    _per_device: dict[str, ForwardBatch] = field(default_factory=dict, repr=False)
+    logits: str = LOGITS_ALL  # what the head computes: every position, the last one, or nothing (prefill)
+    keep_last_state: bool = False  # store the head's input in `last_state` (exllamav2's return_last_state)
+    last_state: torch.Tensor | None = field(default=None, compare=False)
+    meta: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the packed int64 metadata
+    # The host integers the batch was built from (row starts, page tables): the graph runner re-packs them
+    # for its static layout without reading anything back from the device.
+    host: tuple[list[int], list[list[int]] | None] | None = field(default=None, repr=False, compare=False)
+    _per_device: dict[str, ForwardBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def rope_pos(self) -> torch.Tensor:
@@ -42,24 +61,162 @@ class ForwardBatch:
         key = str(device)
         if key not in self._per_device:
             mv = lambda t: None if t is None else t.to(device, non_blocking=True)
-            self._per_device[key] = replace(
-                self, positions=mv(self.positions), slots=mv(self.slots), block_table=mv(self.block_table),
-                seqlens=mv(self.seqlens), key_mask=mv(self.key_mask), rope_positions=mv(self.rope_positions),
-                _per_device={})
+            if self.meta is not None:  # one copy of the packed metadata, then the same views
+                moved = unpack(self.meta.to(device, non_blocking=True), self.batch_size, self.q_len,
+                               self.block_table.shape[1] if self.block_table is not None else 0)
+                names = ("positions", "slots", "seqlens", "block_table") if self.cache is not None else ("positions",)
+                fields = dict(zip(names, moved))
+                fields["meta"] = moved[4]
+            else:
+                fields = {"positions": mv(self.positions), "slots": mv(self.slots), "seqlens": mv(self.seqlens),
+                          "block_table": mv(self.block_table)}
+            self._per_device[key] = replace(self, key_mask=mv(self.key_mask), rope_positions=mv(self.rope_positions),
+                                            **fields)
         return self._per_device[key]
 
+    def with_cache(self, cache: Any) -> ForwardBatch:
+        """The same batch reading and writing another cache object (a tensor-parallel slot's part)."""
+        return self if cache is self.cache else replace(self, cache=cache)
 
-def contiguous_batch(batch_size: int, q_len: int, past_len: int, cache: object | None, seq_stride: int,
+
+def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | None, page_size: int,
+         rows: int, width: int) -> list[int]:
+    """Host integers of the packed layout for `rows` rows (live rows first, then padding) and block tables
+    `width` pages wide: positions [rows*T] | slots [rows*T] | seqlens [rows] | block table [rows*width]."""
+    n = len(starts)
+    positions: list[int] = []
+    slots: list[int] = []
+    for b, s in enumerate(starts):
+        positions.extend(range(s, s + q_len))
+        if tables is None:
+            slots.extend([-1] * q_len)
+        else:
+            t = tables[b]
+            slots.extend(t[p // page_size] * page_size + p % page_size for p in range(s, s + q_len))
+    pad = rows - n
+    positions.extend([0] * (pad * q_len))
+    slots.extend([-1] * (pad * q_len))  # padding rows write nowhere...
+    seqlens = [s + q_len for s in starts] + [0] * pad  # ...and read nothing
+    table: list[int] = []
+    if width:
+        assert tables is not None
+        for t in tables:
+            table.extend(t)
+            table.extend([0] * (width - len(t)))
+        table.extend([0] * (pad * width))
+    return positions + slots + seqlens + table
+
+
+def unpack(meta: torch.Tensor, rows: int, q_len: int, width: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (positions, slots, seqlens, block table, meta) of a packed metadata tensor."""
+    a = rows * q_len
+    return (meta[:a].view(rows, q_len), meta[a:2 * a].view(rows, q_len), meta[2 * a:2 * a + rows],
+            meta[2 * a + rows:2 * a + rows + rows * width].view(rows, width), meta)
+
+
+def packed_size(rows: int, q_len: int, width: int) -> int:
+    return rows * (2 * q_len + 1 + width)
+
+
+class _Staging:
+    """Pinned host buffers for metadata uploads, reused round-robin. An event per buffer says when its last
+    upload finished, so a buffer is never rewritten while a copy from it may still be in flight."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.bufs: list[torch.Tensor | None] = [None] * n
+        self.events: list[Any] = [None] * n
+        self.i = 0
+        self.lock = threading.Lock()
+
+    def upload(self, values: list[int], dst: torch.Tensor) -> None:
+        """dst[:len(values)] = values, asynchronously for a CUDA `dst`."""
+        if dst.device.type != "cuda":
+            dst[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+            return
+        with self.lock:
+            k = self.i
+            self.i = (k + 1) % len(self.bufs)
+            buf = self.bufs[k]
+            if buf is None or buf.numel() < len(values):
+                buf = torch.empty(max(len(values), 1024), dtype=torch.int64, pin_memory=True)
+                self.bufs[k] = buf
+            if self.events[k] is not None:
+                self.events[k].synchronize()  # normally long done: eight uploads ago
+            else:
+                self.events[k] = torch.cuda.Event()
+            buf.numpy()[:len(values)] = values
+            dst[:len(values)].copy_(buf[:len(values)], non_blocking=True)
+            self.events[k].record(torch.cuda.current_stream(dst.device))
+
+
+staging = _Staging()
+
+
+def upload_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids [B, T] as int64 on `device`; host ids go through pinned memory (no wait for the device)."""
+    if ids.device == device:
+        return ids if ids.dtype == torch.long else ids.long()
+    if ids.device.type == "cpu" and device.type == "cuda":
+        out = torch.empty(ids.shape, dtype=torch.long, device=device)
+        staging.upload(ids.reshape(-1).tolist(), out.view(-1))
+        return out
+    return ids.to(device, dtype=torch.long, non_blocking=True)
+
+
+def build_batch(starts: Sequence[int], q_len: int, device: torch.device, *, cache: Any = None,
+                tables: Sequence[Sequence[int]] | None = None, page_size: int = 0,
+                rows: int | None = None, width: int | None = None, out: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None) -> ForwardBatch:
+    """The batch for len(starts) rows of `q_len` new tokens; row b continues its sequence at position
+    starts[b] and keeps its K/V in cache pages tables[b] (page_size rows each). `rows` / `width` pad the
+    layout to a static shape (CUDA graphs); `out` is the device tensor to upload into (a graph's static
+    input) instead of a fresh one."""
+    n = len(starts)
+    rows = n if rows is None else rows
+    if cache is None:
+        tables, width = None, 0
+    elif width is None:
+        width = max(len(t) for t in tables) if tables else 0
+    assert width is not None
+    values = pack(starts, q_len, tables, page_size, rows, width)
+    meta = out if out is not None else torch.empty(len(values), dtype=torch.int64, device=device)
+    staging.upload(values, meta)
+    positions, slots, seqlens, table, _ = unpack(meta, rows, q_len, width)
+    max_seqlen = max(starts) + q_len if n else 0
+    host = (list(starts), None if tables is None else [list(t) for t in tables])
+    if cache is None:
+        return ForwardBatch(rows, q_len, positions, key_mask=key_mask, max_seqlen=max_seqlen, past_len=0,
+                            meta=meta, host=host)
+    return ForwardBatch(rows, q_len, positions, cache=cache, slots=slots, block_table=table, page_size=page_size,
+                        seqlens=seqlens, max_seqlen=max_seqlen, key_mask=key_mask, meta=meta, host=host)
+
+
+def contiguous_batch(batch_size: int, q_len: int, past_len: int, cache: Any, seq_stride: int,
                      device: torch.device, key_mask: torch.Tensor | None = None,
                      row_offset: int = 0) -> ForwardBatch:
-    """Batch for a non-paged cache where every row has the same past length."""
-    pos = torch.arange(past_len, past_len + q_len, device=device).unsqueeze(0).expand(batch_size, -1)
-    if cache is None:
-        return ForwardBatch(batch_size, q_len, pos, key_mask=key_mask, max_seqlen=q_len, past_len=0)
-    rows = torch.arange(row_offset, row_offset + batch_size, device=device)
-    slots = rows.unsqueeze(1) * seq_stride + pos
-    total = past_len + q_len
-    return ForwardBatch(
-        batch_size, q_len, pos, cache=cache, slots=slots, block_table=rows.int().unsqueeze(1),
-        page_size=seq_stride, seqlens=torch.full((batch_size,), total, dtype=torch.int32, device=device),
-        max_seqlen=total, past_len=past_len, key_mask=key_mask)
+    """Batch for a non-paged cache (rows row_offset.. of it) where every row has the same past length."""
+    tables = [[row_offset + b] for b in range(batch_size)]
+    batch = build_batch([past_len] * batch_size, q_len, device, cache=cache, tables=tables, page_size=seq_stride,
+                        key_mask=key_mask)
+    batch.past_len = past_len if row_offset == 0 else None
+    return batch
+
+
+def cache_rows_batch(cache: Any, rows: Sequence[int], starts: Sequence[int], q_len: int,
+                     device: torch.device) -> ForwardBatch:
+    """Batch over a contiguous cache where row i writes cache row rows[i] from position starts[i] on.
+
+    Each sequence sits unpadded at the start of its own cache row, so positions equal cache indices and rows
+    of different lengths need no attention mask (the streaming generator's CFG pair, the base generator).
+    """
+    return build_batch(starts, q_len, device, cache=cache, tables=[[r] for r in rows], page_size=cache.max_seq_len)
+
+
+def paged_batch(rows: Sequence[tuple[Sequence[int], int, int]], cache: Any, device: torch.device,
+                page_size: int) -> ForwardBatch:
+    """Batch for rows of (page ids, first position, q_len) of a paged cache, all rows with the same q_len."""
+    q = rows[0][2]
+    assert all(r[2] == q for r in rows), "all rows of one batch need the same q_len"
+    return build_batch([r[1] for r in rows], q, device, cache=cache, tables=[list(r[0]) for r in rows],
+                       page_size=page_size)

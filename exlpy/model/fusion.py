@@ -84,6 +84,13 @@ def add_linear(x: torch.Tensor, linear: Linear, h: torch.Tensor) -> torch.Tensor
     return x + linear.forward(h)
 
 
+def dense_matmul(linear: DenseLinear, h: torch.Tensor) -> torch.Tensor:
+    """linear(h) for a dense weight through `ops.linear_add` (the single-row GEMV kernel at decode, where
+    cuBLAS would pick split-K GEMVs plus a reduce kernel)."""
+    y = ops.linear_add(h, linear.weight)
+    return y if linear.bias is None else y.add_(linear.bias)
+
+
 def fuse_linears(parts: list[Linear]) -> FusedDense | FusedQuant | None:
     """The parts side by side as one projection (dense, or quantized with a shared act order), or None."""
     return fuse_dense(parts) or fuse_quant(parts)

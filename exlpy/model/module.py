@@ -1,6 +1,15 @@
-"""Base class of the model's modules: explicit load/unload on one device, sizes known from headers."""
+"""Base class of the model's modules: explicit load/unload on one device, sizes known from headers.
+
+`forward` is a coroutine. On one device it never suspends (`run_module` drives it to completion). Under
+tensor parallelism one copy of each module runs per GPU, in lock step, and a module suspends at its
+collectives (`await group.all_reduce(...)`), where all GPUs' partial results meet: so the same block code
+serves one GPU, a layer split and tensor parallelism.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
 
 import torch
 
@@ -54,8 +63,24 @@ class Module:
     def unload(self) -> None:
         self.device = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
 
     def dtype(self, device: torch.device) -> torch.dtype:
         return self.config.compute_dtype(device)
+
+
+def drive(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a forward coroutine that has no collectives to wait for (one device) to completion."""
+    try:
+        op = coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError(f"a single-device forward reached a collective ({op!r}): tensor-parallel modules run "
+                       "through the tensor-parallel strategy")
+
+
+def run_module(module: Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """`module.forward` on one device, synchronously (layer-by-layer tools such as the converter)."""
+    return drive(module.forward(x, batch))

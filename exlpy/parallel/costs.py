@@ -8,11 +8,9 @@ has on disk (`synthetic_costs`), and tested on a machine without GPUs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from exlpy.model.model import ExLlamaV2
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 MiB = 1024**2
 GiB = 1024**3
@@ -38,24 +36,41 @@ class CacheSpec:
     temp_per_device: bool = False
 
 
-CACHE_TYPES: dict[str, CacheSpec] = {
-    "fp16": CacheSpec("fp16", 2.0, 2.0),
-    "fp8": CacheSpec("fp8", 1.0, 1.0, True),
-    "q4": CacheSpec("q4", 0.5625, 0.5625, True),
-    "q6": CacheSpec("q6", 1.0625, 0.5625, True),
-    "q8": CacheSpec("q8", 1.0625, 1.0625, True),
-}
+def _cache_types() -> dict[str, CacheSpec]:
+    """The planner's cache types by name, read from the cache classes themselves (one source of widths)."""
+    from exlpy.cache import (
+        ExLlamaV2Cache,
+        ExLlamaV2Cache_8bit,
+        ExLlamaV2Cache_Q4,
+        ExLlamaV2Cache_Q6,
+        ExLlamaV2Cache_Q8,
+    )
+
+    classes = {"fp16": ExLlamaV2Cache, "fp8": ExLlamaV2Cache_8bit, "q4": ExLlamaV2Cache_Q4, "q6": ExLlamaV2Cache_Q6,
+               "q8": ExLlamaV2Cache_Q8}
+    return {name: replace(cache_spec_of(cls), name=name) for name, cls in classes.items()}
+
+
 
 
 def cache_spec_of(cache: Any, act_bytes: int = 2) -> CacheSpec:
-    """CacheSpec of a cache object: its `bytes_per_element_k/v`; quantized ones (with `k_bits`) keep temps.
+    """CacheSpec of a cache object or class (the one place cache widths are read): its
+    `bytes_per_element_k/v`; quantized ones (with `k_bits`) keep temps. None means an fp16 cache.
 
     An unquantized cache stores the compute dtype, which is fp32 on the CPU: `act_bytes` then wins.
     """
-    name = type(cache).__name__
+    if cache is None:
+        return CacheSpec("fp16", float(act_bytes), float(act_bytes))
+    name = cache.__name__ if isinstance(cache, type) else type(cache).__name__
     if getattr(cache, "k_bits", None) is not None:
         return CacheSpec(name, float(cache.bytes_per_element_k), float(cache.bytes_per_element_v), True)
-    return CacheSpec(name, float(act_bytes), float(act_bytes))
+    k, v = float(getattr(cache, "bytes_per_element_k", 2.0)), float(getattr(cache, "bytes_per_element_v", 2.0))
+    if (k, v) == (2.0, 2.0):
+        k = v = float(act_bytes)
+    return CacheSpec(name, k, v)
+
+
+CACHE_TYPES: dict[str, CacheSpec] = _cache_types()
 
 
 @dataclass(frozen=True)
@@ -166,10 +181,10 @@ def scratch_by_kind(shape: ModelShape, run: RunShape) -> dict[str, int]:
     return {"embedding": base, "attention": attention, "mlp": mlp, "norm": base, "head": head}
 
 
-def module_costs(model: ExLlamaV2, dtype_bytes: int) -> list[ModuleCost]:
+def module_costs(modules: Sequence[Any], dtype_bytes: int) -> list[ModuleCost]:
     """Costs of a real model's module list, from safetensors headers only (no tensor data is read)."""
     out: list[ModuleCost] = []
-    for m in model.modules:
+    for m in modules:
         kind = type(m).__name__.lower()
         if kind == "rmsnorm":
             kind = "norm"

@@ -11,14 +11,13 @@ latency-bound anyway). Backends:
 - `peer`: a one-shot Triton all-reduce that reads the peers' partials over P2P (kernels/peer_allreduce.py),
   for decode-sized messages; larger ones go to NCCL (or `local`).
 
-Select with `EXLPY_TP_COMM=local|host|nccl|peer`; the default is peer (with NCCL behind it) when every slot
+Select with `EXLPY_TP_COMM=local|host|nccl|peer` (read once into exlpy.runtime.RuntimeOptions); the
+default is peer (with NCCL behind it) when every slot
 is a distinct CUDA device and the peer kernel passes its probe, else nccl when NCCL answers, else local.
 benchmarks/results/tp.md records how they compare.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -150,8 +149,7 @@ def nccl_usable(devices: list[torch.device]) -> bool:
 
 
 def make_comm(devices: list[torch.device], name: str | None = None) -> LocalComm | HostComm | NcclComm | PeerComm:
-    """The backend `name` (or EXLPY_TP_COMM, or the fastest that works) for these slot devices."""
-    name = name or os.environ.get("EXLPY_TP_COMM") or None
+    """The backend `name` (RuntimeOptions.tp_comm; None: the fastest that works) for these slot devices."""
     all_cuda = all(d.type == "cuda" for d in devices)
     if name == "local":
         return LocalComm()

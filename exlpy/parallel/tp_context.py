@@ -6,11 +6,12 @@ Splits are lists of `(slot, start, end)`; `all_devs[slot]` is that slot's torch 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from exlpy.errors import GpuSplitError, TensorParallelError
+from exlpy.parallel.costs import ModelShape, cache_spec_of
 from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, PeerComm, make_comm
 from exlpy.parallel.tp_split import (
     BROADCAST_ID,
@@ -18,24 +19,11 @@ from exlpy.parallel.tp_split import (
     BROADCAST_Q,
     BROADCAST_RS,
     BROADCAST_VC,
-    ModelShape,
     Split,
     plan_split,
 )
 
-if TYPE_CHECKING:
-    from exlpy.model.model import ExLlamaV2
-
 _ALIGN = 64
-
-
-def cache_bytes_per_element(base: type | None) -> float:
-    """Planner bytes per cache element (spec §5): the mean of the class's K and V widths; FP16 when unknown."""
-    if base is None:
-        return 2.0
-    k = getattr(base, "bytes_per_element_k", 2.0)
-    v = getattr(base, "bytes_per_element_v", 2.0)
-    return (float(k) + float(v)) / 2
 
 
 def free_memory_mib(n: int) -> list[float]:
@@ -50,10 +38,17 @@ def free_memory_mib(n: int) -> list[float]:
 
 
 class TPContext:
-    def __init__(self, model: ExLlamaV2, gpu_split: list[float] | None, expect_cache_tokens: int = 0,
-                 expect_cache_base: type | None = None, devices: list[torch.device | str] | None = None
-                 ) -> None:
-        self.model = model
+    """exllamav2's tensor-parallel context: the five splits of spec §7.2 over the slots' devices, the
+    collective backend, and the exllamav2-style helpers (broadcast, gather, scratch) scripts may call.
+
+    It is built from the model's shape and sizes and keeps no reference to the model; the tensor-parallel
+    strategy (exlpy/engine/tensor_parallel.py) shards the modules by its splits.
+    """
+
+    def __init__(self, model: Any, gpu_split: list[float] | None, expect_cache_tokens: int = 0,
+                 expect_cache_base: type | None = None, devices: list[torch.device | str] | None = None,
+                 comm_name: str = "auto") -> None:
+        cfg = model.config
         self.expect_cache_base = expect_cache_base
         if devices is None:
             n = torch.cuda.device_count()
@@ -73,10 +68,13 @@ class TPContext:
         self.id_split: Split = []
         self.rs_split: Split = []
         self.vc_split: Split = []
-        self.define_split(gpu_split, expect_cache_tokens, expect_cache_base)
+        attn_bytes = [m.weight_bytes() for m in model.modules if hasattr(m, "num_kv_heads")]
+        tokens = expect_cache_tokens or cfg.max_seq_len * cfg.max_batch_size
+        self.define_split(gpu_split, ModelShape.from_spec(cfg.spec), tokens, attn_bytes, expect_cache_base)
         self.device = min(s for s, _, _ in self.kv_split)
         self.num_devices = max(self.all_devices()) + 1
         self.all_devs = self.all_devs[:self.num_devices]
+        self.comm_name = comm_name
         self.sin: list[torch.Tensor | None] = [None] * self.num_devices
         self.cos: list[torch.Tensor | None] = [None] * self.num_devices
         self.comm: LocalComm | HostComm | NcclComm | PeerComm | None = None
@@ -85,26 +83,18 @@ class TPContext:
         self.scratch_bytes = [0] * self.num_devices
         self.scratch: list[torch.Tensor | None] = [None] * self.num_devices
         self.scratch_pos = [0] * self.num_devices
-        self.modules: list[Any] = []  # TPAttention / TPMLP / TPHead, set by load_tp
-        self.graphs: Any = None  # TPGraphs (CUDA decode graphs), set by load_tp when usable
-        self.timer: Any = None  # a tp_timing.StageTimer while a benchmark times the forward passes
-        self.saved_no_graphs = model.config.no_graphs  # restored by model.unload(); load_tp forces graphs off
 
     # --- planning -------------------------------------------------------------------------------------------
-    def define_split(self, gpu_split: list[float] | None, expect_cache_tokens: int = 0,
-                     expect_cache_base: type | None = None) -> None:
-        cfg = self.model.config
+    def define_split(self, gpu_split: list[float] | None, shape: ModelShape, cache_tokens: int,
+                     attn_bytes: list[int], expect_cache_base: type | None = None) -> None:
         if gpu_split is None:
             if any(d.type != "cuda" for d in self.all_devs):
                 raise GpuSplitError("gpu_split=None measures free CUDA memory; pass a split for other devices")
             budgets = free_memory_mib(len(self.all_devs))
         else:
             budgets = [float(g) * 1024 for g in gpu_split]
-        shape = ModelShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
-                           cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
-        tokens = expect_cache_tokens or cfg.max_seq_len * cfg.max_batch_size
-        attn_bytes = [m.weight_bytes() for m in self.model.attention_modules()]
-        plan = plan_split(budgets, shape, cache_bytes_per_element(expect_cache_base), tokens, attn_bytes)
+        spec = cache_spec_of(expect_cache_base, 2)
+        plan = plan_split(budgets, shape, (spec.bytes_k + spec.bytes_v) / 2, cache_tokens, attn_bytes)
         self.kv_split, self.q_split, self.id_split = plan.kv, plan.q, plan.id
         self.rs_split, self.vc_split = plan.rs, plan.vc
 
@@ -122,22 +112,20 @@ class TPContext:
             slots.update(self.get_devs(t))
         return sorted(slots)
 
-    def slot_range(self, broadcast_type: int, slot: int) -> tuple[int, int]:
-        """This slot's `[start, end)` in the split (empty range when it has no share)."""
+    def slot_range(self, broadcast_type: int, slot: int) -> tuple[int, int] | None:
+        """This slot's `[start, end)` in the split, None when it has no share."""
         for s, a, b in self.get_split(broadcast_type):
             if s == slot:
                 return a, b
-        return 0, 0
+        return None
 
     # --- life cycle -----------------------------------------------------------------------------------------
-    def finalize(self) -> None:
-        """Tables, pinned staging buffers, streams and the collective backend once the weights are placed."""
-        cfg = self.model.config
-        for s in self.all_devices():
-            dev = self.all_devs[s]
-            self.cos[s], self.sin[s] = self.model.rotary.get(dev, cfg.compute_dtype(dev))
+    def finalize(self, tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """RoPE tables per slot (for scripts that ask), streams and the collective backend."""
         devs = [self.all_devs[s] for s in self.all_devices()]
-        self.comm = make_comm(devs)
+        for s, t in zip(self.all_devices(), tables or []):
+            self.cos[s], self.sin[s] = t
+        self.comm = make_comm(devs, None if self.comm_name == "auto" else self.comm_name)
         if all(d.type == "cuda" for d in devs):
             self.streams = [torch.cuda.current_stream(d) for d in devs]
 
@@ -148,10 +136,6 @@ class TPContext:
         self.sin = [None] * self.num_devices
         self.cos = [None] * self.num_devices
         self.comm = None
-        if self.graphs is not None:
-            self.graphs.clear()
-            self.graphs = None
-        self.modules = []
 
     # --- exllamav2-style collectives ------------------------------------------------------------------------
     def get_sin_cos(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:

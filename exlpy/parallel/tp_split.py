@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exlpy.errors import GpuSplitError, TensorParallelError
+from exlpy.parallel.costs import ModelShape
 
 Split = list[tuple[int, int, int]]
 
@@ -71,19 +72,6 @@ def to_ranges(counts: Sequence[int], unit: int = 1, total: int | None = None) ->
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The sizes the planner needs (from the config)."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-    hidden: int
-    intermediate: int
-    vocab: int
-
-
-@dataclass(frozen=True)
 class SplitPlan:
     kv: Split
     q: Split
@@ -111,9 +99,9 @@ def plan_split(budgets_mib: Sequence[float], shape: ModelShape, cache_bpe: float
     if shape.num_heads % shape.num_kv_heads:
         raise TensorParallelError(f"num_attention_heads {shape.num_heads} is not a multiple of "
                                   f"num_key_value_heads {shape.num_kv_heads}")
-    if shape.intermediate % 128:
+    if shape.intermediate_size % 128:
         raise TensorParallelError(f"Model intermediate size must be divisible by 128 (intermediate_size = "
-                                  f"{shape.intermediate})")
+                                  f"{shape.intermediate_size})")
     kv_counts = integer_split(shape.num_kv_heads, budgets)
     for slot, c in enumerate(kv_counts):
         if c == 0:
@@ -128,14 +116,14 @@ def plan_split(budgets_mib: Sequence[float], shape: ModelShape, cache_bpe: float
         budgets = [max(0.0, b - int(wb * r / 1024**2)) for b, r in zip(budgets, ratios)]
     # Everything left may be zero (an over-full plan): split the rest evenly rather than failing here.
     rest = budgets if sum(budgets) > 0 else [1.0] * len(budgets)
-    id_counts = integer_split(shape.intermediate // 128, rest, minimum=2)
-    rs_counts = integer_split(math.ceil(shape.hidden / 32), rest, minimum=8)
-    vc_counts = integer_split(math.ceil(shape.vocab / 32), rest, minimum=16)
+    id_counts = integer_split(shape.intermediate_size // 128, rest, minimum=2)
+    rs_counts = integer_split(math.ceil(shape.hidden_size / 32), rest, minimum=8)
+    vc_counts = integer_split(math.ceil(shape.vocab_size / 32), rest, minimum=16)
     return SplitPlan(
         kv=to_ranges(kv_counts),
         q=to_ranges([c * groups for c in kv_counts]),
-        id=to_ranges(id_counts, 128, shape.intermediate),
-        rs=to_ranges(rs_counts, 32, shape.hidden),
-        vc=to_ranges(vc_counts, 32, shape.vocab),
+        id=to_ranges(id_counts, 128, shape.intermediate_size),
+        rs=to_ranges(rs_counts, 32, shape.hidden_size),
+        vc=to_ranges(vc_counts, 32, shape.vocab_size),
         budgets_left=tuple(budgets),
     )

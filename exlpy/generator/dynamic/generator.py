@@ -19,21 +19,25 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.scheduler import plan_prefill, skip_cached_pages
+from exlpy.model.batch import paged_batch
 
 
 class ExLlamaV2DynamicGenerator:
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, paged: bool = True, **kwargs: Any) -> None:
+                 use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
+                 min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True) -> None:
+        """exllamav2's arguments. max_sampling_threads / min_sampling_threads / filter_background_eval tune
+        exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing."""
         cfg = model.config
         if draft_model is not None or draft_cache is not None or use_ngram_draft:
-            raise GeneratorError("speculative decoding (draft_model / use_ngram_draft) is not supported by "
-                                 "exlpy's dynamic generator")
+            raise NotSupportedError("speculative decoding (draft_model / draft_cache / use_ngram_draft) is not "
+                                    "supported by exlpy's dynamic generator yet")
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
                                  "or Q4.")
@@ -69,6 +73,10 @@ class ExLlamaV2DynamicGenerator:
         self.decode_tokens = 0
         self.cached_tokens = 0
         self.copy_partial_pages = True
+        self.current_loras: list[Any] = []  # exllamav2 attribute (TabbyAPI reads it); LoRA is not supported yet
+        self.draft_model = self.draft_cache = None
+        self.use_ngram_draft = False
+        self.num_draft_tokens, self.max_ngram = num_draft_tokens, max_ngram
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -140,7 +148,8 @@ class ExLlamaV2DynamicGenerator:
 
     def set_loras(self, loras: Any) -> None:
         if loras:
-            raise GeneratorError("LoRA adapters are not supported by exlpy's dynamic generator")
+            raise NotSupportedError("LoRA adapters are not supported by exlpy's dynamic generator yet")
+        self.current_loras: list[Any] = []
 
     def warmup(self) -> None:
         """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
@@ -244,7 +253,7 @@ class ExLlamaV2DynamicGenerator:
             start, end = plan
             if end > start:
                 ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device())
+                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE)
                 self.model.forward_batch(ids, batch, preprocess_only=True)
                 self.prefill_tokens += end - start
                 for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
@@ -282,7 +291,7 @@ class ExLlamaV2DynamicGenerator:
         self.cached_tokens += n
 
     def _device(self) -> torch.device:
-        return self.model.modules[0].device
+        return self.model.strategy_for_forward().first_device
 
     def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
         """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
@@ -293,7 +302,7 @@ class ExLlamaV2DynamicGenerator:
             first.append(len(rows))
             rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
         ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-        batch = paged_batch(rows, self.cache, self._device())
+        batch = paged_batch(rows, self.cache, self._device(), PAGE_SIZE)
         logits = self.model.forward_batch(ids, batch, last_id_only=True)
         self.decode_tokens += len(rows)
         fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
@@ -339,50 +348,15 @@ class ExLlamaV2DynamicGenerator:
                  abort_event: threading.Event | None = None, completion_only: bool = False,
                  filters: list[Any] | None = None, filter_prefer_eos: bool = False,
                  return_last_results: bool = False, embeddings: Any = None,
-                 banned_strings: list[str] | None = None, **kwargs: Any) -> Any:
+                 banned_strings: list[str] | None = None) -> Any:
         """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
         when `return_last_results`. A failing job raises its error here."""
-        single = isinstance(prompt, (str, tuple))
-        prompts = [prompt] if single else list(prompt)
-        settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
-        # Filters hold per-sequence state: a batch takes one list of filters per prompt.
-        per_prompt_filters = filters if (filters and not single and isinstance(filters[0], list)) else None
-        jobs = []
-        for i, p in enumerate(prompts):
-            texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
-            ids = [self.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
-                   for t in texts]
-            jobs.append(ExLlamaV2DynamicJob(
-                ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
-                token_healing=token_healing, seed=None if seed is None else seed + i,
-                stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
-                filters=per_prompt_filters[i] if per_prompt_filters else filters,
-                filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
-                embeddings=embeddings))
-        self.enqueue(jobs)
-        completions = [""] * len(prompts)
-        last: list[dict[str, Any] | None] = [None] * len(prompts)
-        while any(not j.finished for j in jobs):
-            if abort_event is not None and abort_event.is_set():
-                for j in jobs:
-                    if not j.finished:
-                        self.cancel(j)
-                break
-            for r in self.iterate():
-                if r["stage"] != "streaming" or r["job"] not in jobs:
-                    continue
-                i = r["identifier"]
-                completions[i] += r.get("text", "")
-                if r["eos"]:
-                    if "error" in r:
-                        raise r["error"]
-                    last[i] = r
-        texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c
-                 for p, c in zip(prompts, completions)]
-        out: Any = texts[0] if single else texts
-        if return_last_results:
-            return out, (last[0] if single else last)
-        return out
+        from exlpy.generator.dynamic.oneshot import run_generate
+
+        return run_generate(self, prompt, max_new_tokens, min_new_tokens, seed, gen_settings, token_healing,
+                            encode_special_tokens, decode_special_tokens, stop_conditions, add_bos, abort_event,
+                            completion_only, filters, filter_prefer_eos, return_last_results, embeddings,
+                            banned_strings)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -1,13 +1,10 @@
-"""What runs through the model in one iteration: prefill chunk planning and paged ForwardBatch construction."""
+"""What runs through the model in one iteration: prefill chunk planning (batches: exlpy.model.batch)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from exlpy.generator.dynamic.pages import PAGE_SIZE
-from exlpy.model.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.job import SeqState
@@ -45,46 +42,3 @@ def plan_prefill(seq: SeqState, serial: int, max_chunk: int) -> tuple[int, int] 
     if end == pos and pos < target:
         return None
     return (pos, end)
-
-
-def paged_batch(rows: list[tuple[list[int], int, int]], cache: object, device: torch.device) -> ForwardBatch:
-    """ForwardBatch for rows of (page ids, first position, q_len), all rows with the same q_len.
-
-    Built from Python lists with one tensor per field: this runs every decode step, and per-row tensor ops
-    would cost more host time than a small model's whole step on the GPU.
-    """
-    B = len(rows)
-    T = rows[0][2]
-    P = max(len(p) for p, _, _ in rows)
-    positions, slots, table, seqlens = [], [], [], []
-    for pages, start, q in rows:
-        assert q == T, "all rows of one paged batch need the same q_len"
-        pos = list(range(start, start + T))
-        positions.append(pos)
-        slots.append([pages[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE for t in pos])
-        table.append(pages + [0] * (P - len(pages)))
-        seqlens.append(start + T)
-    return ForwardBatch(batch_size=B, q_len=T,
-                        positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-                        cache=cache, slots=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
-                        block_table=torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True),
-                        page_size=PAGE_SIZE,
-                        seqlens=torch.tensor(seqlens, dtype=torch.int32).to(device, non_blocking=True),
-                        max_seqlen=max(seqlens))
-
-
-def cache_rows_batch(cache: Any, rows: list[int], starts: list[int], q_len: int,
-                     device: torch.device) -> ForwardBatch:
-    """Batch over a contiguous cache where row i writes cache row rows[i] from position starts[i] on.
-
-    Each sequence sits unpadded at the start of its own cache row, so positions equal cache indices and rows of
-    different lengths need no attention mask (the streaming generator's CFG pair, the base generator's batch).
-    """
-    stride = cache.max_seq_len
-    r = torch.tensor(rows, dtype=torch.long)
-    pos = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(q_len).unsqueeze(0)
-    seqlens = (pos[:, -1] + 1).to(torch.int32)
-    return ForwardBatch(batch_size=len(rows), q_len=q_len, positions=pos.to(device), cache=cache,
-                        slots=(r.unsqueeze(1) * stride + pos).to(device),
-                        block_table=r.to(torch.int32).unsqueeze(1).to(device), page_size=stride,
-                        seqlens=seqlens.to(device), max_seqlen=int(seqlens.max()))

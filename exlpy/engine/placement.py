@@ -37,7 +37,7 @@ from exlpy.parallel.plan import DeviceBudget, Plan, make_plan
 
 if TYPE_CHECKING:
     from exlpy.cache.base import ExLlamaV2CacheBase
-    from exlpy.model.model import ExLlamaV2
+    from exlpy.engine.facade import ExLlamaV2
 
 Callback = Callable[[int, int], None] | None
 CallbackGen = Callable[[int, int], Any] | None
@@ -108,7 +108,7 @@ def _width(model: ExLlamaV2, device: torch.device) -> int:
 
 
 def _attached(model: ExLlamaV2) -> list[ExLlamaV2CacheBase]:
-    return [c for c in (r() for r in model._caches) if c is not None]
+    return model.layer_devices.subscribers()
 
 
 def _budgets(memory: Sequence[DeviceMemory], reserve: list[int], overheads: Sequence[int] | None) -> list[DeviceBudget]:
@@ -140,7 +140,7 @@ def plan_for_model(
     width = model.config.compute_dtype(device).itemsize
     run = RunShape.from_config(model.config, max_seq_len, batch_size, last_id_only, width)
     shape = ModelShape.from_spec(model.config.spec)
-    return make_plan(module_costs(model, width), shape, run, cache, budgets, policy, layer_cache=layer_cache)
+    return make_plan(module_costs(model.modules, width), shape, run, cache, budgets, policy, layer_cache=layer_cache)
 
 
 def _report(i: int, n: int, callback: Callback, callback_gen: CallbackGen, bar: Any) -> Generator[Any, None, None]:
@@ -198,8 +198,7 @@ def load_on_devices(
     finally:
         if bar is not None:
             bar[0].stop()
-    model.loaded = True
-    model.placement_plan = plan
+    model.finish_load(plan)
     used = model.devices()
     if any(d.type == "cuda" for d in used):
         limit_cpu_threads_for_gpu()
@@ -325,7 +324,7 @@ def _check_cache(model: ExLlamaV2, cache: ExLlamaV2CacheBase) -> None:
             "load_autosplit needs a cache created with lazy=True (its layers are allocated on "
             "each layer's device while loading)"
         )
-    if cache.model is not model:
+    if getattr(getattr(cache, "layout", None), "devices", None) is not model.layer_devices:
         raise ModelStateError("load_autosplit: the cache was created for a different model")
 
 

@@ -1,0 +1,133 @@
+"""`model.forward` and `model.forward_batch`: argument checks, chunking, and the choice between a captured
+step and an eager one. Both end in the loaded strategy's stages (strategy.execute or the graph runner)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
+from exlpy.engine.strategy import Strategy, execute
+from exlpy.errors import CacheTooSmallError, NotSupportedError, SequenceLengthError
+from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
+
+
+def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
+    """The strategy's graph runner, or None where graphs do not apply (CPU, no Triton, config.no_graphs)."""
+    if model.config.no_graphs or not strategy.graph_safe:
+        return None
+    runner = strategy.graph_cache.get("runner")
+    if runner is None:
+        runner = strategy.graph_cache["runner"] = StepGraphs(strategy)
+    return runner
+
+
+def _logits_mode(preprocess_only: bool, last_id_only: bool) -> str:
+    return LOGITS_NONE if preprocess_only else LOGITS_LAST if last_id_only else LOGITS_ALL
+
+
+def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: torch.Tensor | None = None,
+            preprocess_only: bool = False, last_id_only: bool = False, loras: Any = None,
+            return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
+            abort_event: Any = None, cpu_logits: bool = False) -> Any:
+    strategy = model.strategy_for_forward()
+    if loras:
+        raise NotSupportedError("LoRA adapters are not supported by exlpy yet")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    B, T = input_ids.shape
+    cfg = model.config
+    dev = strategy.first_device
+    mode = _logits_mode(preprocess_only, last_id_only)
+    if cache is not None:
+        past = cache.current_seq_len
+        if B > cache.batch_size:
+            raise CacheTooSmallError(f"batch size {B} exceeds the cache's batch_size {cache.batch_size}")
+        if past + T > cache.max_seq_len:
+            raise CacheTooSmallError(f"Total sequence length exceeds cache size in model.forward: {past} "
+                                     f"cached + {T} new tokens > cache max_seq_len {cache.max_seq_len}")
+        runner = graph_runner(model, strategy)
+        if (runner is not None and T <= MAX_Q_LEN and input_mask is None and position_offsets is None
+                and mode != LOGITS_NONE and not return_last_state):
+            # A captured step: ids go straight into its static input, metadata as host integers.
+            logits = runner.run_rows(input_ids, cache, [past] * B, None, cache.max_seq_len, mode)
+            if logits is not None:
+                cache.current_seq_len = past + T
+                return logits.cpu() if cpu_logits else logits
+    ids = upload_ids(input_ids, dev)
+    key_mask = _key_mask(input_mask, dev)
+    offsets = position_offsets.to(dev).view(-1, 1) if position_offsets is not None else None
+
+    def run(batch: ForwardBatch, chunk: torch.Tensor, chunk_mode: str) -> Any:
+        batch.logits = chunk_mode
+        batch.keep_last_state = return_last_state
+        if offsets is not None:
+            batch.rope_positions = (batch.positions + offsets).clamp(min=0)
+        out = execute(strategy, chunk, batch)
+        if out is not None and cpu_logits:
+            out = out.cpu()
+        return (out, batch.last_state) if return_last_state and out is not None else out
+
+    if cache is None:
+        limit = cfg.max_input_len * cfg.max_batch_size // B
+        if T > limit:
+            raise SequenceLengthError(f"Maximum input length exceeded in model.forward: {T} tokens > "
+                                      f"{limit} (max_input_len * max_batch_size // batch); pass a cache "
+                                      "to process long inputs in chunks")
+        return run(build_batch([0] * B, T, dev, key_mask=key_mask), ids, mode)
+
+    outputs: list[torch.Tensor] = []
+    last_state = None
+    pos = 0
+    try:
+        while pos < T:
+            # Chunks bound activation memory: max_input_len tokens, and past*q within max_attention_size.
+            cur = past + pos
+            att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
+            n = max(1, min(T - pos, cfg.max_input_len, att))
+            last = pos + n >= T
+            batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
+                                page_size=cache.max_seq_len, key_mask=key_mask)
+            batch.past_len = cur
+            r = run(batch, ids[:, pos:pos + n], mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode)
+            cache.current_seq_len = cur + n
+            if return_last_state and r is not None:
+                r, last_state = r
+            if r is not None:
+                outputs.append(r)
+            pos += n
+    except BaseException:
+        cache.current_seq_len = past  # a failed chunk leaves the cache's length where the caller had it
+        raise
+    if mode == LOGITS_NONE:
+        return None
+    logits = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return (logits, last_state) if return_last_state else logits
+
+
+def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last_id_only: bool = False,
+                  preprocess_only: bool = False) -> torch.Tensor | None:
+    """Forward with caller-built metadata (paged caches, per-row positions): the generators' entry."""
+    strategy = model.strategy_for_forward()
+    mode = _logits_mode(preprocess_only, last_id_only)
+    if batch.logits != mode:
+        batch = replace(batch, logits=mode)
+    runner = graph_runner(model, strategy)
+    if runner is not None and mode != LOGITS_NONE and batch.q_len <= MAX_Q_LEN:
+        logits = runner.run_batch(input_ids, batch)
+        if logits is not None:
+            return logits
+    return execute(strategy, upload_ids(input_ids, strategy.first_device), batch)
+
+
+def _key_mask(input_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Accept a bool mask (True = real token) or an additive one (0 = keep, -inf = pad), [B, L]."""
+    if input_mask is None:
+        return None
+    m = input_mask.to(device)
+    if m.dim() > 2:
+        m = m.reshape(m.shape[0], -1)[:, -m.shape[-1]:]
+    return m if m.dtype == torch.bool else m > -1.0

@@ -1,0 +1,285 @@
+"""CUDA graphs of a strategy's step: one wrapper for one GPU, a layer split and tensor parallelism.
+
+At batch 1 a decode step is ~300 small kernels; launched from Python each costs ~12 µs of host time, about
+as long as the GPU needs to read the weights. A captured graph replays them all with one launch.
+
+A graph bakes in every tensor address it touches, so a step is captured over *static* inputs: token ids
+[rows, T] on the first stage's devices and the packed metadata (positions, cache slots, lengths, block
+table; exlpy/model/batch.py) on every device, shaped by (row bucket, T, table-width bucket). A step is
+uploaded as host integers straight into those buffers; padding rows write nowhere (slot -1) and read
+nothing (length 0). Attention inside the graph takes key ranges from device memory, never host values, so
+one graph serves every step of its shape. T may be 1 (decode) up to `MAX_Q_LEN` (speculative verification).
+
+Each stage of the strategy is captured with one graph per lane: a single lane for one GPU, one per segment
+of a layer split (the host copies the hidden state between replays: the one hop per device boundary of the
+eager path), and one per GPU for tensor parallelism, whose lanes are captured together with every GPU's
+capture stream open, the collectives (NCCL or the peer all-reduce) recorded inside. A graph is rebuilt when
+the cache tensors behind it change; the whole runner goes with the strategy when modules are reloaded.
+
+With `capture=False` the same buffer logic runs the step eagerly: the debugging path, and what CPU tests run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from exlpy.engine.lockstep import run_lanes
+from exlpy.engine.strategy import Lane, Stage, Strategy
+from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, ForwardBatch, pack, packed_size, staging, unpack
+from exlpy.parallel.p2p import peer_copy_ok
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_Q_LEN = 8
+
+
+def bucket_for(n: int) -> int | None:
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+def cache_signature(cache: Any) -> tuple[int, ...]:
+    """Addresses of every K/V tensor a step touches: a graph is valid only while these stay the same."""
+    return tuple(t.data_ptr() for t in cache.all_tensors())
+
+
+def _scope(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass
+class _LaneStep:
+    lane: Lane
+    batch: ForwardBatch  # static, over this device's metadata buffer and this lane's cache part
+    x_in: torch.Tensor | None = None  # static input: token ids (first stage) or the previous stage's output
+    graph: Any = None
+    output: Any = None
+
+
+@dataclass
+class _Step:
+    """The captured form of one (cache, row bucket, T, width bucket) shape."""
+
+    rows: int
+    q_len: int
+    width: int
+    page_size: int
+    cache_ref: weakref.ref[Any]
+    signature: tuple[int, ...]
+    meta: dict[str, torch.Tensor]  # per device: the packed metadata buffer
+    stages: list[tuple[Stage, list[_LaneStep]]] = field(default_factory=list)
+    captured: bool = False
+
+
+class StepGraphs:
+    """The graph runner of one strategy (see the module docstring)."""
+
+    def __init__(self, strategy: Strategy, capture: bool = True) -> None:
+        self.strategy = strategy
+        self.capture = capture
+        self.steps: dict[tuple[Any, ...], _Step] = {}
+        self._pools: dict[str, Any] = {}
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    # --- entry points ---------------------------------------------------------------------------------------
+    def run_rows(self, ids: torch.Tensor, cache: Any, starts: list[int], tables: list[list[int]] | None,
+                 page_size: int, logits: str = LOGITS_ALL) -> torch.Tensor | None:
+        """Logits [B, T, vocab] for rows continuing at `starts` (cache pages `tables`); None when no graph
+        shape fits (the caller runs the step eagerly)."""
+        B, T = ids.shape
+        width = 1 if tables is None else max(len(t) for t in tables)
+        step = self._step(cache, B, T, width, page_size)
+        if step is None:
+            return None
+        if tables is None:  # contiguous cache: row b is page b
+            tables = [[b] for b in range(B)]
+        values = pack(starts, T, tables, page_size, step.rows, step.width)
+        for meta in step.meta.values():
+            staging.upload(values, meta)
+        return self._finish(step, ids, B, logits)
+
+    def run_batch(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits for a caller-built batch, or None where graphs do not apply."""
+        if (batch.cache is None or batch.key_mask is not None or batch.rope_positions is not None
+                or batch.keep_last_state or batch.logits not in (LOGITS_ALL, LOGITS_LAST)
+                or batch.block_table is None):
+            return None
+        B = ids.shape[0]
+        if batch.host is not None and batch.batch_size == B:
+            starts, tables = batch.host
+            return self.run_rows(ids, batch.cache, starts, tables, batch.page_size, batch.logits)
+        step = self._step(batch.cache, B, batch.q_len, batch.block_table.shape[1], batch.page_size)
+        if step is None:
+            return None
+        for dev, meta in step.meta.items():  # a hand-built batch: copy its tensors, padding written anew
+            pos, slots, seqlens, table, _ = unpack(meta, step.rows, step.q_len, step.width)
+            src = batch.on(torch.device(dev))
+            assert src.slots is not None and src.seqlens is not None and src.block_table is not None
+            pos[:B].copy_(src.positions)
+            slots[:B].copy_(src.slots)
+            slots[B:].fill_(-1)
+            seqlens[:B].copy_(src.seqlens)
+            seqlens[B:].zero_()
+            table[:B, :src.block_table.shape[1]].copy_(src.block_table)
+        return self._finish(step, ids, B, batch.logits)
+
+    # --- shapes -----------------------------------------------------------------------------------------------
+    def _step(self, cache: Any, B: int, T: int, width: int, page_size: int) -> _Step | None:
+        rows = bucket_for(B)
+        if rows is None or T > MAX_Q_LEN or not getattr(cache, "graph_safe", False):
+            return None
+        width = bucket_for(width) or width
+        key = (id(cache), rows, T, width, page_size)
+        step = self.steps.get(key)
+        if step is not None and (step.cache_ref() is not cache or step.signature != cache_signature(cache)):
+            step = None  # the cache object or its tensors changed: the captured addresses are stale
+        if step is None:
+            step = self._build(cache, rows, T, width, page_size)
+            self.steps[key] = step
+        return step
+
+    def _build(self, cache: Any, rows: int, T: int, width: int, page_size: int) -> _Step:
+        meta: dict[str, torch.Tensor] = {}
+        for dev in self.strategy.devices:
+            meta[str(dev)] = torch.zeros(packed_size(rows, T, width), dtype=torch.int64, device=dev)
+        step = _Step(rows, T, width, page_size, weakref.ref(cache), cache_signature(cache), meta)
+        for k, stage in enumerate(self.strategy.stages):
+            lanes = []
+            for lane in stage.lanes:
+                pos, slots, seqlens, table, m = unpack(meta[str(lane.device)], rows, T, width)
+                batch = ForwardBatch(rows, T, pos, cache=lane.cache_part(cache), slots=slots, block_table=table,
+                                     page_size=page_size, seqlens=seqlens, max_seqlen=width * page_size, meta=m)
+                ids = torch.zeros(rows, T, dtype=torch.long, device=lane.device) if k == 0 else None
+                lanes.append(_LaneStep(lane, batch, ids))
+            step.stages.append((stage, lanes))
+        return step
+
+    # --- running --------------------------------------------------------------------------------------------
+    def _finish(self, step: _Step, ids: torch.Tensor, B: int, logits: str) -> torch.Tensor:
+        host_ids = ids.reshape(-1).tolist() if ids.device.type == "cpu" else None
+        for ls in step.stages[0][1]:
+            assert ls.x_in is not None
+            if host_ids is not None:  # through pinned memory: no wait for the device
+                staging.upload(host_ids, ls.x_in.view(-1))
+            else:  # ids already on a device (a sampled token fed straight back): a device copy
+                ls.x_in[:B].copy_(ids.view(B, step.q_len))
+        if self.capture and not step.captured:
+            self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+        out = self._run(step, replay=self.capture)
+        with _scope(out.device):
+            out = out[:B].clone()  # the static output is overwritten by the next replay
+        return out[:, -1:] if logits == LOGITS_LAST and out.shape[1] > 1 else out
+
+    def _run(self, step: _Step, replay: bool) -> torch.Tensor:
+        out: torch.Tensor | None = None
+        for stage, lanes in step.stages:
+            if out is not None:
+                self._hop(out, lanes)
+            if replay:
+                for ls in lanes:
+                    with _scope(ls.lane.device):
+                        ls.graph.replay()
+            else:
+                self._eager(stage, lanes)
+            out = lanes[0].output
+        assert out is not None
+        return out
+
+    @staticmethod
+    def _hop(out: torch.Tensor, lanes: list[_LaneStep]) -> None:
+        for ls in lanes:
+            if ls.x_in is None:  # allocated by the first (warm-up or eager) run, never under capture
+                ls.x_in = torch.empty_like(out, device=ls.lane.device)
+            direct = out.device.type != "cuda" or peer_copy_ok(out.device, ls.lane.device)
+            ls.x_in.copy_(out if direct else out.cpu())
+
+    @staticmethod
+    def _eager(stage: Stage, lanes: list[_LaneStep]) -> None:
+        outs = run_lanes([(ls.lane.device, ls.lane.run(ls.x_in, ls.batch)) for ls in lanes], stage.group)
+        for ls, o in zip(lanes, outs):
+            ls.output = o
+
+    def _capture(self, step: _Step) -> None:
+        streams = {str(d): torch.cuda.Stream(d) for d in self.strategy.devices}
+        with self._capturing(step), self._on_streams(streams):
+            for _ in range(2):  # compiles Triton kernels, sets up cuBLAS workspaces and NCCL outside the capture
+                self._run(step, replay=False)
+            for d in self.strategy.devices:
+                torch.cuda.synchronize(d)
+            out: torch.Tensor | None = None
+            for stage, lanes in step.stages:
+                if out is not None:
+                    self._hop(out, lanes)  # allocation only; replays copy again
+                self._capture_stage(stage, lanes)
+                out = lanes[0].output
+        for d in self.strategy.devices:
+            torch.cuda.synchronize(d)
+        step.captured = True
+
+    def _capture_stage(self, stage: Stage, lanes: list[_LaneStep]) -> None:
+        """One graph per lane. The lanes of a tensor-parallel stage are captured together: every capture is
+        open while the lock-step driver issues their kernels and collectives."""
+        graphs = [torch.cuda.CUDAGraph() for _ in lanes]
+        # "relaxed": under "global" a second capture_begin is refused while the first lane's capture is open
+        # (benchmarks/capture_probe.py; H200, torch 2.11, CUDA 13).
+        mode = "global" if len(lanes) == 1 else "relaxed"
+        begun: list[int] = []
+        failed = True
+        try:
+            for k, ls in enumerate(lanes):
+                key = str(ls.lane.device)
+                with _scope(ls.lane.device):
+                    if key not in self._pools:
+                        self._pools[key] = torch.cuda.graph_pool_handle()
+                    graphs[k].capture_begin(pool=self._pools[key], capture_error_mode=mode)
+                    begun.append(k)
+            self._eager(stage, lanes)
+            failed = False
+        finally:
+            end_error: RuntimeError | None = None
+            for k in begun:  # every open capture is closed, whatever happened
+                with _scope(lanes[k].lane.device):
+                    try:
+                        graphs[k].capture_end()
+                    except RuntimeError as e:  # after a failure above, the invalidated captures say so again
+                        end_error = end_error or e
+            if end_error is not None and not failed:
+                raise end_error
+        for ls, g in zip(lanes, graphs):
+            ls.graph = g
+
+    @contextlib.contextmanager
+    def _capturing(self, step: _Step) -> Iterator[None]:
+        groups = [st.group for st, _ in step.stages if st.group is not None]
+        for g in groups:
+            g.capturing = True  # collectives avoid cross-device copies (warm-up runs the same kernels)
+        try:
+            yield
+        finally:
+            for g in groups:
+                g.capturing = False
+
+    @contextlib.contextmanager
+    def _on_streams(self, streams: dict[str, Any]) -> Iterator[None]:
+        """Each device's current stream is its capture stream (the warm-up runs there too, so per-stream
+        set-up such as cuBLAS workspaces happens on the stream the graph is captured on)."""
+        prev = {}
+        for key, s in streams.items():
+            dev = torch.device(key)
+            prev[key] = torch.cuda.current_stream(dev)
+            s.wait_stream(prev[key])
+            with torch.cuda.device(dev):
+                torch.cuda.set_stream(s)
+        try:
+            yield
+        finally:
+            for key, p in prev.items():
+                with torch.cuda.device(torch.device(key)):
+                    torch.cuda.set_stream(p)
+                p.wait_stream(streams[key])

@@ -1,0 +1,110 @@
+"""Lock-step execution of one forward per GPU: how tensor parallelism runs the ordinary blocks.
+
+Each GPU (a *lane*) runs the same module code as a single-GPU model, as a coroutine. A module suspends at a
+collective (`await group.all_reduce(t)`); when every lane has reached it, the collective runs once over all
+lanes' tensors and every lane resumes. One thread drives all lanes, so each GPU's kernels of one stretch
+between collectives are issued back to back on its own current stream, exactly as a hand-written stage
+loop would issue them: no thread hand-offs, no GIL contention, and a CUDA-graph capture that has one
+capture stream per GPU open sees every GPU's work (collective kernels included) on that GPU's stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Coroutine, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from exlpy.errors import TensorParallelError
+
+
+@dataclass
+class _Op:
+    kind: str  # "all_reduce" | "gather_first"
+    tensor: torch.Tensor
+    offset: int = 0
+    total: int = 0
+
+    def __await__(self) -> Generator[_Op, Any, Any]:
+        result = yield self
+        return result
+
+
+class LockstepGroup:
+    """The collectives of one tensor-parallel model: what `RowParallel` / `ColumnParallel` / the
+    vocab-parallel embedding await. `comm` is the backend (exlpy/parallel/tp_comm.py)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.capturing = False  # set while a CUDA graph is captured: no cross-device copies then
+
+    def all_reduce(self, t: torch.Tensor) -> _Op:
+        return _Op("all_reduce", t)
+
+    def gather_first(self, part: torch.Tensor, offset: int, total: int) -> _Op:
+        return _Op("gather_first", part, offset, total)
+
+    def run(self, ops: list[_Op]) -> list[Any]:
+        kinds = {op.kind for op in ops}
+        if len(kinds) != 1:
+            raise TensorParallelError(f"tensor-parallel lanes reached different collectives: {sorted(kinds)}")
+        if ops[0].kind == "all_reduce":
+            self.comm.all_reduce([op.tensor for op in ops])
+            return [None] * len(ops)
+        return self._gather_first(ops)
+
+    def _gather_first(self, ops: list[_Op]) -> list[Any]:
+        first = ops[0].tensor
+        total = ops[0].total
+        if self.capturing:
+            # Inside a graph each GPU only touches its own memory: a zero-padded all-reduce instead of copies.
+            full = []
+            for op in ops:
+                with _device(op.tensor.device):
+                    f = torch.zeros(*op.tensor.shape[:-1], total, dtype=op.tensor.dtype, device=op.tensor.device)
+                    f[..., op.offset:op.offset + op.tensor.shape[-1]] = op.tensor
+                    full.append(f)
+            self.comm.all_reduce(full)
+            return [full[0]] + [None] * (len(ops) - 1)
+        out = torch.empty(*first.shape[:-1], total, dtype=first.dtype, device=first.device)
+        for op in ops:  # slot order is vocabulary order; the copies are ordered on the first device's stream
+            if op.tensor.shape[-1]:
+                out[..., op.offset:op.offset + op.tensor.shape[-1]].copy_(op.tensor)
+        return [out] + [None] * (len(ops) - 1)
+
+
+def _device(dev: torch.device) -> contextlib.AbstractContextManager[Any]:
+    # Kernels (Triton's above all) launch on the *current* device and its current stream: make it the lane's.
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+def run_lanes(lanes: Sequence[tuple[torch.device, Coroutine[Any, Any, Any]]], group: LockstepGroup | None
+              ) -> list[Any]:
+    """Drive every lane's coroutine to its end, running each collective when all lanes have reached it."""
+    coros = [c for _, c in lanes]
+    devices = [d for d, _ in lanes]
+    inbox: list[Any] = [None] * len(lanes)
+    try:
+        while True:
+            ops: list[_Op] = []
+            done: list[Any] = []
+            for i, coro in enumerate(coros):
+                with _device(devices[i]):
+                    try:
+                        ops.append(coro.send(inbox[i]))
+                    except StopIteration as stop:
+                        done.append(stop.value)
+            if done:
+                if len(done) != len(coros):
+                    raise TensorParallelError("tensor-parallel lanes diverged: some finished while others wait "
+                                              "at a collective")
+                return done
+            if group is None:
+                raise TensorParallelError(f"a forward reached a collective ({ops[0].kind}) outside tensor "
+                                          "parallelism")
+            inbox = group.run(ops)
+    finally:
+        for c in coros:
+            c.close()  # a failed lane must not leave the others suspended (no-op for finished ones)

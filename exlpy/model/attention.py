@@ -1,0 +1,130 @@
+"""The attention block: x + o_proj(attention(rope(q), rope(k), v)) with GQA and a KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from exlpy.config.config import ExLlamaV2Config
+from exlpy.kernels import ops
+from exlpy.model.batch import ForwardBatch
+from exlpy.model.fusion import FusedDense, FusedQuant, fuse_linears
+from exlpy.model.linear import Linear, load_linear
+from exlpy.model.module import Module
+from exlpy.model.parallel_linear import ColumnParallel, RowParallel, close_block
+from exlpy.model.rotary import RotaryTables
+
+
+def load_norm(m: Module, key: str, device: torch.device, size: int | None = None) -> torch.Tensor:
+    size = size or m.spec.hidden_size
+    return m.index.get(f"{key}.weight", shape=(size,)).to(device=device, dtype=m.dtype(device))
+
+
+class Attention(Module):
+    """Pre-norm attention block. Under tensor parallelism a copy holds this GPU's heads (num_heads and
+    num_kv_heads are then its share) and o_proj is a RowParallel / ColumnParallel that sums over GPUs."""
+
+    def __init__(self, config: ExLlamaV2Config, layer_idx: int, rotary: RotaryTables) -> None:
+        super().__init__(config, f"model.layers.{layer_idx}.self_attn")
+        self.layer_idx = layer_idx
+        self.rotary = rotary
+        s = self.spec
+        self.num_heads = s.num_attention_heads
+        self.num_kv_heads = s.num_key_value_heads
+        self.head_dim = s.head_dim
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+        self.norm_key = f"model.layers.{layer_idx}.input_layernorm"
+        self.norm_w: torch.Tensor | None = None
+        self.q_norm_w: torch.Tensor | None = None
+        self.k_norm_w: torch.Tensor | None = None
+        self.q_proj: Linear | None = None
+        self.k_proj: Linear | None = None
+        self.v_proj: Linear | None = None
+        self.o_proj: Linear | RowParallel | ColumnParallel | None = None
+        self.qkv_proj: FusedDense | FusedQuant | None = None  # q, k and v side by side when they can fuse
+
+    def tensor_prefixes(self) -> list[str]:
+        return [self.key, self.norm_key]
+
+    def load(self, device: torch.device) -> None:
+        s, dt, idx = self.spec, self.dtype(device), self.index
+        hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        qkv_bias = True if s.arch.qkv_bias else None
+        kw = {"gptq_v2": s.gptq_v2}
+        self.norm_w = load_norm(self, self.norm_key, device)
+        kb = {**kw, "bias": qkv_bias}
+        self.q_proj = load_linear(idx, f"{self.key}.q_proj", s.hidden_size, hq, device, dt, **kb)
+        self.k_proj = load_linear(idx, f"{self.key}.k_proj", s.hidden_size, hk, device, dt, **kb)
+        self.v_proj = load_linear(idx, f"{self.key}.v_proj", s.hidden_size, hk, device, dt, **kb)
+        self.o_proj = load_linear(idx, f"{self.key}.o_proj", hq, s.hidden_size, device, dt, **kw)
+        self.fuse()
+        if s.arch.qk_norm:
+            self.q_norm_w = load_norm(self, f"{self.key}.q_norm", device, d)
+            self.k_norm_w = load_norm(self, f"{self.key}.k_norm", device, d)
+        self.device = device
+
+    def fuse(self) -> None:
+        assert self.q_proj and self.k_proj and self.v_proj
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def unload(self) -> None:
+        self.norm_w = self.q_norm_w = self.k_norm_w = None
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.qkv_proj = None
+        super().unload()
+
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.q_proj and self.k_proj and self.v_proj and self.o_proj and self.norm_w is not None
+        B, T, _ = x.shape
+        eps = self.spec.norm_eps
+        if self.qkv_proj is not None:  # pre-norm fused into one q|k|v projection
+            q, k, v = self.qkv_proj.forward_normed(x, self.norm_w, eps).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        else:
+            h = ops.rms_norm(x, self.norm_w, eps)
+            q, k, v = self.q_proj.forward(h), self.k_proj.forward(h), self.v_proj.forward(h)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm_w is not None and self.k_norm_w is not None:
+            q = ops.rms_norm(q, self.q_norm_w, eps)
+            k = ops.rms_norm(k, self.k_norm_w, eps)
+        o = attend(q, k, v, batch, self.layer_idx, self.scale, self.rotary.get(x.device, x.dtype))
+        return await close_block(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int, scale: float,
+           rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Causal attention of q [B,T,Hq,D] after writing k/v to `batch.cache` (when there is one): [B,T,Hq,D].
+
+    q and k arrive unrotated and are rotated here at `batch.rope_pos`, in the same kernel that writes the
+    cache where it can (one launch fewer per layer).
+    """
+    cache = batch.cache
+    if cache is None:
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        mask = None
+        if batch.key_mask is not None:
+            causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
+            mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
+        return ops.sdpa(q, k, v, scale, mask, is_causal=True)
+    k_cache, v_cache = cache.layer_kv(layer_idx)
+    assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        # Quantized caches land here too: layer_kv hands out their contiguous fp16 working copies.
+        q, k = ops.rope_store_kv(q, k, v, rope[0], rope[1], batch.rope_pos, k_cache, v_cache, batch.slots)
+    else:
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+    if batch.past_len is not None and batch.key_mask is None and batch.q_len > 1:
+        # Prefill into a contiguous cache, same past for every row: SDPA over a slice, no gather.
+        # (Decode steps take the paged kernel below, as inside CUDA graphs: one path, same numerics.)
+        end = batch.past_len + batch.q_len
+        kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
+        if batch.past_len == 0:
+            return ops.sdpa(q, kc, vc, scale, None, is_causal=True)
+        t = torch.arange(end, device=q.device)
+        mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
+        return ops.sdpa(q, kc, vc, scale, mask.view(1, 1, batch.q_len, end))
+    return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
+                               batch.max_seqlen, batch.positions, scale, batch.key_mask)

@@ -1,0 +1,44 @@
+"""Token embedding: the table on one device, or a vocabulary slice per GPU under tensor parallelism."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from exlpy.config.config import ExLlamaV2Config
+from exlpy.model.batch import ForwardBatch
+from exlpy.model.module import Module
+from exlpy.model.parallel_linear import Collective
+
+
+class Embedding(Module):
+    def __init__(self, config: ExLlamaV2Config) -> None:
+        super().__init__(config, "model.embed_tokens")
+        self.weight: torch.Tensor | None = None
+        # Tensor parallelism (Megatron's vocab-parallel embedding): this GPU holds rows [vocab_start, +len);
+        # ids outside give zero rows and the all-reduce completes every row.
+        self.vocab_start = 0
+        self.group: Collective | None = None
+
+    def load(self, device: torch.device) -> None:
+        s = self.spec
+        self.weight = self.index.get("model.embed_tokens.weight", shape=(s.vocab_size, s.hidden_size)).to(
+            device=device, dtype=self.dtype(device))
+        self.device = device
+
+    def unload(self) -> None:
+        self.weight = None
+        super().unload()
+
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.weight is not None
+        if self.group is None:
+            return F.embedding(x, self.weight)
+        n = self.weight.shape[0]
+        local = x - self.vocab_start
+        mine = (local >= 0) & (local < n)
+        h = F.embedding(local.clamp(0, max(n - 1, 0)), self.weight) if n else \
+            self.weight.new_zeros(*x.shape, self.spec.hidden_size)
+        h = h * mine.unsqueeze(-1).to(h.dtype)
+        await self.group.all_reduce(h)
+        return h

@@ -1,0 +1,72 @@
+"""The final norm and the output projection to the vocabulary (tied models fall back to the embedding)."""
+
+from __future__ import annotations
+
+import torch
+
+from exlpy.config.config import ExLlamaV2Config
+from exlpy.kernels import ops
+from exlpy.model.attention import load_norm
+from exlpy.model.batch import ForwardBatch
+from exlpy.model.linear import Linear, load_linear
+from exlpy.model.module import Module
+from exlpy.model.parallel_linear import ColumnParallel
+
+
+class RMSNorm(Module):
+    """The final norm (the per-block norms live inside the blocks that use them)."""
+
+    def __init__(self, config: ExLlamaV2Config, key: str = "model.norm") -> None:
+        super().__init__(config, key)
+        self.weight: torch.Tensor | None = None
+
+    def load(self, device: torch.device) -> None:
+        self.weight = load_norm(self, self.key, device)
+        self.device = device
+
+    def unload(self) -> None:
+        self.weight = None
+        super().unload()
+
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.weight is not None
+        return ops.rms_norm(x, self.weight, self.spec.norm_eps)
+
+
+class Head(Module):
+    """Output projection. Under tensor parallelism `linear` is a ColumnParallel over this GPU's vocabulary
+    columns whose logits are gathered on the first GPU (the others return None)."""
+
+    def __init__(self, config: ExLlamaV2Config) -> None:
+        super().__init__(config, "lm_head")
+        self.linear: Linear | ColumnParallel | None = None
+
+    def tensor_prefixes(self) -> list[str]:
+        if any(n.startswith("lm_head.") for n in self.index.tensors):
+            return ["lm_head"]
+        return ["model.embed_tokens"]
+
+    def load(self, device: torch.device) -> None:
+        s = self.spec
+        dt = self.dtype(device)
+        self.linear = load_linear(self.index, "lm_head", s.hidden_size, s.vocab_size, device, dt,
+                                  fallback_prefix="model.embed_tokens" if s.tie_word_embeddings else None)
+        self.device = device
+
+    def unload(self) -> None:
+        self.linear = None
+        super().unload()
+
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """float32 logits. At most `config.max_output_len` positions go through the head at a time
+        (exllamav2's bound on the head's working memory); each slice leaves as float32."""
+        n = self.config.max_output_len
+        if not n or x.shape[1] <= n:
+            return await self._logits(x)
+        parts = [await self._logits(x[:, a:a + n]) for a in range(0, x.shape[1], n)]
+        return None if parts[0] is None else torch.cat(parts, dim=1)  # type: ignore[arg-type]
+
+    async def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        assert self.linear is not None
+        y = await self.linear.forward(x) if isinstance(self.linear, ColumnParallel) else self.linear.forward(x)
+        return None if y is None else y.float()

@@ -1,0 +1,117 @@
+"""Tensor-parallel linear layers that own their collective, and the residual-closing call every block uses.
+
+Under tensor parallelism every GPU runs the same blocks on its own shard of the weights (in lock step, see
+exlpy/engine/lockstep.py). The projections that open a block (q|k|v, gate|up) are split by output columns and
+need no communication: they are ordinary (fused) linears over this GPU's heads or intermediate slice. The
+projection that closes a block must sum over the GPUs, and that is all the blocks see of parallelism:
+
+- `RowParallel` (dense weights, Megatron): the input features are this GPU's heads / intermediate slice; each
+  GPU computes a partial product, the partials are all-reduced. The first GPU adds the residual (and the
+  bias) inside its GEMM, so the reduced sum is the next residual: one collective per block.
+- `ColumnParallel` (EXL2 weights, whose row split would need group-aligned ranges and the permutation; spec
+  §7.4): the input slice is all-gathered to full width, each GPU computes its output columns, the columns are
+  all-gathered: two collectives per block. It also serves the head, whose vocabulary columns are gathered to
+  the first GPU only.
+
+All-gathers are all-reduces of zero-padded buffers: uneven splits need no special case, and decode-sized
+messages are latency-bound anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Protocol
+
+import torch
+
+from exlpy.model.fusion import add_linear, dense_matmul
+from exlpy.model.linear import DenseLinear, Linear
+
+
+class Collective(Protocol):
+    """The meeting point of the GPUs of one tensor-parallel forward."""
+
+    def all_reduce(self, t: torch.Tensor) -> Awaitable[None]:
+        """Sum `t` over the GPUs, in place."""
+        ...
+
+    def gather_first(self, part: torch.Tensor, offset: int, total: int) -> Awaitable[torch.Tensor | None]:
+        """Join every GPU's column slice (at `offset`, `total` wide) on the first GPU; None on the others."""
+        ...
+
+
+def place(part: torch.Tensor | None, offset: int, total: int, like: torch.Tensor) -> torch.Tensor:
+    """`part` written at column `offset` of a zeroed `total`-wide tensor (an all-gather by all-reduce)."""
+    out = torch.zeros(*like.shape[:-1], total, dtype=like.dtype, device=like.device)
+    if part is not None:
+        out[..., offset:offset + part.shape[-1]] = part
+    return out
+
+
+class RowParallel:
+    """Partial products over this GPU's input slice, summed over GPUs; `first` adds the residual."""
+
+    def __init__(self, inner: DenseLinear | None, group: Collective, first: bool, out_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        self.inner = inner  # None: this GPU holds no share of the input features (it only joins the sum)
+        self.group = group
+        self.first = first
+        self.out_features = out_features
+        self.bias = bias  # the first GPU's bias when it holds no share of the input features
+
+    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        if self.inner is None or h is None:
+            y = (x if self.bias is None else x.add_(self.bias)) if self.first else torch.zeros_like(x)
+        else:
+            y = add_linear(x, self.inner, h) if self.first else dense_matmul(self.inner, h)
+        await self.group.all_reduce(y)
+        return y
+
+
+class ColumnParallel:
+    """This GPU's output columns [out_offset, +width) of a projection, gathered to full width.
+
+    `in_offset`/`in_total` set: the input is this GPU's slice of the features and is all-gathered first.
+    `first_only`: the output is gathered on the first GPU only (the head: logits leave from there).
+    """
+
+    def __init__(self, inner: Linear | None, group: Collective, out_offset: int, out_total: int,
+                 in_offset: int | None = None, in_total: int | None = None, first_only: bool = False) -> None:
+        self.inner = inner
+        self.group = group
+        self.out_offset, self.out_total = out_offset, out_total
+        self.in_offset, self.in_total = in_offset, in_total
+        self.first_only = first_only
+        self.out_features = out_total
+
+    async def forward(self, h: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`h` None: this GPU holds no input slice (it contributes zeros); `like` then gives rows and dtype."""
+        if self.in_total is not None:
+            assert self.in_offset is not None
+            ref = h if h is not None else like
+            assert ref is not None
+            h = place(h, self.in_offset, self.in_total, ref)
+            await self.group.all_reduce(h)
+        assert h is not None
+        y = self.inner.forward(h) if self.inner is not None else None
+        if self.first_only:
+            empty = h.new_empty(*h.shape[:-1], 0)
+            return await self.group.gather_first(y if y is not None else empty, self.out_offset, self.out_total)
+        full = place(y, self.out_offset, self.out_total, h)
+        await self.group.all_reduce(full)
+        return full
+
+    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        y = await self.forward(h, x)
+        assert y is not None
+        return x.add_(y)
+
+
+async def close_block(x: torch.Tensor, linear: Linear | RowParallel | ColumnParallel, h: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """x + linear(h): the projection that closes a block, adding into the residual stream. A tensor-parallel
+    projection also sums over the GPUs here (its collective)."""
+    if isinstance(linear, (RowParallel, ColumnParallel)):
+        return await linear.forward_add(h, x)  # type: ignore[arg-type]
+    assert h is not None
+    return add_linear(x, linear, h)

@@ -1,0 +1,98 @@
+"""Runtime switches: every environment variable exlpy honours, read once into one frozen object.
+
+The process-wide snapshot is taken the first time `options()` is called and never re-read, so a variable set
+halfway through a run cannot change behaviour between two forward passes. Code that wants other settings
+(tests, benchmarks comparing variants) passes an explicit `RuntimeOptions` down, or wraps a block in
+`use_options(...)`.
+
+| variable | field | meaning |
+|---|---|---|
+| `EXLLAMA_NO_GRAPHS` | `no_graphs` | default of `config.no_graphs`: decode without CUDA graphs |
+| `EXLLAMA_NO_FLASH_ATTN` / `_XFORMERS` / `_SDPA` | `no_flash_attn` ... | exllamav2's config defaults (informational) |
+| `EXLPY_NO_TRITON=1` | `triton=False` | CUDA tensors use the torch references instead of Triton kernels |
+| `EXLPY_PDL=0` | `pdl=False` | no programmatic dependent launch on Hopper |
+| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer` | `tp_comm` | TP collective backend (default: fastest that works) |
+| `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
+| `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
+| `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
+| `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from exlpy.errors import ConfigError
+
+TP_COMMS = ("auto", "local", "host", "nccl", "peer")
+TP_LAYOUTS = ("auto", "row", "column")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    no_graphs: bool = False
+    no_flash_attn: bool = False
+    no_xformers: bool = False
+    no_sdpa: bool = False
+    triton: bool = True
+    pdl: bool = True
+    tp_comm: str = "auto"
+    tp_layout: str = "auto"
+    tp_graphs: bool = True
+    cpu_warning: bool = True
+    triton_interpret: bool = False  # Triton's own TRITON_INTERPRET (kernels run on CPU tensors): no PDL then
+
+    def __post_init__(self) -> None:
+        if self.tp_comm not in TP_COMMS:
+            raise ConfigError(f"unknown TP collective backend '{self.tp_comm}' (EXLPY_TP_COMM): use one of "
+                              f"{', '.join(TP_COMMS[1:])}")
+        if self.tp_layout not in TP_LAYOUTS:
+            raise ConfigError(f"unknown TP layout '{self.tp_layout}' (EXLPY_TP_MODE): use row or column")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeOptions:
+        e = os.environ if env is None else env
+
+        def flag(name: str) -> bool:  # set and not "0" / empty
+            return e.get(name, "") not in ("", "0")
+
+        return cls(
+            # exllamav2 tests presence only: EXLLAMA_NO_GRAPHS= (empty) still disables graphs there.
+            no_graphs="EXLLAMA_NO_GRAPHS" in e,
+            no_flash_attn="EXLLAMA_NO_FLASH_ATTN" in e,
+            no_xformers="EXLLAMA_NO_XFORMERS" in e,
+            no_sdpa="EXLLAMA_NO_SDPA" in e,
+            triton=not flag("EXLPY_NO_TRITON"),
+            pdl=e.get("EXLPY_PDL", "1") != "0",
+            tp_comm=e.get("EXLPY_TP_COMM") or "auto",
+            tp_layout=e.get("EXLPY_TP_MODE") or "auto",
+            tp_graphs=not flag("EXLPY_TP_NO_GRAPHS"),
+            cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
+            triton_interpret=flag("TRITON_INTERPRET"),
+        )
+
+
+_current: RuntimeOptions | None = None
+
+
+def options() -> RuntimeOptions:
+    """The process's options: the environment as it was at the first call (or what `use_options` set)."""
+    global _current
+    if _current is None:
+        _current = RuntimeOptions.from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def use_options(opts: RuntimeOptions) -> Iterator[RuntimeOptions]:
+    """Run a block under other options (tests and benchmarks that compare variants)."""
+    global _current
+    before = options()
+    _current = opts
+    try:
+        yield opts
+    finally:
+        _current = before
