@@ -1,4 +1,4 @@
-"""The proposed `exlpy.model.layers.attend` over the new attention ops, installable for benchmarks.
+"""The proposed `exlpy.model.attention.attend` over the new attention ops, installable for benchmarks.
 
 The model code is not wired to the new kernels yet (the engine refactor owns exlpy/model/); this module is
 the exact routing proposed for it, so the benchmarks can time the whole model with it today:
@@ -11,7 +11,7 @@ the exact routing proposed for it, so the benchmarks can time the whole model wi
   longer blocks -> `ops.flash_attention` (contiguous caches as pages of max_seq_len rows, paged ones as they
   are); no SDPA over a cache slice, no [T, L] mask.
 
-`install()` swaps it in (module attribute `exlpy.model.layers.attend`, which `Attention.attend` looks up at
+`install()` swaps it in (module attribute `exlpy.model.attention.attend`, which `Attention.forward` looks up at
 call time) and returns an `uninstall` callable.
 """
 
@@ -42,27 +42,27 @@ def quant_layer(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor | No
     return kq, ks, vq, vs, kb, vb
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Any, cache: object | None, layer_idx: int,
-           scale: float, static: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-           ) -> torch.Tensor:
-    """Same contract as exlpy.model.layers.attend."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Any, layer_idx: int, scale: float,
+           rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Same contract as exlpy.model.attention.attend (q and k arrive unrotated)."""
+    cache = batch.cache
     if cache is None:
-        return _ORIGINAL["attend"](q, k, v, batch, cache, layer_idx, scale, static=static, rope=rope)
+        return _ORIGINAL["attend"](q, k, v, batch, layer_idx, scale, rope)
     assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
     args = (batch.block_table, batch.page_size, batch.seqlens, batch.max_seqlen, batch.positions, scale)
     quant = quant_layer(cache, layer_idx)
     if quant is not None:
         kq, ks, vq, vs, kb, vb = quant
-        if rope is not None:
-            q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
         ops.store_kv_quant(kq, ks, vq, vs, batch.slots, k, v, kb, vb)
         # The step's own keys are read unquantized from k/v (as exllamav2's fresh working-copy rows).
         return ops.quant_attention(q, kq, ks, vq, vs, *args, kb, vb, batch.key_mask, k, v)
-    k_cache, v_cache = cache.layer_kv(layer_idx)  # type: ignore[attr-defined]
-    if rope is None:
-        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-    else:
+    k_cache, v_cache = cache.layer_kv(layer_idx)
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
         q, k = ops.rope_store_kv(q, k, v, rope[0], rope[1], batch.rope_pos, k_cache, v_cache, batch.slots)
+    else:
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
     if batch.q_len == 1:
         return ops.paged_attention(q, k_cache, v_cache, *args, batch.key_mask)
     return ops.flash_attention(q, k_cache, v_cache, *args, batch.key_mask)
@@ -72,12 +72,12 @@ _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
 def install() -> Callable[[], None]:
-    import exlpy.model.layers as layers
+    import exlpy.model.attention as attention
 
-    _ORIGINAL.setdefault("attend", layers.attend)
-    layers.attend = attend
+    _ORIGINAL.setdefault("attend", attention.attend)
+    attention.attend = attend
 
     def uninstall() -> None:
-        layers.attend = _ORIGINAL["attend"]
+        attention.attend = _ORIGINAL["attend"]
 
     return uninstall

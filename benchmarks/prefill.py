@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from make_models import write_model  # noqa: E402
 
 from benchmarks.attend_flash import install  # noqa: E402
 from exlpy.cli.bench import load_model  # noqa: E402
-from exlpy.model.batch import ForwardBatch  # noqa: E402
+from exlpy.model.batch import build_batch  # noqa: E402
 
 PAGE = 256
 
@@ -81,16 +82,10 @@ def paged_prefill(model: Any, n: int, chunk: int) -> Callable[[], Any]:
     pages = (n + PAGE - 1) // PAGE
     pool = ExLlamaV2Cache(model, batch_size=1, max_seq_len=(pages + 4) * PAGE)
     dev = torch.device("cuda:0")
-    bt = (torch.randperm(pages + 4, device=dev)[:pages]).int().view(1, pages)
+    table = torch.randperm(pages + 4)[:pages].tolist()
     ids = torch.randint(0, model.config.vocab_size, (1, n), device=dev)
-    batches = []
-    for a in range(0, n, chunk):
-        e = min(n, a + chunk)
-        pos = torch.arange(a, e, device=dev).view(1, -1)
-        slots = bt[0, pos // PAGE].long() * PAGE + pos % PAGE
-        batches.append((a, e, ForwardBatch(1, e - a, pos, cache=pool, slots=slots, block_table=bt, page_size=PAGE,
-                                           seqlens=torch.tensor([e], dtype=torch.int32, device=dev),
-                                           max_seqlen=e)))
+    batches = [(a, min(n, a + chunk), build_batch([a], min(n, a + chunk) - a, dev, cache=pool, tables=[table],
+                                                  page_size=PAGE)) for a in range(0, n, chunk)]
 
     def run() -> Any:
         out = None
@@ -130,12 +125,8 @@ def graph_decode(model: Any, cache: Any, ctx: int, steps: int) -> float:
     dev = torch.device("cuda:0")
     S = cache.max_seq_len
     ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    pos = torch.tensor([[ctx]], device=dev)
-    slots = pos.clone()
-    seqlens = torch.tensor([ctx + 1], dtype=torch.int32, device=dev)
-    batch = ForwardBatch(1, 1, pos, cache=cache, slots=slots, block_table=torch.zeros(1, 1, dtype=torch.int32,
-                                                                                       device=dev),
-                         page_size=S, seqlens=seqlens, max_seqlen=S)
+    # Split counts follow max_seqlen: the cache capacity, as the model's graph runner passes it.
+    batch = replace(build_batch([ctx], 1, dev, cache=cache, tables=[[0]], page_size=S), max_seqlen=S)
     model.config.no_graphs = True
     try:
         s = torch.cuda.Stream()
@@ -151,9 +142,8 @@ def graph_decode(model: Any, cache: Any, ctx: int, steps: int) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
             g.replay()
-            pos.add_(1)
-            slots.add_(1)
-            seqlens.add_(1)
+            for t in (batch.positions, batch.slots, batch.seqlens):  # views of the packed metadata
+                t.add_(1)
         torch.cuda.synchronize()
         return steps / (time.perf_counter() - t0)
     finally:

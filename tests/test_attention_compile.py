@@ -40,3 +40,16 @@ def test_attention_kernels_compile_for_sm90() -> None:
             # The interior loop keeps a K/V tile in flight while it computes (a load feeding the tile addresses
             # inside the loop, e.g. an unhoisted block-table read, makes this 0).
             assert v["in_flight"] >= 1, (name, v)
+
+
+def test_flash_runtime_options_parse_and_reject_bad_values() -> None:
+    from exlpy.errors import ConfigError
+    from exlpy.runtime import RuntimeOptions
+
+    d = RuntimeOptions.from_env({})
+    assert d.flash_attn and not d.flash_tma and d.flash_config is None
+    o = RuntimeOptions.from_env({"EXLPY_FLASH_ATTN": "0", "EXLPY_FLASH_TMA": "1", "EXLPY_FLASH_CONFIG": "64,32,4,2"})
+    assert not o.flash_attn and o.flash_tma and o.flash_config == (64, 32, 4, 2)
+    for bad in ("64,32,4", "a,b,c,d", "64,0,4,2"):
+        with pytest.raises(ConfigError, match="EXLPY_FLASH_CONFIG"):
+            RuntimeOptions.from_env({"EXLPY_FLASH_CONFIG": bad})

@@ -17,7 +17,6 @@ max_seqlen), so the kernel can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from exlpy.errors import ConfigError
 from exlpy.kernels.flash_kernel import _flash_kernel
 from exlpy.kernels.kv_tiles import FP8, INT, PLAIN, fmt_code, next_pow2
 from exlpy.kernels.paged_attention import _combine_kernel
+from exlpy.runtime import options
 
 _LOG2E = 1.4426950408889634
 
@@ -55,7 +55,6 @@ QUANT_PREFILL_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 DECODE_CONFIGS: dict[str, tuple[int, int, int]] = {"plain": (64, 4, 3), "quant": (64, 4, 3)}
 SHORT_ROWS = 64
 _MAX_SPLITS = 64
-_TMA = os.environ.get("EXLPY_FLASH_TMA", "0") not in ("", "0")
 GROUP_PAGES = 8  # block-table entries read at once by the paged interior loop (2,048 keys of 256-token pages)
 
 
@@ -108,10 +107,9 @@ def _config(D: int, rows: int, quant: bool) -> tuple[int, int, int, int]:
     if rows <= SHORT_ROWS:
         bn, warps, stages = DECODE_CONFIGS["quant" if quant else "plain"]
         return max(16, next_pow2(rows)), bn, warps, stages
-    env = os.environ.get("EXLPY_FLASH_CONFIG", "")
-    if env:
-        bm, bn, warps, stages = (int(x) for x in env.split(","))
-        return bm, bn, warps, stages
+    override = options().flash_config
+    if override is not None:
+        return override
     table = QUANT_PREFILL_CONFIGS if quant else PREFILL_CONFIGS
     return table.get(next_pow2(max(D, 64)), table[256])
 
@@ -183,7 +181,8 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
     vs = v.scales if v.scales is not None else v.values
     # Interior K/V tiles as TMA bulk copies (Hopper): the cache as a [rows, Hkv*D] matrix, box [BLOCK_N, D] at
     # column kvh*D. Off by default until an H100 run shows it faster (EXLPY_FLASH_TMA=1; flash_sweep.py).
-    use_tma = (_TMA if tma is None else tma) and k.fmt == v.fmt == PLAIN and paging != 2 and D == next_pow2(D)
+    use_tma = options().flash_tma if tma is None else tma
+    use_tma = use_tma and k.fmt == v.fmt == PLAIN and paging != 2 and D == next_pow2(D)
     k_desc, v_desc = k.values, v.values
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

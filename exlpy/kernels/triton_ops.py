@@ -8,8 +8,6 @@ gather + torch SDPA (for A/B runs). Prefill without a cache stays on torch SDPA 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -24,10 +22,10 @@ from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm
 from exlpy.kernels.rope import apply_rope, rope_store_kv
+from exlpy.runtime import options
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _MAX_DECODE_Q = 1  # the decode kernel re-reads K/V per query token; the flash kernel reads it once per tile
-_FLASH = os.environ.get("EXLPY_FLASH_ATTN", "1") not in ("", "0")
 
 
 def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -49,10 +47,11 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
                          positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
                          ) -> torch.Tensor:
-    if q.shape[1] <= _MAX_DECODE_Q or (not _FLASH and q.shape[1] <= 16):
+    flash = options().flash_attn
+    if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16):
         return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
                                       positions, scale, key_mask)
-    if _FLASH:
+    if flash:
         return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
                                key_mask)
     k = reference.gather_kv(k_cache, block_table, page_size, max_seqlen)
