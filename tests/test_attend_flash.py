@@ -52,13 +52,15 @@ def routed() -> Iterator[Callable[[], None]]:
 @pytest.mark.parametrize("cache_cls", CACHES)
 def test_routing_matches_todays_attention(model: ExLlamaV2, cache_cls: type, routed: Any) -> None:
     ids = torch.randint(0, 512, (1, 44), generator=torch.Generator().manual_seed(0))
+    # fp32 references on the CPU; on a GPU machine the model runs in fp16 through the compiled kernels.
+    tol = 1e-4 if model.modules[0].device.type == "cpu" else 2e-2
     new = _run(model, cache_cls, ids, 36)
     routed()  # back to the current attend
     old = _run(model, cache_cls, ids, 36)
-    assert rel_err(new, old) < 1e-4
-    if cache_cls is not ExLlamaV2Cache:  # the prompt's first chunk sees only fresh K/V: identical to fp16
+    assert rel_err(new, old) < tol
+    if cache_cls is not ExLlamaV2Cache:  # the prompt's first chunk sees only fresh K/V: as with the fp16 cache
         fp16 = _run(model, ExLlamaV2Cache, ids, 36)
-        assert rel_err(new[:, :16], fp16[:, :16]) < 1e-5
+        assert rel_err(new[:, :16], fp16[:, :16]) < (1e-5 if tol < 1e-3 else tol)
 
 
 @pytest.mark.slow
