@@ -12,8 +12,10 @@ import torch
 from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
 from exlpy.engine.strategy import Strategy, execute
 from exlpy.errors import CacheTooSmallError, NotSupportedError, SequenceLengthError
+from exlpy.kernels import ops
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
 from exlpy.model.validate import check_forward
+from exlpy.runtime import options
 
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
@@ -79,6 +81,9 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
                                       "to process long inputs in chunks")
         return run(build_batch([0] * B, T, dev, key_mask=key_mask), ids, mode)
 
+    # Without the flash kernel (CPU reference, EXLPY_FLASH_ATTN=0) a chunk's attention builds [T, past + T]
+    # scores: max_attention_size bounds them. The flash kernel reads K/V in tiles, so only max_input_len counts.
+    tiled = dev.type == "cuda" and options().flash_attn and ops.has_cuda_kernels()
     outputs: list[torch.Tensor] = []
     last_state = None
     pos = 0
@@ -87,7 +92,7 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
             # Chunks bound activation memory: max_input_len tokens, and past*q within max_attention_size.
             cur = past + pos
             att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
-            n = max(1, min(T - pos, cfg.max_input_len, att))
+            n = max(1, min(T - pos, cfg.max_input_len, cfg.max_input_len if tiled else att))
             last = pos + n >= T
             batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
                                 page_size=cache.max_seq_len, key_mask=key_mask)

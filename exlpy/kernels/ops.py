@@ -104,6 +104,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                         positions, scale, key_mask)
 
 
+def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a query block (prefill chunk, verify step) over the cache in place; see reference."""
+    return _impl("flash_attention", q)(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                        positions, scale, key_mask)
+
+
+def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                    v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
+                    max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """`flash_attention` over a quantized cache read at its own width (any query length), with this step's own
+    K/V optionally taken unquantized from k_new/v_new; see reference."""
+    return _impl("quant_attention", q)(q, k_codes, k_scales, v_codes, v_scales, block_table, page_size, seqlens,
+                                        max_seqlen, positions, scale, k_bits, v_bits, key_mask, k_new, v_new)
+
+
+def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                   v_scales: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_bits: int, v_bits: int) -> None:
+    """Quantize k/v [B,T,Hkv,D] into a quantized cache's rows `slots`; see reference."""
+    _impl("store_kv_quant", k)(k_codes, k_scales, v_codes, v_scales, slots, k, v, k_bits, v_bits)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
          is_causal: bool = False) -> torch.Tensor:
     return _impl("sdpa", q)(q, k, v, scale, mask, is_causal)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from exlpy.cache import qcodec
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does."""
@@ -102,6 +104,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, le
     return flat[slots]
 
 
+def _cache_mask(positions: torch.Tensor, seqlens: torch.Tensor, max_seqlen: int,
+                key_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B,1,T,L] keep-mask: key t is visible to query i of row b when t <= positions[b,i], t < seqlens[b]."""
+    t = torch.arange(max_seqlen, device=positions.device)
+    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, :max_seqlen]
+    return mask.unsqueeze(1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,14 +122,72 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Query i of row b sits at absolute position positions[b,i] and sees keys t <= positions[b,i] with
     t < seqlens[b] (and key_mask[b,t] when given). Returns [B,T,Hq,D].
     """
-    B, T, Hq, D = q.shape
     k = gather_kv(k_cache, block_table, page_size, max_seqlen)  # [B,L,Hk,D]
     v = gather_kv(v_cache, block_table, page_size, max_seqlen)
-    t = torch.arange(max_seqlen, device=q.device)
-    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, :max_seqlen]
-    return sdpa(q, k, v, scale, mask.unsqueeze(1))
+    return sdpa(q, k, v, scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
+
+
+def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention`'s contract for query blocks of any length (prefill chunks, verify steps): the CUDA
+    version is the flash kernel, which reads K/V from the cache in place and never builds the [T, L] mask."""
+    return paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
+                           key_mask)
+
+
+def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor | None, bits: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """Quantized cache rows [..., W] -> values [..., E]; scales None is the FP8 cache."""
+    if scales is None:
+        return qcodec.fp8_decode(codes, dtype)
+    return qcodec.dequantize(codes, scales, bits, dtype)
+
+
+def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                    v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
+                    max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention` over a quantized cache (exlpy.cache.quant layout): codes [rows, S, W] uint8 and fp16
+    group scales [rows, S, Hkv*D/32] per K and V, `*_bits` 4 or 8; scales None means the FP8 cache (8 bits).
+
+    With `k_new`/`v_new` [B,T,Hkv,D] (this step's own K/V, the step's tokens at consecutive positions from
+    positions[b, 0]), keys at those positions are taken unquantized from them, as exllamav2 attends over its
+    fp16 working copy in which the step's rows are still fresh."""
+    B, T, Hq, D = q.shape
+    kv = []
+    for codes, scales, bits, new in ((k_codes, k_scales, k_bits, k_new), (v_codes, v_scales, v_bits, v_new)):
+        c = gather_kv(codes.reshape(-1, 1, codes.shape[-1]), block_table, page_size, max_seqlen)
+        s = None if scales is None else gather_kv(scales.reshape(-1, 1, scales.shape[-1]), block_table,
+                                                  page_size, max_seqlen)
+        vals = _dequant_rows(c.squeeze(2), None if s is None else s.squeeze(2), bits, q.dtype)
+        vals = vals.view(B, max_seqlen, -1, D)
+        if new is not None:
+            t = positions[:, :1] + torch.arange(T, device=q.device)  # [B, T] positions of the step's rows
+            keep = t < max_seqlen
+            vals = vals.clone()
+            vals[torch.arange(B, device=q.device).view(-1, 1).expand(-1, T)[keep], t[keep]] = new[keep].to(q.dtype)
+        kv.append(vals)
+    return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
+
+
+def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                   v_scales: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_bits: int, v_bits: int) -> None:
+    """`store_kv` into a quantized cache: k/v [B,T,Hkv,D] quantized as exlpy.cache.qcodec does (Hadamard groups
+    + absmax codes, or FP8 where scales is None) into flat rows `slots` [B,T]; negative slots are skipped."""
+    idx = slots.reshape(-1)
+    keep = idx >= 0
+    for codes, scales, x, bits in ((k_codes, k_scales, k, k_bits), (v_codes, v_scales, v, v_bits)):
+        rows = x.reshape(idx.shape[0], -1)[keep]
+        flat = codes.view(-1, codes.shape[-1])
+        if scales is None:
+            flat[idx[keep]] = qcodec.fp8_encode(rows)
+            continue
+        c, s = qcodec.quantize(rows, bits)
+        flat[idx[keep]] = c
+        scales.view(-1, scales.shape[-1])[idx[keep]] = s
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
