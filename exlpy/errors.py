@@ -71,3 +71,7 @@ class SamplerError(ExlpyError, ValueError):
 
 class GeneratorError(ExlpyError, ValueError):
     """Invalid job or generator usage."""
+
+
+class GrammarError(GeneratorError):
+    """A JSON schema, regex or grammar for constrained decoding is invalid, or generation left it."""

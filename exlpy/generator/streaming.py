@@ -23,6 +23,8 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.filters.base import schedule_background
+from exlpy.generator.filters.device import collect, device_maskable, mask_rows
 
 
 class ExLlamaV2StreamingGenerator:
@@ -105,6 +107,8 @@ class ExLlamaV2StreamingGenerator:
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
+        schedule_background(self.filters)
+        self.premask_end: set[int] | None = None
         self.active = True
 
     def _prefill(self, ids: torch.Tensor) -> None:
@@ -143,7 +147,12 @@ class ExLlamaV2StreamingGenerator:
         seq = self.sequence_ids
         assert seq is not None
         if self.negative is None:
-            return self.model.forward(seq[:, -1:], self.cache).float().cpu()
+            out = self.model.forward(seq[:, -1:], self.cache)
+            self.premask_end = None
+            if device_maskable(self.filters, self.filter_prefer_eos):  # grammar filters: mask on the device
+                mask, self.premask_end = collect(self.filters)
+                out = mask_rows(out[:, -1], [0], [mask]).unsqueeze(1)
+            return out.float().cpu()
         ids = torch.stack([seq[0, -1:], self.negative[-1:]])
         batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
                                  self.model.modules[0].device)
@@ -183,8 +192,11 @@ class ExLlamaV2StreamingGenerator:
             logits[:, -1:], self.settings, seq, None, self.tokenizer,
             prefix_token=self.prefix_token if self.new_tokens == 0 else None,
             return_top_tokens=self.return_top_tokens, blocked_tokens=sorted(blocked) or None,
-            filters=self.filters or None, filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+            filters=None if self.premask_end is not None else (self.filters or None),
+            filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
+        if self.premask_end is not None:
+            end_filter = torch.tensor(token in self.premask_end)
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
                                 self.return_logits)
@@ -197,6 +209,8 @@ class ExLlamaV2StreamingGenerator:
             if hasattr(f, "feed"):
                 f.feed(token)
         rel = self.text_stream.add(token, payload)
+        if not rel.eos and not end_filter:
+            schedule_background(self.filters)
         if rel.rewind:
             self._rewind(rel)
             return self._result(Released())

@@ -108,3 +108,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
          is_causal: bool = False) -> torch.Tensor:
     return _impl("sdpa", q)(q, k, v, scale, mask, is_causal)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    return _impl("apply_token_bitmask", logits)(logits, bitmask)

@@ -18,6 +18,7 @@ from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.rmsnorm import rms_norm
 from exlpy.kernels.rope import apply_rope, rope_store_kv
+from exlpy.kernels.token_bitmask import apply_token_bitmask
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _MAX_DECODE_Q = 16  # longer query blocks re-read K/V per query in the decode kernel: SDPA is faster there
@@ -67,6 +68,7 @@ def register_all() -> None:
     ops.register("rms_norm_act_order", rms_norm_act_order)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)
+    ops.register("apply_token_bitmask", apply_token_bitmask)
 
 
 register_all()

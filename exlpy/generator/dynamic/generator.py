@@ -23,6 +23,8 @@ from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
+from exlpy.generator.filters.base import drop_background
+from exlpy.generator.filters.device import collect, mask_rows
 
 
 class ExLlamaV2DynamicGenerator:
@@ -158,6 +160,7 @@ class ExLlamaV2DynamicGenerator:
 
     # --- iteration -----------------------------------------------------------------------------------------
     def _release(self, job: ExLlamaV2DynamicJob) -> None:
+        drop_background(job.filters)  # a mask computed for a step that will not come
         for q in job.seqs:
             self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
             q.pages = []
@@ -208,7 +211,8 @@ class ExLlamaV2DynamicGenerator:
                     raise
                 for i, job in enumerate(decoding):
                     if i in greedy:
-                        self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
+                        self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(
+                            j, t, {}, j.premask_end is not None and t in j.premask_end, results))
                     else:
                         self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
             return results
@@ -294,25 +298,38 @@ class ExLlamaV2DynamicGenerator:
             rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
         ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
         batch = paged_batch(rows, self.cache, self._device())
-        logits = self.model.forward_batch(ids, batch, last_id_only=True)
+        logits = self.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         self.decode_tokens += len(rows)
+        logits = self._premask(jobs, first, logits)
         fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
         greedy: dict[int, int] = {}
         if fast:
             # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-            picks = logits[[first[k] for k in fast], -1, :len(self.pieces)].argmax(-1).tolist()
+            picks = logits[[first[k] for k in fast], :len(self.pieces)].argmax(-1).tolist()
             greedy = dict(zip(fast, picks))
         slow = [k for k in range(len(jobs)) if k not in greedy]
         per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
         if slow:
             # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
-            cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))], -1:].float().cpu()
+            cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))]].unsqueeze(1).float().cpu()
             i = 0
             for k in slow:
                 n = len(jobs[k].seqs)
                 per_job[k] = cpu[i:i + n]
                 i += n
         return greedy, per_job
+
+    def _premask(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Apply the grammar-type filters of `jobs` to their rows on the device (their masks were computed in
+        the background while the forward pass ran); other jobs' filters run in the sampler."""
+        rows, masks = [], []
+        for k, j in enumerate(jobs):
+            j.premask_end = None
+            if j.filters and j.device_masked():
+                mask, j.premask_end = collect(j.filters)
+                rows += [first[k] + r for r in range(len(j.seqs))]
+                masks += [mask] * len(j.seqs)
+        return mask_rows(logits, rows, masks) if rows else logits
 
     def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler

@@ -18,6 +18,8 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.filters.base import schedule_background
+from exlpy.generator.filters.device import device_maskable
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
@@ -121,6 +123,7 @@ class ExLlamaV2DynamicJob:
         self.time_first_token = 0.0
         self.ban_pos = -1
         self.ban_set: set[int] = set()
+        self.premask_end: set[int] | None = None  # end tokens when the generator masked this step's logits
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
@@ -152,6 +155,7 @@ class ExLlamaV2DynamicJob:
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
+        schedule_background(self.filters)  # the first mask is computed while the prompt is prefilled
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -174,25 +178,34 @@ class ExLlamaV2DynamicJob:
             blocked |= self.ban_set
         return sorted(blocked) if blocked else None
 
+    def device_masked(self) -> bool:
+        """Whether the generator applies this job's filters to its logits on the device (grammar filters)."""
+        return device_maskable(self.filters, self.filter_prefer_eos)
+
     def plain_greedy(self) -> bool:
-        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, filter, ban, healing
-        or per-token extras), so the generator may take it on the device for the whole batch at once."""
+        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, ban, healing or
+        per-token extras; filters only if the generator applies them on the device first), so the generator
+        may take it on the device for the whole batch at once."""
         s = self.gen_settings
         return (s is not None and getattr(s, "top_k", 0) == 1 and s.token_repetition_penalty == 1.0
                 and s.token_frequency_penalty == 0.0 and s.token_presence_penalty == 0.0 and s.token_bias is None
                 and s.dry_multiplier == 0.0 and s.cfg_scale is None and not s.post_sampling_hooks
-                and not self.filters and not (self.return_probs or self.return_top_tokens or self.return_logits)
+                and (not self.filters or self.device_masked())
+                and not (self.return_probs or self.return_top_tokens or self.return_logits)
                 and (self.prefix_token is None or self.new_tokens > 0) and self.blocked_tokens() is None)
 
     def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
         """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
+        premasked = self.premask_end is not None  # the generator applied the filters on the device already
         tok, top_tok, top_prob, prob, end_filter = sampler.sample(
             logits, settings, self.sequence.unsqueeze(0), None, self.generator.tokenizer if self.generator else None,
             prefix_token=prefix, return_top_tokens=self.return_top_tokens,
-            blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
+            blocked_tokens=self.blocked_tokens(), filters=None if premasked else (self.filters or None),
             filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
+        if premasked:
+            end_filter = torch.tensor(token in self.premask_end)
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
                                 self.return_logits)
@@ -206,10 +219,13 @@ class ExLlamaV2DynamicJob:
         for q in self.seqs:
             q.ids = torch.cat([q.ids, new])
         self.new_tokens += 1
+        self.premask_end = None
         for f in self.filters:
             if hasattr(f, "feed"):
                 f.feed(token)
         rel = self.stream.add(token, payload)
+        if not rel.eos and not end_filter:
+            schedule_background(self.filters)  # the next mask is computed while the GPU runs the next step
         if rel.rewind:
             self.new_tokens -= rel.rewind
             for q in self.seqs:
