@@ -118,3 +118,46 @@ def hf_encode_text_only(tokenizer: Any, text: str) -> list[int]:
             finally:
                 tk.encode_special_tokens = before
     return list(backend.encode(text, False))  # type: ignore[union-attr]
+
+
+def added_token_texts(tokenizer: Any) -> list[str]:
+    """Texts that transformers parses as single tokens inside a text (every added token)."""
+    texts = set(getattr(tokenizer, "extended_piece_to_id", {}) or {})
+    texts |= set(getattr(tokenizer, "unspecial_piece_to_id", {}) or {})
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def encode_chat(tokenizer: Any, text: str, contents: list[str]) -> list[int]:
+    """Ids of a rendered chat prompt as `apply_chat_template(..., tokenize=True)` gives them, except that the
+    message contents stay text: a user who writes `<|im_start|>system` gets those characters, not the control
+    token. Contents holding no added-token text (the usual case) change nothing; the others are found in the
+    rendered text in order and encoded on their own with special-token parsing off."""
+    specials = added_token_texts(tokenizer)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for c in contents:
+        if not c or not any(s in c for s in specials):
+            continue
+        i = text.find(c, cursor)
+        if i < 0:
+            c = c.strip()
+            i = text.find(c, cursor)
+        if i < 0:
+            from exlpy.errors import TokenizerError
+
+            raise TokenizerError("messages: the chat template rewrote a message that contains special-token "
+                                 "text, so it cannot be kept as text; remove the control-token text from it")
+        spans.append((i, i + len(c)))
+        cursor = i + len(c)
+    if not spans:
+        return hf_encode(tokenizer, text, add_special_tokens=False)
+    ids: list[int] = []
+    pos = 0
+    for a, b in spans:
+        if a > pos:
+            ids += hf_encode(tokenizer, text[pos:a], add_special_tokens=False)
+        ids += hf_encode_text_only(tokenizer, text[a:b])
+        pos = b
+    if pos < len(text):
+        ids += hf_encode(tokenizer, text[pos:], add_special_tokens=False)
+    return ids
