@@ -275,3 +275,15 @@ def test_streaming_n_choices(client: Any) -> None:
     whole = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=5, n=2, temperature=1.0, seed=3)
     assert [texts[0], texts[1]] == [c.text for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_readme_client_example_runs(server: tuple[str, Any]) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in readme.split("```python")[1:] if "from openai import OpenAI" in b).split("```")[0]
+    scope: dict[str, Any] = {}
+    exec(block.replace("http://127.0.0.1:8000", server[0]), scope)  # noqa: S102 - the README's own example
+    assert set(scope["person"]) == {"name", "age"} and isinstance(scope["args"]["city"], str)
+    assert scope["answer"].choices[0].message is not None

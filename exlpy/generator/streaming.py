@@ -23,7 +23,7 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
-from exlpy.generator.filters.base import schedule_background
+from exlpy.generator.filters.base import drop_background, schedule_background
 from exlpy.generator.filters.device import collect, device_maskable, mask_rows
 
 
@@ -104,6 +104,7 @@ class ExLlamaV2StreamingGenerator:
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
         self.rng: torch.Generator | None = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        drop_background(self.filters)  # a result left from an earlier stream with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")

@@ -173,7 +173,7 @@ def _completion_logprobs(run: Run, c: Candidate) -> dict[str, Any] | None:
 def _message(run: Run, c: Candidate) -> tuple[dict[str, Any], str | None]:
     text, finish = c.reader.text, c.reader.finish_reason
     msg: dict[str, Any] = {"role": "assistant", "content": text}
-    if run.plan.tools is not None and finish == "stop":
+    if run.plan.tools is not None and finish in ("stop", "length"):  # complete calls count even when cut off
         content, calls = parse_tool_calls(text, run.plan.tools)
         if calls:
             msg = {"role": "assistant", "content": content, "tool_calls": calls}

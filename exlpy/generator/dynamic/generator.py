@@ -24,7 +24,7 @@ from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.scheduler import paged_batch, plan_prefill, skip_cached_pages
 from exlpy.generator.filters.base import drop_background
-from exlpy.generator.filters.device import collect, mask_rows
+from exlpy.generator.filters.device import premask_jobs
 
 
 class ExLlamaV2DynamicGenerator:
@@ -300,7 +300,7 @@ class ExLlamaV2DynamicGenerator:
         batch = paged_batch(rows, self.cache, self._device())
         logits = self.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         self.decode_tokens += len(rows)
-        logits = self._premask(jobs, first, logits)
+        logits = premask_jobs(jobs, first, logits)  # grammar filters: mask on the device
         fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
         greedy: dict[int, int] = {}
         if fast:
@@ -318,18 +318,6 @@ class ExLlamaV2DynamicGenerator:
                 per_job[k] = cpu[i:i + n]
                 i += n
         return greedy, per_job
-
-    def _premask(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Apply the grammar-type filters of `jobs` to their rows on the device (their masks were computed in
-        the background while the forward pass ran); other jobs' filters run in the sampler."""
-        rows, masks = [], []
-        for k, j in enumerate(jobs):
-            j.premask_end = None
-            if j.filters and j.device_masked():
-                mask, j.premask_end = collect(j.filters)
-                rows += [first[k] + r for r in range(len(j.seqs))]
-                masks += [mask] * len(j.seqs)
-        return mask_rows(logits, rows, masks) if rows else logits
 
     def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler

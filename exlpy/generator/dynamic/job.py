@@ -18,7 +18,7 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
-from exlpy.generator.filters.base import schedule_background
+from exlpy.generator.filters.base import drop_background, schedule_background
 from exlpy.generator.filters.device import device_maskable
 
 if TYPE_CHECKING:
@@ -152,6 +152,7 @@ class ExLlamaV2DynamicJob:
         self.started = True
         self.wait_reason = None
         self.time_start = time.time()
+        drop_background(self.filters)  # a result left from an earlier job with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
