@@ -169,3 +169,23 @@ def test_custom_filter_subclass_and_base_errors() -> None:
     assert out.isdigit() and len(out) == 4 and last["eos_reason"] == "end_filter"
     with pytest.raises(NotImplementedError, match="begin"):
         ExLlamaV2Filter(model, tok).begin("")
+
+
+def test_grammar_filter_on_a_sentencepiece_tokenizer() -> None:
+    """Without tokenizer.json llguidance gets the vocabulary token by token (SentencePiece bytes)."""
+    from exlpy import ExLlamaV2Tokenizer
+    from tests.conftest import shared_path
+
+    tok = ExLlamaV2Tokenizer(str(shared_path("tokenizers", "llama2")), force_spm=True)
+    assert tok.backend.kind == "spm"
+    f = ExLlamaV2GrammarFilter.regex(None, tok, r"hello [0-9]+")
+    f.begin("")
+    allowed, _ = f.next()
+    assert tok.piece_to_id["hello"] in allowed and tok.piece_to_id["\u2581hello"] not in allowed
+    f.feed(tok.piece_to_id["hello"])
+    allowed, end = f.next()
+    assert tok.piece_to_id["\u2581"] in allowed and tok.piece_to_id["world"] not in allowed and not end
+    f.feed(tok.piece_to_id["\u2581"])
+    f.feed(tok.piece_to_id["4"])
+    allowed, end = f.next()
+    assert tok.eos_token_id in allowed and tok.eos_token_id in end and tok.piece_to_id["2"] in allowed

@@ -286,6 +286,8 @@ async def _stream(run: Run, watcher: asyncio.Future[Any], queue: asyncio.Queue[t
 
 
 def _final_delta(run: Run, c: Candidate, i: int, held: bool) -> dict[str, Any]:
+    if c.handle is None:
+        c.reader.finish_reason = "length"  # max_tokens 0: nothing generated
     if not run.chat:
         return {"index": i, "text": "", "logprobs": None, "finish_reason": c.reader.finish_reason}
     delta: dict[str, Any] = {}

@@ -56,7 +56,11 @@ class _SPMSource:
         self.special_token_ids = sorted(specials)
 
     def __call__(self, text: str) -> list[int]:
-        return self.tok.backend.encode(text, False)
+        # Tokens as they continue a text (generation follows a prompt): SentencePiece's dummy prefix space
+        # belongs to the start of a text only, so encode after a newline anchor and drop the anchor's ids.
+        anchor = self.tok.backend.encode("\n", False)
+        ids = self.tok.backend.encode("\n" + text, False)
+        return ids[len(anchor):] if ids[:len(anchor)] == anchor else self.tok.backend.encode(text, False)
 
 
 def llg_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
