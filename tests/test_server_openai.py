@@ -25,6 +25,10 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
+# The server's prompt scores come from the same forward pass as the reference; a generated token's logprob comes
+# from a decode step with the cache, which on a GPU (fp16) differs from a full forward by rounding noise.
+TOL = 1e-4
+GEN_TOL = 1e-4 if not torch.cuda.is_available() else 5e-2
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"timezone": {"type": "string",
                                                                                      "maxLength": 40}},
@@ -125,9 +129,9 @@ def test_echo_prompt_logprobs_are_the_models_log_softmax(client: Any) -> None:
     lp = c.logprobs
     assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for i in range(1, len(ids)):
-        assert abs(lp.token_logprobs[i] - float(ref[i - 1, ids[i]])) < 1e-4
+        assert abs(lp.token_logprobs[i] - float(ref[i - 1, ids[i]])) < TOL
         best = max(lp.top_logprobs[i].values())
-        assert abs(best - float(ref[i - 1].max())) < 1e-4 and len(lp.top_logprobs[i]) == 2
+        assert abs(best - float(ref[i - 1].max())) < TOL and len(lp.top_logprobs[i]) == 2
 
     # lm-eval's request: the prompt as ids, max_tokens 1, echo, logprobs 1, temperature 0.
     ll = client.completions.create(model=MODEL_NAME, prompt=[ids], max_tokens=1, echo=True, logprobs=1,
@@ -135,7 +139,7 @@ def test_echo_prompt_logprobs_are_the_models_log_softmax(client: Any) -> None:
     lp = ll.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids) + 1
     greedy_next = int(ref[-1].argmax())
-    assert abs(lp.token_logprobs[-1] - float(ref[-1, greedy_next])) < 1e-4  # not 0.0 at temperature 0
+    assert abs(lp.token_logprobs[-1] - float(ref[-1, greedy_next])) < GEN_TOL  # not 0.0 at temperature 0
     assert lp.token_logprobs[-1] < 0 and max(lp.top_logprobs[-1].values()) == lp.token_logprobs[-1]
 
     # vLLM's prompt_logprobs.
@@ -145,7 +149,7 @@ def test_echo_prompt_logprobs_are_the_models_log_softmax(client: Any) -> None:
     assert entries[0] is None and len(entries) == len(ids)
     for i in range(1, len(ids)):
         e = entries[i][str(ids[i])]
-        assert abs(e["logprob"] - float(ref[i - 1, ids[i]])) < 1e-4
+        assert abs(e["logprob"] - float(ref[i - 1, ids[i]])) < TOL
         assert e["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
 
 
@@ -158,7 +162,7 @@ def test_generated_logprobs_raw_by_default_processed_on_request(client: Any) -> 
     c = out.choices[0]
     gen = tok.encode(c.text)[0].tolist()
     ref = model_logprobs(ids + gen)
-    assert abs(c.logprobs.token_logprobs[0] - float(ref[len(ids) - 1, gen[0]])) < 1e-4
+    assert abs(c.logprobs.token_logprobs[0] - float(ref[len(ids) - 1, gen[0]])) < GEN_TOL
     processed = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0.7,
                                           logprobs=3, seed=2, extra_body={"top_k": 5,
                                                                           "logprobs_mode": "processed_logprobs"})

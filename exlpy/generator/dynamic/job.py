@@ -124,6 +124,7 @@ class ExLlamaV2DynamicJob:
         self.ban_pos = -1
         self.ban_set: set[int] = set()
         self.premask_end: set[int] | None = None  # end tokens when the generator masked this step's logits
+        self._device_masked: bool | None = None
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
@@ -181,7 +182,9 @@ class ExLlamaV2DynamicJob:
 
     def device_masked(self) -> bool:
         """Whether the generator applies this job's filters to its logits on the device (grammar filters)."""
-        return device_maskable(self.filters, self.filter_prefer_eos)
+        if self._device_masked is None:  # asked every step: the filter list does not change, so ask it once
+            self._device_masked = device_maskable(self.filters, self.filter_prefer_eos)
+        return self._device_masked
 
     def plain_greedy(self) -> bool:
         """Whether the next token is simply the argmax of the raw logits (no penalty, bias, ban, healing or
