@@ -19,7 +19,7 @@ import torch
 
 from exlpy.errors import GrammarError
 from exlpy.generator.filters.base import ExLlamaV2Filter
-from exlpy.generator.filters.llg_tokenizer import import_llguidance, llg_tokenizer, stop_ids
+from exlpy.generator.filters.llg_tokenizer import grammar_eos, import_llguidance, llg_tokenizer
 from exlpy.kernels import ops
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -75,7 +75,7 @@ class ExLlamaV2GrammarFilter(ExLlamaV2Filter):
         self.matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"{what}: {self.matcher.get_error()}")
-        self.eos_ids = set(stop_ids(tokenizer))
+        self.eos_ids = grammar_eos(self.ll_tokenizer)
         words = (self.vocab + 31) // 32
         self.bitmask = torch.full((1, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 

@@ -28,6 +28,12 @@ def import_llguidance() -> Any:
     return llguidance
 
 
+def grammar_eos(ll_tokenizer: Any) -> set[int]:
+    """The ids llguidance lets through where a grammar is complete."""
+    ids = getattr(ll_tokenizer, "eos_tokens", None)
+    return set(ids) if ids else {int(ll_tokenizer.eos_token)}
+
+
 def stop_ids(tokenizer: Any) -> list[int]:
     ids = set(getattr(tokenizer, "stop_token_ids", ()) or ())
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -83,5 +89,9 @@ def llg_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
                 source = llg.TokenizerWrapper(_SPMSource(tokenizer))
             else:
                 raise GeneratorError(f"grammar filters need an exlpy tokenizer, got {type(tokenizer).__name__}")
-            per_tok[n_vocab] = llg.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
+            try:
+                per_tok[n_vocab] = llg.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
+            except TypeError:  # llguidance < 1.7 takes one EOS id
+                main = getattr(tokenizer, "eos_token_id", None)
+                per_tok[n_vocab] = llg.LLTokenizer(source, n_vocab=n_vocab, eos_token=main if main in eos else eos[0])
         return per_tok[n_vocab]
