@@ -99,3 +99,7 @@ class CommandLineError(SystemExit):
 
 class CacheError(ExlpyError, ValueError):
     """A cache argument is of the wrong kind or does not match the input (e.g. one cache per row)."""
+
+
+class GrammarError(GeneratorError):
+    """A JSON schema, regex or grammar for constrained decoding is invalid, or generation left it."""

@@ -105,8 +105,6 @@ def compat() -> Iterator[None]:
 
 @pytest.mark.parametrize("module", sorted(MODULE_NAMES))
 def test_module_names_exist(compat: None, module: str) -> None:
-    if module == "exllamav2.generator.filters" and importlib.util.find_spec("exlpy.generator.filters") is None:
-        pytest.skip("exlpy.generator.filters is built by issue 15 (remove this skip at merge)")
     mod = importlib.import_module(module)
     assert mod.__name__.startswith("exlpy")  # the alias is exlpy's own module
     missing = [n for n in MODULE_NAMES[module] if not hasattr(mod, n)]

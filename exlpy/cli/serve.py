@@ -20,6 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: the generator's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to start before new ones "
                    "are refused with 503 (default: 64)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
+                   "model directory's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(_run=run)
 
@@ -37,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
     state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
                        max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+    if args.served_model_name:
+        state.model_name = args.served_model_name
     g = state.bridge.generator
     print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, cache {g.num_pages} pages x 256 "
           f"tokens, batch up to {g.max_batch_size}, queue up to {args.max_queue}; http://{args.host}:{args.port}/v1",

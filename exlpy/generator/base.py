@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.generator.filters.base import feed_token
 from exlpy.model.batch import cache_rows_batch
 
 
@@ -109,9 +110,7 @@ class ExLlamaV2BaseGenerator:
                 nxt[b, 0] = t
                 if not done[b]:
                     new_tokens[b].append(t)
-                    for f in filters:
-                        if hasattr(f, "feed"):
-                            f.feed(t)
+                    feed_token(filters, t)
                     if t == stop or end_filter:
                         done[b] = True
             seqs = [torch.cat([q, nxt[b]]) for b, q in enumerate(seqs)]

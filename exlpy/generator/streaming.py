@@ -23,6 +23,8 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
+from exlpy.generator.filters.device import collect, device_maskable, mask_rows
 from exlpy.model.batch import cache_rows_batch
 
 
@@ -118,9 +120,12 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
         self.rng: torch.Generator | None = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        drop_background(self.filters)  # a result left from an earlier stream with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
+        schedule_background(self.filters)
+        self.premask_end: set[int] | None = None
         self.active = True
 
     def _prefill(self, ids: torch.Tensor) -> None:
@@ -159,7 +164,12 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         seq = self.sequence_ids
         assert seq is not None
         if self.negative is None:
-            return self.model.forward(seq[:, -1:], self.cache).float().cpu()
+            out = self.model.forward(seq[:, -1:], self.cache)
+            self.premask_end = None
+            if device_maskable(self.filters, self.filter_prefer_eos):  # grammar filters: mask on the device
+                mask, self.premask_end = collect(self.filters)
+                out = mask_rows(out[:, -1], [0], [mask]).unsqueeze(1)
+            return out.float().cpu()
         ids = torch.stack([seq[0, -1:], self.negative[-1:]])
         batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
                                  self.model.strategy_for_forward().first_device)
@@ -225,8 +235,11 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             logits[:, -1:], self.settings, seq, None, self.tokenizer,
             prefix_token=self.prefix_token if self.new_tokens == 0 else None,
             return_top_tokens=self.return_top_tokens, blocked_tokens=sorted(blocked) or None,
-            filters=self.filters or None, filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+            filters=None if self.premask_end is not None else (self.filters or None),
+            filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
+        if self.premask_end is not None:
+            end_filter = torch.tensor(token in self.premask_end)
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
                                 self.return_logits)
@@ -235,10 +248,10 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             self.negative = torch.cat([self.negative, torch.tensor([token])])
         self.new_tokens += 1
         self.total_tokens += 1
-        for f in self.filters:
-            if hasattr(f, "feed"):
-                f.feed(token)
+        feed_token(self.filters, token)
         rel = self.text_stream.add(token, payload)
+        if not rel.eos and not end_filter:
+            schedule_background(self.filters)
         if rel.rewind:
             self._rewind(rel)
             out = self._result(Released())

@@ -133,3 +133,7 @@ def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
          is_causal: bool = False) -> torch.Tensor:
     return _impl("sdpa", q)(q, k, v, scale, mask, is_causal)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    return _impl("apply_token_bitmask", logits)(logits, bitmask)

@@ -213,3 +213,14 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
         acc += t.to(acc.device, torch.float32)
     for t in tensors:
         t.copy_(acc.to(t.device, t.dtype))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token whose bit is 0 set to -inf (a new tensor). bitmask [B, W] int32, bit
+    t % 32 of word t // 32 allows token t (llguidance/xgrammar layout); tokens past 32·W are excluded."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+    vocab = logits.shape[-1]
+    if allowed.shape[-1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
+    return logits.masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))

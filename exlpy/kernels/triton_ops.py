@@ -22,6 +22,7 @@ from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm
 from exlpy.kernels.rope import apply_rope, rope_store_kv
+from exlpy.kernels.token_bitmask import apply_token_bitmask
 from exlpy.runtime import options
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -88,6 +89,7 @@ def register_all() -> None:
     ops.register("flash_attention", flash_attention)
     ops.register("quant_attention", quant_attention_cuda)
     ops.register("store_kv_quant", store_kv_quant)
+    ops.register("apply_token_bitmask", apply_token_bitmask)
 
 
 register_all()

@@ -24,6 +24,7 @@ from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.scheduler import decode_step, plan_prefill, skip_cached_pages
 from exlpy.generator.dynamic.validate import check_job_vocab
+from exlpy.generator.filters.base import drop_background
 from exlpy.model.batch import paged_batch
 
 
@@ -178,6 +179,7 @@ class ExLlamaV2DynamicGenerator:
 
     # --- iteration -----------------------------------------------------------------------------------------
     def _release(self, job: ExLlamaV2DynamicJob) -> None:
+        drop_background(job.filters)  # a mask computed for a step that will not come
         for q in job.seqs:
             self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
             q.pages = []
@@ -242,7 +244,8 @@ class ExLlamaV2DynamicGenerator:
                     for i, job in enumerate(jobs):
                         if i in greedy:
                             self._guard(job, results,
-                                        lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
+                                        lambda j=job, t=greedy[i]: self._accept(
+                                            j, t, {}, j.premask_end is not None and t in j.premask_end, results))
                         else:
                             self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
             return results

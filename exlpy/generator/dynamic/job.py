@@ -19,6 +19,8 @@ from exlpy.generator.dynamic.stops import (
     tokenizer_decode,
 )
 from exlpy.generator.dynamic.validate import check_job_args, check_prompt_ids
+from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
+from exlpy.generator.filters.device import device_maskable
 from exlpy.util import SeqTensor
 
 if TYPE_CHECKING:
@@ -159,6 +161,8 @@ class ExLlamaV2DynamicJob:
         self.time_first_token = 0.0
         self.ban_pos = -1
         self.ban_set: set[int] = set()
+        self.premask_end: set[int] | None = None  # end tokens when the generator masked this step's logits
+        self._device_masked: bool | None = None
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
@@ -187,9 +191,11 @@ class ExLlamaV2DynamicJob:
         self.started = True
         self.wait_reason = None
         self.time_start = time.time()
+        drop_background(self.filters)  # a result left from an earlier job with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
+        schedule_background(self.filters)  # the first mask is computed while the prompt is prefilled
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -218,25 +224,36 @@ class ExLlamaV2DynamicJob:
             blocked |= self.ban_set
         return sorted(blocked) if blocked else None
 
+    def device_masked(self) -> bool:
+        """Whether the generator applies this job's filters to its logits on the device (grammar filters)."""
+        if self._device_masked is None:  # asked every step: the filter list does not change, so ask it once
+            self._device_masked = device_maskable(self.filters, self.filter_prefer_eos)
+        return self._device_masked
+
     def plain_greedy(self) -> bool:
-        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, filter, ban, healing
-        or per-token extras), so the generator may take it on the device for the whole batch at once."""
+        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, ban, healing or
+        per-token extras; filters only if the generator applies them on the device first), so the generator
+        may take it on the device for the whole batch at once."""
         s = self.gen_settings
         return (s is not None and getattr(s, "top_k", 0) == 1 and s.token_repetition_penalty == 1.0
                 and s.token_frequency_penalty == 0.0 and s.token_presence_penalty == 0.0 and s.token_bias is None
                 and s.dry_multiplier == 0.0 and s.cfg_scale is None and not s.post_sampling_hooks
-                and not self.filters and not (self.return_probs or self.return_top_tokens or self.return_logits)
+                and (not self.filters or self.device_masked())
+                and not (self.return_probs or self.return_top_tokens or self.return_logits)
                 and (self.prefix_token is None or self.new_tokens > 0) and self.blocked_tokens() is None)
 
     def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
         """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
+        premasked = self.premask_end is not None  # the generator applied the filters on the device already
         tok, top_tok, top_prob, prob, end_filter = sampler.sample(
             logits, settings, self.sequence.unsqueeze(0), None, self.generator.tokenizer if self.generator else None,
             prefix_token=prefix, return_top_tokens=self.return_top_tokens,
-            blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
+            blocked_tokens=self.blocked_tokens(), filters=None if premasked else (self.filters or None),
             filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
+        if premasked:
+            end_filter = torch.tensor(token in self.premask_end)
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
                                 self.return_logits)
@@ -250,10 +267,11 @@ class ExLlamaV2DynamicJob:
         for q in self.seqs:
             q.ids = torch.cat([q.ids, new])
         self.new_tokens += 1
-        for f in self.filters:
-            if hasattr(f, "feed"):
-                f.feed(token)
+        self.premask_end = None
+        feed_token(self.filters, token)
         rel = self.stream.add(token, payload)
+        if not rel.eos and not end_filter:
+            schedule_background(self.filters)  # the next mask is computed while the GPU runs the next step
         if rel.rewind:
             self.new_tokens -= rel.rewind
             for q in self.seqs:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.generator.dynamic.pages import PAGE_SIZE
+from exlpy.generator.filters.device import premask_jobs
 from exlpy.model.batch import paged_batch
 
 if TYPE_CHECKING:
@@ -59,18 +60,19 @@ def decode_step(model: Any, cache: Any, device: torch.device, jobs: list[ExLlama
         rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
     ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
     batch = paged_batch(rows, cache, device, PAGE_SIZE)
-    logits = model.forward_batch(ids, batch, last_id_only=True)
+    logits = model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
+    logits = premask_jobs(jobs, first, logits)  # grammar filters: their token masks applied on the device
     fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
     greedy: dict[int, int] = {}
     if fast:
         # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-        picks = logits[[first[k] for k in fast], -1, :vocab_limit].argmax(-1).tolist()
+        picks = logits[[first[k] for k in fast], :vocab_limit].argmax(-1).tolist()
         greedy = dict(zip(fast, picks))
     slow = [k for k in range(len(jobs)) if k not in greedy]
     per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
     if slow:
         # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
-        cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))], -1:].float().cpu()
+        cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))]].unsqueeze(1).float().cpu()
         i = 0
         for k in slow:
             n = len(jobs[k].seqs)
