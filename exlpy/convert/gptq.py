@@ -22,6 +22,7 @@ from exlpy.errors import NumericalError
 BLOCK = 32
 # p grid of the per-group max-scale search (spec §4.6: 0.70 to 1.20), searched coarse then fine.
 P_LO, P_HI = 0.70, 1.20
+SEARCH_COLS = 256
 
 
 @dataclass
@@ -92,17 +93,17 @@ def _fp16_round(x: torch.Tensor) -> torch.Tensor:
 
 def _quant_err(w: torch.Tensor, s: torch.Tensor, maxq: int, norm: float, weight: torch.Tensor | None
                ) -> torch.Tensor:
-    """Σ over rows of |dequant(quant(w)) - w|^norm for scales s broadcast over w [..., R, N] -> [..., N]."""
-    z = (maxq + 1) // 2
-    q = torch.clamp(torch.round(w / s) + z, 0, maxq)
-    e = ((q - z) * s - w).abs_().pow_(norm)
+    """Σ over rows of weight * |dequant(quant(w)) - w|^norm for scales s broadcast over w [..., R, N] -> [..., N]."""
+    z = float((maxq + 1) // 2)
+    e = torch.round(w / s).clamp_(-z, maxq - z).mul_(s).sub_(w)
+    e = e.square_() if norm == 2 else e.abs_().pow_(norm)
     if weight is not None:
-        e = e * weight[:, None]
+        e.mul_(weight[:, None])
     return e.sum(-2)
 
 
 def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor | None = None,
-                  smax_fixed: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  smax_fixed: float | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales of one group w [R, N]: (scale codes 1..16 [N] int64, q_scale_max fp16 scalar tensor).
 
     exllamav2's search (spec §4.6 step 4) picks one factor p for the group's max scale; here it is searched
@@ -120,16 +121,23 @@ def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor 
     def scales(qsv: torch.Tensor, smax16: torch.Tensor) -> torch.Tensor:
         return qsv * qsv * (smax16 / 256)
 
+    if plain:  # round-to-nearest baseline: the nominal codes, no search
+        smax16 = _fp16_round(torch.tensor(smax, device=w.device))
+        return torch.clamp(torch.ceil(torch.sqrt(base / float(smax16)) * 16), 1, 16).long(), smax16.half()
     if smax_fixed is None:
+        # The group's one factor p is searched on at most SEARCH_COLS evenly spaced columns (it is a property
+        # of the whole group; every column's own code is refined below).
+        cols = torch.linspace(0, w.shape[1] - 1, min(w.shape[1], SEARCH_COLS), device=w.device).long()
+        ws, qss = w[:, cols], qs[cols]
         best_p, lo, hi = 1.0, P_LO, P_HI
-        for points in (17, 9):
+        for points in (7, 5):
             grid = torch.linspace(lo, hi, points, device=w.device)
             sm = _fp16_round(smax * grid)  # [P]
             errs = []
-            chunk = max(1, (1 << 24) // max(1, w.numel()))
+            chunk = max(1, (1 << 24) // max(1, ws.numel()))
             for a in range(0, points, chunk):
-                s = scales(qs, sm[a:a + chunk, None])[:, None, :]  # [P, 1, N]
-                errs.append(_quant_err(w, s, maxq, norm, weight).sum(-1))
+                s = scales(qss, sm[a:a + chunk, None])[:, None, :]  # [P, 1, N]
+                errs.append(_quant_err(ws, s, maxq, norm, weight).sum(-1))
             best = int(torch.argmin(torch.cat(errs)))
             best_p = float(grid[best])
             step = (hi - lo) / (points - 1)
@@ -157,10 +165,12 @@ def _boundaries(k: int, layouts: list[list[tuple[int, int]]]) -> list[int]:
 
 
 def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHessian, norm: float = 2.4,
-                  smax_fixed: list[list[float]] | None = None, rtn: bool = False) -> list[QuantResult]:
+                  smax_fixed: list[list[float]] | None = None, rtn: bool = False, plain_scales: bool = False
+                  ) -> list[QuantResult]:
     """Quantize items ws[i] ([K, N_i] fp32, y = x @ W, original row order) with options[i], sharing `ph`.
 
-    smax_fixed[i][g]: fixed per-group max scales (head slices). rtn: no error feedback (round-to-nearest).
+    smax_fixed[i][g]: fixed per-group max scales (head slices). rtn: no error feedback (round-to-nearest);
+    plain_scales: no scale search (the round-to-nearest baseline).
     """
     dev = ph.u.device
     k = ph.u.shape[0]
@@ -194,7 +204,7 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
             gi, bits, rows = g
             wg = wq[i, b0:b0 + rows, :ws[i].shape[1]]
             fixed = None if smax_fixed is None else smax_fixed[i][gi]
-            qs, sm = search_scales(wg, bits, norm, weight[b0:b0 + rows], fixed)
+            qs, sm = search_scales(wg, bits, norm, weight[b0:b0 + rows], fixed, plain_scales)
             qscale[i][gi, :qs.numel()] = qs
             qscale[i][gi, qs.numel():] = 1
             smaxs[i][gi] = sm

@@ -30,7 +30,7 @@ class ConvertSettings:
     no_resume: bool = False
     device: str | None = None  # None: cuda:0 when there is a GPU, else the CPU
     damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
-    scale_norm: float = 2.4  # exponent of the error the scale search minimizes (exllamav2: 3.5)
+    scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
     progress: bool = True
 
     def validate(self) -> None:
