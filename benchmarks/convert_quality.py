@@ -34,6 +34,7 @@ from exlpy.convert.rtn import write_rtn_model  # noqa: E402
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 EXL2_REF = os.path.join(SHARED, "models", "smollm2-135m-exl2-4.0")
 WINDOW = 512
+PREFIX = " (a prefix of the ANCHORS.md windows)"
 
 
 def eval_model(path: str, ids: torch.Tensor, windows: int, kl_windows: int, ref_lp: list[torch.Tensor] | None,
@@ -109,17 +110,19 @@ def main() -> None:
         ids = tok.encode(f.read())[0]
     windows = a.windows or ids.numel() // WINDOW
     kl_w = min(a.kl_windows, windows)
-    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86_64'}, {torch.get_num_threads()} threads)"
+    dev = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+           else f"CPU ({platform.processor() or 'x86_64'}, {torch.get_num_threads()} threads)")
     cal = f"quant rows {a.rows} x {a.length}, measurement rows {a.mrows} x {a.mlength}, built-in calibration set"
-    head = [f"# EXL2 conversion quality: SmolLM2-135M-Instruct", "",
+    head = ["# EXL2 conversion quality: SmolLM2-135M-Instruct", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- machine: {dev}; torch {torch.__version__}",
             f"- command: `python {' '.join(sys.argv)}`",
             f"- calibration: {cal}",
             f"- perplexity: {windows} windows of {WINDOW} tokens over ../shared/eval/licenses.txt"
-            f"{' (all: the ANCHORS.md protocol)' if windows == ids.numel() // WINDOW else ' (a prefix of the ANCHORS.md windows)'}; "
+            f"{' (all: the ANCHORS.md protocol)' if windows == ids.numel() // WINDOW else PREFIX}; "
             f"KL: mean over the {kl_w * (WINDOW - 1)} scored positions of the first {kl_w} windows", "",
-            "| model | bpw (decoder, as stored) | head bits | perplexity | vs source | mean KL to source | time to make |",
+            "| model | bpw (decoder, as stored) | head bits | perplexity | vs source | mean KL to source "
+            "| time to make |",
             "|---|---|---|---|---|---|---|"]
     rows: list[dict] = []
 
@@ -162,7 +165,8 @@ def main() -> None:
                     rows=a.rows, length=a.length, measurement_rows=a.mrows, measurement_length=a.mlength)
         made.append((f"exlpy {b:g} bpw", out, f"{time.time() - t0:.0f} s + measurement"))
         if b == 4.0:
-            made += [("exllamav2 0.3.2, 4.0 bpw (../shared)", EXL2_REF, "-"), ("RTN 4-bit g128 (exlpy format)", rtn, "-")]
+            made += [("exllamav2 0.3.2, 4.0 bpw (../shared)", EXL2_REF, "-"),
+                     ("RTN 4-bit g128 (exlpy format)", rtn, "-")]
     for name, path, t in made:
         if not os.path.exists(path):
             continue

@@ -103,55 +103,51 @@ def _quant_err(w: torch.Tensor, s: torch.Tensor, maxq: int, norm: float, weight:
 
 
 def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor | None = None,
-                  smax_fixed: float | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales of one group w [R, N]: (scale codes 1..16 [N] int64, q_scale_max fp16 scalar tensor).
+                  smax_fixed: torch.Tensor | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales of groups w [I, R, N] (I items, one group each): (codes 1..16 [I, N] int64, q_scale_max fp16 [I]).
 
     exllamav2's search (spec §4.6 step 4) picks one factor p for the group's max scale; here it is searched
     coarse-to-fine, then each column's own 4-bit code is refined by +-1, both minimizing the (row-weighted)
-    error^norm. With `smax_fixed` (vocabulary slices of the head share the group maximum) only codes are searched.
+    error^norm. With `smax_fixed` [I] (vocabulary slices of the head share the group maximum) only codes are
+    searched. `plain`: the nominal codes, no search (the round-to-nearest baseline).
     """
     maxq = 2**bits - 1
-    amax = w.abs().amax(0)
-    base = amax / (maxq / 2)
-    smax = float(base.max()) if smax_fixed is None else smax_fixed
-    if not smax > 0:
-        smax = 1e-6
-    qs = torch.clamp(torch.round(torch.sqrt(base / smax) * 16), 1, 16)
+    dev = w.device
+    base = w.abs().amax(1) / (maxq / 2)  # [I, N]
+    smax = base.amax(1) if smax_fixed is None else smax_fixed.to(dev, torch.float32)
+    smax = torch.where(smax > 0, smax, torch.full_like(smax, 1e-6))
+    qs = torch.clamp(torch.round(torch.sqrt(base / smax[:, None]) * 16), 1, 16)
 
     def scales(qsv: torch.Tensor, smax16: torch.Tensor) -> torch.Tensor:
         return qsv * qsv * (smax16 / 256)
 
-    if plain:  # round-to-nearest baseline: the nominal codes, no search
-        smax16 = _fp16_round(torch.tensor(smax, device=w.device))
-        return torch.clamp(torch.ceil(torch.sqrt(base / float(smax16)) * 16), 1, 16).long(), smax16.half()
+    if plain:
+        smax16 = _fp16_round(smax)
+        return torch.clamp(torch.ceil(torch.sqrt(base / smax16[:, None]) * 16), 1, 16).long(), smax16.half()
     if smax_fixed is None:
         # The group's one factor p is searched on at most SEARCH_COLS evenly spaced columns (it is a property
         # of the whole group; every column's own code is refined below).
-        cols = torch.linspace(0, w.shape[1] - 1, min(w.shape[1], SEARCH_COLS), device=w.device).long()
-        ws, qss = w[:, cols], qs[cols]
-        best_p, lo, hi = 1.0, P_LO, P_HI
+        cols = torch.linspace(0, w.shape[2] - 1, min(w.shape[2], SEARCH_COLS), device=dev).long()
+        ws, qss = w[:, :, cols], qs[:, cols]
+        lo = torch.full_like(smax, P_LO)
+        hi = torch.full_like(smax, P_HI)
         for points in (7, 5):
-            grid = torch.linspace(lo, hi, points, device=w.device)
-            sm = _fp16_round(smax * grid)  # [P]
-            errs = []
-            chunk = max(1, (1 << 24) // max(1, ws.numel()))
-            for a in range(0, points, chunk):
-                s = scales(qss, sm[a:a + chunk, None])[:, None, :]  # [P, 1, N]
-                errs.append(_quant_err(ws, s, maxq, norm, weight).sum(-1))
-            best = int(torch.argmin(torch.cat(errs)))
-            best_p = float(grid[best])
+            t = torch.linspace(0, 1, points, device=dev)
+            grid = lo[:, None] + (hi - lo)[:, None] * t  # [I, P]
+            sm = _fp16_round(smax[:, None] * grid)
+            s = scales(qss[:, None, :], sm[:, :, None])[:, :, None, :]  # [I, P, 1, N]
+            err = _quant_err(ws[:, None], s, maxq, norm, weight).sum(-1)  # [I, P]
+            best = torch.gather(grid, 1, torch.argmin(err, 1, keepdim=True)).squeeze(1)
             step = (hi - lo) / (points - 1)
-            lo, hi = best_p - step, best_p + step
-        smax16 = _fp16_round(torch.tensor(smax * best_p, device=w.device))
+            lo, hi = best - step, best + step
+        smax16 = _fp16_round(smax * best)
     else:
-        smax16 = _fp16_round(torch.tensor(smax, device=w.device))
-    if not smax16 > 0:
-        smax16 = torch.tensor(2.0**-24, device=w.device)
-    cand = torch.stack([(qs - 1).clamp(min=1), qs, (qs + 1).clamp(max=16)])  # [3, N]
-    err = _quant_err(w, scales(cand, smax16)[:, None, :], maxq, norm, weight)  # [3, N]
-    pick = torch.argmin(err, 0)
-    qs = torch.gather(cand, 0, pick[None]).squeeze(0)
-    return qs.long(), smax16.half()
+        smax16 = _fp16_round(smax)
+    smax16 = torch.where(smax16 > 0, smax16, torch.full_like(smax16, 2.0**-24))
+    cand = torch.stack([(qs - 1).clamp(min=1), qs, (qs + 1).clamp(max=16)], 1)  # [I, 3, N]
+    err = _quant_err(w[:, None], scales(cand, smax16[:, None, None])[:, :, None, :], maxq, norm, weight)
+    pick = torch.argmin(err, 1, keepdim=True)  # [I, 1, N]
+    return torch.gather(cand, 1, pick).squeeze(1).long(), smax16.half()
 
 
 def _boundaries(k: int, layouts: list[list[tuple[int, int]]]) -> list[int]:
@@ -197,21 +193,25 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
     weight = ph.hdiag
     cuts = _boundaries(k, layouts)
     for b0, b1 in zip(cuts[:-1], cuts[1:]):
+        todo: dict[tuple[int, int], list[int]] = {}  # items starting a group here, by (bits, rows)
         for i in range(o):
             g = starts[i].get(b0)
-            if g is None:
-                continue
-            gi, bits, rows = g
-            wg = wq[i, b0:b0 + rows, :ws[i].shape[1]]
-            fixed = None if smax_fixed is None else smax_fixed[i][gi]
-            qs, sm = search_scales(wg, bits, norm, weight[b0:b0 + rows], fixed, plain_scales)
-            qscale[i][gi, :qs.numel()] = qs
-            qscale[i][gi, qs.numel():] = 1
-            smaxs[i][gi] = sm
-            s = qscale[i][gi].float() ** 2 * (sm.float() / 256)
-            s_cur[i] = s
-            z_cur[i] = 2 ** (bits - 1)
-            maxq_cur[i] = 2**bits - 1
+            if g is not None:
+                todo.setdefault((g[1], g[2]), []).append(i)
+        for (bits, rows), items in todo.items():
+            idx = torch.tensor(items, device=dev)
+            gis = [starts[i][b0][0] for i in items]
+            fixed = None if smax_fixed is None else torch.tensor([smax_fixed[i][g] for i, g in zip(items, gis)])
+            qs, sm = search_scales(wq[idx, b0:b0 + rows], bits, norm, weight[b0:b0 + rows], fixed, plain_scales)
+            for j, (i, gi) in enumerate(zip(items, gis)):
+                n_i = ws[i].shape[1]
+                qscale[i][gi, :n_i] = qs[j, :n_i]
+                qscale[i][gi, n_i:] = 1
+                smaxs[i][gi] = sm[j]
+            s_cur[idx] = torch.stack([qscale[i][g].float() for i, g in zip(items, gis)]) ** 2 * (
+                sm.float()[:, None] / 256)
+            z_cur[idx] = float(2 ** (bits - 1))
+            maxq_cur[idx] = float(2**bits - 1)
         wb = wq[:, b0:b1]
         err = torch.empty(o, b1 - b0, n_max, device=dev)
         for j in range(b1 - b0):

@@ -68,3 +68,13 @@ def module_bits(module: Module, option: dict[str, QParams]) -> int:
 
 def module_numel(module: Module) -> int:
     return sum(k * n for k, n in shapes(module).values())
+
+
+def check_source(module: Module) -> None:
+    """Every source tensor of the module must be finite; the error names the tensor and its file."""
+    for prefix in module.tensor_prefixes():
+        for name in module.index.names_with_prefix(prefix + "."):
+            t = module.index.get(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise NumericalError(f"source tensor {name} holds NaN or inf ({module.index.info(name).file}); "
+                                     "the model cannot be quantized from these weights")

@@ -14,7 +14,7 @@ import torch
 
 from exlpy.convert.forward import Hessian, States, forward_chunks, install_taps, iter_outputs
 from exlpy.convert.gptq import gptq_quantize, prepare_hessian
-from exlpy.convert.layers import HESSIAN_GROUPS, OPTIONS, has_bias, read_weight, shapes
+from exlpy.convert.layers import HESSIAN_GROUPS, OPTIONS, check_source, has_bias, read_weight, shapes
 from exlpy.convert.qparams import QParams, distinct
 from exlpy.errors import NumericalError
 from exlpy.model.module import Module
@@ -37,6 +37,7 @@ def output_errors(module: Module, states: States, ref: States, device: torch.dev
 def measure_module(module: Module, states: States, device: torch.device, store: torch.device, damp: float,
                    norm: float) -> tuple[list[dict[str, Any]], States]:
     """The measurement entries of a loaded decoder module, and its reference outputs (the next inputs)."""
+    check_source(module)
     kind = type(module)
     taps = install_taps(module)
     hessians = {}

@@ -11,7 +11,7 @@ import torch
 
 from exlpy.convert.forward import Hessian, States, _run, forward_chunks, install_taps
 from exlpy.convert.gptq import QuantResult, gptq_quantize, prepare_hessian
-from exlpy.convert.layers import HESSIAN_GROUPS, read_bias, read_weight
+from exlpy.convert.layers import HESSIAN_GROUPS, check_source, read_bias, read_weight
 from exlpy.convert.packing import check_packed, pack_exl2
 from exlpy.convert.qparams import HEAD_OPTIONS, QParams
 from exlpy.model.batch import contiguous_batch
@@ -22,6 +22,7 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
                     option: dict[str, QParams], damp: float, norm: float
                     ) -> tuple[dict[str, torch.Tensor], States, float]:
     """(packed tensors, quantized outputs, relative error of the first chunk's output) of a loaded module."""
+    check_source(module)
     taps = install_taps(module)
     dtype = module.dtype(device)
     tensors: dict[str, torch.Tensor] = {}
