@@ -23,6 +23,7 @@ BLOCK = 32
 # p grid of the per-group max-scale search (spec §4.6: 0.70 to 1.20), searched coarse then fine.
 P_LO, P_HI = 0.70, 1.20
 SEARCH_COLS = 256
+LAZY_ROWS = 2048
 
 
 @dataclass
@@ -229,10 +230,14 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
                 wb[:, j + 1:] -= u[c, c + 1:b1].view(1, -1, 1) * e.unsqueeze(1)
             wb[:, j] = dq
         if not rtn and b1 < k:
-            wq[:, b1:] -= torch.matmul(u[b0:b1, b1:].t(), err)
+            # All later rows get this block's correction; in row slices so the temporary stays small.
+            for r0 in range(b1, k, LAZY_ROWS):
+                r1 = min(r0 + LAZY_ROWS, k)
+                wq[:, r0:r1] -= torch.matmul(u[b0:b1, r0:r1].t(), err)
     out = []
     for i, w in enumerate(ws):
         n = w.shape[1]
-        out.append(QuantResult(options[i], ph.perm, layouts[i], codes[i, :, :n].clone(),
-                               qscale[i][:, :n].clone(), smaxs[i], wq[i, :, :n].clone()))
+        # Views, not copies: the caller keeps what it needs (measurement keeps only dense fp16 weights).
+        out.append(QuantResult(options[i], ph.perm, layouts[i], codes[i, :, :n], qscale[i][:, :n], smaxs[i],
+                               wq[i, :, :n]))
     return out
