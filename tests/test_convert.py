@@ -32,6 +32,7 @@ def _ids(vocab: int = 512, n: int = 48) -> torch.Tensor:
     return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.slow
 def test_tiny_llama_several_bpw(tmp_path, tiny_measurement: str) -> None:
     src = str(shared_path("models", "tiny-llama-fp16"))
     ids = _ids()
@@ -50,6 +51,7 @@ def test_tiny_llama_several_bpw(tmp_path, tiny_measurement: str) -> None:
     assert kls[-1] < 2e-4 and kls[1] < 5e-3, kls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,bits_list", [("stories260K", (4.0, 6.0)), ("aidreams260K", (4.5, 8.0))])
 def test_real_260k_models(tmp_path, name: str, bits_list: tuple[float, ...]) -> None:
     src = str(shared_path("models", name))
@@ -131,6 +133,7 @@ class _Boom(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch) -> None:
     src = str(shared_path("models", "tiny-llama-fp16"))
     kw = dict(bits=4.0, **CAL)

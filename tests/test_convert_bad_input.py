@@ -149,3 +149,13 @@ def test_existing_dirs_with_other_jobs(tmp_path) -> None:
         convert(_tiny(), str(tmp_path / "w3"), str(out), measurement=str(work / "measurement.json"), **CAL)
     with pytest.raises(ConvertSettingsError, match="exclude"):
         convert(_tiny(), str(tmp_path / "w4"), str(tmp_path / "o4"), output_measurement=True, **CAL)
+
+
+def test_module_entry_point_errors_are_one_line(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "exlpy.convert", "-i", str(tmp_path / "missing"), "-cf",
+                        str(tmp_path / "out"), "-b", "4.0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "model directory not found" in r.stderr and "Traceback" not in r.stderr
