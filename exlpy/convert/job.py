@@ -69,8 +69,10 @@ class Job:
         self.data = data
 
     @staticmethod
-    def open(work_dir: str, settings: dict[str, Any], no_resume: bool) -> tuple[Job, bool]:
-        """(job, resumed). Refuses a work dir that holds another job or foreign files."""
+    def open(work_dir: str, settings: dict[str, Any], no_resume: bool, keep: str | None = None
+             ) -> tuple[Job, bool]:
+        """(job, resumed). Refuses a work dir that holds another job or foreign files. -nr removes the job's own
+        files only, never `keep` (a measurement given with -m that lives in the same dir)."""
         path = os.path.join(work_dir, JOB_FILE)
         try:
             os.makedirs(work_dir, exist_ok=True)
@@ -79,6 +81,8 @@ class Job:
         if no_resume:
             for name in OWNED:
                 p = os.path.join(work_dir, name)
+                if keep is not None and os.path.abspath(p) == os.path.abspath(keep):
+                    continue
                 try:
                     shutil.rmtree(p) if os.path.isdir(p) else os.remove(p) if os.path.exists(p) else None
                 except OSError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -50,7 +51,14 @@ def convert(in_dir: str | None = None, out_dir: str | None = None, compile_dir: 
         return _Converter(s).run()
     tmp = tempfile.mkdtemp(prefix="exlpy-convert-")
     s.out_dir = tmp
-    result = _Converter(s).run()
+    try:
+        result = _Converter(s).run()
+    except BaseException:
+        if os.path.exists(os.path.join(tmp, "job.json")):
+            print(f"exlpy convert: the work dir {tmp} was kept; add -o {tmp} to resume the job", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(tmp, ignore_errors=True)
     return result
 
@@ -138,7 +146,7 @@ class _Converter:
                 s.in_dir = json.load(f).get("settings", {}).get("in_dir")  # resume without -i, as exllamav2
         self._open_model()
         assert s.out_dir is not None
-        self.job, resumed = Job.open(s.out_dir, s.fingerprint(), s.no_resume)
+        self.job, resumed = Job.open(s.out_dir, s.fingerprint(), s.no_resume, keep=s.measurement)
         self.job.data.setdefault("job_id", uuid.uuid4().hex)
         if s.compile_dir:
             check_output_dir(s.compile_dir, self.job.data["job_id"], s.no_resume)
