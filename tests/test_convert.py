@@ -198,3 +198,34 @@ def test_exllamav2_style_measurement_and_cli(tmp_path, tiny_measurement: str) ->
     assert main(["convert", "-i", src, "-cf", str(tmp_path / "q2"), "-b", "5.0", "-m", str(m2), "-r", "4", "-l", "64",
                  "-q"]) == 0
     shutil.rmtree(tmp_path / "q2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+def test_other_architectures(tmp_path, arch: str) -> None:
+    """Qwen2 (q/k/v biases, written next to the quantized weights), Qwen3 (q/k norms), Mistral."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(shared_path("models", "tiny-llama-fp16"), src)
+    cfg = json.load(open(src / "config.json"))
+    cfg["architectures"] = [arch]
+    json.dump(cfg, open(src / "config.json", "w"))
+    f = src / "model-00000.safetensors"
+    t = load_file(str(f))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn"
+        if arch == "Qwen2ForCausalLM":
+            for k, n in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
+                t[f"{p}.{k}.bias"] = (torch.randn(n, generator=gen) * 0.1).half()
+        if arch == "Qwen3ForCausalLM":
+            for k in ("q_norm", "k_norm"):
+                t[f"{p}.{k}.weight"] = (1 + 0.1 * torch.randn(64, generator=gen)).half()
+    save_file(t, str(f))
+    os.remove(src / "model.safetensors.index.json")
+    out = str(tmp_path / "q")
+    convert(str(src), str(tmp_path / "w"), out, bits=6.0, **CAL)
+    check_format(out, str(src))
+    ids = _ids()
+    assert kl(logits(str(src), ids), logits(out, ids)) < 2e-3
