@@ -155,26 +155,29 @@ def main() -> None:
     if not os.path.exists(os.path.join(rtn, "config.json")):
         write_rtn_model(a.source, rtn, 4, 128, 6)
     order = [float(b) for b in a.bits.split(",")]
-    order = sorted(order, key=lambda b: (b != 4.0, b))
-    made = []
-    for b in order:
+    order = sorted(order, key=lambda b: (b != 4.0, b != 3.0, b))
+    def evaluate(made: list[tuple[str, str, str]]) -> None:
+        for name, path, t in made:
+            if not os.path.exists(path):
+                continue
+            p, kl, _ = eval_model(path, ids, windows, kl_w, ref_lp, a.batch)
+            qc = json.load(open(os.path.join(path, "config.json"))).get("quantization_config", {})
+            rows.append({"name": name, "bpw": f"{file_bpw(path):.3f}", "hb": qc.get("head_bits", "-"), "ppl": p,
+                         "kl": kl, "time": t})
+            write()
+            print(rows[-1], flush=True)
+
+    for b in order:  # each conversion is evaluated as soon as it exists, so a partial run still reports
         out = os.path.join(a.work, f"exlpy-{b:g}")
         t0 = time.time()
         if not os.path.exists(os.path.join(out, "config.json")):
             convert(a.source, os.path.join(a.work, f"job-{b:g}"), out, bits=b, head_bits=6, measurement=meas,
                     rows=a.rows, length=a.length, measurement_rows=a.mrows, measurement_length=a.mlength)
-        made.append((f"exlpy {b:g} bpw", out, f"{time.time() - t0:.0f} s + measurement"))
+        made = [(f"exlpy {b:g} bpw", out, f"{time.time() - t0:.0f} s + measurement")]
         if b == 4.0:
             made += [("exllamav2 0.3.2, 4.0 bpw (../shared)", EXL2_REF, "-"),
                      ("RTN 4-bit g128 (exlpy format)", rtn, "-")]
-    for name, path, t in made:
-        if not os.path.exists(path):
-            continue
-        p, kl, _ = eval_model(path, ids, windows, kl_w, ref_lp, a.batch)
-        hb = json.load(open(os.path.join(path, "config.json"))).get("quantization_config", {}).get("head_bits", "-")
-        rows.append({"name": name, "bpw": f"{file_bpw(path):.3f}", "hb": hb, "ppl": p, "kl": kl, "time": t})
-        write()
-        print(rows[-1], flush=True)
+        evaluate(made)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Each linear is quantized once per distinct option of its slot (all options of the matrices that share an input
 in one batched GPTQ pass), then every combination of the table runs the module's own forward with those weights
 and is scored against the unquantized output: `accuracy` = 1 - mean relative Frobenius error (exllamav2's
-figure) and `err` = mean relative squared error, which adds up over layers and is what the optimizer minimizes.
+figure) and `err` = mean relative squared error per token, which adds up over layers and is what the optimizer
+minimizes.
 """
 
 from __future__ import annotations
@@ -21,17 +22,25 @@ from exlpy.model.module import Module
 
 
 def output_errors(module: Module, states: States, ref: States, device: torch.device) -> tuple[float, float]:
-    """(mean relative Frobenius error, mean relative squared error) over calibration rows."""
+    """(mean relative Frobenius error per row, exllamav2's figure; mean relative squared error per token).
+
+    The optimizer uses the per-token figure: a row's norm is dominated by its first token, whose hidden state
+    grows hundreds of times larger than the others' in the middle layers (an attention sink), so per-row
+    errors measure little but that one token and make the layers after the sink look nearly free to quantize.
+    """
     rel: list[torch.Tensor] = []
+    tok: list[torch.Tensor] = []
     for y, r in zip(iter_outputs(module, states, device), ref.chunks):
         r = r.to(device).float()
-        d = (y.float() - r).flatten(1).norm(dim=1)
-        rel.append(d / r.flatten(1).norm(dim=1).clamp(min=1e-20))
+        d = y.float() - r
+        rel.append(d.flatten(1).norm(dim=1) / r.flatten(1).norm(dim=1).clamp(min=1e-20))
+        tok.append((d.pow(2).sum(-1) / r.pow(2).sum(-1).clamp(min=1e-20)).flatten())
     e = torch.cat(rel)
-    if not bool(torch.isfinite(e).all()):
+    t = torch.cat(tok)
+    if not bool(torch.isfinite(e).all()) or not bool(torch.isfinite(t).all()):
         raise NumericalError(f"Measurement/inference error (1): the quantized {module.key} gives non-finite "
                              "outputs")
-    return float(e.mean()), float((e * e).mean())
+    return float(e.mean()), float(t.mean())
 
 
 def measure_module(module: Module, states: States, device: torch.device, store: torch.device, damp: float,

@@ -266,7 +266,8 @@ class _Converter:
             option = {k: QParams.from_dict(v) for k, v in job.data["strategy"][m.key].items()
                       if isinstance(v, dict)}
             m.load(self.device)
-            tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp, s.scale_norm)
+            tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp, s.scale_norm,
+                                                   s.act_order)
             m.unload()
             write_tensors(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn

@@ -19,7 +19,7 @@ from exlpy.model.module import Module
 
 
 def quantize_module(module: Module, states: States, device: torch.device, store: torch.device,
-                    option: dict[str, QParams], damp: float, norm: float
+                    option: dict[str, QParams], damp: float, norm: float, act_order: str = "auto"
                     ) -> tuple[dict[str, torch.Tensor], States, float]:
     """(packed tensors, quantized outputs, relative error of the first chunk's output) of a loaded module."""
     check_source(module)
@@ -31,11 +31,12 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
         taps[rec].record, taps[rec].stop = h.add, True
         forward_chunks(module, states, device, None, module.key)
         taps[rec].reset()
-        ph = prepare_hessian(h.result(), damp, f"{module.key}.{rec}")
+        hm = h.result()
         del h
         ws = [read_weight(module.index, f"{module.key}.{k}.weight", device) for k in keys]
-        results = gptq_quantize(ws, [option[k] for k in keys], ph, norm=norm)
-        del ws
+        results = quantize_best_order(ws, [option[k] for k in keys], hm, damp, norm, f"{module.key}.{rec}",
+                                      act_order)
+        del ws, hm
         for k, res in zip(keys, results):
             prefix = f"{module.key}.{k}"
             packed = pack_exl2(res, prefix, read_bias(module.index, prefix))
@@ -52,6 +53,32 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
     y = _run(module, x, contiguous_batch(x.shape[0], x.shape[1], 0, None, 0, device)).float()
     rfn = float(((yq - y).flatten(1).norm(dim=1) / y.flatten(1).norm(dim=1).clamp(min=1e-20)).mean())
     return tensors, out, rfn
+
+
+def proxy_error(ws: list[torch.Tensor], results: list[QuantResult], h: torch.Tensor) -> float:
+    """Σ over items of tr(ΔWᵀ H ΔW) / tr(Wᵀ H W): the relative output error on the calibration inputs."""
+    num = den = 0.0
+    for w, r in zip(ws, results):
+        d = r.dense() - w
+        num += float((h @ d * d).sum())
+        den += float((h @ w * w).sum())
+    return num / max(den, 1e-30)
+
+
+def quantize_best_order(ws: list[torch.Tensor], options: list[QParams], h: torch.Tensor, damp: float, norm: float,
+                        key: str, act_order: str = "auto") -> list[QuantResult]:
+    """GPTQ in act order ("on"), in the natural row order ("off"), or both, keeping the order whose output
+    error on the calibration inputs is lower ("auto"). Act order usually wins; the natural order wins where the
+    weights still carry the block structure of an earlier quantization (models distilled from GGUF files)."""
+    orders = {"on": [True], "off": [False], "auto": [True, False]}[act_order]
+    best, best_err = None, float("inf")
+    for ao in orders:
+        res = gptq_quantize(ws, options, prepare_hessian(h, damp, key, act_order=ao), norm=norm)
+        err = proxy_error(ws, res, h) if len(orders) > 1 else 0.0
+        if err < best_err:
+            best, best_err = res, err
+    assert best is not None
+    return best
 
 
 def head_hessian(norm_module: Module, states: States, device: torch.device) -> Hessian:

@@ -31,6 +31,7 @@ class ConvertSettings:
     device: str | None = None  # None: cuda:0 when there is a GPU, else the CPU
     damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
     scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
+    act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
     progress: bool = True
 
     def validate(self) -> None:
@@ -53,6 +54,8 @@ class ConvertSettings:
             raise ConvertSettingsError("give -o WORK_DIR and/or -cf OUTPUT_DIR")
         if self.out_dir is None and self.output_measurement:
             raise ConvertSettingsError("-om needs -o WORK_DIR: the measurement is written there")
+        if self.act_order not in ("on", "off", "auto"):
+            raise ConvertSettingsError(f"act_order must be 'on', 'off' or 'auto', got {self.act_order!r}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
@@ -65,7 +68,8 @@ class ConvertSettings:
             return f"{p} ({os.path.getsize(p)} bytes)" if os.path.isfile(p) else p
 
         d = asdict(self)
-        keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm")
+        keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
+                "act_order")
         out = {k: d[k] for k in keep}
         out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
                    measurement=ident(self.measurement))
