@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="windows per forward")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="4.0 bpw only, tiny calibration, 4 windows")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "convert.md"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "convert_quality.md"))
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
