@@ -91,6 +91,17 @@ def main() -> None:
     t_build = time.time() - t_start
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "-i", model, "-o", job_dir, "-cf", out_dir,
            "-b", str(a.bits), "-hb", "6", *a.child_args.split()]
+    if not os.path.exists(os.path.join(model, "tokenizer.json")):
+        # No tokenizer beside the checkout (../shared absent): random token rows, same shapes and cost.
+        cal = os.path.join(a.work, "random_rows.jsonl")
+        if not os.path.exists(cal):
+            import torch
+
+            gen = torch.Generator().manual_seed(0)
+            with open(cal, "w") as f:
+                for _ in range(128):
+                    f.write(json.dumps({"input_ids": torch.randint(0, 128000, (2048,), generator=gen).tolist()}) + "\n")
+        cmd += ["-c", cal]
     left = a.budget - (time.time() - t_start)
     status = "not started (no time left after building the model)"
     if left > 30:
