@@ -103,3 +103,31 @@ class CacheError(ExlpyError, ValueError):
 
 class GrammarError(GeneratorError):
     """A JSON schema, regex or grammar for constrained decoding is invalid, or generation left it."""
+
+
+class ConvertError(ExlpyError, RuntimeError):
+    """A conversion job (exlpy convert) cannot go on; the message says what to change."""
+
+
+class ConvertSettingsError(ConvertError, ValueError):
+    """A conversion setting is out of range or conflicts with another (bits, head bits, rows, paths)."""
+
+
+class CalibrationDataError(ConvertError, ValueError):
+    """The calibration data set is missing, unreadable, empty or too short for the rows asked."""
+
+
+class MeasurementFileError(ConvertError, ValueError):
+    """A measurement.json given with -m is malformed or belongs to another model."""
+
+
+class NumericalError(ConvertError):
+    """NaN/inf in a source tensor or in hidden states, or a Hessian that stays singular after damping."""
+
+
+class JobConflictError(ConvertError):
+    """The work or output directory holds a different job (or foreign files); -nr restarts."""
+
+
+class ConvertIOError(ConvertError, OSError):
+    """Writing the job's files failed (disk full, not writable); the job stays resumable."""
