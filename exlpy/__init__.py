@@ -12,6 +12,7 @@ from exlpy.cache import (
 from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.config import ExLlamaV2Config
 from exlpy.engine import ExLlamaV2
+from exlpy.lora import ExLlamaV2Lora
 from exlpy.tokenizer import ExLlamaV2Tokenizer
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "ExLlamaV2Cache_TP",
     "ExLlamaV2CacheBase",
     "ExLlamaV2Config",
+    "ExLlamaV2Lora",
     "ExLlamaV2Tokenizer",
     "__version__",
 ]

@@ -15,6 +15,7 @@ from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import silu_mul
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
+from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.rmsnorm import rms_norm
 from exlpy.kernels.rope import apply_rope, rope_store_kv
@@ -67,6 +68,9 @@ def register_all() -> None:
     ops.register("rms_norm_act_order", rms_norm_act_order)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)
+    ops.register("lora_shrink", lora_shrink)
+    ops.register("lora_expand", lora_expand)
+    ops.register("lora_expand_swiglu", lora_expand_swiglu)
 
 
 register_all()
