@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from exlpy.errors import LoraCapacityError, LoraConfigError, ModelStateError
 from exlpy.lora.buffers import GROUP_OF
 from exlpy.model.attention import Attention
@@ -177,15 +179,18 @@ class LoraRegistry:
                     if isinstance(m, (Attention, MLP)) and m.lora is not None:
                         yield m.lora
 
+    # Buffers are created and written in inference mode (forwards run there), whoever calls.
     def _write(self, i: int) -> None:
         s = self.slots[i]
         assert s is not None
-        for block in self._blocks():
-            block.write(i, s.key)
+        with torch.inference_mode():
+            for block in self._blocks():
+                block.write(i, s.key)
 
     def _clear(self, i: int) -> None:
-        for block in self._blocks():
-            block.clear(i)
+        with torch.inference_mode():
+            for block in self._blocks():
+                block.clear(i)
         self.slots[i] = None
 
     def _reallocate(self, rank: int, groups: set[str]) -> None:
@@ -202,11 +207,12 @@ class LoraRegistry:
 
         model = self._model()
         shares = _lane_shares(model, strategy)
-        for lane, share_of in zip((ln for st in strategy.stages for ln in st.lanes), shares):
-            for m in lane.modules:
-                if isinstance(m, (Attention, MLP)):
-                    m.lora = BlockLora(m, share_of(m) if share_of else None, self.groups, self.num_slots,
-                                       max(self.rank, MIN_RANK))
+        with torch.inference_mode():
+            for lane, share_of in zip((ln for st in strategy.stages for ln in st.lanes), shares):
+                for m in lane.modules:
+                    if isinstance(m, (Attention, MLP)):
+                        m.lora = BlockLora(m, share_of(m) if share_of else None, self.groups, self.num_slots,
+                                           max(self.rank, MIN_RANK))
         self._strategy = weakref.ref(strategy)
         self.generation += 1
         for i, s in enumerate(self.slots):
