@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def case(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("lora_par")
-    d = make_model_dir(root / "m", hidden=256, heads=6, kv_heads=3, head_dim=32, intermediate=768, vocab=700,
+    d = make_model_dir(root / "m", hidden=192, heads=6, kv_heads=3, head_dim=32, intermediate=256, vocab=700,
                        seed=4)
     return {"dir": d, "a": write_adapter(root / "a", d, r=8, seed=1),
             "b": write_adapter(root / "b", d, r=4, alpha=4, targets=["q_proj", "v_proj", "down_proj"], seed=2),

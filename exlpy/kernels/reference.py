@@ -157,8 +157,15 @@ def _token_slots(adapters: torch.Tensor, q_len: int, m: int) -> torch.Tensor:
     return adapters.view(-1, 1).expand(-1, q_len).reshape(-1)[:m]
 
 
-def _live_slots(slot: torch.Tensor) -> list[int]:
-    return [s for s in slot.unique().tolist() if s >= 0]
+def _slot_rows(adapters: torch.Tensor, q_len: int, m: int) -> list[tuple[int, torch.Tensor | None]]:
+    """(slot, its token indices, or None when it has every token) for the slots in use."""
+    slot = _token_slots(adapters, q_len, m)
+    out: list[tuple[int, torch.Tensor | None]] = []
+    for s in slot.unique().tolist():
+        if s >= 0:
+            rows = slot == s
+            out.append((s, None if bool(rows.all()) else rows.nonzero().squeeze(1)))
+    return out
 
 
 def _rank_rows(w: torch.Tensor, rank: torch.Tensor, dim: int) -> torch.Tensor:
@@ -177,11 +184,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters:
     M = x.numel() // K
     S, P, R, _ = a.shape
     h = (rms_norm(x, norm_weight, eps) if norm_weight is not None else x).reshape(M, K).float()
-    slot = _token_slots(adapters, q_len, M)
     u = torch.zeros(M, P * R, dtype=torch.float32, device=x.device)
-    for s in _live_slots(slot):
-        rows = slot == s
-        u[rows] = h[rows] @ _rank_rows(a[s], ranks[s], 1).reshape(P * R, K).t()
+    for s, idx in _slot_rows(adapters, q_len, M):
+        a_s = _rank_rows(a[s], ranks[s], 1).reshape(P * R, K)
+        if idx is None:
+            u = h @ a_s.t()
+        else:
+            u.index_copy_(0, idx, h.index_select(0, idx) @ a_s.t())
     return u.unsqueeze(0)
 
 
@@ -197,13 +206,15 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.
     if not y.is_contiguous():
         y = y.contiguous()
     yv = y.view(M, N)
-    slot = _token_slots(adapters, q_len, M)
-    for s in _live_slots(slot):
-        rows = slot == s
+    for s, idx in _slot_rows(adapters, q_len, M):
         bs = _rank_rows(b[s], ranks[s], 1)
-        delta = torch.cat([us[rows, p * R:(p + 1) * R] @ bs[edges[p]:edges[p + 1]].t()
+        us_s = us if idx is None else us.index_select(0, idx)
+        delta = torch.cat([us_s[:, p * R:(p + 1) * R] @ bs[edges[p]:edges[p + 1]].t()
                            for p in range(len(edges) - 1)], dim=1)
-        yv[rows] = (yv[rows].float() + delta).to(y.dtype)
+        if idx is None:
+            yv.copy_(yv.float() + delta)
+        else:
+            yv.index_copy_(0, idx, (yv.index_select(0, idx).float() + delta).to(y.dtype))
     return y
 
 

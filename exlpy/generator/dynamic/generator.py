@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.scheduler import plan_prefill, skip_cached_pages
@@ -139,9 +140,8 @@ class ExLlamaV2DynamicGenerator:
             raise GeneratorError("reset_page_table() needs an idle generator: jobs are still running")
         self.page_table.reset()
 
-    def set_loras(self, loras: Any) -> None:
-        if loras:
-            raise GeneratorError("LoRA adapters are not supported by exlpy's dynamic generator")
+    def set_loras(self, loras: Any) -> None:  # for jobs enqueued later that name none (no empty queue needed)
+        self.default_loras = adapters.normalize(loras, self.model)
 
     def warmup(self) -> None:
         """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
@@ -160,8 +160,9 @@ class ExLlamaV2DynamicGenerator:
     # --- iteration -----------------------------------------------------------------------------------------
     def _release(self, job: ExLlamaV2DynamicJob) -> None:
         for q in job.seqs:
-            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
+            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid(), q.salt)
             q.pages = []
+        adapters.free_slot(self, job)
         job.finished = True
         if job in self.active:
             self.active.remove(job)
@@ -176,6 +177,10 @@ class ExLlamaV2DynamicGenerator:
                 job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
                 if job.skips >= job.max_skips:
                     break  # skipped too often: later jobs may not overtake it any more
+                continue
+            if not (admitted := adapters.admit(self, job, results)):  # its LoRA adapter slot, if it needs one
+                if admitted is False and job.skips >= job.max_skips:
+                    break
                 continue
             reused = 0
             for q in job.seqs:
@@ -245,7 +250,8 @@ class ExLlamaV2DynamicGenerator:
             start, end = plan
             if end > start:
                 ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE)
+                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE,
+                                    [job.lora_slot])
                 self.model.forward_batch(ids, batch, preprocess_only=True)
                 self.prefill_tokens += end - start
                 for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
@@ -270,7 +276,7 @@ class ExLlamaV2DynamicGenerator:
         page = q.pages[p]
         if page.complete or page.kv_position or page.filler not in (None, serial):
             return
-        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else None, q.ids[pos:target])
+        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else q.salt, q.ids[pos:target])
         if donor is None or n == 0:
             return
         try:
@@ -294,7 +300,7 @@ class ExLlamaV2DynamicGenerator:
             first.append(len(rows))
             rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
         ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-        batch = paged_batch(rows, self.cache, self._device(), PAGE_SIZE)
+        batch = paged_batch(rows, self.cache, self._device(), PAGE_SIZE, [j.lora_slot for j in jobs for _ in j.seqs])
         logits = self.model.forward_batch(ids, batch, last_id_only=True)
         self.decode_tokens += len(rows)
         fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
