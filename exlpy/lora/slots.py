@@ -85,12 +85,13 @@ class LoraRegistry:
             if max_adapters is not None:
                 if max_adapters < 1:
                     raise LoraConfigError(f"max_adapters must be >= 1, got {max_adapters}")
-                held = [s for s in self.slots if s is not None and s.users]
-                if len(held) > max_adapters:
-                    raise LoraCapacityError(f"{len(held)} adapter slots are in use; cannot shrink to {max_adapters}")
-                keep = sorted((s for s in self.slots if s is not None), key=lambda s: (-s.users, -s.last_use))
+                # Slot numbers are what running jobs hold: they never move.
+                held = [i for i, s in enumerate(self.slots) if s is not None and s.users and i >= max_adapters]
+                if held:
+                    raise LoraCapacityError(f"adapter slot(s) {held} are in use by running jobs; cannot shrink to "
+                                            f"{max_adapters}")
                 self.num_slots = max_adapters
-                self.slots = (keep[:max_adapters] + [None] * max_adapters)[:max_adapters]
+                self.slots = (self.slots[:max_adapters] + [None] * max_adapters)[:max_adapters]
             if max_rank is not None:
                 if max_rank < 1:
                     raise LoraConfigError(f"max_rank must be >= 1, got {max_rank}")
