@@ -27,6 +27,8 @@ from exlpy.errors import ExlpyError
 from exlpy.server import params
 from exlpy.server.bridge import GeneratorBridge, JobFailedError, JobHandle, ServerBusyError
 from exlpy.server.format import ResultReader
+from exlpy.server.lora import adapter_cards, select_adapter
+from exlpy.server.lora import install as install_lora
 from exlpy.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -54,6 +56,7 @@ def create_app(state: ServerState) -> FastAPI:
                   lifespan=lifespan)
     app.state.exlpy = state
     _add_error_handlers(app)
+    install_lora(app)  # 404 for a model name that is neither the base model nor a --lora adapter
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -64,17 +67,20 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "exlpy", "max_model_len": state.max_seq_len}]}
+                                            "owned_by": "exlpy", "max_model_len": state.max_seq_len},
+                                           *adapter_cards(state)]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        loras = select_adapter(state, req.model)
         plan = params.plan_completion(req, state.tokenizer, state.max_seq_len)
-        return await _serve(state, plan, req.stream, request, chat=False)
+        return await _serve(state, plan, req.stream, request, chat=False, loras=loras, name=req.model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        loras = select_adapter(state, req.model)
         plan = params.plan_chat(req, state.tokenizer, state.max_seq_len)
-        return await _serve(state, plan, req.stream, request, chat=True)
+        return await _serve(state, plan, req.stream, request, chat=True, loras=loras, name=req.model)
 
     return app
 
@@ -117,10 +123,14 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _serve(state: ServerState, plan: params.JobPlan, stream: bool, request: Request, chat: bool) -> Response:
+async def _serve(state: ServerState, plan: params.JobPlan, stream: bool, request: Request, chat: bool,
+                 loras: list[Any] | None = None, name: str | None = None) -> Response:
     bridge = state.bridge
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    handle = await bridge.submit(plan.make_job(rid))
+    job = plan.make_job(rid)
+    job.loras = loras or []  # the adapter the request's model names (exlpy/server/lora.py), else none
+    model_name = name or state.model_name
+    handle = await bridge.submit(job)
     watcher = asyncio.ensure_future(_watch_disconnect(request, bridge, handle))
 
     def done() -> None:
@@ -138,7 +148,7 @@ async def _serve(state: ServerState, plan: params.JobPlan, stream: bool, request
         return JSONResponse(error_body("client disconnected", "client_error"), status_code=499)
     created = int(time.time())
     if stream:
-        return StreamingResponse(_stream(state, reader, handle, first, rid, created, chat, plan.include_usage,
+        return StreamingResponse(_stream(model_name, reader, handle, first, rid, created, chat, plan.include_usage,
                                          done),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -153,27 +163,27 @@ async def _serve(state: ServerState, plan: params.JobPlan, stream: bool, request
         return JSONResponse(error_body("client disconnected", "client_error"), status_code=499)
     if chat:
         return JSONResponse(ChatCompletionResponse(
-            id=rid, created=created, model=state.model_name, usage=reader.usage(),
+            id=rid, created=created, model=model_name, usage=reader.usage(),
             choices=[ChatChoice(message=AssistantMessage(content=reader.text), logprobs=reader.logprobs,
                                 finish_reason=reader.finish_reason)]).model_dump())  # type: ignore[arg-type]
     return JSONResponse(CompletionResponse(
-        id=rid, created=created, model=state.model_name, usage=reader.usage(),
+        id=rid, created=created, model=model_name, usage=reader.usage(),
         choices=[CompletionChoice(text=reader.text, logprobs=reader.logprobs,
                                   finish_reason=reader.finish_reason)]).model_dump())  # type: ignore[arg-type]
 
 
-async def _stream(state: ServerState, reader: ResultReader, handle: JobHandle, first: dict[str, Any], rid: str,
+async def _stream(model_name: str, reader: ResultReader, handle: JobHandle, first: dict[str, Any], rid: str,
                   created: int, chat: bool, include_usage: bool, done: Any) -> AsyncIterator[str]:
     def chunk(text: str | None, frag: dict[str, Any] | None, finish: str | None = None,
               role: bool = False) -> dict[str, Any]:
         if chat:
             delta = ChatDelta(role="assistant" if role else None, content=text)
-            out = ChatCompletionChunk(id=rid, created=created, model=state.model_name,
+            out = ChatCompletionChunk(id=rid, created=created, model=model_name,
                                       choices=[ChatChunkChoice(delta=delta, logprobs=frag,
                                                                finish_reason=finish)]).model_dump()  # type: ignore
             out["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             return out
-        return CompletionResponse(id=rid, created=created, model=state.model_name,
+        return CompletionResponse(id=rid, created=created, model=model_name,
                                   choices=[CompletionChoice(text=text or "", logprobs=frag,
                                                             finish_reason=finish)]).model_dump()  # type: ignore
 
