@@ -12,9 +12,7 @@ from exlpy.errors import ExlpyError, LoraCapacityError
 
 def resolve(generator: Any, job: Any) -> None:
     """At enqueue: the job's adapters (its own `loras`, else the generator's `set_loras`), checked."""
-    from exlpy.lora.slots import normalize
-
-    chosen = job.loras if job.loras is not None else getattr(generator, "default_loras", ())
+    chosen = job.loras if job.loras is not None else getattr(generator, "current_loras", [])
     job.lora_key = normalize(chosen, generator.model)
     job.lora_salt = salt(job.lora_key)
 

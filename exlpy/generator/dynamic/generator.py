@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
@@ -31,11 +31,14 @@ class ExLlamaV2DynamicGenerator:
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, paged: bool = True, **kwargs: Any) -> None:
+                 use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
+                 min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True) -> None:
+        """exllamav2's arguments. max_sampling_threads / min_sampling_threads / filter_background_eval tune
+        exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing."""
         cfg = model.config
         if draft_model is not None or draft_cache is not None or use_ngram_draft:
-            raise GeneratorError("speculative decoding (draft_model / use_ngram_draft) is not supported by "
-                                 "exlpy's dynamic generator")
+            raise NotSupportedError("speculative decoding (draft_model / draft_cache / use_ngram_draft) is not "
+                                    "supported by exlpy's dynamic generator yet")
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
                                  "or Q4.")
@@ -71,6 +74,10 @@ class ExLlamaV2DynamicGenerator:
         self.decode_tokens = 0
         self.cached_tokens = 0
         self.copy_partial_pages = True
+        self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
+        self.draft_model = self.draft_cache = None
+        self.use_ngram_draft = False
+        self.num_draft_tokens, self.max_ngram = num_draft_tokens, max_ngram
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -141,7 +148,7 @@ class ExLlamaV2DynamicGenerator:
         self.page_table.reset()
 
     def set_loras(self, loras: Any) -> None:  # for jobs enqueued later that name none (no empty queue needed)
-        self.default_loras = adapters.normalize(loras, self.model)
+        self.current_loras = list(adapters.normalize(loras, self.model))
 
     def warmup(self) -> None:
         """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
@@ -346,50 +353,15 @@ class ExLlamaV2DynamicGenerator:
                  abort_event: threading.Event | None = None, completion_only: bool = False,
                  filters: list[Any] | None = None, filter_prefer_eos: bool = False,
                  return_last_results: bool = False, embeddings: Any = None,
-                 banned_strings: list[str] | None = None, **kwargs: Any) -> Any:
+                 banned_strings: list[str] | None = None) -> Any:
         """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
         when `return_last_results`. A failing job raises its error here."""
-        single = isinstance(prompt, (str, tuple))
-        prompts = [prompt] if single else list(prompt)
-        settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
-        # Filters hold per-sequence state: a batch takes one list of filters per prompt.
-        per_prompt_filters = filters if (filters and not single and isinstance(filters[0], list)) else None
-        jobs = []
-        for i, p in enumerate(prompts):
-            texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
-            ids = [self.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
-                   for t in texts]
-            jobs.append(ExLlamaV2DynamicJob(
-                ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
-                token_healing=token_healing, seed=None if seed is None else seed + i,
-                stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
-                filters=per_prompt_filters[i] if per_prompt_filters else filters,
-                filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
-                embeddings=embeddings))
-        self.enqueue(jobs)
-        completions = [""] * len(prompts)
-        last: list[dict[str, Any] | None] = [None] * len(prompts)
-        while any(not j.finished for j in jobs):
-            if abort_event is not None and abort_event.is_set():
-                for j in jobs:
-                    if not j.finished:
-                        self.cancel(j)
-                break
-            for r in self.iterate():
-                if r["stage"] != "streaming" or r["job"] not in jobs:
-                    continue
-                i = r["identifier"]
-                completions[i] += r.get("text", "")
-                if r["eos"]:
-                    if "error" in r:
-                        raise r["error"]
-                    last[i] = r
-        texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c
-                 for p, c in zip(prompts, completions)]
-        out: Any = texts[0] if single else texts
-        if return_last_results:
-            return out, (last[0] if single else last)
-        return out
+        from exlpy.generator.dynamic.oneshot import run_generate
+
+        return run_generate(self, prompt, max_new_tokens, min_new_tokens, seed, gen_settings, token_healing,
+                            encode_special_tokens, decode_special_tokens, stop_conditions, add_bos, abort_event,
+                            completion_only, filters, filter_prefer_eos, return_last_results, embeddings,
+                            banned_strings)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -1,0 +1,61 @@
+"""`ExLlamaV2DynamicGenerator.generate()`: one call that enqueues a job per prompt and iterates until all end."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+
+if TYPE_CHECKING:
+    from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
+
+
+def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int,
+                 min_new_tokens: int, seed: int | None, gen_settings: Any, token_healing: bool,
+                 encode_special_tokens: bool, decode_special_tokens: bool,
+                 stop_conditions: Iterable[int | str] | None, add_bos: bool, abort_event: threading.Event | None,
+                 completion_only: bool, filters: list[Any] | None, filter_prefer_eos: bool,
+                 return_last_results: bool, embeddings: Any, banned_strings: list[str] | None) -> Any:
+    single = isinstance(prompt, (str, tuple))
+    prompts = [prompt] if single else list(prompt)
+    settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
+    # Filters hold per-sequence state: a batch takes one list of filters per prompt.
+    per_prompt_filters = filters if (filters and not single and isinstance(filters[0], list)) else None
+    jobs = []
+    for i, p in enumerate(prompts):
+        texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
+        ids = [gen.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+               for t in texts]
+        jobs.append(ExLlamaV2DynamicJob(
+            ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
+            token_healing=token_healing, seed=None if seed is None else seed + i,
+            stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
+            filters=per_prompt_filters[i] if per_prompt_filters else filters,
+            filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
+            embeddings=embeddings))
+    gen.enqueue(jobs)
+    completions = [""] * len(prompts)
+    last: list[dict[str, Any] | None] = [None] * len(prompts)
+    while any(not j.finished for j in jobs):
+        if abort_event is not None and abort_event.is_set():
+            for j in jobs:
+                if not j.finished:
+                    gen.cancel(j)
+            break
+        for r in gen.iterate():
+            if r["stage"] != "streaming" or r["job"] not in jobs:
+                continue
+            i = r["identifier"]
+            completions[i] += r.get("text", "")
+            if r["eos"]:
+                if "error" in r:
+                    raise r["error"]
+                last[i] = r
+    texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c
+             for p, c in zip(prompts, completions)]
+    out: Any = texts[0] if single else texts
+    if return_last_results:
+        return out, (last[0] if single else last)
+    return out
