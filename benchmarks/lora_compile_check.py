@@ -65,7 +65,7 @@ def variants(dt: str = "fp16", with_pdl: bool = True) -> dict[str, dict]:
                    "adapters_ptr": "*i64", "da_ptr": p, "dranks_ptr": "*i32", "dout_ptr": "*fp32"}
     for m, R in ((1, 16), (32, 16), (2048, 64)):
         bm, br, bk, _, _ = lora.shrink_config(m, 4096, 3, R)
-        for pdl in (False, True) if with_pdl else (False,):
+        for pdl in (False, True) if with_pdl and m == 1 else (False,):  # PDL launches are the decode ones
             tag = f"M{m} R{R}{' pdl' if pdl else ''}"
             warps = lora._warps(bm)
             out[f"shrink qkv norm {tag}"] = compile_kernel(lora._shrink_kernel, shrink_ptrs, dict(
