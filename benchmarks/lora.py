@@ -153,7 +153,8 @@ def decode_paged(model: Any, slots: list[int] | None, context: int, gen_len: int
 
 def profile(model: Any, loras: list | None, label: str) -> str:
     """Top GPU kernels of 5 captured batch-1 steps (where an adapter's time goes)."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     from exlpy import ExLlamaV2Cache
 

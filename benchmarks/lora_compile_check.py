@@ -71,11 +71,12 @@ def variants(dt: str = "fp16", with_pdl: bool = True) -> dict[str, dict]:
             out[f"shrink qkv norm {tag}"] = compile_kernel(lora._shrink_kernel, shrink_ptrs, dict(
                 P=3, R=R, HAS_NORM=True, IEEE=False, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, PDL=pdl), warps)
             out[f"expand qkv {tag}"] = compile_kernel(lora._expand_kernel, expand_ptrs, dict(
-                P=3, R=R, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(bm, False), BLOCK_R=br,
+                P=3, R=R, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(m), BLOCK_R=br,
                 SB=lora._sb(bm, br), PDL=pdl), warps)
+            fused = m <= lora._DOWN_FUSED_MAX_TOKENS
             out[f"expand_swiglu {tag}"] = compile_kernel(lora._expand_swiglu_kernel, swiglu_ptrs, dict(
-                R=R, R2=R, DOWN=m <= lora._DOWN_FUSED_MAX_TOKENS, IEEE=False, BLOCK_M=bm,
-                BLOCK_N=lora.expand_block_n(bm, True), BLOCK_R=br, BLOCK_R2=br, SB=lora._sb(bm, br), PDL=pdl),
+                R=R, R2=R, DOWN=fused, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(m, fused), BLOCK_R=br,
+                BLOCK_R2=br, SB=lora._sb(bm, br), PDL=pdl),
                 warps)
     return out
 

@@ -28,8 +28,12 @@ import triton.language as tl
 
 from exlpy.kernels import pdl
 
-_TARGET_PROGRAMS = 128  # shrink programs per active slot and part (K is split until there are about this many)
-_DOWN_FUSED_MAX_TOKENS = 16  # above this the fused down partials cost more L2 reads than a separate shrink
+# K splits of the shrink: more programs read A in parallel, but every expand program re-adds the splits of its
+# tokens, so the split count falls as tokens grow (splits x tokens <= _SPLIT_TOKENS).
+_SPLIT_TOKENS = 128
+# The gate|up expand emits down_proj's shrink partials (one split per column tile) up to this many tokens; above
+# it, re-adding those splits in the down expand costs more than a shrink launch.
+_DOWN_FUSED_MAX_TOKENS = 4
 
 
 def _block_m(m: int) -> int:
@@ -81,6 +85,19 @@ def _sum_splits(u_ptr, rows, match, col, r_ok, splits, u_split, u_m,
 
 
 @triton.jit
+def _row_scale(u_ptr, rows, match, col, splits, u_split, u_m, BLOCK_M: tl.constexpr, SB: tl.constexpr):
+    """rsqrt of the scale column summed over the splits: each row's RMSNorm scale (1 without a norm)."""
+    sp = tl.arange(0, SB)
+    base = u_ptr + rows[None, :] * u_m + col
+    acc = tl.zeros([BLOCK_M], tl.float32)
+    for s0 in range(0, splits, SB):
+        idx = s0 + sp
+        t = tl.load(base + idx[:, None] * u_split, mask=match[None, :] & (idx < splits)[:, None], other=0.0)
+        acc += tl.sum(t, axis=0)
+    return tl.rsqrt(tl.where(match, acc, 1.0))
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, nw_ptr, a_ptr, ranks_ptr, adapters_ptr, out_ptr,
                    M, K, q_len, num_slots, k_per_split, x_stride, a_s, a_p, a_r, o_split, o_m, eps,
                    P: tl.constexpr, R: tl.constexpr, HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
@@ -95,19 +112,13 @@ def _shrink_kernel(x_ptr, nw_ptr, a_ptr, ranks_ptr, adapters_ptr, out_ptr,
     rank = tl.load(ranks_ptr + s)
     if (tl.max(match.to(tl.int32), axis=0) > 0) & (rank > 0):
         xrow = x_ptr + rows.to(tl.int64)[:, None] * x_stride
-        wt = a_ptr.dtype.element_ty  # dot operands in the weights' dtype, fp32 accumulation
-        scale = tl.full([BLOCK_M], 1.0, tl.float32)
-        if HAS_NORM:  # the row's RMS scale needs the whole row: every split reads it (from L2)
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                xt = tl.load(xrow + k[None, :], mask=match[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-                ss += tl.sum(xt * xt, axis=1)
-            scale = tl.rsqrt(ss / K + eps)
+        # Operands in the weights' dtype with fp32 accumulation; x·w of a norm in fp32 (it is not normalized yet).
+        wt = tl.float32 if HAS_NORM else a_ptr.dtype.element_ty
         r = tl.arange(0, BLOCK_R)
         r_ok = (r < rank) & (r < R)
         arow = a_ptr + s.to(tl.int64) * a_s + p * a_p + r[:, None] * a_r
         acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        ss = tl.zeros([BLOCK_M], tl.float32)
         k_lo = tl.program_id(2) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -115,12 +126,21 @@ def _shrink_kernel(x_ptr, nw_ptr, a_ptr, ranks_ptr, adapters_ptr, out_ptr,
             k_ok = k < k_hi
             xt = tl.load(xrow + k[None, :], mask=match[:, None] & k_ok[None, :], other=0.0)
             if HAS_NORM:
-                nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                xt = (xt.to(tl.float32) * nw[None, :] * scale[:, None])
+                xf = xt.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+                xt = xf * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             at = tl.load(arow + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += _dot(xt.to(wt), tl.trans(at), IEEE)
+            acc += _dot(xt.to(wt), tl.trans(at.to(wt)), IEEE)
         dst = out_ptr + tl.program_id(2) * o_split + rows[:, None] * o_m + p * R + r[None, :]
         tl.store(dst, acc, mask=match[:, None] & (r < R)[None, :])
+        # The scale column: this split's share of mean(x²) + eps (the RMSNorm's, applied by the expand), or 1.
+        first = (tl.program_id(2) == 0).to(tl.float32)
+        if HAS_NORM:
+            scale_part = ss / K + first * eps
+        else:
+            scale_part = tl.zeros([BLOCK_M], tl.float32) + first
+        if p == 0:
+            tl.store(out_ptr + tl.program_id(2) * o_split + rows * o_m + P * R, scale_part, mask=match)
 
 
 @triton.jit
@@ -141,12 +161,14 @@ def _expand_kernel(y_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr,
         r = tl.arange(0, BLOCK_R)
         r_ok = (r < rank) & (r < R)
         bcol = b_ptr + s.to(tl.int64) * b_s + n.to(tl.int64)[:, None] * b_n + r[None, :]
+        scale = _row_scale(u_ptr, rows, match, P * R, splits, u_split, u_m, BLOCK_M, SB)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for p in tl.static_range(P):  # the parts (q, k, v) whose columns this tile covers
             lo = 0 if p == 0 else (edge1 if p == 1 else edge2)
             hi = edge1 if p == 0 else (edge2 if p == 1 else N)
             if (n0 < hi) & (n0 + BLOCK_N > lo):
                 u = _sum_splits(u_ptr, rows, match, p * R, r_ok, splits, u_split, u_m, BLOCK_M, BLOCK_R, SB)
+                u = u * scale[:, None]
                 in_p = (n >= lo) & (n < hi)
                 bt = tl.load(bcol, mask=in_p[:, None] & r_ok[None, :], other=0.0)
                 acc += _dot(u.to(bt.dtype), tl.trans(bt), IEEE)
@@ -185,9 +207,10 @@ def _expand_swiglu_kernel(gu_ptr, act_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr
             bcol = b_ptr + s.to(tl.int64) * b_s + n.to(tl.int64)[:, None] * b_n + r[None, :]
             bm = n_ok[:, None] & r_ok[None, :]
             wt = b_ptr.dtype.element_ty
-            u0 = _sum_splits(u_ptr, rows, match, 0, r_ok, splits, u_split, u_m, BLOCK_M, BLOCK_R, SB)
+            scale = _row_scale(u_ptr, rows, match, 2 * R, splits, u_split, u_m, BLOCK_M, SB)[:, None]
+            u0 = _sum_splits(u_ptr, rows, match, 0, r_ok, splits, u_split, u_m, BLOCK_M, BLOCK_R, SB) * scale
             g += _dot(u0.to(wt), tl.trans(tl.load(bcol, mask=bm, other=0.0)), IEEE)
-            u1 = _sum_splits(u_ptr, rows, match, R, r_ok, splits, u_split, u_m, BLOCK_M, BLOCK_R, SB)
+            u1 = _sum_splits(u_ptr, rows, match, R, r_ok, splits, u_split, u_m, BLOCK_M, BLOCK_R, SB) * scale
             up += _dot(u1.to(wt), tl.trans(tl.load(bcol + inter * b_n, mask=bm, other=0.0)), IEEE)
         dt = act_ptr.dtype.element_ty
         g = g.to(dt).to(tl.float32)  # the adapted projection's output, rounded as the unfused path stores it
@@ -204,6 +227,9 @@ def _expand_swiglu_kernel(gu_ptr, act_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr
                 part = _dot(act.to(at.dtype), tl.trans(at), IEEE)
                 dst = dout_ptr + tl.program_id(2) * d_split + rows[:, None] * d_m + r2[None, :]
                 tl.store(dst, part, mask=match[:, None] & (r2 < R2)[None, :])
+                first = (tl.program_id(2) == 0).to(tl.float32)  # the scale column (no norm): 1 in split 0
+                tl.store(dout_ptr + tl.program_id(2) * d_split + rows * d_m + R2,
+                         tl.zeros([BLOCK_M], tl.float32) + first, mask=match)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -217,19 +243,20 @@ def _launch_kw(t: torch.Tensor) -> dict:
 
 
 def shrink_config(M: int, K: int, P: int, R: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_R, BLOCK_K, K splits, K per split) for `lora_shrink`: tiles of ~4K elements, and K split
-    until an active slot has about `_TARGET_PROGRAMS` programs."""
+    """(BLOCK_M, BLOCK_R, BLOCK_K, K splits, K per split) for `lora_shrink`: tiles of ~4K elements; K split
+    while splits x tokens stay within _SPLIT_TOKENS."""
     bm, br = _block_m(M), _block_r(R)
     bk = max(32, min(256, 4096 // max(bm, br)))
-    mblocks, chunks = triton.cdiv(M, bm), triton.cdiv(K, bk)
-    splits = min(chunks, max(1, _TARGET_PROGRAMS // (P * mblocks)))
+    chunks = triton.cdiv(K, bk)
+    splits = min(chunks, max(1, _SPLIT_TOKENS // max(M, 1)))
     k_per = triton.cdiv(chunks, splits) * bk
     return bm, br, bk, triton.cdiv(K, k_per), k_per
 
 
-def expand_block_n(block_m: int, swiglu: bool) -> int:
-    """Output columns per program (gate|up at one token tile: 128, fewer partials for the fused down shrink)."""
-    return 128 if swiglu and block_m == 16 else 64
+def expand_block_n(M: int, fused_down: bool = False) -> int:
+    """Output columns per program: wider tiles as tokens grow (fewer programs re-adding the shrink's splits);
+    widest for gate|up with the fused down shrink (each column tile is one split of it)."""
+    return 256 if fused_down else 128 if 16 < M <= 64 else 64  # 64-token tiles keep 64 columns (registers)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
@@ -239,7 +266,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters:
     S, P, R, _ = a.shape
     bm, br, bk, splits, k_per = shrink_config(M, K, P, R)
     mblocks = triton.cdiv(M, bm)
-    out = torch.empty(splits, M, P * R, dtype=torch.float32, device=x.device)
+    out = torch.empty(splits, M, P * R + 1, dtype=torch.float32, device=x.device)
     if M == 0:
         return out
     _shrink_kernel[(S * P, mblocks, splits)](
@@ -258,10 +285,10 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.
     M = y.numel() // N
     S, _, R = b.shape
     P = len(bounds) + 1
-    assert P <= 3 and u.shape[-1] == P * R, "lora_expand: up to three parts, u of P * R columns"
+    assert P <= 3 and u.shape[-1] == P * R + 1, "lora_expand: up to three parts, u of P * R + 1 columns"
     edges = [*bounds, N, N]
     bm, br = _block_m(M), _block_r(R)
-    bn = expand_block_n(bm, False)
+    bn = expand_block_n(M)
     if M == 0:
         return y
     _expand_kernel[(S, triton.cdiv(M, bm), triton.cdiv(N, bn))](
@@ -281,10 +308,10 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
     act = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
     fused = down_a is not None and M <= _DOWN_FUSED_MAX_TOKENS
     bm, br = _block_m(M), _block_r(R)
-    bn = expand_block_n(bm, True)
+    bn = expand_block_n(M, fused)
     nblocks = triton.cdiv(inter, bn)
     R2 = down_a.shape[2] if down_a is not None else 16
-    dout = torch.empty(nblocks if fused else 0, M, R2, dtype=torch.float32, device=gu.device)
+    dout = torch.empty(nblocks if fused else 0, M, R2 + 1, dtype=torch.float32, device=gu.device)
     if M:
         da = down_a if fused else b
         _expand_swiglu_kernel[(S + 1, triton.cdiv(M, bm), nblocks)](

@@ -149,9 +149,11 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
 # Adapter weights live in slot buffers: a [S, P, R, K] holds the down-projections (lora_A) of P projections that
 # read the same input, b [S, N, R] the up-projections (lora_B, scaling folded in) of their N output columns side
 # by side; ranks [S] says how many of the R rank rows slot s uses. Token m belongs to row m // q_len, whose slot
-# is adapters[row] (-1: no adapter). The first op (shrink) returns fp32 partial products [splits, M, P*R] whose
-# sum over dim 0 is u = x @ A^T per token; this reference returns one split, the kernels split K for more
-# programs. Rows without a slot, or whose slot has rank 0, may hold anything there: the expand never reads them.
+# is adapters[row] (-1: no adapter). The first op (shrink) returns fp32 partials [splits, M, P*R + 1]: summed
+# over dim 0, columns :P*R times rsqrt(column P*R) give u = h @ A^T per token (h = x, or its RMSNorm: the kernels
+# split K over programs and leave the norm's scale to the expand that adds the splits up). This reference returns
+# one split and scale column 1. Rows without a slot, or whose slot has rank 0, may hold anything: the expand
+# never reads them.
 
 def _token_slots(adapters: torch.Tensor, q_len: int, m: int) -> torch.Tensor:
     return adapters.view(-1, 1).expand(-1, q_len).reshape(-1)[:m]
@@ -178,19 +180,20 @@ def _rank_rows(w: torch.Tensor, rank: torch.Tensor, dim: int) -> torch.Tensor:
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """Partial products [splits, M, P*R] (fp32) of x [..., K] (rms_norm(x, norm_weight, eps) first when
-    norm_weight is given) with each token's slot of a [S, P, R, K]; see the comment above."""
+    """Partials [splits, M, P*R + 1] (fp32) of x [..., K] (rms_norm(x, norm_weight, eps) first when norm_weight
+    is given) with each token's slot of a [S, P, R, K]; see the comment above."""
     K = x.shape[-1]
     M = x.numel() // K
     S, P, R, _ = a.shape
     h = (rms_norm(x, norm_weight, eps) if norm_weight is not None else x).reshape(M, K).float()
-    u = torch.zeros(M, P * R, dtype=torch.float32, device=x.device)
+    u = torch.zeros(M, P * R + 1, dtype=torch.float32, device=x.device)
+    u[:, -1] = 1.0
     for s, idx in _slot_rows(adapters, q_len, M):
         a_s = _rank_rows(a[s], ranks[s], 1).reshape(P * R, K)
         if idx is None:
-            u = h @ a_s.t()
+            u[:, :-1] = h @ a_s.t()
         else:
-            u.index_copy_(0, idx, h.index_select(0, idx) @ a_s.t())
+            u[idx, :-1] = h.index_select(0, idx) @ a_s.t()
     return u.unsqueeze(0)
 
 
@@ -202,7 +205,8 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.
     M = y.numel() // N
     R = b.shape[-1]
     edges = [0, *bounds, N]
-    us = u.sum(0)
+    total = u.sum(0)
+    us = total[:, :-1] * total[:, -1:].rsqrt()
     if not y.is_contiguous():
         y = y.contiguous()
     yv = y.view(M, N)
