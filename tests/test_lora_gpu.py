@@ -4,6 +4,7 @@ with two GPUs, tensor parallelism and a layer split do the same."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,3 +130,29 @@ def test_cpu_reference_equals_rows_alone(case: dict[str, Any]) -> None:
     for r, keys in enumerate(ROWS):
         alone = m.forward(ids[r:r + 1], loras=[ad[k] for k in keys] if keys else None)[:, -3:]
         assert rel_err(ref[r:r + 1], alone) <= 1e-5
+
+
+@requires_cuda
+def test_exl2_base_adapter_decode_cuda(tmp_path: Path) -> None:
+    """EXL2 on a GPU (the grouped q|k|v and gate|up GEMVs with their act-order gather at batch 1): adapted
+    decode steps, captured and eager, equal the fp32 CPU model's logits."""
+    from safetensors import safe_open
+
+    from tests.conftest import shared_path
+
+    d = shared_path("models", "tiny-llama-exl2-4.0")
+    ad = write_adapter(tmp_path / "a", d, r=16, seed=5, std=0.03)
+    ids = safe_open(str(d / "reference.safetensors"), "pt").get_tensor("input_ids")[:, :24]
+    cpu = ExLlamaV2(ExLlamaV2Config(str(d)))
+    cpu.load(device="cpu")
+    ref = cpu.forward(ids, loras=[ExLlamaV2Lora.from_directory(cpu, str(ad))])[:, 20:]
+    m = ExLlamaV2(ExLlamaV2Config(str(d)))
+    m.load(device="cuda:0")
+    lora = ExLlamaV2Lora.from_directory(m, str(ad))
+    for graphs in (True, False):
+        m.config.no_graphs = not graphs
+        cache = ExLlamaV2Cache(m, max_seq_len=32)
+        m.forward(ids[:, :20], cache, preprocess_only=True, loras=[lora])
+        out = torch.cat([m.forward(ids[:, t:t + 1], cache, loras=[lora]).float().cpu() for t in range(20, 24)], 1)
+        assert rel_err(out, ref) <= 2e-2, graphs
+    m.config.no_graphs = False

@@ -158,3 +158,32 @@ def test_exl2_base_equals_peft_on_dequantized(r: int, tmp_path: Path) -> None:
     assert rel_err(model.forward(ref_ids), base) <= TOL
     assert rel_err(ref, base) > 0.05
     assert rel_err(model.forward(ref_ids, loras=[lora]), ref) <= TOL
+
+
+def test_gptq_base_equals_its_dense_twin(tmp_path: Path) -> None:
+    """A GPTQ model with an adapter equals its exactly dequantized fp32 twin with the same adapter (the twin's
+    adapter path is the one checked against PEFT above)."""
+    from tests.lora_util import write_adapter
+    from tests.test_gptq import _write_models
+
+    qdir, ddir = _write_models(tmp_path, v2=False)
+    ad = write_adapter(tmp_path / "ad", ddir, r=8, seed=3, std=0.03)
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(7))
+    out = []
+    for d in (qdir, ddir):
+        model = _exlpy(d)
+        out.append(model.forward(ids, loras=[ExLlamaV2Lora.from_directory(model, str(ad))]))
+        base = model.forward(ids)
+    assert rel_err(out[0], out[1]) <= TOL and rel_err(out[1], base) > 0.01
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qkv_bias_and_qk_norm_architectures_equal_peft(arch: str, tmp_path: Path) -> None:
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm after the adapted projections)."""
+    hf = make_hf_model(tmp_path / "m", arch, dtype=torch.float16)
+    pm = peft_adapter(hf, tmp_path / "ad", r=8, alpha=8, seed=4)
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(8))
+    ref, base = _peft_logits(pm, ids)
+    model = _exlpy(tmp_path / "m")
+    assert rel_err(ref, base) > 0.05
+    assert rel_err(model.forward(ids, loras=[ExLlamaV2Lora.from_directory(model, str(tmp_path / "ad"))]), ref) <= TOL
