@@ -68,15 +68,17 @@ def variants(dt: str = "fp16", with_pdl: bool = True) -> dict[str, dict]:
         for pdl in (False, True) if with_pdl and m == 1 else (False,):  # PDL launches are the decode ones
             tag = f"M{m} R{R}{' pdl' if pdl else ''}"
             warps = lora._warps(bm)
+            _, by_row, rows_p2 = lora.slot_groups(m, 8)  # rows = tokens here (decode: one token per row)
+            rows = dict(BY_ROW=by_row, ROWS_P2=rows_p2)
             out[f"shrink qkv norm {tag}"] = compile_kernel(lora._shrink_kernel, shrink_ptrs, dict(
-                P=3, R=R, HAS_NORM=True, IEEE=False, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, PDL=pdl), warps)
+                P=3, R=R, HAS_NORM=True, IEEE=False, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, PDL=pdl, **rows), warps)
             out[f"expand qkv {tag}"] = compile_kernel(lora._expand_kernel, expand_ptrs, dict(
                 P=3, R=R, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(m), BLOCK_R=br,
-                SB=lora._sb(bm, br), PDL=pdl), warps)
+                SB=lora._sb(bm, br), PDL=pdl, **rows), warps)
             fused = m <= lora._DOWN_FUSED_MAX_TOKENS
             out[f"expand_swiglu {tag}"] = compile_kernel(lora._expand_swiglu_kernel, swiglu_ptrs, dict(
                 R=R, R2=R, DOWN=fused, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(m, fused), BLOCK_R=br,
-                BLOCK_R2=br, SB=lora._sb(bm, br), PDL=pdl),
+                BLOCK_R2=br, SB=lora._sb(bm, br), PDL=pdl, **rows),
                 warps)
     return out
 

@@ -71,6 +71,7 @@ def _case(rows: list[int], q_len: int, K: int, parts: list[int], R: int, ranks: 
     ([1, -1, 0, 1, 2, -1, 0], 1, [16, 4, 8], False),  # mixed slots and rows with no adapter
     ([2, 0], 5, [3, 16, 16], True),  # several tokens per row (speculative / prefill)
     ([-1, -1], 2, [16, 16, 16], False),  # no adapter in the batch: nothing changes
+    ([1, -1, 1], 1, [0, 12, 16, 16], True),  # fewer rows than slots, a slot on two rows
 ])
 def test_shrink_expand_qkv_parts(rows: list[int], q_len: int, ranks: list[int], norm: bool) -> None:
     _cpu_ok()
@@ -85,15 +86,19 @@ def test_shrink_splits_and_odd_sizes() -> None:
     _case([0] * 3, 1, K=1500, parts=[130], R=16, ranks=[16], norm=False, seed=2)
 
 
-@pytest.mark.parametrize("rows,q_len,fused", [([0, -1, 1, 0], 1, True), ([1, 0, -1] * 7, 1, False),
-                                              ([0, 1], 3, True)])
+@pytest.mark.parametrize("rows,q_len,fused", [
+    ([0, -1, 1, 0], 1, True),  # as many rows as slots: one program group per slot
+    ([1, 0, -1] * 7, 1, False),  # 21 tokens: the down partials come from a separate shrink
+    ([2, 2], 3, True),  # fewer rows than slots: program groups per row, a repeated slot served once
+    ([3], 1, True),  # batch-1 decode
+])
 def test_expand_swiglu_with_down_partials(rows: list[int], q_len: int, fused: bool) -> None:
     _cpu_ok()
     g = torch.Generator().manual_seed(3)
     K, inter, R, R2 = 48, 160, 16, 8
-    a, b, rk = _slots(2, 2, R, K, 2 * inter, [16, 6], g, "cpu", torch.float32)
-    da = torch.randn(2, 1, R2, inter, generator=g)
-    drk = torch.tensor([8, 0 if fused else 3], dtype=torch.int32)
+    a, b, rk = _slots(4, 2, R, K, 2 * inter, [16, 6, 16, 9], g, "cpu", torch.float32)
+    da = torch.randn(4, 1, R2, inter, generator=g)
+    drk = torch.tensor([8, 0 if fused else 3, 8, 5], dtype=torch.int32)
     adapters = torch.tensor(rows)
     M = len(rows) * q_len
     x = torch.randn(len(rows), q_len, K, generator=g)

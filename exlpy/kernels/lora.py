@@ -54,8 +54,27 @@ def _sb(block_m: int, block_r: int) -> int:
 
 
 @triton.jit
+def _program_slot(adapters_ptr, g, n_rows, num_slots, BY_ROW: tl.constexpr, ROWS_P2: tl.constexpr):
+    """The slot program group g serves. Over slots: slot g. BY_ROW (fewer rows than slots, e.g. batch-1 decode,
+    so fewer idle programs): row g's slot if row g is the first row using it, else -2 (nothing to do). The group
+    after the last (g == rows or slots) stands for the tokens with no adapter: num_slots."""
+    if BY_ROW:
+        last = n_rows
+        s = tl.load(adapters_ptr + tl.minimum(g, n_rows - 1))
+        j = tl.arange(0, ROWS_P2)
+        before = tl.load(adapters_ptr + j, mask=j < g, other=-3)
+        seen = tl.max((before == s).to(tl.int32), axis=0) > 0
+        s = tl.where(seen | (s < 0), -2, s)
+    else:
+        last = num_slots
+        s = g
+    return tl.where(g >= last, num_slots, s)
+
+
+@triton.jit
 def _slot_rows(adapters_ptr, rows, M, q_len, s, num_slots):
-    """Tokens of the tile that use slot s; s == num_slots stands for the tokens with no adapter."""
+    """Tokens of the tile that use slot s; s == num_slots stands for the tokens with no adapter, s == -2 for
+    none."""
     ok = rows < M
     slot = tl.maximum(tl.load(adapters_ptr + rows // q_len, mask=ok, other=-1), -1)
     return ok & (slot == tl.where(s < num_slots, s, -1))
@@ -99,18 +118,19 @@ def _row_scale(u_ptr, rows, match, col, splits, u_split, u_m, BLOCK_M: tl.conste
 
 @triton.jit
 def _shrink_kernel(x_ptr, nw_ptr, a_ptr, ranks_ptr, adapters_ptr, out_ptr,
-                   M, K, q_len, num_slots, k_per_split, x_stride, a_s, a_p, a_r, o_split, o_m, eps,
+                   M, K, q_len, n_rows, num_slots, k_per_split, x_stride, a_s, a_p, a_r, o_split, o_m, eps,
                    P: tl.constexpr, R: tl.constexpr, HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    s = tl.program_id(0) // P
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BY_ROW: tl.constexpr,
+                   ROWS_P2: tl.constexpr, PDL: tl.constexpr):
     p = tl.program_id(0) % P
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     if PDL:  # launched early (exlpy/kernels/pdl.py): x comes from the previous kernel
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    s = _program_slot(adapters_ptr, tl.program_id(0) // P, n_rows, num_slots, BY_ROW, ROWS_P2)
     match = _slot_rows(adapters_ptr, rows, M, q_len, s, num_slots)
-    rank = tl.load(ranks_ptr + s)
-    if (tl.max(match.to(tl.int32), axis=0) > 0) & (rank > 0):
+    rank = tl.load(ranks_ptr + tl.maximum(s, 0))
+    if (tl.max(match.to(tl.int32), axis=0) > 0) & (rank > 0) & (s >= 0):
         xrow = x_ptr + rows.to(tl.int64)[:, None] * x_stride
         # Operands in the weights' dtype with fp32 accumulation; x·w of a norm in fp32 (it is not normalized yet).
         wt = tl.float32 if HAS_NORM else a_ptr.dtype.element_ty
@@ -145,19 +165,20 @@ def _shrink_kernel(x_ptr, nw_ptr, a_ptr, ranks_ptr, adapters_ptr, out_ptr,
 
 @triton.jit
 def _expand_kernel(y_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr,
-                   M, N, q_len, num_slots, splits, y_stride, u_split, u_m, b_s, b_n, edge1, edge2,
+                   M, N, q_len, n_rows, num_slots, splits, y_stride, u_split, u_m, b_s, b_n, edge1, edge2,
                    P: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr):
-    s = tl.program_id(0)
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SB: tl.constexpr, BY_ROW: tl.constexpr,
+                   ROWS_P2: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(2) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     if PDL:  # launched early: y and u come from earlier kernels
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    s = _program_slot(adapters_ptr, tl.program_id(0), n_rows, num_slots, BY_ROW, ROWS_P2)
     match = _slot_rows(adapters_ptr, rows, M, q_len, s, num_slots)
-    rank = tl.load(ranks_ptr + s)
-    if (tl.max(match.to(tl.int32), axis=0) > 0) & (rank > 0):
+    rank = tl.load(ranks_ptr + tl.maximum(s, 0))
+    if (tl.max(match.to(tl.int32), axis=0) > 0) & (rank > 0) & (s >= 0):
         r = tl.arange(0, BLOCK_R)
         r_ok = (r < rank) & (r < R)
         bcol = b_ptr + s.to(tl.int64) * b_s + n.to(tl.int64)[:, None] * b_n + r[None, :]
@@ -180,18 +201,20 @@ def _expand_kernel(y_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr,
 
 @triton.jit
 def _expand_swiglu_kernel(gu_ptr, act_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr, da_ptr, dranks_ptr, dout_ptr,
-                          M, inter, q_len, num_slots, splits, gu_stride, act_stride, u_split, u_m, b_s, b_n,
+                          M, inter, q_len, n_rows, num_slots, splits, gu_stride, act_stride, u_split, u_m, b_s, b_n,
                           da_s, da_r, d_split, d_m,
                           R: tl.constexpr, R2: tl.constexpr, DOWN: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_R2: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr):
-    s = tl.program_id(0)  # == num_slots: the tokens without an adapter (activation only)
+                          BLOCK_R2: tl.constexpr, SB: tl.constexpr, BY_ROW: tl.constexpr, ROWS_P2: tl.constexpr,
+                          PDL: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # The last program group takes the tokens without an adapter (the activation only).
+    s = _program_slot(adapters_ptr, tl.program_id(0), n_rows, num_slots, BY_ROW, ROWS_P2)
     match = _slot_rows(adapters_ptr, rows, M, q_len, s, num_slots)
     if tl.max(match.to(tl.int32), axis=0) > 0:
         rows64 = rows.to(tl.int64)
@@ -199,7 +222,7 @@ def _expand_swiglu_kernel(gu_ptr, act_ptr, u_ptr, b_ptr, ranks_ptr, adapters_ptr
         gp = gu_ptr + rows64[:, None] * gu_stride + n[None, :]
         g = tl.load(gp, mask=m2, other=0.0).to(tl.float32)
         up = tl.load(gp + inter, mask=m2, other=0.0).to(tl.float32)
-        s_c = tl.minimum(s, num_slots - 1)
+        s_c = tl.minimum(s, num_slots - 1)  # s >= 0 here: some token matched
         rank = tl.load(ranks_ptr + s_c)
         if (s < num_slots) & (rank > 0):
             r = tl.arange(0, BLOCK_R)
@@ -242,6 +265,13 @@ def _launch_kw(t: torch.Tensor) -> dict:
     return {"PDL": pdl.enabled(t.device), **pdl.launch_options(t.device)}
 
 
+def slot_groups(n_rows: int, num_slots: int) -> tuple[int, bool, int]:
+    """(program groups along the slot axis, BY_ROW, ROWS_P2): one group per row when there are fewer rows than
+    slots (a batch of n rows uses at most n adapters), else one per slot."""
+    by_row = n_rows < num_slots
+    return (n_rows if by_row else num_slots), by_row, triton.next_power_of_2(max(n_rows, 1))
+
+
 def shrink_config(M: int, K: int, P: int, R: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_R, BLOCK_K, K splits, K per split) for `lora_shrink`: tiles of ~4K elements; K split
     while splits x tokens stay within _SPLIT_TOKENS."""
@@ -269,11 +299,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters:
     out = torch.empty(splits, M, P * R + 1, dtype=torch.float32, device=x.device)
     if M == 0:
         return out
-    _shrink_kernel[(S * P, mblocks, splits)](
+    groups, by_row, rows_p2 = slot_groups(adapters.numel(), S)
+    _shrink_kernel[(groups * P, mblocks, splits)](
         x2, norm_weight if norm_weight is not None else x2, a, ranks, adapters, out,
-        M, K, q_len, S, k_per, x2.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(1),
-        eps, P=P, R=R, HAS_NORM=norm_weight is not None, IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_R=br,
-        BLOCK_K=bk, num_warps=_warps(bm), **_launch_kw(x))
+        M, K, q_len, adapters.numel(), S, k_per, x2.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        out.stride(0), out.stride(1), eps, P=P, R=R, HAS_NORM=norm_weight is not None,
+        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, BY_ROW=by_row, ROWS_P2=rows_p2,
+        num_warps=_warps(bm), **_launch_kw(x))
     return out
 
 
@@ -291,10 +323,11 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.
     bn = expand_block_n(M)
     if M == 0:
         return y
-    _expand_kernel[(S, triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        y, u, b, ranks, adapters, M, N, q_len, S, u.shape[0], N, u.stride(0), u.stride(1), b.stride(0),
-        b.stride(1), edges[0], edges[1], P=P, R=R, IEEE=b.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_R=br, SB=_sb(bm, br), num_warps=_warps(bm), **_launch_kw(y))
+    groups, by_row, rows_p2 = slot_groups(adapters.numel(), S)
+    _expand_kernel[(groups, triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        y, u, b, ranks, adapters, M, N, q_len, adapters.numel(), S, u.shape[0], N, u.stride(0), u.stride(1),
+        b.stride(0), b.stride(1), edges[0], edges[1], P=P, R=R, IEEE=b.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_R=br, SB=_sb(bm, br), BY_ROW=by_row, ROWS_P2=rows_p2, num_warps=_warps(bm), **_launch_kw(y))
     return y
 
 
@@ -314,12 +347,14 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
     dout = torch.empty(nblocks if fused else 0, M, R2 + 1, dtype=torch.float32, device=gu.device)
     if M:
         da = down_a if fused else b
-        _expand_swiglu_kernel[(S + 1, triton.cdiv(M, bm), nblocks)](
+        groups, by_row, rows_p2 = slot_groups(adapters.numel(), S)
+        _expand_swiglu_kernel[(groups + 1, triton.cdiv(M, bm), nblocks)](
             g2, act, u, b, ranks, adapters, da, down_ranks if fused else ranks, dout,
-            M, inter, q_len, S, u.shape[0], g2.stride(0), inter, u.stride(0), u.stride(1), b.stride(0), b.stride(1),
-            da.stride(0), da.stride(2) if fused else 0, dout.stride(0), dout.stride(1),
+            M, inter, q_len, adapters.numel(), S, u.shape[0], g2.stride(0), inter, u.stride(0), u.stride(1),
+            b.stride(0), b.stride(1), da.stride(0), da.stride(2) if fused else 0, dout.stride(0), dout.stride(1),
             R=R, R2=R2, DOWN=fused, IEEE=b.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-            BLOCK_R2=_block_r(R2), SB=_sb(bm, br), num_warps=_warps(bm), **_launch_kw(gu))
+            BLOCK_R2=_block_r(R2), SB=_sb(bm, br), BY_ROW=by_row, ROWS_P2=rows_p2, num_warps=_warps(bm),
+            **_launch_kw(gu))
     if down_a is None:
         return act, None
     if not fused:
