@@ -4,12 +4,15 @@ Same contracts as `reference.lora_shrink / lora_expand / lora_expand_swiglu` (re
 owns one adapter slot s and a tile of tokens: it loads the tile's row slots, and only if some token there uses
 slot s (and s holds an adapter) does it read s's weights, with tensor-core dots over those tokens. So one
 launch serves a batch whose rows use different adapters (and none), an adapter's weights are read once per
-token tile however many rows use it, and the grid is static (every slot), as CUDA graphs need: the slot of
-each row and the rank of each slot are read from device memory.
+token tile however many rows use it, and the grid is static, as CUDA graphs need: the slot of each row and the
+rank of each slot are read from device memory. The slot axis of the grid has one program group per slot, or,
+when the batch has fewer rows than slots (batch-1 decode), one per row, serving that row's slot if no earlier
+row uses it: a batch of n rows uses at most n adapters, so few programs find nothing to do.
 
 - shrink: u = x @ A^T per token, K split over programs (partial sums, no atomics: the expand adds them up).
   Projections sharing an input (q|k|v, gate|up) are one launch (a grid axis over the parts). With a norm
-  weight the RMSNorm of x is computed inside (the fused decode GEMVs never materialize the normed input).
+  weight the RMSNorm is fused: each split adds its share of mean(x²) to a scale column of the partials and the
+  expand applies rsqrt of the sum (the fused decode GEMVs never materialize the normed input).
 - expand: y += u @ B^T in place over the (fused) projection's output; a column tile that spans two parts
   reads each part's u.
 - expand_swiglu: for gate|up, adds the adapters to gate and up and writes silu(gate) * up (the activation the
