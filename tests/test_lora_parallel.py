@@ -170,3 +170,16 @@ def test_reload_reattaches_resident_adapters(case: dict) -> None:
     assert all(getattr(x, "lora", None) is None for x in m.modules)  # buffers went with the weights
     m.load(device="cpu")
     assert rel_err(m.forward(ids, loras=[a]), ref) <= TOL
+
+
+def test_slots_grow_then_idle_ones_are_reused(case: dict) -> None:
+    m = _single(case["dir"])
+    reg = registry_of(m)
+    ids = torch.randint(3, 700, (1, 5), generator=torch.Generator().manual_seed(5))
+    loras = [ExLlamaV2Lora.from_directory(m, str(case["a"]), lora_scaling=0.1 * (i + 1)) for i in range(10)]
+    assert reg.num_slots == 8 and all(s is not None for s in reg.slots)  # 1, 2, 4, 8 as they arrived
+    first = m.forward(ids, loras=[loras[0]])  # evicted by the 9th and 10th: written back into an idle slot
+    assert reg.num_slots == 8 and rel_err(first, m.forward(ids, loras=[loras[0]])) <= TOL
+    ref = _single(case["dir"])
+    assert rel_err(first, ref.forward(ids, loras=[ExLlamaV2Lora.from_directory(ref, str(case["a"]),
+                                                                                 lora_scaling=0.1)])) <= TOL

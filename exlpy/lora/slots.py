@@ -1,14 +1,16 @@
-"""The adapter registry of a model: a fixed number of adapter slots whose weights live in per-block buffers.
+"""The adapter registry of a model: adapter slots whose weights live in per-block buffers.
 
 A step's rows name a slot each (the packed metadata's adapter field, exlpy/model/batch.py), so one batch can
 serve several adapters and none at once. A slot holds one adapter, or a list of adapters applied together
 (their ranks concatenated). Slots are assigned on demand and reused least-recently-used, but never while a
 running job or stream holds them (`acquire` / `release`).
 
-Buffers are allocated once for (slots, max rank, groups in use) and written in place, so CUDA graphs captured
-over them survive loading and unloading adapters. Only when an adapter needs more rank, a projection group no
-adapter used before, or a different slot count (`configure`) are they reallocated: the generation number
-moves on and the graph runner recaptures the steps that run adapters (steps without adapters keep theirs).
+Buffers are allocated for (slots, max rank, groups in use) and written in place, so CUDA graphs captured over
+them survive loading and unloading adapters. They are reallocated only when an adapter needs more rank, a
+projection group no adapter used before, or more slots (the count doubles as adapters arrive, up to 8 unless
+`configure` sets it; past that, idle slots are reused): then the generation number moves on and the graph runner
+recaptures the steps that run adapters (steps without adapters keep theirs). A server configures its count and
+rank once, up front.
 The buffers are attached to the blocks of the model's loaded strategy (every GPU's copy under tensor
 parallelism); a reload (new strategy) gets fresh buffers with the resident slots rewritten.
 """
@@ -30,7 +32,7 @@ from exlpy.model.attention import Attention
 from exlpy.model.mlp import MLP
 from exlpy.model.parallel_linear import RowParallel
 
-DEFAULT_SLOTS = 8
+DEFAULT_MAX_SLOTS = 8  # slots grow (doubling) up to this many, unless configure() fixes a count
 MIN_RANK = 16  # buffer ranks are powers of two from here (the kernels' rank tile)
 
 
@@ -67,7 +69,8 @@ def _pow2_rank(r: int) -> int:
 class LoraRegistry:
     def __init__(self, model: Any) -> None:
         self._model = weakref.ref(model)
-        self.num_slots = DEFAULT_SLOTS
+        self.num_slots = 1  # slots with buffers
+        self.max_slots = DEFAULT_MAX_SLOTS
         self.rank = 0  # rank of the buffers (0: none allocated yet)
         self.min_rank = 0  # set by configure(max_rank=...)
         self.groups: set[str] = set()  # projection groups with buffers
@@ -79,8 +82,8 @@ class LoraRegistry:
 
     # --- capacity ---------------------------------------------------------------------------------------------
     def configure(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
-        """Slot count and a minimum buffer rank (allocating for the largest rank up front avoids a later
-        reallocation, which makes the graph runner recapture its adapter steps)."""
+        """A fixed slot count and a minimum buffer rank, allocated now (sizing for the largest rank up front avoids
+        a later reallocation, which makes the graph runner recapture its adapter steps)."""
         with self.lock:
             if max_adapters is not None:
                 if max_adapters < 1:
@@ -90,7 +93,7 @@ class LoraRegistry:
                 if held:
                     raise LoraCapacityError(f"adapter slot(s) {held} are in use by running jobs; cannot shrink to "
                                             f"{max_adapters}")
-                self.num_slots = max_adapters
+                self.num_slots = self.max_slots = max_adapters
                 self.slots = (self.slots[:max_adapters] + [None] * max_adapters)[:max_adapters]
             if max_rank is not None:
                 if max_rank < 1:
@@ -162,6 +165,11 @@ class LoraRegistry:
         for i, s in enumerate(self.slots):
             if s is None:
                 return i
+        if self.num_slots < self.max_slots:  # more slots (new buffers; the slot numbers in use stay valid)
+            first, self.num_slots = self.num_slots, min(self.max_slots, 2 * self.num_slots)
+            self.slots += [None] * (self.num_slots - first)
+            self._reallocate(self.rank, self.groups)
+            return first
         idle = [i for i, s in enumerate(self.slots) if s is not None and s.users == 0]
         if not idle:
             raise LoraCapacityError(f"all {self.num_slots} adapter slots hold adapters of running jobs; raise the "
@@ -258,8 +266,9 @@ def registry_of(model: Any) -> LoraRegistry:
 
 
 def configure(model: Any, max_adapters: int | None = None, max_rank: int | None = None) -> None:
-    """Adapter slots of `model`: how many adapters (or adapter lists) can be resident at once (default 8), and
-    a rank to size the buffers for up front (default: the largest rank loaded so far, at least 16)."""
+    """Adapter slots of `model`: how many adapters (or adapter lists) can be resident at once (default: up to
+    8, allocated as adapters arrive), and a rank to size the buffers for up front (default: the largest rank
+    loaded so far, at least 16)."""
     registry_of(model).configure(max_adapters, max_rank)
 
 

@@ -40,12 +40,13 @@ def parse_specs(specs: list[str] | None, base_name: str) -> list[tuple[str, str]
 
 
 def load_adapters(model: Any, specs: list[str] | None, base_name: str) -> dict[str, Any]:
-    """Read every `--lora` adapter; the model gets at least one adapter slot per adapter, so requests for any
-    mix of them run together."""
-    from exlpy.lora import ExLlamaV2Lora, configure, registry_of
+    """Read every `--lora` adapter. The model gets one adapter slot per adapter, allocated before the first
+    request (and the largest rank), so requests for any mix of them run together and nothing is reallocated
+    while serving."""
+    from exlpy.lora import ExLlamaV2Lora, configure
 
     pairs = parse_specs(specs, base_name)
-    if len(pairs) > registry_of(model).num_slots:
+    if pairs:
         configure(model, max_adapters=len(pairs))
     return {name: ExLlamaV2Lora.from_directory(model, path) for name, path in pairs}
 
