@@ -1,12 +1,14 @@
 """The LoRA kernels (exlpy/kernels/lora.py) against their torch references: small shapes on CPU under the
 Triton interpreter, real 8B shapes on CUDA. Batches mix rows of several slots, rows with no adapter and slots
-whose rank is below the buffer's."""
+whose rank is below the buffer's.
+
+Tests marked `interpreter` run Triton's interpreter on CPU tensors: tests/conftest.py runs them in a child pytest
+with TRITON_INTERPRET=1, so this session keeps compiled kernels for the CUDA test.
+"""
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
 
 import pytest
 import torch
@@ -66,6 +68,7 @@ def _case(rows: list[int], q_len: int, K: int, parts: list[int], R: int, ranks: 
     assert torch.equal(y.view(M, N)[~live], y0.view(M, N)[~live])  # rows without an adapter untouched
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows,q_len,ranks,norm", [
     ([0], 1, [8, 0, 16], True),  # batch-1 decode; slot 0 uses 8 of the buffer's 16 rank rows
     ([1, -1, 0, 1, 2, -1, 0], 1, [16, 4, 8], False),  # mixed slots and rows with no adapter
@@ -78,6 +81,7 @@ def test_shrink_expand_qkv_parts(rows: list[int], q_len: int, ranks: list[int], 
     _case(rows, q_len, K=96, parts=[64, 32, 32], R=16, ranks=ranks, norm=norm)
 
 
+@pytest.mark.interpreter
 def test_shrink_splits_and_odd_sizes() -> None:
     _cpu_ok()
     # K longer than one split and not a multiple of the K block; N not a multiple of the column block;
@@ -86,6 +90,7 @@ def test_shrink_splits_and_odd_sizes() -> None:
     _case([0] * 3, 1, K=1500, parts=[130], R=16, ranks=[16], norm=False, seed=2)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows,q_len,fused", [
     ([0, -1, 1, 0], 1, True),  # as many rows as slots: one program group per slot
     ([1, 0, -1] * 7, 1, False),  # 21 tokens: the down partials come from a separate shrink

@@ -193,20 +193,52 @@ def test_failing_job_answers_500_and_concurrent_requests_finish(monkeypatch: pyt
     assert health["status"] == "ok" and health["failed"] == 2 and health["cache_pages_free"] == health["cache_pages"]
 
 
-def test_failed_step_fails_running_jobs_and_the_server_recovers() -> None:
+def test_poisoned_decode_step_fails_only_its_job() -> None:
+    """A decode step that fails whenever one job is in it: the generator retries the jobs one by one, so only
+    that job fails (500) and the other completes exactly, in the same batch of requests."""
     state = make_state()
     gen = state.bridge.generator
     slow_steps(gen, 0.005)
     real_step = gen._decode_step
-    calls = {"raised": 0}
+    poison = prompt_ids("Why")[0]
 
     def decode_step(jobs: list[Any]) -> Any:
-        if len(jobs) >= 2 and not calls["raised"]:
-            calls["raised"] += 1
-            raise RuntimeError("injected step fault")  # e.g. out of memory in a batched decode
+        if any(j.sequence[:poison.numel()].equal(poison) for j in jobs):
+            raise RuntimeError("injected step fault")
         return real_step(jobs)
 
     gen._decode_step = decode_step
+
+    async def body(c: Any) -> tuple[Any, ...]:
+        first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])
+        left = gen.num_remaining_jobs()
+        return (*first, left)
+
+    good, bad, left = run(state, body)
+    assert left == 0
+    assert bad.status_code == 500 and "injected step fault" in bad.json()["error"]["message"]
+    assert good.status_code == 200
+    assert good.json()["choices"][0]["text"] == reference_greedy(prompt_ids("Once"), 20, banned_eos=True)
+    stats = state.bridge.stats()
+    assert stats["failed"] == 1 and stats["step_failures"] == 0 and stats["cache_pages_free"] == stats["cache_pages"]
+
+
+def test_failed_step_fails_running_jobs_and_the_server_recovers() -> None:
+    """A whole iterate() that raises (a fault outside any one job): the running jobs are failed and freed, and
+    the server keeps serving."""
+    state = make_state()
+    gen = state.bridge.generator
+    slow_steps(gen, 0.005)
+    real_iterate = gen.iterate
+    calls = {"raised": 0}
+
+    def iterate() -> Any:
+        if gen.num_active_jobs() >= 2 and not calls["raised"]:
+            calls["raised"] += 1
+            raise RuntimeError("injected step fault")  # e.g. a fault in the generator itself
+        return real_iterate()
+
+    gen.iterate = iterate
 
     async def body(c: Any) -> tuple[Any, ...]:
         first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])

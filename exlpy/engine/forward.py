@@ -13,6 +13,7 @@ from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
 from exlpy.engine.strategy import Strategy, execute
 from exlpy.errors import CacheTooSmallError, SequenceLengthError
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
+from exlpy.model.validate import check_forward
 
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
@@ -47,8 +48,7 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
              preprocess_only: bool, last_id_only: bool, return_last_state: bool,
              position_offsets: torch.Tensor | None, cpu_logits: bool, adapter: int = -1, lora: int = 0) -> Any:
     strategy = model.strategy_for_forward()
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
+    input_ids = check_forward(model, input_ids, cache)
     B, T = input_ids.shape
     adapters = [adapter] * B if lora else None
     cfg = model.config

@@ -1,8 +1,10 @@
 """`ExLlamaV2Sampler`: exllamav2's sampler API (spec §8.3) as a chain of small pure torch steps.
 
-Everything runs on the logits' device without host syncs (no `.item()`): the caller reads the token. The only
-host reads are of inputs that are host data by nature: filter token sets, a callable filter's mask (a sync if
-it returns a device tensor) and `prefix_token` (pass it on the CPU, as exllamav2's generators do).
+Everything runs on the logits' device, with one host read at the very end, of the flags saying whether every
+row had a usable distribution (sampling/guard.py: NaN or all -inf logits are a SamplerError, not an arbitrary
+token); the caller reads the token right after, so that read waits for no extra work. The other host reads are
+of inputs that are host data by nature: filter token sets, a callable filter's mask (a sync if it returns a
+device tensor) and `prefix_token` (pass it on the CPU, as exllamav2's generators do).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from exlpy.errors import SamplerError
 from exlpy.generator.sampling import chain
 from exlpy.generator.sampling.cfg import cfg_merge
 from exlpy.generator.sampling.draw import draw, uniforms
+from exlpy.generator.sampling.guard import distribution_ok, neutralize, raise_if_bad, usable
 from exlpy.generator.sampling.hooks import PostSamplingResult
 from exlpy.generator.sampling.logit_masks import evaluate_filters
 from exlpy.generator.sampling.mirostat import mirostat_update, mu_tensor
@@ -64,8 +67,11 @@ class ExLlamaV2Sampler:
                                f"got {return_top_tokens!r}")
         seq = _sequence_2d(sequence_ids, batch)
         prefix_ids = _prefix_ids(prefix_token, batch)
+        ok_in = usable(x)
+        x = neutralize(x, ok_in)
         if settings.cfg_scale is not None:
             x = cfg_merge(x, float(settings.cfg_scale))
+            ok_in = ok_in.all().view(1)
             batch = 1
             seq = None if seq is None else seq[:1]
             prefix_ids = None if prefix_ids is None else prefix_ids[:1]
@@ -80,6 +86,8 @@ class ExLlamaV2Sampler:
         ctx = chain.LogitContext(seq, tokenizer, prefix_ids, blocked_tokens, filter_mask)
         for step in chain.logit_chain(settings, ctx, vocab, device):
             x = step(x)
+        ok_logits = usable(x)
+        x = neutralize(x, ok_logits)
 
         mu = None
         if settings.mirostat:
@@ -98,6 +106,7 @@ class ExLlamaV2Sampler:
             r = skew_random(r, float(settings.skew))
         idx, prob = draw(probs, r)
         token = ids.gather(-1, idx)
+        raise_if_bad([ok_in, ok_logits, distribution_ok(probs)])
 
         if mu is not None:
             new_mu = mirostat_update(mu, prob, float(settings.mirostat_tau), float(settings.mirostat_eta))

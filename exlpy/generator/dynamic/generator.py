@@ -23,7 +23,8 @@ from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.scheduler import decode_step, plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.validate import check_job_vocab
 from exlpy.model.batch import paged_batch
 
 
@@ -90,13 +91,23 @@ class ExLlamaV2DynamicGenerator:
 
     def enqueue(self, job: ExLlamaV2DynamicJob | list[ExLlamaV2DynamicJob]) -> int | list[int]:
         if isinstance(job, list):
-            return [self.enqueue(j) for j in job]  # type: ignore[misc]
+            done: list[ExLlamaV2DynamicJob] = []
+            try:
+                for j in job:
+                    self.enqueue(j)
+                    done.append(j)
+            except Exception:
+                for j in done:  # all or nothing: no orphan jobs left running for a caller that got an error
+                    self.cancel(j)
+                raise
+            return [j.serial for j in done]  # type: ignore[misc]
         if not isinstance(job, ExLlamaV2DynamicJob):
             raise GeneratorError(f"enqueue() takes an ExLlamaV2DynamicJob (or a list of them), got "
                                  f"{type(job).__name__}")
         if job.serial is not None:
             raise GeneratorError(f"job was already enqueued (serial {job.serial}); create a new job to run the "
                                  "prompt again")
+        check_job_vocab(job.all_input_ids, self.model.config.vocab_size)
         with self._lock:
             serial = self.next_serial
             job.prepare(self, serial)
@@ -179,7 +190,13 @@ class ExLlamaV2DynamicGenerator:
             if len(self.active) >= self.max_batch_size:
                 job.wait_reason = f"batch full ({self.max_batch_size} jobs running)"
                 break
-            if not self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs]):
+            try:
+                fits = self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs])
+            except Exception as e:  # a job the enqueue checks missed ends here instead of blocking the queue
+                self.pending.remove(job)
+                self._fail(job, e, results)
+                continue
+            if not fits:
                 free = self.page_table.num_unreferenced()
                 job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
                 if job.skips >= job.max_skips:
@@ -189,18 +206,22 @@ class ExLlamaV2DynamicGenerator:
                 if admitted is False and job.skips >= job.max_skips:
                     break
                 continue
-            reused = 0
-            for q in job.seqs:
-                q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
-                reused += n
             for other in self.pending:
                 if other is job:
                     break
                 other.skips += 1
             self.pending.remove(job)
             self.active.append(job)
-            job.start(reused)
-            results.append(job.base_result("started"))
+            # A job that cannot start (its filters' begin() raises...) ends with an error result, pages freed.
+            self._guard(job, results, lambda j=job: self._start(j, results))
+
+    def _start(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
+        reused = 0
+        for q in job.seqs:
+            q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
+            reused += n
+        job.start(reused)
+        results.append(job.base_result("started"))
 
     def iterate(self) -> list[dict[str, Any]]:
         """Advance every job by one step; returns the results produced (see the module docstring)."""
@@ -213,17 +234,21 @@ class ExLlamaV2DynamicGenerator:
             decoding = [j for j in self.active if j.is_prefilled()]
             if decoding:
                 try:
-                    greedy, logits = self._decode_step(decoding)
-                except Exception as e:
-                    if len(decoding) == 1:
-                        self._fail(decoding[0], e, results)
-                        return results
-                    raise
-                for i, job in enumerate(decoding):
-                    if i in greedy:
-                        self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
-                    else:
-                        self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
+                    groups = [(decoding, self._decode_step(decoding))]
+                except Exception:  # retried job by job (same K/V slots): only a job that fails alone ends
+                    groups = []
+                    for job in decoding:
+                        try:
+                            groups.append(([job], self._decode_step([job])))
+                        except Exception as e:
+                            self._fail(job, e, results)
+                for jobs, (greedy, logits) in groups:
+                    for i, job in enumerate(jobs):
+                        if i in greedy:
+                            self._guard(job, results,
+                                        lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
+                        else:
+                            self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
             return results
 
     def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
@@ -299,33 +324,10 @@ class ExLlamaV2DynamicGenerator:
         return self.model.strategy_for_forward().first_device
 
     def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
-        """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
-        are reduced to their argmax on the device; only the other jobs' logits travel to the CPU for the
-        sampler. Returns ({job index: token}, per job its logits [rows, 1, V] on the CPU)."""
-        rows, first = [], []  # first: each job's first row (a job's rows are consecutive)
-        for j in jobs:
-            first.append(len(rows))
-            rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
-        ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-        batch = paged_batch(rows, self.cache, self._device(), PAGE_SIZE, [j.lora_slot for j in jobs for _ in j.seqs])
-        logits = self.model.forward_batch(ids, batch, last_id_only=True)
-        self.decode_tokens += len(rows)
-        fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
-        greedy: dict[int, int] = {}
-        if fast:
-            # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-            picks = logits[[first[k] for k in fast], -1, :len(self.pieces)].argmax(-1).tolist()
-            greedy = dict(zip(fast, picks))
-        slow = [k for k in range(len(jobs)) if k not in greedy]
-        per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-        if slow:
-            # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
-            cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))], -1:].float().cpu()
-            i = 0
-            for k in slow:
-                n = len(jobs[k].seqs)
-                per_job[k] = cpu[i:i + n]
-                i += n
+        """One batched q_len-1 step over `jobs` (scheduler.decode_step): ({job index: greedy token}, per job its
+        logits [rows, 1, V] on the CPU)."""
+        greedy, per_job, rows = decode_step(self.model, self.cache, self._device(), jobs, len(self.pieces))
+        self.decode_tokens += rows
         return greedy, per_job
 
     def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:

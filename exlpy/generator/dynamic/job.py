@@ -19,6 +19,7 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.dynamic.validate import check_job_args, check_prompt_ids
 from exlpy.util import SeqTensor
 
 if TYPE_CHECKING:
@@ -118,10 +119,11 @@ class ExLlamaV2DynamicJob:
                                      f"{getattr(p, 'shape', type(p))}")
             if p.shape[1] < 1:
                 raise GeneratorError("job input_ids is empty: a prompt needs at least one token")
+            check_prompt_ids(p)
         if cfg and token_healing:
             raise GeneratorError("token_healing cannot be combined with CFG")
-        if max_new_tokens < 1:
-            raise GeneratorError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_job_args(max_new_tokens, min_new_tokens, max_skips, seed, return_top_tokens, stop_conditions,
+                       banned_strings)
         if embeddings:
             raise NotSupportedError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
         if filters and banned_strings:

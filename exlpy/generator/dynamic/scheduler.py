@@ -1,13 +1,17 @@
-"""What runs through the model in one iteration: prefill chunk planning (batches: exlpy.model.batch)."""
+"""What runs through the model in one iteration: prefill chunk planning and the batched decode step (batches:
+exlpy.model.batch)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from exlpy.generator.dynamic.pages import PAGE_SIZE
+from exlpy.model.batch import paged_batch
 
 if TYPE_CHECKING:
-    from exlpy.generator.dynamic.job import SeqState
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 
 
 def skip_cached_pages(seq: SeqState) -> int:
@@ -42,3 +46,34 @@ def plan_prefill(seq: SeqState, serial: int, max_chunk: int) -> tuple[int, int] 
     if end == pos and pos < target:
         return None
     return (pos, end)
+
+
+def decode_step(model: Any, cache: Any, device: torch.device, jobs: list[ExLlamaV2DynamicJob], vocab_limit: int
+                ) -> tuple[dict[int, int], list[torch.Tensor], int]:
+    """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
+    are reduced to their argmax on the device; only the other jobs' logits travel to the CPU for the
+    sampler. Returns ({job index: token}, per job its logits [rows, 1, V] on the CPU, rows run)."""
+    rows, first = [], []  # first: each job's first row (a job's rows are consecutive)
+    for j in jobs:
+        first.append(len(rows))
+        rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
+    ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
+    batch = paged_batch(rows, cache, device, PAGE_SIZE, [j.lora_slot for j in jobs for _ in j.seqs])  # LoRA slots
+    logits = model.forward_batch(ids, batch, last_id_only=True)
+    fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
+    greedy: dict[int, int] = {}
+    if fast:
+        # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
+        picks = logits[[first[k] for k in fast], -1, :vocab_limit].argmax(-1).tolist()
+        greedy = dict(zip(fast, picks))
+    slow = [k for k in range(len(jobs)) if k not in greedy]
+    per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
+    if slow:
+        # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
+        cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))], -1:].float().cpu()
+        i = 0
+        for k in slow:
+            n = len(jobs[k].seqs)
+            per_job[k] = cpu[i:i + n]
+            i += n
+    return greedy, per_job, len(rows)
