@@ -55,31 +55,33 @@ def compile_kernel(fn, ptrs: dict[str, str], consts: dict, warps: int) -> dict:
     return {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
 
 
-def variants(dt: str = "fp16", with_pdl: bool = True) -> dict[str, dict]:
-    p = "*" + dt
+def variants(with_pdl: bool = True) -> dict[str, dict]:
+    """fp16 at decode (1 and 32 tokens, PDL on and off) and prefill sizes; bf16 and fp32 (exact dots) at decode."""
+    cases = [("fp16", 1, 16, False), ("fp16", 32, 16, False), ("fp16", 2048, 64, False), ("bf16", 1, 16, False),
+             ("fp32", 1, 16, False)]
+    if with_pdl:
+        cases.append(("fp16", 1, 16, True))
     out = {}
-    shrink_ptrs = {"x_ptr": p, "nw_ptr": p, "a_ptr": p, "ranks_ptr": "*i32", "adapters_ptr": "*i64",
-                   "out_ptr": "*fp32"}
-    expand_ptrs = {"y_ptr": p, "u_ptr": "*fp32", "b_ptr": p, "ranks_ptr": "*i32", "adapters_ptr": "*i64"}
-    swiglu_ptrs = {"gu_ptr": p, "act_ptr": p, "u_ptr": "*fp32", "b_ptr": p, "ranks_ptr": "*i32",
-                   "adapters_ptr": "*i64", "da_ptr": p, "dranks_ptr": "*i32", "dout_ptr": "*fp32"}
-    for m, R in ((1, 16), (32, 16), (2048, 64)):
+    for dt, m, R, pdl in cases:
+        p = "*" + dt
+        shrink_ptrs = {"x_ptr": p, "nw_ptr": p, "a_ptr": p, "ranks_ptr": "*i32", "adapters_ptr": "*i64",
+                       "out_ptr": "*fp32"}
+        expand_ptrs = {"y_ptr": p, "u_ptr": "*fp32", "b_ptr": p, "ranks_ptr": "*i32", "adapters_ptr": "*i64"}
+        swiglu_ptrs = {"gu_ptr": p, "act_ptr": p, "u_ptr": "*fp32", "b_ptr": p, "ranks_ptr": "*i32",
+                       "adapters_ptr": "*i64", "da_ptr": p, "dranks_ptr": "*i32", "dout_ptr": "*fp32"}
         bm, br, bk, _, _ = lora.shrink_config(m, 4096, 3, R)
-        for pdl in (False, True) if with_pdl and m == 1 else (False,):  # PDL launches are the decode ones
-            tag = f"M{m} R{R}{' pdl' if pdl else ''}"
-            warps = lora._warps(bm)
-            _, by_row, rows_p2 = lora.slot_groups(m, 8)  # rows = tokens here (decode: one token per row)
-            rows = dict(BY_ROW=by_row, ROWS_P2=rows_p2)
-            out[f"shrink qkv norm {tag}"] = compile_kernel(lora._shrink_kernel, shrink_ptrs, dict(
-                P=3, R=R, HAS_NORM=True, IEEE=False, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, PDL=pdl, **rows), warps)
-            out[f"expand qkv {tag}"] = compile_kernel(lora._expand_kernel, expand_ptrs, dict(
-                P=3, R=R, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(m), BLOCK_R=br,
-                SB=lora._sb(bm, br), PDL=pdl, **rows), warps)
-            fused = m <= lora._DOWN_FUSED_MAX_TOKENS
-            out[f"expand_swiglu {tag}"] = compile_kernel(lora._expand_swiglu_kernel, swiglu_ptrs, dict(
-                R=R, R2=R, DOWN=fused, IEEE=False, BLOCK_M=bm, BLOCK_N=lora.expand_block_n(m, fused), BLOCK_R=br,
-                BLOCK_R2=br, SB=lora._sb(bm, br), PDL=pdl, **rows),
-                warps)
+        tag = f"{dt} M{m} R{R}{' pdl' if pdl else ''}"
+        warps = lora._warps(bm)
+        _, by_row, rows_p2 = lora.slot_groups(m, 8)  # rows = tokens here (decode: one token per row)
+        common = dict(R=R, IEEE=dt == "fp32", BLOCK_M=bm, BLOCK_R=br, PDL=pdl, BY_ROW=by_row, ROWS_P2=rows_p2)
+        out[f"shrink qkv norm {tag}"] = compile_kernel(lora._shrink_kernel, shrink_ptrs, dict(
+            P=3, HAS_NORM=True, BLOCK_K=bk, **common), warps)
+        out[f"expand qkv {tag}"] = compile_kernel(lora._expand_kernel, expand_ptrs, dict(
+            P=3, BLOCK_N=lora.expand_block_n(m), SB=lora._sb(bm, br), **common), warps)
+        fused = m <= lora._DOWN_FUSED_MAX_TOKENS
+        bn = lora.expand_block_n(m, fused)
+        out[f"expand_swiglu {tag}"] = compile_kernel(lora._expand_swiglu_kernel, swiglu_ptrs, dict(
+            R2=R, DOWN=fused, BLOCK_N=bn, BLOCK_R2=br, SB=lora._sb(bm, br), **common), lora._warps(bm, bn))
     return out
 
 

@@ -47,8 +47,9 @@ def _block_r(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _warps(block_m: int) -> int:
-    return 8 if block_m >= 64 else 4
+def _warps(block_m: int, block_n: int = 0) -> int:
+    """8 warps for 64-token tiles and the widest (256-column) tiles, else 4 (registers per thread)."""
+    return 8 if block_m >= 64 or block_n >= 256 else 4
 
 
 def _sb(block_m: int, block_r: int) -> int:
@@ -356,7 +357,7 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
             M, inter, q_len, adapters.numel(), S, u.shape[0], g2.stride(0), inter, u.stride(0), u.stride(1),
             b.stride(0), b.stride(1), da.stride(0), da.stride(2) if fused else 0, dout.stride(0), dout.stride(1),
             R=R, R2=R2, DOWN=fused, IEEE=b.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-            BLOCK_R2=_block_r(R2), SB=_sb(bm, br), BY_ROW=by_row, ROWS_P2=rows_p2, num_warps=_warps(bm),
+            BLOCK_R2=_block_r(R2), SB=_sb(bm, br), BY_ROW=by_row, ROWS_P2=rows_p2, num_warps=_warps(bm, bn),
             **_launch_kw(gu))
     if down_a is None:
         return act, None
