@@ -90,6 +90,7 @@ def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | No
     `width` pages wide: positions [rows*T] | slots [rows*T] | seqlens [rows] | block table [rows*width] |
     adapter slots [rows] (-1: no adapter, as for padding rows)."""
     n = len(starts)
+    assert adapters is None or len(adapters) == n, "one adapter slot per row"
     positions: list[int] = []
     slots: list[int] = []
     for b, s in enumerate(starts):
