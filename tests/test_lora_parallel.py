@@ -14,7 +14,7 @@ from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.engine.graphs import StepGraphs
 from exlpy.engine.split import layer_split
 from exlpy.errors import ModelStateError
-from exlpy.lora import registry_of
+from exlpy.lora import configure, registry_of
 from exlpy.model import Transformer
 from exlpy.model.batch import cache_rows_batch
 from exlpy.model.parallel_linear import ColumnParallel, RowParallel
@@ -183,3 +183,17 @@ def test_slots_grow_then_idle_ones_are_reused(case: dict) -> None:
     ref = _single(case["dir"])
     assert rel_err(first, ref.forward(ids, loras=[ExLlamaV2Lora.from_directory(ref, str(case["a"]),
                                                                                  lora_scaling=0.1)])) <= TOL
+
+
+def test_configure_and_load_while_unloaded(case: dict) -> None:
+    m = _single(case["dir"])
+    a = ExLlamaV2Lora.from_directory(m, str(case["a"]))
+    ids = torch.randint(3, 700, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref = m.forward(ids, loras=[a])
+    m.unload()
+    configure(m, max_adapters=3, max_rank=64)  # nothing loaded: recorded for the next load
+    c = ExLlamaV2Lora.from_directory(m, str(case["c"]))
+    m.load(device="cpu")
+    reg = registry_of(m)
+    assert rel_err(m.forward(ids, loras=[a]), ref) <= TOL and reg.num_slots == 3 and reg.rank == 64
+    assert m.forward(ids, loras=[c]).shape == ref.shape

@@ -205,11 +205,10 @@ class LoraRegistry:
     def _reallocate(self, rank: int, groups: set[str]) -> None:
         self.rank, self.groups = rank, set(groups)
         model = self._model()
-        strategy = self._strategy() if self._strategy is not None else None
-        if strategy is None and model is not None and model.loaded:
-            strategy = model.strategy_for_forward()
-        if strategy is not None:
-            self._attach(strategy)
+        if model is not None and model.loaded:
+            self._attach(model.strategy_for_forward())
+        else:
+            self._strategy = None  # unloaded: the next load's first adapter step attaches (ensure)
 
     def _attach(self, strategy: Any) -> None:
         from exlpy.lora.block import BlockLora
