@@ -13,6 +13,7 @@
 #   dyn     the dynamic generator with 32 concurrent jobs (SmolLM2 EXL2 and fp16)
 #   grammar benchmarks/constrained_decode.py: single-stream decode with / without grammar constraints on the
 #           SmolLM2 EXL2 at /tmp/smol (issue 15, target >= 90%); installs .gpu/wheels/llguidance-*.whl if carried
+#   lora    LoRA: the GPU tests of adapters, then benchmarks/lora.py (adapter vs no adapter, 8B fp16 and EXL2)
 # Results go to $OUT (default /tmp/exlpy-results).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -66,6 +67,10 @@ for part in $PARTS; do
     dyn)
       timeout 90 python benchmarks/dynamic_generator.py --model /tmp/smol --jobs 32 --out "$OUT/dynamic_smol_exl2.md"
       timeout 90 python benchmarks/dynamic_generator.py --jobs 32 --out "$OUT/dynamic_smol_fp16.md" ;;
+    lora)
+      timeout 300 python -m pytest -q -p no:cacheprovider tests/test_lora_gpu.py tests/test_lora_kernels_triton.py \
+        2>&1 | tail -5 | tee "$OUT/pytest_lora.txt"
+      timeout 550 python benchmarks/lora.py --work /tmp/exlpy_bench --out "$OUT/lora.md" 2>&1 | tail -20 ;;
     *) echo "unknown part $part" ;;
   esac
 done

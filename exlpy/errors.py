@@ -66,6 +66,22 @@ class TensorParallelError(ExlpyError, ValueError):
     """Tensor-parallel misuse or an unsupported feature under TP."""
 
 
+class LoraError(ExlpyError):
+    """A LoRA adapter cannot be loaded or applied (base class of the LoRA errors)."""
+
+
+class LoraConfigError(LoraError, ConfigError):
+    """adapter_config.json is missing, malformed, or asks for something exlpy does not apply."""
+
+
+class LoraWeightsError(WeightsError, LoraError):
+    """An adapter's weights file or tensor is missing, unsupported, or does not fit the base model."""
+
+
+class LoraCapacityError(LoraError, RuntimeError):
+    """Every adapter slot holds an adapter in use, or an adapter needs more rank than the slots allow."""
+
+
 class TokenizerError(ExlpyError, ValueError):
     """Tokenizer files are missing or malformed."""
 

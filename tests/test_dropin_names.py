@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import exlpy.compat
-from exlpy.errors import NotSupportedError
+from exlpy.errors import LoraConfigError, NotSupportedError
 
 MODULE_NAMES: dict[str, list[str]] = {
     "exllamav2": [
@@ -120,12 +120,14 @@ def test_class_members_exist(compat: None, cls: str) -> None:
 
 def test_unsupported_features_raise_typed_errors(compat: None) -> None:
     import exllamav2
+    import exllamav2.lora
     from exllamav2.generator import ExLlamaV2MMEmbedding
 
-    with pytest.raises(NotSupportedError, match="LoRA"):
+    from exlpy.lora import ExLlamaV2Lora
+
+    assert exllamav2.ExLlamaV2Lora is exllamav2.lora.ExLlamaV2Lora is ExLlamaV2Lora  # the real class
+    with pytest.raises(LoraConfigError, match="not a directory"):
         exllamav2.ExLlamaV2Lora.from_directory(None, "/some/lora")
-    with pytest.raises(NotSupportedError, match="LoRA"):
-        exllamav2.ExLlamaV2Lora(None, "/some/lora")
     with pytest.raises(NotSupportedError, match="vision"):
         exllamav2.ExLlamaV2VisionTower(None)
     with pytest.raises(NotSupportedError, match="vision"):

@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "are refused with 503 (default: 64)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
                    "model directory's name)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a PEFT LoRA adapter as model NAME (repeatable); requests for it and for the base model "
+                   "share batches")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(_run=run)
 
@@ -38,12 +41,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
     state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
-                       max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+                       max_batch_size=args.max_batch_size, max_queue=args.max_queue, loras=args.lora)
     if args.served_model_name:
         state.model_name = args.served_model_name
     g = state.bridge.generator
     print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, cache {g.num_pages} pages x 256 "
           f"tokens, batch up to {g.max_batch_size}, queue up to {args.max_queue}; http://{args.host}:{args.port}/v1",
           flush=True)
+    if state.adapters:
+        print(f"LoRA adapters (model names): {', '.join(state.adapters)}", flush=True)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
     return 0

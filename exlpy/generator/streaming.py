@@ -25,6 +25,7 @@ from exlpy.generator.dynamic.stops import (
 )
 from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
 from exlpy.generator.filters.device import collect, device_maskable, mask_rows
+from exlpy.lora.slots import adapter_rows
 from exlpy.model.batch import cache_rows_batch
 
 
@@ -56,6 +57,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.active = False
         self.reusable = True
         self.negative = None
+        self.default_loras: Any = None  # set_loras (exlpy/lora/): adapters of streams begun without loras=
+        self.loras: tuple[Any, ...] = ()  # this stream's adapters
+        self._cached_loras: tuple[Any, ...] = ()  # the adapters that computed the cached K/V
+
+    def set_loras(self, loras: Any) -> None:
+        """LoRA adapters for streams begun later without `loras=` (None or [] for none)."""
+        from exlpy.lora.slots import normalize
+
+        self.default_loras = normalize(loras, self.model)
 
     def set_stop_conditions(self, stop_conditions: Iterable[int | str]) -> None:
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
@@ -75,8 +85,9 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
                         decode_special_tokens: bool = False, banned_strings: list[str] | None = None,
                         filters: list[Any] | None = None, filter_prefer_eos: bool = False,
                         min_new_tokens: int = 0) -> None:
-        if loras:
-            raise NotSupportedError("LoRA adapters are not supported by exlpy's streaming generator yet")
+        from exlpy.lora.slots import normalize
+
+        self.loras = normalize(loras if loras is not None else self.default_loras, self.model)
         if input_embeddings is not None:
             raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's streaming "
                                     "generator")
@@ -135,13 +146,14 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             return
         reuse = 0
         old = self.sequence_ids
-        if old is not None and self.reusable:
+        if old is not None and self.reusable and self._cached_loras == self.loras:  # K/V depends on adapters
             n = min(old.shape[1], ids.shape[1] - 1, self.cache.current_seq_len)
             diff = (old[0, :n] != ids[0, :n]).nonzero()
             reuse = int(diff[0, 0]) if diff.numel() else n
         self.cache.current_seq_len = reuse
+        self._cached_loras = self.loras
         if ids.shape[1] - 1 > reuse:
-            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True)
+            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True, loras=self.loras)
             self.prefill_tokens += ids.shape[1] - 1 - reuse
         self.sequence_ids = ids
         self.reusable = True
@@ -152,8 +164,9 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         dev = self.model.strategy_for_forward().first_device
         for b, row in enumerate((ids[0], self.negative)):
             if row.numel() > 1:
-                self.model.forward_batch(row[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0],
-                                         row.numel() - 1, dev), preprocess_only=True)
+                with adapter_rows(self.model, self.loras) as (slot, _):
+                    self.model.forward_batch(row[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0],
+                                             row.numel() - 1, dev, [slot]), preprocess_only=True)
                 self.prefill_tokens += row.numel() - 1
         self.sequence_ids = ids
         self.reusable = False  # the cache no longer holds one plain sequence: the next prompt starts over
@@ -164,16 +177,17 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         seq = self.sequence_ids
         assert seq is not None
         if self.negative is None:
-            out = self.model.forward(seq[:, -1:], self.cache)
+            out = self.model.forward(seq[:, -1:], self.cache, loras=self.loras)
             self.premask_end = None
             if device_maskable(self.filters, self.filter_prefer_eos):  # grammar filters: mask on the device
                 mask, self.premask_end = collect(self.filters)
                 out = mask_rows(out[:, -1], [0], [mask]).unsqueeze(1)
             return out.float().cpu()
         ids = torch.stack([seq[0, -1:], self.negative[-1:]])
-        batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
-                                 self.model.strategy_for_forward().first_device)
-        return self.model.forward_batch(ids, batch).float().cpu()
+        with adapter_rows(self.model, self.loras) as (slot, _):
+            batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
+                                     self.model.strategy_for_forward().first_device, [slot, slot])
+            return self.model.forward_batch(ids, batch).float().cpu()
 
     def set_seed(self, seed: int) -> None:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""

@@ -137,3 +137,19 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    return _impl("lora_shrink", x)(x, a, ranks, adapters, q_len, norm_weight, eps)
+
+
+def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor,
+                q_len: int, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    return _impl("lora_expand", y)(y, u, b, ranks, adapters, q_len, bounds)
+
+
+def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+                       adapters: torch.Tensor, q_len: int, down_a: torch.Tensor | None = None,
+                       down_ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _impl("lora_expand_swiglu", gu)(gu, u, b, ranks, adapters, q_len, down_a, down_ranks)

@@ -224,3 +224,95 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     if allowed.shape[-1] < vocab:
         allowed = F.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
     return logits.masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+
+# --- LoRA: per-row adapters in one batch (exlpy/lora/) ----------------------------------------------------------
+# Adapter weights live in slot buffers: a [S, P, R, K] holds the down-projections (lora_A) of P projections that
+# read the same input, b [S, N, R] the up-projections (lora_B, scaling folded in) of their N output columns side
+# by side; ranks [S] says how many of the R rank rows slot s uses. Token m belongs to row m // q_len, whose slot
+# is adapters[row] (-1: no adapter). The first op (shrink) returns fp32 partials [splits, M, P*R + 1]: summed
+# over dim 0, columns :P*R times rsqrt(column P*R) give u = h @ A^T per token (h = x, or its RMSNorm: the kernels
+# split K over programs and leave the norm's scale to the expand that adds the splits up). This reference returns
+# one split and scale column 1. Rows without a slot, or whose slot has rank 0, may hold anything: the expand
+# never reads them.
+
+def _token_slots(adapters: torch.Tensor, q_len: int, m: int) -> torch.Tensor:
+    return adapters.view(-1, 1).expand(-1, q_len).reshape(-1)[:m]
+
+
+def _slot_rows(adapters: torch.Tensor, q_len: int, m: int) -> list[tuple[int, torch.Tensor | None]]:
+    """(slot, its token indices, or None when it has every token) for the slots in use."""
+    slot = _token_slots(adapters, q_len, m)
+    out: list[tuple[int, torch.Tensor | None]] = []
+    for s in slot.unique().tolist():
+        if s >= 0:
+            rows = slot == s
+            out.append((s, None if bool(rows.all()) else rows.nonzero().squeeze(1)))
+    return out
+
+
+def _rank_rows(w: torch.Tensor, rank: torch.Tensor, dim: int) -> torch.Tensor:
+    """w in fp32 with the rank entries >= `rank` along `dim` zeroed (slots hold stale rows past their rank)."""
+    keep = torch.arange(w.shape[dim], device=w.device) < rank.to(w.device)
+    shape = [1] * w.dim()
+    shape[dim] = -1
+    return w.float() * keep.view(shape)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Partials [splits, M, P*R + 1] (fp32) of x [..., K] (rms_norm(x, norm_weight, eps) first when norm_weight
+    is given) with each token's slot of a [S, P, R, K]; see the comment above."""
+    K = x.shape[-1]
+    M = x.numel() // K
+    S, P, R, _ = a.shape
+    h = (rms_norm(x, norm_weight, eps) if norm_weight is not None else x).reshape(M, K).float()
+    u = torch.zeros(M, P * R + 1, dtype=torch.float32, device=x.device)
+    u[:, -1] = 1.0
+    for s, idx in _slot_rows(adapters, q_len, M):
+        a_s = _rank_rows(a[s], ranks[s], 1).reshape(P * R, K)
+        if idx is None:
+            u[:, :-1] = h @ a_s.t()
+        else:
+            u[idx, :-1] = h.index_select(0, idx) @ a_s.t()
+    return u.unsqueeze(0)
+
+
+def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor,
+                q_len: int, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    """y [..., N] + the adapters' outputs, in place: columns [edge p, edge p+1) of part p (edges 0, *bounds, N)
+    get u's part p [.., p*R:(p+1)*R] @ b[slot, cols]^T. u: the partials of `lora_shrink`. Returns y."""
+    N = y.shape[-1]
+    M = y.numel() // N
+    R = b.shape[-1]
+    edges = [0, *bounds, N]
+    total = u.sum(0)
+    us = total[:, :-1] * total[:, -1:].rsqrt()
+    if not y.is_contiguous():
+        y = y.contiguous()
+    yv = y.view(M, N)
+    for s, idx in _slot_rows(adapters, q_len, M):
+        bs = _rank_rows(b[s], ranks[s], 1)
+        us_s = us if idx is None else us.index_select(0, idx)
+        delta = torch.cat([us_s[:, p * R:(p + 1) * R] @ bs[edges[p]:edges[p + 1]].t()
+                           for p in range(len(edges) - 1)], dim=1)
+        if idx is None:
+            yv.copy_(yv.float() + delta)
+        else:
+            yv.index_copy_(0, idx, (yv.index_select(0, idx).float() + delta).to(y.dtype))
+    return y
+
+
+def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+                       adapters: torch.Tensor, q_len: int, down_a: torch.Tensor | None = None,
+                       down_ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """silu(gate) * up of a [gate; up] projection's output gu [..., 2I] with the adapters' outputs added first
+    (b [S, 2I, R]; u: the partials of `lora_shrink` over both parts). Returns (act [..., I], and with `down_a`
+    [S, 1, R2, I] the `lora_shrink` partials of act for the next projection, else None). gu is not modified."""
+    inter = gu.shape[-1] // 2
+    y = lora_expand(gu.clone(), u, b, ranks, adapters, q_len, (inter,))
+    act = silu_mul(y[..., :inter], y[..., inter:])
+    if down_a is None:
+        return act, None
+    assert down_ranks is not None
+    return act, lora_shrink(act, down_a, down_ranks, adapters, q_len)

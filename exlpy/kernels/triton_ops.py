@@ -18,6 +18,7 @@ from exlpy.kernels.activation import silu_mul
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
+from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm
@@ -90,6 +91,9 @@ def register_all() -> None:
     ops.register("quant_attention", quant_attention_cuda)
     ops.register("store_kv_quant", store_kv_quant)
     ops.register("apply_token_bitmask", apply_token_bitmask)
+    ops.register("lora_shrink", lora_shrink)
+    ops.register("lora_expand", lora_expand)
+    ops.register("lora_expand_swiglu", lora_expand_swiglu)
 
 
 register_all()

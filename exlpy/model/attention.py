@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class Attention(Module):
         self.v_proj: Linear | None = None
         self.o_proj: Linear | RowParallel | ColumnParallel | None = None
         self.qkv_proj: FusedDense | FusedQuant | None = None  # q, k and v side by side when they can fuse
+        self.lora: Any = None  # LoRA slot buffers and hooks, attached by exlpy/lora/ while adapters are in use
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -72,14 +74,17 @@ class Attention(Module):
 
     def unload(self) -> None:
         self.norm_w = self.q_norm_w = self.k_norm_w = None
-        self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.qkv_proj = None
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.qkv_proj = self.lora = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.q_proj and self.k_proj and self.v_proj and self.o_proj and self.norm_w is not None
         B, T, _ = x.shape
         eps = self.spec.norm_eps
-        if self.qkv_proj is not None:  # pre-norm fused into one q|k|v projection
+        lora = self.lora if batch.lora else None  # rows with LoRA adapters (exlpy/lora/block.py)
+        if lora is not None:
+            q, k, v = lora.project_qkv(self, x, batch)
+        elif self.qkv_proj is not None:  # pre-norm fused into one q|k|v projection
             q, k, v = self.qkv_proj.forward_normed(x, self.norm_w, eps).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         else:
@@ -92,7 +97,8 @@ class Attention(Module):
             q = ops.rms_norm(q, self.q_norm_w, eps)
             k = ops.rms_norm(k, self.k_norm_w, eps)
         o = attend(q, k, v, batch, self.layer_idx, self.scale, self.rotary.get(x.device, x.dtype))
-        return await close_block(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
+        return await close_block(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim),
+                                 lora.closing(batch, "o") if lora is not None else None)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int, scale: float,

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exlpy.errors import ExlpyError
 from exlpy.server import plans
+from exlpy.server.lora import adapter_cards
 from exlpy.server.bridge import JobFailedError, ServerBusyError
 from exlpy.server.schemas import (
     ChatCompletionRequest,
@@ -40,9 +41,15 @@ class ModelNotFoundError(ExlpyError, LookupError):
         self.param = "model"
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise ModelNotFoundError(name, state.model_name)
+def check_model(state: ServerState, name: str | None) -> list[Any]:
+    """The LoRA adapters the request's `model` names: [] for the base model (or no name), [adapter] for a
+    `--lora NAME=DIR` adapter (exlpy/server/lora.py); any other name is a 404."""
+    if name is None or name == state.model_name:
+        return []
+    lora = state.adapters.get(name)
+    if lora is None:
+        raise ModelNotFoundError(name, ", ".join([state.model_name, *state.adapters]))
+    return [lora]
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -69,24 +76,25 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards(state)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        check_model(state, model_id)
+        if check_model(state, model_id):
+            return next(c for c in adapter_cards(state) if c["id"] == model_id)
         return model_card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        check_model(state, req.model)
+        loras = check_model(state, req.model)
         plan = plans.plan_completion(req, state.tokenizer, state.bridge.generator.model, state.max_seq_len)
-        return await execute(state, plan, req.stream, request, chat=False)
+        return await execute(state, plan, req.stream, request, chat=False, loras=loras, name=req.model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        check_model(state, req.model)
+        loras = check_model(state, req.model)
         plan = plans.plan_chat(req, state.tokenizer, state.bridge.generator.model, state.max_seq_len)
-        return await execute(state, plan, req.stream, request, chat=True)
+        return await execute(state, plan, req.stream, request, chat=True, loras=loras, name=req.model)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -57,11 +57,13 @@ def from_probs(tokens: list[int], probs: list[float], alts: list[tuple[list[int]
     return out
 
 
-def score_prompt(model: Any, ids: torch.Tensor, vocab: int, top: int) -> list[TokenLogprob]:
-    """Logprob of every prompt token after the first, from one forward pass (no cache)."""
+def score_prompt(model: Any, ids: torch.Tensor, vocab: int, top: int, loras: list[Any] | None = None
+                 ) -> list[TokenLogprob]:
+    """Logprob of every prompt token after the first, from one forward pass (no cache), with the request's
+    LoRA adapters if any."""
     if ids.shape[-1] < 2:
         return []
-    logits = model.forward(ids.view(1, -1))[0, :-1]
+    logits = model.forward(ids.view(1, -1), loras=loras or None)[0, :-1]
     return from_logits(logits.float().cpu(), ids.view(-1)[1:].tolist(), vocab, top)
 
 

@@ -42,6 +42,7 @@ class Run:
     plan: RequestPlan
     chat: bool
     rid: str
+    model_name: str = ""  # what the response names: the base model or the LoRA adapter the request chose
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_scores: list[list[lp.TokenLogprob] | None] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
@@ -56,15 +57,18 @@ class Run:
                 self.state.bridge.cancel(c.handle)
 
 
-async def execute(state: ServerState, plan: RequestPlan, stream: bool, request: Request, chat: bool) -> Response:
-    run = Run(state, plan, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
-    await _score_prompts(run)
+async def execute(state: ServerState, plan: RequestPlan, stream: bool, request: Request, chat: bool,
+                  loras: list[Any] | None = None, name: str | None = None) -> Response:
+    run = Run(state, plan, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", name or state.model_name)
+    await _score_prompts(run, loras)
     try:
         for p in range(len(plan.prompts)):
             for k in range(plan.best_of):
                 handle = None
                 if plan.max_new_tokens[p] > 0:
-                    handle = await state.bridge.submit(plan.make_job(p, k, f"{run.rid}-{p}-{k}"))
+                    job = plan.make_job(p, k, f"{run.rid}-{p}-{k}")
+                    job.loras = loras or []  # the adapter the request's model names, else none
+                    handle = await state.bridge.submit(job)
                 run.candidates.append(Candidate(p, handle, ResultReader(run.pieces, plan.top_logprobs,
                                                                         plan.raw_logprobs)))
     except BaseException:
@@ -99,7 +103,7 @@ async def execute(state: ServerState, plan: RequestPlan, stream: bool, request: 
     return JSONResponse(_response(run))
 
 
-async def _score_prompts(run: Run) -> None:
+async def _score_prompts(run: Run, loras: list[Any] | None) -> None:
     plan = run.plan
     wanted = (plan.echo and plan.top_logprobs is not None) or plan.prompt_logprobs is not None
     if not wanted:
@@ -109,7 +113,7 @@ async def _score_prompts(run: Run) -> None:
     model, vocab = run.state.bridge.generator.model, len(run.pieces)
     for ids in plan.prompts:
         run.prompt_scores.append(await run.state.bridge.run_exclusive(
-            lambda ids=ids: lp.score_prompt(model, ids, vocab, top)))
+            lambda ids=ids: lp.score_prompt(model, ids, vocab, top, loras)))
 
 
 async def _watch_disconnect(request: Request, run: Run) -> None:
@@ -199,7 +203,7 @@ def _response(run: Run) -> dict[str, Any]:
                                                            plan.prompt_logprobs)
             choices.append(choice)
     out: dict[str, Any] = {"id": run.rid, "object": "chat.completion" if run.chat else "text_completion",
-                           "created": run.created, "model": run.state.model_name, "choices": choices,
+                           "created": run.created, "model": run.model_name, "choices": choices,
                            "usage": _usage(run).model_dump()}
     if run.chat and plan.prompt_logprobs is not None:
         out["prompt_logprobs"] = lp.vllm_prompt(run.prompt_scores[0] or [], run.pieces, plan.prompt_logprobs)
@@ -212,7 +216,7 @@ def _sse(payload: Any) -> str:
 
 def _chunk(run: Run, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": run.rid, "object": "chat.completion.chunk" if run.chat else "text_completion",
-            "created": run.created, "model": run.state.model_name, "choices": choices}
+            "created": run.created, "model": run.model_name, "choices": choices}
 
 
 async def _pump(i: int, c: Candidate, queue: asyncio.Queue[tuple[int, Any]]) -> None:

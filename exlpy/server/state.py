@@ -21,6 +21,7 @@ class ServerState:
     tokenizer: Any
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: dict[str, Any] = field(default_factory=dict)  # --lora NAME -> ExLlamaV2Lora (exlpy/server/lora.py)
 
     @property
     def max_seq_len(self) -> int:
@@ -40,7 +41,8 @@ def round_to_pages(tokens: int) -> int:
 
 
 def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cache_size: int | None = None,
-               max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True) -> ServerState:
+               max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True,
+               loras: list[str] | None = None) -> ServerState:
     """Load a model (the bundled demo by default) with a lazily allocated paged cache and wrap it for serving.
 
     The cache holds `cache_size` tokens (rounded up to whole 256-token pages; default: the context length, at
@@ -55,6 +57,10 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
         raise ConfigError(f"--max-seq-len must be >= 1, got {max_seq_len}")
     if cache_size is not None and cache_size < 1:
         raise ConfigError(f"--cache-size must be >= 1 token, got {cache_size}")
+    from exlpy.server.lora import load_adapters, parse_specs
+
+    name = os.path.basename(os.path.normpath(model_dir))
+    parse_specs(loras, name)  # bad --lora arguments fail before the model loads
     config = ExLlamaV2Config(model_dir)
     if max_seq_len:
         config.max_seq_len = max_seq_len
@@ -63,10 +69,12 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=sys.stderr.isatty())
     tokenizer = ExLlamaV2Tokenizer(config)
+    adapters = load_adapters(model, loras, name)  # `loras`: --lora NAME=DIR arguments
     chunk = max(PAGE_SIZE, config.max_input_len // PAGE_SIZE * PAGE_SIZE)
     generator = ExLlamaV2DynamicGenerator(model, cache, tokenizer, max_batch_size=max_batch_size,
                                           max_chunk_size=chunk)
     if warmup:
         generator.warmup()
-    name = os.path.basename(os.path.normpath(model_dir))
-    return state_from_generator(generator, name, max_queue)
+    state = state_from_generator(generator, name, max_queue)
+    state.adapters = adapters
+    return state

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.scheduler import decode_step, plan_prefill, skip_cached_pages
@@ -75,7 +76,7 @@ class ExLlamaV2DynamicGenerator:
         self.decode_tokens = 0
         self.cached_tokens = 0
         self.copy_partial_pages = True
-        self.current_loras: list[Any] = []  # exllamav2 attribute (TabbyAPI reads it); LoRA is not supported yet
+        self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
         self.draft_model = self.draft_cache = None
         self.use_ngram_draft = False
         self.num_draft_tokens, self.max_ngram = num_draft_tokens, max_ngram
@@ -158,10 +159,8 @@ class ExLlamaV2DynamicGenerator:
             raise GeneratorError("reset_page_table() needs an idle generator: jobs are still running")
         self.page_table.reset()
 
-    def set_loras(self, loras: Any) -> None:
-        if loras:
-            raise NotSupportedError("LoRA adapters are not supported by exlpy's dynamic generator yet")
-        self.current_loras: list[Any] = []
+    def set_loras(self, loras: Any) -> None:  # for jobs enqueued later that name none (no empty queue needed)
+        self.current_loras = list(adapters.normalize(loras, self.model))
 
     def warmup(self) -> None:
         """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
@@ -181,8 +180,9 @@ class ExLlamaV2DynamicGenerator:
     def _release(self, job: ExLlamaV2DynamicJob) -> None:
         drop_background(job.filters)  # a mask computed for a step that will not come
         for q in job.seqs:
-            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
+            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid(), q.salt)
             q.pages = []
+        adapters.free_slot(self, job)
         job.finished = True
         if job in self.active:
             self.active.remove(job)
@@ -203,6 +203,10 @@ class ExLlamaV2DynamicGenerator:
                 job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
                 if job.skips >= job.max_skips:
                     break  # skipped too often: later jobs may not overtake it any more
+                continue
+            if not (admitted := adapters.admit(self, job, results)):  # its LoRA adapter slot, if it needs one
+                if admitted is False and job.skips >= job.max_skips:
+                    break
                 continue
             for other in self.pending:
                 if other is job:
@@ -281,7 +285,8 @@ class ExLlamaV2DynamicGenerator:
             start, end = plan
             if end > start:
                 ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE)
+                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE,
+                                    [job.lora_slot])
                 self.model.forward_batch(ids, batch, preprocess_only=True)
                 self.prefill_tokens += end - start
                 for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
@@ -306,7 +311,7 @@ class ExLlamaV2DynamicGenerator:
         page = q.pages[p]
         if page.complete or page.kv_position or page.filler not in (None, serial):
             return
-        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else None, q.ids[pos:target])
+        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else q.salt, q.ids[pos:target])
         if donor is None or n == 0:
             return
         try:

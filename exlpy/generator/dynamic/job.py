@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage, chain_hashes
 from exlpy.generator.dynamic.stops import (
     Released,
@@ -30,12 +31,13 @@ if TYPE_CHECKING:
 class SeqState:
     """One token sequence of a job (CFG jobs have two) and the cache pages that hold its K/V."""
 
-    def __init__(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+    def __init__(self, ids: torch.Tensor, max_new_tokens: int, salt: bytes | None = None) -> None:
         self.ids = ids  # 1-D: prompt, then generated tokens
         self.prompt_len = ids.numel()
         self.num_pages = -(-(self.prompt_len + max_new_tokens) // PAGE_SIZE)
+        self.salt = salt  # starts the hash chain: pages computed under other LoRA adapters never match
         # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
-        self.hashes = chain_hashes(ids, self.prompt_len - 1)
+        self.hashes = chain_hashes(ids, self.prompt_len - 1, salt)
         self.pages: list[CachePage] = []
         self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache
 
@@ -104,8 +106,8 @@ class ExLlamaV2DynamicJob:
                  stop_conditions: Iterable[int | str] | None = None, decode_special_tokens: bool = False,
                  return_top_tokens: int = 0, return_logits: bool = False, return_probs: bool = False,
                  filters: list[Any] | None = None, filter_prefer_eos: bool = False, token_healing: bool = False,
-                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None
-                 ) -> None:
+                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None,
+                 loras: Any = None) -> None:
         prompts = list(input_ids) if isinstance(input_ids, (list, tuple)) else [input_ids]
         cfg = gen_settings is not None and getattr(gen_settings, "cfg_scale", None) is not None
         if len(prompts) not in (1, 2) or (len(prompts) == 2) != cfg:
@@ -145,6 +147,11 @@ class ExLlamaV2DynamicJob:
         self.token_healing = token_healing
         self.identifier = identifier
         self.banned_strings = list(banned_strings or [])
+        # LoRA adapters (exlpy extension; None: the generator's set_loras): resolved at enqueue, slot while running
+        self.loras = loras
+        self.lora_key: tuple[Any, ...] = ()
+        self.lora_salt: bytes | None = None
+        self.lora_slot = -1
 
         self.serial: int | None = None
         self.generator: ExLlamaV2DynamicGenerator | None = None
@@ -169,10 +176,11 @@ class ExLlamaV2DynamicJob:
         self.generator = generator
         self.serial = serial
         self.time_enqueue = time.time()
+        adapters.resolve(generator, self)  # its LoRA adapters, checked, and their prefix-cache salt
         tok = generator.tokenizer
         ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
-        self.seqs = [SeqState(r.clone(), self.max_new_tokens) for r in rows]
+        self.seqs = [SeqState(r.clone(), self.max_new_tokens, self.lora_salt) for r in rows]
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
         self.stop_tokens, stop_strings = split_stop_conditions(conds)

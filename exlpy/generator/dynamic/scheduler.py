@@ -59,7 +59,7 @@ def decode_step(model: Any, cache: Any, device: torch.device, jobs: list[ExLlama
         first.append(len(rows))
         rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
     ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-    batch = paged_batch(rows, cache, device, PAGE_SIZE)
+    batch = paged_batch(rows, cache, device, PAGE_SIZE, [j.lora_slot for j in jobs for _ in j.seqs])  # LoRA slots
     logits = model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
     logits = premask_jobs(jobs, first, logits)  # grammar filters: their token masks applied on the device
     fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
