@@ -11,7 +11,7 @@ import torch
 
 from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
 from exlpy.engine.strategy import Strategy, execute
-from exlpy.errors import CacheTooSmallError, NotSupportedError, SequenceLengthError
+from exlpy.errors import CacheTooSmallError, SequenceLengthError
 from exlpy.kernels import ops
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
 from exlpy.model.validate import check_forward

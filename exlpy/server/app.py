@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exlpy.errors import ExlpyError
 from exlpy.server import plans
-from exlpy.server.lora import adapter_cards
 from exlpy.server.bridge import JobFailedError, ServerBusyError
+from exlpy.server.lora import adapter_cards
 from exlpy.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
