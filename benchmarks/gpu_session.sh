@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call of the project's GPU checks: `bash benchmarks/gpu_session.sh PART [PART ...]`.
+# Carried (git-ignored) inputs: .gpu/shared (small files of ../shared), .gpu/wheels (packages the GPU image lacks:
+# fastapi/uvicorn/pydantic, openai, llguidance, jsonschema, lm-format-enforcer, formatron), .gpu/smoltok (SmolLM2's
+# tokenizer and config, for a SmolLM2-shaped random EXL2 model). Parts:
+#   suite        benchmarks/gpu_tests.sh: the whole test suite in one session
+#   lora         benchmarks/lora.py (8B fp16 and EXL2, rank 16 on all seven projections)
+#   prefill      benchmarks/prefill.py: prefill 2k/8k/32k vs HF SDPA, decode at 32k over fp16/Q4/Q6/Q8/FP8 caches
+#   grammar      benchmarks/constrained_decode.py on a SmolLM2-shaped random EXL2 model with SmolLM2's tokenizer
+#   serving      benchmarks/serving.py --quick (8B fp16)
+#   spec         benchmarks/speculative.py --parts replay
+#   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/exlpy-results}
+mkdir -p "$OUT"
+[ -d ../shared ] || ln -s "$PWD/.gpu/shared" ../shared
+if [ -d .gpu/wheels ] && ! python3 -c "import fastapi, llguidance" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl 2>&1 | tail -2
+fi
+export PYTHONPATH=.:/tmp/site
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+for part in "$@"; do
+  echo "=== $part ($(date -u +%H:%M:%S))"
+  case $part in
+    suite) OUT=$OUT timeout "${SUITE_S:-280}" bash benchmarks/gpu_tests.sh 2>&1 | tail -25 ;;
+    lora) timeout "${LORA_S:-280}" python benchmarks/lora.py --out "$OUT/lora.md" 2>&1 | tail -25 ;;
+    prefill) timeout "${PREFILL_S:-330}" python benchmarks/prefill.py --lengths 2048,8192,32768 \
+               --out "$OUT/prefill.md" 2>&1 | tail -25 ;;
+    grammar)
+      if [ ! -f /tmp/smolrand/done ]; then
+        python -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from make_models import write_model
+write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/tokenizer* /tmp/smolrand/ && touch /tmp/smolrand/done
+      fi
+      timeout "${GRAMMAR_S:-150}" python -m benchmarks.constrained_decode --model /tmp/smolrand \
+        --out "$OUT/constrained_decode.md" 2>&1 | tail -20 ;;
+    serving) timeout "${SERVING_S:-400}" python benchmarks/serving.py --quick --models 8b \
+               --out "$OUT/serving.md" 2>&1 | tail -30 ;;
+    spec) timeout "${SPEC_S:-300}" python benchmarks/speculative.py --parts replay --out "$OUT/speculative.md" \
+            2>&1 | tail -30 ;;
+    convert) timeout "${CONVERT_S:-560}" python benchmarks/convert_8b.py --work /tmp/cv8b --budget "${CONVERT_BUDGET:-540}" \
+               --out "$OUT/convert.md" 2>&1 | tail -25 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+ls -la "$OUT"
