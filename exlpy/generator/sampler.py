@@ -78,26 +78,11 @@ class ExLlamaV2Sampler:
             filter_mask, end_tokens = evaluate_filters(list(filters), x, eos, filter_prefer_eos)
 
         ctx = chain.LogitContext(seq, tokenizer, prefix_ids, blocked_tokens, filter_mask)
-        for step in chain.logit_chain(settings, ctx, vocab, device):
-            x = step(x)
-
         mu = None
         if settings.mirostat:
             mu = mu_tensor(settings.mirostat_mu, batch, float(settings.mirostat_tau), device)
-        probs, ids = chain.candidates(x, chain.first_temperature(settings), float(settings.smoothing_factor),
-                                      chain.effective_top_k(settings))
-        for pstep in chain.prob_chain(settings, mu, tokenizer, vocab, device):
-            probs = pstep(probs, ids)
-        if settings.xtc_probability > 0.0 and probs.shape[-1] > 1:
-            # XTC can reorder candidates; the draw (and skew) expect descending order
-            probs, order = probs.sort(dim=-1, descending=True)
-            ids = ids.gather(-1, order)
-
         r = uniforms(batch, device, random, generator)
-        if settings.skew != 0.0:
-            r = skew_random(r, float(settings.skew))
-        idx, prob = draw(probs, r)
-        token = ids.gather(-1, idx)
+        token, prob, probs, ids, x = sample_core(x, settings, ctx, tokenizer, r, mu)
 
         if mu is not None:
             new_mu = mirostat_update(mu, prob, float(settings.mirostat_tau), float(settings.mirostat_eta))
@@ -121,6 +106,31 @@ class ExLlamaV2Sampler:
         else:
             end_filter = torch.zeros(batch, dtype=torch.bool, device=device)
         return token, top_tokens, top_probs, prob, end_filter
+
+
+def sample_core(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
+                r: torch.Tensor, mu: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampling pipeline after CFG and filters, shared by `sample` and the batched device sampler
+    (exlpy.generator.sampling.batched): logit chain, candidates, probability chain, skew, inverse-CDF draw at
+    the points `r` [B, 1]. Returns (token [B, 1], prob [B, 1], candidate probs [B, C], candidate ids [B, C],
+    final logits [B, V])."""
+    batch, vocab = x.shape
+    device = x.device
+    for step in chain.logit_chain(settings, ctx, vocab, device):
+        x = step(x)
+    probs, ids = chain.candidates(x, chain.first_temperature(settings), float(settings.smoothing_factor),
+                                  chain.effective_top_k(settings))
+    for pstep in chain.prob_chain(settings, mu, tokenizer, vocab, device):
+        probs = pstep(probs, ids)
+    if settings.xtc_probability > 0.0 and probs.shape[-1] > 1:
+        # XTC can reorder candidates; the draw (and skew) expect descending order
+        probs, order = probs.sort(dim=-1, descending=True)
+        ids = ids.gather(-1, order)
+    if settings.skew != 0.0:
+        r = skew_random(r, float(settings.skew))
+    idx, prob = draw(probs, r)
+    return ids.gather(-1, idx), prob, probs, ids, x
 
 
 def _logits_2d(logits: torch.Tensor) -> torch.Tensor:

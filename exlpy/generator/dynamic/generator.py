@@ -1,36 +1,47 @@
 """`ExLlamaV2DynamicGenerator`: continuous batching over a paged KV cache shared by all jobs.
 
-Each `iterate()` (1) starts queued jobs while pages and batch room allow, (2) runs one prefill chunk per job
-that still has prompt left (skipping pages another job already computed), (3) runs one batched decode step
-(q_len 1) for every prefilled job and samples each row with that job's settings and torch.Generator.
+Each `iterate()` (1) starts queued jobs while batch room and pages for their prompts allow
+(dynamic/scheduler.py), (2) runs prompt chunks of jobs still prefilling, within a token budget while other jobs
+decode so that a long prompt does not stall them, (3) gives every decoding job the page its next token goes
+to (preempting the newest job when the cache is full), launches one batched decode step (q_len 1) and
+samples it on the device where it can, and (4) only then reads the previous step's tokens and turns them
+into results (dynamic/decode.py): the host's work overlaps the GPU's.
+
 Finished or cancelled jobs give their pages back at once; full pages keep their prefix hash so a later prompt
 with the same prefix references them instead of recomputing them, and a partly filled last page remembers its
 tokens so that the next turn of a conversation copies its K/V instead of recomputing it.
 
 Counters: `prefill_tokens` (prompt tokens actually run through the model), `cached_tokens` (prompt tokens
-served from the cache instead) and `decode_tokens` (rows of batched decode steps).
+served from the cache instead), `decode_tokens` (rows of batched decode steps), `preemptions`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic import scheduler
+from exlpy.generator.dynamic.decode import DecodeStepper
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
+from exlpy.generator.dynamic.oneshot import generate
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import plan_prefill, skip_cached_pages
 from exlpy.model.batch import paged_batch
 
 
 class ExLlamaV2DynamicGenerator:
+    generate = generate
+
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, paged: bool = True, **kwargs: Any) -> None:
+                 use_ngram_draft: bool = False, paged: bool = True, page_size: int = PAGE_SIZE,
+                 max_prefill_per_step: int = 256, **kwargs: Any) -> None:
+        """exllamav2's arguments, plus two exlpy extensions: `page_size` (tokens per cache page; 256 as in
+        exllamav2) and `max_prefill_per_step` (prompt tokens run per iteration while other jobs decode, at
+        the start of a prompt; fewer deeper into long prompts)."""
         cfg = model.config
         if draft_model is not None or draft_cache is not None or use_ngram_draft:
             raise GeneratorError("speculative decoding (draft_model / use_ngram_draft) is not supported by "
@@ -41,11 +52,14 @@ class ExLlamaV2DynamicGenerator:
         if cache.batch_size != 1:
             raise GeneratorError(f"the dynamic generator needs a cache with batch_size 1 (its rows are pages), "
                                  f"got batch_size {cache.batch_size}")
-        if cache.max_seq_len % PAGE_SIZE != 0:
+        if page_size < 1 or cache.max_seq_len % page_size != 0:
             raise GeneratorError(f"cache max_seq_len {cache.max_seq_len} must be a multiple of the page size "
-                                 f"{PAGE_SIZE}")
+                                 f"{page_size}")
+        if max_prefill_per_step < 1:
+            raise GeneratorError(f"max_prefill_per_step must be >= 1, got {max_prefill_per_step}")
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.paged = paged
+        self.page_size = page_size
         self.max_q_size = max_q_size
         default_batch = max(1, cfg.max_input_len // max_q_size)
         # Unpaged mode keeps exllamav2's meaning (one sequence at a time) on top of the same page machinery.
@@ -55,21 +69,26 @@ class ExLlamaV2DynamicGenerator:
         # A sequence may not outgrow the cache nor the model's context (its RoPE tables end there).
         self.max_seq_len = min(max_seq_len or cache.max_seq_len, cache.max_seq_len, cfg.max_seq_len)
         chunk = max_chunk_size or cfg.max_input_len
-        if chunk % PAGE_SIZE != 0 or chunk < PAGE_SIZE:
-            raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {PAGE_SIZE}")
+        if chunk % page_size != 0 or chunk < page_size:
+            raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {page_size}")
         self.max_chunk_size = chunk
-        self.num_pages = cache.max_seq_len // PAGE_SIZE
-        self.page_table = PageTable(self.num_pages)
+        self.max_prefill_per_step = max_prefill_per_step
+        self.model_vocab = int(cfg.vocab_size)
+        self.num_pages = cache.max_seq_len // page_size
+        self.page_table = PageTable(self.num_pages, page_size)
         self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
         self.special_ids = _special_ids(tokenizer)
         self.pending: list[ExLlamaV2DynamicJob] = []
         self.active: list[ExLlamaV2DynamicJob] = []
         self.next_serial = 0
+        self.admissions = 0
         # Counters: tokens actually run through the model (prefill / decode), and prompt tokens served from cache.
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.cached_tokens = 0
+        self.preemptions = 0
         self.copy_partial_pages = True
+        self.stepper = DecodeStepper(self)
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -91,16 +110,20 @@ class ExLlamaV2DynamicGenerator:
                                  "prompt again")
         with self._lock:
             serial = self.next_serial
-            job.prepare(self, serial)
-            if job.num_pages > self.num_pages:
+            try:
+                job.prepare(self, serial)
+            except Exception:
                 job.serial = None
-                raise GeneratorError(f"Job requires {job.num_pages} pages (only {self.num_pages} available): "
-                                     f"{job.prompt_len} prompt + up to {job.max_new_tokens} new tokens at "
-                                     f"{PAGE_SIZE} tokens per page")
+                raise
             if job.prompt_len >= self.max_seq_len:
                 job.serial = None
                 raise GeneratorError(f"prompt of {job.prompt_len} tokens does not fit max_seq_len "
                                      f"{self.max_seq_len} with room for a new token")
+            if job.num_pages > self.num_pages:
+                job.serial = None
+                raise GeneratorError(f"Job requires {job.num_pages} pages (only {self.num_pages} available): "
+                                     f"{job.prompt_len} prompt + up to {job.max_new_tokens} new tokens at "
+                                     f"{self.page_size} tokens per page")
             self.next_serial += 1
             job.wait_reason = "queued"
             self.pending.append(job)
@@ -133,6 +156,7 @@ class ExLlamaV2DynamicGenerator:
             for job in self.pending:
                 job.finished = True
             self.pending = []
+            self.stepper.inflight = None
 
     def reset_page_table(self) -> None:
         if self.active:
@@ -157,69 +181,100 @@ class ExLlamaV2DynamicGenerator:
         self.page_table.reset()
         self.prefill_tokens = self.decode_tokens = self.cached_tokens = 0
 
+    def status(self) -> dict[str, Any]:
+        """Cache and queue figures for monitoring (the server's /health)."""
+        t = self.page_table
+        with self._lock:
+            used = sum(q.kv_valid() for j in self.active for q in j.seqs)
+            waiting = [{"serial": j.serial, "reason": j.wait_reason} for j in self.pending[:8]]
+        return {"cache_tokens": t.num_pages * t.page_size, "cache_pages": t.num_pages, "page_size": t.page_size,
+                "cache_pages_free": t.num_unreferenced(), "cache_tokens_in_use": used,
+                "running": len(self.active), "waiting": len(self.pending), "waiting_reasons": waiting,
+                "preemptions": self.preemptions}
+
     # --- iteration -----------------------------------------------------------------------------------------
-    def _release(self, job: ExLlamaV2DynamicJob) -> None:
+    def device(self) -> torch.device:
+        return self.model.strategy_for_forward().first_device
+
+    def release_pages(self, job: ExLlamaV2DynamicJob) -> None:
         for q in job.seqs:
             self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
             q.pages = []
+
+    def _release(self, job: ExLlamaV2DynamicJob) -> None:
+        self.release_pages(job)
         job.finished = True
+        job.epoch += 1
+        job.inflight = 0
         if job in self.active:
             self.active.remove(job)
 
-    def _schedule(self, results: list[dict[str, Any]]) -> None:
-        for job in list(self.pending):
-            if len(self.active) >= self.max_batch_size:
-                job.wait_reason = f"batch full ({self.max_batch_size} jobs running)"
-                break
-            if not self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs]):
-                free = self.page_table.num_unreferenced()
-                job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
-                if job.skips >= job.max_skips:
-                    break  # skipped too often: later jobs may not overtake it any more
-                continue
-            reused = 0
-            for q in job.seqs:
-                q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
-                reused += n
-            for other in self.pending:
-                if other is job:
-                    break
-                other.skips += 1
-            self.pending.remove(job)
-            self.active.append(job)
-            job.start(reused)
-            results.append(job.base_result("started"))
-
     def iterate(self) -> list[dict[str, Any]]:
-        """Advance every job by one step; returns the results produced (see the module docstring)."""
-        with self._lock:
+        """Advance every job by one step; returns the results produced (see the module docstring). With the
+        overlapped loop a token reaches its result one call after the step that sampled it was launched."""
+        with self._lock, torch.inference_mode():
             results: list[dict[str, Any]] = []
-            self._schedule(results)
+            scheduler.admit(self, results)
+            decoding = any(j.is_prefilled() for j in self.active)
+            spent = 0
             for job in list(self.active):
                 if not job.is_prefilled():
-                    self._guard(job, results, lambda j=job: self._prefill(j, results))
-            decoding = [j for j in self.active if j.is_prefilled()]
-            if decoding:
-                try:
-                    greedy, logits = self._decode_step(decoding)
-                except Exception as e:
-                    if len(decoding) == 1:
-                        self._fail(decoding[0], e, results)
-                        return results
-                    raise
-                for i, job in enumerate(decoding):
-                    if i in greedy:
-                        self._guard(job, results, lambda j=job, t=greedy[i]: self._accept(j, t, {}, False, results))
-                    else:
-                        self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
+                    spent += self._guard_n(job, results, lambda j=job, s=spent: self._prefill(j, results, decoding, s))
+            jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
+            jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
+            prev, self.stepper.inflight = self.stepper.inflight, None
+            if not jobs:
+                if prev is not None:
+                    self.stepper.finish(prev, results)
+                return results
+            try:
+                launched, host = self.stepper.launch(jobs, prev)
+            except Exception as e:
+                if prev is not None:
+                    self.stepper.finish(prev, results)
+                self._isolate(jobs, e, results)
+                return results
+            if prev is not None:
+                self.stepper.finish(prev, results)
+            self.stepper.sample_host(host, results)
+            self.stepper.inflight = launched
             return results
 
-    def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
+    def _continues(self, job: ExLlamaV2DynamicJob) -> bool:
+        """Whether the job needs another step: it ends by count once its tokens in flight arrive."""
+        n = job.new_tokens + job.inflight
+        return n < job.max_new_tokens and max(q.ids.numel() for q in job.seqs) + job.inflight < self.max_seq_len
+
+    def _isolate(self, jobs: list[ExLlamaV2DynamicJob], error: Exception, results: list[dict[str, Any]]) -> None:
+        """A batched step raised: run each job's step alone so that only the job at fault fails."""
+        if len(jobs) == 1:
+            self._fail(jobs[0], error, results)
+            return
+        for job in jobs:
+            if job.finished or job not in self.active:
+                continue
+
+            def solo(j: ExLlamaV2DynamicJob = job) -> None:
+                launched, host = self.stepper.launch([j], None)
+                if launched is not None:
+                    self.stepper.finish(launched, results)
+                self.stepper.sample_host(host, results)
+
+            self.guard(job, results, solo)
+
+    def guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
         """Run one job's step; an exception ends that job with an error result and leaves the others running."""
         try:
             fn()
         except Exception as e:
             self._fail(job, e, results)
+
+    def _guard_n(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> int:
+        try:
+            return int(fn())
+        except Exception as e:
+            self._fail(job, e, results)
+            return 0
 
     def _fail(self, job: ExLlamaV2DynamicJob, e: Exception, results: list[dict[str, Any]]) -> None:
         r = job.base_result("streaming")
@@ -229,15 +284,24 @@ class ExLlamaV2DynamicGenerator:
         self._release(job)
         results.append(r)
 
-    def _prefill(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
-        progressed = False
+    def _prefill(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], decoding: bool, spent: int) -> int:
+        """One prompt chunk per sequence of the job; returns the tokens run."""
+        progressed, ran = False, 0
+        serial = job.serial or 0
         for q in job.seqs:
             if q.is_prefilled():
                 continue
-            self.cached_tokens += skip_cached_pages(q)
-            self._copy_partial_page(q, job.serial or 0)
-            self.cached_tokens += skip_cached_pages(q)
-            plan = plan_prefill(q, job.serial or 0, self.max_chunk_size)
+            self.cached_tokens += scheduler.skip_cached_pages(q)
+            self._copy_partial_page(q, serial)
+            self.cached_tokens += scheduler.skip_cached_pages(q)
+            if q.is_prefilled():
+                progressed = True
+                continue
+            limit = scheduler.prefill_limit(self, q, decoding, spent + ran)
+            if limit == 0:
+                job.wait_reason = "waiting for its turn to prefill next to the running jobs"
+                continue
+            plan = scheduler.plan_prefill(q, serial, limit)
             if plan is None:
                 job.wait_reason = "waiting for another job to finish computing a shared prefix page"
                 continue
@@ -245,11 +309,13 @@ class ExLlamaV2DynamicGenerator:
             start, end = plan
             if end > start:
                 ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE)
+                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self.device(), self.page_size)
                 self.model.forward_batch(ids, batch, preprocess_only=True)
                 self.prefill_tokens += end - start
-                for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
-                    q.pages[p].kv_position = max(q.pages[p].kv_position, min(PAGE_SIZE, end - p * PAGE_SIZE))
+                ran += end - start
+                size = self.page_size
+                for p in range(start // size, (end - 1) // size + 1):
+                    q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
                 q.prefill_pos = end
         if progressed:
             job.wait_reason = None
@@ -257,15 +323,16 @@ class ExLlamaV2DynamicGenerator:
             r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
                      max_progress=sum(q.prefill_target for q in job.seqs))
             results.append(r)
+        return ran
 
     def _copy_partial_page(self, q: SeqState, serial: int) -> None:
         """At a page start, copy K/V from a free page that followed the same prefix and holds the same leading
         tokens (e.g. the previous turn of a chat, whose last page was not full): those tokens skip prefill."""
-        pos, target = q.prefill_pos, q.prefill_target
+        pos, target, size = q.prefill_pos, q.prefill_target, self.page_size
         if not self.copy_partial_pages:
             return
-        p = pos // PAGE_SIZE
-        if pos % PAGE_SIZE or pos >= target or (p > 0 and p - 1 >= len(q.hashes)):
+        p = pos // size
+        if pos % size or pos >= target or (p > 0 and p - 1 >= len(q.hashes)):
             return
         page = q.pages[p]
         if page.complete or page.kv_position or page.filler not in (None, serial):
@@ -274,7 +341,7 @@ class ExLlamaV2DynamicGenerator:
         if donor is None or n == 0:
             return
         try:
-            self.cache.copy_states(self.cache, donor.index * PAGE_SIZE, n, page.index * PAGE_SIZE, n, 0, 1, 0, 1)
+            self.cache.copy_states(self.cache, donor.index * size, n, page.index * size, n, 0, 1, 0, 1)
         except NotImplementedError:
             self.copy_partial_pages = False  # e.g. quantized caches: recompute instead
             return
@@ -282,108 +349,19 @@ class ExLlamaV2DynamicGenerator:
         q.prefill_pos += n
         self.cached_tokens += n
 
-    def _device(self) -> torch.device:
-        return self.model.strategy_for_forward().first_device
-
-    def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
-        """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
-        are reduced to their argmax on the device; only the other jobs' logits travel to the CPU for the
-        sampler. Returns ({job index: token}, per job its logits [rows, 1, V] on the CPU)."""
-        rows, first = [], []  # first: each job's first row (a job's rows are consecutive)
-        for j in jobs:
-            first.append(len(rows))
-            rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
-        ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-        batch = paged_batch(rows, self.cache, self._device(), PAGE_SIZE)
-        logits = self.model.forward_batch(ids, batch, last_id_only=True)
-        self.decode_tokens += len(rows)
-        fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
-        greedy: dict[int, int] = {}
-        if fast:
-            # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-            picks = logits[[first[k] for k in fast], -1, :len(self.pieces)].argmax(-1).tolist()
-            greedy = dict(zip(fast, picks))
-        slow = [k for k in range(len(jobs)) if k not in greedy]
-        per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-        if slow:
-            # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
-            cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))], -1:].float().cpu()
-            i = 0
-            for k in slow:
-                n = len(jobs[k].seqs)
-                per_job[k] = cpu[i:i + n]
-                i += n
-        return greedy, per_job
-
-    def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
+    def sample_on_host(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
-        settings = job.gen_settings or ExLlamaV2Sampler.Settings()
-        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, settings)
-        self._accept(job, token, payload, end_filter, results)
+        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, job.settings)
+        self.accept(job, token, payload, end_filter, results)
 
-    def _accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
-                results: list[dict[str, Any]]) -> None:
+    def accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
+               results: list[dict[str, Any]]) -> None:
         r = job.receive(token, payload, end_filter)
-        for q in job.seqs:
-            q.prefill_pos = q.ids.numel() - 1
         if r is not None:
             results.append(r)
             if r["eos"]:
                 self._release(job)
-
-    # --- one-call generation -------------------------------------------------------------------------------
-    def generate(self, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int, min_new_tokens: int = 0,
-                 seed: int | None = None, gen_settings: Any = None, token_healing: bool = False,
-                 encode_special_tokens: bool = False, decode_special_tokens: bool = False,
-                 stop_conditions: Iterable[int | str] | None = None, add_bos: bool = False,
-                 abort_event: threading.Event | None = None, completion_only: bool = False,
-                 filters: list[Any] | None = None, filter_prefer_eos: bool = False,
-                 return_last_results: bool = False, embeddings: Any = None,
-                 banned_strings: list[str] | None = None, **kwargs: Any) -> Any:
-        """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
-        when `return_last_results`. A failing job raises its error here."""
-        single = isinstance(prompt, (str, tuple))
-        prompts = [prompt] if single else list(prompt)
-        settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
-        # Filters hold per-sequence state: a batch takes one list of filters per prompt.
-        per_prompt_filters = filters if (filters and not single and isinstance(filters[0], list)) else None
-        jobs = []
-        for i, p in enumerate(prompts):
-            texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
-            ids = [self.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
-                   for t in texts]
-            jobs.append(ExLlamaV2DynamicJob(
-                ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
-                token_healing=token_healing, seed=None if seed is None else seed + i,
-                stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
-                filters=per_prompt_filters[i] if per_prompt_filters else filters,
-                filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
-                embeddings=embeddings))
-        self.enqueue(jobs)
-        completions = [""] * len(prompts)
-        last: list[dict[str, Any] | None] = [None] * len(prompts)
-        while any(not j.finished for j in jobs):
-            if abort_event is not None and abort_event.is_set():
-                for j in jobs:
-                    if not j.finished:
-                        self.cancel(j)
-                break
-            for r in self.iterate():
-                if r["stage"] != "streaming" or r["job"] not in jobs:
-                    continue
-                i = r["identifier"]
-                completions[i] += r.get("text", "")
-                if r["eos"]:
-                    if "error" in r:
-                        raise r["error"]
-                    last[i] = r
-        texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c
-                 for p, c in zip(prompts, completions)]
-        out: Any = texts[0] if single else texts
-        if return_last_results:
-            return out, (last[0] if single else last)
-        return out
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -18,32 +18,48 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.sampling.batched import RowSample, device_capable
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
 
 
 class SeqState:
-    """One token sequence of a job (CFG jobs have two) and the cache pages that hold its K/V."""
+    """One token sequence of a job (CFG jobs have two) and the cache pages that hold its K/V.
 
-    def __init__(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+    Pages are taken as the sequence grows: its prompt's at admission, one more whenever a decode step writes
+    past the last page. A preempted job gives all of them back and later recomputes its whole sequence so far
+    as a new prompt (`restart`), sharing whatever full pages are still cached.
+    """
+
+    def __init__(self, ids: torch.Tensor, page_size: int = PAGE_SIZE) -> None:
         self.ids = ids  # 1-D: prompt, then generated tokens
-        self.prompt_len = ids.numel()
-        self.num_pages = -(-(self.prompt_len + max_new_tokens) // PAGE_SIZE)
-        # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
-        self.hashes = chain_hashes(ids, self.prompt_len - 1)
+        self.page_size = page_size
         self.pages: list[CachePage] = []
-        self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache
+        self.restart()
 
-    @property
-    def prefill_target(self) -> int:
-        return self.ids.numel() - 1
+    def restart(self) -> None:
+        """Prefill everything but the last token again (admission, and re-admission after preemption)."""
+        self.prefill_target = self.ids.numel() - 1
+        # Only pages that prefill writes are shareable before the job ends.
+        self.hashes = chain_hashes(self.ids, self.prefill_target, self.page_size)
+        self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache (during prefill)
 
     def is_prefilled(self) -> bool:
         return self.prefill_pos >= self.prefill_target
 
     def kv_valid(self) -> int:
+        """Tokens whose K/V is certainly in the cache (a token in flight is not counted)."""
         return self.ids.numel() - 1 if self.is_prefilled() else self.prefill_pos
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def truncate(self, n: int) -> None:
+        """Drop the last n tokens (a banned string was rewound)."""
+        self.ids = self.ids[:-n]
+        self.prefill_target = min(self.prefill_target, self.ids.numel() - 1)
+        self.prefill_pos = min(self.prefill_pos, self.prefill_target)
 
     def page_ids(self) -> list[int]:
         return [p.index for p in self.pages]
@@ -53,9 +69,10 @@ class ExLlamaV2DynamicJob:
     """A prompt plus its generation settings. Enqueue it with `generator.enqueue(job)`.
 
     While the job is not running, `job.wait_reason` says why in plain words: "queued" (not yet considered),
-    "batch full (N jobs running)", "not enough free cache pages (needs N, M free)", or, during prefill,
-    "waiting for another job to finish computing a shared prefix page". It is None while the job makes
-    progress. A job whose pages can never fit is refused at enqueue() with a GeneratorError instead.
+    "batch full (N jobs running)", "waiting for cache pages (...)" with the cache's size and what the job
+    needs, "preempted (...)" when a longer-running job needed its pages, or, during prefill, "waiting for
+    another job to finish computing a shared prefix page". It is None while the job makes progress. A job
+    whose pages can never fit is refused at enqueue() with a GeneratorError instead.
     A job that fails while running (e.g. its filter raises) ends with a result whose `eos_reason` is "error"
     and which carries `error` (the exception) and `error_message`; the other jobs continue.
     """
@@ -121,16 +138,30 @@ class ExLlamaV2DynamicJob:
         self.time_first_token = 0.0
         self.ban_pos = -1
         self.ban_set: set[int] = set()
+        # Overlapped decoding: tokens sampled on the device whose values the host has not read yet, and an
+        # epoch that any rollback (end, cancel, preemption, rewind) bumps so stale in-flight rows are dropped.
+        self.inflight = 0
+        self.epoch = 0
+        self.admitted = 0  # admission order (the newest running job is preempted first)
+        self.preemptions = 0
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
+        from exlpy.generator.sampler import ExLlamaV2Sampler
+
         self.generator = generator
         self.serial = serial
+        self.settings = self.gen_settings if self.gen_settings is not None else ExLlamaV2Sampler.Settings()
         self.time_enqueue = time.time()
         tok = generator.tokenizer
         ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
-        self.seqs = [SeqState(r.clone(), self.max_new_tokens) for r in rows]
+        vocab = generator.model_vocab
+        for r in rows:
+            if r.numel() and (int(r.max()) >= vocab or int(r.min()) < 0):
+                bad = next(int(t) for t in r if not 0 <= int(t) < vocab)
+                raise GeneratorError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+        self.seqs = [SeqState(r.clone(), generator.page_size) for r in rows]
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
         self.stop_tokens, stop_strings = split_stop_conditions(conds)
@@ -142,16 +173,41 @@ class ExLlamaV2DynamicJob:
         else:
             self.rng = torch.Generator()
             self.rng.seed()
-        self.num_pages = sum(q.num_pages for q in self.seqs)
+        # Most pages the job can hold at once: each sequence ends at max_new_tokens or max_seq_len.
+        limit = generator.max_seq_len
+        self.num_pages = sum(q.pages_for(min(q.ids.numel() + self.max_new_tokens, limit)) for q in self.seqs)
 
-    def start(self, reused: int) -> None:
-        self.cached_pages = reused
-        self.started = True
+    def admission_needs(self) -> list[tuple[list[bytes], int]]:
+        """(prefix hashes, pages) per sequence to start: pages for every token so far (the last one is
+        written by the first decode step)."""
+        return [(q.hashes, q.pages_for(q.ids.numel())) for q in self.seqs]
+
+    def start(self, reused: int) -> bool:
+        """Admitted (again); returns whether this is the first start (a "started" result is due)."""
+        first = not self.started
         self.wait_reason = None
-        self.time_start = time.time()
-        for f in self.filters:
-            if hasattr(f, "begin"):
-                f.begin("")
+        if first:
+            self.cached_pages = reused
+            self.started = True
+            self.time_start = time.time()
+            for f in self.filters:
+                if hasattr(f, "begin"):
+                    f.begin("")
+        return first
+
+    def preempt(self, reason: str) -> None:
+        """Its pages were taken back (the caller released them): recompute the sequence so far later."""
+        self.epoch += 1
+        self.inflight = 0
+        self.preemptions += 1
+        self.wait_reason = reason
+        for q in self.seqs:
+            q.pages = []
+            q.restart()
+
+    def next_position(self, q: SeqState) -> int:
+        """Cache position sequence q's next decode step writes (past the tokens fed, in flight included)."""
+        return q.ids.numel() - 1 + self.inflight
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -168,21 +224,25 @@ class ExLlamaV2DynamicJob:
     # --- sampling ------------------------------------------------------------------------------------------
     def blocked_tokens(self) -> list[int] | None:
         blocked: set[int] = set()
-        if self.new_tokens < self.min_new_tokens:
+        if self.new_tokens + self.inflight < self.min_new_tokens:
             blocked |= self.stop_tokens
         if self.ban_pos == self.sequence.numel():
             blocked |= self.ban_set
         return sorted(blocked) if blocked else None
 
-    def plain_greedy(self) -> bool:
-        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, filter, ban, healing
-        or per-token extras), so the generator may take it on the device for the whole batch at once."""
-        s = self.gen_settings
-        return (s is not None and getattr(s, "top_k", 0) == 1 and s.token_repetition_penalty == 1.0
-                and s.token_frequency_penalty == 0.0 and s.token_presence_penalty == 0.0 and s.token_bias is None
-                and s.dry_multiplier == 0.0 and s.cfg_scale is None and not s.post_sampling_hooks
-                and not self.filters and not (self.return_probs or self.return_top_tokens or self.return_logits)
-                and (self.prefix_token is None or self.new_tokens > 0) and self.blocked_tokens() is None)
+    def device_sampling(self) -> RowSample | None:
+        """How to sample the next token on the device, or None when it needs the host sampler (filters, banned
+        strings, CFG, penalties over the context, token healing's first token, per-token extras)."""
+        s = self.settings
+        if (self.filters or self.banned_strings or len(self.seqs) > 1 or not device_capable(s)
+                or (self.return_probs or self.return_top_tokens or self.return_logits)
+                or (self.prefix_token is not None and self.new_tokens + self.inflight == 0)):
+            return None
+        return RowSample(s, self.blocked_tokens())
+
+    def draw_point(self) -> float:
+        """The next random point of this job's generator: what the host sampler would draw for this token."""
+        return float(torch.rand(1, 1, generator=self.rng)[0, 0])
 
     def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
         """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
@@ -212,9 +272,9 @@ class ExLlamaV2DynamicJob:
         rel = self.stream.add(token, payload)
         if rel.rewind:
             self.new_tokens -= rel.rewind
+            self.epoch += 1
             for q in self.seqs:
-                q.ids = q.ids[:-rel.rewind]
-                q.prefill_pos = min(q.prefill_pos, q.ids.numel() - 1)
+                q.truncate(rel.rewind)
             if self.ban_pos != self.sequence.numel():
                 self.ban_pos, self.ban_set = self.sequence.numel(), set()
             assert rel.ban is not None
@@ -273,4 +333,5 @@ class ExLlamaV2DynamicJob:
         r["time_prefill"] = (self.time_first_token or now) - self.time_start
         r["time_generate"] = now - (self.time_first_token or now)
         r["cached_pages"] = self.cached_pages
-        r["cached_tokens"] = min(self.cached_pages * PAGE_SIZE, self.prompt_len)
+        r["cached_tokens"] = min(self.cached_pages * (self.seqs[0].page_size if self.seqs else PAGE_SIZE),
+                                 self.prompt_len)

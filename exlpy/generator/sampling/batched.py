@@ -1,0 +1,134 @@
+"""Sampling a batch of rows on the logits' device, each row with its own settings and random point.
+
+The generators sample here when a row's next token depends only on its logits and settings (greedy, or
+temperature / top-k / top-p / min-p ... with token bias and blocked tokens), so the token never leaves the
+GPU before the next step consumes it. Rows whose sampling needs host state (penalties over the context, DRY,
+filters, mirostat, hooks, CFG) use `ExLlamaV2Sampler.sample` instead.
+
+Rows are grouped by the settings that shape the distribution; each group runs the same pipeline as the host
+sampler (`sampler.sample_core`) once. Per-row parts (token bias, blocked tokens) are applied to the group's
+logits first, in the host sampler's order. Each row's point `r` in [0, 1) is drawn by the caller from that
+job's own torch.Generator, so a seeded job draws exactly the numbers the host sampler would draw.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from exlpy.generator.sampling import chain
+from exlpy.generator.sampling.logit_masks import BLOCKED_LOGIT
+from exlpy.generator.sampling.settings import SamplerSettings
+
+# Everything besides token_bias that shapes a device-sampled row's distribution.
+_KEY_FIELDS = ("temperature", "smoothing_factor", "min_temp", "max_temp", "temp_exponent", "top_k", "top_p", "top_a",
+               "min_p", "tfs", "typical", "skew", "temperature_last", "xtc_probability", "xtc_threshold")
+
+
+def device_capable(s: SamplerSettings) -> bool:
+    """Whether rows with these settings can be sampled here (no state beyond the logits is needed)."""
+    return (s.cfg_scale is None and not s.mirostat and not s.post_sampling_hooks and s.dry_multiplier == 0.0
+            and s.token_repetition_penalty == 1.0 and s.token_frequency_penalty == 0.0
+            and s.token_presence_penalty == 0.0)
+
+
+def is_greedy(s: SamplerSettings) -> bool:
+    """The token is the argmax: no random point is needed."""
+    return chain.effective_top_k(s) == 1
+
+
+def group_key(s: SamplerSettings) -> tuple[Any, ...]:
+    ign = s.xtc_ignore_tokens
+    return tuple(getattr(s, f) for f in _KEY_FIELDS) + (None if ign is None else frozenset(ign),)
+
+
+@dataclass
+class RowSample:
+    """One row to sample: its settings and the tokens blocked at this position (e.g. stop tokens before
+    min_new_tokens)."""
+
+    settings: SamplerSettings
+    blocked: Sequence[int] | None = None
+
+
+_bias_cache: weakref.WeakKeyDictionary[torch.Tensor, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _bias_on(bias: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The bias tensor on `device`, uploaded once per tensor and device (settings reuse it every step)."""
+    if bias.device == device:
+        return bias
+    per = _bias_cache.setdefault(bias, {})
+    key = str(device)
+    if key not in per:
+        per[key] = bias.to(device, dtype=torch.float32, non_blocking=True)
+    return per[key]
+
+
+def _row_parts(x: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
+    """Blocked tokens, then token bias, per row (the host sampler's order)."""
+    vocab = x.shape[-1]
+    blocked = [(i, t) for i, r in enumerate(rows) for t in (r.blocked or ()) if 0 <= t < vocab]
+    biased = [i for i, r in enumerate(rows) if r.settings.token_bias is not None]
+    if not blocked and not biased:
+        return x
+    x = x.clone()
+    if blocked:
+        idx = torch.tensor(blocked, dtype=torch.long).to(x.device, non_blocking=True)
+        x[idx[:, 0], idx[:, 1]] = BLOCKED_LOGIT
+    for i in biased:
+        bias = rows[i].settings.token_bias
+        assert bias is not None
+        n = min(bias.numel(), vocab)
+        x[i, :n] += _bias_on(bias, x.device)[:n]
+    return x
+
+
+_group_settings: dict[tuple[Any, ...], SamplerSettings] = {}
+
+
+def _plain(s: SamplerSettings, key: tuple[Any, ...]) -> SamplerSettings:
+    """`s` without the per-row parts (those are applied per row), cached per group key."""
+    g = _group_settings.get(key)
+    if g is None:
+        if len(_group_settings) > 256:
+            _group_settings.clear()
+        g = _group_settings[key] = replace(s, token_bias=None, post_sampling_hooks=[], mirostat_mu=None)
+    return g
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSample], r: torch.Tensor, tokenizer: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample row i of `logits` [N, V] (float32, any device) with rows[i]; `r` [N, 1] on the same device holds
+    each row's random point (ignored by greedy rows). Returns (tokens [N] long, their probabilities [N]), on
+    the device, without any host sync."""
+    from exlpy.generator.sampler import sample_core
+
+    n = logits.shape[0]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(group_key(row.settings), []).append(i)
+    if len(groups) == 1:
+        key = next(iter(groups))
+        return _sample_group(logits, rows, r, _plain(rows[0].settings, key), tokenizer, sample_core)
+    tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+    probs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for key, members in groups.items():
+        idx = torch.tensor(members, dtype=torch.long).to(logits.device, non_blocking=True)
+        t, p = _sample_group(logits.index_select(0, idx), [rows[i] for i in members], r.index_select(0, idx),
+                             _plain(rows[members[0]].settings, key), tokenizer, sample_core)
+        tokens.index_copy_(0, idx, t)
+        probs.index_copy_(0, idx, p)
+    return tokens, probs
+
+
+def _sample_group(x: torch.Tensor, rows: list[RowSample], r: torch.Tensor, settings: SamplerSettings,
+                  tokenizer: Any, core: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _row_parts(x, rows)
+    ctx = chain.LogitContext(None, tokenizer)
+    token, prob, _, _, _ = core(x, settings, ctx, tokenizer, r)
+    return token.view(-1), prob.view(-1)
