@@ -1,8 +1,14 @@
 """`ExLlamaV2StreamingGenerator`: one sequence, a contiguous cache, text streamed chunk by chunk.
 
 The cache keeps the K/V of the previous sequence; a new prompt that shares a prefix with it only runs the
-tokens after the common prefix. Invariant while streaming: `cache.current_seq_len == len(sequence) - 1`; the
+tokens after the common prefix. Invariant between streams: `cache.current_seq_len == len(sequence) - 1`; the
 last token is fed at the next step, which yields the logits for the token after it.
+
+While streaming, a step whose token depends only on its logits (no filters, banned strings, CFG, penalties or
+per-token extras) is sampled on the device, and `stream_ex()` launches the following step, fed by that token
+on the device, before it reads the token: the cache is then one token ahead (exlpy/generator/stream_steps.py).
+A stream that ends (or a new `begin_stream_ex`) discards that step, so the outputs are the same as stepping
+one token at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError
+from exlpy.generator import stream_steps
 from exlpy.generator.dynamic.stops import (
     Released,
     TextStream,
@@ -42,6 +49,8 @@ class ExLlamaV2StreamingGenerator:
         self.active = False
         self.reusable = True
         self.negative = None
+        self.pending: stream_steps.Pending | None = None  # a launched step whose token is not read yet
+        self.rng: torch.Generator | None = None
 
     def set_stop_conditions(self, stop_conditions: Iterable[int | str]) -> None:
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
@@ -67,6 +76,7 @@ class ExLlamaV2StreamingGenerator:
             raise GeneratorError("input_embeddings are not supported by exlpy's streaming generator")
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
+        self._discard()
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         cfg = getattr(gen_settings, "cfg_scale", None) is not None
@@ -101,7 +111,7 @@ class ExLlamaV2StreamingGenerator:
         self._prefill(ids)
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
-        self.rng: torch.Generator | None = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        self.rng = None  # global torch RNG (torch.manual_seed) unless set_seed()
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
@@ -151,7 +161,45 @@ class ExLlamaV2StreamingGenerator:
 
     def set_seed(self, seed: int) -> None:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
+        self._discard()
         self.rng = torch.Generator().manual_seed(seed)
+
+    def _discard(self) -> None:
+        """Drop the launched step whose token is not read yet (the cache goes back to the invariant)."""
+        if self.pending is not None:
+            stream_steps.discard(self.pending, self.cache, self.rng)
+            self.pending = None
+
+    def _device_plan(self) -> stream_steps.RowSample | None:
+        """How to sample the next token on the device, or None when it needs the host sampler."""
+        from exlpy.generator.sampling.batched import device_capable
+
+        s = self.settings
+        if (self.negative is not None or self.filters or self.text_stream.banned or not device_capable(s)
+                or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
+                or (self.prefix_token is not None and self.new_tokens == 0)):
+            return None
+        blocked = sorted(self.stop_tokens) if self.new_tokens < self.min_new_tokens else None
+        return stream_steps.RowSample(s, blocked)
+
+    def _stream_device(self, plan: stream_steps.RowSample) -> dict[str, Any]:
+        """One token through the overlapped path: launch the step after it, then read it."""
+        seq = self.sequence_ids
+        assert seq is not None
+        if self.pending is None:
+            self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer)
+        current = self.pending
+        self.pending = None
+        if seq.shape[1] + 1 < self.cache.max_seq_len:
+            after = stream_steps.RowSample(plan.settings, sorted(self.stop_tokens)
+                                           if self.new_tokens + 1 < self.min_new_tokens else None)
+            self.pending = stream_steps.launch(self.model, self.cache, current.token.view(1, 1), after, self.rng,
+                                               self.tokenizer)
+        token, prob = current.read()
+        r = self._take(token, {"prob": prob}, False)
+        if r["eos"]:
+            self._discard()
+        return r
 
     def get_sd_stats(self) -> tuple[float, float, int, int, int]:
         """(efficiency, accuracy, total tokens, drafted tokens, accepted drafts), as exllamav2 reports its
@@ -168,10 +216,16 @@ class ExLlamaV2StreamingGenerator:
         if not self.active or self.sequence_ids is None:
             raise GeneratorError("stream_ex() called without an active stream: call begin_stream_ex() first")
         if self.abort_event is not None and self.abort_event.is_set():
+            self._discard()
             return self._result(self.text_stream.end(Released(), "aborted"))
         longest = max(self.sequence_ids.shape[1], self.negative.numel() if self.negative is not None else 0)
         if longest >= self.cache.max_seq_len:
+            self._discard()
             return self._result(self.text_stream.end(Released(), "max_seq_len"))
+        plan = self._device_plan()
+        if plan is not None:
+            return self._stream_device(plan)
+        self._discard()
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
         seq = self.sequence_ids
@@ -188,6 +242,12 @@ class ExLlamaV2StreamingGenerator:
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
                                 self.return_logits)
+        return self._take(token, payload, bool(end_filter))
+
+    def _take(self, token: int, payload: dict[str, Any], end_filter: bool) -> dict[str, Any]:
+        """Append a sampled token and turn it into this call's result."""
+        seq = self.sequence_ids
+        assert seq is not None
         self.sequence_ids = torch.cat([seq, torch.tensor([[token]])], dim=1)
         if self.negative is not None:
             self.negative = torch.cat([self.negative, torch.tensor([token])])
