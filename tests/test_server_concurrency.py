@@ -162,14 +162,20 @@ def test_full_queue_answers_503() -> None:
 
 
 def test_failing_job_answers_500_and_concurrent_requests_finish(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sample = ExLlamaV2DynamicJob.sample
+    real_sample, real_draw = ExLlamaV2DynamicJob.sample, ExLlamaV2DynamicJob.draw_point
 
     def sample(self: ExLlamaV2DynamicJob, *args: Any) -> Any:
-        if self.seed == 666:  # the request picked to fail
+        if self.seed == 666:  # the request picked to fail (host sampler)
             raise RuntimeError("injected sampling fault")
         return real_sample(self, *args)
 
+    def draw_point(self: ExLlamaV2DynamicJob) -> Any:
+        if self.seed == 666:  # ...and on the device-sampling path
+            raise RuntimeError("injected sampling fault")
+        return real_draw(self)
+
     monkeypatch.setattr(ExLlamaV2DynamicJob, "sample", sample)
+    monkeypatch.setattr(ExLlamaV2DynamicJob, "draw_point", draw_point)
     state = make_state()
     slow_steps(state.bridge.generator, 0.005)
     sampled = {"prompt": "Echoes of", "max_tokens": 30, "temperature": 1.0, "seed": 5, "logit_bias": NO_EOS}
@@ -193,32 +199,41 @@ def test_failing_job_answers_500_and_concurrent_requests_finish(monkeypatch: pyt
     assert health["status"] == "ok" and health["failed"] == 2 and health["cache_pages_free"] == health["cache_pages"]
 
 
-def test_failed_step_fails_running_jobs_and_the_server_recovers() -> None:
+def test_failed_batched_step_is_retried_per_job_and_a_failed_loop_recovers() -> None:
     state = make_state()
     gen = state.bridge.generator
     slow_steps(gen, 0.005)
-    real_step = gen._decode_step
-    calls = {"raised": 0}
+    real_launch, real_finish = gen.stepper.launch, gen.stepper.finish
+    calls = {"launch": 0, "finish": 0}
 
-    def decode_step(jobs: list[Any]) -> Any:
-        if len(jobs) >= 2 and not calls["raised"]:
-            calls["raised"] += 1
+    def launch(jobs: list[Any], prev: Any) -> Any:
+        if len(jobs) >= 2 and not calls["launch"]:
+            calls["launch"] += 1
             raise RuntimeError("injected step fault")  # e.g. out of memory in a batched decode
-        return real_step(jobs)
+        return real_launch(jobs, prev)
 
-    gen._decode_step = decode_step
+    def finish(launched: Any, results: list[Any]) -> Any:
+        if calls["launch"] and not calls["finish"] and gen.num_active_jobs() == 1:
+            calls["finish"] += 1
+            raise RuntimeError("injected loop fault")  # outside any job's guard: the whole iterate() fails
+        return real_finish(launched, results)
+
+    gen.stepper.launch, gen.stepper.finish = launch, finish
 
     async def body(c: Any) -> tuple[Any, ...]:
+        # The batched step fails once: each job's step is run alone and both requests complete.
         first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])
-        left = gen.num_remaining_jobs()  # the failed jobs must be gone from the generator, not run on unseen
+        left = gen.num_remaining_jobs()
+        # Then a failure of the loop itself fails the running request; the server goes on serving.
+        failed = await c.post("/v1/completions", json=greedy("Once", 20))
         after = await c.post("/v1/completions", json=greedy("Once", 20))
-        return (*first, after, left)
+        return (*first, failed, after, left)
 
-    a, b, after, left = run(state, body)
-    assert left == 0
-    for r in (a, b):
-        assert r.status_code == 500 and "injected step fault" in r.json()["error"]["message"]
-    assert after.status_code == 200
-    assert after.json()["choices"][0]["text"] == reference_greedy(prompt_ids("Once"), 20, banned_eos=True)
+    a, b, failed, after, left = run(state, body)
+    assert calls == {"launch": 1, "finish": 1} and left == 0
+    for r, p in ((a, "Once"), (b, "Why"), (after, "Once")):
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == reference_greedy(prompt_ids(p), 20, banned_eos=True)
+    assert failed.status_code == 500 and "injected loop fault" in failed.json()["error"]["message"]
     stats = state.bridge.stats()
     assert stats["step_failures"] == 1 and stats["cache_pages_free"] == stats["cache_pages"]

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from exlpy.errors import ExlpyError
-from exlpy.server import params
+from exlpy.server import guards, params
 from exlpy.server.bridge import GeneratorBridge, JobFailedError, JobHandle, ServerBusyError
 from exlpy.server.format import ResultReader
 from exlpy.server.schemas import (
@@ -53,6 +53,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="exlpy", summary="OpenAI-compatible server over exlpy's dynamic generator",
                   lifespan=lifespan)
     app.state.exlpy = state
+    app.add_middleware(guards.BodyLimit, max_bytes=state.max_body_bytes)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -68,12 +69,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        plan = params.plan_completion(req, state.tokenizer, state.max_seq_len)
+        plan = await guards.plan_request(params.plan_completion, req, state)
         return await _serve(state, plan, req.stream, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        plan = params.plan_chat(req, state.tokenizer, state.max_seq_len)
+        plan = await guards.plan_request(params.plan_chat, req, state)
         return await _serve(state, plan, req.stream, request, chat=True)
 
     return app

@@ -13,6 +13,7 @@ from exlpy.generator.dynamic.pages import PAGE_SIZE
 from exlpy.server.bridge import GeneratorBridge
 
 MIN_CACHE_TOKENS = 2048  # a default cache below this would run one request at a time on short-context models
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20  # larger request bodies get a 413 (exlpy/server/guards.py)
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ServerState:
     tokenizer: Any
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
 
     @property
     def max_seq_len(self) -> int:
@@ -31,8 +33,10 @@ class ServerState:
         return self.bridge.generator.pieces
 
 
-def state_from_generator(generator: Any, model_name: str, max_queue: int = 64) -> ServerState:
-    return ServerState(GeneratorBridge(generator, max_queue=max_queue), generator.tokenizer, model_name)
+def state_from_generator(generator: Any, model_name: str, max_queue: int = 64,
+                         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
+    return ServerState(GeneratorBridge(generator, max_queue=max_queue), generator.tokenizer, model_name,
+                       max_body_bytes=max_body_bytes)
 
 
 def round_to_pages(tokens: int) -> int:
@@ -40,11 +44,13 @@ def round_to_pages(tokens: int) -> int:
 
 
 def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cache_size: int | None = None,
-               max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True) -> ServerState:
+               max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
     """Load a model (the bundled demo by default) with a lazily allocated paged cache and wrap it for serving.
 
     The cache holds `cache_size` tokens (rounded up to whole 256-token pages; default: the context length, at
-    least 2048): concurrent requests share it, each reserving pages for its prompt plus max_tokens.
+    least 2048): concurrent requests share it, taking pages as their sequences grow (the newest request is
+    preempted and resumed later when it runs full).
     """
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exlpy.demo import DEMO_MODEL_DIR
@@ -69,4 +75,4 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
     if warmup:
         generator.warmup()
     name = os.path.basename(os.path.normpath(model_dir))
-    return state_from_generator(generator, name, max_queue)
+    return state_from_generator(generator, name, max_queue, max_body_bytes)

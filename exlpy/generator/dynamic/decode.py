@@ -72,6 +72,7 @@ class HostRows:
     jobs: list[ExLlamaV2DynamicJob]
     first_row: list[int]
     logits: torch.Tensor | None = None
+    points: dict[int, float] | None = None  # serial -> random point already drawn for the job
 
 
 class DecodeStepper:
@@ -122,26 +123,31 @@ class DecodeStepper:
         gen.decode_tokens += len(rows)
 
         plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
+        points: dict[int, float] = {}
+        for k, p in enumerate(plans):
+            if p is not None and not is_greedy(p.settings):
+                try:
+                    points[k] = jobs[k].draw_point()
+                except Exception:
+                    plans[k] = None  # the host sampler will meet the same fault and fail this job alone
         dev = [k for k, p in enumerate(plans) if p is not None]
         host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None],
                         [first[k] for k in range(len(jobs)) if plans[k] is None])
         launched = None
         if dev:
             try:
-                launched = self._sample(jobs, first, plans, dev, logits, device)
+                launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits, device)
             except Exception:
-                # e.g. a malformed token_bias: the host sampler runs these rows one by one and fails only the
-                # job at fault
-                host = HostRows(list(jobs), first)
+                # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
+                # already drawn) and fails only the job at fault
+                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
         host.logits = logits
         return launched, host
 
     def _sample(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], plans: list[RowSample | None],
-                dev: list[int], logits: torch.Tensor, device: torch.device) -> Launched:
+                dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device) -> Launched:
         row_plans = [plans[k] for k in dev]
         assert all(p is not None for p in row_plans)
-        points = [0.0 if is_greedy(p.settings) else jobs[k].draw_point()  # type: ignore[union-attr]
-                  for k, p in zip(dev, row_plans)]
         x = logits[:, -1]
         if len(dev) != logits.shape[0]:
             x = x.index_select(0, upload_ids(torch.tensor([first[k] for k in dev]), device))
@@ -172,8 +178,10 @@ class DecodeStepper:
             n = len(job.seqs)
             part = cpu[i:i + n]
             i += n
+            point = (host.points or {}).get(job.serial or 0)
             if not job.finished:
-                self.gen.guard(job, results, lambda j=job, row=part: self.gen.sample_on_host(j, row, results))
+                self.gen.guard(job, results,
+                               lambda j=job, row=part, r=point: self.gen.sample_on_host(j, row, results, r))
 
     def drain(self, results: list[dict[str, Any]]) -> bool:
         """Process the step in flight now (the scheduler needs the tokens first); False if there is none."""

@@ -349,10 +349,11 @@ class ExLlamaV2DynamicGenerator:
         q.prefill_pos += n
         self.cached_tokens += n
 
-    def sample_on_host(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
+    def sample_on_host(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]],
+                       point: float | None = None) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
-        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, job.settings)
+        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, job.settings, point)
         self.accept(job, token, payload, end_filter, results)
 
     def accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,

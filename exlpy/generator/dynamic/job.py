@@ -244,14 +244,16 @@ class ExLlamaV2DynamicJob:
         """The next random point of this job's generator: what the host sampler would draw for this token."""
         return float(torch.rand(1, 1, generator=self.rng)[0, 0])
 
-    def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
-        """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
+    def sample(self, logits: torch.Tensor, sampler: Any, settings: Any, point: float | None = None
+               ) -> tuple[int, dict[str, Any], bool]:
+        """Sample the next token from logits [1, 1, V] (at `point` when this token's random point was already
+        drawn from the job's generator). Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
         tok, top_tok, top_prob, prob, end_filter = sampler.sample(
             logits, settings, self.sequence.unsqueeze(0), None, self.generator.tokenizer if self.generator else None,
             prefix_token=prefix, return_top_tokens=self.return_top_tokens,
             blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
-            filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+            filter_prefer_eos=self.filter_prefer_eos, random=point, generator=None if point is not None else self.rng)
         token = int(tok.view(-1)[0])
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
