@@ -250,10 +250,10 @@ class ExLlamaV2DynamicJob:
         drawn from the job's generator). Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
         tok, top_tok, top_prob, prob, end_filter = sampler.sample(
-            logits, settings, self.sequence.unsqueeze(0), None, self.generator.tokenizer if self.generator else None,
+            logits, settings, self.sequence.unsqueeze(0), point, self.generator.tokenizer if self.generator else None,
             prefix_token=prefix, return_top_tokens=self.return_top_tokens,
             blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
-            filter_prefer_eos=self.filter_prefer_eos, random=point, generator=None if point is not None else self.rng)
+            filter_prefer_eos=self.filter_prefer_eos, generator=None if point is not None else self.rng)
         token = int(tok.view(-1)[0])
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
