@@ -166,3 +166,32 @@ def test_ids_outside_the_model_vocabulary_are_refused_at_enqueue() -> None:
     with pytest.raises(GeneratorError, match="outside the model's vocabulary"):
         g.enqueue(job(torch.tensor([[1, -3]]), 4))
     assert g.num_remaining_jobs() == 0
+
+
+def test_long_prompt_is_prefilled_in_small_chunks_next_to_running_decodes() -> None:
+    model, tok = aidreams()
+    torch.manual_seed(4)
+    short = tok.encode("Once", add_bos=True)
+    long = torch.cat([torch.tensor([[1]]), torch.randint(3, 500, (1, 599))], dim=1)
+    g = make_gen(max_prefill_per_step=64)
+    a = job(short, 40)
+    g.enqueue(a)
+    b = job(long, 4)
+    res: dict[Any, list[int]] = {a: [], b: []}
+    while not a.new_tokens:
+        res[a] += [t for r in g.iterate() if r["stage"] == "streaming" for t in r["token_ids"][0].tolist()]
+    g.enqueue(b)
+    prefill_steps, stalled = 0, 0
+    while g.num_remaining_jobs():
+        out = g.iterate()
+        prefilling = [r for r in out if r["job"] is b and r["stage"] == "prefill"]
+        if prefilling:
+            prefill_steps += 1
+            stalled += not any(r["job"] is a and r["stage"] == "streaming" for r in out)
+        for r in out:
+            if r["stage"] == "streaming":
+                res[r["job"]] += r["token_ids"][0].tolist()
+    # 599 prompt tokens at most 64 per iteration (fewer deeper in): the running job streams all along.
+    assert prefill_steps >= 599 // 64 and stalled == 0
+    assert res[b] == argmax_tokens(model, long, 4)
+    assert res[a] == argmax_tokens(model, short, 40)

@@ -25,10 +25,10 @@ import torch
 from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic import scheduler
 from exlpy.generator.dynamic.decode import DecodeStepper
-from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
+from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.oneshot import generate
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.model.batch import paged_batch
+from exlpy.generator.dynamic.prefill import run_prefill
 
 
 class ExLlamaV2DynamicGenerator:
@@ -215,11 +215,13 @@ class ExLlamaV2DynamicGenerator:
         with self._lock, torch.inference_mode():
             results: list[dict[str, Any]] = []
             scheduler.admit(self, results)
-            decoding = any(j.is_prefilled() for j in self.active)
+            decoding = sum(1 for j in self.active if j.is_prefilled())
+            budget = scheduler.prefill_budget(self, decoding, len(self.active) - decoding)
             spent = 0
             for job in list(self.active):
                 if not job.is_prefilled():
-                    spent += self._guard_n(job, results, lambda j=job, s=spent: self._prefill(j, results, decoding, s))
+                    spent += self._guard_n(job, results,
+                                           lambda j=job, s=spent: run_prefill(self, j, results, decoding, budget, s))
             jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
             jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
             prev, self.stepper.inflight = self.stepper.inflight, None
@@ -283,71 +285,6 @@ class ExLlamaV2DynamicGenerator:
         job.add_final_fields(r, "error")
         self._release(job)
         results.append(r)
-
-    def _prefill(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], decoding: bool, spent: int) -> int:
-        """One prompt chunk per sequence of the job; returns the tokens run."""
-        progressed, ran = False, 0
-        serial = job.serial or 0
-        for q in job.seqs:
-            if q.is_prefilled():
-                continue
-            self.cached_tokens += scheduler.skip_cached_pages(q)
-            self._copy_partial_page(q, serial)
-            self.cached_tokens += scheduler.skip_cached_pages(q)
-            if q.is_prefilled():
-                progressed = True
-                continue
-            limit = scheduler.prefill_limit(self, q, decoding, spent + ran)
-            if limit == 0:
-                job.wait_reason = "waiting for its turn to prefill next to the running jobs"
-                continue
-            plan = scheduler.plan_prefill(q, serial, limit)
-            if plan is None:
-                job.wait_reason = "waiting for another job to finish computing a shared prefix page"
-                continue
-            progressed = True
-            start, end = plan
-            if end > start:
-                ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self.device(), self.page_size)
-                self.model.forward_batch(ids, batch, preprocess_only=True)
-                self.prefill_tokens += end - start
-                ran += end - start
-                size = self.page_size
-                for p in range(start // size, (end - 1) // size + 1):
-                    q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
-                q.prefill_pos = end
-        if progressed:
-            job.wait_reason = None
-            r = job.base_result("prefill")
-            r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
-                     max_progress=sum(q.prefill_target for q in job.seqs))
-            results.append(r)
-        return ran
-
-    def _copy_partial_page(self, q: SeqState, serial: int) -> None:
-        """At a page start, copy K/V from a free page that followed the same prefix and holds the same leading
-        tokens (e.g. the previous turn of a chat, whose last page was not full): those tokens skip prefill."""
-        pos, target, size = q.prefill_pos, q.prefill_target, self.page_size
-        if not self.copy_partial_pages:
-            return
-        p = pos // size
-        if pos % size or pos >= target or (p > 0 and p - 1 >= len(q.hashes)):
-            return
-        page = q.pages[p]
-        if page.complete or page.kv_position or page.filler not in (None, serial):
-            return
-        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else None, q.ids[pos:target])
-        if donor is None or n == 0:
-            return
-        try:
-            self.cache.copy_states(self.cache, donor.index * size, n, page.index * size, n, 0, 1, 0, 1)
-        except NotImplementedError:
-            self.copy_partial_pages = False  # e.g. quantized caches: recompute instead
-            return
-        page.filler, page.kv_position = serial, n
-        q.prefill_pos += n
-        self.cached_tokens += n
 
     def sample_on_host(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]],
                        point: float | None = None) -> None:

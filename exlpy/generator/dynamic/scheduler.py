@@ -68,14 +68,22 @@ def admit(gen: ExLlamaV2DynamicGenerator, results: list[dict[str, Any]]) -> None
             results.append(job.base_result("started"))
 
 
-def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: bool, spent: int) -> int:
-    """Prompt tokens `seq` may run in this iteration. Alone, a whole chunk; next to decoding jobs, what is left
-    of `max_prefill_per_step` (scaled down for long contexts), so that a long prompt does not stall them."""
+def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: int) -> int:
+    """Prompt tokens for this iteration: without decoding jobs, a whole chunk per job; next to them,
+    `max_prefill_per_step`, more when many more jobs wait for their prompt than decode (the decoders lose a
+    little latency, the waiting jobs gain much)."""
+    if not decoding:
+        return gen.max_chunk_size * max(prefilling, 1)
+    return gen.max_prefill_per_step * max(1, prefilling // decoding)
+
+
+def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:
+    """Prompt tokens `seq` may run now: at most a chunk, and what is left of the budget, counting a token
+    deep into a long prompt as more (attention over its context)."""
     if not decoding:
         return gen.max_chunk_size
     scale = CONTEXT_COST_TOKENS / (CONTEXT_COST_TOKENS + seq.prefill_pos)
-    budget = max(16, int(gen.max_prefill_per_step * scale))
-    return max(0, min(gen.max_chunk_size, budget - spent))
+    return max(0, min(gen.max_chunk_size, int((budget - spent) * scale)))
 
 
 def decode_pages(gen: ExLlamaV2DynamicGenerator, jobs: list[ExLlamaV2DynamicJob], tokens: int,

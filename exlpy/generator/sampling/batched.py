@@ -23,6 +23,7 @@ import torch
 from exlpy.generator.sampling import chain
 from exlpy.generator.sampling.logit_masks import BLOCKED_LOGIT
 from exlpy.generator.sampling.settings import SamplerSettings
+from exlpy.model.batch import upload_ids  # pinned, non-blocking: no wait for the GPU
 
 # Everything besides token_bias that shapes a device-sampled row's distribution.
 _KEY_FIELDS = ("temperature", "smoothing_factor", "min_temp", "max_temp", "temp_exponent", "top_k", "top_p", "top_a",
@@ -78,7 +79,7 @@ def _row_parts(x: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
         return x
     x = x.clone()
     if blocked:
-        idx = torch.tensor(blocked, dtype=torch.long).to(x.device, non_blocking=True)
+        idx = upload_ids(torch.tensor(blocked, dtype=torch.long), x.device)
         x[idx[:, 0], idx[:, 1]] = BLOCKED_LOGIT
     for i in biased:
         bias = rows[i].settings.token_bias
@@ -118,7 +119,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSample], r: torch.Tensor, to
     tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     probs = torch.empty(n, dtype=torch.float32, device=logits.device)
     for key, members in groups.items():
-        idx = torch.tensor(members, dtype=torch.long).to(logits.device, non_blocking=True)
+        idx = upload_ids(torch.tensor(members, dtype=torch.long), logits.device)
         t, p = _sample_group(logits.index_select(0, idx), [rows[i] for i in members], r.index_select(0, idx),
                              _plain(rows[members[0]].settings, key), tokenizer, sample_core)
         tokens.index_copy_(0, idx, t)
