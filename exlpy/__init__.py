@@ -10,11 +10,12 @@ from exlpy.cache import (
     ExLlamaV2CacheBase,
 )
 from exlpy.cache.tp import ExLlamaV2Cache_TP
+from exlpy.compat.unsupported import ExLlamaV2Lora, ExLlamaV2MultimodalProjector, ExLlamaV2VisionTower, Intervention
 from exlpy.config import ExLlamaV2Config
 from exlpy.engine import ExLlamaV2
 from exlpy.tokenizer import ExLlamaV2Tokenizer
-
-__version__ = "0.1.0"
+from exlpy.util import SeqTensor, Timer
+from exlpy.version import __version__
 
 __all__ = [
     "ExLlamaV2",
@@ -26,6 +27,12 @@ __all__ = [
     "ExLlamaV2Cache_TP",
     "ExLlamaV2CacheBase",
     "ExLlamaV2Config",
+    "ExLlamaV2Lora",
+    "ExLlamaV2MultimodalProjector",
     "ExLlamaV2Tokenizer",
+    "ExLlamaV2VisionTower",
+    "Intervention",
+    "SeqTensor",
+    "Timer",
     "__version__",
 ]

@@ -71,3 +71,26 @@ class SamplerError(ExlpyError, ValueError):
 
 class GeneratorError(ExlpyError, ValueError):
     """Invalid job or generator usage."""
+
+
+class NotSupportedError(ExlpyError, NotImplementedError):
+    """An exllamav2 feature that exlpy does not implement (yet). The name exists, so a script that reaches
+    it stops here with this message instead of an AttributeError or a silently different result."""
+
+
+class UnknownArgumentError(ExlpyError, TypeError):
+    """A keyword argument the call does not take (a typo, or an exllamav2 option exlpy does not know)."""
+
+
+class CompatImportError(ExlpyError, ModuleNotFoundError):
+    """`import exllamav2.X` under exlpy.compat.install() names a module exlpy has no counterpart for."""
+
+
+class CommandLineError(SystemExit):
+    """A command-line argument of an exllamav2-style script (exlpy.model_init) is missing or wrong. It is a
+    SystemExit carrying the message: the script ends with it on stderr and status 1, without a traceback, as
+    a command-line tool should (exllamav2 printed the message and exited with status 0)."""
+
+
+class CacheError(ExlpyError, ValueError):
+    """A cache argument is of the wrong kind or does not match the input (e.g. one cache per row)."""

@@ -156,17 +156,25 @@ class _QuantizedCache(ExLlamaV2CacheBase):
         raise NotImplementedError("copy_states is only implemented for ExLlamaV2Cache")
 
 
-class ExLlamaV2Cache_Q4(_QuantizedCache):  # noqa: N801 - exllamav2's public name
+class ExLlamaV2Cache_Q(_QuantizedCache):  # noqa: N801 - exllamav2's public name: base of the Q4/Q6/Q8 caches
+    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self) is ExLlamaV2Cache_Q:
+            raise ConfigError("ExLlamaV2Cache_Q is the base class of the quantized caches: create an "
+                              "ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6 or ExLlamaV2Cache_Q8")
+        super().__init__(model, *args, **kwargs)
+
+
+class ExLlamaV2Cache_Q4(ExLlamaV2Cache_Q):  # noqa: N801 - exllamav2's public name
     k_bits = v_bits = 4
     bytes_per_element_k = bytes_per_element_v = 4.5 / 8
 
 
-class ExLlamaV2Cache_Q6(_QuantizedCache):  # noqa: N801
+class ExLlamaV2Cache_Q6(ExLlamaV2Cache_Q):  # noqa: N801
     k_bits, v_bits = 8, 4  # exllamav2's Q6 stores K at 8 bits and V at 4
     bytes_per_element_k, bytes_per_element_v = 8.5 / 8, 4.5 / 8
 
 
-class ExLlamaV2Cache_Q8(_QuantizedCache):  # noqa: N801
+class ExLlamaV2Cache_Q8(ExLlamaV2Cache_Q):  # noqa: N801
     k_bits = v_bits = 8
     bytes_per_element_k = bytes_per_element_v = 8.5 / 8
 

@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from exlpy.config.hf import ModelSpec, load_spec
-from exlpy.errors import ConfigError, WeightsError
+from exlpy.config.runtime import RuntimeSettings
+from exlpy.errors import ConfigError, NotSupportedError, WeightsError
 from exlpy.runtime import options
 from exlpy.weights.safetensors_index import SafetensorsIndex
+
+
+class _from_file:  # used like `property`, hence the lower-case name
+    """An architecture value from config.json: readable like exllamav2's plain attribute, but assigning it is
+    an error (the loaded weights have that shape; a new value would not change them)."""
+
+    def __init__(self, read: Callable[[ModelSpec], Any]) -> None:
+        self.read = read
+        self.name = "?"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: ExLlamaV2Config | None, owner: type | None = None) -> Any:
+        return self if obj is None else self.read(obj._s())
+
+    def __set__(self, obj: ExLlamaV2Config, value: Any) -> None:
+        raise ConfigError(f"config.{self.name} comes from the model's config.json and cannot be changed at runtime "
+                          f"(tried to set it to {value!r})")
+
 
 LAYER_KEYS = (
     "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -15,10 +40,12 @@ LAYER_KEYS = (
 )
 
 
-class ExLlamaV2Config:
-    """Model directory + runtime settings. Architecture facts live in the frozen `spec` once prepared."""
+class ExLlamaV2Config(RuntimeSettings):
+    """Model directory + runtime settings. Architecture facts live in the frozen `spec` once prepared; the
+    RoPE attributes exllamav2 scripts set (alt_rope_method, yarn_rope_factor, ...) are in RuntimeSettings."""
 
     def __init__(self, model_dir: str | None = None) -> None:
+        self._init_runtime()
         self.model_dir = model_dir
         self.max_batch_size = 1
         self.max_input_len = 2048
@@ -31,11 +58,14 @@ class ExLlamaV2Config:
         self.no_xformers = opts.no_xformers
         self.no_sdpa = opts.no_sdpa
         self.no_graphs = opts.no_graphs
-        self.load_in_q4 = False
+        self._load_in_q4 = False
+        # exlpy dequantizes inside its kernels (no temporary fp16 weight buffer), so this bound has nothing to
+        # limit; kept so exllamav2 scripts can set it.
         self.max_dq_size = 512 * 1024**2
+        self.fasttensors = False  # deprecated no-op in exllamav2 too
         # Compute dtype; None picks fp16 on CUDA and fp32 on the CPU (where fp16 matmuls are slow and lossy).
         self.dtype: torch.dtype | None = None
-        self.spec: ModelSpec | None = None
+        self._set_base_spec(None)
         self.index: SafetensorsIndex | None = None
         self.generation_config: dict[str, list[int]] = {}
         self.prepared = False
@@ -61,7 +91,7 @@ class ExLlamaV2Config:
         if self.model_dir is None:
             raise ConfigError("ExLlamaV2Config.model_dir is not set")
         spec, gen_eos = load_spec(self.model_dir)
-        self.spec = spec
+        self._set_base_spec(spec)
         self.generation_config = {"eos_token_id": gen_eos}
         self.max_seq_len = spec.max_position_embeddings
         self.original_max_seq_len = spec.max_position_embeddings
@@ -94,22 +124,53 @@ class ExLlamaV2Config:
             raise ConfigError("config is not prepared; call prepare() first")
         return self.spec
 
-    vocab_size = property(lambda self: self._s().vocab_size)
-    hidden_size = property(lambda self: self._s().hidden_size)
-    num_hidden_layers = property(lambda self: self._s().num_hidden_layers)
-    num_attention_heads = property(lambda self: self._s().num_attention_heads)
-    num_key_value_heads = property(lambda self: self._s().num_key_value_heads)
-    num_key_value_groups = property(lambda self: self._s().num_attention_heads // self._s().num_key_value_heads)
-    head_dim = property(lambda self: self._s().head_dim)
-    intermediate_size = property(lambda self: self._s().intermediate_size)
-    norm_eps = property(lambda self: self._s().norm_eps)
-    rotary_embedding_base = property(lambda self: self._s().rope_theta)
-    bos_token_id = property(lambda self: self._s().bos_token_id)
-    eos_token_id = property(lambda self: self._s().eos_token_id)
-    pad_token_id = property(lambda self: self._s().pad_token_id)
-    architecture = property(lambda self: self._s().architecture)
-    arch = property(lambda self: self._s().arch)
+    vocab_size = _from_file(lambda s: s.vocab_size)
+    hidden_size = _from_file(lambda s: s.hidden_size)
+    num_hidden_layers = _from_file(lambda s: s.num_hidden_layers)
+    num_attention_heads = _from_file(lambda s: s.num_attention_heads)
+    num_key_value_heads = _from_file(lambda s: s.num_key_value_heads)
+    num_key_value_groups = _from_file(lambda s: s.num_attention_heads // s.num_key_value_heads)
+    head_dim = _from_file(lambda s: s.head_dim)
+    intermediate_size = _from_file(lambda s: s.intermediate_size)
+    norm_eps = _from_file(lambda s: s.norm_eps)
+    bos_token_id = _from_file(lambda s: s.bos_token_id)
+    eos_token_id = _from_file(lambda s: s.eos_token_id)
+    pad_token_id = _from_file(lambda s: s.pad_token_id)
+    architecture = _from_file(lambda s: s.architecture)
+    arch = _from_file(lambda s: s.arch)
+    sliding_window = _from_file(lambda s: s.sliding_window or 0)
+    use_qk_norm = _from_file(lambda s: s.arch.qk_norm)
+    # Features of architectures exlpy does not load (MoE, vision, softcapping, partial RoPE): fixed values.
+    num_experts = _from_file(lambda s: None)
+    partial_rotary_factor = _from_file(lambda s: 1.0)
+    logit_scale = _from_file(lambda s: 1.0)
+    final_logit_softcapping = _from_file(lambda s: None)
+    attn_logit_softcapping = _from_file(lambda s: None)
+    vision_model_type = _from_file(lambda s: None)
     tensor_file_map = property(lambda self: {n: t.file for n, t in (self.index.tensors if self.index else {}).items()})
+    tensor_files = property(lambda self: sorted({t.file for t in (self.index.tensors if self.index else {}).values()}))
+    model_config = property(lambda self: os.path.join(self.model_dir, "config.json") if self.model_dir else None)
+
+    @property
+    def num_experts_per_token(self) -> int | None:
+        return None  # exlpy loads dense models only
+
+    @num_experts_per_token.setter
+    def num_experts_per_token(self, value: int | None) -> None:
+        if value is not None:
+            raise ConfigError(f"config.num_experts_per_token = {value}: this model has no experts (exlpy loads "
+                              "dense models only)")
+
+    @property
+    def load_in_q4(self) -> bool:
+        return self._load_in_q4
+
+    @load_in_q4.setter
+    def load_in_q4(self, value: bool) -> None:
+        if value:
+            raise NotSupportedError("config.load_in_q4 (exllamav2's development mode that requantizes fp16 weights "
+                                    "to Q4 at load) is not supported by exlpy; load an EXL2 or GPTQ model instead")
+        self._load_in_q4 = False
 
     def compute_dtype(self, device: torch.device | str) -> torch.dtype:
         if self.dtype is not None:

@@ -7,21 +7,26 @@ from dataclasses import dataclass
 
 import torch
 
+from exlpy.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    kind: str = "default"  # default | linear | llama3 | yarn
+    kind: str = "default"  # default | linear | llama3 | yarn | invalid (an incomplete runtime setting)
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    problem: str = ""  # kind "invalid": what is missing, raised when tables are built from it
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling, alpha: float, max_seq_len: int
              ) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim/2] fp32, attention factor) for the configured method."""
+    if scaling.kind == "invalid":
+        raise ConfigError(scaling.problem)
     d = head_dim
     base = theta
     # fp32 arithmetic, as transformers does, so that tables agree bit for bit with the reference.

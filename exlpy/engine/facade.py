@@ -12,6 +12,7 @@ import torch
 from exlpy.cache.layout import CacheLayout, LayerDevices
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.engine import forward as fwd
+from exlpy.engine.compat_api import ModelCompatMixin
 from exlpy.engine.split import layer_split
 from exlpy.engine.strategy import Strategy
 from exlpy.env import oom_guard
@@ -23,7 +24,7 @@ from exlpy.model.transformer import Transformer, build_modules
 from exlpy.runtime import RuntimeOptions, options
 
 
-class ExLlamaV2:
+class ExLlamaV2(ModelCompatMixin):
     """The model: its module list (embedding, attention/MLP per layer, final norm, head), where each module
     is loaded, and the forward pass. Nothing is loaded until one of the load methods runs."""
 
@@ -177,17 +178,18 @@ class ExLlamaV2:
         return self.strategy
 
     # --- forward --------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, cache: Any = None, input_mask: torch.Tensor | None = None,
-                preprocess_only: bool = False, last_id_only: bool = False, loras: Any = None,
-                return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
-                abort_event: Any = None, cpu_logits: bool = False, **kwargs: Any) -> Any:
+    def forward(self, input_ids: torch.Tensor, cache: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Logits [batch, seq, vocab] (float32) for `input_ids` [batch, seq], continuing `cache` if given.
 
-        Same arguments as exllamav2. An out-of-memory becomes InsufficientVRAMError saying what to reduce.
+        exllamav2's arguments, in its order: input_mask, preprocess_only, last_id_only, loras, return_last_state,
+        position_offsets, abort_event, cpu_logits (engine/forward.py). An out-of-memory becomes
+        InsufficientVRAMError saying what to reduce.
         """
+        if args or isinstance(cache, (list, tuple)) or not self.FORWARD_KWARGS.issuperset(kwargs):
+            # positional options, one cache per row, or keywords to reject by name (compat_api.py)
+            return self.forward_compat(input_ids, cache, *args, **kwargs)
         with oom_guard("the forward pass"), torch.inference_mode():
-            return fwd.forward(self, input_ids, cache, input_mask, preprocess_only, last_id_only, loras,
-                               return_last_state, position_offsets, abort_event, cpu_logits)
+            return fwd.forward(self, input_ids, cache, **kwargs)
 
     def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, last_id_only: bool = False,
                       preprocess_only: bool = False) -> torch.Tensor | None:

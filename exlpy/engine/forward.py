@@ -11,7 +11,7 @@ import torch
 
 from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
 from exlpy.engine.strategy import Strategy, execute
-from exlpy.errors import CacheTooSmallError, ModelStateError, SequenceLengthError
+from exlpy.errors import CacheTooSmallError, NotSupportedError, SequenceLengthError
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
 
 
@@ -35,7 +35,7 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
             abort_event: Any = None, cpu_logits: bool = False) -> Any:
     strategy = model.strategy_for_forward()
     if loras:
-        raise ModelStateError("LoRA adapters are not supported by exlpy yet")
+        raise NotSupportedError("LoRA adapters are not supported by exlpy yet")
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     B, T = input_ids.shape

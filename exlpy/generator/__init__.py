@@ -1,5 +1,6 @@
 """Generators (streaming, dynamic, async, base) and the sampler."""
 
+from exlpy.compat.unsupported import ExLlamaV2MMEmbedding
 from exlpy.generator.base import ExLlamaV2BaseGenerator
 from exlpy.generator.dynamic import (
     ExLlamaV2DynamicGenerator,
@@ -7,8 +8,11 @@ from exlpy.generator.dynamic import (
     ExLlamaV2DynamicJob,
     ExLlamaV2DynamicJobAsync,
 )
+from exlpy.generator.hooks import ExLlamaV2PostSamplingHook, ExLlamaV2PostSamplingResult
 from exlpy.generator.sampler import ExLlamaV2Sampler
 from exlpy.generator.streaming import ExLlamaV2StreamingGenerator
+from exlpy.version import __version__
 
 __all__ = ["ExLlamaV2BaseGenerator", "ExLlamaV2DynamicGenerator", "ExLlamaV2DynamicGeneratorAsync",
-           "ExLlamaV2DynamicJob", "ExLlamaV2DynamicJobAsync", "ExLlamaV2Sampler", "ExLlamaV2StreamingGenerator"]
+           "ExLlamaV2DynamicJob", "ExLlamaV2DynamicJobAsync", "ExLlamaV2MMEmbedding", "ExLlamaV2PostSamplingHook",
+           "ExLlamaV2PostSamplingResult", "ExLlamaV2Sampler", "ExLlamaV2StreamingGenerator", "__version__"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.model.batch import cache_rows_batch
 
 
@@ -15,11 +15,21 @@ class ExLlamaV2BaseGenerator:
     def __init__(self, model: Any, cache: Any, tokenizer: Any) -> None:
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.sequence_ids: torch.Tensor | None = None
+        self.abort_event: threading.Event | None = None
 
     def warmup(self) -> None:
+        """One small forward pass through the cache, so first-call costs (allocation, kernel compilation) are
+        paid before timing starts. The cache is left empty."""
         self.cache.current_seq_len = 0
         self.model.forward(torch.tensor([[self.tokenizer.bos_token_id or 1]]), self.cache, preprocess_only=True)
         self.cache.current_seq_len = 0
+        self.sequence_ids = None
+
+    def full(self) -> bool:
+        """Whether the current sequence has reached the model's max_seq_len (or the cache's, if smaller)."""
+        if self.sequence_ids is None:
+            return False
+        return self.sequence_ids.shape[-1] >= min(self.model.config.max_seq_len, self.cache.max_seq_len)
 
     def generate_simple(self, prompt: str | list[str], gen_settings: Any, num_tokens: int, seed: int | None = None,
                         token_healing: bool = False, encode_special_tokens: bool = False,
@@ -35,9 +45,10 @@ class ExLlamaV2BaseGenerator:
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
         if loras:
-            raise GeneratorError("LoRA adapters are not supported by exlpy's base generator")
+            raise NotSupportedError("LoRA adapters are not supported by exlpy's generators yet")
         if input_embeddings is not None:
-            raise GeneratorError("input_embeddings are not supported by exlpy's base generator")
+            raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's generators")
+        self.abort_event = abort_event
         single = isinstance(prompt, str)
         prompts = [prompt] if single else list(prompt)
         if not prompts:
@@ -107,6 +118,11 @@ class ExLlamaV2BaseGenerator:
             if all(done):
                 break
         self.cache.current_seq_len = 0  # rows have different lengths: the contiguous fill is not meaningful
+        width = max(q.numel() for q in seqs)
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None and pad >= 0 else 0
+        # As exllamav2: the prompts and what was sampled, left-padded into one [B, n] tensor.
+        self.sequence_ids = torch.stack([torch.cat([q.new_full((width - q.numel(),), pad), q]) for q in seqs])
 
         out = []
         for b in range(B):
@@ -131,3 +147,13 @@ class ExLlamaV2BaseGenerator:
         head = self._decode(prompt, decode_special_tokens)
         full = self._decode(prompt + toks, decode_special_tokens)
         return full[len(head):] if full.startswith(head) else self._decode(toks, decode_special_tokens)
+
+
+def __getattr__(name: str) -> Any:
+    # exllamav2's base-generator module also exposes ExLlamaV2Filter (formatron imports it from there); the
+    # class itself lives in exlpy.generator.filters, imported on first use.
+    if name == "ExLlamaV2Filter":
+        from exlpy.generator.filters import ExLlamaV2Filter
+
+        return ExLlamaV2Filter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator import stream_steps
+from exlpy.generator.base import ExLlamaV2BaseGenerator
 from exlpy.generator.dynamic.stops import (
     Released,
     TextStream,
@@ -32,18 +33,29 @@ from exlpy.generator.dynamic.stops import (
 from exlpy.model.batch import cache_rows_batch
 
 
-class ExLlamaV2StreamingGenerator:
+class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
+    """Streams one sequence; also the base generator's `generate_simple()`, `warmup()` and `full()`."""
+
     def __init__(self, model: Any, cache: Any, tokenizer: Any, draft_model: Any = None, draft_cache: Any = None,
                  num_speculative_tokens: int = 5) -> None:
         if draft_model is not None or draft_cache is not None:
-            raise GeneratorError("speculative decoding (draft_model) is not supported by exlpy's streaming "
-                                 "generator")
-        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+            raise NotSupportedError("speculative decoding (draft_model / draft_cache) is not supported by exlpy's "
+                                    "streaming generator yet")
+        super().__init__(model, cache, tokenizer)
+        # exllamav2's speculative-decoding settings. Only the n-gram preload is kept; setting
+        # speculative_ngram = True is refused when a stream begins.
+        self.draft_model = self.draft_cache = None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_prob_threshold = 0.25
+        self.speculative_ngram = False
+        self.speculative_ngram_min, self.speculative_ngram_max = 1, 5
+        self.speculative_ngram_max_inf, self.speculative_ngram_threshold = 3, 1
+        self.ngram_preloaded: list[int] | None = None
+        self.total_draft_tokens = self.accepted_draft_tokens = 0
         self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
         self.special_ids = set(getattr(tokenizer, "extended_id_to_piece", {}) or {})
         self.stop_tokens: set[int] = {tokenizer.eos_token_id}
         self.stop_strings: list[str] = []
-        self.sequence_ids: torch.Tensor | None = None
         self.prefill_tokens = 0  # prompt tokens actually run through the model (prefix reuse skips the rest)
         self.total_tokens = 0  # tokens sampled over all streams (exllamav2's get_sd_stats counter)
         self.active = False
@@ -71,9 +83,13 @@ class ExLlamaV2StreamingGenerator:
                         filters: list[Any] | None = None, filter_prefer_eos: bool = False,
                         min_new_tokens: int = 0) -> None:
         if loras:
-            raise GeneratorError("LoRA adapters are not supported by exlpy's streaming generator")
+            raise NotSupportedError("LoRA adapters are not supported by exlpy's streaming generator yet")
         if input_embeddings is not None:
-            raise GeneratorError("input_embeddings are not supported by exlpy's streaming generator")
+            raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's streaming "
+                                    "generator")
+        if self.speculative_ngram:
+            raise NotSupportedError("n-gram speculative decoding (speculative_ngram = True) is not supported by "
+                                    "exlpy's streaming generator yet")
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
         self._discard()
@@ -204,7 +220,31 @@ class ExLlamaV2StreamingGenerator:
     def get_sd_stats(self) -> tuple[float, float, int, int, int]:
         """(efficiency, accuracy, total tokens, drafted tokens, accepted drafts), as exllamav2 reports its
         speculative decoding. This generator never drafts, so the draft counts and both ratios are 0."""
-        return 0.0, 0.0, self.total_tokens, 0, 0
+        return 0.0, 0.0, self.total_tokens, self.total_draft_tokens, self.accepted_draft_tokens
+
+    def reset_sd_stats(self) -> None:
+        """Zero the counters get_sd_stats() reports."""
+        self.total_tokens = self.total_draft_tokens = self.accepted_draft_tokens = 0
+
+    def ngram_preload(self, input_ids: torch.Tensor | list[int]) -> None:
+        """Keep example token ids for n-gram drafting ([1, n] tensor or a list). Stored for when n-gram
+        speculative decoding arrives; nothing drafts from it yet."""
+        ids = input_ids[0].tolist() if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else \
+            [int(t) for t in input_ids]
+        self.ngram_preloaded = ids
+
+    def generate_simple(self, *args: Any, **kwargs: Any) -> str | list[str]:
+        """The base generator's generate_simple() on this generator's cache; any stream in progress ends (the
+        cache now holds the batch)."""
+        self._discard()
+        self.active = False
+        self.reusable = False
+        return super().generate_simple(*args, **kwargs)
+
+    def warmup(self) -> None:
+        self._discard()
+        self.active = False
+        super().warmup()
 
     # --- stream --------------------------------------------------------------------------------------------
     def stream(self) -> tuple[str, bool, torch.Tensor]:
@@ -212,7 +252,9 @@ class ExLlamaV2StreamingGenerator:
         r = self.stream_ex()
         return r["chunk"], r["eos"], r["chunk_token_ids"]
 
-    def stream_ex(self) -> dict[str, Any]:
+    def stream_ex(self, ban_tokens: list[int] | None = None) -> dict[str, Any]:
+        """One step: {"chunk", "eos", "chunk_token_ids"} (+ probs/top_tokens/logits when asked, "suppressed"
+        when a banned string was just removed). `ban_tokens` are disallowed for this step only."""
         if not self.active or self.sequence_ids is None:
             raise GeneratorError("stream_ex() called without an active stream: call begin_stream_ex() first")
         if self.abort_event is not None and self.abort_event.is_set():
@@ -222,7 +264,7 @@ class ExLlamaV2StreamingGenerator:
         if longest >= self.cache.max_seq_len:
             self._discard()
             return self._result(self.text_stream.end(Released(), "max_seq_len"))
-        plan = self._device_plan()
+        plan = self._device_plan() if not ban_tokens else None  # a step launched earlier did not ban them
         if plan is not None:
             return self._stream_device(plan)
         self._discard()
@@ -233,6 +275,8 @@ class ExLlamaV2StreamingGenerator:
         blocked: set[int] = set(self.stop_tokens) if self.new_tokens < self.min_new_tokens else set()
         if self.ban_pos == seq.shape[1]:
             blocked |= self.ban_set
+        if ban_tokens:
+            blocked |= {int(t) for t in ban_tokens}
         tok, top_tok, top_prob, prob, end_filter = ExLlamaV2Sampler.sample(
             logits[:, -1:], self.settings, seq, None, self.tokenizer,
             prefix_token=self.prefix_token if self.new_tokens == 0 else None,
@@ -259,7 +303,9 @@ class ExLlamaV2StreamingGenerator:
         rel = self.text_stream.add(token, payload)
         if rel.rewind:
             self._rewind(rel)
-            return self._result(Released())
+            out = self._result(Released())
+            out["suppressed"] = rel.suppressed_text  # as exllamav2: the banned text that was taken back
+            return out
         if not rel.eos and end_filter:
             rel = self.text_stream.end(rel, "end_filter")
         return self._result(rel)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer
 
 from exlpy.errors import TokenizerError
 from exlpy.tokenizer.backend import AddedToken, extra_added_tokens, read_json
+from exlpy.tokenizer.base import BackendTokenizerModel
 
 
 class HFBackend:
@@ -61,3 +63,17 @@ class HFBackend:
 
     def added_tokens(self) -> list[AddedToken]:
         return self._added
+
+
+class ExLlamaV2TokenizerHF(BackendTokenizerModel):
+    """exllamav2's wrapper of a tokenizer.json (`tokenizer.tokenizer` of a model that has one).
+    `hf_tokenizer` is the `tokenizers.Tokenizer` itself."""
+
+    def __init__(self, tokenizer_json: str | HFBackend, pieces: Callable[[], list[str]] | None = None) -> None:
+        backend = tokenizer_json if isinstance(tokenizer_json, HFBackend) else \
+            HFBackend(tokenizer_json, os.path.dirname(os.path.abspath(tokenizer_json)))
+        self.hf_tokenizer = backend.tk
+        super().__init__(backend, pieces)
+
+    def _unk_piece(self) -> str | None:
+        return getattr(self.hf_tokenizer.model, "unk_token", None)

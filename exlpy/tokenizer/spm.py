@@ -7,13 +7,15 @@ which is what HF's converted tokenizer.json files do too).
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import sentencepiece as spm
 
 from exlpy.errors import TokenizerError
 from exlpy.tokenizer.backend import AddedToken, extra_added_tokens
+from exlpy.tokenizer.base import BackendTokenizerModel
 
 
 class SPMBackend:
@@ -75,3 +77,18 @@ class SPMBackend:
 
     def added_tokens(self) -> list[AddedToken]:
         return self._added
+
+
+class ExLlamaV2TokenizerSPM(BackendTokenizerModel):
+    """The exllamav2-style wrapper of a SentencePiece tokenizer.model (`tokenizer.tokenizer` of a model
+    without tokenizer.json; exllamav2 itself dropped SentencePiece in 0.3.1). `spm` is the processor."""
+
+    def __init__(self, tokenizer_model: str | SPMBackend, pieces: Callable[[], list[str]] | None = None) -> None:
+        backend = tokenizer_model if isinstance(tokenizer_model, SPMBackend) else \
+            SPMBackend(tokenizer_model, os.path.dirname(os.path.abspath(tokenizer_model)))
+        self.spm = backend.sp
+        super().__init__(backend, pieces)
+
+    def _unk_piece(self) -> str | None:
+        unk = self.spm.unk_id()
+        return self.spm.id_to_piece(unk) if unk >= 0 else None

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from exlpy.errors import TokenizerError
+from exlpy.tokenizer import tables
 from exlpy.tokenizer.backend import AddedToken, TokenizerBackend, read_json
+from exlpy.tokenizer.base import BackendTokenizerModel
 from exlpy.tokenizer.chat import render_chat_template, select_template
-from exlpy.tokenizer.hf import HFBackend
+from exlpy.tokenizer.hf import ExLlamaV2TokenizerHF, HFBackend
 from exlpy.tokenizer.pieces import PrefixIndex, decoded_pieces
 from exlpy.tokenizer.specials import ids_from_config, ids_from_files, resolve_special_ids
-from exlpy.tokenizer.spm import SPMBackend
+from exlpy.tokenizer.spm import ExLlamaV2TokenizerSPM, SPMBackend
 from exlpy.tokenizer.stream import StreamDecoder
 
 MAX_CACHED_STRINGS = 100
@@ -43,6 +45,8 @@ def open_backend(model_dir: str, force_json: bool, force_spm: bool) -> Tokenizer
 class ExLlamaV2Tokenizer:
     """Tokenizer of a model directory. `config` is an ExLlamaV2Config or a directory path."""
 
+    Trie = tables.Trie  # exllamav2's ExLlamaV2Tokenizer.Trie (nodes of get_char_trie())
+
     def __init__(self, config: Any, lazy_init: bool = True, force_json: bool = False,
                  force_spm: bool = False) -> None:
         if isinstance(config, (str, os.PathLike)):
@@ -55,11 +59,16 @@ class ExLlamaV2Tokenizer:
             raise TokenizerError(f"tokenizer directory does not exist: {model_dir}")
         self.model_dir = model_dir
         self.backend = open_backend(model_dir, force_json, force_spm)
+        # exllamav2's wrapper of the tokenizer library; integrations read it as `tokenizer.tokenizer`.
+        self.tokenizer_model: BackendTokenizerModel = (
+            ExLlamaV2TokenizerHF(self.backend, self.get_id_to_piece_list) if isinstance(self.backend, HFBackend)
+            else ExLlamaV2TokenizerSPM(self.backend, self.get_id_to_piece_list))
 
         self._added: dict[int, AddedToken] = {t.id: t for t in self.backend.added_tokens()}
         self.extended_piece_to_id = {t.content: t.id for t in self._added.values() if t.special}
         self.extended_id_to_piece = {t.id: t.content for t in self._added.values() if t.special}
         self.unspecial_piece_to_id = {t.content: t.id for t in self._added.values() if not t.special}
+        self.unspecial_id_to_piece = {i: p for p, i in self.unspecial_piece_to_id.items()}
         self.id_to_piece: list[str] = self.backend.raw_pieces()  # the vocabulary's own piece strings
         self.piece_to_id: dict[str, int] = {p: i for i, p in enumerate(self.id_to_piece) if p}
         self.actual_vocab_size = len(self.id_to_piece)
@@ -75,6 +84,9 @@ class ExLlamaV2Tokenizer:
         self.bos_token = self._token_text(self.bos_token_id)
         self.eos_token = self._token_text(self.eos_token_id)
         self.pad_token = self._token_text(self.pad_token_id)
+        self.unk_token_id = self.tokenizer_model.unk_id()
+        self.unk_token = self.tokenizer_model.unk_token()
+        self.newline_token, self.space_token = "\n", " "
 
         self.newline_token_id = self._last_id("\n")
         self.space_token_id = next((self.piece_to_id[p] for p in ("▁", "Ġ", " ") if p in self.piece_to_id),
@@ -84,9 +96,19 @@ class ExLlamaV2Tokenizer:
         self._pieces: list[str] | None = None  # with special tokens' text
         self._pieces_plain: list[str] | None = None  # special tokens as ''
         self._prefix_index: PrefixIndex | None = None
+        self._tables: dict[str, Any] = {}  # id_to_ord, char tries, prefix dicts: built on first use
         if not lazy_init:
             self.get_id_to_piece_list()
             self._get_prefix_index()
+
+    @property
+    def tokenizer(self) -> BackendTokenizerModel:
+        """exllamav2's alias of `tokenizer_model` (lm-format-enforcer reads this one)."""
+        return self.tokenizer_model
+
+    @property
+    def tokenizer_config_dict(self) -> dict[str, Any] | None:
+        return self.tokenizer_config or None
 
     # ------------------------------------------------------------------ helpers
 
@@ -206,15 +228,26 @@ class ExLlamaV2Tokenizer:
             self.tokenized_str_cache.popitem(last=False)
         return enc
 
-    def single_id(self, token: str) -> int:
-        """The id of a token given as text: an added token, a vocabulary piece, or text that is one token."""
+    def single_id(self, token: str) -> int | None:
+        """The id of a token given as its text (an added token, a vocabulary piece, or text that encodes to
+        exactly one token); None when it is not a single token, as in exllamav2."""
         for table in (self.extended_piece_to_id, self.unspecial_piece_to_id, self.piece_to_id):
             if token in table:
                 return table[token]
         ids = self.backend.encode(token, True)
-        if len(ids) != 1:
-            raise TokenizerError(f"{token!r} is not a single token (it encodes to {len(ids)} ids)")
-        return ids[0]
+        return ids[0] if len(ids) == 1 else None
+
+    def get_vocab_size(self) -> int:
+        """1 + the largest token id (added tokens included)."""
+        return self.actual_vocab_size
+
+    def encode_special(self, text: str) -> list[int]:
+        """Ids of `text` where special-token text becomes its id (no BOS/EOS)."""
+        return self.backend.encode(text, True)
+
+    def encode_unspecial(self, text: str) -> list[int]:
+        """Ids of `text` where special-token text stays plain text (no BOS/EOS)."""
+        return self.backend.encode(text, False)
 
     @staticmethod
     def single_token(token_id: int) -> torch.Tensor:
@@ -259,6 +292,36 @@ class ExLlamaV2Tokenizer:
             raise TokenizerError(f"token id {prefix_id} is outside the vocabulary "
                                  f"(size {self.actual_vocab_size})")
         return self.get_tokens_with_prefix_string(self.get_id_to_piece_list(True)[prefix_id])
+
+    def _table(self, name: str, build: Any) -> Any:
+        if name not in self._tables:
+            self._tables[name] = build()
+        return self._tables[name]
+
+    def get_id_to_ord_list(self) -> list[int]:
+        """Per id, the byte it stands for (byte-fallback '<0x41>' or a one-character piece), else -1."""
+        return self._table("ord", lambda: tables.id_to_ord(self.tokenizer_model, self.actual_vocab_size))
+
+    def get_char_trie(self) -> tables.Trie:
+        """Trie over every token's text (special tokens excluded); `leaf` lists the ids ending at a node."""
+        return self._table("trie", lambda: tables.char_trie(self.get_id_to_piece_list(), False))
+
+    def get_char_trie_ci(self) -> tables.Trie:
+        """The same trie over lower-cased texts."""
+        return self._table("trie_ci", lambda: tables.char_trie(self.get_id_to_piece_list(), True))
+
+    def get_prefix_to_ids_dict(self) -> dict[str, list[int]]:
+        """Token text -> sorted ids of every token whose text starts with it."""
+        return self._table("prefix", lambda: tables.prefix_to_ids(self.get_piece_to_id_dict(),
+                                                                    self._get_prefix_index()))
+
+    def get_prefix_id_to_ids_dict(self) -> dict[int, list[int]]:
+        """Token id -> sorted ids of every token whose text starts with its text (itself included)."""
+        def build() -> dict[int, list[int]]:
+            by_text = self.get_prefix_to_ids_dict()
+            pieces = self.get_id_to_piece_list()
+            return {i: by_text.get(p, [i]) if p else [i] for i, p in enumerate(pieces)}
+        return self._table("prefix_id", build)
 
     # ------------------------------------------------------------------ chat
 

@@ -18,34 +18,35 @@ served from the cache instead), `decode_tokens` (rows of batched decode steps), 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic import scheduler
 from exlpy.generator.dynamic.decode import DecodeStepper
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
-from exlpy.generator.dynamic.oneshot import generate
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.prefill import run_prefill
 
 
 class ExLlamaV2DynamicGenerator:
-    generate = generate
-
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, paged: bool = True, page_size: int = PAGE_SIZE,
-                 max_prefill_per_step: int = 256, **kwargs: Any) -> None:
-        """exllamav2's arguments, plus two exlpy extensions: `page_size` (tokens per cache page; 256 as in
-        exllamav2) and `max_prefill_per_step` (prompt tokens run per iteration while other jobs decode, at
-        the start of a prompt; fewer deeper into long prompts)."""
+                 use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
+                 min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True,
+                 page_size: int = PAGE_SIZE, max_prefill_per_step: int = 256) -> None:
+        """exllamav2's arguments. max_sampling_threads / min_sampling_threads / filter_background_eval tune
+        exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing. Two exlpy
+        extensions: `page_size` (tokens per cache page; 256 as in exllamav2) and `max_prefill_per_step` (prompt
+        tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
+        prompts)."""
         cfg = model.config
         if draft_model is not None or draft_cache is not None or use_ngram_draft:
-            raise GeneratorError("speculative decoding (draft_model / use_ngram_draft) is not supported by "
-                                 "exlpy's dynamic generator")
+            raise NotSupportedError("speculative decoding (draft_model / draft_cache / use_ngram_draft) is not "
+                                    "supported by exlpy's dynamic generator yet")
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
                                  "or Q4.")
@@ -89,6 +90,10 @@ class ExLlamaV2DynamicGenerator:
         self.preemptions = 0
         self.copy_partial_pages = True
         self.stepper = DecodeStepper(self)
+        self.current_loras: list[Any] = []  # exllamav2 attribute (TabbyAPI reads it); LoRA is not supported yet
+        self.draft_model = self.draft_cache = None
+        self.use_ngram_draft = False
+        self.num_draft_tokens, self.max_ngram = num_draft_tokens, max_ngram
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -165,7 +170,8 @@ class ExLlamaV2DynamicGenerator:
 
     def set_loras(self, loras: Any) -> None:
         if loras:
-            raise GeneratorError("LoRA adapters are not supported by exlpy's dynamic generator")
+            raise NotSupportedError("LoRA adapters are not supported by exlpy's dynamic generator yet")
+        self.current_loras: list[Any] = []
 
     def warmup(self) -> None:
         """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
@@ -300,6 +306,24 @@ class ExLlamaV2DynamicGenerator:
             results.append(r)
             if r["eos"]:
                 self._release(job)
+
+    # --- one-call generation -------------------------------------------------------------------------------
+    def generate(self, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int, min_new_tokens: int = 0,
+                 seed: int | None = None, gen_settings: Any = None, token_healing: bool = False,
+                 encode_special_tokens: bool = False, decode_special_tokens: bool = False,
+                 stop_conditions: Iterable[int | str] | None = None, add_bos: bool = False,
+                 abort_event: threading.Event | None = None, completion_only: bool = False,
+                 filters: list[Any] | None = None, filter_prefer_eos: bool = False,
+                 return_last_results: bool = False, embeddings: Any = None,
+                 banned_strings: list[str] | None = None) -> Any:
+        """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
+        when `return_last_results`. A failing job raises its error here."""
+        from exlpy.generator.dynamic.oneshot import run_generate
+
+        return run_generate(self, prompt, max_new_tokens, min_new_tokens, seed, gen_settings, token_healing,
+                            encode_special_tokens, decode_special_tokens, stop_conditions, add_bos, abort_event,
+                            completion_only, filters, filter_prefer_eos, return_last_results, embeddings,
+                            banned_strings)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage, chain_hashes
 from exlpy.generator.dynamic.stops import (
     Released,
@@ -19,6 +19,7 @@ from exlpy.generator.dynamic.stops import (
     tokenizer_decode,
 )
 from exlpy.generator.sampling.batched import RowSample, device_capable
+from exlpy.util import SeqTensor
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
@@ -65,6 +66,41 @@ class SeqState:
         return [p.index for p in self.pages]
 
 
+class JobSequence:
+    """exllamav2's view of one sequence of a job (`job.sequences[i]`): `input_ids` (the prompt as given) and
+    `sequence_ids` (prompt + generated so far) as SeqTensors of shape [1, n], and how far its K/V is cached."""
+
+    def __init__(self, prompt: torch.Tensor, state: SeqState | None, live: bool) -> None:
+        self._prompt = prompt
+        self._state = state
+        self.live = live
+
+    @property
+    def input_ids(self) -> SeqTensor:
+        return SeqTensor.from_tensor(self._prompt, seq_dim=-1)
+
+    @property
+    def sequence_ids(self) -> SeqTensor:
+        ids = self._prompt[0] if self._state is None else self._state.ids
+        return SeqTensor.from_tensor(ids.unsqueeze(0), seq_dim=-1)
+
+    @property
+    def kv_position(self) -> int:
+        return 0 if self._state is None else self._state.kv_valid()
+
+    @property
+    def prefill_complete(self) -> bool:
+        return self._state is not None and self._state.is_prefilled()
+
+    @property
+    def allocated_pages(self) -> list[CachePage] | None:
+        return None if self._state is None or not self._state.pages else list(self._state.pages)
+
+    @property
+    def page_hashes(self) -> list[bytes] | None:
+        return None if self._state is None else list(self._state.hashes)
+
+
 class ExLlamaV2DynamicJob:
     """A prompt plus its generation settings. Enqueue it with `generator.enqueue(job)`.
 
@@ -82,8 +118,8 @@ class ExLlamaV2DynamicJob:
                  stop_conditions: Iterable[int | str] | None = None, decode_special_tokens: bool = False,
                  return_top_tokens: int = 0, return_logits: bool = False, return_probs: bool = False,
                  filters: list[Any] | None = None, filter_prefer_eos: bool = False, token_healing: bool = False,
-                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None,
-                 **kwargs: Any) -> None:
+                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None
+                 ) -> None:
         prompts = list(input_ids) if isinstance(input_ids, (list, tuple)) else [input_ids]
         cfg = gen_settings is not None and getattr(gen_settings, "cfg_scale", None) is not None
         if len(prompts) not in (1, 2) or (len(prompts) == 2) != cfg:
@@ -102,7 +138,7 @@ class ExLlamaV2DynamicJob:
         if max_new_tokens < 1:
             raise GeneratorError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if embeddings:
-            raise GeneratorError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
+            raise NotSupportedError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
         self.all_input_ids = [p.detach().to("cpu", torch.long) for p in prompts]
@@ -215,6 +251,12 @@ class ExLlamaV2DynamicJob:
         return self.seqs[0].ids
 
     @property
+    def sequences(self) -> list[JobSequence]:
+        """One view per sequence (two for CFG), as exllamav2's `job.sequences`."""
+        states: list[SeqState | None] = list(self.seqs) or [None] * len(self.all_input_ids)
+        return [JobSequence(p, q, not self.finished) for p, q in zip(self.all_input_ids, states)]
+
+    @property
     def pages(self) -> list[CachePage]:
         return [p for q in self.seqs for p in q.pages]
 
@@ -281,7 +323,11 @@ class ExLlamaV2DynamicJob:
                 self.ban_pos, self.ban_set = self.sequence.numel(), set()
             assert rel.ban is not None
             self.ban_set.add(rel.ban)
-            return None
+            # exllamav2 reports what a banned string suppressed, in a result of its own.
+            r = self.base_result("streaming")
+            r.update(text="", token_ids=torch.empty(1, 0, dtype=torch.long), suppressed_text=rel.suppressed_text,
+                     suppressed_tokens=torch.tensor([rel.suppressed_tokens], dtype=torch.long))
+            return r
         if not rel.eos:
             assert self.generator is not None
             if end_filter:

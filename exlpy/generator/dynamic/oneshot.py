@@ -1,24 +1,23 @@
-"""`ExLlamaV2DynamicGenerator.generate`: one call that turns prompts into completions through the job queue."""
+"""`ExLlamaV2DynamicGenerator.generate()`: one call that enqueues a job per prompt and iterates until all end."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 
+if TYPE_CHECKING:
+    from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
 
-def generate(self: Any, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int, min_new_tokens: int = 0,
-             seed: int | None = None, gen_settings: Any = None, token_healing: bool = False,
-             encode_special_tokens: bool = False, decode_special_tokens: bool = False,
-             stop_conditions: Iterable[int | str] | None = None, add_bos: bool = False,
-             abort_event: threading.Event | None = None, completion_only: bool = False,
-             filters: list[Any] | None = None, filter_prefer_eos: bool = False,
-             return_last_results: bool = False, embeddings: Any = None,
-             banned_strings: list[str] | None = None, **kwargs: Any) -> Any:
-    """Generate for one prompt (str) or a batch (list); returns text (or a list), plus the final results
-    when `return_last_results`. A failing job raises its error here."""
+
+def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int,
+                 min_new_tokens: int, seed: int | None, gen_settings: Any, token_healing: bool,
+                 encode_special_tokens: bool, decode_special_tokens: bool,
+                 stop_conditions: Iterable[int | str] | None, add_bos: bool, abort_event: threading.Event | None,
+                 completion_only: bool, filters: list[Any] | None, filter_prefer_eos: bool,
+                 return_last_results: bool, embeddings: Any, banned_strings: list[str] | None) -> Any:
     single = isinstance(prompt, (str, tuple))
     prompts = [prompt] if single else list(prompt)
     settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
@@ -27,7 +26,7 @@ def generate(self: Any, prompt: str | tuple[str, str] | list[Any], max_new_token
     jobs = []
     for i, p in enumerate(prompts):
         texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
-        ids = [self.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+        ids = [gen.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
                for t in texts]
         jobs.append(ExLlamaV2DynamicJob(
             ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
@@ -36,16 +35,16 @@ def generate(self: Any, prompt: str | tuple[str, str] | list[Any], max_new_token
             filters=per_prompt_filters[i] if per_prompt_filters else filters,
             filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
             embeddings=embeddings))
-    self.enqueue(jobs)
+    gen.enqueue(jobs)
     completions = [""] * len(prompts)
     last: list[dict[str, Any] | None] = [None] * len(prompts)
     while any(not j.finished for j in jobs):
         if abort_event is not None and abort_event.is_set():
             for j in jobs:
                 if not j.finished:
-                    self.cancel(j)
+                    gen.cancel(j)
             break
-        for r in self.iterate():
+        for r in gen.iterate():
             if r["stage"] != "streaming" or r["job"] not in jobs:
                 continue
             i = r["identifier"]

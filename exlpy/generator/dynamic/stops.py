@@ -31,6 +31,8 @@ class Released:
     trigger: int | str | None = None
     rewind: int = 0  # tokens the caller must drop from the end of its sequence
     ban: int | None = None  # token the caller must ban at the position it rewound to
+    suppressed_text: str = ""  # on a rewind: the text (and tokens) of the banned match that was dropped
+    suppressed_tokens: list[int] = field(default_factory=list)
 
 
 def tokenizer_decode(tokenizer: Any, ids: list[int], decode_special_tokens: bool) -> str:
@@ -161,10 +163,10 @@ class TextStream:
             hit = _first_match(low, self.banned)
             if hit is not None:
                 j = max(i for i, o in enumerate(offsets) if o <= hit[0])
-                ban = self.held[j][0]
-                n = len(self.held) - j
+                dropped = [tok for tok, _, _ in self.held[j:]]
                 del self.held[j:]
-                return Released(rewind=n, ban=ban)
+                return Released(rewind=len(dropped), ban=dropped[0], suppressed_text=text[offsets[j]:],
+                                suppressed_tokens=dropped)
             if _partial_suffix(low, self.banned):
                 return Released()
 

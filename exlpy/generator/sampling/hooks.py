@@ -11,9 +11,10 @@ import torch
 
 @dataclass
 class PostSamplingResult:
-    sampled_token: torch.Tensor  # [B, 1] long
-    sampled_prob: torch.Tensor  # [B, 1] float
-    candidate_tokens: torch.Tensor  # [B, C] long, the final candidates
-    candidate_probs: torch.Tensor  # [B, C] float, their final (normalised) probabilities
-    logits: torch.Tensor  # [B, V] logits after penalties, bias, DRY and masks
+    # None defaults as in exllamav2 (where scripts may build one); the sampler always fills every field.
+    sampled_token: torch.Tensor | None = None  # [B, 1] long
+    sampled_prob: torch.Tensor | None = None  # [B, 1] float
+    candidate_tokens: torch.Tensor | None = None  # [B, C] long, the final candidates
+    candidate_probs: torch.Tensor | None = None  # [B, C] float, their final (normalised) probabilities
+    logits: torch.Tensor | None = None  # [B, V] logits after penalties, bias, DRY and masks
     feed_filters: bool = True

@@ -208,7 +208,10 @@ def _check_ids(ids: list[int], size: int, where: str) -> list[int]:
 def _single_id(tokenizer: Any, piece: str) -> int:
     if tokenizer is not None and hasattr(tokenizer, "single_id"):
         try:
-            return int(tokenizer.single_id(piece))
+            found = tokenizer.single_id(piece)
         except Exception as e:  # the tokenizer's own error type varies; re-raise as ours, naming the string
             raise SamplerError(f"allow_tokens: {piece!r} is not a single token ({e})") from e
+        if found is None:  # exllamav2's single_id answers None for text that is not one token
+            raise SamplerError(f"allow_tokens: {piece!r} is not a single token")
+        return int(found)
     raise SamplerError(f"allow_tokens: string {piece!r} needs a tokenizer with single_id()")

@@ -1,0 +1,52 @@
+"""exllamav2 classes for features exlpy does not have yet. Each name exists, so `from exllamav2 import
+ExLlamaV2Lora` works, and using it raises NotSupportedError saying what is missing (the LoRA and vision issues
+replace these with real classes)."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from exlpy.errors import NotSupportedError
+
+LORA = "LoRA adapters are not supported by exlpy yet"
+VISION = "vision models (image and video embeddings) are not supported by exlpy"
+
+
+class ExLlamaV2Lora:
+    """exllamav2's LoRA adapter (`ExLlamaV2Lora.from_directory(model, dir)`): not supported yet."""
+
+    def __init__(self, model: Any, lora_path: str, lora_scaling: float = 1.0) -> None:
+        raise NotSupportedError(f"ExLlamaV2Lora: {LORA}")
+
+    @staticmethod
+    def from_directory(model: Any, directory: str, lora_scaling: float = 1.0) -> NoReturn:
+        raise NotSupportedError(f"ExLlamaV2Lora.from_directory({directory!r}): {LORA}")
+
+
+class ExLlamaV2VisionTower:
+    """exllamav2's vision encoder (Pixtral, Qwen2-VL, SigLIP): not supported."""
+
+    def __init__(self, config: Any) -> None:
+        raise NotSupportedError(f"ExLlamaV2VisionTower: {VISION}")
+
+
+class ExLlamaV2MultimodalProjector:
+    """exllamav2's vision-to-text projector: not supported."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotSupportedError(f"ExLlamaV2MultimodalProjector: {VISION}")
+
+
+class ExLlamaV2MMEmbedding:
+    """exllamav2's multimodal embedding (the result of get_image_embeddings): not supported."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotSupportedError(f"ExLlamaV2MMEmbedding: {VISION}")
+
+
+class Intervention:
+    """exllamav2's module wrapper with pre/post forward hooks (activation steering): not supported."""
+
+    def __init__(self, inner: Any, pre_forward: Any = None, post_forward: Any = None) -> None:
+        raise NotSupportedError("Intervention (wrapping a model module with pre/post forward hooks) is not "
+                                "supported by exlpy: its modules are not interchangeable with exllamav2's")

@@ -1,0 +1,118 @@
+"""exlpy.compat: `import exllamav2` resolves to exlpy's modules, lazily, without duplicating them; what exlpy
+lacks is a clear typed import error; a real exllamav2 already imported is refused."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import exlpy
+import exlpy.compat
+from exlpy.errors import CompatImportError
+
+
+@pytest.fixture
+def compat() -> Iterator[None]:
+    exlpy.compat.install()
+    yield
+    exlpy.compat.uninstall()
+
+
+def test_aliases_are_exlpys_modules(compat: None) -> None:
+    import exllamav2
+    import exllamav2.generator
+    import exllamav2.generator.dynamic_async
+    from exllamav2 import model_init
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    import exlpy.generator
+    import exlpy.generator.dynamic.async_
+    import exlpy.model_init
+
+    assert exllamav2 is exlpy and exllamav2.generator is exlpy.generator and model_init is exlpy.model_init
+    assert exllamav2.generator.dynamic_async is exlpy.generator.dynamic.async_
+    assert ExLlamaV2Sampler is exlpy.generator.ExLlamaV2Sampler
+    # exlpy's modules keep their own identity (the import system must not rename them).
+    assert exlpy.generator.__spec__.name == "exlpy.generator" and exlpy.generator.__name__ == "exlpy.generator"
+    exlpy.compat.install()  # idempotent
+    assert sum(type(f).__name__ == "AliasFinder" for f in sys.meta_path) == 1
+
+
+def test_uninstall_forgets_aliases() -> None:
+    exlpy.compat.install()
+    import exllamav2.util  # noqa: F401
+
+    exlpy.compat.uninstall()
+    assert not exlpy.compat.installed()
+    assert not [n for n in sys.modules if n == "exllamav2" or n.startswith("exllamav2.")]
+    assert "exlpy.util" in sys.modules
+
+
+def test_mapping_is_lazy(compat: None) -> None:
+    """A module exlpy gains later (as exlpy.generator.filters will) resolves without any table entry."""
+    name = "exlpy.generator.zz_added_later"
+    late = types.ModuleType(name)
+    late.__spec__ = importlib.util.spec_from_loader(name, loader=None)
+    late.VALUE = 42  # type: ignore[attr-defined]
+    sys.modules[name] = late
+    try:
+        mod = importlib.import_module("exllamav2.generator.zz_added_later")
+        assert mod is late and mod.VALUE == 42
+    finally:
+        sys.modules.pop(name, None)
+        sys.modules.pop("exllamav2.generator.zz_added_later", None)
+
+
+def test_filters_resolve_when_present(compat: None) -> None:
+    if importlib.util.find_spec("exlpy.generator.filters") is None:
+        pytest.skip("exlpy.generator.filters is built by issue 15 (remove this skip at merge)")
+    import exlpy.generator.filters
+    from exllamav2.generator.base import ExLlamaV2Filter as from_base  # formatron imports it from here
+    from exllamav2.generator.filters import ExLlamaV2Filter
+
+    assert ExLlamaV2Filter is exlpy.generator.filters.ExLlamaV2Filter is from_base
+
+
+@pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.qparams",
+                                      "conversion"), ("exllamav2.vlm.vision_tower", "vision"),
+                                      ("exllamav2.no_such_module", "no module exlpy.no_such_module")])
+def test_missing_modules_are_typed_errors(compat: None, name: str, why: str) -> None:
+    with pytest.raises(CompatImportError, match=why) as e:
+        importlib.import_module(name)
+    assert isinstance(e.value, ModuleNotFoundError) and name.startswith(e.value.name)  # the package, or the module
+
+
+def test_real_exllamav2_already_imported_is_refused() -> None:
+    fake = types.ModuleType("exllamav2")
+    sys.modules["exllamav2"] = fake
+    try:
+        with pytest.raises(CompatImportError, match="already imported"):
+            exlpy.compat.install()
+        assert not exlpy.compat.installed()
+    finally:
+        del sys.modules["exllamav2"]
+
+
+def test_runner_usage_and_missing_script() -> None:
+    r = subprocess.run([sys.executable, "-m", "exlpy.compat"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "usage: exlpy-as-exllamav2" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "exlpy.compat", "/no/such/script.py"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "no such script: /no/such/script.py" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_runner_module_mode(tmp_path: Path) -> None:
+    (tmp_path / "uses_exllamav2.py").write_text(
+        "import sys\nimport exllamav2\nfrom exllamav2.util import Timer\n"
+        "print('OK', exllamav2.__name__, Timer.__module__, sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-m", "exlpy.compat", "-m", "uses_exllamav2", "a", "--b"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "OK exlpy exlpy.util ['a', '--b']"
