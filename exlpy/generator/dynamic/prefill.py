@@ -10,7 +10,8 @@ from exlpy.model.batch import paged_batch
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
-    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+    from exlpy.generator.dynamic.sequence import SeqState
 
 
 def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]],

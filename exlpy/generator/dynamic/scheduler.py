@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
-    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+    from exlpy.generator.dynamic.sequence import SeqState
 
 # Prompt tokens per iteration while other jobs decode cost them latency; attention makes a token at context L
 # cost about (1 + L / CONTEXT_COST_TOKENS) times a token at the start of a prompt (8B shapes).
