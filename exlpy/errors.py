@@ -94,3 +94,8 @@ class CommandLineError(SystemExit):
 
 class CacheError(ExlpyError, ValueError):
     """A cache argument is of the wrong kind or does not match the input (e.g. one cache per row)."""
+
+
+class DraftModelError(GeneratorError):
+    """Speculative decoding was set up wrongly: a draft model or cache that does not fit the target (vocabulary,
+    cache size or batch), a draft model that is not loaded, or a draft length out of range."""

@@ -108,13 +108,11 @@ class ExLlamaV2Sampler:
         return token, top_tokens, top_probs, prob, end_filter
 
 
-def sample_core(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
-                r: torch.Tensor, mu: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sampling pipeline after CFG and filters, shared by `sample` and the batched device sampler
-    (exlpy.generator.sampling.batched): logit chain, candidates, probability chain, skew, inverse-CDF draw at
-    the points `r` [B, 1]. Returns (token [B, 1], prob [B, 1], candidate probs [B, C], candidate ids [B, C],
-    final logits [B, V])."""
+def final_distribution(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
+                       mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distribution a token is drawn from: logit chain, candidates, probability chain. Returns
+    (candidate probs [B, C] in descending order, not necessarily normalised; candidate ids [B, C]; final
+    logits [B, V]). Speculative verification reads target probabilities from here."""
     batch, vocab = x.shape
     device = x.device
     for step in chain.logit_chain(settings, ctx, vocab, device):
@@ -127,6 +125,17 @@ def sample_core(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitCont
         # XTC can reorder candidates; the draw (and skew) expect descending order
         probs, order = probs.sort(dim=-1, descending=True)
         ids = ids.gather(-1, order)
+    return probs, ids, x
+
+
+def sample_core(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
+                r: torch.Tensor, mu: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampling pipeline after CFG and filters, shared by `sample` and the batched device sampler
+    (exlpy.generator.sampling.batched): `final_distribution`, then skew and the inverse-CDF draw at the points
+    `r` [B, 1]. Returns (token [B, 1], prob [B, 1], candidate probs [B, C], candidate ids [B, C], final
+    logits [B, V])."""
+    probs, ids, x = final_distribution(x, settings, ctx, tokenizer, mu)
     if settings.skew != 0.0:
         r = skew_random(r, float(settings.skew))
     idx, prob = draw(probs, r)

@@ -29,12 +29,14 @@ from exlpy.generator.dynamic.decode import DecodeStepper
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.prefill import run_prefill
+from exlpy.generator.speculative.api import SpeculativeAPI
+from exlpy.generator.speculative.dynamic import Speculation
 
 
-class ExLlamaV2DynamicGenerator:
+class ExLlamaV2DynamicGenerator(SpeculativeAPI):
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
-                 draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
+                 draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int | None = None,
                  use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
                  min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True,
                  page_size: int = PAGE_SIZE, max_prefill_per_step: int = 256) -> None:
@@ -44,9 +46,6 @@ class ExLlamaV2DynamicGenerator:
         tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
         prompts)."""
         cfg = model.config
-        if draft_model is not None or draft_cache is not None or use_ngram_draft:
-            raise NotSupportedError("speculative decoding (draft_model / draft_cache / use_ngram_draft) is not "
-                                    "supported by exlpy's dynamic generator yet")
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
                                  "or Q4.")
@@ -91,9 +90,15 @@ class ExLlamaV2DynamicGenerator:
         self.copy_partial_pages = True
         self.stepper = DecodeStepper(self)
         self.current_loras: list[Any] = []  # exllamav2 attribute (TabbyAPI reads it); LoRA is not supported yet
-        self.draft_model = self.draft_cache = None
-        self.use_ngram_draft = False
-        self.num_draft_tokens, self.max_ngram = num_draft_tokens, max_ngram
+        # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
+        # None adapts the draft length to the acceptance rate; a number fixes it.
+        self.draft_model, self.draft_cache = draft_model, draft_cache
+        self.use_ngram_draft, self.num_draft_tokens, self.max_ngram = use_ngram_draft, num_draft_tokens, max_ngram
+        self.spec: Speculation | None = None
+        if draft_model is not None or draft_cache is not None or use_ngram_draft or num_draft_tokens is not None:
+            self.spec = Speculation(self, draft_model, draft_cache, num_draft_tokens, use_ngram_draft, max_ngram)
+            if draft_model is None and not use_ngram_draft:
+                self.spec = None  # num_draft_tokens alone: checked, nothing to draft with
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -196,7 +201,7 @@ class ExLlamaV2DynamicGenerator:
         return {"cache_tokens": t.num_pages * t.page_size, "cache_pages": t.num_pages, "page_size": t.page_size,
                 "cache_pages_free": t.num_unreferenced(), "cache_tokens_in_use": used,
                 "running": len(self.active), "waiting": len(self.pending), "waiting_reasons": waiting,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, **self._sd_status()}
 
     # --- iteration -----------------------------------------------------------------------------------------
     def device(self) -> torch.device:
@@ -229,6 +234,8 @@ class ExLlamaV2DynamicGenerator:
                     spent += self._guard_n(job, results,
                                            lambda j=job, s=spent: run_prefill(self, j, results, decoding, budget, s))
             jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
+            if self.spec is not None and jobs and self._speculate(jobs, results):
+                return results
             jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
             prev, self.stepper.inflight = self.stepper.inflight, None
             if not jobs:
@@ -302,6 +309,8 @@ class ExLlamaV2DynamicGenerator:
     def accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
                results: list[dict[str, Any]]) -> None:
         r = job.receive(token, payload, end_filter)
+        if self.spec is not None:
+            self.spec.tokens += 1
         if r is not None:
             results.append(r)
             if r["eos"]:

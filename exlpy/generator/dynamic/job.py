@@ -104,6 +104,7 @@ class ExLlamaV2DynamicJob:
         self.epoch = 0
         self.admitted = 0  # admission order (the newest running job is preempted first)
         self.preemptions = 0
+        self.drafted_tokens = self.accepted_draft_tokens = 0  # speculative decoding
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
@@ -304,6 +305,8 @@ class ExLlamaV2DynamicJob:
         r["time_enqueued"] = self.time_start - self.time_enqueue
         r["time_prefill"] = (self.time_first_token or now) - self.time_start
         r["time_generate"] = now - (self.time_first_token or now)
+        r["accepted_draft_tokens"] = self.accepted_draft_tokens
+        r["rejected_draft_tokens"] = self.drafted_tokens - self.accepted_draft_tokens
         r["cached_pages"] = self.cached_pages
         r["cached_tokens"] = min(self.cached_pages * (self.seqs[0].page_size if self.seqs else PAGE_SIZE),
                                  self.prompt_len)

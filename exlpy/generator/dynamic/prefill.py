@@ -25,6 +25,8 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
         gen.cached_tokens += scheduler.skip_cached_pages(q)
         copy_partial_page(gen, q, serial)
         gen.cached_tokens += scheduler.skip_cached_pages(q)
+        if gen.spec is not None:
+            gen.spec.on_cached(q)
         if q.is_prefilled():
             progressed = True
             continue
@@ -42,6 +44,8 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             ids = q.ids[start:end].unsqueeze(0)
             batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size)
             gen.model.forward_batch(ids, batch, preprocess_only=True)
+            if gen.spec is not None:
+                gen.spec.on_prefill(q, start, end)
             gen.prefill_tokens += end - start
             ran += end - start
             size = gen.page_size
@@ -73,6 +77,8 @@ def copy_partial_page(gen: ExLlamaV2DynamicGenerator, q: SeqState, serial: int) 
         return
     try:
         gen.cache.copy_states(gen.cache, donor.index * size, n, page.index * size, n, 0, 1, 0, 1)
+        if gen.spec is not None:
+            gen.spec.on_copy(donor.index * size, page.index * size, n)
     except NotImplementedError:
         gen.copy_partial_pages = False  # e.g. quantized caches: recompute instead
         return

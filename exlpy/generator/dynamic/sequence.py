@@ -29,6 +29,7 @@ class SeqState:
         # Only pages that prefill writes are shareable before the job ends.
         self.hashes = chain_hashes(self.ids, self.prefill_target, self.page_size)
         self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache (during prefill)
+        self.draft_kv = 0  # positions whose K/V a draft model's cache holds (speculative decoding)
 
     def is_prefilled(self) -> bool:
         return self.prefill_pos >= self.prefill_target
@@ -45,6 +46,7 @@ class SeqState:
         self.ids = self.ids[:-n]
         self.prefill_target = min(self.prefill_target, self.ids.numel() - 1)
         self.prefill_pos = min(self.prefill_pos, self.prefill_target)
+        self.draft_kv = min(self.draft_kv, self.ids.numel() - 1)
 
     def page_ids(self) -> list[int]:
         return [p.index for p in self.pages]
