@@ -189,3 +189,56 @@ def write_tiny(path: Any, vocab: int) -> str:
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(t, str(path / "model.safetensors"))
     return str(path)
+
+
+@pytest.mark.parametrize("drafter", ["tiny-llama-exl2-4.0", "same", "ngram"])
+def test_streaming_generator_speculation_equals_plain_greedy(drafter: str) -> None:
+    from exlpy.generator import ExLlamaV2StreamingGenerator
+    from tests.test_generator_streaming import stream_all
+
+    model, tok = aidreams()
+    cache = ExLlamaV2Cache(model, max_seq_len=256)
+    if drafter == "ngram":
+        sg = ExLlamaV2StreamingGenerator(model, cache, tok)
+        sg.speculative_ngram = True
+        sg.ngram_preload("Echoes of vectors unfold, a gentle hum of precision")
+    else:
+        d = model if drafter == "same" else tiny(drafter)
+        sg = ExLlamaV2StreamingGenerator(model, cache, tok, d, ExLlamaV2Cache(d, max_seq_len=256))
+    ids = tok.encode("Echoes of", add_bos=True)
+    greedy = argmax_tokens(model, ids, 24)
+    sg.set_stop_conditions([])
+    sg.begin_stream_ex(ids, GREEDY)
+    _, toks, _ = stream_all(sg, 24)
+    assert toks[:24] == greedy
+    eff, acc, total, drafted, accepted = sg.get_sd_stats()
+    assert drafted > 0 and (drafter != "same" or acc == 1.0)
+    # A stop token that lands inside an accepted draft ends the stream there; the caches go back to it.
+    sg.set_stop_conditions([greedy[9]])
+    sg.begin_stream_ex(ids, GREEDY)
+    _, toks, last = stream_all(sg, 24)
+    k = greedy.index(greedy[9])
+    assert toks == greedy[:k + 1] and last["eos_reason"] == "stop_token"
+    assert sg.cache.current_seq_len == sg.sequence_ids.shape[1] - 1
+    # A cache that ends inside a draft.
+    small = ExLlamaV2Cache(model, max_seq_len=ids.shape[1] + 6)
+    sg2 = ExLlamaV2StreamingGenerator(model, small, tok) if drafter == "ngram" else \
+        ExLlamaV2StreamingGenerator(model, small, tok, model, ExLlamaV2Cache(model, max_seq_len=256), 5)
+    sg2.speculative_ngram = drafter == "ngram"
+    sg2.set_stop_conditions([])
+    sg2.begin_stream_ex(ids, GREEDY)
+    _, toks, last = stream_all(sg2, 24)
+    assert toks == greedy[:6] and last["eos_reason"] == "max_seq_len"
+
+
+def test_draft_length_adapts_to_acceptance_and_honours_a_fixed_value() -> None:
+    from exlpy.generator.speculative.length import DraftLength
+
+    d = DraftLength(None, 7, 0.15)
+    for _ in range(40):
+        d.update(accepted=9, rejections=1)  # ~90% of drafts accepted
+    high = d.choose()
+    for _ in range(40):
+        d.update(accepted=1, rejections=1)  # ~50%
+    assert high > d.choose() >= 1
+    assert DraftLength(3, 7, 0.15).choose() == 3

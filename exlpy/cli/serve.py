@@ -21,6 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: the generator's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to start before new ones "
                    "are refused with 503 (default: 64)")
+    p.add_argument("--draft-model", default=None, metavar="DIR", help="speculative decoding with this draft model "
+                   "(same vocabulary, any format); /health shows its acceptance rate")
+    p.add_argument("--ngram-draft", action="store_true", help="speculative decoding with n-gram drafts from each "
+                   "request's context")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default: adapted "
+                   "to the acceptance rate)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MB; larger ones "
                    "get 413 (default: 32)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -42,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
                        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                       max_body_bytes=int(args.max_body_mb * 2**20))
+                       max_body_bytes=int(args.max_body_mb * 2**20), draft_model_dir=args.draft_model,
+                       ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens)
     g = state.bridge.generator
     print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, cache {g.num_pages} pages x 256 "
           f"tokens, batch up to {g.max_batch_size}, queue up to {args.max_queue}; http://{args.host}:{args.port}/v1",

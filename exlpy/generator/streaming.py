@@ -58,6 +58,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.speculative_ngram_max_inf, self.speculative_ngram_threshold = 3, 1
         self.ngram_preloaded: list[int] | None = None
         self.total_draft_tokens = self.accepted_draft_tokens = 0
+        self.token_budget: int | None = None  # exlpy: most tokens the next stream_ex() may return (speculation)
         self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
         self.spec = StreamSpeculation(model, cache, draft_model, draft_cache, num_speculative_tokens, MAX_Q_LEN - 1,
                                       len(self.pieces))
@@ -309,6 +310,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         seq = self.sequence_ids
         assert seq is not None
         room = self.cache.max_seq_len - seq.shape[1]
+        if self.token_budget is not None:
+            room = min(room, self.token_budget - 1)  # the round adds one token besides the accepted drafts
         if self.draft_model is not None:
             k = min(self.spec.length.choose(), room, self.draft_cache.max_seq_len - seq.shape[1])
         else:

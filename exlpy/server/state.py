@@ -34,7 +34,8 @@ class ServerState:
 
 
 def state_from_generator(generator: Any, model_name: str, max_queue: int = 64,
-                         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
+                         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, draft_model_dir: str | None = None,
+               ngram_draft: bool = False, num_draft_tokens: int | None = None) -> ServerState:
     return ServerState(GeneratorBridge(generator, max_queue=max_queue), generator.tokenizer, model_name,
                        max_body_bytes=max_body_bytes)
 
@@ -45,7 +46,8 @@ def round_to_pages(tokens: int) -> int:
 
 def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cache_size: int | None = None,
                max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, draft_model_dir: str | None = None,
+               ngram_draft: bool = False, num_draft_tokens: int | None = None) -> ServerState:
     """Load a model (the bundled demo by default) with a lazily allocated paged cache and wrap it for serving.
 
     The cache holds `cache_size` tokens (rounded up to whole 256-token pages; default: the context length, at
@@ -70,8 +72,18 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
     model.load_autosplit(cache, progress=sys.stderr.isatty())
     tokenizer = ExLlamaV2Tokenizer(config)
     chunk = max(PAGE_SIZE, config.max_input_len // PAGE_SIZE * PAGE_SIZE)
+    draft = draft_cache = None
+    if draft_model_dir:
+        if ngram_draft:
+            raise ConfigError("--draft-model and --ngram-draft are alternatives: pass one of them")
+        draft_config = ExLlamaV2Config(draft_model_dir)
+        draft_config.max_seq_len = config.max_seq_len
+        draft = ExLlamaV2(draft_config)
+        draft_cache = ExLlamaV2Cache(draft, max_seq_len=cache_tokens, lazy=True)
+        draft.load_autosplit(draft_cache, progress=sys.stderr.isatty())
     generator = ExLlamaV2DynamicGenerator(model, cache, tokenizer, max_batch_size=max_batch_size,
-                                          max_chunk_size=chunk)
+                                          max_chunk_size=chunk, draft_model=draft, draft_cache=draft_cache,
+                                          num_draft_tokens=num_draft_tokens, use_ngram_draft=ngram_draft)
     if warmup:
         generator.warmup()
     name = os.path.basename(os.path.normpath(model_dir))
