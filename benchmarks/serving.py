@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.dynamic_generator import write_word_tokenizer  # noqa: E402
 from benchmarks.make_models import SHAPES, write_model  # noqa: E402
 
-MODELS = {"8b": ("llama3-8b", 0), "exl2": ("llama3-8b", 4), "small": ("smollm2-135m", 0)}
+MODELS = {"8b": ("llama3-8b", 0), "exl2": ("llama3-8b", 4), "small": ("smollm2-135m", 0), "1b": ("llama3.2-1b", 0)}
 GREEDY, TOP_P = "greedy", "top-p 0.9"
 
 
