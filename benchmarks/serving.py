@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/exlpy_bench", help="where the random-weight models are written")
     ap.add_argument("--quick", action="store_true", help="small model, batches 1 and 8, shorter server runs")
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it (runs split "
+                    "over several calls, e.g. one model each)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/serving.py needs a CUDA device")
@@ -156,6 +158,9 @@ def main() -> None:
               f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
               f"- command: `python {' '.join(sys.argv)}`", ""]
     body: list[str] = []
+    if args.append and Path(args.out).exists():
+        header = [Path(args.out).read_text().rstrip(), "", f"### Appended: `python {' '.join(sys.argv)}` "
+                  f"({datetime.now(timezone.utc).strftime('%H:%M UTC')})", ""]
     for key in models:
         gen_speed: float | None = None
         if "gen" in parts:

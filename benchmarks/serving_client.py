@@ -74,7 +74,7 @@ def start_server(model: str, port: int, cache_tokens: int, max_seq_len: int, log
            str(cache_tokens), "--max-seq-len", str(max_seq_len), "--max-queue", "512", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ})
     t0 = time.time()
-    while time.time() - t0 < 600:
+    while time.time() - t0 < 300:
         if proc.poll() is not None:
             raise RuntimeError(f"exlpy serve exited ({proc.returncode}); see {log}")
         try:
@@ -84,7 +84,7 @@ def start_server(model: str, port: int, cache_tokens: int, max_seq_len: int, log
         except OSError:
             time.sleep(1.0)
     proc.kill()
-    raise RuntimeError(f"exlpy serve did not come up in 600 s; see {log}")
+    raise RuntimeError(f"exlpy serve did not come up in 300 s; see {log}")
 
 
 async def stream(client: Any, model: str, ids: list[int], max_tokens: int, out: Stream) -> Stream:

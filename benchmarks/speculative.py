@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--smol", default=None, help="SmolLM2-135M EXL2 dir (default: /tmp/smol, else ../shared)")
     ap.add_argument("--passage", default=str(SHARED / "eval" / "licenses.txt"), help="text file for part ngram")
     ap.add_argument("--quick", action="store_true", help="batch 1, acceptance 0.8, shorter runs")
+    ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/speculative.py needs a CUDA device")
@@ -210,6 +211,8 @@ def main() -> None:
               f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
               f"- command: `python {' '.join(sys.argv)}`", ""]
     body: list[str] = []
+    if args.append and Path(args.out).exists():
+        header = [Path(args.out).read_text().rstrip(), "", f"### Appended: `python {' '.join(sys.argv)}`", ""]
     parts = args.parts.split(",")
     if "replay" in parts:
         batches, rates, n = ([1], [0.8], 64) if args.quick else ([1, 4, 16], [0.5, 0.7, 0.8, 0.9], 256)
