@@ -56,15 +56,21 @@ def test_greedy_with_speculation_equals_plain_greedy(drafter: str) -> None:
         g = spec_gen(use_ngram_draft=True, num_draft_tokens=3)
     else:
         g = spec_gen(model if drafter == "same" else tiny(drafter), num_draft_tokens=3)
-    # One job the host samples (a repetition penalty): it rides along in the verification steps.
-    jobs = [job(i, 16) for i in ids] + [job(ids[0], 10, gen_settings=PENALTY, seed=3)]
+    # Jobs the host samples (a repetition penalty; CFG) ride along in the verification steps.
+    cfg = ExLlamaV2Sampler.Settings.greedy(cfg_scale=2.0)
+    jobs = [job(i, 16) for i in ids] + [job(ids[0], 10, gen_settings=PENALTY, seed=3),
+                                        job([ids[1], ids[2]], 6, gen_settings=cfg)]
     g.enqueue(jobs)
     res = drain(g)
     for i, j in zip(ids, jobs):
         assert res[j]["tokens"] == argmax_tokens(model, i, 16)
-    assert res[jobs[-1]]["tokens"] == sampled_oracle(ids[0], 10, PENALTY, 3)
+    assert res[jobs[4]]["tokens"] == sampled_oracle(ids[0], 10, PENALTY, 3)
+    plain = spec_gen()
+    again = job([ids[1], ids[2]], 6, gen_settings=cfg)
+    plain.enqueue(again)
+    assert res[jobs[5]]["tokens"] == drain(plain)[again]["tokens"]
     eff, acc, total, drafted, accepted = g.get_sd_stats()
-    assert drafted > 0 and total == 4 * 16 + 10
+    assert drafted > 0 and total == 4 * 16 + 10 + 6
     if drafter == "same":
         assert acc == 1.0 and accepted == drafted  # a model agrees with itself
     assert g.page_table.num_unreferenced() == g.num_pages

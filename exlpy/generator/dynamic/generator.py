@@ -193,14 +193,15 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         self.prefill_tokens = self.decode_tokens = self.cached_tokens = 0
 
     def status(self) -> dict[str, Any]:
-        """Cache and queue figures for monitoring (the server's /health)."""
+        """Cache and queue figures for monitoring (the server's /health). Reads snapshots without the lock, so
+        it answers at once even while a step runs in another thread."""
         t = self.page_table
-        with self._lock:
-            used = sum(q.kv_valid() for j in self.active for q in j.seqs)
-            waiting = [{"serial": j.serial, "reason": j.wait_reason} for j in self.pending[:8]]
+        active, pending = list(self.active), list(self.pending)
+        used = sum(q.kv_valid() for j in active for q in j.seqs)
+        waiting = [{"serial": j.serial, "reason": j.wait_reason} for j in pending[:8]]
         return {"cache_tokens": t.num_pages * t.page_size, "cache_pages": t.num_pages, "page_size": t.page_size,
                 "cache_pages_free": t.num_unreferenced(), "cache_tokens_in_use": used,
-                "running": len(self.active), "waiting": len(self.pending), "waiting_reasons": waiting,
+                "running": len(active), "waiting": len(pending), "waiting_reasons": waiting,
                 "preemptions": self.preemptions, **self._sd_status()}
 
     # --- iteration -----------------------------------------------------------------------------------------
