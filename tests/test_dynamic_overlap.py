@@ -35,14 +35,17 @@ def job(ids: torch.Tensor, n: int, **kw: Any) -> ExLlamaV2DynamicJob:
     return ExLlamaV2DynamicJob(ids, n, **kw)
 
 
-def sampled_oracle(ids: torch.Tensor, n: int, settings: Any, seed: int) -> list[int]:
-    """What the host sampler draws, token by token, from full-forward logits with the job's seeded generator."""
+def sampled_oracle(ids: torch.Tensor, n: int, settings: Any, seed: int, blocked: list[int] | None = None,
+                   min_new: int = 0) -> list[int]:
+    """What the host sampler draws, token by token, from full-forward logits with the job's seeded generator
+    (`blocked` tokens refused for the first `min_new` tokens)."""
     model, tok = aidreams()
     rng = torch.Generator().manual_seed(seed)
     seq, out = ids.clone(), []
-    for _ in range(n):
+    for i in range(n):
         logits = model.forward(seq)[:, -1:].float()
-        t = int(ExLlamaV2Sampler.sample(logits, settings, seq, None, tok, generator=rng)[0].view(-1)[0])
+        t = int(ExLlamaV2Sampler.sample(logits, settings, seq, None, tok, generator=rng,
+                                        blocked_tokens=blocked if i < min_new else None)[0].view(-1)[0])
         out.append(t)
         seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
     return out
@@ -55,16 +58,23 @@ def test_overlapped_loop_matches_oracles_for_device_and_host_sampled_rows() -> N
     g = make_gen()
     # One batch mixing rows sampled on the device (greedy, top-p, top-k/min-p) with rows the host samples
     # (a repetition penalty over the context; per-token probabilities asked for).
+    bias = torch.zeros(512)
+    bias[[5, 17, 300]] = torch.tensor([3.0, -2.0, 4.0])
+    biased = ExLlamaV2Sampler.Settings(temperature=0.9, top_k=20, top_p=1.0, token_repetition_penalty=1.0,
+                                       token_bias=bias)
+    stops = argmax_tokens(aidreams()[0], ids[1], 3)  # tokens the model likes: blocked until min_new_tokens
     jobs = [job(ids[0], n), job(ids[1], n, gen_settings=TOP_P, seed=11), job(ids[2], n, gen_settings=TOP_K, seed=12),
             job(ids[3], n, gen_settings=PENALTY, seed=13), job(ids[4], n, gen_settings=TOP_P, seed=14,
-                                                               return_probs=True)]
+                                                               return_probs=True),
+            job(ids[1], n, gen_settings=biased, seed=15, stop_conditions=stops, min_new_tokens=n)]
     g.enqueue(jobs)
-    assert [j.device_sampling() is not None for j in jobs] == [True, True, True, False, False]
+    assert [j.device_sampling() is not None for j in jobs] == [True, True, True, False, False, True]
     res = drain(g)
     model, _ = aidreams()
     assert res[jobs[0]]["tokens"] == argmax_tokens(model, ids[0], n)
     for k, s, seed in ((1, TOP_P, 11), (2, TOP_K, 12), (3, PENALTY, 13), (4, TOP_P, 14)):
         assert res[jobs[k]]["tokens"] == sampled_oracle(ids[k], n, s, seed), k
+    assert res[jobs[5]]["tokens"] == sampled_oracle(ids[1], n, biased, 15, sorted(set(stops)), n)
     assert g.page_table.num_unreferenced() == g.num_pages
 
 

@@ -56,22 +56,25 @@ class RowSample:
     blocked: Sequence[int] | None = None
 
 
-_bias_cache: weakref.WeakKeyDictionary[torch.Tensor, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+_bias_cache: weakref.WeakKeyDictionary[torch.Tensor, dict[tuple[str, int], torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
 
 
-def _bias_on(bias: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The bias tensor on `device`, uploaded once per tensor and device (settings reuse it every step)."""
-    if bias.device == device:
-        return bias
+def _bias_row(bias: torch.Tensor, device: torch.device, vocab: int) -> torch.Tensor:
+    """The bias as a float32 row of `vocab` entries on `device` (a shorter bias covers the first ids only),
+    built once per tensor, device and vocab: settings reuse it every step."""
     per = _bias_cache.setdefault(bias, {})
-    key = str(device)
+    key = (str(device), vocab)
     if key not in per:
-        per[key] = bias.to(device, dtype=torch.float32, non_blocking=True)
+        row = torch.zeros(vocab, dtype=torch.float32)
+        n = min(bias.numel(), vocab)
+        row[:n] = bias.reshape(-1)[:n].float().cpu()
+        per[key] = row.to(device, non_blocking=True)
     return per[key]
 
 
 def _row_parts(x: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
-    """Blocked tokens, then token bias, per row (the host sampler's order)."""
+    """Blocked tokens, then token bias, per row (the host sampler's order): two kernels for the whole group."""
     vocab = x.shape[-1]
     blocked = [(i, t) for i, r in enumerate(rows) for t in (r.blocked or ()) if 0 <= t < vocab]
     biased = [i for i, r in enumerate(rows) if r.settings.token_bias is not None]
@@ -81,11 +84,9 @@ def _row_parts(x: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
     if blocked:
         idx = upload_ids(torch.tensor(blocked, dtype=torch.long), x.device)
         x[idx[:, 0], idx[:, 1]] = BLOCKED_LOGIT
-    for i in biased:
-        bias = rows[i].settings.token_bias
-        assert bias is not None
-        n = min(bias.numel(), vocab)
-        x[i, :n] += _bias_on(bias, x.device)[:n]
+    if biased:
+        rows_bias = torch.stack([_bias_row(rows[i].settings.token_bias, x.device, vocab) for i in biased])
+        x.index_add_(0, upload_ids(torch.tensor(biased, dtype=torch.long), x.device), rows_bias)
     return x
 
 
