@@ -132,5 +132,10 @@ def _sample_group(x: torch.Tensor, rows: list[RowSample], r: torch.Tensor, setti
                   tokenizer: Any, core: Any) -> tuple[torch.Tensor, torch.Tensor]:
     x = _row_parts(x, rows)
     ctx = chain.LogitContext(None, tokenizer)
+    if is_greedy(settings):  # the argmax itself: no draw (a few kernels fewer per step)
+        from exlpy.generator.sampler import final_distribution
+
+        probs, ids, _ = final_distribution(x, settings, ctx, tokenizer)
+        return ids[:, 0], probs[:, 0]
     token, prob, _, _, _ = core(x, settings, ctx, tokenizer, r)
     return token.view(-1), prob.view(-1)
