@@ -37,9 +37,14 @@ class Launched:
     tokens: torch.Tensor  # [n] long on the device: the next step's input for these jobs
     host: torch.Tensor  # [n] on the CPU (pinned for a CUDA step), filled by a non-blocking copy
     event: Any = None  # recorded after that copy (None: a CPU step, already complete)
+    _index: dict[int, tuple[int, int]] | None = None
 
     def position(self, job: ExLlamaV2DynamicJob) -> int | None:
-        return next((i for i, (j, e) in enumerate(self.jobs) if j is job and e == job.epoch), None)
+        """Index of the job's token in `tokens` (None: the job has no valid token here)."""
+        if self._index is None:
+            self._index = {id(j): (i, e) for i, (j, e) in enumerate(self.jobs)}
+        hit = self._index.get(id(job))
+        return hit[0] if hit is not None and hit[1] == job.epoch else None
 
     def read(self) -> list[int]:
         if self.event is not None:
