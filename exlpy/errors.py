@@ -33,6 +33,11 @@ class QuantFormatError(WeightsError):
     """Packed EXL2/GPTQ tensors are inconsistent with each other or with the model shape."""
 
 
+class InputError(ExlpyError, ValueError):
+    """An argument of an API call is malformed: token ids outside the vocabulary or not integers, an empty
+    batch, a cache size that is no size."""
+
+
 class SequenceLengthError(ExlpyError, ValueError):
     """An input is longer than the model or a buffer allows."""
 

@@ -15,6 +15,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
+| `EXLPY_SKIP_WEIGHT_CHECKS=1` | `weight_checks=False` | no NaN/inf check of the weights at load |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -43,6 +44,7 @@ class RuntimeOptions:
     tp_layout: str = "auto"
     tp_graphs: bool = True
     cpu_warning: bool = True
+    weight_checks: bool = True  # EXLPY_SKIP_WEIGHT_CHECKS=1: no NaN/inf check of weights at load
     triton_interpret: bool = False  # Triton's own TRITON_INTERPRET (kernels run on CPU tensors): no PDL then
 
     def __post_init__(self) -> None:
@@ -71,6 +73,7 @@ class RuntimeOptions:
             tp_layout=e.get("EXLPY_TP_MODE") or "auto",
             tp_graphs=not flag("EXLPY_TP_NO_GRAPHS"),
             cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
+            weight_checks=not flag("EXLPY_SKIP_WEIGHT_CHECKS"),
             triton_interpret=flag("TRITON_INTERPRET"),
         )
 

@@ -1,8 +1,18 @@
-"""Shared fixtures. Tests that need ../shared skip outside CI when it is absent; in CI they must not skip."""
+"""Shared fixtures. Tests that need ../shared skip outside CI when it is absent; in CI they must not skip.
+
+Triton interpreter tests (marker `interpreter`: Triton kernels on CPU tensors) cannot share a session with
+compiled kernels: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. once per process. So a session
+without TRITON_INTERPRET=1 never sets it; it takes the selected interpreter tests out and runs them in one child
+`python -m pytest` with TRITON_INTERPRET=1 (the item `tests::triton-interpreter`, which fails if any of them
+fails), while CUDA tests in the same session use compiled kernels. Under TRITON_INTERPRET=1 everything runs in
+the session itself.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +43,67 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (vocab 320, 2 layers, fp32) written once per session; copy it before damaging it."""
+    from tests.hf_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("tiny_llama") / "m"
+    make_hf_model(d, "llama")
+    return d
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("TRITON_INTERPRET") != _INTERPRET_AT_START:
+        raise pytest.UsageError("a test module changed TRITON_INTERPRET while being collected, which breaks the "
+                                "compiled kernels of this session: mark its tests `interpreter` instead")
+
+
+class InterpreterRun(pytest.Item):
+    """The session's interpreter tests, run in a child pytest with TRITON_INTERPRET=1."""
+
+    def __init__(self, *, nodeids: list[str], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.nodeids = nodeids
+        self.output = ""
+
+    def runtest(self) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+               *self.nodeids]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        self.output = r.stdout[-12000:] + r.stderr[-3000:]
+        summary = next((ln for ln in reversed(r.stdout.splitlines()) if ln.strip()), "")
+        self.add_report_section("call", "child pytest", f"{len(self.nodeids)} interpreter tests: {summary}")
+        if r.returncode != 0:
+            raise InterpreterFailure(f"{len(self.nodeids)} interpreter tests run under TRITON_INTERPRET=1 in a "
+                                     f"child pytest (rc {r.returncode}): {summary}")
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: object = None) -> str:
+        if isinstance(excinfo.value, InterpreterFailure):
+            return f"{excinfo.value}\n--- child output (tail) ---\n{self.output}"
+        return super().repr_failure(excinfo)  # type: ignore[arg-type]
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return ROOT / "tests" / "conftest.py", None, f"triton-interpreter: {len(self.nodeids)} tests in a child"
+
+
+class InterpreterFailure(Exception):
+    pass
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: the child runs exactly what this session selected
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    interp = [i for i in items if i.get_closest_marker("interpreter") is not None]
+    if not interp:
+        return
+    items[:] = [i for i in items if i.get_closest_marker("interpreter") is None]
+    items.append(InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=[i.nodeid for i in interp]))

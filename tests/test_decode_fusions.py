@@ -1,14 +1,13 @@
 """Decode fusions: RoPE + KV-cache write in one kernel, SwiGLU in the gate|up GEMV epilogue.
 
-The Triton kernels run on CPU tensors under TRITON_INTERPRET; the model-level checks run the CPU reference
-path through the rewired Attention/MLP and the Triton paths through `ops` on CPU tensors.
+The Triton kernels run on CPU tensors under TRITON_INTERPRET (tests marked `interpreter`, which tests/conftest.py
+runs in a child pytest); the model-level checks run the CPU reference path through the rewired Attention/MLP and
+the Triton paths through `ops` on CPU tensors.
 """
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
 
 import pytest
 import torch
@@ -52,6 +51,7 @@ def _qkv_case(dtype: torch.dtype, B: int, T: int, hq: int, hk: int, D: int, seed
     return qkv, q, k, v, cos, sin, pos, kc, vc, slots
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("B,T,hq,hk,D", [(2, 3, 4, 2, 16), (1, 1, 6, 2, 32), (3, 2, 4, 4, 8)])
 def test_rope_store_kv_matches_reference(dtype: torch.dtype, B: int, T: int, hq: int, hk: int, D: int) -> None:
@@ -79,6 +79,7 @@ def test_rope_store_kv_matches_reference(dtype: torch.dtype, B: int, T: int, hq:
     assert not torch.equal(flat_after[written], flat_before[written])
 
 
+@pytest.mark.interpreter
 def test_rope_store_kv_bad_shapes() -> None:
     _interp()
     _, q, k, v, cos, sin, pos, kc, vc, slots = _qkv_case(torch.float32, 2, 2, 4, 2, 16, seed=7)
@@ -88,6 +89,7 @@ def test_rope_store_kv_bad_shapes() -> None:
         rope_store_kv(q, k, v, cos, sin, pos, kc, vc, slots[:1])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("inter,K", [(40, 1024), (13, 300), (7, 520)])
 def test_norm_linear_swiglu_single_row(dtype: torch.dtype, inter: int, K: int) -> None:
@@ -102,6 +104,7 @@ def test_norm_linear_swiglu_single_row(dtype: torch.dtype, inter: int, K: int) -
     assert _rel(out, ref) < (5e-3 if dtype == torch.float16 else 1e-5)
 
 
+@pytest.mark.interpreter
 def test_norm_linear_swiglu_several_rows_and_views() -> None:
     _interp()
     g = torch.Generator().manual_seed(11)
@@ -140,6 +143,7 @@ def test_fused_gate_up_keeps_parts_and_layout() -> None:
     assert _rel(fb.forward_normed_swiglu(x, nw, 1e-6), expect_b) < 1e-6
 
 
+@pytest.mark.interpreter
 def test_ops_dispatch_triton_paths_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route `ops` to the registered Triton implementations for CPU tensors, as CUDA tensors are routed."""
     _interp()

@@ -1,16 +1,14 @@
 """Model logits through the fused decode ops (RoPE + KV write, SwiGLU GEMV epilogue) on their Triton paths.
 
 `ops` routes CPU tensors to the references; here the per-layer ops are routed to the registered Triton
-implementations (TRITON_INTERPRET) so the kernels the GPU runs are what produce the logits, which must still
-match HF transformers, with fp16 and quantized caches.
+implementations (TRITON_INTERPRET, in the child pytest that tests/conftest.py starts for `interpreter` tests)
+so the kernels the GPU runs are what produce the logits, which must still match HF transformers, with fp16 and
+quantized caches.
 """
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
-
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,10 +57,11 @@ def _load(model_dir: Path, cache_cls: Any) -> tuple[ExLlamaV2, Any]:
     config.max_seq_len = 32
     model = ExLlamaV2(config)
     cache = cache_cls(model, lazy=True)
-    model.load_autosplit(cache)
+    model.load(device="cpu")  # CPU tensors for the interpreter, on GPU machines too
     return model, cache
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True}], ids=["llama", "bias"])
 def test_triton_fused_decode_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         overrides: dict[str, Any]) -> None:
@@ -79,6 +78,7 @@ def test_triton_fused_decode_matches_hf(tmp_path: Path, monkeypatch: pytest.Monk
     assert rel_err(got, ref) <= 1e-4
 
 
+@pytest.mark.interpreter
 def test_quantized_cache_same_through_fused_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized cache hands attend its fp16 working copies; the fused kernel writes the same rows there as
     apply_rope + store_kv, so the reference path and the Triton path agree."""

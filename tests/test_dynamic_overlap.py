@@ -205,3 +205,31 @@ def test_long_prompt_is_prefilled_in_small_chunks_next_to_running_decodes() -> N
     assert prefill_steps >= 599 // 64 and stalled == 0
     assert res[b] == argmax_tokens(model, long, 4)
     assert res[a] == argmax_tokens(model, short, 40)
+
+
+def test_broken_distribution_on_the_device_path_fails_only_its_job() -> None:
+    """A NaN token bias on a row sampled on the device: its flags come back with its token, so that job ends
+    with a SamplerError while the rows beside it (same step) continue exactly."""
+    from exlpy.errors import SamplerError
+    from exlpy.generator import ExLlamaV2StreamingGenerator
+
+    model, tok = aidreams()
+    nan_bias = torch.zeros(512)
+    nan_bias[7] = float("nan")
+    broken = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0,
+                                       token_bias=nan_bias)
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:3]]
+    g = make_gen()
+    jobs = [job(ids[0], 6), job(ids[1], 6, gen_settings=broken, seed=1), job(ids[2], 6, gen_settings=TOP_P, seed=2)]
+    g.enqueue(jobs)
+    assert jobs[1].device_sampling() is not None
+    res = drain(g)
+    final = res[jobs[1]]["final"]
+    assert final["eos_reason"] == "error" and isinstance(final["error"], SamplerError)
+    assert res[jobs[0]]["tokens"] == argmax_tokens(model, ids[0], 6)
+    assert res[jobs[2]]["tokens"] == sampled_oracle(ids[2], 6, TOP_P, 2)
+    assert g.page_table.num_unreferenced() == g.num_pages
+    sg = ExLlamaV2StreamingGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok)
+    sg.begin_stream_ex(ids[0], broken)
+    with pytest.raises(SamplerError, match="NaN"):
+        sg.stream_ex()

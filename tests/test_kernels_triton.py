@@ -1,10 +1,12 @@
-"""Triton kernels against their torch references: small shapes on CPU (interpreter), real shapes on CUDA."""
+"""Triton kernels against their torch references: small shapes on CPU (interpreter), real shapes on CUDA.
+
+Tests marked `interpreter` run Triton's interpreter on CPU tensors: tests/conftest.py runs them in a child pytest
+with TRITON_INTERPRET=1, so this session keeps compiled kernels for the CUDA tests.
+"""
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on CPU tensors
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
     assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
+@pytest.mark.interpreter
 def test_rms_norm_strided_rows() -> None:
     _dev_ok("cpu")
     g = torch.Generator().manual_seed(0)
@@ -43,6 +46,7 @@ def test_rms_norm_strided_rows() -> None:
     _close(rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), 1e-5)
 
 
+@pytest.mark.interpreter
 def test_silu_mul_halves_of_fused_output() -> None:
     _dev_ok("cpu")
     gu = torch.randn(2, 3, 2 * 40, generator=torch.Generator().manual_seed(1))
@@ -50,6 +54,7 @@ def test_silu_mul_halves_of_fused_output() -> None:
     _close(silu_mul(gate, up), reference.silu_mul(gate, up), 1e-5)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("N,K", [(40, 1024), (700, 300)])
 def test_gemv_single_row_with_and_without_residual(N: int, K: int) -> None:
     _dev_ok("cpu")
@@ -67,6 +72,7 @@ def test_gemv_single_row_with_and_without_residual(N: int, K: int) -> None:
     _close(norm_linear(x3, nw, 1e-5, w), reference.norm_linear(x3, nw, 1e-5, w), 1e-5)
 
 
+@pytest.mark.interpreter
 def test_rope_in_place_on_qkv_views() -> None:
     _dev_ok("cpu")
     g = torch.Generator().manual_seed(2)
@@ -83,6 +89,7 @@ def test_rope_in_place_on_qkv_views() -> None:
     _close(qkv[..., :hq * D].view(B, T, hq, D), rq, 1e-5)  # really in place
 
 
+@pytest.mark.interpreter
 def test_store_kv_skips_negative_slots() -> None:
     _dev_ok("cpu")
     g = torch.Generator().manual_seed(3)
@@ -118,6 +125,7 @@ def _paged_case(B: int, T: int, hq: int, hk: int, D: int, page: int, pages: int,
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("T,lens,masked", [(1, [5, 200, 0], False), (2, [70, 3, 129], True)])
 def test_paged_decode_attention_cpu(T: int, lens: list[int], masked: bool) -> None:
     _dev_ok("cpu")

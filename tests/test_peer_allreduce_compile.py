@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-# In a child process: the test suite runs with TRITON_INTERPRET=1, under which kernels cannot be compiled.
+# In a child process without TRITON_INTERPRET (set when the suite runs under it), where kernels compile.
 COMPILE = r"""
 import json, triton
 from triton.backends.compiler import GPUTarget

@@ -1,14 +1,17 @@
-"""Triton packed-matrix kernels vs the torch reference: CPU interpreter at small shapes, CUDA at real shapes."""
+"""Triton packed-matrix kernels vs the torch reference: CPU interpreter at small shapes, CUDA at real shapes.
+
+Tests marked `interpreter` run Triton's interpreter on CPU tensors: tests/conftest.py runs them in a child pytest
+with TRITON_INTERPRET=1, so this session keeps compiled kernels for the CUDA tests.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+pytest.importorskip("triton")
 
 from exlpy.kernels import exl2_gemv  # noqa: E402
 from exlpy.kernels.act_order import act_order  # noqa: E402
@@ -38,6 +41,7 @@ def _exl2(name: str, gen: torch.Generator, device: str = "cpu") -> QuantMatrix:
     return qm.to(device)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_exl2_kernels_interpreter(name: str, m: int) -> None:
@@ -50,6 +54,7 @@ def test_exl2_kernels_interpreter(name: str, m: int) -> None:
     assert rel_err(y, exl2_matmul_ref(x.float(), qm, bias.float())) < 2e-3
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["2bit", "3bit", "4bit", "5bit", "6bit", "8bit", "mixed_blocked",
                                   "partial_last_group", "odd_n_3bit_partial"])
 def test_gemv_interpreter(name: str) -> None:
@@ -69,6 +74,7 @@ def test_gemv_interpreter(name: str) -> None:
     assert not ws.any() and not cnt.any()
 
 
+@pytest.mark.interpreter
 def test_gemv_single_program_per_column_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Wide and short: one K split, so the kernel writes y directly (no workspace)."""
     monkeypatch.setitem(exl2_gemv.CONFIG, "WAVES", 1)
@@ -92,6 +98,7 @@ def _same_perm_parts(gen: torch.Generator, k: int, shapes: list[tuple[int, list[
     return [dataclasses.replace(p, perm=parts[0].perm) for p in parts]  # as q/k/v of one EXL2 layer
 
 
+@pytest.mark.interpreter
 def test_gemv_group_interpreter() -> None:
     """q|k|v-like group with different layouts per matrix (widths 3-6, partial last groups): one launch per
     width, every part's outputs side by side, bias, twice in a row."""
@@ -110,6 +117,7 @@ def test_gemv_group_interpreter() -> None:
     assert not ws.any() and not cnt.any()
 
 
+@pytest.mark.interpreter
 def test_gemv_residual_in_place() -> None:
     gen = torch.Generator().manual_seed(23)
     qm = _exl2("mixed_blocked", gen)
@@ -121,6 +129,7 @@ def test_gemv_residual_in_place() -> None:
     assert rel_err(res, before.float() + exl2_matmul_ref(x.float(), qm)) < 2e-3
 
 
+@pytest.mark.interpreter
 def test_gemv_column_slice() -> None:
     """Strided column views (tensor-parallel slices taken inside a forward pass) decode like the slice's oracle."""
     gen = torch.Generator().manual_seed(9)
@@ -137,6 +146,7 @@ def test_gemv_routing() -> None:
     assert not exl2_gemv.supports(_exl2("mixed_all", gen))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("act_order,v2", [(False, False), (True, False), (False, True), (True, True)])
 def test_gptq_kernels_interpreter(act_order: bool, v2: bool) -> None:
     gen = torch.Generator().manual_seed(7)
@@ -184,6 +194,7 @@ def test_exl2_kernels_cuda(groups: list[tuple[int, int]], m: int) -> None:
     assert rel_err(y.cpu(), ref) < 2e-3
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("k", [96, 1500])
 @pytest.mark.parametrize("with_perm", [True, False])
 def test_act_order_kernels_interpreter(k: int, with_perm: bool) -> None:
@@ -206,6 +217,7 @@ def test_act_order_kernels_interpreter(k: int, with_perm: bool) -> None:
     assert rel_err(ref, normed[perm.long()] if perm is not None else normed) < 2e-3  # = rms_norm, unrounded
 
 
+@pytest.mark.interpreter
 def test_fused_quant_matches_parts_interpreter() -> None:
     """FusedQuant (q|k|v-like, shared act order) computes the parts side by side: its decode path (grouped GEMV
     after the fused RMSNorm gather) equals the parts run one by one after rms_norm."""

@@ -199,41 +199,92 @@ def test_failing_job_answers_500_and_concurrent_requests_finish(monkeypatch: pyt
     assert health["status"] == "ok" and health["failed"] == 2 and health["cache_pages_free"] == health["cache_pages"]
 
 
-def test_failed_batched_step_is_retried_per_job_and_a_failed_loop_recovers() -> None:
+def test_failed_batched_step_is_retried_per_job() -> None:
+    """A batched step that fails once (e.g. out of memory with many rows): every job's step is run alone and
+    both requests complete exactly."""
     state = make_state()
     gen = state.bridge.generator
     slow_steps(gen, 0.005)
-    real_launch, real_finish = gen.stepper.launch, gen.stepper.finish
-    calls = {"launch": 0, "finish": 0}
+    real_launch = gen.stepper.launch
+    calls = {"launch": 0}
 
     def launch(jobs: list[Any], prev: Any) -> Any:
         if len(jobs) >= 2 and not calls["launch"]:
             calls["launch"] += 1
-            raise RuntimeError("injected step fault")  # e.g. out of memory in a batched decode
+            raise RuntimeError("injected step fault")
         return real_launch(jobs, prev)
 
-    def finish(launched: Any, results: list[Any]) -> Any:
-        if calls["launch"] and not calls["finish"] and gen.num_active_jobs() == 1:
-            calls["finish"] += 1
-            raise RuntimeError("injected loop fault")  # outside any job's guard: the whole iterate() fails
-        return real_finish(launched, results)
-
-    gen.stepper.launch, gen.stepper.finish = launch, finish
+    gen.stepper.launch = launch
 
     async def body(c: Any) -> tuple[Any, ...]:
-        # The batched step fails once: each job's step is run alone and both requests complete.
-        first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])
-        left = gen.num_remaining_jobs()
-        # Then a failure of the loop itself fails the running request; the server goes on serving.
-        failed = await c.post("/v1/completions", json=greedy("Once", 20))
-        after = await c.post("/v1/completions", json=greedy("Once", 20))
-        return (*first, failed, after, left)
+        return tuple(await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")]))
 
-    a, b, failed, after, left = run(state, body)
-    assert calls == {"launch": 1, "finish": 1} and left == 0
-    for r, p in ((a, "Once"), (b, "Why"), (after, "Once")):
+    a, b = run(state, body)
+    assert calls["launch"] == 1
+    for r, p in ((a, "Once"), (b, "Why")):
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == reference_greedy(prompt_ids(p), 20, banned_eos=True)
-    assert failed.status_code == 500 and "injected loop fault" in failed.json()["error"]["message"]
+    assert state.bridge.stats()["step_failures"] == 0
+
+
+def test_poisoned_decode_step_fails_only_its_job() -> None:
+    """A decode step that fails whenever one job is in it: the generator retries the jobs one by one, so only
+    that job fails (500) and the other completes exactly, in the same batch of requests."""
+    state = make_state()
+    gen = state.bridge.generator
+    slow_steps(gen, 0.005)
+    real_launch = gen.stepper.launch
+    poison = prompt_ids("Why")[0]
+
+    def launch(jobs: list[Any], prev: Any) -> Any:
+        if any(j.sequence[:poison.numel()].equal(poison) for j in jobs):
+            raise RuntimeError("injected step fault")
+        return real_launch(jobs, prev)
+
+    gen.stepper.launch = launch
+
+    async def body(c: Any) -> tuple[Any, ...]:
+        first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])
+        left = gen.num_remaining_jobs()
+        return (*first, left)
+
+    good, bad, left = run(state, body)
+    assert left == 0
+    assert bad.status_code == 500 and "injected step fault" in bad.json()["error"]["message"]
+    assert good.status_code == 200
+    assert good.json()["choices"][0]["text"] == reference_greedy(prompt_ids("Once"), 20, banned_eos=True)
+    stats = state.bridge.stats()
+    assert stats["failed"] == 1 and stats["step_failures"] == 0 and stats["cache_pages_free"] == stats["cache_pages"]
+
+
+def test_failed_step_fails_running_jobs_and_the_server_recovers() -> None:
+    """A whole iterate() that raises (a fault outside any one job): the running jobs are failed and freed, and
+    the server keeps serving."""
+    state = make_state()
+    gen = state.bridge.generator
+    slow_steps(gen, 0.005)
+    real_iterate = gen.iterate
+    calls = {"raised": 0}
+
+    def iterate() -> Any:
+        if gen.num_active_jobs() >= 2 and not calls["raised"]:
+            calls["raised"] += 1
+            raise RuntimeError("injected step fault")  # e.g. a fault in the generator itself
+        return real_iterate()
+
+    gen.iterate = iterate
+
+    async def body(c: Any) -> tuple[Any, ...]:
+        first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])
+        left = gen.num_remaining_jobs()  # the failed jobs must be gone from the generator, not run on unseen
+        after = await c.post("/v1/completions", json=greedy("Once", 20))
+        return (*first, after, left)
+
+    a, b, after, left = run(state, body)
+    assert left == 0
+    for r in (a, b):
+        assert r.status_code == 500 and "injected step fault" in r.json()["error"]["message"]
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["text"] == reference_greedy(prompt_ids("Once"), 20, banned_eos=True)
     stats = state.bridge.stats()
     assert stats["step_failures"] == 1 and stats["cache_pages_free"] == stats["cache_pages"]

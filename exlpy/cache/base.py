@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from exlpy.cache.checks import check_cache_args
 from exlpy.cache.layout import CacheLayout
 from exlpy.errors import ModelStateError
 
@@ -33,6 +34,8 @@ class ExLlamaV2CacheBase:
     def __init__(self, model: Any, batch_size: int = 1, max_seq_len: int = -1,
                  copy_from: ExLlamaV2CacheBase | None = None, lazy: bool = False,
                  num_key_value_heads: int | None = None, fixed_device: str | torch.device | None = None) -> None:
+        batch_size, max_seq_len, num_key_value_heads = check_cache_args(model, batch_size, max_seq_len,
+                                                                        num_key_value_heads)
         layout = layout_of(model)
         self.layout = layout
         self.batch_size = batch_size

@@ -10,6 +10,7 @@ import torch
 
 from exlpy.config.hf import ModelSpec, load_spec
 from exlpy.config.runtime import RuntimeSettings
+from exlpy.config.values import MAX_POSITIONS, as_int, as_positive_float, check_compute_dtype
 from exlpy.errors import ConfigError, NotSupportedError, WeightsError
 from exlpy.runtime import options
 from exlpy.weights.safetensors_index import SafetensorsIndex
@@ -172,7 +173,22 @@ class ExLlamaV2Config(RuntimeSettings):
                                     "to Q4 at load) is not supported by exlpy; load an EXL2 or GPTQ model instead")
         self._load_in_q4 = False
 
+    def check_settings(self) -> None:
+        """Check the user-settable knobs (exllamav2 scripts assign them freely between construction and load):
+        a ConfigError naming the setting, before anything is sized from it."""
+        where = "ExLlamaV2Config"
+        if self.prepared:
+            as_int(self.max_seq_len, "max_seq_len", where, 1, MAX_POSITIONS, strict=True)
+        as_int(self.max_input_len, "max_input_len", where, 1, MAX_POSITIONS, strict=True)
+        as_int(self.max_batch_size, "max_batch_size", where, 1, 1 << 20, strict=True)
+        as_int(self.max_attention_size, "max_attention_size", where, 1, 1 << 62, strict=True)
+        if self.max_output_len is not None:
+            as_int(self.max_output_len, "max_output_len", where, 1, MAX_POSITIONS, strict=True)
+        as_positive_float(self.scale_pos_emb, "scale_pos_emb", where)
+        as_positive_float(self.scale_alpha_value, "scale_alpha_value", where)
+        check_compute_dtype(self.dtype)
+
     def compute_dtype(self, device: torch.device | str) -> torch.dtype:
         if self.dtype is not None:
-            return self.dtype
+            return check_compute_dtype(self.dtype)  # type: ignore[return-value]
         return torch.float16 if torch.device(device).type == "cuda" else torch.float32

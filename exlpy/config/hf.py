@@ -6,13 +6,24 @@ Parsed once into a frozen `ModelSpec`; nothing downstream reads the raw dict.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from exlpy.config.arch import ARCHITECTURES, ArchParams
-from exlpy.config.rope import RopeScaling
+from exlpy.config.rope import RopeScaling, parse_rope_scaling
+from exlpy.config.values import (
+    MAX_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    as_int,
+    as_positive_float,
+    as_token_ids,
+)
 from exlpy.errors import ConfigError, UnsupportedArchitectureError
 
 _MISSING = object()
@@ -48,12 +59,19 @@ class ModelSpec:
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() forever
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise ConfigError(f"{what} is {kind}: {path}")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise ConfigError(f"cannot read {what}: {path}: {e.strerror or e}") from e
+    except RecursionError:
+        raise ConfigError(f"{what} is not valid JSON: {path}: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and integers past Python's digit limit
         raise ConfigError(f"{what} is not valid JSON: {path}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{what} must hold a JSON object: {path}")
@@ -66,28 +84,43 @@ class _Reader:
     def __init__(self, data: dict[str, Any], path: str) -> None:
         self.data = data
         self.path = path
+        text = data.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise ConfigError(f"{path}: 'text_config' should be an object, got {type(text).__name__}")
+        self.text: dict[str, Any] = text or {}
+
+    def find(self, keys: str | tuple[str, ...]) -> tuple[str, Any]:
+        """(key, value) of the first of `keys` set (not null) in the config or its text_config, else
+        (first key, _MISSING)."""
+        names = (keys,) if isinstance(keys, str) else keys
+        for key in names:
+            for source in (self.data, self.text):
+                if source.get(key) is not None:
+                    return key, source[key]
+        return names[0], _MISSING
 
     def get(self, keys: str | tuple[str, ...], typ: type, default: Any = _MISSING) -> Any:
-        for key in (keys,) if isinstance(keys, str) else keys:
-            for source in (self.data, self.data.get("text_config") or {}):
-                if key in source and source[key] is not None:
-                    value = source[key]
-                    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                        value = float(value)
-                    if typ is int and isinstance(value, float) and value.is_integer():
-                        value = int(value)
-                    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                        raise ConfigError(f"{self.path}: '{key}' should be {typ.__name__}, got {value!r}")
-                    return value
-        if default is _MISSING:
-            raise ConfigError(f"{self.path}: required key '{keys}' is missing")
-        return default
+        key, value = self.find(keys)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise ConfigError(f"{self.path}: required key '{key}' is missing")
+            return default
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value) if abs(value) < 1e308 else math.inf  # 10**400 is no float
+        if typ is int and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ConfigError(f"{self.path}: '{key}' should be {typ.__name__}, got {value!r:.60}")
+        return value
 
-
-def _first(v: Any) -> int | None:
-    if isinstance(v, list):
-        return int(v[0]) if v else None
-    return None if v is None else int(v)
+    def size(self, keys: str | tuple[str, ...], hi: int, default: int | None = None) -> int:
+        """A positive integer at most `hi`, named by the key actually found."""
+        key, value = self.find(keys)
+        if value is _MISSING:
+            if default is None:
+                raise ConfigError(f"{self.path}: required key '{key}' is missing")
+            value = default
+        return as_int(value, key, self.path, 1, hi)
 
 
 def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
@@ -95,27 +128,21 @@ def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
     rs = r.get("rope_scaling", dict, None) or r.get("rope_parameters", dict, None)
     if not rs:
         return RopeScaling()
-    if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
-        raise ConfigError(f"{r.path}: rope_scaling has both 'type' and 'rope_type'")
-    kind = rs.get("rope_type", rs.get("type"))
-    factor = float(rs.get("factor", 1.0))
-    orig = int(rs.get("original_max_position_embeddings") or r.get("original_max_position_embeddings", int, max_pos))
-    if kind == "default":
-        return RopeScaling()
-    if kind == "linear":
-        return RopeScaling("linear", factor=factor)
-    if kind == "llama3":
-        return RopeScaling("llama3", factor=factor, low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                           high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                           original_max_position_embeddings=orig)
-    if kind == "yarn":
-        for unsupported in ("mscale", "mscale_all_dim", "attention_factor"):
-            if rs.get(unsupported) not in (None, 1, 1.0, 0):
-                raise UnsupportedArchitectureError(f"{r.path}: rope_scaling.{unsupported} is not supported")
-        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
-                           beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0))
-    raise UnsupportedArchitectureError(
-        f"{r.path}: rope_scaling type '{kind}' is not supported (supported: linear, llama3, yarn)")
+    orig = r.get("original_max_position_embeddings", int, max_pos)
+    return parse_rope_scaling(rs, r.path, as_int(orig, "original_max_position_embeddings", r.path, 1, MAX_POSITIONS))
+
+
+def _rope_theta(r: _Reader) -> float:
+    theta = r.get("rope_theta", float, None)
+    if theta is None:
+        theta = (r.get("rope_parameters", dict, None) or {}).get("rope_theta", 10000.0)
+    return as_positive_float(theta, "rope_theta", r.path)
+
+
+def _token_id(r: _Reader, key: str) -> int | None:
+    value = r.data.get(key) if r.data.get(key) is not None else r.text.get(key)
+    ids = as_token_ids(value, key, r.path)
+    return ids[0] if ids else None
 
 
 def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
@@ -130,27 +157,29 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     if len(archs) != 1:
         raise ConfigError(f"{path}: Multiple architectures defined in config.json: {archs}")
     name = archs[0]
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}: 'architectures' should hold a class name string, got {name!r:.60}")
     if name not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: architecture '{name}' is not supported (supported: {', '.join(ARCHITECTURES)})")
     arch = ARCHITECTURES[name]
 
-    hidden = r.get(("hidden_size", "d_model", "n_embd"), int)
-    heads = r.get(("num_attention_heads", "n_heads", "n_head"), int)
-    kv_heads = r.get("num_key_value_heads", int, heads)
-    head_dim = r.get("head_dim", int, hidden // heads if heads else 0)
-    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+    hidden = r.size(("hidden_size", "d_model", "n_embd"), MAX_DIM)
+    heads = r.size(("num_attention_heads", "n_heads", "n_head"), MAX_HEADS)
+    kv_heads = r.size("num_key_value_heads", MAX_HEADS, heads)
+    head_dim = r.size("head_dim", MAX_DIM, max(hidden // heads, 1))
+    if heads % kv_heads:
         raise ConfigError(f"{path}: num_attention_heads ({heads}) must be a positive multiple of "
                           f"num_key_value_heads ({kv_heads})")
-    if head_dim <= 0 or head_dim % 2:
+    if head_dim % 2:
         raise ConfigError(f"{path}: head_dim {head_dim} must be positive and even")
     act = r.get(("hidden_act", "hidden_activation"), str, "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"{path}: hidden_act '{act}' is not supported (only 'silu')")
     if r.get("partial_rotary_factor", float, 1.0) != 1.0:
         raise UnsupportedArchitectureError(f"{path}: partial_rotary_factor != 1 is not supported")
-    max_pos = r.get(("max_sequence_length", "model_max_length", "max_position_embeddings", "max_seq_len",
-                     "n_positions"), int, 2048)
+    max_pos = r.size(("max_sequence_length", "model_max_length", "max_position_embeddings", "max_seq_len",
+                    "n_positions"), MAX_POSITIONS, 2048)
     sliding = r.get("sliding_window", int, None)
     if r.get("use_sliding_window", bool, False):
         raise UnsupportedArchitectureError(f"{path}: use_sliding_window=true is not supported")
@@ -160,35 +189,32 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     qc = r.get("quantization_config", dict, {}) or {}
     quant_method = qc.get("quant_method")
     if quant_method not in (None, "exl2", "gptq"):
-        raise UnsupportedArchitectureError(f"{path}: quantization method '{quant_method}' is not supported "
+        raise UnsupportedArchitectureError(f"{path}: quantization method {quant_method!r:.60} is not supported "
                                            "(supported: EXL2, GPTQ 4-bit)")
 
     gen_eos: list[int] = []
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
-        g = _read_json(gen_path, "generation_config.json").get("eos_token_id")
-        gen_eos = [int(x) for x in (g if isinstance(g, list) else [g] if g is not None else [])]
-    eos_raw = r.data.get("eos_token_id")
-    eos_all = tuple(int(x) for x in (eos_raw if isinstance(eos_raw, list) else [eos_raw] if eos_raw is not None
-                                     else []))
+        gen_eos = as_token_ids(_read_json(gen_path, "generation_config.json").get("eos_token_id"), "eos_token_id",
+                               gen_path)
+    eos_all = tuple(as_token_ids(r.data.get("eos_token_id"), "eos_token_id", path))
     spec = ModelSpec(
         architecture=name, arch=arch,
-        vocab_size=r.get("vocab_size", int),
+        vocab_size=r.size("vocab_size", MAX_VOCAB),
         hidden_size=hidden,
-        num_hidden_layers=r.get(("num_hidden_layers", "n_layers", "n_layer"), int),
+        num_hidden_layers=r.size(("num_hidden_layers", "n_layers", "n_layer"), MAX_LAYERS),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=r.get(("intermediate_size", "n_inner"), int),
-        norm_eps=r.get("rms_norm_eps", float, 1e-5),
-        rope_theta=float(r.get("rope_theta", float, None) or (r.get("rope_parameters", dict, None) or {}).get(
-            "rope_theta", 10000.0)),
+        intermediate_size=r.size(("intermediate_size", "n_inner"), MAX_DIM),
+        norm_eps=as_positive_float(r.get("rms_norm_eps", float, 1e-5), "rms_norm_eps", path),
+        rope_theta=_rope_theta(r),
         rope_scaling=_rope_scaling(r, max_pos),
         max_position_embeddings=max_pos,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         attention_bias=r.get("attention_bias", bool, False),
         mlp_bias=r.get("mlp_bias", bool, False),
-        bos_token_id=_first(r.data.get("bos_token_id")),
-        eos_token_id=_first(eos_raw),
-        pad_token_id=_first(r.data.get("pad_token_id")),
+        bos_token_id=_token_id(r, "bos_token_id"),
+        eos_token_id=eos_all[0] if eos_all else _token_id(r, "eos_token_id"),
+        pad_token_id=_token_id(r, "pad_token_id"),
         eos_token_ids=eos_all,
         torch_dtype=r.get(("torch_dtype", "dtype"), str, None),
         gptq_v2=qc.get("checkpoint_format") == "gptq_v2",
@@ -196,6 +222,4 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         quant_method=quant_method,
         raw_keys=frozenset(r.data),
     )
-    if spec.vocab_size <= 0 or spec.num_hidden_layers <= 0 or spec.intermediate_size <= 0:
-        raise ConfigError(f"{path}: vocab_size, num_hidden_layers and intermediate_size must be positive")
     return spec, gen_eos

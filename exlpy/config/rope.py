@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from exlpy.errors import ConfigError
+from exlpy.config.values import MAX_POSITIONS, as_int, as_positive_float
+from exlpy.errors import ConfigError, UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,45 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     problem: str = ""  # kind "invalid": what is missing, raised when tables are built from it
+
+
+def parse_rope_scaling(rs: dict[str, Any], where: str, orig_default: int) -> RopeScaling:
+    """`rope_scaling` / `rope_parameters` of config.json as a checked RopeScaling.
+
+    Every factor must be a finite number > 0 (a factor of 0 divides the frequencies by zero), llama3's high
+    frequency factor must exceed its low one (their difference is a divisor), and original lengths must be
+    positive: garbage here would otherwise become NaN RoPE tables and silently wrong logits.
+    """
+    if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
+        raise ConfigError(f"{where}: rope_scaling has both 'type' and 'rope_type'")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return RopeScaling()
+    if kind not in ("linear", "llama3", "yarn"):
+        raise UnsupportedArchitectureError(
+            f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
+
+    def num(key: str, default: float) -> float:
+        value = rs.get(key)
+        return default if value is None else as_positive_float(value, f"rope_scaling.{key}", where)
+
+    factor = num("factor", 1.0)
+    orig = rs.get("original_max_position_embeddings")
+    orig = orig_default if orig is None else as_int(orig, "rope_scaling.original_max_position_embeddings", where,
+                                                    1, MAX_POSITIONS)
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind == "llama3":
+        low, high = num("low_freq_factor", 1.0), num("high_freq_factor", 4.0)
+        if high <= low:
+            raise ConfigError(f"{where}: rope_scaling.high_freq_factor ({high}) must exceed low_freq_factor ({low})")
+        return RopeScaling("llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
+                           original_max_position_embeddings=orig)
+    for unsupported in ("mscale", "mscale_all_dim", "attention_factor"):
+        if rs.get(unsupported) not in (None, 1, 1.0, 0):
+            raise UnsupportedArchitectureError(f"{where}: rope_scaling.{unsupported} is not supported")
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=orig,
+                       beta_fast=num("beta_fast", 32.0), beta_slow=num("beta_slow", 1.0))
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling, alpha: float, max_seq_len: int
@@ -76,7 +117,20 @@ def cos_sin_table(head_dim: int, theta: float, scaling: RopeScaling, alpha: floa
                   max_seq_len: int, device: torch.device | str, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """[max_seq_len, head_dim] cos and sin in NEOX layout (frequencies repeated over both halves)."""
+    # Runtime knobs a user may have set after the config was read; checked before the table is allocated.
+    as_positive_float(scale_pos_emb, "scale_pos_emb", "ExLlamaV2Config")
+    as_positive_float(alpha, "scale_alpha_value", "ExLlamaV2Config")
+    as_int(max_seq_len, "max_seq_len", "ExLlamaV2Config", 1, MAX_POSITIONS, strict=True)
+    if alpha != 1.0 and head_dim <= 2:
+        raise ConfigError(f"ExLlamaV2Config: scale_alpha_value {alpha} needs head_dim > 2 (NTK scaling divides by "
+                          f"head_dim - 2), got head_dim {head_dim}")
     f, attn_factor = inv_freq(head_dim, theta, scaling, alpha, max_seq_len)
+    # Values that each pass their own check can still combine into overflow (rope_theta 1e-300: frequencies of
+    # 1e300, beyond fp32): refuse NaN/inf tables instead of producing NaN logits.
+    top = (max_seq_len - 1) / scale_pos_emb * float(f.abs().max())
+    if not (bool(torch.isfinite(f).all()) and math.isfinite(attn_factor) and math.isfinite(top) and top < 3e38):
+        raise ConfigError(f"RoPE settings give non-finite rotary angles (rope_theta {theta}, {scaling}, "
+                          f"scale_alpha_value {alpha}, scale_pos_emb {scale_pos_emb}, max_seq_len {max_seq_len})")
     t = torch.arange(max_seq_len, dtype=torch.float32) / scale_pos_emb
     freqs = torch.outer(t, f)
     emb = torch.cat((freqs, freqs), dim=-1)

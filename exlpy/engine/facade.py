@@ -21,7 +21,9 @@ from exlpy.model.attention import Attention
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.rotary import RotaryTables
 from exlpy.model.transformer import Transformer, build_modules
+from exlpy.model.validate import check_load_device
 from exlpy.runtime import RuntimeOptions, options
+from exlpy.weights.checks import module_checks
 
 
 class ExLlamaV2(ModelCompatMixin):
@@ -30,6 +32,7 @@ class ExLlamaV2(ModelCompatMixin):
 
     def __init__(self, config: ExLlamaV2Config, lazy_load: bool = False) -> None:
         config.prepare()
+        config.check_settings()
         self.config = config
         self.options: RuntimeOptions = options()
         self.rotary = RotaryTables(config)
@@ -62,6 +65,7 @@ class ExLlamaV2(ModelCompatMixin):
     def _check_not_loaded(self) -> None:
         if self.loaded:
             raise ModelStateError("model is already loaded; call model.unload() before loading again")
+        self.config.check_settings()
 
     def load(self, gpu_split: list[float] | None = None, lazy: bool = False, stats: bool = False,
              callback: Callable[[int, int], None] | None = None,
@@ -83,7 +87,7 @@ class ExLlamaV2(ModelCompatMixin):
         self._check_not_loaded()
         if device is not None:
             for i in range(len(self.modules)):
-                self.place_module(i, torch.device(device))
+                self.place_module(i, check_load_device(device))
             self.finish_load(None)
             return
         yield from load_split_gen(self, gpu_split, callback, callback_gen, progress, lazy=lazy)
@@ -131,7 +135,7 @@ class ExLlamaV2(ModelCompatMixin):
             raise ModelStateError("place_module: the model is loaded tensor-parallel; unload() it first")
         m = self.modules[idx]
         self.strategy = None  # its captured graphs hold weight and cache addresses
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), module_checks():
             m.load(device)
         if isinstance(m, Attention):
             self.layer_devices.assign(m.layer_idx, device)

@@ -13,6 +13,7 @@ from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
 from exlpy.engine.strategy import Strategy, execute
 from exlpy.errors import CacheTooSmallError, NotSupportedError, SequenceLengthError
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
+from exlpy.model.validate import check_forward
 
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
@@ -36,8 +37,7 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
     strategy = model.strategy_for_forward()
     if loras:
         raise NotSupportedError("LoRA adapters are not supported by exlpy yet")
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
+    input_ids = check_forward(model, input_ids, cache)
     B, T = input_ids.shape
     cfg = model.config
     dev = strategy.first_device

@@ -31,6 +31,7 @@ from exlpy.parallel.tp_comm import NcclComm, PeerComm
 from exlpy.parallel.tp_context import TPContext
 from exlpy.parallel.tp_split import BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, BROADCAST_RS, BROADCAST_VC
 from exlpy.runtime import RuntimeOptions
+from exlpy.weights.checks import module_checks
 
 
 def check_supported(config: Any, modules: list[Module]) -> None:
@@ -103,11 +104,12 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
                 yield from callback_gen(i, n)
             if isinstance(m, RMSNorm):
                 continue  # sharded together with the head
-            m.load(staging)
-            if isinstance(m, Head):
-                norm = mods[i - 1]
-                assert isinstance(norm, RMSNorm)
-                norm.load(staging)
+            with module_checks():
+                m.load(staging)
+                if isinstance(m, Head):
+                    norm = mods[i - 1]
+                    assert isinstance(norm, RMSNorm)
+                    norm.load(staging)
             for s in slots:
                 if isinstance(m, Embedding):
                     per_slot[s].append(shard_embedding(m, share[s](m), group))

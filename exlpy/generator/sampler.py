@@ -1,8 +1,10 @@
 """`ExLlamaV2Sampler`: exllamav2's sampler API (spec §8.3) as a chain of small pure torch steps.
 
-Everything runs on the logits' device without host syncs (no `.item()`): the caller reads the token. The only
-host reads are of inputs that are host data by nature: filter token sets, a callable filter's mask (a sync if
-it returns a device tensor) and `prefix_token` (pass it on the CPU, as exllamav2's generators do).
+Everything runs on the logits' device, with one host read at the very end, of the flags saying whether every
+row had a usable distribution (sampling/guard.py: NaN or all -inf logits are a SamplerError, not an arbitrary
+token); the caller reads the token right after, so that read waits for no extra work. The other host reads are
+of inputs that are host data by nature: filter token sets, a callable filter's mask (a sync if it returns a
+device tensor) and `prefix_token` (pass it on the CPU, as exllamav2's generators do).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from exlpy.errors import SamplerError
 from exlpy.generator.sampling import chain
 from exlpy.generator.sampling.cfg import cfg_merge
 from exlpy.generator.sampling.draw import draw, uniforms
+from exlpy.generator.sampling.guard import distribution_ok, neutralize, raise_if_bad, usable
 from exlpy.generator.sampling.hooks import PostSamplingResult
 from exlpy.generator.sampling.logit_masks import evaluate_filters
 from exlpy.generator.sampling.mirostat import mirostat_update, mu_tensor
@@ -64,8 +67,11 @@ class ExLlamaV2Sampler:
                                f"got {return_top_tokens!r}")
         seq = _sequence_2d(sequence_ids, batch)
         prefix_ids = _prefix_ids(prefix_token, batch)
+        ok_in = usable(x)
+        x = neutralize(x, ok_in)
         if settings.cfg_scale is not None:
             x = cfg_merge(x, float(settings.cfg_scale))
+            ok_in = ok_in.all().view(1)
             batch = 1
             seq = None if seq is None else seq[:1]
             prefix_ids = None if prefix_ids is None else prefix_ids[:1]
@@ -82,7 +88,8 @@ class ExLlamaV2Sampler:
         if settings.mirostat:
             mu = mu_tensor(settings.mirostat_mu, batch, float(settings.mirostat_tau), device)
         r = uniforms(batch, device, random, generator)
-        token, prob, probs, ids, x = sample_core(x, settings, ctx, tokenizer, r, mu)
+        token, prob, probs, ids, x, ok_logits = sample_core(x, settings, ctx, tokenizer, r, mu)
+        raise_if_bad([ok_in, ok_logits, distribution_ok(probs)])
 
         if mu is not None:
             new_mu = mirostat_update(mu, prob, float(settings.mirostat_tau), float(settings.mirostat_eta))
@@ -109,14 +116,18 @@ class ExLlamaV2Sampler:
 
 
 def final_distribution(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
-                       mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       mu: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distribution a token is drawn from: logit chain, candidates, probability chain. Returns
     (candidate probs [B, C] in descending order, not necessarily normalised; candidate ids [B, C]; final
-    logits [B, V]). Speculative verification reads target probabilities from here."""
+    logits [B, V]; [B] bool whether the logit stage left each row usable, sampling/guard.py: a bad row is
+    replaced by zeros). Speculative verification reads target probabilities from here."""
     batch, vocab = x.shape
     device = x.device
     for step in chain.logit_chain(settings, ctx, vocab, device):
         x = step(x)
+    ok_logits = usable(x)
+    x = neutralize(x, ok_logits)
     probs, ids = chain.candidates(x, chain.first_temperature(settings), float(settings.smoothing_factor),
                                   chain.effective_top_k(settings))
     for pstep in chain.prob_chain(settings, mu, tokenizer, vocab, device):
@@ -125,21 +136,21 @@ def final_distribution(x: torch.Tensor, settings: SamplerSettings, ctx: chain.Lo
         # XTC can reorder candidates; the draw (and skew) expect descending order
         probs, order = probs.sort(dim=-1, descending=True)
         ids = ids.gather(-1, order)
-    return probs, ids, x
+    return probs, ids, x, ok_logits
 
 
 def sample_core(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
                 r: torch.Tensor, mu: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampling pipeline after CFG and filters, shared by `sample` and the batched device sampler
     (exlpy.generator.sampling.batched): `final_distribution`, then skew and the inverse-CDF draw at the points
     `r` [B, 1]. Returns (token [B, 1], prob [B, 1], candidate probs [B, C], candidate ids [B, C], final
-    logits [B, V])."""
-    probs, ids, x = final_distribution(x, settings, ctx, tokenizer, mu)
+    logits [B, V], logit-stage flags [B])."""
+    probs, ids, x, ok_logits = final_distribution(x, settings, ctx, tokenizer, mu)
     if settings.skew != 0.0:
         r = skew_random(r, float(settings.skew))
     idx, prob = draw(probs, r)
-    return ids.gather(-1, idx), prob, probs, ids, x
+    return ids.gather(-1, idx), prob, probs, ids, x, ok_logits
 
 
 def _logits_2d(logits: torch.Tensor) -> torch.Tensor:

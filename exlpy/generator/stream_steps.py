@@ -25,7 +25,7 @@ class Pending:
     """A launched step whose token the host has not read yet."""
 
     token: torch.Tensor  # [1] long on the device
-    host: torch.Tensor  # [2] float64 on the host: token, probability (filled by the copy)
+    host: torch.Tensor  # [3] float64 on the host: token, probability, usable (filled by the copy)
     event: Any
     rng_state: Any  # the generator's state before this step's draw (None: greedy, no draw)
     rng_after: Any  # ...and after it: a state changed since (the user reseeded) is left alone
@@ -34,6 +34,11 @@ class Pending:
     def read(self) -> tuple[int, float]:
         if self.event is not None:
             self.event.synchronize()
+        if not bool(self.host[2]):
+            from exlpy.errors import SamplerError
+            from exlpy.generator.dynamic.decode import BAD_ROW
+
+            raise SamplerError(BAD_ROW)
         return int(self.host[0]), float(self.host[1])
 
 
@@ -48,8 +53,8 @@ def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torc
         state = _get_state(rng)
         point = float(torch.rand(1, 1, generator=rng)[0, 0])
         after = _get_state(rng)
-    token, prob = sample_rows(logits, [plan], upload_floats([point], logits.device).view(1, 1), tokenizer)
-    host, event = read_back(torch.stack([token.double(), prob.double()]).view(2))
+    token, prob, ok = sample_rows(logits, [plan], upload_floats([point], logits.device).view(1, 1), tokenizer)
+    host, event = read_back(torch.stack([token.double(), prob.double(), ok.double()]).view(3))
     return Pending(token, host, event, state, after, fed_at)
 
 

@@ -14,11 +14,13 @@ from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
 from exlpy.model.parallel_linear import ColumnParallel, RowParallel, close_block
 from exlpy.model.rotary import RotaryTables
+from exlpy.weights.checks import landed
 
 
 def load_norm(m: Module, key: str, device: torch.device, size: int | None = None) -> torch.Tensor:
     size = size or m.spec.hidden_size
-    return m.index.get(f"{key}.weight", shape=(size,)).to(device=device, dtype=m.dtype(device))
+    name = f"{key}.weight"
+    return landed(m.index, name, m.index.get(name, shape=(size,)).to(device=device, dtype=m.dtype(device)))
 
 
 class Attention(Module):

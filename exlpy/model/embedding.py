@@ -9,6 +9,7 @@ from exlpy.config.config import ExLlamaV2Config
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.module import Module
 from exlpy.model.parallel_linear import Collective
+from exlpy.weights.checks import landed
 
 
 class Embedding(Module):
@@ -22,8 +23,9 @@ class Embedding(Module):
 
     def load(self, device: torch.device) -> None:
         s = self.spec
-        self.weight = self.index.get("model.embed_tokens.weight", shape=(s.vocab_size, s.hidden_size)).to(
-            device=device, dtype=self.dtype(device))
+        name = "model.embed_tokens.weight"
+        self.weight = landed(self.index, name, self.index.get(name, shape=(s.vocab_size, s.hidden_size)).to(
+            device=device, dtype=self.dtype(device)))
         self.device = device
 
     def unload(self) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from exlpy.errors import WeightsError
+from exlpy.weights.checks import landed
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
 
@@ -89,7 +90,7 @@ def load_linear(index: SafetensorsIndex, prefix: str, in_features: int, out_feat
         b = index.get(f"{prefix}.bias", shape=(out_features,)).to(device=device, dtype=dtype)
     elif bias:
         raise WeightsError("bias expected by config but missing", tensor=f"{prefix}.bias", file=index.model_dir)
-    return DenseLinear(w, b)
+    return DenseLinear(landed(index, f"{prefix}.weight", w), landed(index, f"{prefix}.bias", b))
 
 
 def _has_any(index: SafetensorsIndex, prefix: str) -> bool:

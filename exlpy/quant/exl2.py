@@ -7,6 +7,7 @@ import torch
 from exlpy.errors import QuantFormatError
 from exlpy.quant.exl2_ref import build_exl2_matrix
 from exlpy.quant.linear import QuantLinear
+from exlpy.weights.checks import landed
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
 _PARTS = ("q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups")
@@ -30,5 +31,8 @@ def load_exl2_linear(index: SafetensorsIndex, prefix: str, in_features: int, out
         b = index.get(f"{prefix}.bias")
         if b.numel() < out_features:
             raise QuantFormatError(f"has {b.numel()} entries, expected {out_features}", tensor=f"{prefix}.bias")
-        bias = (b.flatten()[:out_features].float() * prescale).to(device=device, dtype=dtype)
-    return EXL2Linear(qm.to(device), bias, dtype)
+        bias = landed(index, f"{prefix}.bias", (b.flatten()[:out_features].float() * prescale).to(device=device,
+                                                                                                 dtype=dtype))
+    qm = qm.to(device)
+    landed(index, f"{prefix}.q_scale_max", qm.scale_max)  # a NaN scale makes a whole group of weights NaN
+    return EXL2Linear(qm, bias, dtype)

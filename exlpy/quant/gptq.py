@@ -7,6 +7,7 @@ import torch
 from exlpy.errors import QuantFormatError
 from exlpy.quant.gptq_ref import build_gptq_matrix
 from exlpy.quant.linear import QuantLinear
+from exlpy.weights.checks import landed
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
 
@@ -26,5 +27,7 @@ def load_gptq_linear(index: SafetensorsIndex, prefix: str, in_features: int, out
     if f"{prefix}.bias" in index:
         b = index.get(f"{prefix}.bias", shape=(out_features,))
         if bool((b != 0).any()):  # GPTQ checkpoints often carry all-zero biases; they are dropped
-            bias = b.to(device=device, dtype=dtype)
-    return GPTQLinear(qm.to(device), bias, dtype)
+            bias = landed(index, f"{prefix}.bias", b.to(device=device, dtype=dtype))
+    qm = qm.to(device)
+    landed(index, f"{prefix}.scales", qm.scales)
+    return GPTQLinear(qm, bias, dtype)

@@ -58,14 +58,17 @@ class FusedQuant:
 
 def fuse_quant(parts: list[object]) -> FusedQuant | None:
     """A FusedQuant over `parts`, or None when they cannot share one launch: all must be quantized matrices of one
-    kind on one CUDA device with the same K and act order, each taken by the decode kernel."""
-    from exlpy.kernels.exl2_gemv import supports
-
+    kind on one CUDA device with the same K and act order, each taken by the decode kernel. Without the Triton
+    kernels (CPU, or no triton installed) nothing fuses and the kernel module is never imported."""
     if not all(isinstance(p, QuantLinear) for p in parts):
         return None
     qparts = [p for p in parts if isinstance(p, QuantLinear)]
     q0 = qparts[0].qm
-    if q0.device.type != "cuda" or not all(supports(p.qm) for p in qparts):
+    if q0.device.type != "cuda" or not ops.has_cuda_kernels():
+        return None
+    from exlpy.kernels.exl2_gemv import supports
+
+    if not all(supports(p.qm) for p in qparts):
         return None
     for p in qparts[1:]:
         qm = p.qm

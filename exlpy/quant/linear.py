@@ -1,10 +1,15 @@
-"""The Linear object for quantized weights: packed on the GPU (Triton kernels), dequantized once on the CPU."""
+"""The Linear object for quantized weights: packed on the GPU (Triton kernels), dequantized once on the CPU.
+
+The kernel modules import triton, so they are imported only where they run (CUDA with the Triton kernels
+available): a CPU-only install without triton loads and runs EXL2 and GPTQ models on the reference path.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from exlpy.errors import TensorParallelError
+from exlpy.kernels import ops
 from exlpy.quant.exl2_ref import dequant_dense
 from exlpy.quant.layout import QuantMatrix
 
@@ -12,8 +17,9 @@ from exlpy.quant.layout import QuantMatrix
 class QuantLinear:
     """y = x @ W (+ bias) with W held packed. Implements exlpy.model.linear.Linear.
 
-    On CUDA, forward runs the Triton kernels on the packed tensors (no fp16 copy of W is kept). On the CPU, the
-    reference path dequantizes W once and keeps that dense fp32/`dtype` copy in host memory for speed.
+    On CUDA, forward runs the Triton kernels on the packed tensors (no fp16 copy of W is kept). On the CPU (and on
+    CUDA without Triton, EXLPY_NO_TRITON=1), the reference path dequantizes W once and keeps that dense `dtype`
+    copy on the weight's device.
     """
 
     def __init__(self, qm: QuantMatrix, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -23,7 +29,7 @@ class QuantLinear:
         self.in_features = qm.k
         self.out_features = qm.n
         self._dense: torch.Tensor | None = None
-        if qm.device.type == "cuda":
+        if qm.device.type == "cuda" and ops.has_cuda_kernels():
             # the decode kernel's per-device workspace, allocated now rather than inside a CUDA-graph capture
             from exlpy.kernels.exl2_gemv import prepare
 
@@ -34,12 +40,12 @@ class QuantLinear:
         return self.qm.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda and ops.has_cuda_kernels():
             from exlpy.kernels.exl2_matmul import quant_matmul
 
             return quant_matmul(x, self.qm, self.bias)
         if self._dense is None:
-            self._dense = dequant_dense(self.qm).to(self.dtype)
+            self._dense = dequant_dense(self.qm).to(device=self.qm.device, dtype=self.dtype)
         w = self._dense
         y = x.to(w.dtype) @ w
         if self.bias is not None:
@@ -49,7 +55,7 @@ class QuantLinear:
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + forward(x). One decode row on CUDA adds inside the GEMV's epilogue, into `residual` in
         place (the residual stream belongs to the forward pass, so nothing else sees it change)."""
-        if x.is_cuda and x.numel() == self.in_features and residual.is_contiguous():
+        if x.is_cuda and x.numel() == self.in_features and residual.is_contiguous() and ops.has_cuda_kernels():
             from exlpy.kernels import exl2_gemv, exl2_matmul
 
             if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm):

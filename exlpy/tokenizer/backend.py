@@ -50,31 +50,76 @@ class TokenizerBackend(Protocol):
     def added_tokens(self) -> list[AddedToken]: ...
 
 
+# Added tokens extend the vocabulary at its end; an id far past it is garbage (an 80-byte added_tokens.json with
+# id 10^8 would otherwise size a 10^8-entry piece table). Ids may run past base + added tokens by this much.
+MAX_ID_GAP = 1024
+
+
 def read_json(path: str, what: str) -> Any:
-    """Parse a JSON file; a malformed one is a TokenizerError naming the file."""
+    """Parse a JSON file; a malformed one (or one that is no regular file) is a TokenizerError naming it."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() forever
+        raise TokenizerError(f"cannot read {what}: {path} is not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
+    except RecursionError:
+        raise TokenizerError(f"cannot read {what}: {path}: JSON nested too deeply") from None
     except (OSError, ValueError) as e:
         raise TokenizerError(f"cannot read {what}: {path}: {e}") from e
 
 
-def extra_added_tokens(model_dir: str) -> list[AddedToken]:
+def read_json_object(path: str, what: str) -> dict[str, Any]:
+    data = read_json(path, what)
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{what} must hold a JSON object, got a {type(data).__name__}: {path}")
+    return data
+
+
+def _token_id(value: Any, what: str, path: str, token: str, key: bool = False) -> int:
+    if key and isinstance(value, str) and value.isdigit() and value.isascii():
+        value = int(value)  # JSON object keys are strings: added_tokens_decoder is keyed by "128000"
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TokenizerError(f"{what}: token {token[:40]!r} has id {str(value)[:40]!r}, not a non-negative "
+                             f"integer: {path}")
+    return value
+
+
+def check_added_ids(tokens: list[AddedToken], base_size: int, where: str) -> None:
+    """Refuse added-token ids so far past the vocabulary that a table indexed by id would be mostly empty."""
+    limit = base_size + len(tokens) + MAX_ID_GAP
+    for t in tokens:
+        if t.id >= limit:
+            raise TokenizerError(f"added token {t.content[:40]!r} has id {t.id}, beyond the vocabulary "
+                                 f"({base_size} pieces + {len(tokens)} added tokens; ids may exceed that by at "
+                                 f"most {MAX_ID_GAP}): {where}")
+
+
+def extra_added_tokens(model_dir: str, base_size: int) -> list[AddedToken]:
     """Added tokens declared outside the tokenizer model: added_tokens.json (all special, as in exllamav2) and
-    tokenizer_config.json's added_tokens_decoder (with its own special flags)."""
+    tokenizer_config.json's added_tokens_decoder (with its own special flags). `base_size`: pieces of the
+    tokenizer model itself, which bounds the ids (check_added_ids)."""
     found: dict[int, AddedToken] = {}
     p = os.path.join(model_dir, "added_tokens.json")
-    if os.path.isfile(p):
-        data = read_json(p, "added_tokens.json")
-        if not isinstance(data, dict):
-            raise TokenizerError(f"added_tokens.json must map token text to id: {p}")
+    if os.path.exists(p):
+        data = read_json_object(p, "added_tokens.json")
         for content, idx in data.items():
-            found[int(idx)] = AddedToken(int(idx), str(content), True)
+            i = _token_id(idx, "added_tokens.json", p, content)
+            found[i] = AddedToken(i, content, True)
+        check_added_ids(list(found.values()), base_size, p)
     p = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.isfile(p):
-        decoder = read_json(p, "tokenizer_config.json").get("added_tokens_decoder") or {}
+    if os.path.exists(p):
+        decoder = read_json_object(p, "tokenizer_config.json").get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict):
+            raise TokenizerError(f"tokenizer_config.json: added_tokens_decoder must map ids to tokens, got a "
+                                 f"{type(decoder).__name__}: {p}")
+        from_config = []
         for idx, entry in decoder.items():
-            if isinstance(entry, dict) and "content" in entry:
-                token = AddedToken(int(idx), str(entry["content"]), bool(entry.get("special")))
-                found.setdefault(token.id, token)
+            if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+                raise TokenizerError(f"tokenizer_config.json: added_tokens_decoder[{idx[:40]!r}] must be an object "
+                                     f"with a 'content' string: {p}")
+            i = _token_id(idx, "tokenizer_config.json added_tokens_decoder", p, entry["content"], key=True)
+            from_config.append(AddedToken(i, entry["content"], bool(entry.get("special"))))
+        check_added_ids(from_config, base_size, p)
+        for token in from_config:
+            found.setdefault(token.id, token)
     return sorted(found.values(), key=lambda t: t.id)

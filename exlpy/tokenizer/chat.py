@@ -2,6 +2,8 @@
 
 The environment matches what model authors write templates against (the HF convention): trim_blocks and
 lstrip_blocks, `raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson` filter that keeps non-ASCII text.
+It is jinja2's immutable sandbox with limits on steps, time and sizes (chat_sandbox.py); whatever goes wrong
+while a template compiles or renders is a ChatTemplateError naming the template.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from functools import lru_cache
 from typing import Any, NoReturn
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from exlpy.errors import TokenizerError
+from exlpy.tokenizer.chat_sandbox import ChatSandbox, TemplateLimitError, render_limited
 
 
 class ChatTemplateError(TokenizerError):
@@ -35,17 +37,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+def _environment() -> ChatSandbox:
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str, source: str) -> jinja2.Template:
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not parse (line {e.lineno}): {e.message}") from e
+        raise ChatTemplateError(f"{source} does not parse (line {e.lineno}): {e.message}") from e
+    except (RecursionError, MemoryError) as e:  # pathologically nested source
+        raise ChatTemplateError(f"{source} cannot be compiled: {type(e).__name__}") from None
 
 
 def select_template(raw: Any, name: str | None, where: str) -> str:
@@ -67,15 +74,26 @@ def select_template(raw: Any, name: str | None, where: str) -> str:
 
 def render_chat_template(template: str, messages: Sequence[dict[str, Any]],
                          add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
-                         **kwargs: Any) -> str:
+                         source: str = "chat template", **kwargs: Any) -> str:
     """Render `template` for `messages` ([{"role": ..., "content": ...}, ...]); extra kwargs (tools,
-    date_string, ...) become template variables."""
+    date_string, ...) become template variables. `source` names the template in errors (e.g. the
+    tokenizer_config.json it came from)."""
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"{source} must be a string, got {type(template).__name__}")
     if not isinstance(messages, Sequence) or not all(isinstance(m, dict) for m in messages):
         raise ChatTemplateError("messages must be a list of dicts with 'role' and 'content'")
+    compiled = _compile(template, source)
+    variables = dict(messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                     eos_token=eos_token, **kwargs)
     try:
-        return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, **kwargs)
-    except ChatTemplateError:
-        raise
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed to render: {e}") from e
+        return render_limited(compiled, variables)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{source}: {e}") from e
+    except TemplateLimitError as e:
+        raise ChatTemplateError(f"{source} exceeded a limit: {e}") from None
+    except RecursionError:
+        raise ChatTemplateError(f"{source} recursed too deeply (e.g. a macro that calls itself)") from None
+    except MemoryError:
+        raise ChatTemplateError(f"{source} ran out of memory") from None
+    except Exception as e:  # jinja2.TemplateError, and whatever the template's own expressions raise (1/0, ...)
+        raise ChatTemplateError(f"{source} failed to render: {type(e).__name__}: {e}") from e

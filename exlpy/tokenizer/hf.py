@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from tokenizers import Tokenizer
 
 from exlpy.errors import TokenizerError
-from exlpy.tokenizer.backend import AddedToken, extra_added_tokens, read_json
+from exlpy.tokenizer.backend import MAX_ID_GAP, AddedToken, check_added_ids, extra_added_tokens, read_json
 from exlpy.tokenizer.base import BackendTokenizerModel
 
 
@@ -20,7 +20,9 @@ class HFBackend:
         self.path = path
         try:
             self.tk = Tokenizer.from_file(path)
-        except Exception as e:  # the library raises plain Exception for every failure
+        except BaseException as e:  # plain Exception for every failure, or a Rust panic (a BaseException)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             read_json(path, "tokenizer.json")  # names malformed JSON precisely; a schema error falls through
             raise TokenizerError(f"tokenizer.json is not a valid tokenizers file: {path}: {e}") from e
         # Padding/truncation configured in the file would silently change encode() lengths.
@@ -28,7 +30,14 @@ class HFBackend:
         self.tk.no_truncation()
         added = {i: AddedToken(i, t.content, bool(t.special))
                  for i, t in self.tk.get_added_tokens_decoder().items()}
-        for t in extra_added_tokens(model_dir):
+        base = self.tk.get_vocab(with_added_tokens=False)
+        base_size = len(base)
+        top = max(base.values(), default=-1)
+        if top >= base_size + MAX_ID_GAP:  # raw_pieces() sizes a table by the largest id
+            raise TokenizerError(f"tokenizer.json: vocabulary id {top} is far beyond its {base_size} pieces (ids may "
+                                 f"exceed the piece count by at most {MAX_ID_GAP}): {path}")
+        check_added_ids(list(added.values()), base_size, path)
+        for t in extra_added_tokens(model_dir, base_size):
             added.setdefault(t.id, t)
         self._added = sorted(added.values(), key=lambda t: t.id)
         self._split_special: bool | None = None

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from exlpy.tokenizer.backend import read_json
+from exlpy.errors import TokenizerError
+from exlpy.tokenizer.backend import read_json_object
 
 
 @dataclass(frozen=True)
@@ -24,16 +25,21 @@ class ModelTokenIds:
     eos_all: tuple[int, ...] = ()  # every EOS in config.json and generation_config.json
 
 
-def _as_ids(value: Any) -> list[int]:
+def _as_ids(value: Any, key: str = "token id", where: str = "") -> list[int]:
     if value is None:
         return []
-    if isinstance(value, list):
-        return [int(v) for v in value if v is not None]
-    return [int(value)]
+    out = []
+    for v in value if isinstance(value, list) else [value]:
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TokenizerError(f"'{key}' must hold integer token ids, got {str(value)[:60]!r}: {where}")
+        out.append(v)
+    return out
 
 
-def _first(value: Any) -> int | None:
-    ids = _as_ids(value)
+def _first(value: Any, key: str = "token id", where: str = "") -> int | None:
+    ids = _as_ids(value, key, where)
     return ids[0] if ids else None
 
 
@@ -42,7 +48,7 @@ def ids_from_files(model_dir: str) -> ModelTokenIds:
     cfg: dict[str, Any] = {}
     p = os.path.join(model_dir, "config.json")
     if os.path.isfile(p):
-        cfg = read_json(p, "config.json")
+        cfg = read_json_object(p, "config.json")
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
 
     def get(key: str) -> Any:
@@ -51,9 +57,10 @@ def ids_from_files(model_dir: str) -> ModelTokenIds:
     gen_eos: list[int] = []
     p = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(p):
-        gen_eos = _as_ids(read_json(p, "generation_config.json").get("eos_token_id"))
-    eos_all = tuple(dict.fromkeys(_as_ids(get("eos_token_id")) + gen_eos))
-    bos, eos, pad = (_first(get(k)) for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
+        gen_eos = _as_ids(read_json_object(p, "generation_config.json").get("eos_token_id"), "eos_token_id", p)
+    cfg_path = os.path.join(model_dir, "config.json")
+    eos_all = tuple(dict.fromkeys(_as_ids(get("eos_token_id"), "eos_token_id", cfg_path) + gen_eos))
+    bos, eos, pad = (_first(get(k), k, cfg_path) for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
     return ModelTokenIds(bos, eos, pad, eos_all)
 
 

@@ -35,7 +35,7 @@ class SPMBackend:
             for i in range(self.n)
             if self.sp.is_control(i) or self.sp.is_unknown(i)
         }
-        for t in extra_added_tokens(model_dir):
+        for t in extra_added_tokens(model_dir, self.n):
             if t.id >= self.n or t.id in added:
                 added[t.id] = t
         self._added = sorted(added.values(), key=lambda t: t.id)

@@ -6,6 +6,7 @@ templates.
 from __future__ import annotations
 
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 from exlpy.errors import TokenizerError
 from exlpy.tokenizer import tables
-from exlpy.tokenizer.backend import AddedToken, TokenizerBackend, read_json
+from exlpy.tokenizer.backend import AddedToken, TokenizerBackend, read_json_object
 from exlpy.tokenizer.base import BackendTokenizerModel
 from exlpy.tokenizer.chat import render_chat_template, select_template
 from exlpy.tokenizer.hf import ExLlamaV2TokenizerHF, HFBackend
@@ -24,6 +25,7 @@ from exlpy.tokenizer.spm import ExLlamaV2TokenizerSPM, SPMBackend
 from exlpy.tokenizer.stream import StreamDecoder
 
 MAX_CACHED_STRINGS = 100
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def open_backend(model_dir: str, force_json: bool, force_spm: bool) -> TokenizerBackend:
@@ -75,7 +77,7 @@ class ExLlamaV2Tokenizer:
 
         tok_cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         self.tokenizer_config: dict[str, Any] = (
-            read_json(tok_cfg_path, "tokenizer_config.json") if os.path.isfile(tok_cfg_path) else {})
+            read_json_object(tok_cfg_path, "tokenizer_config.json") if os.path.exists(tok_cfg_path) else {})
         model_ids = ids_from_files(model_dir) if self.config is None else ids_from_config(self.config)
         lookup = {**self.piece_to_id, **self.unspecial_piece_to_id, **self.extended_piece_to_id}
         ids = resolve_special_ids(model_ids, self.tokenizer_config, lookup)
@@ -118,10 +120,24 @@ class ExLlamaV2Tokenizer:
         return self.id_to_piece[token_id] if 0 <= token_id < self.actual_vocab_size else None
 
     def _last_id(self, text: str) -> int:
-        ids = self.backend.encode(text, False)
+        ids = self._encode_text(text, False)
         if not ids:
             raise TokenizerError(f"tokenizer cannot encode {text!r}: {self.backend.path}")
         return ids[-1]
+
+    def _encode_text(self, text: str, encode_special_tokens: bool) -> list[int]:
+        """backend.encode, with text that no tokenizer can take (lone UTF-16 surrogates such as '\\ud800',
+        which have no UTF-8 form) refused as a TokenizerError naming the position."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode() expects text (str), got {type(text).__name__}")
+        try:
+            return self.backend.encode(text, encode_special_tokens)
+        except Exception as e:  # tokenizers raises TypeError, sentencepiece RuntimeError
+            bad = _SURROGATE.search(text)
+            if bad is not None:
+                raise TokenizerError(f"text holds a lone surrogate {bad.group()!r} at index {bad.start()}, which "
+                                     "is not valid Unicode text (it cannot be encoded as UTF-8)") from None
+            raise TokenizerError(f"{self.backend.path} cannot encode the text: {type(e).__name__}: {e}") from e
 
     def _is_visible(self, token_id: int, decode_special_tokens: bool) -> bool:
         """Whether decode() keeps an id: out-of-vocabulary ids never; pads, EOS and specials on request.
@@ -168,7 +184,7 @@ class ExLlamaV2Tokenizer:
             raise TokenizerError("encode() got an empty list of texts")
         seqs = []
         for t in texts:
-            ids = self.backend.encode(t, encode_special_tokens)
+            ids = self._encode_text(t, encode_special_tokens)
             bos = [self.bos_token_id] if add_bos else []
             seqs.append(bos + ids + ([self.eos_token_id] if add_eos else []))
         longest = max(len(s) for s in seqs)
@@ -213,7 +229,7 @@ class ExLlamaV2Tokenizer:
         return StreamDecoder(self, decode_special_tokens)
 
     def num_tokens(self, text: str) -> int:
-        return len(self.backend.encode(text, False))
+        return len(self._encode_text(text, False))
 
     def cached_encode_str(self, text: str) -> torch.Tensor:
         """encode(text), remembering the last MAX_CACHED_STRINGS strings (stop strings, banned strings)."""
@@ -234,7 +250,7 @@ class ExLlamaV2Tokenizer:
         for table in (self.extended_piece_to_id, self.unspecial_piece_to_id, self.piece_to_id):
             if token in table:
                 return table[token]
-        ids = self.backend.encode(token, True)
+        ids = self._encode_text(token, True)
         return ids[0] if len(ids) == 1 else None
 
     def get_vocab_size(self) -> int:
@@ -243,11 +259,11 @@ class ExLlamaV2Tokenizer:
 
     def encode_special(self, text: str) -> list[int]:
         """Ids of `text` where special-token text becomes its id (no BOS/EOS)."""
-        return self.backend.encode(text, True)
+        return self._encode_text(text, True)
 
     def encode_unspecial(self, text: str) -> list[int]:
         """Ids of `text` where special-token text stays plain text (no BOS/EOS)."""
-        return self.backend.encode(text, False)
+        return self._encode_text(text, False)
 
     @staticmethod
     def single_token(token_id: int) -> torch.Tensor:
@@ -329,7 +345,13 @@ class ExLlamaV2Tokenizer:
                             chat_template: str | None = None, **kwargs: Any) -> str:
         """Render the model's chat template (tokenizer_config.json) or `chat_template` into a prompt string.
         Encode it with encode_special_tokens=True (it already holds BOS where the template adds it)."""
-        template = chat_template or select_template(self.tokenizer_config.get("chat_template"),
-                                                    kwargs.pop("template_name", None), self.model_dir)
+        name = kwargs.pop("template_name", None)
+        if chat_template:
+            template, source = chat_template, "the chat_template passed to apply_chat_template"
+        else:
+            template = select_template(self.tokenizer_config.get("chat_template"), name, self.model_dir)
+            where = os.path.join(self.model_dir, "tokenizer_config.json")
+            source = f"chat template {name or 'default'!r} of {where}"
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", source=source,
+                                    **kwargs)

@@ -21,12 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exlpy.errors import SamplerError
 from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
 from exlpy.model.batch import paged_batch, upload_ids
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
     from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+
+
+BAD_ROW = ("the logits hold NaN or +inf, or leave no token with a finite, positive probability: the model output "
+           "is broken or every token was excluded")
 
 
 @dataclass
@@ -46,10 +51,13 @@ class Launched:
         hit = self._index.get(id(job))
         return hit[0] if hit is not None and hit[1] == job.epoch else None
 
-    def read(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[bool]]:
+        """(tokens, whether each row's distribution was usable): waits for the copy."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        vals = self.host.tolist()
+        n = len(self.jobs)
+        return vals[:n], [bool(v) for v in vals[n:]]
 
 
 def read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -156,19 +164,23 @@ class DecodeStepper:
         x = logits[:, -1]
         if len(dev) != logits.shape[0]:
             x = x.index_select(0, upload_ids(torch.tensor([first[k] for k in dev]), device))
-        tokens, _ = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
-                                self.gen.tokenizer)
+        tokens, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
+                                    self.gen.tokenizer)
         for k in dev:
             jobs[k].inflight += 1
-        host, event = read_back(tokens)
+        host, event = read_back(torch.cat([tokens, ok.long()]))
         return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event)
 
     def finish(self, launched: Launched, results: list[dict[str, Any]]) -> None:
         """Read a launched step's tokens (waits for its copy) and hand each to its job."""
-        for (job, epoch), token in zip(launched.jobs, launched.read()):
+        tokens, usable = launched.read()
+        for (job, epoch), token, ok in zip(launched.jobs, tokens, usable):
             if job.finished or job.epoch != epoch:
                 continue  # ended, cancelled, preempted or rewound since: a token one step too many
             job.inflight -= 1
+            if not ok:
+                self.gen.fail(job, SamplerError(BAD_ROW), results)
+                continue
             self.gen.guard(job, results, lambda j=job, t=token: self.gen.accept(j, t, {}, False, results))
 
     def sample_host(self, host: HostRows, results: list[dict[str, Any]]) -> None:

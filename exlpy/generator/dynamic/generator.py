@@ -29,6 +29,7 @@ from exlpy.generator.dynamic.decode import DecodeStepper
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.prefill import run_prefill
+from exlpy.generator.dynamic.validate import check_job_vocab
 from exlpy.generator.speculative.api import SpeculativeAPI
 from exlpy.generator.speculative.dynamic import Speculation
 
@@ -111,13 +112,23 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
 
     def enqueue(self, job: ExLlamaV2DynamicJob | list[ExLlamaV2DynamicJob]) -> int | list[int]:
         if isinstance(job, list):
-            return [self.enqueue(j) for j in job]  # type: ignore[misc]
+            done: list[ExLlamaV2DynamicJob] = []
+            try:
+                for j in job:
+                    self.enqueue(j)
+                    done.append(j)
+            except Exception:
+                for j in done:  # all or nothing: no orphan jobs left running for a caller that got an error
+                    self.cancel(j)
+                raise
+            return [j.serial for j in done]  # type: ignore[misc]
         if not isinstance(job, ExLlamaV2DynamicJob):
             raise GeneratorError(f"enqueue() takes an ExLlamaV2DynamicJob (or a list of them), got "
                                  f"{type(job).__name__}")
         if job.serial is not None:
             raise GeneratorError(f"job was already enqueued (serial {job.serial}); create a new job to run the "
                                  "prompt again")
+        check_job_vocab(job.all_input_ids, self.model_vocab)
         with self._lock:
             serial = self.next_serial
             try:
@@ -264,7 +275,7 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
     def _isolate(self, jobs: list[ExLlamaV2DynamicJob], error: Exception, results: list[dict[str, Any]]) -> None:
         """A batched step raised: run each job's step alone so that only the job at fault fails."""
         if len(jobs) == 1:
-            self._fail(jobs[0], error, results)
+            self.fail(jobs[0], error, results)
             return
         for job in jobs:
             if job.finished or job not in self.active:
@@ -283,16 +294,16 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         try:
             fn()
         except Exception as e:
-            self._fail(job, e, results)
+            self.fail(job, e, results)
 
     def _guard_n(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> int:
         try:
             return int(fn())
         except Exception as e:
-            self._fail(job, e, results)
+            self.fail(job, e, results)
             return 0
 
-    def _fail(self, job: ExLlamaV2DynamicJob, e: Exception, results: list[dict[str, Any]]) -> None:
+    def fail(self, job: ExLlamaV2DynamicJob, e: Exception, results: list[dict[str, Any]]) -> None:
         r = job.base_result("streaming")
         r.update(eos=True, text="", token_ids=torch.empty(1, 0, dtype=torch.long), error=e,
                  error_message=f"{type(e).__name__}: {e}")

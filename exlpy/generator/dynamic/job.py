@@ -19,6 +19,7 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.dynamic.validate import check_job_args, check_prompt_ids
 from exlpy.generator.sampling.batched import RowSample, device_capable
 
 if TYPE_CHECKING:
@@ -57,10 +58,11 @@ class ExLlamaV2DynamicJob:
                                      f"{getattr(p, 'shape', type(p))}")
             if p.shape[1] < 1:
                 raise GeneratorError("job input_ids is empty: a prompt needs at least one token")
+            check_prompt_ids(p)
         if cfg and token_healing:
             raise GeneratorError("token_healing cannot be combined with CFG")
-        if max_new_tokens < 1:
-            raise GeneratorError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_job_args(max_new_tokens, min_new_tokens, max_skips, seed, return_top_tokens, stop_conditions,
+                       banned_strings)
         if embeddings:
             raise NotSupportedError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
         if filters and banned_strings:
@@ -117,11 +119,6 @@ class ExLlamaV2DynamicJob:
         tok = generator.tokenizer
         ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
-        vocab = generator.model_vocab
-        for r in rows:
-            if r.numel() and (int(r.max()) >= vocab or int(r.min()) < 0):
-                bad = next(int(t) for t in r if not 0 <= int(t) < vocab)
-                raise GeneratorError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
         self.seqs = [SeqState(r.clone(), generator.page_size) for r in rows]
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()

@@ -51,6 +51,9 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
             completions[i] += r.get("text", "")
             if r["eos"]:
                 if "error" in r:
+                    for j in jobs:  # the call fails as a whole: its other jobs stop and free their pages
+                        if not j.finished:
+                            gen.cancel(j)
                     raise r["error"]
                 last[i] = r
     texts = [c if completion_only else (p[0] if isinstance(p, tuple) else p) + c

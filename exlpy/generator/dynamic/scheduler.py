@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from exlpy.generator.dynamic.validate import check_job_args
+
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
     from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
@@ -42,8 +44,17 @@ def admit(gen: ExLlamaV2DynamicGenerator, results: list[dict[str, Any]]) -> None
         if len(gen.active) >= gen.max_batch_size:
             job.wait_reason = f"batch full ({gen.max_batch_size} jobs running)"
             break
-        needs = job.admission_needs()
-        need = table.pages_needed(needs)
+        try:
+            # Checked again here: a job changed after enqueue() (max_new_tokens = 2.5) fails instead of
+            # misbehaving later.
+            check_job_args(job.max_new_tokens, job.min_new_tokens, job.max_skips, job.seed, job.return_top_tokens,
+                           job.stop_conditions, job.banned_strings)
+            needs = job.admission_needs()
+            need = table.pages_needed(needs)
+        except Exception as e:  # a job the enqueue checks missed ends here instead of blocking the queue
+            gen.pending.remove(job)
+            gen.fail(job, e, results)
+            continue
         reserve = growth_reserve(gen) if gen.active else 0
         if need + reserve > table.num_unreferenced():
             tokens = sum(q.ids.numel() for q in job.seqs)
@@ -53,10 +64,6 @@ def admit(gen: ExLlamaV2DynamicGenerator, results: list[dict[str, Any]]) -> None
             if job.skips >= job.max_skips:
                 break  # skipped too often: later jobs may not overtake it any more
             continue
-        reused = 0
-        for q, (hashes, n) in zip(job.seqs, needs):
-            q.pages, k = table.allocate(hashes, n, job.serial or 0)
-            reused += k
         for other in gen.pending:
             if other is job:
                 break
@@ -65,8 +72,18 @@ def admit(gen: ExLlamaV2DynamicGenerator, results: list[dict[str, Any]]) -> None
         gen.active.append(job)
         gen.admissions += 1
         job.admitted = gen.admissions
-        if job.start(reused):
-            results.append(job.base_result("started"))
+        # A job that cannot start (its filters' begin() raises...) ends with an error result, pages freed.
+        gen.guard(job, results, lambda j=job, n=needs: _start(gen, j, n, results))
+
+
+def _start(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, needs: list[tuple[list[bytes], int]],
+           results: list[dict[str, Any]]) -> None:
+    reused = 0
+    for q, (hashes, n) in zip(job.seqs, needs):
+        q.pages, k = gen.page_table.allocate(hashes, n, job.serial or 0)
+        reused += k
+    if job.start(reused):
+        results.append(job.base_result("started"))
 
 
 def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: int) -> int:

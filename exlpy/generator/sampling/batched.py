@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from exlpy.generator.sampling import chain
+from exlpy.generator.sampling.guard import distribution_ok, neutralize, usable
 from exlpy.generator.sampling.logit_masks import BLOCKED_LOGIT
 from exlpy.generator.sampling.settings import SamplerSettings
 from exlpy.model.batch import upload_ids  # pinned, non-blocking: no wait for the GPU
@@ -56,14 +57,18 @@ class RowSample:
     blocked: Sequence[int] | None = None
 
 
-_bias_cache: weakref.WeakKeyDictionary[torch.Tensor, dict[tuple[str, int], torch.Tensor]] = \
-    weakref.WeakKeyDictionary()
+# id(bias tensor) -> {(device, vocab): row}; an entry goes when its tensor does. (A WeakKeyDictionary would
+# compare tensors with ==, which is elementwise.)
+_bias_cache: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
 
 
 def _bias_row(bias: torch.Tensor, device: torch.device, vocab: int) -> torch.Tensor:
     """The bias as a float32 row of `vocab` entries on `device` (a shorter bias covers the first ids only),
     built once per tensor, device and vocab: settings reuse it every step."""
-    per = _bias_cache.setdefault(bias, {})
+    per = _bias_cache.get(id(bias))
+    if per is None:
+        per = _bias_cache[id(bias)] = {}
+        weakref.finalize(bias, _bias_cache.pop, id(bias), None)
     key = (str(device), vocab)
     if key not in per:
         row = torch.zeros(vocab, dtype=torch.float32)
@@ -104,10 +109,11 @@ def _plain(s: SamplerSettings, key: tuple[Any, ...]) -> SamplerSettings:
 
 
 def sample_rows(logits: torch.Tensor, rows: list[RowSample], r: torch.Tensor, tokenizer: Any
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample row i of `logits` [N, V] (float32, any device) with rows[i]; `r` [N, 1] on the same device holds
-    each row's random point (ignored by greedy rows). Returns (tokens [N] long, their probabilities [N]), on
-    the device, without any host sync."""
+    each row's random point (ignored by greedy rows). Returns (tokens [N] long, their probabilities [N], [N]
+    bool whether the row had a usable distribution: no NaN / +inf, some token left; sampling/guard.py), on
+    the device, without any host sync: the caller reads the flags with the tokens."""
     from exlpy.generator.sampler import sample_core
 
     n = logits.shape[0]
@@ -119,23 +125,26 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSample], r: torch.Tensor, to
         return _sample_group(logits, rows, r, _plain(rows[0].settings, key), tokenizer, sample_core)
     tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     probs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    ok = torch.empty(n, dtype=torch.bool, device=logits.device)
     for key, members in groups.items():
         idx = upload_ids(torch.tensor(members, dtype=torch.long), logits.device)
-        t, p = _sample_group(logits.index_select(0, idx), [rows[i] for i in members], r.index_select(0, idx),
-                             _plain(rows[members[0]].settings, key), tokenizer, sample_core)
+        t, p, k = _sample_group(logits.index_select(0, idx), [rows[i] for i in members], r.index_select(0, idx),
+                                _plain(rows[members[0]].settings, key), tokenizer, sample_core)
         tokens.index_copy_(0, idx, t)
         probs.index_copy_(0, idx, p)
-    return tokens, probs
+        ok.index_copy_(0, idx, k)
+    return tokens, probs, ok
 
 
 def _sample_group(x: torch.Tensor, rows: list[RowSample], r: torch.Tensor, settings: SamplerSettings,
-                  tokenizer: Any, core: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    x = _row_parts(x, rows)
+                  tokenizer: Any, core: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ok_in = usable(x)
+    x = _row_parts(neutralize(x, ok_in), rows)
     ctx = chain.LogitContext(None, tokenizer)
     if is_greedy(settings):  # the argmax itself: no draw (a few kernels fewer per step)
         from exlpy.generator.sampler import final_distribution
 
-        probs, ids, _ = final_distribution(x, settings, ctx, tokenizer)
-        return ids[:, 0], probs[:, 0]
-    token, prob, _, _, _ = core(x, settings, ctx, tokenizer, r)
-    return token.view(-1), prob.view(-1)
+        probs, ids, _, ok_logits = final_distribution(x, settings, ctx, tokenizer)
+        return ids[:, 0], probs[:, 0], ok_in & ok_logits & distribution_ok(probs)
+    token, prob, probs, _, _, ok_logits = core(x, settings, ctx, tokenizer, r)
+    return token.view(-1), prob.view(-1), ok_in & ok_logits & distribution_ok(probs)

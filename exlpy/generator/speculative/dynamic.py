@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exlpy.generator.dynamic.decode import read_back, upload_floats
+from exlpy.errors import SamplerError
+from exlpy.generator.dynamic.decode import BAD_ROW, read_back, upload_floats
 from exlpy.generator.sampling.batched import RowSample, is_greedy
 from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.draft import ModelDrafter
@@ -136,17 +137,22 @@ class Speculation:
             r.append(pts[k:])
         u_dev = upload_floats([x for row in u for x in row], dev).view(len(spec_rows), k)
         r_dev = upload_floats([x for row in r for x in row], dev).view(len(spec_rows), T)
-        m, tok = verify_rows(logits.index_select(0, index), drafts, plans, u_dev, r_dev, gen.tokenizer)
-        host, event = read_back(torch.cat([m, tok, drafts.reshape(-1)]))
+        spec_logits = logits.index_select(0, index)
+        m, tok = verify_rows(spec_logits, drafts, plans, u_dev, r_dev, gen.tokenizer)
+        ok = torch.isfinite(spec_logits.amax(-1)).all(-1)  # NaN / +inf logits: the row fails (sampling/guard.py)
+        host, event = read_back(torch.cat([m, tok, ok.long(), drafts.reshape(-1)]))
         if event is not None:
             event.synchronize()
         vals = host.tolist()
         n = len(spec_rows)
-        m_h, tok_h, d_h = vals[:n], vals[n:2 * n], vals[2 * n:]
+        m_h, tok_h, ok_h, d_h = vals[:n], vals[n:2 * n], vals[2 * n:3 * n], vals[3 * n:]
         self.rounds += 1
         rejections = accepted_real = 0
         for s, i in enumerate(spec_rows):
             job, q = rows[i]
+            if not ok_h[s]:
+                gen.fail(job, SamplerError(BAD_ROW), results)
+                continue
             emitted = [int(t) for t in d_h[s * k:s * k + m_h[s]]] + [int(tok_h[s])]
             acc = min(m_h[s], real[s])
             accepted_real += acc

@@ -79,7 +79,7 @@ def verify_rows(logits: torch.Tensor, drafts: torch.Tensor, rows: list[RowSample
         x = sel(logits).reshape(len(members) * T, V).float()
         x = _row_parts(x, [rows[i] for i in members for _ in range(T)])
         settings = _plain(rows[members[0]].settings, key)
-        probs, ids, _ = final_distribution(x, settings, chain.LogitContext(None, tokenizer), tokenizer)
+        probs, ids, _, _ = final_distribution(x, settings, chain.LogitContext(None, tokenizer), tokenizer)
         C = probs.shape[-1]
         m, tok = verify_group(probs.view(len(members), T, C), ids.view(len(members), T, C), sel(drafts), sel(u),
                               sel(r))

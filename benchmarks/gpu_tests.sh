@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The README's test command as one pytest session on a GPU machine, and a block to paste into
+# benchmarks/results/gpu_tests.md (date, device, versions, the summary line, what was skipped and why).
+#
+#   bash benchmarks/gpu_tests.sh            # from anywhere; ../shared beside the checkout for the data tests
+#   bash benchmarks/gpu_tests.sh --quick    # only the GPU-relevant files (kernels, graphs, fusions, interpreter)
+#   bash benchmarks/gpu_tests.sh -x -k exl2 # any other arguments go to pytest
+#
+# TRITON_INTERPRET is unset: CUDA tests use compiled kernels, and tests/conftest.py runs the interpreter tests in
+# a child pytest of their own. Writes $OUT/gpu_tests.log and $OUT/gpu_tests.md (OUT defaults to
+# /tmp/exlpy-results); exits with pytest's status.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/exlpy-results}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
+
+ARGS=()
+QUICK=""
+for a in "$@"; do
+  if [ "$a" = "--quick" ]; then QUICK=1; else ARGS+=("$a"); fi
+done
+FILES=()
+if [ -n "$QUICK" ]; then
+  FILES=(tests/test_kernels_triton.py tests/test_quant_kernels.py tests/test_decode_fusions.py
+         tests/test_decode_fusions_model.py tests/test_graphs.py tests/test_bad_api.py)
+fi
+
+DEVICE=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+         | sed 's/, / /g' | paste -sd ';' -)
+[ -n "$DEVICE" ] || DEVICE="no GPU visible (nvidia-smi failed)"
+VERSIONS=$(python -c "
+import torch
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = 'not installed'
+print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), triton {tv}, {torch.cuda.device_count()} CUDA device(s)')
+" 2>/dev/null)
+START=$(date -u +"%Y-%m-%d %H:%M UTC")
+T0=$(date +%s)
+
+python -m pytest -q -p no:cacheprovider -rs "${ARGS[@]+"${ARGS[@]}"}" "${FILES[@]+"${FILES[@]}"}" 2>&1 \
+  | tee "$OUT/gpu_tests.log"
+RC=${PIPESTATUS[0]}
+SECS=$(( $(date +%s) - T0 ))
+
+SUMMARY=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT/gpu_tests.log" | grep -E " in [0-9.]+s" | tail -1 \
+          | sed -E 's/^=+ //; s/ =+$//')
+CUDA_SKIPS=$(grep -E "^SKIPPED" "$OUT/gpu_tests.log" | grep -i "cuda" \
+             | sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{n += $1} END {print n + 0}')
+SKIPS=$(grep -E "^SKIPPED" "$OUT/gpu_tests.log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+(:[0-9]+)?: /\1x /' \
+        | sort | uniq -c | awk '{$1=""; print "  -" $0}' | head -20)
+CMD="bash benchmarks/gpu_tests.sh${*:+ $*}"
+
+{
+  echo "## $START: ${DEVICE%%;*}"
+  echo
+  echo "- command: \`$CMD\` (python -m pytest -q, one session; interpreter tests in a child pytest)"
+  echo "- device: $DEVICE"
+  echo "- versions: $VERSIONS"
+  echo "- summary: \`$SUMMARY\` (exit status $RC, ${SECS} s wall)"
+  echo "- tests skipped for want of CUDA: $CUDA_SKIPS (0 expected on a GPU machine, bar multi-GPU tests with one GPU)"
+  if [ -n "$SKIPS" ]; then
+    echo "- skipped (count, reason):"
+    echo "$SKIPS"
+  fi
+} > "$OUT/gpu_tests.md"
+
+echo
+echo "===== paste into benchmarks/results/gpu_tests.md ====="
+cat "$OUT/gpu_tests.md"
+exit "$RC"
