@@ -11,6 +11,9 @@
 #   gemv    benchmarks/quant_matmul.py decode-kernel checks and table
 #   sweep   benchmarks/gemv_sweep.py: GEMV launch parameters timed in whole-model decode (8B fp16 and EXL2)
 #   dyn     the dynamic generator with 32 concurrent jobs (SmolLM2 EXL2 and fp16)
+#   grammar benchmarks/constrained_decode.py: single-stream decode with / without grammar constraints on the
+#           SmolLM2 EXL2 at /tmp/smol (issue 15, target >= 90%); installs .gpu/wheels/llguidance-*.whl if carried
+#   lora    LoRA: the GPU tests of adapters, then benchmarks/lora.py (adapter vs no adapter, 8B fp16 and EXL2)
 # Results go to $OUT (default /tmp/exlpy-results).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -51,6 +54,11 @@ for part in $PARTS; do
     decode)
       timeout 420 python benchmarks/decode.py --models 8b,exl2 --hf compile --hf-timeout 200 --profile \
         --out "$OUT/decode.md" 2>&1 | tail -30 ;;
+    grammar)
+      python -c "import llguidance" 2>/dev/null || pip install -q --no-deps .gpu/wheels/llguidance-*.whl
+      timeout 420 python -m benchmarks.constrained_decode --model /tmp/smol --out "$OUT/constrained_decode.md" 2>&1 \
+        | tail -20
+      timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_kernels_triton.py -k bitmask 2>&1 | tail -3 ;;
     gemv)
       timeout 300 python benchmarks/quant_matmul.py --quick-tune --skip-other-checks --out "$OUT/quant_matmul.md" \
         2>&1 | tail -30 ;;
@@ -59,6 +67,10 @@ for part in $PARTS; do
     dyn)
       timeout 90 python benchmarks/dynamic_generator.py --model /tmp/smol --jobs 32 --out "$OUT/dynamic_smol_exl2.md"
       timeout 90 python benchmarks/dynamic_generator.py --jobs 32 --out "$OUT/dynamic_smol_fp16.md" ;;
+    lora)
+      timeout 300 python -m pytest -q -p no:cacheprovider tests/test_lora_gpu.py tests/test_lora_kernels_triton.py \
+        2>&1 | tail -5 | tee "$OUT/pytest_lora.txt"
+      timeout 550 python benchmarks/lora.py --work /tmp/exlpy_bench --out "$OUT/lora.md" 2>&1 | tail -20 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -66,6 +66,22 @@ class TensorParallelError(ExlpyError, ValueError):
     """Tensor-parallel misuse or an unsupported feature under TP."""
 
 
+class LoraError(ExlpyError):
+    """A LoRA adapter cannot be loaded or applied (base class of the LoRA errors)."""
+
+
+class LoraConfigError(LoraError, ConfigError):
+    """adapter_config.json is missing, malformed, or asks for something exlpy does not apply."""
+
+
+class LoraWeightsError(WeightsError, LoraError):
+    """An adapter's weights file or tensor is missing, unsupported, or does not fit the base model."""
+
+
+class LoraCapacityError(LoraError, RuntimeError):
+    """Every adapter slot holds an adapter in use, or an adapter needs more rank than the slots allow."""
+
+
 class TokenizerError(ExlpyError, ValueError):
     """Tokenizer files are missing or malformed."""
 
@@ -104,3 +120,35 @@ class CacheError(ExlpyError, ValueError):
 class DraftModelError(GeneratorError):
     """Speculative decoding was set up wrongly: a draft model or cache that does not fit the target (vocabulary,
     cache size or batch), a draft model that is not loaded, or a draft length out of range."""
+
+
+class GrammarError(GeneratorError):
+    """A JSON schema, regex or grammar for constrained decoding is invalid, or generation left it."""
+
+
+class ConvertError(ExlpyError, RuntimeError):
+    """A conversion job (exlpy convert) cannot go on; the message says what to change."""
+
+
+class ConvertSettingsError(ConvertError, ValueError):
+    """A conversion setting is out of range or conflicts with another (bits, head bits, rows, paths)."""
+
+
+class CalibrationDataError(ConvertError, ValueError):
+    """The calibration data set is missing, unreadable, empty or too short for the rows asked."""
+
+
+class MeasurementFileError(ConvertError, ValueError):
+    """A measurement.json given with -m is malformed or belongs to another model."""
+
+
+class NumericalError(ConvertError):
+    """NaN/inf in a source tensor or in hidden states, or a Hessian that stays singular after damping."""
+
+
+class JobConflictError(ConvertError):
+    """The work or output directory holds a different job (or foreign files); -nr restarts."""
+
+
+class ConvertIOError(ConvertError, OSError):
+    """Writing the job's files failed (disk full, not writable); the job stays resumable."""

@@ -16,6 +16,9 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
 | `EXLPY_SKIP_WEIGHT_CHECKS=1` | `weight_checks=False` | no NaN/inf check of the weights at load |
+| `EXLPY_FLASH_ATTN=0` | `flash_attn=False` | query blocks over the cache by gather + torch SDPA (no flash kernel) |
+| `EXLPY_FLASH_TMA=1` | `flash_tma=True` | the flash kernel copies interior K/V tiles with TMA (Hopper) |
+| `EXLPY_FLASH_CONFIG=BM,BN,warps,stages` | `flash_config` | override the flash kernel's prefill launch table |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -46,6 +49,9 @@ class RuntimeOptions:
     cpu_warning: bool = True
     weight_checks: bool = True  # EXLPY_SKIP_WEIGHT_CHECKS=1: no NaN/inf check of weights at load
     triton_interpret: bool = False  # Triton's own TRITON_INTERPRET (kernels run on CPU tensors): no PDL then
+    flash_attn: bool = True
+    flash_tma: bool = False
+    flash_config: tuple[int, int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -53,6 +59,8 @@ class RuntimeOptions:
                               f"{', '.join(TP_COMMS[1:])}")
         if self.tp_layout not in TP_LAYOUTS:
             raise ConfigError(f"unknown TP layout '{self.tp_layout}' (EXLPY_TP_MODE): use row or column")
+        if self.flash_config is not None and (len(self.flash_config) != 4 or min(self.flash_config) < 1):
+            raise ConfigError(f"EXLPY_FLASH_CONFIG {self.flash_config}: four positive ints BM,BN,warps,stages")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeOptions:
@@ -75,7 +83,17 @@ class RuntimeOptions:
             cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
             weight_checks=not flag("EXLPY_SKIP_WEIGHT_CHECKS"),
             triton_interpret=flag("TRITON_INTERPRET"),
+            flash_attn=e.get("EXLPY_FLASH_ATTN", "1") != "0",
+            flash_tma=flag("EXLPY_FLASH_TMA"),
+            flash_config=_ints(e.get("EXLPY_FLASH_CONFIG", ""), "EXLPY_FLASH_CONFIG"),
         )
+
+
+def _ints(text: str, name: str) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(x) for x in text.split(",")) if text.strip() else None
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: expected comma-separated integers") from None
 
 
 _current: RuntimeOptions | None = None

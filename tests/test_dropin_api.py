@@ -15,6 +15,7 @@ from exlpy.errors import (
     ConfigError,
     DraftModelError,
     GeneratorError,
+    LoraConfigError,
     ModelStateError,
     NotSupportedError,
     UnknownArgumentError,
@@ -136,7 +137,7 @@ def test_forward_rejects_unknown_keywords_by_name() -> None:
         model.forward(ids, indexed_embeddings=torch.zeros(1))
     with pytest.raises(UnknownArgumentError, match="multiple values for argument 'input_mask'"):
         model.forward(ids, None, None, input_mask=None, foo=1)
-    with pytest.raises(NotSupportedError, match="LoRA"):
+    with pytest.raises(LoraConfigError, match="ExLlamaV2Lora objects"):
         model.forward(ids, loras=["adapter"])
 
 
@@ -155,7 +156,8 @@ def test_model_methods() -> None:
     r = model.forward_chunk(ids, cache, return_last_state=True)
     assert set(r) == {"logits", "last_state"} and rel_err(r["logits"], model.forward(ids)) <= 1e-5
     assert cache.current_seq_len == 6 and model.forward_chunk(ids, cache, preprocess_only=True) == {}
-    for call in (model.update_loras, model.drop_device_context, model.free_device_context,
+    assert model.update_loras() is None  # adapters are applied per call: nothing to refresh
+    for call in (model.drop_device_context, model.free_device_context,
                  lambda: model.set_device_map([8.0]), lambda: model.get_device_context(0),
                  lambda: model.forward_chunk(ids, attn_params=object())):
         with pytest.raises(NotSupportedError):
@@ -279,7 +281,7 @@ def test_dynamic_job_sequences_and_rejected_keywords() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'pagd'"):
         ExLlamaV2DynamicGenerator(model, gen.cache, tok, pagd=False)  # type: ignore[call-arg]
     assert ExLlamaV2DynamicGenerator(model, gen.cache, tok, use_ngram_draft=True).spec is not None
-    with pytest.raises(NotSupportedError, match="LoRA"):
+    with pytest.raises(LoraConfigError, match="ExLlamaV2Lora objects"):
         gen.set_loras(["adapter"])
     gen.set_loras(None)
     assert gen.current_loras == []

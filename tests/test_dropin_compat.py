@@ -71,11 +71,10 @@ def test_mapping_is_lazy(compat: None) -> None:
 
 
 def test_filters_resolve_when_present(compat: None) -> None:
-    if importlib.util.find_spec("exlpy.generator.filters") is None:
-        pytest.skip("exlpy.generator.filters is built by issue 15 (remove this skip at merge)")
-    import exlpy.generator.filters
     from exllamav2.generator.base import ExLlamaV2Filter as from_base  # formatron imports it from here
     from exllamav2.generator.filters import ExLlamaV2Filter
+
+    import exlpy.generator.filters
 
     assert ExLlamaV2Filter is exlpy.generator.filters.ExLlamaV2Filter is from_base
 

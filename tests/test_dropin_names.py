@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import exlpy.compat
-from exlpy.errors import NotSupportedError
+from exlpy.errors import LoraConfigError, NotSupportedError
 
 MODULE_NAMES: dict[str, list[str]] = {
     "exllamav2": [
@@ -105,8 +105,6 @@ def compat() -> Iterator[None]:
 
 @pytest.mark.parametrize("module", sorted(MODULE_NAMES))
 def test_module_names_exist(compat: None, module: str) -> None:
-    if module == "exllamav2.generator.filters" and importlib.util.find_spec("exlpy.generator.filters") is None:
-        pytest.skip("exlpy.generator.filters is built by issue 15 (remove this skip at merge)")
     mod = importlib.import_module(module)
     assert mod.__name__.startswith("exlpy")  # the alias is exlpy's own module
     missing = [n for n in MODULE_NAMES[module] if not hasattr(mod, n)]
@@ -122,12 +120,14 @@ def test_class_members_exist(compat: None, cls: str) -> None:
 
 def test_unsupported_features_raise_typed_errors(compat: None) -> None:
     import exllamav2
+    import exllamav2.lora
     from exllamav2.generator import ExLlamaV2MMEmbedding
 
-    with pytest.raises(NotSupportedError, match="LoRA"):
+    from exlpy.lora import ExLlamaV2Lora
+
+    assert exllamav2.ExLlamaV2Lora is exllamav2.lora.ExLlamaV2Lora is ExLlamaV2Lora  # the real class
+    with pytest.raises(LoraConfigError, match="not a directory"):
         exllamav2.ExLlamaV2Lora.from_directory(None, "/some/lora")
-    with pytest.raises(NotSupportedError, match="LoRA"):
-        exllamav2.ExLlamaV2Lora(None, "/some/lora")
     with pytest.raises(NotSupportedError, match="vision"):
         exllamav2.ExLlamaV2VisionTower(None)
     with pytest.raises(NotSupportedError, match="vision"):

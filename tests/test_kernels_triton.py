@@ -151,3 +151,18 @@ def test_kernels_real_shapes_cuda() -> None:
     for lens in ([511], [4000], [1, 300, 1024, 77]):
         _paged_case(len(lens), 1, 32, 8, 128, 256, 16, lens, dev, dt)
     _paged_case(2, 1, 32, 8, 64, 2048, 1, [600, 2048], dev, dt)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_token_bitmask_kernel(device: str) -> None:
+    _dev_ok(device)
+    from exlpy.kernels.token_bitmask import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 49152 if device == "cuda" else 1000
+    logits = torch.randn(3, vocab, generator=g).to(device, torch.float16)
+    words = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32 - 1), generator=g, dtype=torch.int64)
+    words = words.to(torch.int32).to(device)  # one word short: the tail must be excluded too
+    out = apply_token_bitmask(logits, words)
+    ref = reference.apply_token_bitmask(logits, words)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out, ref)

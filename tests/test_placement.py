@@ -196,7 +196,7 @@ def test_cache_must_be_lazy_and_split_entries_checked_through_the_model_api() ->
         assert model.loaded
 
 
-def test_quantized_cache_bytes_match_the_plan_including_per_device_temps() -> None:
+def test_quantized_cache_bytes_match_the_plan() -> None:
     from exlpy.cache.quant import ExLlamaV2Cache_Q4
 
     model = make_model()
@@ -205,6 +205,6 @@ def test_quantized_cache_bytes_match_the_plan_including_per_device_temps() -> No
     plan = model.placement_plan
     assert set(plan.devices) == {0, 1}
     real = sum(t.numel() * t.element_size() for t in cache.all_tensors())
-    # Codes + scales per layer, plus one fp32 K/V temp pair per device (cpu:0 and cpu:1 are distinct keys).
+    # Codes + scales per layer, nothing else: attention reads the codes in place (no fp16 working copies).
     assert sum(u.cache for u in plan.usage) == real
-    assert all(u.cache > 2 * 256 * 2 * 64 * 4 for u in plan.usage)
+    assert all(u.cache > 0 for u in plan.usage)

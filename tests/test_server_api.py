@@ -162,19 +162,27 @@ def test_logprobs_completions_and_chat(client: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"n": 2}, "n", "n=1"),
+    ({"n": 17}, "n", "[1, 16]"),
+    ({"n": 0}, "n", "[1, 16]"),
+    ({"n": 3, "best_of": 2}, "best_of", ">= n"),
+    ({"best_of": 2, "stream": True}, "best_of", "streaming"),
     ({"temperature": -1}, "temperature", "temperature"),
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"top_p": 1.5}, "top_p", "top_p"),
     ({"min_p": -0.1}, "min_p", "min_p"),
     ({"frequency_penalty": 3}, "frequency_penalty", "frequency_penalty"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens", "echo"),
+    ({"max_tokens": -1}, "max_tokens", ">= 0"),
+    ({"logprobs_mode": "odd"}, "logprobs_mode", "raw_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     ({"logit_bias": {"9999": 5}}, "logit_bias", "9999"),
     ({"logit_bias": {"x": 5}}, "logit_bias", "'x'"),
     ({"logprobs": 50}, "logprobs", "logprobs"),
     ({"prompt": list(range(3, 203))}, "prompt", "200 tokens"),
     ({"prompt": [1, 600]}, "prompt", "600"),
-    ({"prompt": ["a", "b"]}, "prompt", "2 prompts"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": [[1], [1, 600]]}, "prompt[1]", "600"),
+    ({"prompt": ["a", [1, 2]]}, "prompt", "prompt"),
 ])
 def test_bad_requests_answer_400_naming_the_field(client: Any, body: dict[str, Any], param: str,
                                                   words: str) -> None:

@@ -1,8 +1,9 @@
-"""Quantized caches (Q4, Q6, Q8, 8-bit): compact storage, fp16 working copies per device.
+"""Quantized caches (Q4, Q6, Q8, 8-bit): K/V kept only as codes (+ fp16 group scales).
 
-Attention reads plain K/V tensors. A quantized cache keeps one full-size working K and V per device (as
-exllamav2 does), dequantizes the rows a forward pass reads into it when a layer asks for its K/V, and
-requantizes the rows that layer wrote when the next layer asks (or when the forward ends).
+Attention reads the codes where they lie, at the cache's own width (exlpy/kernels: `store_kv_quant` writes a
+step's rows, `quant_attention` attends over them, dequantizing in registers), so there is no full-size fp16
+working copy (exllamav2 keeps one per device) and a decode step over a quantized cache can be captured in a
+CUDA graph like any other. `get_kv_state` / `store_kv_state` go through the torch codec (qcodec.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class _QuantizedCache(ExLlamaV2CacheBase):
     k_bits: int = 4
     v_bits: int = 4
     has_scales = True
-    graph_safe = False  # reads depend on host-side lengths; the decode graph path uses fp16 caches
+    graph_safe = True  # codes are read in place by kernels whose bounds come from device memory
 
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         layout = layout_of(model)
@@ -30,9 +31,6 @@ class _QuantizedCache(ExLlamaV2CacheBase):
                               f"({heads * layout.head_dim}) must be a multiple of {qcodec.GROUP}")
         self.key_scales: list[torch.Tensor | None] = []
         self.value_scales: list[torch.Tensor | None] = []
-        self._temps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._batch: Any = None
-        self._pending: int | None = None
         super().__init__(model, *args, **kwargs)
 
     @staticmethod
@@ -52,25 +50,26 @@ class _QuantizedCache(ExLlamaV2CacheBase):
         if self.has_scales:
             self.key_scales[i] = torch.zeros(*shape, e // qcodec.GROUP, dtype=torch.float16, device=dev)
             self.value_scales[i] = torch.zeros(*shape, e // qcodec.GROUP, dtype=torch.float16, device=dev)
-        if str(dev) not in self._temps:
-            full = (self.batch_size, self.max_seq_len, self.num_key_value_heads, self.head_dim)
-            dt = self.layout.dtype_for(dev)
-            self._temps[str(dev)] = (torch.zeros(full, dtype=dt, device=dev), torch.zeros(full, dtype=dt,
-                                                                                          device=dev))
 
     def free_layer(self, layer: int) -> None:
-        freed = self.key_states[layer]
         super().free_layer(layer)
         if self.key_scales:
             self.key_scales[layer] = self.value_scales[layer] = None
-        # The fp16 working copies are the largest part of a quantized cache: they go with the device's last layer
-        # (model.unload(), or a module moved elsewhere by a failed autosplit try).
-        if freed is not None and not any(t is not None and t.device == freed.device for t in self.key_states):
-            self._temps.pop(str(freed.device), None)
 
     def all_tensors(self) -> list[torch.Tensor]:
-        extra = [t for t in self.key_scales + self.value_scales if t is not None]
-        return super().all_tensors() + extra + [t for pair in self._temps.values() for t in pair]
+        return super().all_tensors() + [t for t in self.key_scales + self.value_scales if t is not None]
+
+    # --- what attention reads ------------------------------------------------------------------------------
+    def layer_codes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                               torch.Tensor | None, int, int]:
+        """(k_codes, k_scales, v_codes, v_scales, k_bits, v_bits) of a layer, for ops.quant_attention."""
+        kq, vq = super().layer_kv(layer)
+        ks, vs = self.key_scales[layer], self.value_scales[layer]
+        return kq, ks, vq, vs, (8 if ks is None else self.k_bits), (8 if vs is None else self.v_bits)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ConfigError(f"{type(self).__name__} holds codes, not fp16 K/V: attention reads layer_codes(); "
+                          "get_kv_state() dequantizes a range")
 
     # --- codec per kind -----------------------------------------------------------------------------------
     def _encode(self, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,56 +79,6 @@ class _QuantizedCache(ExLlamaV2CacheBase):
                 ) -> torch.Tensor:
         assert scales is not None
         return qcodec.dequantize(codes, scales, bits, dtype)
-
-    # --- the forward-pass protocol --------------------------------------------------------------------------
-    def begin_forward(self, batch: Any) -> None:
-        self._batch = batch
-        self._pending = None
-
-    def end_forward(self) -> None:
-        self._flush()
-        self._batch = None
-
-    def _rows(self, layer: int) -> torch.Tensor:
-        """Flat rows this forward reads for `layer` (all valid keys of every sequence in the batch)."""
-        b = self._batch.on(self.key_states[layer].device)
-        t = torch.arange(b.max_seqlen, device=b.block_table.device)
-        rows = b.block_table[:, t // b.page_size].long() * b.page_size + t % b.page_size
-        return rows.reshape(-1).unique()
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._flush()
-        kq, vq = super().layer_kv(layer)
-        kt, vt = self._temps[str(kq.device)]
-        if self._batch is not None:
-            rows = self._rows(layer)
-            e = self.num_key_value_heads * self.head_dim
-            for q, s, tmp, bits in ((kq, self.key_scales[layer], kt, self.k_bits),
-                                    (vq, self.value_scales[layer], vt, self.v_bits)):
-                flat_q = q.view(-1, q.shape[-1])
-                flat_s = s.view(-1, s.shape[-1]) if s is not None else None
-                vals = self._decode(flat_q[rows], flat_s[rows] if flat_s is not None else None, bits, tmp.dtype)
-                tmp.view(-1, e)[rows] = vals
-            self._pending = layer
-        return kt, vt
-
-    def _flush(self) -> None:
-        """Requantize the rows the pending layer wrote into its working copy."""
-        if self._pending is None or self._batch is None:
-            return
-        layer, self._pending = self._pending, None
-        kq, vq = self.key_states[layer], self.value_states[layer]
-        assert kq is not None and vq is not None
-        b = self._batch.on(kq.device)
-        rows = b.slots.reshape(-1)
-        e = self.num_key_value_heads * self.head_dim
-        kt, vt = self._temps[str(kq.device)]
-        for q, s, tmp, bits in ((kq, self.key_scales[layer], kt, self.k_bits),
-                                (vq, self.value_scales[layer], vt, self.v_bits)):
-            codes, scales = self._encode(tmp.view(-1, e)[rows], bits)
-            q.view(-1, q.shape[-1])[rows] = codes
-            if s is not None and scales is not None:
-                s.view(-1, s.shape[-1])[rows] = scales
 
     def get_kv_state(self, layer: int, batch: int = 0, offset: int = 0, width: int = -1
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,8 +101,22 @@ class _QuantizedCache(ExLlamaV2CacheBase):
             if s is not None and scales is not None:
                 s[batch, offset:offset + x.shape[0]] = scales
 
-    def copy_states(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("copy_states is only implemented for ExLlamaV2Cache")
+    def copy_states(self, target: ExLlamaV2CacheBase, from_column: int, from_columns: int, to_column: int,
+                    to_columns: int, from_row: int, from_rows: int, to_row: int, to_rows: int) -> None:
+        """Copy codes and scales (a partial-page copy in the dynamic generator): same type of cache only."""
+        if type(target) is not type(self):
+            raise ConfigError(f"copy_states from {type(self).__name__} needs a target of the same type, got "
+                              f"{type(target).__name__}")
+        super().copy_states(target, from_column, from_columns, to_column, to_columns, from_row, from_rows, to_row,
+                            to_rows)
+        if not self.has_scales:
+            return
+        for i in range(self.num_hidden_layers):
+            for src, dst in ((self.key_scales[i], target.key_scales[i]), (self.value_scales[i],  # type: ignore
+                                                                          target.value_scales[i])):  # type: ignore
+                assert src is not None and dst is not None
+                dst[to_row:to_row + to_rows, to_column:to_column + to_columns].copy_(
+                    src[from_row:from_row + from_rows, from_column:from_column + from_columns])
 
 
 class ExLlamaV2Cache_Q(_QuantizedCache):  # noqa: N801 - exllamav2's public name: base of the Q4/Q6/Q8 caches

@@ -29,6 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "to the acceptance rate)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MB; larger ones "
                    "get 413 (default: 32)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
+                   "model directory's name)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a PEFT LoRA adapter as model NAME (repeatable); requests for it and for the base model "
+                   "share batches")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(_run=run)
 
@@ -49,10 +54,14 @@ def run(args: argparse.Namespace) -> int:
     state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
                        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                        max_body_bytes=int(args.max_body_mb * 2**20), draft_model_dir=args.draft_model,
-                       ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens)
+                       ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens, loras=args.lora)
+    if args.served_model_name:
+        state.model_name = args.served_model_name
     g = state.bridge.generator
     print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, cache {g.num_pages} pages x 256 "
           f"tokens, batch up to {g.max_batch_size}, queue up to {args.max_queue}; http://{args.host}:{args.port}/v1",
           flush=True)
+    if state.adapters:
+        print(f"LoRA adapters (model names): {', '.join(state.adapters)}", flush=True)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
     return 0

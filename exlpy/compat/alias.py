@@ -23,7 +23,6 @@ TARGET = "exlpy"
 RENAMED = {
     "generator.dynamic_async": "generator.dynamic.async_",
     "generator.dynamic_embeddings": "compat.unsupported",
-    "lora": "compat.unsupported",
 }
 # exllamav2 modules with no exlpy counterpart, and why.
 MISSING = {

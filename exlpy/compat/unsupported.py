@@ -1,26 +1,14 @@
 """exllamav2 classes for features exlpy does not have yet. Each name exists, so `from exllamav2 import
-ExLlamaV2Lora` works, and using it raises NotSupportedError saying what is missing (the LoRA and vision issues
-replace these with real classes)."""
+ExLlamaV2VisionTower` works, and using it raises NotSupportedError saying what is missing (the vision issue
+replaces these with real classes; LoRA adapters are exlpy/lora/)."""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from exlpy.errors import NotSupportedError
 
-LORA = "LoRA adapters are not supported by exlpy yet"
 VISION = "vision models (image and video embeddings) are not supported by exlpy"
-
-
-class ExLlamaV2Lora:
-    """exllamav2's LoRA adapter (`ExLlamaV2Lora.from_directory(model, dir)`): not supported yet."""
-
-    def __init__(self, model: Any, lora_path: str, lora_scaling: float = 1.0) -> None:
-        raise NotSupportedError(f"ExLlamaV2Lora: {LORA}")
-
-    @staticmethod
-    def from_directory(model: Any, directory: str, lora_scaling: float = 1.0) -> NoReturn:
-        raise NotSupportedError(f"ExLlamaV2Lora.from_directory({directory!r}): {LORA}")
 
 
 class ExLlamaV2VisionTower:

@@ -166,10 +166,10 @@ class ModelCompatMixin:
         """The devices holding attention layers (where cache tensors live)."""
         return list(dict.fromkeys(self.cache_map.values()))
 
-    # --- features exlpy does not have ------------------------------------------------------------------------
     def update_loras(self) -> None:
-        raise NotSupportedError("LoRA adapters are not supported by exlpy yet (ExLlamaV2.update_loras)")
+        """Nothing to do: adapters are applied per call (per row) from their slots (exlpy/lora/)."""
 
+    # --- features exlpy does not have ------------------------------------------------------------------------
     def set_device_map(self, allocation: list[float], embed_cpu: bool = True) -> list[float]:
         raise NotSupportedError("ExLlamaV2.set_device_map() (assigning devices without loading) is not supported "
                                 "by exlpy; use model.load(gpu_split=[GB, ...]) to load by budgets, or `exlpy plan "

@@ -11,9 +11,11 @@ import torch
 
 from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
 from exlpy.engine.strategy import Strategy, execute
-from exlpy.errors import CacheTooSmallError, NotSupportedError, SequenceLengthError
+from exlpy.errors import CacheTooSmallError, SequenceLengthError
+from exlpy.kernels import ops
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, build_batch, upload_ids
 from exlpy.model.validate import check_forward
+from exlpy.runtime import options
 
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
@@ -34,11 +36,23 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
             preprocess_only: bool = False, last_id_only: bool = False, loras: Any = None,
             return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
             abort_event: Any = None, cpu_logits: bool = False) -> Any:
+    if loras:  # every row uses the same adapters: one slot, held for the call (exlpy/lora/slots.py)
+        from exlpy.lora.slots import adapter_rows
+
+        with adapter_rows(model, loras) as (slot, generation):
+            return _forward(model, input_ids, cache, input_mask, preprocess_only, last_id_only, return_last_state,
+                            position_offsets, cpu_logits, slot, generation)
+    return _forward(model, input_ids, cache, input_mask, preprocess_only, last_id_only, return_last_state,
+                    position_offsets, cpu_logits)
+
+
+def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.Tensor | None,
+             preprocess_only: bool, last_id_only: bool, return_last_state: bool,
+             position_offsets: torch.Tensor | None, cpu_logits: bool, adapter: int = -1, lora: int = 0) -> Any:
     strategy = model.strategy_for_forward()
-    if loras:
-        raise NotSupportedError("LoRA adapters are not supported by exlpy yet")
     input_ids = check_forward(model, input_ids, cache)
     B, T = input_ids.shape
+    adapters = [adapter] * B if lora else None
     cfg = model.config
     dev = strategy.first_device
     mode = _logits_mode(preprocess_only, last_id_only)
@@ -53,7 +67,7 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
         if (runner is not None and T <= MAX_Q_LEN and input_mask is None and position_offsets is None
                 and mode != LOGITS_NONE and not return_last_state):
             # A captured step: ids go straight into its static input, metadata as host integers.
-            logits = runner.run_rows(input_ids, cache, [past] * B, None, cache.max_seq_len, mode)
+            logits = runner.run_rows(input_ids, cache, [past] * B, None, cache.max_seq_len, mode, adapters, lora)
             if logits is not None:
                 cache.current_seq_len = past + T
                 return logits.cpu() if cpu_logits else logits
@@ -63,6 +77,7 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
 
     def run(batch: ForwardBatch, chunk: torch.Tensor, chunk_mode: str) -> Any:
         batch.logits = chunk_mode
+        batch.lora = lora
         batch.keep_last_state = return_last_state
         if offsets is not None:
             batch.rope_positions = (batch.positions + offsets).clamp(min=0)
@@ -77,8 +92,11 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
             raise SequenceLengthError(f"Maximum input length exceeded in model.forward: {T} tokens > "
                                       f"{limit} (max_input_len * max_batch_size // batch); pass a cache "
                                       "to process long inputs in chunks")
-        return run(build_batch([0] * B, T, dev, key_mask=key_mask), ids, mode)
+        return run(build_batch([0] * B, T, dev, key_mask=key_mask, adapters=adapters), ids, mode)
 
+    # Without the flash kernel (CPU reference, EXLPY_FLASH_ATTN=0) a chunk's attention builds [T, past + T]
+    # scores: max_attention_size bounds them. The flash kernel reads K/V in tiles, so only max_input_len counts.
+    tiled = dev.type == "cuda" and options().flash_attn and ops.has_cuda_kernels()
     outputs: list[torch.Tensor] = []
     last_state = None
     pos = 0
@@ -87,10 +105,10 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
             # Chunks bound activation memory: max_input_len tokens, and past*q within max_attention_size.
             cur = past + pos
             att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
-            n = max(1, min(T - pos, cfg.max_input_len, att))
+            n = max(1, min(T - pos, cfg.max_input_len, cfg.max_input_len if tiled else att))
             last = pos + n >= T
             batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
-                                page_size=cache.max_seq_len, key_mask=key_mask)
+                                page_size=cache.max_seq_len, key_mask=key_mask, adapters=adapters)
             batch.past_len = cur
             r = run(batch, ids[:, pos:pos + n], mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode)
             cache.current_seq_len = cur + n
@@ -115,6 +133,10 @@ def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last
     mode = _logits_mode(preprocess_only, last_id_only)
     if batch.logits != mode:
         batch = replace(batch, logits=mode)
+    if batch.lora:  # rows with adapters: the slot buffers on this strategy's blocks, their generation
+        from exlpy.lora.slots import registry_of
+
+        batch = replace(batch, lora=registry_of(model).ensure(strategy))
     runner = graph_runner(model, strategy)
     if runner is not None and mode != LOGITS_NONE and batch.q_len <= MAX_Q_LEN:
         logits = runner.run_batch(input_ids, batch)

@@ -5,7 +5,11 @@ as long as the GPU needs to read the weights. A captured graph replays them all 
 
 A graph bakes in every tensor address it touches, so a step is captured over *static* inputs: token ids
 [rows, T] on the first stage's devices and the packed metadata (positions, cache slots, lengths, block
-table; exlpy/model/batch.py) on every device, shaped by (row bucket, T, table-width bucket). A step is
+table, adapter slot per row; exlpy/model/batch.py) on every device, shaped by (row bucket, T, table-width
+bucket). A step whose rows use LoRA adapters is captured apart (its key holds the adapter registry's
+generation, exlpy/lora/): the adapter kernels read the slot buffers and the per-row slots from device memory,
+so loading or unloading an adapter rewrites buffers and recaptures nothing; steps without adapters keep their
+plain graphs. A step is
 uploaded as host integers straight into those buffers; padding rows write nowhere (slot -1) and read
 nothing (length 0). Attention inside the graph takes key ranges from device memory, never host values, so
 one graph serves every step of its shape. T may be 1 (decode) up to `MAX_Q_LEN` (speculative verification).
@@ -89,17 +93,18 @@ class StepGraphs:
 
     # --- entry points ---------------------------------------------------------------------------------------
     def run_rows(self, ids: torch.Tensor, cache: Any, starts: list[int], tables: list[list[int]] | None,
-                 page_size: int, logits: str = LOGITS_ALL) -> torch.Tensor | None:
-        """Logits [B, T, vocab] for rows continuing at `starts` (cache pages `tables`); None when no graph
-        shape fits (the caller runs the step eagerly)."""
+                 page_size: int, logits: str = LOGITS_ALL, adapters: list[int] | None = None, lora: int = 0
+                 ) -> torch.Tensor | None:
+        """Logits [B, T, vocab] for rows continuing at `starts` (cache pages `tables`, LoRA slots `adapters`
+        when `lora` is nonzero); None when no graph shape fits (the caller runs the step eagerly)."""
         B, T = ids.shape
         width = 1 if tables is None else max(len(t) for t in tables)
-        step = self._step(cache, B, T, width, page_size)
+        step = self._step(cache, B, T, width, page_size, lora if adapters is not None else 0)
         if step is None:
             return None
         if tables is None:  # contiguous cache: row b is page b
             tables = [[b] for b in range(B)]
-        values = pack(starts, T, tables, page_size, step.rows, step.width)
+        values = pack(starts, T, tables, page_size, step.rows, step.width, adapters)
         for meta in step.meta.values():
             staging.upload(values, meta)
         return self._finish(step, ids, B, logits)
@@ -112,13 +117,15 @@ class StepGraphs:
             return None
         B = ids.shape[0]
         if batch.host is not None and batch.batch_size == B:
-            starts, tables = batch.host
-            return self.run_rows(ids, batch.cache, starts, tables, batch.page_size, batch.logits)
-        step = self._step(batch.cache, B, batch.q_len, batch.block_table.shape[1], batch.page_size)
+            starts, tables, adapters = batch.host
+            return self.run_rows(ids, batch.cache, starts, tables, batch.page_size, batch.logits, adapters,
+                                 batch.lora)
+        lora = batch.lora if batch.adapters is not None else 0
+        step = self._step(batch.cache, B, batch.q_len, batch.block_table.shape[1], batch.page_size, lora)
         if step is None:
             return None
         for dev, meta in step.meta.items():  # a hand-built batch: copy its tensors, padding written anew
-            pos, slots, seqlens, table, _ = unpack(meta, step.rows, step.q_len, step.width)
+            pos, slots, seqlens, table, adapter, _ = unpack(meta, step.rows, step.q_len, step.width)
             src = batch.on(torch.device(dev))
             assert src.slots is not None and src.seqlens is not None and src.block_table is not None
             pos[:B].copy_(src.positions)
@@ -127,24 +134,32 @@ class StepGraphs:
             seqlens[:B].copy_(src.seqlens)
             seqlens[B:].zero_()
             table[:B, :src.block_table.shape[1]].copy_(src.block_table)
+            if src.adapters is not None:
+                adapter[:B].copy_(src.adapters)
+            else:
+                adapter[:B].fill_(-1)
+            adapter[B:].fill_(-1)
         return self._finish(step, ids, B, batch.logits)
 
     # --- shapes -----------------------------------------------------------------------------------------------
-    def _step(self, cache: Any, B: int, T: int, width: int, page_size: int) -> _Step | None:
+    def _step(self, cache: Any, B: int, T: int, width: int, page_size: int, lora: int = 0) -> _Step | None:
         rows = bucket_for(B)
         if rows is None or T > MAX_Q_LEN or not getattr(cache, "graph_safe", False):
             return None
         width = bucket_for(width) or width
-        key = (id(cache), rows, T, width, page_size)
+        key = (id(cache), rows, T, width, page_size, lora)
         step = self.steps.get(key)
         if step is not None and (step.cache_ref() is not cache or step.signature != cache_signature(cache)):
             step = None  # the cache object or its tensors changed: the captured addresses are stale
         if step is None:
-            step = self._build(cache, rows, T, width, page_size)
+            if lora:  # steps of an older adapter generation read slot buffers that were reallocated since
+                for k in [k for k in self.steps if k[-1] not in (0, lora)]:
+                    del self.steps[k]
+            step = self._build(cache, rows, T, width, page_size, lora)
             self.steps[key] = step
         return step
 
-    def _build(self, cache: Any, rows: int, T: int, width: int, page_size: int) -> _Step:
+    def _build(self, cache: Any, rows: int, T: int, width: int, page_size: int, lora: int = 0) -> _Step:
         meta: dict[str, torch.Tensor] = {}
         for dev in self.strategy.devices:
             meta[str(dev)] = torch.zeros(packed_size(rows, T, width), dtype=torch.int64, device=dev)
@@ -152,9 +167,10 @@ class StepGraphs:
         for k, stage in enumerate(self.strategy.stages):
             lanes = []
             for lane in stage.lanes:
-                pos, slots, seqlens, table, m = unpack(meta[str(lane.device)], rows, T, width)
+                pos, slots, seqlens, table, adapter, m = unpack(meta[str(lane.device)], rows, T, width)
                 batch = ForwardBatch(rows, T, pos, cache=lane.cache_part(cache), slots=slots, block_table=table,
-                                     page_size=page_size, seqlens=seqlens, max_seqlen=width * page_size, meta=m)
+                                     page_size=page_size, seqlens=seqlens, max_seqlen=width * page_size, meta=m,
+                                     adapters=adapter, lora=lora)
                 ids = torch.zeros(rows, T, dtype=torch.long, device=lane.device) if k == 0 else None
                 lanes.append(_LaneStep(lane, batch, ids))
             step.stages.append((stage, lanes))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.generator.filters.base import feed_token
 from exlpy.model.batch import cache_rows_batch
 
 
@@ -15,6 +16,7 @@ class ExLlamaV2BaseGenerator:
     def __init__(self, model: Any, cache: Any, tokenizer: Any) -> None:
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.sequence_ids: torch.Tensor | None = None
+        self._slot = -1  # the LoRA adapter slot of the current generate_simple call's rows (exlpy/lora/)
         self.abort_event: threading.Event | None = None
 
     def warmup(self) -> None:
@@ -44,8 +46,17 @@ class ExLlamaV2BaseGenerator:
         """
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
-        if loras:
-            raise NotSupportedError("LoRA adapters are not supported by exlpy's generators yet")
+        if loras:  # every row uses `loras`: their adapter slot is held for the call
+            from exlpy.lora.slots import adapter_rows
+
+            with adapter_rows(self.model, loras) as (self._slot, _):
+                try:
+                    return self.generate_simple(prompt, gen_settings, num_tokens, seed, token_healing,
+                                                encode_special_tokens, decode_special_tokens, None, stop_token,
+                                                add_bos, abort_event, input_embeddings, completion_only, filters,
+                                                filter_prefer_eos)
+                finally:
+                    self._slot = -1
         if input_embeddings is not None:
             raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's generators")
         self.abort_event = abort_event
@@ -87,8 +98,8 @@ class ExLlamaV2BaseGenerator:
         self.cache.current_seq_len = 0
         for b, r in enumerate(rows):
             if lens[b] > 1:
-                self.model.forward_batch(r[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0], lens[b] - 1, dev),
-                                         preprocess_only=True)
+                self.model.forward_batch(r[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0], lens[b] - 1, dev,
+                                                                                [self._slot]), preprocess_only=True)
         done = [False] * B
         new_tokens: list[list[int]] = [[] for _ in range(B)]
         seqs = [r.clone() for r in rows]
@@ -96,7 +107,8 @@ class ExLlamaV2BaseGenerator:
             if abort_event is not None and abort_event.is_set():
                 break
             ids = torch.stack([q[-1:] for q in seqs])
-            batch = cache_rows_batch(self.cache, list(range(B)), [q.numel() - 1 for q in seqs], 1, dev)
+            starts = [q.numel() - 1 for q in seqs]
+            batch = cache_rows_batch(self.cache, list(range(B)), starts, 1, dev, [self._slot] * B)
             logits = self.model.forward_batch(ids, batch).float().cpu()
             nxt = torch.empty(B, 1, dtype=torch.long)
             for b in range(B):
@@ -109,9 +121,7 @@ class ExLlamaV2BaseGenerator:
                 nxt[b, 0] = t
                 if not done[b]:
                     new_tokens[b].append(t)
-                    for f in filters:
-                        if hasattr(f, "feed"):
-                            f.feed(t)
+                    feed_token(filters, t)
                     if t == stop or end_filter:
                         done[b] = True
             seqs = [torch.cat([q, nxt[b]]) for b, q in enumerate(seqs)]

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 
 from exlpy.errors import SamplerError
+from exlpy.generator.filters.base import mask_mode
 from exlpy.generator.sampling import chain
 from exlpy.generator.sampling.cfg import cfg_merge
 from exlpy.generator.sampling.draw import draw, uniforms
 from exlpy.generator.sampling.guard import distribution_ok, neutralize, raise_if_bad, usable
 from exlpy.generator.sampling.hooks import PostSamplingResult
-from exlpy.generator.sampling.logit_masks import evaluate_filters
+from exlpy.generator.sampling.logit_masks import evaluate_filters, mask_filter_step
 from exlpy.generator.sampling.mirostat import mirostat_update, mu_tensor
 from exlpy.generator.sampling.settings import SamplerSettings
 from exlpy.generator.sampling.skew import skew_random
@@ -47,7 +48,8 @@ class ExLlamaV2Sampler:
         random: float in [0, 1) that picks the point of the inverse-CDF draw (exllamav2 style), or None.
         generator: a torch.Generator; when given it supplies the random points (same seed, same tokens).
         filters: objects with next()/get_next() -> (pass_tokens, end_tokens), or callables logits -> bool
-            mask [V] / [B, V] (True = allowed); all are combined.
+            mask [V] / [B, V] (True = allowed); all are combined. When every filter can_mask_logits() (e.g.
+            the grammar filter), their mask_logits() is applied on the logits' device instead.
         With `settings.cfg_scale` set, logits hold 2 rows (positive, negative) and one token is returned.
 
         Returns (token [B, 1] long, top_k_tokens [B, 1, K] or None, top_k_probs [B, 1, K] or None,
@@ -76,14 +78,17 @@ class ExLlamaV2Sampler:
             seq = None if seq is None else seq[:1]
             prefix_ids = None if prefix_ids is None else prefix_ids[:1]
 
-        filter_mask, end_tokens = None, None
+        filter_mask, end_tokens, filter_step = None, None, None
         if filters:
             eos = getattr(tokenizer, "eos_token_id", None)
             if filter_prefer_eos and eos is None:
                 raise SamplerError("filter_prefer_eos needs a tokenizer with eos_token_id")
-            filter_mask, end_tokens = evaluate_filters(list(filters), x, eos, filter_prefer_eos)
+            if mask_mode(list(filters)):
+                filter_step, end_tokens = mask_filter_step(list(filters), eos, filter_prefer_eos)
+            else:
+                filter_mask, end_tokens = evaluate_filters(list(filters), x, eos, filter_prefer_eos)
 
-        ctx = chain.LogitContext(seq, tokenizer, prefix_ids, blocked_tokens, filter_mask)
+        ctx = chain.LogitContext(seq, tokenizer, prefix_ids, blocked_tokens, filter_mask, filter_step)
         mu = None
         if settings.mirostat:
             mu = mu_tensor(settings.mirostat_mu, batch, float(settings.mirostat_tau), device)

@@ -43,10 +43,11 @@ class Pending:
 
 
 def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torch.Generator | None,
-           tokenizer: Any) -> Pending:
-    """Feed `ids` [1, 1] (host or device) at `cache.current_seq_len` and sample the next token on the device."""
+           tokenizer: Any, loras: Any = None) -> Pending:
+    """Feed `ids` [1, 1] (host or device) at `cache.current_seq_len` and sample the next token on the device
+    (`loras`: the stream's LoRA adapters)."""
     fed_at = cache.current_seq_len
-    logits = model.forward(ids, cache)[:, -1].float()
+    logits = model.forward(ids, cache, loras=loras or None)[:, -1].float()
     state = after = None
     point = 0.0
     if not is_greedy(plan.settings):

@@ -31,11 +31,14 @@ from exlpy.generator.dynamic.stops import (
     token_payload,
     tokenizer_decode,
 )
+from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
+from exlpy.generator.filters.device import collect, device_maskable, mask_rows
 from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.ngram import NgramIndex
-from exlpy.generator.speculative.streaming import StreamSpeculation
+from exlpy.generator.speculative.streaming import StreamSpeculation, speculative_round
 from exlpy.generator.speculative.verify import speculation_capable
 from exlpy.generator.stream_output import stream_result, unpad_rows
+from exlpy.lora.slots import adapter_rows
 from exlpy.model.batch import cache_rows_batch
 
 
@@ -72,6 +75,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.negative = None
         self.pending: stream_steps.Pending | None = None  # a launched step whose token is not read yet
         self.rng: torch.Generator | None = None
+        self.default_loras: Any = None  # set_loras (exlpy/lora/): adapters of streams begun without loras=
+        self.loras: tuple[Any, ...] = ()  # this stream's adapters
+        self._cached_loras: tuple[Any, ...] = ()  # the adapters that computed the cached K/V
+
+    def set_loras(self, loras: Any) -> None:
+        """LoRA adapters for streams begun later without `loras=` (None or [] for none)."""
+        from exlpy.lora.slots import normalize
+
+        self.default_loras = normalize(loras, self.model)
 
     def set_stop_conditions(self, stop_conditions: Iterable[int | str]) -> None:
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
@@ -91,8 +103,9 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
                         decode_special_tokens: bool = False, banned_strings: list[str] | None = None,
                         filters: list[Any] | None = None, filter_prefer_eos: bool = False,
                         min_new_tokens: int = 0) -> None:
-        if loras:
-            raise NotSupportedError("LoRA adapters are not supported by exlpy's streaming generator yet")
+        from exlpy.lora.slots import normalize
+
+        self.loras = normalize(loras if loras is not None else self.default_loras, self.model)
         if input_embeddings is not None:
             raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's streaming "
                                     "generator")
@@ -134,9 +147,12 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
         self.rng = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        drop_background(self.filters)  # a result left from an earlier stream with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
                 f.begin("")
+        schedule_background(self.filters)
+        self.premask_end: set[int] | None = None
         self.active = True
 
     def _prefill(self, ids: torch.Tensor) -> None:
@@ -146,14 +162,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             return
         reuse = 0
         old = self.sequence_ids
-        if old is not None and self.reusable:
+        if old is not None and self.reusable and self._cached_loras == self.loras:  # K/V depends on adapters
             n = min(old.shape[1], ids.shape[1] - 1, self.cache.current_seq_len)
             diff = (old[0, :n] != ids[0, :n]).nonzero()
             reuse = int(diff[0, 0]) if diff.numel() else n
         self.cache.current_seq_len = reuse
         self.spec.reset_sequence(reuse)
+        self._cached_loras = self.loras
         if ids.shape[1] - 1 > reuse:
-            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True)
+            self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True, loras=self.loras)
             self.prefill_tokens += ids.shape[1] - 1 - reuse
         self.sequence_ids = ids
         self.reusable = True
@@ -164,8 +181,9 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         dev = self.model.strategy_for_forward().first_device
         for b, row in enumerate((ids[0], self.negative)):
             if row.numel() > 1:
-                self.model.forward_batch(row[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0],
-                                         row.numel() - 1, dev), preprocess_only=True)
+                with adapter_rows(self.model, self.loras) as (slot, _):
+                    self.model.forward_batch(row[:-1].unsqueeze(0), cache_rows_batch(self.cache, [b], [0],
+                                             row.numel() - 1, dev, [slot]), preprocess_only=True)
                 self.prefill_tokens += row.numel() - 1
         self.sequence_ids = ids
         self.spec.reset_sequence(0)
@@ -177,11 +195,17 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         seq = self.sequence_ids
         assert seq is not None
         if self.negative is None:
-            return self.model.forward(seq[:, -1:], self.cache).float().cpu()
+            out = self.model.forward(seq[:, -1:], self.cache, loras=self.loras)
+            self.premask_end = None
+            if device_maskable(self.filters, self.filter_prefer_eos):  # grammar filters: mask on the device
+                mask, self.premask_end = collect(self.filters)
+                out = mask_rows(out[:, -1], [0], [mask]).unsqueeze(1)
+            return out.float().cpu()
         ids = torch.stack([seq[0, -1:], self.negative[-1:]])
-        batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
-                                 self.model.strategy_for_forward().first_device)
-        return self.model.forward_batch(ids, batch).float().cpu()
+        with adapter_rows(self.model, self.loras) as (slot, _):
+            batch = cache_rows_batch(self.cache, [0, 1], [seq.shape[1] - 1, self.negative.numel() - 1], 1,
+                                     self.model.strategy_for_forward().first_device, [slot, slot])
+            return self.model.forward_batch(ids, batch).float().cpu()
 
     def set_seed(self, seed: int) -> None:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
@@ -211,14 +235,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         seq = self.sequence_ids
         assert seq is not None
         if self.pending is None:
-            self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer)
+            self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer,
+                                               self.loras)
         current = self.pending
         self.pending = None
         if seq.shape[1] + 1 < self.cache.max_seq_len:
             after = stream_steps.RowSample(plan.settings, sorted(self.stop_tokens)
                                            if self.new_tokens + 1 < self.min_new_tokens else None)
             self.pending = stream_steps.launch(self.model, self.cache, current.token.view(1, 1), after, self.rng,
-                                               self.tokenizer)
+                                               self.tokenizer, self.loras)
         token, prob = current.read()
         r = self._take(token, {"prob": prob}, False)
         if r["eos"]:
@@ -279,7 +304,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         plan = self._device_plan() if not ban_tokens else None  # a step launched earlier did not ban them
         if plan is not None and (self.draft_model is not None or self.speculative_ngram) \
                 and not self.return_probabilities and not plan.blocked and speculation_capable(plan.settings):
-            r = self._stream_speculative(plan)
+            r = speculative_round(self, plan)
             if r is not None:
                 return r
         if plan is not None:
@@ -298,49 +323,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             logits[:, -1:], self.settings, seq, None, self.tokenizer,
             prefix_token=self.prefix_token if self.new_tokens == 0 else None,
             return_top_tokens=self.return_top_tokens, blocked_tokens=sorted(blocked) or None,
-            filters=self.filters or None, filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+            filters=None if self.premask_end is not None else (self.filters or None),
+            filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
         token = int(tok.view(-1)[0])
+        if self.premask_end is not None:
+            end_filter = torch.tensor(token in self.premask_end)
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
                                 self.return_logits)
         return self._take(token, payload, bool(end_filter))
-
-    def _stream_speculative(self, plan: stream_steps.RowSample) -> dict[str, Any] | None:
-        """One speculative round (exlpy/generator/speculative/streaming.py); None when nothing was drafted."""
-        seq = self.sequence_ids
-        assert seq is not None
-        room = self.cache.max_seq_len - seq.shape[1]
-        if self.token_budget is not None:
-            room = min(room, self.token_budget - 1)  # the round adds one token besides the accepted drafts
-        if self.draft_model is not None:
-            k = min(self.spec.length.choose(), room, self.draft_cache.max_seq_len - seq.shape[1])
-        else:
-            k = min(self.num_speculative_tokens or self.speculative_ngram_max_inf, room)
-        if k < 1:
-            return None
-        self._discard()
-        if self.draft_model is not None:
-            drafts = self.spec.model_drafts(seq, k, self.speculative_prob_threshold)
-        else:
-            drafts = self.spec.ngram_drafts(seq[0].tolist(), k, self.speculative_ngram_max, self.speculative_ngram_min,
-                                            self.speculative_ngram_threshold, getattr(self, "_preload", None))
-        if not drafts:
-            return None
-        m, emitted = self.spec.verify(seq, drafts, plan, self.rng, self.tokenizer)
-        self.total_draft_tokens += len(drafts)
-        self.accepted_draft_tokens += m
-        out = Released()
-        for t in emitted:
-            rel = self._feed(t, {})
-            out.text += rel.text
-            out.tokens += rel.tokens
-            out.payloads += rel.payloads
-            if rel.eos:
-                out.eos, out.eos_reason, out.trigger = True, rel.eos_reason, rel.trigger
-                break
-        assert self.sequence_ids is not None
-        self.cache.current_seq_len = min(self.cache.current_seq_len, self.sequence_ids.shape[1] - 1)
-        return self._result(out)
 
     def _feed(self, token: int, payload: dict[str, Any]) -> Released:
         """Append one token (no filters or banned strings: speculation runs without them) and release text."""
@@ -360,10 +351,10 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             self.negative = torch.cat([self.negative, torch.tensor([token])])
         self.new_tokens += 1
         self.total_tokens += 1
-        for f in self.filters:
-            if hasattr(f, "feed"):
-                f.feed(token)
+        feed_token(self.filters, token)
         rel = self.text_stream.add(token, payload)
+        if not rel.eos and not end_filter:
+            schedule_background(self.filters)
         if rel.rewind:
             self._rewind(rel)
             out = self._result(Released())

@@ -104,6 +104,52 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                         positions, scale, key_mask)
 
 
+def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a query block (prefill chunk, verify step) over the cache in place; see reference."""
+    return _impl("flash_attention", q)(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                        positions, scale, key_mask)
+
+
+def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                    v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
+                    max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """`flash_attention` over a quantized cache read at its own width (any query length), with this step's own
+    K/V optionally taken unquantized from k_new/v_new; see reference."""
+    return _impl("quant_attention", q)(q, k_codes, k_scales, v_codes, v_scales, block_table, page_size, seqlens,
+                                        max_seqlen, positions, scale, k_bits, v_bits, key_mask, k_new, v_new)
+
+
+def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                   v_scales: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_bits: int, v_bits: int) -> None:
+    """Quantize k/v [B,T,Hkv,D] into a quantized cache's rows `slots`; see reference."""
+    _impl("store_kv_quant", k)(k_codes, k_scales, v_codes, v_scales, slots, k, v, k_bits, v_bits)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
          is_causal: bool = False) -> torch.Tensor:
     return _impl("sdpa", q)(q, k, v, scale, mask, is_causal)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    return _impl("apply_token_bitmask", logits)(logits, bitmask)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    return _impl("lora_shrink", x)(x, a, ranks, adapters, q_len, norm_weight, eps)
+
+
+def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor,
+                q_len: int, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    return _impl("lora_expand", y)(y, u, b, ranks, adapters, q_len, bounds)
+
+
+def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+                       adapters: torch.Tensor, q_len: int, down_a: torch.Tensor | None = None,
+                       down_ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _impl("lora_expand_swiglu", gu)(gu, u, b, ranks, adapters, q_len, down_a, down_ranks)

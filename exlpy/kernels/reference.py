@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from exlpy.cache import qcodec
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does."""
@@ -102,6 +104,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, le
     return flat[slots]
 
 
+def _cache_mask(positions: torch.Tensor, seqlens: torch.Tensor, max_seqlen: int,
+                key_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B,1,T,L] keep-mask: key t is visible to query i of row b when t <= positions[b,i], t < seqlens[b]."""
+    t = torch.arange(max_seqlen, device=positions.device)
+    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, :max_seqlen]
+    return mask.unsqueeze(1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,14 +122,72 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Query i of row b sits at absolute position positions[b,i] and sees keys t <= positions[b,i] with
     t < seqlens[b] (and key_mask[b,t] when given). Returns [B,T,Hq,D].
     """
-    B, T, Hq, D = q.shape
     k = gather_kv(k_cache, block_table, page_size, max_seqlen)  # [B,L,Hk,D]
     v = gather_kv(v_cache, block_table, page_size, max_seqlen)
-    t = torch.arange(max_seqlen, device=q.device)
-    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, :max_seqlen]
-    return sdpa(q, k, v, scale, mask.unsqueeze(1))
+    return sdpa(q, k, v, scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
+
+
+def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention`'s contract for query blocks of any length (prefill chunks, verify steps): the CUDA
+    version is the flash kernel, which reads K/V from the cache in place and never builds the [T, L] mask."""
+    return paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
+                           key_mask)
+
+
+def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor | None, bits: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """Quantized cache rows [..., W] -> values [..., E]; scales None is the FP8 cache."""
+    if scales is None:
+        return qcodec.fp8_decode(codes, dtype)
+    return qcodec.dequantize(codes, scales, bits, dtype)
+
+
+def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                    v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
+                    max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
+                    key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention` over a quantized cache (exlpy.cache.quant layout): codes [rows, S, W] uint8 and fp16
+    group scales [rows, S, Hkv*D/32] per K and V, `*_bits` 4 or 8; scales None means the FP8 cache (8 bits).
+
+    With `k_new`/`v_new` [B,T,Hkv,D] (this step's own K/V, the step's tokens at consecutive positions from
+    positions[b, 0]), keys at those positions are taken unquantized from them, as exllamav2 attends over its
+    fp16 working copy in which the step's rows are still fresh."""
+    B, T, Hq, D = q.shape
+    kv = []
+    for codes, scales, bits, new in ((k_codes, k_scales, k_bits, k_new), (v_codes, v_scales, v_bits, v_new)):
+        c = gather_kv(codes.reshape(-1, 1, codes.shape[-1]), block_table, page_size, max_seqlen)
+        s = None if scales is None else gather_kv(scales.reshape(-1, 1, scales.shape[-1]), block_table,
+                                                  page_size, max_seqlen)
+        vals = _dequant_rows(c.squeeze(2), None if s is None else s.squeeze(2), bits, q.dtype)
+        vals = vals.view(B, max_seqlen, -1, D)
+        if new is not None:
+            t = positions[:, :1] + torch.arange(T, device=q.device)  # [B, T] positions of the step's rows
+            keep = t < max_seqlen
+            vals = vals.clone()
+            vals[torch.arange(B, device=q.device).view(-1, 1).expand(-1, T)[keep], t[keep]] = new[keep].to(q.dtype)
+        kv.append(vals)
+    return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
+
+
+def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
+                   v_scales: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_bits: int, v_bits: int) -> None:
+    """`store_kv` into a quantized cache: k/v [B,T,Hkv,D] quantized as exlpy.cache.qcodec does (Hadamard groups
+    + absmax codes, or FP8 where scales is None) into flat rows `slots` [B,T]; negative slots are skipped."""
+    idx = slots.reshape(-1)
+    keep = idx >= 0
+    for codes, scales, x, bits in ((k_codes, k_scales, k, k_bits), (v_codes, v_scales, v, v_bits)):
+        rows = x.reshape(idx.shape[0], -1)[keep]
+        flat = codes.view(-1, codes.shape[-1])
+        if scales is None:
+            flat[idx[keep]] = qcodec.fp8_encode(rows)
+            continue
+        c, s = qcodec.quantize(rows, bits)
+        flat[idx[keep]] = c
+        scales.view(-1, scales.shape[-1])[idx[keep]] = s
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -143,3 +213,106 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
         acc += t.to(acc.device, torch.float32)
     for t in tensors:
         t.copy_(acc.to(t.device, t.dtype))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token whose bit is 0 set to -inf (a new tensor). bitmask [B, W] int32, bit
+    t % 32 of word t // 32 allows token t (llguidance/xgrammar layout); tokens past 32·W are excluded."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+    vocab = logits.shape[-1]
+    if allowed.shape[-1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
+    return logits.masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+
+# --- LoRA: per-row adapters in one batch (exlpy/lora/) ----------------------------------------------------------
+# Adapter weights live in slot buffers: a [S, P, R, K] holds the down-projections (lora_A) of P projections that
+# read the same input, b [S, N, R] the up-projections (lora_B, scaling folded in) of their N output columns side
+# by side; ranks [S] says how many of the R rank rows slot s uses. Token m belongs to row m // q_len, whose slot
+# is adapters[row] (-1: no adapter). The first op (shrink) returns fp32 partials [splits, M, P*R + 1]: summed
+# over dim 0, columns :P*R times rsqrt(column P*R) give u = h @ A^T per token (h = x, or its RMSNorm: the kernels
+# split K over programs and leave the norm's scale to the expand that adds the splits up). This reference returns
+# one split and scale column 1. Rows without a slot, or whose slot has rank 0, may hold anything: the expand
+# never reads them.
+
+def _token_slots(adapters: torch.Tensor, q_len: int, m: int) -> torch.Tensor:
+    return adapters.view(-1, 1).expand(-1, q_len).reshape(-1)[:m]
+
+
+def _slot_rows(adapters: torch.Tensor, q_len: int, m: int) -> list[tuple[int, torch.Tensor | None]]:
+    """(slot, its token indices, or None when it has every token) for the slots in use."""
+    slot = _token_slots(adapters, q_len, m)
+    out: list[tuple[int, torch.Tensor | None]] = []
+    for s in slot.unique().tolist():
+        if s >= 0:
+            rows = slot == s
+            out.append((s, None if bool(rows.all()) else rows.nonzero().squeeze(1)))
+    return out
+
+
+def _rank_rows(w: torch.Tensor, rank: torch.Tensor, dim: int) -> torch.Tensor:
+    """w in fp32 with the rank entries >= `rank` along `dim` zeroed (slots hold stale rows past their rank)."""
+    keep = torch.arange(w.shape[dim], device=w.device) < rank.to(w.device)
+    shape = [1] * w.dim()
+    shape[dim] = -1
+    return w.float() * keep.view(shape)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Partials [splits, M, P*R + 1] (fp32) of x [..., K] (rms_norm(x, norm_weight, eps) first when norm_weight
+    is given) with each token's slot of a [S, P, R, K]; see the comment above."""
+    K = x.shape[-1]
+    M = x.numel() // K
+    S, P, R, _ = a.shape
+    h = (rms_norm(x, norm_weight, eps) if norm_weight is not None else x).reshape(M, K).float()
+    u = torch.zeros(M, P * R + 1, dtype=torch.float32, device=x.device)
+    u[:, -1] = 1.0
+    for s, idx in _slot_rows(adapters, q_len, M):
+        a_s = _rank_rows(a[s], ranks[s], 1).reshape(P * R, K)
+        if idx is None:
+            u[:, :-1] = h @ a_s.t()
+        else:
+            u[idx, :-1] = h.index_select(0, idx) @ a_s.t()
+    return u.unsqueeze(0)
+
+
+def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor,
+                q_len: int, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    """y [..., N] + the adapters' outputs, in place: columns [edge p, edge p+1) of part p (edges 0, *bounds, N)
+    get u's part p [.., p*R:(p+1)*R] @ b[slot, cols]^T. u: the partials of `lora_shrink`. Returns y."""
+    N = y.shape[-1]
+    M = y.numel() // N
+    R = b.shape[-1]
+    edges = [0, *bounds, N]
+    total = u.sum(0)
+    us = total[:, :-1] * total[:, -1:].rsqrt()
+    if not y.is_contiguous():
+        y = y.contiguous()
+    yv = y.view(M, N)
+    for s, idx in _slot_rows(adapters, q_len, M):
+        bs = _rank_rows(b[s], ranks[s], 1)
+        us_s = us if idx is None else us.index_select(0, idx)
+        delta = torch.cat([us_s[:, p * R:(p + 1) * R] @ bs[edges[p]:edges[p + 1]].t()
+                           for p in range(len(edges) - 1)], dim=1)
+        if idx is None:
+            yv.copy_(yv.float() + delta)
+        else:
+            yv.index_copy_(0, idx, (yv.index_select(0, idx).float() + delta).to(y.dtype))
+    return y
+
+
+def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+                       adapters: torch.Tensor, q_len: int, down_a: torch.Tensor | None = None,
+                       down_ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """silu(gate) * up of a [gate; up] projection's output gu [..., 2I] with the adapters' outputs added first
+    (b [S, 2I, R]; u: the partials of `lora_shrink` over both parts). Returns (act [..., I], and with `down_a`
+    [S, 1, R2, I] the `lora_shrink` partials of act for the next projection, else None). gu is not modified."""
+    inter = gu.shape[-1] // 2
+    y = lora_expand(gu.clone(), u, b, ranks, adapters, q_len, (inter,))
+    act = silu_mul(y[..., :inter], y[..., inter:])
+    if down_a is None:
+        return act, None
+    assert down_ranks is not None
+    return act, lora_shrink(act, down_a, down_ranks, adapters, q_len)

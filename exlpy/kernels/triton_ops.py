@@ -1,7 +1,9 @@
 """CUDA implementations of the fused ops, registered into `ops` on first CUDA use (when triton imports).
 
-Prefill-shaped attention stays on torch SDPA (flash backend, native GQA); short query blocks over the cache
-(decode, speculative steps) use the Triton split-K kernel, which reads lengths from device memory.
+Attention over the cache: single-token decode uses the Triton split-K decode kernel; longer query blocks
+(prefill chunks, verify steps) the flash kernel, which reads K/V from the cache in place (no gather, no
+[T, L] mask); both take lengths from device memory. `EXLPY_FLASH_ATTN=0` sends the longer blocks back to
+gather + torch SDPA (for A/B runs). Prefill without a cache stays on torch SDPA (flash backend, native GQA).
 """
 
 from __future__ import annotations
@@ -13,14 +15,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from exlpy.kernels import ops, reference
 from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import silu_mul
+from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
+from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.paged_attention import paged_decode_attention
+from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm
 from exlpy.kernels.rope import apply_rope, rope_store_kv
+from exlpy.kernels.token_bitmask import apply_token_bitmask
+from exlpy.runtime import options
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_MAX_DECODE_Q = 16  # longer query blocks re-read K/V per query in the decode kernel: SDPA is faster there
+_MAX_DECODE_Q = 1  # the decode kernel re-reads K/V per query token; the flash kernel reads it once per tile
 
 
 def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -42,9 +49,13 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
                          positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
                          ) -> torch.Tensor:
-    if q.shape[1] <= _MAX_DECODE_Q:
+    flash = options().flash_attn
+    if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16):
         return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
                                       positions, scale, key_mask)
+    if flash:
+        return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
+                               key_mask)
     k = reference.gather_kv(k_cache, block_table, page_size, max_seqlen)
     v = reference.gather_kv(v_cache, block_table, page_size, max_seqlen)
     t = torch.arange(max_seqlen, device=q.device)
@@ -52,6 +63,15 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if key_mask is not None:
         mask = mask & key_mask[:, None, :max_seqlen]
     return sdpa_cuda(q, k, v, scale, mask.unsqueeze(1))
+
+
+def quant_attention_cuda(q: torch.Tensor, *args: object) -> torch.Tensor:
+    """The quantized-cache kernel rotates q per head in 32-element groups: head_dim must be a power of two
+    >= 32. Other head sizes (rare: test models) take the torch reference, which dequantizes whole rows."""
+    D = q.shape[-1]
+    if D < 32 or D & (D - 1):
+        return reference.quant_attention(q, *args)  # type: ignore[arg-type]
+    return quant_attention(q, *args)  # type: ignore[arg-type]
 
 
 def register_all() -> None:
@@ -67,6 +87,13 @@ def register_all() -> None:
     ops.register("rms_norm_act_order", rms_norm_act_order)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)
+    ops.register("flash_attention", flash_attention)
+    ops.register("quant_attention", quant_attention_cuda)
+    ops.register("store_kv_quant", store_kv_quant)
+    ops.register("apply_token_bitmask", apply_token_bitmask)
+    ops.register("lora_shrink", lora_shrink)
+    ops.register("lora_expand", lora_expand)
+    ops.register("lora_expand_swiglu", lora_expand_swiglu)
 
 
 register_all()

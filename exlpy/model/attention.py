@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class Attention(Module):
         self.v_proj: Linear | None = None
         self.o_proj: Linear | RowParallel | ColumnParallel | None = None
         self.qkv_proj: FusedDense | FusedQuant | None = None  # q, k and v side by side when they can fuse
+        self.lora: Any = None  # LoRA slot buffers and hooks, attached by exlpy/lora/ while adapters are in use
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -72,14 +74,17 @@ class Attention(Module):
 
     def unload(self) -> None:
         self.norm_w = self.q_norm_w = self.k_norm_w = None
-        self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.qkv_proj = None
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = self.qkv_proj = self.lora = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.q_proj and self.k_proj and self.v_proj and self.o_proj and self.norm_w is not None
         B, T, _ = x.shape
         eps = self.spec.norm_eps
-        if self.qkv_proj is not None:  # pre-norm fused into one q|k|v projection
+        lora = self.lora if batch.lora else None  # rows with LoRA adapters (exlpy/lora/block.py)
+        if lora is not None:
+            q, k, v = lora.project_qkv(self, x, batch)
+        elif self.qkv_proj is not None:  # pre-norm fused into one q|k|v projection
             q, k, v = self.qkv_proj.forward_normed(x, self.norm_w, eps).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         else:
@@ -92,15 +97,18 @@ class Attention(Module):
             q = ops.rms_norm(q, self.q_norm_w, eps)
             k = ops.rms_norm(k, self.k_norm_w, eps)
         o = attend(q, k, v, batch, self.layer_idx, self.scale, self.rotary.get(x.device, x.dtype))
-        return await close_block(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim))
+        return await close_block(x, self.o_proj, o.reshape(B, T, self.num_heads * self.head_dim),
+                                 lora.closing(batch, "o") if lora is not None else None)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int, scale: float,
            rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Causal attention of q [B,T,Hq,D] after writing k/v to `batch.cache` (when there is one): [B,T,Hq,D].
 
-    q and k arrive unrotated and are rotated here at `batch.rope_pos`, in the same kernel that writes the
-    cache where it can (one launch fewer per layer).
+    q and k arrive unrotated and are rotated here at `batch.rope_pos` (in the kernel that writes the cache,
+    where it can). Over a cache the kernels read K/V where they lie, at the cache's own width: the split-K
+    decode kernel for one token per row, the flash kernel for longer blocks (chunked prefill, speculative
+    verification), the quantized-cache kernels for Q4/Q6/Q8/FP8 caches (no fp16 working copy).
     """
     cache = batch.cache
     if cache is None:
@@ -110,23 +118,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
             causal = torch.ones(batch.q_len, batch.q_len, dtype=torch.bool, device=q.device).tril()
             mask = (causal.unsqueeze(0) & batch.key_mask[:, None, :batch.q_len]).unsqueeze(1)
         return ops.sdpa(q, k, v, scale, mask, is_causal=True)
-    k_cache, v_cache = cache.layer_kv(layer_idx)
     assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
+    where = (batch.block_table, batch.page_size, batch.seqlens, batch.max_seqlen, batch.positions, scale)
+    codes = getattr(cache, "layer_codes", None)
+    if codes is not None:
+        kq, ks, vq, vs, kb, vb = codes(layer_idx)
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        ops.store_kv_quant(kq, ks, vq, vs, batch.slots, k, v, kb, vb)
+        # The step's own keys come unquantized from k/v, as a working copy would hold them.
+        return ops.quant_attention(q, kq, ks, vq, vs, *where, kb, vb, batch.key_mask, k, v)
+    k_cache, v_cache = cache.layer_kv(layer_idx)
     if k_cache.is_contiguous() and v_cache.is_contiguous():
-        # Quantized caches land here too: layer_kv hands out their contiguous fp16 working copies.
         q, k = ops.rope_store_kv(q, k, v, rope[0], rope[1], batch.rope_pos, k_cache, v_cache, batch.slots)
     else:
         q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
         ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-    if batch.past_len is not None and batch.key_mask is None and batch.q_len > 1:
-        # Prefill into a contiguous cache, same past for every row: SDPA over a slice, no gather.
-        # (Decode steps take the paged kernel below, as inside CUDA graphs: one path, same numerics.)
-        end = batch.past_len + batch.q_len
-        kc, vc = k_cache[:batch.batch_size, :end], v_cache[:batch.batch_size, :end]
-        if batch.past_len == 0:
-            return ops.sdpa(q, kc, vc, scale, None, is_causal=True)
-        t = torch.arange(end, device=q.device)
-        mask = t.view(1, -1) <= batch.positions[0].view(-1, 1)
-        return ops.sdpa(q, kc, vc, scale, mask.view(1, 1, batch.q_len, end))
-    return ops.paged_attention(q, k_cache, v_cache, batch.block_table, batch.page_size, batch.seqlens,
-                               batch.max_seqlen, batch.positions, scale, batch.key_mask)
+    if batch.past_len == 0 and batch.key_mask is None and batch.q_len > 1:
+        # A first chunk into a contiguous cache, every row from position 0: torch's own causal SDPA over the
+        # slice just written (its flash backend is as fast as any kernel here for this case).
+        kc, vc = k_cache[:batch.batch_size, :batch.q_len], v_cache[:batch.batch_size, :batch.q_len]
+        return ops.sdpa(q, kc, vc, scale, None, is_causal=True)
+    return ops.paged_attention(q, k_cache, v_cache, *where, batch.key_mask)  # longer blocks: the flash kernel

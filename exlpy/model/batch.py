@@ -6,9 +6,9 @@ whole row of S positions and whose block table for sequence b is [b]. `build_bat
 integers (where each row starts, its pages) into a `ForwardBatch`; every caller uses it: `model.forward`,
 the generators, and the CUDA-graph runner, which asks for the same layout padded to its static shape.
 
-All integer metadata travels to the device as ONE int64 tensor (positions | slots | lengths | block table),
-copied from a pinned host buffer without waiting for the device, so the host can prepare step n+1 while
-the GPU runs step n. The batch's fields are views of that tensor.
+All integer metadata travels to the device as ONE int64 tensor (positions | slots | lengths | block table |
+adapter slot per row), copied from a pinned host buffer without waiting for the device, so the host can
+prepare step n+1 while the GPU runs step n. The batch's fields are views of that tensor.
 """
 
 from __future__ import annotations
@@ -41,13 +41,18 @@ class ForwardBatch:
     # RoPE positions when they differ from the cache positions (left-padded rows start at position 0 while
     # their tokens sit further right in the cache); None means `positions`.
     rope_positions: torch.Tensor | None = None
+    # LoRA (exlpy/lora/): the adapter slot of each row (-1: none), and `lora` nonzero when some row has one
+    # (then the adapter registry's generation: it keys the CUDA graphs that run the adapter kernels).
+    adapters: torch.Tensor | None = None  # [B] int64
+    lora: int = 0
     logits: str = LOGITS_ALL  # what the head computes: every position, the last one, or nothing (prefill)
     keep_last_state: bool = False  # store the head's input in `last_state` (exllamav2's return_last_state)
     last_state: torch.Tensor | None = field(default=None, compare=False)
     meta: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the packed int64 metadata
     # The host integers the batch was built from (row starts, page tables): the graph runner re-packs them
     # for its static layout without reading anything back from the device.
-    host: tuple[list[int], list[list[int]] | None] | None = field(default=None, repr=False, compare=False)
+    host: tuple[list[int], list[list[int]] | None, list[int] | None] | None = field(default=None, repr=False,
+                                                                                    compare=False)
     _per_device: dict[str, ForwardBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -66,10 +71,10 @@ class ForwardBatch:
                                self.block_table.shape[1] if self.block_table is not None else 0)
                 names = ("positions", "slots", "seqlens", "block_table") if self.cache is not None else ("positions",)
                 fields = dict(zip(names, moved))
-                fields["meta"] = moved[4]
+                fields["adapters"], fields["meta"] = moved[4], moved[5]
             else:
                 fields = {"positions": mv(self.positions), "slots": mv(self.slots), "seqlens": mv(self.seqlens),
-                          "block_table": mv(self.block_table)}
+                          "block_table": mv(self.block_table), "adapters": mv(self.adapters)}
             self._per_device[key] = replace(self, key_mask=mv(self.key_mask), rope_positions=mv(self.rope_positions),
                                             **fields)
         return self._per_device[key]
@@ -80,10 +85,12 @@ class ForwardBatch:
 
 
 def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | None, page_size: int,
-         rows: int, width: int) -> list[int]:
+         rows: int, width: int, adapters: Sequence[int] | None = None) -> list[int]:
     """Host integers of the packed layout for `rows` rows (live rows first, then padding) and block tables
-    `width` pages wide: positions [rows*T] | slots [rows*T] | seqlens [rows] | block table [rows*width]."""
+    `width` pages wide: positions [rows*T] | slots [rows*T] | seqlens [rows] | block table [rows*width] |
+    adapter slots [rows] (-1: no adapter, as for padding rows)."""
     n = len(starts)
+    assert adapters is None or len(adapters) == n, "one adapter slot per row"
     positions: list[int] = []
     slots: list[int] = []
     for b, s in enumerate(starts):
@@ -104,19 +111,21 @@ def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | No
             table.extend(t)
             table.extend([0] * (width - len(t)))
         table.extend([0] * (pad * width))
-    return positions + slots + seqlens + table
+    adapter = ([-1] * n if adapters is None else list(adapters)) + [-1] * pad
+    return positions + slots + seqlens + table + adapter
 
 
 def unpack(meta: torch.Tensor, rows: int, q_len: int, width: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views (positions, slots, seqlens, block table, meta) of a packed metadata tensor."""
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (positions, slots, seqlens, block table, adapter slots, meta) of a packed metadata tensor."""
     a = rows * q_len
+    t = 2 * a + rows + rows * width
     return (meta[:a].view(rows, q_len), meta[a:2 * a].view(rows, q_len), meta[2 * a:2 * a + rows],
-            meta[2 * a + rows:2 * a + rows + rows * width].view(rows, width), meta)
+            meta[2 * a + rows:t].view(rows, width), meta[t:t + rows], meta)
 
 
 def packed_size(rows: int, q_len: int, width: int) -> int:
-    return rows * (2 * q_len + 1 + width)
+    return rows * (2 * q_len + 2 + width)
 
 
 class _Staging:
@@ -167,11 +176,11 @@ def upload_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
 def build_batch(starts: Sequence[int], q_len: int, device: torch.device, *, cache: Any = None,
                 tables: Sequence[Sequence[int]] | None = None, page_size: int = 0,
                 rows: int | None = None, width: int | None = None, out: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None) -> ForwardBatch:
+                key_mask: torch.Tensor | None = None, adapters: Sequence[int] | None = None) -> ForwardBatch:
     """The batch for len(starts) rows of `q_len` new tokens; row b continues its sequence at position
     starts[b] and keeps its K/V in cache pages tables[b] (page_size rows each). `rows` / `width` pad the
     layout to a static shape (CUDA graphs); `out` is the device tensor to upload into (a graph's static
-    input) instead of a fresh one."""
+    input) instead of a fresh one. `adapters`: the LoRA slot of each row (-1: none; exlpy/lora/)."""
     n = len(starts)
     rows = n if rows is None else rows
     if cache is None:
@@ -179,44 +188,48 @@ def build_batch(starts: Sequence[int], q_len: int, device: torch.device, *, cach
     elif width is None:
         width = max(len(t) for t in tables) if tables else 0
     assert width is not None
-    values = pack(starts, q_len, tables, page_size, rows, width)
+    values = pack(starts, q_len, tables, page_size, rows, width, adapters)
     meta = out if out is not None else torch.empty(len(values), dtype=torch.int64, device=device)
     staging.upload(values, meta)
-    positions, slots, seqlens, table, _ = unpack(meta, rows, q_len, width)
+    positions, slots, seqlens, table, adapter, _ = unpack(meta, rows, q_len, width)
     max_seqlen = max(starts) + q_len if n else 0
-    host = (list(starts), None if tables is None else [list(t) for t in tables])
+    host = (list(starts), None if tables is None else [list(t) for t in tables],
+            None if adapters is None else list(adapters))
+    lora = int(adapters is not None and any(a >= 0 for a in adapters))
     if cache is None:
         return ForwardBatch(rows, q_len, positions, key_mask=key_mask, max_seqlen=max_seqlen, past_len=0,
-                            meta=meta, host=host)
+                            meta=meta, host=host, adapters=adapter, lora=lora)
     return ForwardBatch(rows, q_len, positions, cache=cache, slots=slots, block_table=table, page_size=page_size,
-                        seqlens=seqlens, max_seqlen=max_seqlen, key_mask=key_mask, meta=meta, host=host)
+                        seqlens=seqlens, max_seqlen=max_seqlen, key_mask=key_mask, meta=meta, host=host,
+                        adapters=adapter, lora=lora)
 
 
 def contiguous_batch(batch_size: int, q_len: int, past_len: int, cache: Any, seq_stride: int,
                      device: torch.device, key_mask: torch.Tensor | None = None,
-                     row_offset: int = 0) -> ForwardBatch:
+                     row_offset: int = 0, adapters: Sequence[int] | None = None) -> ForwardBatch:
     """Batch for a non-paged cache (rows row_offset.. of it) where every row has the same past length."""
     tables = [[row_offset + b] for b in range(batch_size)]
     batch = build_batch([past_len] * batch_size, q_len, device, cache=cache, tables=tables, page_size=seq_stride,
-                        key_mask=key_mask)
+                        key_mask=key_mask, adapters=adapters)
     batch.past_len = past_len if row_offset == 0 else None
     return batch
 
 
 def cache_rows_batch(cache: Any, rows: Sequence[int], starts: Sequence[int], q_len: int,
-                     device: torch.device) -> ForwardBatch:
+                     device: torch.device, adapters: Sequence[int] | None = None) -> ForwardBatch:
     """Batch over a contiguous cache where row i writes cache row rows[i] from position starts[i] on.
 
     Each sequence sits unpadded at the start of its own cache row, so positions equal cache indices and rows
     of different lengths need no attention mask (the streaming generator's CFG pair, the base generator).
     """
-    return build_batch(starts, q_len, device, cache=cache, tables=[[r] for r in rows], page_size=cache.max_seq_len)
+    return build_batch(starts, q_len, device, cache=cache, tables=[[r] for r in rows], page_size=cache.max_seq_len,
+                       adapters=adapters)
 
 
 def paged_batch(rows: Sequence[tuple[Sequence[int], int, int]], cache: Any, device: torch.device,
-                page_size: int) -> ForwardBatch:
+                page_size: int, adapters: Sequence[int] | None = None) -> ForwardBatch:
     """Batch for rows of (page ids, first position, q_len) of a paged cache, all rows with the same q_len."""
     q = rows[0][2]
     assert all(r[2] == q for r in rows), "all rows of one batch need the same q_len"
     return build_batch([r[1] for r in rows], q, device, cache=cache, tables=[list(r[0]) for r in rows],
-                       page_size=page_size)
+                       page_size=page_size, adapters=adapters)

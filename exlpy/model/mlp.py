@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from exlpy.config.config import ExLlamaV2Config
@@ -27,6 +29,7 @@ class MLP(Module):
         self.up_proj: Linear | None = None
         self.down_proj: Linear | RowParallel | ColumnParallel | None = None
         self.gate_up_proj: FusedDense | FusedQuant | None = None  # gate and up side by side when they can fuse
+        self.lora: Any = None  # LoRA slot buffers and hooks, attached by exlpy/lora/ while adapters are in use
 
     def tensor_prefixes(self) -> list[str]:
         return [self.key, self.norm_key]
@@ -48,11 +51,14 @@ class MLP(Module):
 
     def unload(self) -> None:
         self.norm_w = None
-        self.gate_proj = self.up_proj = self.down_proj = self.gate_up_proj = None
+        self.gate_proj = self.up_proj = self.down_proj = self.gate_up_proj = self.lora = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.down_proj is not None and self.norm_w is not None
+        if self.lora is not None and batch.lora:  # rows with LoRA adapters (exlpy/lora/block.py)
+            act, closing = self.lora.activation(self, x, batch)
+            return await close_block(x, self.down_proj, act, closing)
         if self.gate_proj is None or self.up_proj is None:  # a tensor-parallel GPU with no intermediate share
             return await close_block(x, self.down_proj, None)
         eps = self.spec.norm_eps

@@ -15,17 +15,22 @@ projection that closes a block must sum over the GPUs, and that is all the block
 
 All-gathers are all-reduces of zero-padded buffers: uneven splits need no special case, and decode-sized
 messages are latency-bound anyway.
+
+`extra(h, y)` (LoRA adapters, exlpy/lora/block.py) runs between a projection's GEMM and its collective: it may
+add to this GPU's output y, given the input h as the projection saw it, and returns the tensor to use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import torch
 
 from exlpy.model.fusion import add_linear, dense_matmul
 from exlpy.model.linear import DenseLinear, Linear
+
+Extra = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Collective(Protocol):
@@ -59,11 +64,13 @@ class RowParallel:
         self.out_features = out_features
         self.bias = bias  # the first GPU's bias when it holds no share of the input features
 
-    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None) -> torch.Tensor:
         if self.inner is None or h is None:
             y = (x if self.bias is None else x.add_(self.bias)) if self.first else torch.zeros_like(x)
         else:
             y = add_linear(x, self.inner, h) if self.first else dense_matmul(self.inner, h)
+            if extra is not None:
+                y = extra(h, y)
         await self.group.all_reduce(y)
         return y
 
@@ -84,7 +91,8 @@ class ColumnParallel:
         self.first_only = first_only
         self.out_features = out_total
 
-    async def forward(self, h: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor | None:
+    async def forward(self, h: torch.Tensor | None, like: torch.Tensor | None = None, extra: Extra | None = None
+                      ) -> torch.Tensor | None:
         """`h` None: this GPU holds no input slice (it contributes zeros); `like` then gives rows and dtype."""
         if self.in_total is not None:
             assert self.in_offset is not None
@@ -94,6 +102,8 @@ class ColumnParallel:
             await self.group.all_reduce(h)
         assert h is not None
         y = self.inner.forward(h) if self.inner is not None else None
+        if y is not None and extra is not None:
+            y = extra(h, y)
         if self.first_only:
             empty = h.new_empty(*h.shape[:-1], 0)
             return await self.group.gather_first(y if y is not None else empty, self.out_offset, self.out_total)
@@ -101,17 +111,18 @@ class ColumnParallel:
         await self.group.all_reduce(full)
         return full
 
-    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        y = await self.forward(h, x)
+    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None) -> torch.Tensor:
+        y = await self.forward(h, x, extra)
         assert y is not None
         return x.add_(y)
 
 
-async def close_block(x: torch.Tensor, linear: Linear | RowParallel | ColumnParallel, h: torch.Tensor | None
-                      ) -> torch.Tensor:
+async def close_block(x: torch.Tensor, linear: Linear | RowParallel | ColumnParallel, h: torch.Tensor | None,
+                      extra: Extra | None = None) -> torch.Tensor:
     """x + linear(h): the projection that closes a block, adding into the residual stream. A tensor-parallel
-    projection also sums over the GPUs here (its collective)."""
+    projection also sums over the GPUs here (its collective). `extra`: see the module docstring."""
     if isinstance(linear, (RowParallel, ColumnParallel)):
-        return await linear.forward_add(h, x)  # type: ignore[arg-type]
+        return await linear.forward_add(h, x, extra)  # type: ignore[arg-type]
     assert h is not None
-    return add_linear(x, linear, h)
+    y = add_linear(x, linear, h)
+    return y if extra is None else extra(h, y)

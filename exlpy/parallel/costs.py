@@ -55,15 +55,15 @@ def _cache_types() -> dict[str, CacheSpec]:
 
 def cache_spec_of(cache: Any, act_bytes: int = 2) -> CacheSpec:
     """CacheSpec of a cache object or class (the one place cache widths are read): its
-    `bytes_per_element_k/v`; quantized ones (with `k_bits`) keep temps. None means an fp16 cache.
+    `bytes_per_element_k/v`. None means an fp16 cache.
 
     An unquantized cache stores the compute dtype, which is fp32 on the CPU: `act_bytes` then wins.
     """
     if cache is None:
         return CacheSpec("fp16", float(act_bytes), float(act_bytes))
     name = cache.__name__ if isinstance(cache, type) else type(cache).__name__
-    if getattr(cache, "k_bits", None) is not None:
-        return CacheSpec(name, float(cache.bytes_per_element_k), float(cache.bytes_per_element_v), True)
+    if getattr(cache, "k_bits", None) is not None:  # codes + scales only: attention reads them in place
+        return CacheSpec(name, float(cache.bytes_per_element_k), float(cache.bytes_per_element_v))
     k, v = float(getattr(cache, "bytes_per_element_k", 2.0)), float(getattr(cache, "bytes_per_element_v", 2.0))
     if (k, v) == (2.0, 2.0):
         k = v = float(act_bytes)

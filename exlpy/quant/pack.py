@@ -6,6 +6,8 @@ v1/v2 zero conventions, g_idx) independently of the unpacking code, so round tri
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -34,16 +36,23 @@ def pack_nibbles_cols(vals: torch.Tensor) -> torch.Tensor:
 
 
 def exl2_group_plan(k: int, plan: list[tuple[int, float, int]]) -> list[tuple[int, int]]:
-    """(bits, proportion, group size) list in non-increasing bit order -> per-group (bits, rows), spec §3.3."""
+    """(bits, proportion, group size) list in non-increasing bit order -> per-group (bits, rows), spec §3.3:
+    width b gets ceil(min(K * p_b, rows left) / gs_b) whole groups, and the last group is cut off at K."""
     groups: list[tuple[int, int]] = []
     left = k
-    for i, (bits, p, gs) in enumerate(plan):
-        take = left if i == len(plan) - 1 else min(int(k * p), left)
-        while take > 0 and left > 0:
-            rows = min(gs, take, left)
+    for bits, p, gs in plan:
+        count = math.ceil(max(0.0, min(k * p, left)) / gs)
+        for _ in range(count):
+            if left <= 0:
+                break
+            rows = min(gs, left)
             groups.append((bits, rows))
-            take -= rows
             left -= rows
+    if left > 0:  # proportions summing to less than 1: the last width takes the rest
+        bits, _, gs = plan[-1]
+        while left > 0:
+            groups.append((bits, min(gs, left)))
+            left -= min(gs, left)
     return groups
 
 

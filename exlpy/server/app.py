@@ -1,46 +1,55 @@
-"""FastAPI app: OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models, plus /health.
+"""FastAPI app: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
+/detokenize and /tokenizer_info, and /health.
 
-Status codes: 400 for a bad request (the typed exception's message, naming the field), 503 when admission
-control refuses (the queue of requests waiting to start is full), 500 when that request's job failed while
+Every error is in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for a bad request
+(the typed exception's message, naming the field), 404 for an unknown model or route, 503 when admission
+control refuses (the queue of requests waiting to start is full), 500 when a request's job failed while
 running (other requests keep going), 499 when the client went away before anything was sent.
-
-A streamed response sends its headers only once the first result is in, so a job that fails at once still
-answers 500; a failure later in the stream arrives as an SSE `data: {"error": ...}` event before `[DONE]`.
-A client that disconnects has its job cancelled and its cache pages freed.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exlpy.errors import ExlpyError
-from exlpy.server import guards, params
-from exlpy.server.bridge import GeneratorBridge, JobFailedError, JobHandle, ServerBusyError
-from exlpy.server.format import ResultReader
+from exlpy.server import guards, plans
+from exlpy.server.bridge import JobFailedError, ServerBusyError
+from exlpy.server.lora import adapter_cards
 from exlpy.server.schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
 )
+from exlpy.server.serve import execute
 from exlpy.server.state import ServerState
+
+
+class ModelNotFoundError(ExlpyError, LookupError):
+    """The request names a model this server does not serve."""
+
+    def __init__(self, name: str, served: str) -> None:
+        super().__init__(f"The model `{name}` does not exist; this server serves `{served}`")
+        self.param = "model"
+
+
+def check_model(state: ServerState, name: str | None) -> list[Any]:
+    """The LoRA adapters the request's `model` names: [] for the base model (or no name), [adapter] for a
+    `--lora NAME=DIR` adapter (exlpy/server/lora.py); any other name is a 404."""
+    if name is None or name == state.model_name:
+        return []
+    lora = state.adapters.get(name)
+    if lora is None:
+        raise ModelNotFoundError(name, ", ".join([state.model_name, *state.adapters]))
+    return [lora]
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -56,6 +65,10 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(guards.BodyLimit, max_bytes=state.max_body_bytes)
     _add_error_handlers(app)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "exlpy",
+                "max_model_len": state.max_seq_len}
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = state.bridge.alive()
@@ -64,18 +77,51 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "exlpy", "max_model_len": state.max_seq_len}]}
+        return {"object": "list", "data": [model_card(), *adapter_cards(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if check_model(state, model_id):
+            return next(c for c in adapter_cards(state) if c["id"] == model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        plan = await guards.plan_request(params.plan_completion, req, state)
-        return await _serve(state, plan, req.stream, request, chat=False)
+        loras = check_model(state, req.model)
+        plan = await guards.plan_request(plans.plan_completion, req, state)
+        return await execute(state, plan, req.stream, request, chat=False, loras=loras, name=req.model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        plan = await guards.plan_request(params.plan_chat, req, state)
-        return await _serve(state, plan, req.stream, request, chat=True)
+        loras = check_model(state, req.model)
+        plan = await guards.plan_request(plans.plan_chat, req, state)
+        return await execute(state, plan, req.stream, request, chat=True, loras=loras, name=req.model)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        check_model(state, req.model)
+        from exlpy.server.tokenize import tokenize_ids
+
+        ids = tokenize_ids(req, state.tokenizer)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_seq_len, "tokens": ids,
+                               "token_strs": None}
+        if req.return_token_strs:
+            pieces = state.pieces
+            out["token_strs"] = [pieces[i] if 0 <= i < len(pieces) else "" for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        check_model(state, req.model)
+        from exlpy.server.tokenize import detokenize_text
+
+        return {"prompt": detokenize_text(req.tokens, state.tokenizer)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        from exlpy.server.tokenize import tokenizer_info as info
+
+        return info(state.tokenizer, state.max_seq_len)
 
     return app
 
@@ -89,6 +135,21 @@ def _add_error_handlers(app: FastAPI) -> None:
             param = param or (loc[0] if loc else None)
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
         return JSONResponse(error_body("; ".join(parts), "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(r: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            msg = f"no route {r.method} {r.url.path} (this server has /v1/completions, /v1/chat/completions, " \
+                  "/v1/models, /tokenize, /detokenize, /tokenizer_info, /health)"
+            return JSONResponse(error_body(msg, "invalid_request_error", code="not_found"), status_code=404)
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _no_model(_r: Request, e: ModelNotFoundError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "invalid_request_error", "model", "model_not_found"),
+                            status_code=404)
 
     @app.exception_handler(ServerBusyError)
     async def _busy(_r: Request, e: ServerBusyError) -> JSONResponse:
@@ -104,100 +165,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(e), "invalid_request_error", getattr(e, "param", None)),
                             status_code=400)
 
-
-async def _watch_disconnect(request: Request, bridge: GeneratorBridge, handle: JobHandle) -> None:
-    # The body has been read, so the next ASGI message is the disconnect.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            bridge.cancel(handle)
-            return
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _serve(state: ServerState, plan: params.JobPlan, stream: bool, request: Request, chat: bool) -> Response:
-    bridge = state.bridge
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    handle = await bridge.submit(plan.make_job(rid))
-    watcher = asyncio.ensure_future(_watch_disconnect(request, bridge, handle))
-
-    def done() -> None:
-        watcher.cancel()
-        bridge.cancel(handle)  # no-op once the job ended; frees its pages when the client left early
-
-    reader = ResultReader(state.pieces, plan.top_logprobs, chat, plan.prompt_tokens)
-    try:
-        first = await handle.next()
-    except BaseException:
-        done()
-        raise
-    if first is None:
-        done()
-        return JSONResponse(error_body("client disconnected", "client_error"), status_code=499)
-    created = int(time.time())
-    if stream:
-        return StreamingResponse(_stream(state, reader, handle, first, rid, created, chat, plan.include_usage,
-                                         done),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        r: dict[str, Any] | None = first
-        while r is not None:
-            reader.add(r)
-            r = await handle.next()
-    finally:
-        done()
-    if reader.finish_reason is None:
-        return JSONResponse(error_body("client disconnected", "client_error"), status_code=499)
-    if chat:
-        return JSONResponse(ChatCompletionResponse(
-            id=rid, created=created, model=state.model_name, usage=reader.usage(),
-            choices=[ChatChoice(message=AssistantMessage(content=reader.text), logprobs=reader.logprobs,
-                                finish_reason=reader.finish_reason)]).model_dump())  # type: ignore[arg-type]
-    return JSONResponse(CompletionResponse(
-        id=rid, created=created, model=state.model_name, usage=reader.usage(),
-        choices=[CompletionChoice(text=reader.text, logprobs=reader.logprobs,
-                                  finish_reason=reader.finish_reason)]).model_dump())  # type: ignore[arg-type]
-
-
-async def _stream(state: ServerState, reader: ResultReader, handle: JobHandle, first: dict[str, Any], rid: str,
-                  created: int, chat: bool, include_usage: bool, done: Any) -> AsyncIterator[str]:
-    def chunk(text: str | None, frag: dict[str, Any] | None, finish: str | None = None,
-              role: bool = False) -> dict[str, Any]:
-        if chat:
-            delta = ChatDelta(role="assistant" if role else None, content=text)
-            out = ChatCompletionChunk(id=rid, created=created, model=state.model_name,
-                                      choices=[ChatChunkChoice(delta=delta, logprobs=frag,
-                                                               finish_reason=finish)]).model_dump()  # type: ignore
-            out["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-            return out
-        return CompletionResponse(id=rid, created=created, model=state.model_name,
-                                  choices=[CompletionChoice(text=text or "", logprobs=frag,
-                                                            finish_reason=finish)]).model_dump()  # type: ignore
-
-    try:
-        if chat:
-            yield _sse(chunk("", None, role=True))
-        r: dict[str, Any] | None = first
-        while r is not None:
-            text, frag = reader.add(r)
-            if text or (frag is not None and any(frag.values())):
-                yield _sse(chunk(text, frag))
-            r = await handle.next()
-        if reader.finish_reason is None:
-            return  # cancelled: the client is gone
-        yield _sse(chunk(None if chat else "", None, finish=reader.finish_reason))
-        if include_usage:
-            final = chunk(None, None)
-            final["choices"] = []
-            final["usage"] = reader.usage().model_dump()
-            yield _sse(final)
-        yield "data: [DONE]\n\n"
-    except JobFailedError as e:
-        yield _sse(error_body(str(e), "server_error", code="generation_failed"))
-        yield "data: [DONE]\n\n"
-    finally:
-        done()
+    @app.exception_handler(Exception)
+    async def _internal(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
+                            status_code=500)

@@ -84,6 +84,7 @@ class GeneratorBridge:
         self.max_queue = max_queue
         self._inbox: list[JobHandle] = []
         self._cancels: list[JobHandle] = []
+        self._calls: list[tuple[Any, asyncio.Future[Any]]] = []  # run_exclusive() work, between steps
         self._handles: dict[Any, JobHandle] = {}  # jobs enqueued in the generator
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -112,6 +113,10 @@ class GeneratorBridge:
                 pass
         # A step may still be finishing in the worker thread: clear_queue() waits for it on the generator lock.
         await asyncio.to_thread(self.generator.clear_queue)
+        for _, fut in self._calls:
+            if not fut.done():
+                fut.cancel()
+        self._calls.clear()
         for h in [*self._inbox, *self._handles.values()]:
             if not h.accepted.done():
                 h.accepted.cancel()
@@ -150,6 +155,28 @@ class GeneratorBridge:
             raise
         return handle
 
+    async def run_exclusive(self, fn: Any) -> Any:
+        """Run `fn()` in the worker thread between two generator steps, so it may use the model (e.g. score a
+        prompt with a forward pass) without racing the generator. Returns its result or raises its error."""
+        self.start()
+        assert self._loop is not None and self._wake is not None
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._calls.append((fn, fut))
+        self._wake.set()
+        return await fut
+
+    async def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for fn, fut in calls:
+            try:
+                result = await asyncio.to_thread(fn)
+            except Exception as e:  # the caller's error: it gets it, the loop goes on
+                if not fut.done():
+                    fut.set_exception(e)
+                continue
+            if not fut.done():
+                fut.set_result(result)
+
     def cancel(self, handle: JobHandle) -> None:
         """Ask the owner task to cancel the job (frees its pages); a no-op for a job that already ended."""
         if handle.finished or handle.cancel_requested:
@@ -181,9 +208,11 @@ class GeneratorBridge:
         while True:
             try:
                 self._apply_commands()
+                if self._calls:
+                    await self._run_calls()
                 if not self.generator.num_remaining_jobs():
                     self._wake.clear()
-                    if not self._inbox and not self._cancels:
+                    if not self._inbox and not self._cancels and not self._calls:
                         await self._wake.wait()
                     continue
                 try:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from exlpy.errors import GeneratorError, SequenceLengthError
-from exlpy.server.params import JobPlan, bad
+from exlpy.server.params import bad
+from exlpy.server.plans import RequestPlan
 from exlpy.server.state import DEFAULT_MAX_BODY_BYTES
 
 NORMALIZER_SLACK = 2  # normalizers may drop characters (whitespace runs): allow twice the strict bound
@@ -104,15 +105,17 @@ def prompt_chars(req: Any) -> tuple[str, int]:
     p = req.prompt
     if isinstance(p, str):
         return "prompt", len(p)
-    if isinstance(p, list) and p and isinstance(p[0], str):
-        return "prompt", sum(len(s) for s in p)
-    return "prompt", -len(p or [])  # negative: a count of token ids
+    if isinstance(p, list) and p and all(isinstance(s, str) for s in p):
+        return "prompt", max(len(s) for s in p)  # each prompt of a batch is checked on its own
+    if isinstance(p, list) and p and all(isinstance(s, list) for s in p):
+        return "prompt", -max(len(s) for s in p)
+    return "prompt", -len(p) if isinstance(p, list) else 0  # negative: a count of token ids
 
 
 def check_prompt_size(req: Any, tokenizer: Any, max_seq_len: int) -> None:
     field, size = prompt_chars(req)
     if size < 0:
-        if -size >= max_seq_len:
+        if -size > max_seq_len:  # exactly the context: plans.token_budget decides (max_tokens 0 may score it)
             raise bad(SequenceLengthError, field, f"the prompt has {-size} tokens and the context (max_seq_len) "
                       f"holds {max_seq_len}: no room for a new token")
         return
@@ -123,16 +126,18 @@ def check_prompt_size(req: Any, tokenizer: Any, max_seq_len: int) -> None:
                   f"tokens can hold (at most {per_token} characters per token)")
 
 
-def check_vocab(plan: JobPlan, vocab: int, field: str) -> None:
-    ids = plan.ids
-    if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-        t = next(int(x) for x in ids.view(-1) if not 0 <= int(x) < vocab)
-        raise bad(GeneratorError, field, f"token id {t} is outside the model's vocabulary [0, {vocab})")
+def check_vocab(plan: RequestPlan, vocab: int, field: str) -> None:
+    for i, ids in enumerate(plan.prompts):
+        if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            t = next(int(x) for x in ids.view(-1) if not 0 <= int(x) < vocab)
+            where = field if len(plan.prompts) == 1 else f"{field}[{i}]"
+            raise bad(GeneratorError, where, f"token id {t} is outside the model's vocabulary [0, {vocab})")
 
 
-async def plan_request(plan_fn: Callable[[Any, Any, int], JobPlan], req: Any, state: Any) -> JobPlan:
+async def plan_request(plan_fn: Callable[[Any, Any, Any, int], RequestPlan], req: Any, state: Any) -> RequestPlan:
     """Size check, then tokenize / render in a worker thread, then check ids against the model's vocabulary."""
     check_prompt_size(req, state.tokenizer, state.max_seq_len)
-    plan = await asyncio.to_thread(plan_fn, req, state.tokenizer, state.max_seq_len)
-    check_vocab(plan, int(state.bridge.generator.model_vocab), prompt_chars(req)[0])
+    generator = state.bridge.generator
+    plan = await asyncio.to_thread(plan_fn, req, state.tokenizer, generator.model, state.max_seq_len)
+    check_vocab(plan, int(generator.model_vocab), prompt_chars(req)[0])
     return plan

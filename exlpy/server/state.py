@@ -23,6 +23,7 @@ class ServerState:
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413
+    adapters: dict[str, Any] = field(default_factory=dict)  # --lora NAME -> ExLlamaV2Lora (exlpy/server/lora.py)
 
     @property
     def max_seq_len(self) -> int:
@@ -34,8 +35,7 @@ class ServerState:
 
 
 def state_from_generator(generator: Any, model_name: str, max_queue: int = 64,
-                         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, draft_model_dir: str | None = None,
-               ngram_draft: bool = False, num_draft_tokens: int | None = None) -> ServerState:
+                         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ServerState:
     return ServerState(GeneratorBridge(generator, max_queue=max_queue), generator.tokenizer, model_name,
                        max_body_bytes=max_body_bytes)
 
@@ -47,7 +47,8 @@ def round_to_pages(tokens: int) -> int:
 def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cache_size: int | None = None,
                max_batch_size: int | None = None, max_queue: int = 64, warmup: bool = True,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, draft_model_dir: str | None = None,
-               ngram_draft: bool = False, num_draft_tokens: int | None = None) -> ServerState:
+               ngram_draft: bool = False, num_draft_tokens: int | None = None,
+               loras: list[str] | None = None) -> ServerState:
     """Load a model (the bundled demo by default) with a lazily allocated paged cache and wrap it for serving.
 
     The cache holds `cache_size` tokens (rounded up to whole 256-token pages; default: the context length, at
@@ -63,6 +64,10 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
         raise ConfigError(f"--max-seq-len must be >= 1, got {max_seq_len}")
     if cache_size is not None and cache_size < 1:
         raise ConfigError(f"--cache-size must be >= 1 token, got {cache_size}")
+    from exlpy.server.lora import load_adapters, parse_specs
+
+    name = os.path.basename(os.path.normpath(model_dir))
+    parse_specs(loras, name)  # bad --lora arguments fail before the model loads
     config = ExLlamaV2Config(model_dir)
     if max_seq_len:
         config.max_seq_len = max_seq_len
@@ -71,6 +76,7 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
     cache = ExLlamaV2Cache(model, max_seq_len=cache_tokens, lazy=True)
     model.load_autosplit(cache, progress=sys.stderr.isatty())
     tokenizer = ExLlamaV2Tokenizer(config)
+    adapters = load_adapters(model, loras, name)  # `loras`: --lora NAME=DIR arguments
     chunk = max(PAGE_SIZE, config.max_input_len // PAGE_SIZE * PAGE_SIZE)
     draft = draft_cache = None
     if draft_model_dir:
@@ -86,5 +92,6 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
                                           num_draft_tokens=num_draft_tokens, use_ngram_draft=ngram_draft)
     if warmup:
         generator.warmup()
-    name = os.path.basename(os.path.normpath(model_dir))
-    return state_from_generator(generator, name, max_queue, max_body_bytes)
+    state = state_from_generator(generator, name, max_queue, max_body_bytes)
+    state.adapters = adapters
+    return state

@@ -9,9 +9,14 @@ A job's tokens in flight are counted in `job.inflight` and its step rows are tag
 host finds that a job ended at step n (a stop token or string), its row in step n+1 computed one token too
 many: the job is released as it would have been without the overlap (its K/V past the last real token is
 never counted as valid, and a page taken for that position goes back), and the stale row is dropped when
-step n+1 is read. Rows that need the host sampler (filters, penalties, CFG, banned strings, per-token
-extras) copy their logits to the CPU after the previous step's tokens were processed: for them the step is
-synchronous, as before.
+step n+1 is read. Rows that need the host sampler (filters other than grammar masks, penalties, CFG, banned
+strings, per-token extras) copy their logits to the CPU after the previous step's tokens were processed: for
+them the step is synchronous, as before.
+
+Grammar filters (exlpy/generator/filters/device.py) are applied on the device right after the forward pass,
+before any row is sampled or copied, so a constrained job may be sampled on the device too. Its next mask
+depends on the token it samples, so it never has a token in flight when a step is launched: `iterate()` reads
+the step in flight first whenever such a job is about to run again. Each row carries its job's LoRA slot.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.errors import SamplerError
+from exlpy.generator.filters.device import premask_jobs
 from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
 from exlpy.model.batch import paged_batch, upload_ids
 
@@ -42,6 +48,7 @@ class Launched:
     tokens: torch.Tensor  # [n] long on the device: the next step's input for these jobs
     host: torch.Tensor  # [n] on the CPU (pinned for a CUDA step), filled by a non-blocking copy
     event: Any = None  # recorded after that copy (None: a CPU step, already complete)
+    ends: list[set[int] | None] | None = None  # per job: its filters' end tokens when they masked this step
     _index: dict[int, tuple[int, int]] | None = None
 
     def position(self, job: ExLlamaV2DynamicJob) -> int | None:
@@ -84,7 +91,7 @@ class HostRows:
 
     jobs: list[ExLlamaV2DynamicJob]
     first_row: list[int]
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # [rows, V]: grammar masks already applied
     points: dict[int, float] | None = None  # serial -> random point already drawn for the job
 
 
@@ -131,9 +138,11 @@ class DecodeStepper:
             n += len(j.seqs)
         ids = self.input_ids(rows, prev, device)
         batch = paged_batch([(q.page_ids(), j.next_position(q), 1) for j, q in rows], gen.cache, device,
-                            gen.page_size)
-        logits = gen.model.forward_batch(ids, batch, last_id_only=True)
+                            gen.page_size, [j.lora_slot for j, _ in rows])
+        logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
+        # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
+        logits = premask_jobs(jobs, first, logits)
 
         plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
         points: dict[int, float] = {}
@@ -161,7 +170,7 @@ class DecodeStepper:
                 dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device) -> Launched:
         row_plans = [plans[k] for k in dev]
         assert all(p is not None for p in row_plans)
-        x = logits[:, -1]
+        x = logits
         if len(dev) != logits.shape[0]:
             x = x.index_select(0, upload_ids(torch.tensor([first[k] for k in dev]), device))
         tokens, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
@@ -169,19 +178,22 @@ class DecodeStepper:
         for k in dev:
             jobs[k].inflight += 1
         host, event = read_back(torch.cat([tokens, ok.long()]))
-        return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event)
+        return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event,
+                        [jobs[k].premask_end for k in dev])
 
     def finish(self, launched: Launched, results: list[dict[str, Any]]) -> None:
         """Read a launched step's tokens (waits for its copy) and hand each to its job."""
         tokens, usable = launched.read()
-        for (job, epoch), token, ok in zip(launched.jobs, tokens, usable):
+        ends = launched.ends or [None] * len(tokens)
+        for (job, epoch), token, ok, end in zip(launched.jobs, tokens, usable, ends):
             if job.finished or job.epoch != epoch:
                 continue  # ended, cancelled, preempted or rewound since: a token one step too many
             job.inflight -= 1
             if not ok:
                 self.gen.fail(job, SamplerError(BAD_ROW), results)
                 continue
-            self.gen.guard(job, results, lambda j=job, t=token: self.gen.accept(j, t, {}, False, results))
+            self.gen.guard(job, results, lambda j=job, t=token, e=end is not None and token in end:
+                           self.gen.accept(j, t, {}, e, results))
 
     def sample_host(self, host: HostRows, results: list[dict[str, Any]]) -> None:
         """Sample the host rows (after the previous step's tokens were processed: they see the whole context)."""
@@ -189,7 +201,7 @@ class DecodeStepper:
             return
         assert host.logits is not None
         index = [f + r for job, f in zip(host.jobs, host.first_row) for r in range(len(job.seqs))]
-        cpu = host.logits[index, -1:].float().cpu()  # waits for this step
+        cpu = host.logits[index].unsqueeze(1).float().cpu()  # waits for this step
         i = 0
         for job in host.jobs:
             n = len(job.seqs)

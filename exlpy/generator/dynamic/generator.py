@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError, NotSupportedError
-from exlpy.generator.dynamic import scheduler
+from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic import adapters, scheduler
 from exlpy.generator.dynamic.decode import DecodeStepper
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.prefill import run_prefill
 from exlpy.generator.dynamic.validate import check_job_vocab
+from exlpy.generator.filters.base import drop_background
 from exlpy.generator.speculative.api import SpeculativeAPI
 from exlpy.generator.speculative.dynamic import Speculation
 
@@ -90,7 +91,7 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         self.preemptions = 0
         self.copy_partial_pages = True
         self.stepper = DecodeStepper(self)
-        self.current_loras: list[Any] = []  # exllamav2 attribute (TabbyAPI reads it); LoRA is not supported yet
+        self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
         # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
         # None adapts the draft length to the acceptance rate; a number fixes it.
         self.draft_model, self.draft_cache = draft_model, draft_cache
@@ -184,10 +185,8 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             raise GeneratorError("reset_page_table() needs an idle generator: jobs are still running")
         self.page_table.reset()
 
-    def set_loras(self, loras: Any) -> None:
-        if loras:
-            raise NotSupportedError("LoRA adapters are not supported by exlpy's dynamic generator yet")
-        self.current_loras: list[Any] = []
+    def set_loras(self, loras: Any) -> None:  # for jobs enqueued later that name none (no empty queue needed)
+        self.current_loras = list(adapters.normalize(loras, self.model))
 
     def warmup(self) -> None:
         """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
@@ -220,11 +219,14 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         return self.model.strategy_for_forward().first_device
 
     def release_pages(self, job: ExLlamaV2DynamicJob) -> None:
+        """Give back a job's pages (full ones stay cached under its LoRA salt) and its adapter slot."""
         for q in job.seqs:
-            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid())
+            self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid(), q.salt)
             q.pages = []
+        adapters.free_slot(self, job)
 
     def _release(self, job: ExLlamaV2DynamicJob) -> None:
+        drop_background(job.filters)  # a mask computed for a step that will not come
         self.release_pages(job)
         job.finished = True
         job.epoch += 1
@@ -248,6 +250,10 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
             if self.spec is not None and jobs and self._speculate(jobs, results):
                 return results
+            if any(j.filters and j.inflight for j in jobs):
+                # A constrained job's next mask needs the token in flight, fed to its filters: read it first.
+                self.stepper.drain(results)
+                jobs = [j for j in jobs if j in self.active and self._continues(j)]
             jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
             prev, self.stepper.inflight = self.stepper.inflight, None
             if not jobs:

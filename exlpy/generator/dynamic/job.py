@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage
 from exlpy.generator.dynamic.sequence import JobSequence, SeqState
 from exlpy.generator.dynamic.stops import (
@@ -20,6 +21,8 @@ from exlpy.generator.dynamic.stops import (
     tokenizer_decode,
 )
 from exlpy.generator.dynamic.validate import check_job_args, check_prompt_ids
+from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
+from exlpy.generator.filters.device import device_maskable
 from exlpy.generator.sampling.batched import RowSample, device_capable
 
 if TYPE_CHECKING:
@@ -43,8 +46,8 @@ class ExLlamaV2DynamicJob:
                  stop_conditions: Iterable[int | str] | None = None, decode_special_tokens: bool = False,
                  return_top_tokens: int = 0, return_logits: bool = False, return_probs: bool = False,
                  filters: list[Any] | None = None, filter_prefer_eos: bool = False, token_healing: bool = False,
-                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None
-                 ) -> None:
+                 identifier: Any = None, banned_strings: list[str] | None = None, embeddings: Any = None,
+                 loras: Any = None) -> None:
         prompts = list(input_ids) if isinstance(input_ids, (list, tuple)) else [input_ids]
         cfg = gen_settings is not None and getattr(gen_settings, "cfg_scale", None) is not None
         if len(prompts) not in (1, 2) or (len(prompts) == 2) != cfg:
@@ -84,6 +87,11 @@ class ExLlamaV2DynamicJob:
         self.token_healing = token_healing
         self.identifier = identifier
         self.banned_strings = list(banned_strings or [])
+        # LoRA adapters (exlpy extension; None: the generator's set_loras): resolved at enqueue, slot while running
+        self.loras = loras
+        self.lora_key: tuple[Any, ...] = ()
+        self.lora_salt: bytes | None = None
+        self.lora_slot = -1
 
         self.serial: int | None = None
         self.generator: ExLlamaV2DynamicGenerator | None = None
@@ -107,6 +115,8 @@ class ExLlamaV2DynamicJob:
         self.admitted = 0  # admission order (the newest running job is preempted first)
         self.preemptions = 0
         self.drafted_tokens = self.accepted_draft_tokens = 0  # speculative decoding
+        self.premask_end: set[int] | None = None  # end tokens when the generator masked this step's logits
+        self._device_masked: bool | None = None
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
@@ -116,10 +126,11 @@ class ExLlamaV2DynamicJob:
         self.serial = serial
         self.settings = self.gen_settings if self.gen_settings is not None else ExLlamaV2Sampler.Settings()
         self.time_enqueue = time.time()
+        adapters.resolve(generator, self)  # its LoRA adapters, checked, and their prefix-cache salt
         tok = generator.tokenizer
         ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
-        self.seqs = [SeqState(r.clone(), generator.page_size) for r in rows]
+        self.seqs = [SeqState(r.clone(), generator.page_size, self.lora_salt) for r in rows]
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
         self.stop_tokens, stop_strings = split_stop_conditions(conds)
@@ -148,15 +159,18 @@ class ExLlamaV2DynamicJob:
             self.cached_pages = reused
             self.started = True
             self.time_start = time.time()
+            drop_background(self.filters)  # a result left from an earlier job with the same filter objects
             for f in self.filters:
                 if hasattr(f, "begin"):
                     f.begin("")
+            schedule_background(self.filters)  # the first mask is computed while the prompt is prefilled
         return first
 
     def preempt(self, reason: str) -> None:
         """Its pages were taken back (the caller released them): recompute the sequence so far later."""
         self.epoch += 1
         self.inflight = 0
+        self.premask_end = None  # a mask applied to a step that was dropped
         self.preemptions += 1
         self.wait_reason = reason
         for q in self.seqs:
@@ -194,12 +208,19 @@ class ExLlamaV2DynamicJob:
             blocked |= self.ban_set
         return sorted(blocked) if blocked else None
 
+    def device_masked(self) -> bool:
+        """Whether the generator applies this job's filters to its logits on the device (grammar filters)."""
+        if self._device_masked is None:  # asked every step: the filter list does not change, so ask it once
+            self._device_masked = device_maskable(self.filters, self.filter_prefer_eos)
+        return self._device_masked
+
     def device_sampling(self) -> RowSample | None:
-        """How to sample the next token on the device, or None when it needs the host sampler (filters, banned
-        strings, CFG, penalties over the context, token healing's first token, per-token extras)."""
+        """How to sample the next token on the device, or None when it needs the host sampler (filters other
+        than device-masked ones, banned strings, CFG, penalties over the context, token healing's first token,
+        per-token extras). A device-masked job's mask is applied to its logits before they are sampled."""
         s = self.settings
-        if (self.filters or self.banned_strings or len(self.seqs) > 1 or not device_capable(s)
-                or (self.return_probs or self.return_top_tokens or self.return_logits)
+        if ((self.filters and not self.device_masked()) or self.banned_strings or len(self.seqs) > 1
+                or not device_capable(s) or (self.return_probs or self.return_top_tokens or self.return_logits)
                 or (self.prefix_token is not None and self.new_tokens + self.inflight == 0)):
             return None
         return RowSample(s, self.blocked_tokens())
@@ -213,12 +234,15 @@ class ExLlamaV2DynamicJob:
         """Sample the next token from logits [1, 1, V] (at `point` when this token's random point was already
         drawn from the job's generator). Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
+        premasked = self.premask_end is not None  # the generator applied the filters on the device already
         tok, top_tok, top_prob, prob, end_filter = sampler.sample(
             logits, settings, self.sequence.unsqueeze(0), point, self.generator.tokenizer if self.generator else None,
             prefix_token=prefix, return_top_tokens=self.return_top_tokens,
-            blocked_tokens=self.blocked_tokens(), filters=self.filters or None,
+            blocked_tokens=self.blocked_tokens(), filters=None if premasked else (self.filters or None),
             filter_prefer_eos=self.filter_prefer_eos, generator=None if point is not None else self.rng)
         token = int(tok.view(-1)[0])
+        if premasked:
+            end_filter = torch.tensor(token in self.premask_end)  # type: ignore[operator]
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
                                 self.return_logits)
@@ -232,10 +256,11 @@ class ExLlamaV2DynamicJob:
         for q in self.seqs:
             q.ids = torch.cat([q.ids, new])
         self.new_tokens += 1
-        for f in self.filters:
-            if hasattr(f, "feed"):
-                f.feed(token)
+        self.premask_end = None
+        feed_token(self.filters, token)
         rel = self.stream.add(token, payload)
+        if not rel.eos and not end_filter:
+            schedule_background(self.filters)  # the next mask is computed while the GPU runs the next step
         if rel.rewind:
             self.new_tokens -= rel.rewind
             self.epoch += 1

@@ -28,10 +28,12 @@ def page_hash(prev: bytes | None, tokens: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def chain_hashes(ids: torch.Tensor, num_tokens: int, page_size: int = PAGE_SIZE) -> list[bytes]:
-    """Hashes of the full pages among the first `num_tokens` ids (1-D CPU tensor)."""
+def chain_hashes(ids: torch.Tensor, num_tokens: int, page_size: int = PAGE_SIZE,
+                 salt: bytes | None = None) -> list[bytes]:
+    """Hashes of the full pages among the first `num_tokens` ids (1-D CPU tensor); `salt` (the LoRA adapters
+    that compute the K/V) stands before the first page."""
     out: list[bytes] = []
-    prev: bytes | None = None
+    prev: bytes | None = salt
     for p in range(num_tokens // page_size):
         prev = page_hash(prev, ids[p * page_size:(p + 1) * page_size])
         out.append(prev)
@@ -48,7 +50,7 @@ class CachePage:
     kv_position: int = 0  # tokens of this page whose K/V is written and valid
     filler: int | None = None  # serial of the job currently writing this page
     # Unhashed pages given back keep what they hold, so a later prompt can copy a matching partial page:
-    prev_hash: bytes | None = None  # chain hash of the page before it (None: first page of a sequence)
+    prev_hash: bytes | None = None  # chain hash of the page before it (first page: the LoRA salt, or None)
     tokens: torch.Tensor | None = None  # the token ids whose K/V it holds, from its start
     size: int = PAGE_SIZE
 
@@ -144,10 +146,10 @@ class PageTable:
         return page
 
     def release(self, pages: list[CachePage], serial: int, ids: torch.Tensor | None = None,
-                valid_tokens: int = 0) -> None:
+                valid_tokens: int = 0, salt: bytes | None = None) -> None:
         """Drop a job's references. With `ids` (the job's full sequence) its full pages are hashed for reuse."""
         size = self.page_size
-        hashes = chain_hashes(ids, valid_tokens, size) if ids is not None else []
+        hashes = chain_hashes(ids, valid_tokens, size, salt) if ids is not None else []
         for i, page in enumerate(pages):
             if page.filler == serial:
                 page.filler = None  # a sharer that still holds an unfinished page claims and finishes it
@@ -157,7 +159,7 @@ class PageTable:
             if ids is not None and page.ref_count == 1 and not page.hashed and (i == 0 or i - 1 < len(hashes)):
                 held = ids[i * size:min(valid_tokens, (i + 1) * size)]
                 if held.numel():
-                    page.prev_hash, page.tokens = (hashes[i - 1] if i else None), held.clone()
+                    page.prev_hash, page.tokens = (hashes[i - 1] if i else salt), held.clone()
             if page.ref_count == 1 and page.hashed and page.kv_position < size:
                 # Last holder of a prefix page nobody finished (cancelled mid-prefill): its hash would promise
                 # K/V that is not there.

@@ -42,7 +42,8 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
         start, end = plan
         if end > start:
             ids = q.ids[start:end].unsqueeze(0)
-            batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size)
+            batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
+                                [job.lora_slot])
             gen.model.forward_batch(ids, batch, preprocess_only=True)
             if gen.spec is not None:
                 gen.spec.on_prefill(q, start, end)
@@ -60,6 +61,7 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
         results.append(r)
     return ran
 
+
 def copy_partial_page(gen: ExLlamaV2DynamicGenerator, q: SeqState, serial: int) -> None:
     """At a page start, copy K/V from a free page that followed the same prefix and holds the same leading
     tokens (e.g. the previous turn of a chat, whose last page was not full): those tokens skip prefill."""
@@ -72,7 +74,7 @@ def copy_partial_page(gen: ExLlamaV2DynamicGenerator, q: SeqState, serial: int) 
     page = q.pages[p]
     if page.complete or page.kv_position or page.filler not in (None, serial):
         return
-    donor, n = gen.page_table.find_partial(q.hashes[p - 1] if p else None, q.ids[pos:target])
+    donor, n = gen.page_table.find_partial(q.hashes[p - 1] if p else q.salt, q.ids[pos:target])
     if donor is None or n == 0:
         return
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.validate import check_job_args
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ def admit(gen: ExLlamaV2DynamicGenerator, results: list[dict[str, Any]]) -> None
                                + f"; {cache_summary(gen)}")
             if job.skips >= job.max_skips:
                 break  # skipped too often: later jobs may not overtake it any more
+            continue
+        if not (admitted := adapters.admit(gen, job, results)):  # its LoRA adapter slot, if it needs one
+            if admitted is False and job.skips >= job.max_skips:
+                break
             continue
         for other in gen.pending:
             if other is job:
@@ -127,7 +132,8 @@ def decode_pages(gen: ExLlamaV2DynamicGenerator, jobs: list[ExLlamaV2DynamicJob]
 
 
 def preempt(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, reason: str) -> None:
-    """Free a running job's pages and queue it again ahead of every job that has not started yet."""
+    """Free a running job's pages (and LoRA slot) and queue it again ahead of every job that has not started
+    yet."""
     gen.release_pages(job)
     gen.active.remove(job)
     job.preempt(reason)

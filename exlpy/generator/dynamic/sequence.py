@@ -17,9 +17,10 @@ class SeqState:
     as a new prompt (`restart`), sharing whatever full pages are still cached.
     """
 
-    def __init__(self, ids: torch.Tensor, page_size: int = PAGE_SIZE) -> None:
+    def __init__(self, ids: torch.Tensor, page_size: int = PAGE_SIZE, salt: bytes | None = None) -> None:
         self.ids = ids  # 1-D: prompt, then generated tokens
         self.page_size = page_size
+        self.salt = salt  # starts the hash chain: pages computed under other LoRA adapters never match
         self.pages: list[CachePage] = []
         self.restart()
 
@@ -27,7 +28,7 @@ class SeqState:
         """Prefill everything but the last token again (admission, and re-admission after preemption)."""
         self.prefill_target = self.ids.numel() - 1
         # Only pages that prefill writes are shareable before the job ends.
-        self.hashes = chain_hashes(self.ids, self.prefill_target, self.page_size)
+        self.hashes = chain_hashes(self.ids, self.prefill_target, self.page_size, self.salt)
         self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache (during prefill)
         self.draft_kv = 0  # positions whose K/V a draft model's cache holds (speculative decoding)
 

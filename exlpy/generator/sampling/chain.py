@@ -49,6 +49,7 @@ class LogitContext:
     prefix_ids: list[int] | None = None  # token healing, one per row
     blocked_tokens: Sequence[int] | None = None
     filter_mask: torch.Tensor | None = None  # [B, V] from logit_masks.evaluate_filters
+    filter_step: LogitStep | None = None  # mask-path filters (logit_masks.mask_filter_step)
 
 
 def _token_mask(tokenizer: Any, key: str, explicit: Any, default: Callable[[Any], set[int]], vocab: int,
@@ -80,6 +81,8 @@ def logit_chain(s: SamplerSettings, ctx: LogitContext, vocab: int, device: torch
         steps.append(partial(_dry, seq=dry_seq, breakers=breakers, s=s))
     if ctx.filter_mask is not None:
         steps.append(partial(logit_masks.restrict, allowed=ctx.filter_mask))
+    if ctx.filter_step is not None:
+        steps.append(ctx.filter_step)
     if ctx.prefix_ids is not None:
         heal = logit_masks.healing_mask(ctx.tokenizer, ctx.prefix_ids, vocab, device)
         steps.append(partial(logit_masks.restrict, allowed=heal))

@@ -45,10 +45,10 @@ def limit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _next_of(f: Any) -> tuple[Any, Any]:
+    if hasattr(f, "get_next"):  # returns a background result when one was started
+        return f.get_next()
     if hasattr(f, "next"):
         return f.next()
-    if hasattr(f, "get_next"):
-        return f.get_next()
     raise SamplerError(f"filter {f!r} has neither next() nor get_next(), and is not a mask callable")
 
 
@@ -86,6 +86,38 @@ def evaluate_filters(filters: Sequence[Any], logits: torch.Tensor, eos_id: int |
     if masks and not bool(allowed.any(dim=-1).all()):
         raise SamplerError("Filter excluded all tokens")
     return allowed, end_tokens
+
+
+def mask_filter_step(filters: Sequence[Any], eos_id: int | None,
+                     prefer_eos: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], set[int]]:
+    """The mask path of the filter protocol (every filter can_mask_logits()): a logit step that waits for each
+    filter's prepared mask and applies it on the logits' device, and the filters' end tokens.
+
+    No host sync on a device: a row left without any token is detected only for CPU logits."""
+    for f in filters:
+        f.get_next(mask=True)
+    end: set[int] = set()
+    for f in filters:
+        if hasattr(f, "mask_end_tokens"):
+            end |= set(f.mask_end_tokens())
+
+    def step(logits: torch.Tensor) -> torch.Tensor:
+        # exllamav2 hands mask_logits one row (1-D), as third-party filters (formatron) expect.
+        rows = []
+        for row in logits:
+            for f in filters:
+                row = f.mask_logits(row)
+            rows.append(row)
+        logits = torch.stack(rows)
+        if prefer_eos and eos_id is not None and 0 <= eos_id < logits.shape[-1]:
+            eos_ok = torch.isfinite(logits[:, eos_id:eos_id + 1])
+            others = torch.arange(logits.shape[-1], device=logits.device) != eos_id
+            logits = logits.masked_fill(eos_ok & others, float("-inf"))
+        if not logits.is_cuda and not bool(torch.isfinite(logits).any(dim=-1).all()):
+            raise SamplerError("Filter excluded all tokens")
+        return logits
+
+    return step, end
 
 
 def _callable_mask(fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor) -> torch.Tensor:

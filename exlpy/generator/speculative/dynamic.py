@@ -5,7 +5,10 @@ step of T = k+1 tokens per row through the decode graphs (the last known token, 
 on the device (exlpy/generator/speculative/verify.py), and one read-back of what each row accepted. Jobs that
 need the host sampler (filters, banned strings, CFG, penalties, min_new_tokens not reached yet, ...) ride
 along in the same step: their row is padded to T tokens and they take one token, sampled on the host, from its
-first position. Padding and rejected drafts leave K/V past a sequence's end, which is never counted as valid.
+first position (grammar masks applied on the device first: a filter's state cannot follow unverified drafts,
+so constrained jobs never draft). Padding and rejected drafts leave K/V past a sequence's end, which is never
+counted as valid. Every row of the target step carries its job's LoRA slot; the draft model runs without
+adapters (verification keeps the output exact either way).
 
 Rounds are synchronous (the accepted counts decide the next input); without anything to draft the generator
 uses its overlapped single-token loop instead.
@@ -18,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.errors import SamplerError
-from exlpy.generator.dynamic.decode import BAD_ROW, read_back, upload_floats
+from exlpy.generator.dynamic.decode import BAD_ROW, HostRows, read_back, upload_floats
+from exlpy.generator.filters.device import premask_jobs
 from exlpy.generator.sampling.batched import RowSample, is_greedy
 from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.draft import ModelDrafter
@@ -74,7 +78,7 @@ class Speculation:
 
     # --- rounds -----------------------------------------------------------------------------------------
     def plan_row(self, job: ExLlamaV2DynamicJob) -> RowSample | None:
-        plan = job.device_sampling()
+        plan = None if job.filters else job.device_sampling()
         if plan is None or plan.blocked or not speculation_capable(plan.settings):
             return None
         return plan
@@ -125,7 +129,8 @@ class Speculation:
             ids_dev[index, 1:] = drafts
         else:
             drafts = ids_dev.index_select(0, index)[:, 1:]
-        batch = paged_batch([(q.page_ids(), q.ids.numel() - 1, T) for _, q in rows], gen.cache, dev, gen.page_size)
+        batch = paged_batch([(q.page_ids(), q.ids.numel() - 1, T) for _, q in rows], gen.cache, dev, gen.page_size,
+                            [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids_dev, batch)  # [B, T, V]
         gen.decode_tokens += len(rows) * T
         plans = [spec[rows[i][0]][0] for i in spec_rows]
@@ -170,7 +175,6 @@ class Speculation:
         self.length.update(accepted_real, rejections)
         others = [j for j in jobs if j not in spec]
         if others:
-            from exlpy.generator.dynamic.decode import HostRows
-
             first = {id(j): next(i for i, (jj, _) in enumerate(rows) if jj is j) for j in others}
-            gen.stepper.sample_host(HostRows(others, [first[id(j)] for j in others], logits[:, :1]), results)
+            firsts = [first[id(j)] for j in others]
+            gen.stepper.sample_host(HostRows(others, firsts, premask_jobs(others, firsts, logits[:, 0])), results)

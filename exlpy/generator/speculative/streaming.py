@@ -73,14 +73,15 @@ class StreamSpeculation:
         return drafts[:keep]
 
     def verify(self, seq: torch.Tensor, drafts: list[int], plan: RowSample, rng: torch.Generator | None,
-               tokenizer: Any) -> tuple[int, list[int]]:
-        """Target step over the last token and the drafts; returns (accepted drafts m, emitted tokens)."""
+               tokenizer: Any, loras: Any = None) -> tuple[int, list[int]]:
+        """Target step over the last token and the drafts (with the stream's LoRA adapters; the draft model
+        has none); returns (accepted drafts m, emitted tokens)."""
         cache = self.model_cache
         L = seq.shape[1]
         k = len(drafts)
         cache.current_seq_len = L - 1
         ids = torch.tensor([[int(seq[0, -1])] + drafts], dtype=torch.long)
-        logits = self.model.forward(ids, cache).float()  # [1, k+1, V]
+        logits = self.model.forward(ids, cache, loras=loras or None).float()  # [1, k+1, V]
         dev = logits.device
         pts = [0.5] * (2 * k + 1) if is_greedy(plan.settings) else torch.rand(2 * k + 1, generator=rng).tolist()
         u = upload_floats(pts[:k], dev).view(1, k)
@@ -96,3 +97,45 @@ class StreamSpeculation:
         rejections = 1 if m_h < k else 0
         self.length.update(m_h, rejections)
         return m_h, drafts[:m_h] + [tok_h]
+
+
+def speculative_round(gen: Any, plan: RowSample) -> dict[str, Any] | None:
+    """One speculative round of an `ExLlamaV2StreamingGenerator` stream (filters, banned strings and CFG never
+    get here: their streams step one token at a time); None when nothing was drafted."""
+    from exlpy.generator.dynamic.stops import Released
+
+    seq = gen.sequence_ids
+    assert seq is not None
+    room = gen.cache.max_seq_len - seq.shape[1]
+    if gen.token_budget is not None:
+        room = min(room, gen.token_budget - 1)  # the round adds one token besides the accepted drafts
+    spec: StreamSpeculation = gen.spec
+    if gen.draft_model is not None:
+        k = min(spec.length.choose(), room, gen.draft_cache.max_seq_len - seq.shape[1])
+    else:
+        k = min(gen.num_speculative_tokens or gen.speculative_ngram_max_inf, room)
+    if k < 1:
+        return None
+    gen._discard()
+    if gen.draft_model is not None:
+        drafts = spec.model_drafts(seq, k, gen.speculative_prob_threshold)
+    else:
+        drafts = spec.ngram_drafts(seq[0].tolist(), k, gen.speculative_ngram_max, gen.speculative_ngram_min,
+                                   gen.speculative_ngram_threshold, getattr(gen, "_preload", None))
+    if not drafts:
+        return None
+    m, emitted = spec.verify(seq, drafts, plan, gen.rng, gen.tokenizer, gen.loras)
+    gen.total_draft_tokens += len(drafts)
+    gen.accepted_draft_tokens += m
+    out = Released()
+    for t in emitted:
+        rel = gen._feed(t, {})
+        out.text += rel.text
+        out.tokens += rel.tokens
+        out.payloads += rel.payloads
+        if rel.eos:
+            out.eos, out.eos_reason, out.trigger = True, rel.eos_reason, rel.trigger
+            break
+    assert gen.sequence_ids is not None
+    gen.cache.current_seq_len = min(gen.cache.current_seq_len, gen.sequence_ids.shape[1] - 1)
+    return gen._result(out)

@@ -1,0 +1,176 @@
+"""The calibration forward: exlpy's own modules, loaded one at a time, run over hidden states held in chunks.
+
+`_run` is the one place module forwards are called (the engine may turn them into coroutines; only this
+function would change). `Tap`s stand in for a loaded module's linears: they record their input for a Hessian,
+can stop the forward right there (nothing after it is needed), and swap in quantized weights. The attribute
+names of the linears are listed here only (LINEARS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from exlpy.errors import NumericalError
+from exlpy.model.attention import Attention
+from exlpy.model.batch import contiguous_batch
+from exlpy.model.linear import DenseLinear
+from exlpy.model.mlp import MLP
+from exlpy.model.module import Module, run_module
+
+LINEARS: dict[type, tuple[str, ...]] = {
+    Attention: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    MLP: ("gate_proj", "up_proj", "down_proj"),
+}
+# Fused projections built at load time; the taps need the parts called one by one.
+_FUSED = ("qkv_proj", "gate_up_proj")
+
+
+def _run(module: Module, x: torch.Tensor, batch: object) -> torch.Tensor:
+    """The single call site of module forwards in the converter."""
+    return run_module(module, x, batch)  # type: ignore[arg-type]
+
+
+class StopForward(Exception):
+    """Raised by a tap once the input it records has been seen: the rest of the module is not needed."""
+
+
+class Tap:
+    """One linear of a loaded module: records inputs, optionally stops the forward, runs `inner`."""
+
+    def __init__(self, inner: object) -> None:
+        self.original = inner
+        self.inner = inner
+        self.record: Callable[[torch.Tensor], None] | None = None
+        self.stop = False
+
+    @property
+    def in_features(self) -> int:
+        return self.original.in_features  # type: ignore[attr-defined]
+
+    @property
+    def out_features(self) -> int:
+        return self.original.out_features  # type: ignore[attr-defined]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.original, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.record is not None:
+            self.record(x)
+        if self.stop:
+            raise StopForward
+        return self.inner.forward(x)  # type: ignore[attr-defined]
+
+    def set_weight(self, w_kn: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """Run with W [K, N] (y = x @ W) instead of the source weight; None restores the source weight."""
+        if w_kn is None:
+            self.inner = self.original
+            return
+        bias = self.bias
+        if bias is not None:
+            bias = bias.to(torch.float16).to(dtype)  # the output stores biases in fp16
+        self.inner = DenseLinear(w_kn.t().to(dtype).contiguous(), bias)
+
+    def reset(self) -> None:
+        self.record = None
+        self.stop = False
+
+
+def install_taps(module: Module) -> dict[str, Tap]:
+    """Replace the loaded module's linears by taps (the module is unloaded after use, so nothing is restored)."""
+    taps = {}
+    for name in LINEARS[type(module)]:
+        tap = Tap(getattr(module, name))
+        setattr(module, name, tap)
+        taps[name] = tap
+    for name in _FUSED:
+        if hasattr(module, name):
+            setattr(module, name, None)
+    return taps
+
+
+class Hessian:
+    """Σ xᵀx / rows in fp32 over every row a linear sees. On CUDA the products run in TF32, which is exact
+    for fp16 activations (same 11-bit significand) and keeps the fp32 accumulation."""
+
+    def __init__(self, k: int, device: torch.device) -> None:
+        self.h = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            for a in range(0, x.shape[0], 8192):
+                xf = x[a:a + 8192].to(self.h.device, torch.float32)
+                self.h.addmm_(xf.t(), xf)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        self.rows += x.shape[0]
+
+    def result(self) -> torch.Tensor:
+        return self.h / max(1, self.rows)
+
+
+class States:
+    """Hidden states of the calibration rows, in chunks of rows, on the device or in (pinned) host memory."""
+
+    def __init__(self, chunks: list[torch.Tensor]) -> None:
+        self.chunks = chunks
+
+    @property
+    def rows(self) -> int:
+        return sum(c.shape[0] for c in self.chunks)
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {f"chunk_{i}": c.contiguous().cpu() for i, c in enumerate(self.chunks)}
+
+    @staticmethod
+    def from_dict(d: dict[str, torch.Tensor], store: torch.device) -> States:
+        return States([_store(d[f"chunk_{i}"], store) for i in range(len(d))])
+
+
+def _store(x: torch.Tensor, store: torch.device) -> torch.Tensor:
+    if store.type == "cpu" and x.is_cuda:
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        out.copy_(x)
+        return out
+    return x.to(store)
+
+
+def check_finite(x: torch.Tensor, where: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = "NaN" if bool(torch.isnan(x).any()) else "inf"
+        raise NumericalError(f"{bad} in the hidden states after {where} during calibration (the source weights "
+                             "or the calibration data overflow this layer)")
+
+
+def forward_chunks(module: Module, states: States, device: torch.device, store: torch.device | None,
+                   where: str) -> States | None:
+    """Run `module` over every chunk. store=None: outputs are dropped (a recording pass, or one that stops at
+    a tap). Otherwise outputs are kept on `store` and checked for NaN/inf."""
+    outs = []
+    for x in states.chunks:
+        xd = x.to(device, non_blocking=True)
+        batch = contiguous_batch(xd.shape[0], xd.shape[1], 0, None, 0, device)
+        with contextlib.suppress(StopForward):
+            y = _run(module, xd, batch)
+            if store is not None:
+                check_finite(y, where)
+                outs.append(_store(y, store))
+    return States(outs) if store is not None else None
+
+
+def iter_outputs(module: Module, states: States, device: torch.device) -> Iterator[torch.Tensor]:
+    """Outputs chunk by chunk, on the device (for error measurement against a reference)."""
+    for x in states.chunks:
+        xd = x.to(device, non_blocking=True)
+        yield _run(module, xd, contiguous_batch(xd.shape[0], xd.shape[1], 0, None, 0, device))

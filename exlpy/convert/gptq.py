@@ -1,0 +1,243 @@
+"""Adaptive GPTQ over EXL2 option layouts (spec §4.6), batched over several (matrix, option) items.
+
+Items that read the same input share its Hessian and so its act order (q/k/v, gate/up, every option of one
+matrix during measurement): they are quantized together as one [items, K, N] tensor, one pass over the rows.
+Rows are processed in blocks of 32 (every group boundary of the option tables lies on one): inside a block the
+error of each row is fed to the rows below it (standard GPTQ), after the block all later rows get the block's
+correction at once (one batched GEMM), so each group's scales are chosen on fully corrected weights.
+
+The dequantized values are computed exactly as exlpy's EXL2 reader computes them (fp32, scale = code^2 *
+fp16(q_scale_max) / 256), so the error fed back is the error the model will see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exlpy.convert.qparams import QParams
+from exlpy.errors import NumericalError
+
+BLOCK = 32
+# p grid of the per-group max-scale search (spec §4.6: 0.70 to 1.20), searched coarse then fine.
+P_LO, P_HI = 0.70, 1.20
+SEARCH_COLS = 256
+LAZY_ROWS = 2048
+
+
+@dataclass
+class PreparedHessian:
+    """Act order and the upper Cholesky factor of the damped inverse Hessian, in act order."""
+
+    perm: torch.Tensor  # [K] int64: sorted row r is input feature perm[r]
+    u: torch.Tensor  # [K, K] fp32 upper triangular
+    hdiag: torch.Tensor  # [K] fp32 damped diagonal in sorted order (row weights for the scale search)
+
+
+@dataclass
+class QuantResult:
+    """One quantized matrix in sorted row order, plus what the packer needs."""
+
+    qparams: QParams
+    perm: torch.Tensor  # [K] int64
+    groups: list[tuple[int, int]]  # (bits, rows) per group
+    codes: torch.Tensor  # [K, N] uint8 stored codes
+    qscale: torch.Tensor  # [G, N] int64 scale codes 1..16
+    scale_max: torch.Tensor  # [G] fp16
+    dq_sorted: torch.Tensor  # [K, N] fp32 dequantized weights, sorted rows
+
+    def dense(self) -> torch.Tensor:
+        """[K, N] fp32 in original input-feature order (y = x @ W)."""
+        w = torch.empty_like(self.dq_sorted)
+        w[self.perm.to(w.device)] = self.dq_sorted
+        return w
+
+
+def prepare_hessian(h: torch.Tensor, damp: float, key: str, perm: torch.Tensor | None = None,
+                    act_order: bool = True) -> PreparedHessian:
+    """Damp H until its inverse has a Cholesky factor (spec §4.6 steps 1-2), in act order."""
+    h = h.float().clone()
+    k = h.shape[0]
+    diag = torch.diagonal(h)
+    if not torch.isfinite(h).all():
+        raise NumericalError(f"Hessian of {key} holds NaN or inf (the calibration inputs of this layer are not "
+                             "finite)")
+    if not bool((diag != 0).any()):
+        h = torch.eye(k, dtype=h.dtype, device=h.device)  # no calibration signal at all: plain rounding
+        diag = torch.diagonal(h)
+    dead = diag == 0
+    diag[dead] = 1.0  # inputs that never fire: their rows are rounded alone
+    if perm is None:
+        perm = torch.argsort(-diag, stable=True) if act_order else torch.arange(k, device=h.device)
+    h = h[perm][:, perm]
+    step = max(damp * float(torch.diagonal(h).mean()), 1e-5)
+    for _ in range(10):
+        torch.diagonal(h).add_(step)
+        try:
+            lower, info = torch.linalg.cholesky_ex(h)
+            if int(info) == 0:
+                hinv = torch.cholesky_inverse(lower)
+                u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+                if int(info) == 0 and bool(torch.isfinite(u).all()):
+                    return PreparedHessian(perm, u, torch.diagonal(h).clone())
+        except RuntimeError:
+            pass
+    raise NumericalError(f"Hessian of {key} is not invertible after 10 rounds of damping (step "
+                         f"{step:.3g}); the layer's calibration inputs are degenerate: use more or more varied "
+                         "calibration rows (-r, -l, -c)")
+
+
+def _fp16_round(x: torch.Tensor) -> torch.Tensor:
+    return x.half().float()
+
+
+def _quant_err(w: torch.Tensor, s: torch.Tensor, maxq: int, norm: float, weight: torch.Tensor | None
+               ) -> torch.Tensor:
+    """Σ over rows of weight * |dequant(quant(w)) - w|^norm for scales s broadcast over w [..., R, N] -> [..., N]."""
+    z = float((maxq + 1) // 2)
+    e = torch.round(w / s).clamp_(-z, maxq - z).mul_(s).sub_(w)
+    e = e.square_() if norm == 2 else e.abs_().pow_(norm)
+    if weight is not None:
+        e.mul_(weight[:, None])
+    return e.sum(-2)
+
+
+def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor | None = None,
+                  smax_fixed: torch.Tensor | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales of groups w [I, R, N] (I items, one group each): (codes 1..16 [I, N] int64, q_scale_max fp16 [I]).
+
+    exllamav2's search (spec §4.6 step 4) picks one factor p for the group's max scale; here it is searched
+    coarse-to-fine, then each column's own 4-bit code is refined by +-1, both minimizing the (row-weighted)
+    error^norm. With `smax_fixed` [I] (vocabulary slices of the head share the group maximum) only codes are
+    searched. `plain`: the nominal codes, no search (the round-to-nearest baseline).
+    """
+    maxq = 2**bits - 1
+    dev = w.device
+    base = w.abs().amax(1) / (maxq / 2)  # [I, N]
+    smax = base.amax(1) if smax_fixed is None else smax_fixed.to(dev, torch.float32)
+    smax = torch.where(smax > 0, smax, torch.full_like(smax, 1e-6))
+    qs = torch.clamp(torch.round(torch.sqrt(base / smax[:, None]) * 16), 1, 16)
+
+    def scales(qsv: torch.Tensor, smax16: torch.Tensor) -> torch.Tensor:
+        return qsv * qsv * (smax16 / 256)
+
+    if plain:
+        smax16 = _fp16_round(smax)
+        return torch.clamp(torch.ceil(torch.sqrt(base / smax16[:, None]) * 16), 1, 16).long(), smax16.half()
+    if smax_fixed is None:
+        # The group's one factor p is searched on at most SEARCH_COLS evenly spaced columns (it is a property
+        # of the whole group; every column's own code is refined below).
+        cols = torch.linspace(0, w.shape[2] - 1, min(w.shape[2], SEARCH_COLS), device=dev).long()
+        ws, qss = w[:, :, cols], qs[:, cols]
+        lo = torch.full_like(smax, P_LO)
+        hi = torch.full_like(smax, P_HI)
+        for points in (7, 5):
+            t = torch.linspace(0, 1, points, device=dev)
+            grid = lo[:, None] + (hi - lo)[:, None] * t  # [I, P]
+            sm = _fp16_round(smax[:, None] * grid)
+            s = scales(qss[:, None, :], sm[:, :, None])[:, :, None, :]  # [I, P, 1, N]
+            err = _quant_err(ws[:, None], s, maxq, norm, weight).sum(-1)  # [I, P]
+            best = torch.gather(grid, 1, torch.argmin(err, 1, keepdim=True)).squeeze(1)
+            step = (hi - lo) / (points - 1)
+            lo, hi = best - step, best + step
+        smax16 = _fp16_round(smax * best)
+    else:
+        smax16 = _fp16_round(smax)
+    smax16 = torch.where(smax16 > 0, smax16, torch.full_like(smax16, 2.0**-24))
+    cand = torch.stack([(qs - 1).clamp(min=1), qs, (qs + 1).clamp(max=16)], 1)  # [I, 3, N]
+    err = _quant_err(w[:, None], scales(cand, smax16[:, None, None])[:, :, None, :], maxq, norm, weight)
+    pick = torch.argmin(err, 1, keepdim=True)  # [I, 1, N]
+    return torch.gather(cand, 1, pick).squeeze(1).long(), smax16.half()
+
+
+def _boundaries(k: int, layouts: list[list[tuple[int, int]]]) -> list[int]:
+    cuts = set(range(0, k, BLOCK))
+    for groups in layouts:
+        r = 0
+        for _, rows in groups:
+            cuts.add(r)
+            r += rows
+    return sorted(c for c in cuts if c < k) + [k]
+
+
+def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHessian, norm: float = 2.4,
+                  smax_fixed: list[list[float]] | None = None, rtn: bool = False, plain_scales: bool = False
+                  ) -> list[QuantResult]:
+    """Quantize items ws[i] ([K, N_i] fp32, y = x @ W, original row order) with options[i], sharing `ph`.
+
+    smax_fixed[i][g]: fixed per-group max scales (head slices). rtn: no error feedback (round-to-nearest);
+    plain_scales: no scale search (the round-to-nearest baseline).
+    """
+    dev = ph.u.device
+    k = ph.u.shape[0]
+    n_max = max(w.shape[1] for w in ws)
+    o = len(ws)
+    wq = torch.zeros(o, k, n_max, dtype=torch.float32, device=dev)
+    for i, w in enumerate(ws):
+        wq[i, :, :w.shape[1]] = w.to(dev, torch.float32)[ph.perm]
+    codes = torch.zeros(o, k, n_max, dtype=torch.uint8, device=dev)
+    layouts = [opt.groups(k) for opt in options]
+    starts = []  # per item: {row: (group index, bits, rows)}
+    for groups in layouts:
+        d, r = {}, 0
+        for g, (b, rows) in enumerate(groups):
+            d[r] = (g, b, rows)
+            r += rows
+        starts.append(d)
+    qscale = [torch.zeros(len(g), n_max, dtype=torch.int64, device=dev) for g in layouts]
+    smaxs = [torch.zeros(len(g), dtype=torch.float16, device=dev) for g in layouts]
+    s_cur = torch.ones(o, n_max, device=dev)
+    z_cur = torch.zeros(o, 1, device=dev)
+    maxq_cur = torch.zeros(o, 1, device=dev)
+    u = ph.u
+    weight = ph.hdiag
+    cuts = _boundaries(k, layouts)
+    for b0, b1 in zip(cuts[:-1], cuts[1:]):
+        todo: dict[tuple[int, int], list[int]] = {}  # items starting a group here, by (bits, rows)
+        for i in range(o):
+            g = starts[i].get(b0)
+            if g is not None:
+                todo.setdefault((g[1], g[2]), []).append(i)
+        for (bits, rows), items in todo.items():
+            idx = torch.tensor(items, device=dev)
+            gis = [starts[i][b0][0] for i in items]
+            fixed = None if smax_fixed is None else torch.tensor([smax_fixed[i][g] for i, g in zip(items, gis)])
+            qs, sm = search_scales(wq[idx, b0:b0 + rows], bits, norm, weight[b0:b0 + rows], fixed, plain_scales)
+            for j, (i, gi) in enumerate(zip(items, gis)):
+                n_i = ws[i].shape[1]
+                qscale[i][gi, :n_i] = qs[j, :n_i]
+                qscale[i][gi, n_i:] = 1
+                smaxs[i][gi] = sm[j]
+            s_cur[idx] = torch.stack([qscale[i][g].float() for i, g in zip(items, gis)]) ** 2 * (
+                sm.float()[:, None] / 256)
+            z_cur[idx] = float(2 ** (bits - 1))
+            maxq_cur[idx] = float(2**bits - 1)
+        wb = wq[:, b0:b1]
+        err = torch.empty(o, b1 - b0, n_max, device=dev)
+        for j in range(b1 - b0):
+            c = b0 + j
+            w = wb[:, j]
+            q = torch.clamp(torch.round(w / s_cur) + z_cur, min=torch.zeros_like(z_cur), max=maxq_cur)
+            dq = (q - z_cur) * s_cur
+            codes[:, c] = q.to(torch.uint8)
+            if rtn:
+                wb[:, j] = dq
+                continue
+            e = (w - dq) / u[c, c]
+            err[:, j] = e
+            if j + 1 < b1 - b0:
+                wb[:, j + 1:] -= u[c, c + 1:b1].view(1, -1, 1) * e.unsqueeze(1)
+            wb[:, j] = dq
+        if not rtn and b1 < k:
+            # All later rows get this block's correction; in row slices so the temporary stays small.
+            for r0 in range(b1, k, LAZY_ROWS):
+                r1 = min(r0 + LAZY_ROWS, k)
+                wq[:, r0:r1] -= torch.matmul(u[b0:b1, r0:r1].t(), err)
+    out = []
+    for i, w in enumerate(ws):
+        n = w.shape[1]
+        # Views, not copies: the caller keeps what it needs (measurement keeps only dense fp16 weights).
+        out.append(QuantResult(options[i], ph.perm, layouts[i], codes[i, :, :n], qscale[i][:, :n], smaxs[i],
+                               wq[i, :, :n]))
+    return out

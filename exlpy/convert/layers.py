@@ -1,0 +1,81 @@
+"""What the converter needs to know per module kind: its linears, which share a Hessian, the option table,
+and reading the source weights (fp32, checked for NaN/inf)."""
+
+from __future__ import annotations
+
+import torch
+
+from exlpy.convert.forward import LINEARS
+from exlpy.convert.qparams import ATTN_KEYS, ATTN_OPTIONS, MLP_KEYS, MLP_OPTIONS, QParams
+from exlpy.errors import NumericalError
+from exlpy.model.attention import Attention
+from exlpy.model.mlp import MLP
+from exlpy.model.module import Module
+from exlpy.weights.safetensors_index import SafetensorsIndex
+
+# (linear whose input is recorded, linears quantized with that Hessian), in forward order. Quantizing the first
+# group before recording the second's input lets o_proj / down_proj see their quantized inputs.
+HESSIAN_GROUPS: dict[type, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    Attention: (("q_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",))),
+    MLP: (("up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))),
+}
+OPTIONS: dict[type, list[dict[str, QParams]]] = {Attention: ATTN_OPTIONS, MLP: MLP_OPTIONS}
+assert LINEARS[Attention] == ATTN_KEYS and LINEARS[MLP] == MLP_KEYS
+
+
+def is_decoder(module: Module) -> bool:
+    return type(module) in HESSIAN_GROUPS
+
+
+def shapes(module: Module) -> dict[str, tuple[int, int]]:
+    """(K, N) of each linear (y = x @ W, W is K x N) from the tensor headers."""
+    out = {}
+    for name in LINEARS[type(module)]:
+        n, k = module.index.info(f"{module.key}.{name}.weight").shape
+        out[name] = (k, n)
+    return out
+
+
+def has_bias(module: Module, name: str) -> bool:
+    return f"{module.key}.{name}.bias" in module.index
+
+
+def read_weight(index: SafetensorsIndex, name: str, device: torch.device, rows: slice | None = None
+                ) -> torch.Tensor:
+    """A source weight (HF layout [N, K]) as fp32 [K, N] on `device`; `rows` picks output features."""
+    if rows is None:
+        w = index.get(name)
+    else:  # a slice of rows only (head slices): never the whole tensor in host memory
+        from safetensors import safe_open
+
+        with safe_open(index.info(name).file, framework="pt", device="cpu") as f:
+            w = f.get_slice(name)[rows]
+    w = w.to(device, torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        raise NumericalError(f"source tensor {name} holds NaN or inf ({index.info(name).file}); the model "
+                             "cannot be quantized from these weights")
+    return w.t()
+
+
+def read_bias(index: SafetensorsIndex, prefix: str) -> torch.Tensor | None:
+    name = f"{prefix}.bias"
+    return index.get(name).float() if name in index else None
+
+
+def module_bits(module: Module, option: dict[str, QParams]) -> int:
+    sh = shapes(module)
+    return sum(option[k].total_bits(*sh[k], has_bias(module, k)) for k in sh)
+
+
+def module_numel(module: Module) -> int:
+    return sum(k * n for k, n in shapes(module).values())
+
+
+def check_source(module: Module) -> None:
+    """Every source tensor of the module must be finite; the error names the tensor and its file."""
+    for prefix in module.tensor_prefixes():
+        for name in module.index.names_with_prefix(prefix + "."):
+            t = module.index.get(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise NumericalError(f"source tensor {name} holds NaN or inf ({module.index.info(name).file}); "
+                                     "the model cannot be quantized from these weights")

@@ -1,0 +1,76 @@
+"""Conversion settings: exllamav2's flags and defaults (spec §4.1), validated before any work starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from exlpy.convert.qparams import HEAD_BITS
+from exlpy.errors import ConvertSettingsError
+
+MAX_BPW = 8.0
+
+
+@dataclass
+class ConvertSettings:
+    in_dir: str | None = None
+    out_dir: str | None = None  # work dir (-o); a temporary one when None
+    compile_dir: str | None = None  # -cf
+    bits: float = 4.125
+    head_bits: int = 6
+    cal_dataset: str | None = None
+    measurement: str | None = None  # -m: reuse
+    output_measurement: bool = False  # -om: measure only
+    rows: int = 100
+    length: int = 2048
+    measurement_rows: int = 16
+    measurement_length: int = 2048
+    shard_size: int = 8192  # MB, 0 = one file
+    no_resume: bool = False
+    device: str | None = None  # None: cuda:0 when there is a GPU, else the CPU
+    damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
+    scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
+    act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.head_bits not in HEAD_BITS:
+            raise ConvertSettingsError(f"-hb/--head_bits must be one of {', '.join(map(str, HEAD_BITS))}, got "
+                                       f"{self.head_bits}")
+        if not self.bits > 0 or self.bits > MAX_BPW:
+            raise ConvertSettingsError(f"-b/--bits {self.bits} is outside the reachable range: EXL2 targets go "
+                                       f"up to {MAX_BPW:g} bits per weight")
+        for name in ("rows", "length", "measurement_rows", "measurement_length"):
+            if getattr(self, name) < 1:
+                raise ConvertSettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.shard_size < 0:
+            raise ConvertSettingsError(f"-ss/--shard_size must be >= 0 MB (0 = one file), got {self.shard_size}")
+        if self.output_measurement and self.compile_dir:
+            raise ConvertSettingsError("-om (measure only) and -cf (compile a model) exclude each other")
+        if self.output_measurement and self.measurement:
+            raise ConvertSettingsError("-om (measure) and -m (reuse a measurement) exclude each other")
+        if self.out_dir is None and self.compile_dir is None:
+            raise ConvertSettingsError("give -o WORK_DIR and/or -cf OUTPUT_DIR")
+        if self.out_dir is None and self.output_measurement:
+            raise ConvertSettingsError("-om needs -o WORK_DIR: the measurement is written there")
+        if self.act_order not in ("on", "off", "auto"):
+            raise ConvertSettingsError(f"act_order must be 'on', 'off' or 'auto', got {self.act_order!r}")
+        if not 0 < self.damp < 10:
+            raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that decide the output: a resumed job must have the same."""
+        def ident(path: str | None) -> str | None:
+            if path is None:
+                return None
+            p = os.path.abspath(path)
+            return f"{p} ({os.path.getsize(p)} bytes)" if os.path.isfile(p) else p
+
+        d = asdict(self)
+        keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
+                "act_order")
+        out = {k: d[k] for k in keep}
+        out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
+                   measurement=ident(self.measurement))
+        return out
