@@ -28,7 +28,6 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 def build_random_model(path: Path, device: str) -> None:
     """Write config.json, random fp16 safetensors and a synthetic tokenizer.json for a SmolLM2-135M shape."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     c = SMOLLM2_135M
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -55,10 +54,17 @@ def build_random_model(path: Path, device: str) -> None:
         t[p + "mlp.up_proj.weight"] = rnd(i, h)
         t[p + "mlp.down_proj.weight"] = rnd(h, i)
     save_file(t, str(path / "model.safetensors"))
-    # Byte-level BPE over the 256 byte symbols plus filler pieces: any text encodes, every id decodes.
+    write_word_tokenizer(path, v)
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A synthetic tokenizer.json (+ config) for random-weight models: byte-level BPE over the 256 byte symbols
+    plus filler word pieces up to `vocab_size`, so any text encodes and every id decodes (ids 0-2: unk, BOS, EOS)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + k for k, ch in enumerate(alphabet)}}
-    vocab.update({f"\u0120w{k}": k for k in range(len(vocab), v)})
+    vocab.update({f"\u0120w{k}": k for k in range(len(vocab), vocab_size)})
     tk = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()

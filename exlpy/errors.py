@@ -117,6 +117,11 @@ class CacheError(ExlpyError, ValueError):
     """A cache argument is of the wrong kind or does not match the input (e.g. one cache per row)."""
 
 
+class DraftModelError(GeneratorError):
+    """Speculative decoding was set up wrongly: a draft model or cache that does not fit the target (vocabulary,
+    cache size or batch), a draft model that is not loaded, or a draft length out of range."""
+
+
 class GrammarError(GeneratorError):
     """A JSON schema, regex or grammar for constrained decoding is invalid, or generation left it."""
 

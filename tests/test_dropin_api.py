@@ -13,6 +13,7 @@ from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
 from exlpy.errors import (
     CacheError,
     ConfigError,
+    DraftModelError,
     GeneratorError,
     LoraConfigError,
     ModelStateError,
@@ -250,10 +251,10 @@ def test_streaming_sd_stats_and_ngram_preload() -> None:
     assert gen.get_sd_stats() == (0.0, 0.0, 0, 0, 0)
     gen.ngram_preload(tok.encode("Echoes of vectors"))
     assert gen.ngram_preloaded == tok.encode("Echoes of vectors")[0].tolist()
+    # Speculative decoding works now (tests/test_speculative.py); a draft model without its cache is an error.
     gen.speculative_ngram = True
-    with pytest.raises(NotSupportedError, match="n-gram speculative"):
-        gen.begin_stream_ex(tok.encode("Once"), GREEDY)
-    with pytest.raises(NotSupportedError, match="speculative decoding"):
+    gen.begin_stream_ex(tok.encode("Once"), GREEDY)
+    with pytest.raises(DraftModelError, match="draft_cache"):
         ExLlamaV2StreamingGenerator(model, gen.cache, tok, draft_model=model)
     with pytest.raises(TypeError, match="unexpected keyword argument 'seeed'"):
         gen.begin_stream(tok.encode("Once"), GREEDY, seeed=1)
@@ -279,8 +280,7 @@ def test_dynamic_job_sequences_and_rejected_keywords() -> None:
         gen.generate("Once", 4, max_new_token=2)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="unexpected keyword argument 'pagd'"):
         ExLlamaV2DynamicGenerator(model, gen.cache, tok, pagd=False)  # type: ignore[call-arg]
-    with pytest.raises(NotSupportedError, match="speculative"):
-        ExLlamaV2DynamicGenerator(model, gen.cache, tok, use_ngram_draft=True)
+    assert ExLlamaV2DynamicGenerator(model, gen.cache, tok, use_ngram_draft=True).spec is not None
     with pytest.raises(LoraConfigError, match="ExLlamaV2Lora objects"):
         gen.set_loras(["adapter"])
     gen.set_loras(None)

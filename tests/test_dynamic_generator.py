@@ -95,11 +95,13 @@ def test_cancel_frees_pages_and_waiting_jobs_get_them() -> None:
     _, tok = aidreams()
     g = make_gen(pages=2)
     ids = tok.encode("Echoes of", add_bos=True)
-    a, b, c = job(ids, 300), job(ids, 10), job(ids, 10)  # a needs 2 pages: the whole cache
+    a, b, c = job(ids, 300), job(ids, 10), job(ids, 10)  # a grows to 2 pages: the whole cache
     g.enqueue([a, b, c])
     g.iterate()
-    assert a in g.active and b.wait_reason is not None and "pages" in b.wait_reason
-    assert g.page_table.num_unreferenced() == 0
+    # Pages are taken on demand: a holds one, the other is kept free for a running job to grow into.
+    assert a in g.active and b.wait_reason is not None and "waiting for cache pages" in b.wait_reason
+    assert "the cache holds 512 tokens (2 pages of 256)" in b.wait_reason
+    assert g.page_table.num_unreferenced() == 1
     g.cancel(a)
     assert g.page_table.num_unreferenced() == 2 and a not in g.active
     res = drain(g)
@@ -199,8 +201,11 @@ def test_bad_input_errors() -> None:
     _, tok = aidreams()
     g = make_gen(pages=2)
     ids = tok.encode("Echoes of", add_bos=True)
-    with pytest.raises(GeneratorError, match=r"Job requires 3 pages \(only 2 available\)"):
-        g.enqueue(job(torch.ones(1, 600, dtype=torch.long), 10))
+    # Pages are taken as sequences grow, but a job that could never fit (here two 300-token CFG sequences
+    # each growing to 2 pages) is refused up front.
+    with pytest.raises(GeneratorError, match=r"Job requires 4 pages \(only 2 available\)"):
+        g.enqueue(job([torch.ones(1, 300, dtype=torch.long)] * 2, 200,
+                      gen_settings=ExLlamaV2Sampler.Settings.greedy(cfg_scale=2.0)))
     with pytest.raises(GeneratorError, match="does not fit max_seq_len"):
         make_gen(pages=2, max_seq_len=256).enqueue(job(torch.ones(1, 300, dtype=torch.long), 10))
     j = job(ids, 4)
@@ -270,15 +275,18 @@ def test_next_chat_turn_reuses_full_and_partial_pages() -> None:
 def test_max_skips_stops_later_jobs_from_overtaking() -> None:
     _, tok = aidreams()
     ids = tok.encode("Once", add_bos=True)
-    g = make_gen(pages=3)
-    a, b = job(ids, 300), job(ids, 300, max_skips=1)  # 2 pages each
+    torch.manual_seed(3)
+    long_a, long_b = torch.randint(3, 500, (1, 300)), torch.randint(3, 500, (1, 600))
+    g = make_gen(pages=4)
+    # Admission takes pages for the prompt (+1 kept free for running jobs to grow into once one runs).
+    a, b = job(long_a, 30), job(long_b, 3, max_skips=1)  # 2 and 3 pages
     c, d = job(ids, 3), job(ids, 3)  # 1 page each
     g.enqueue([a, b, c, d])
     g.iterate()
     assert g.active == [a, c] and b.skips == 1  # c overtook b once
     while c in g.active:
         g.iterate()
-    # A page is free and d would fit, but b has been skipped max_skips times: nobody may overtake it again.
+    # Two pages are free and d would fit, but b has been skipped max_skips times: nobody may overtake it again.
     g.iterate()
     assert d not in g.active and "pages" in (b.wait_reason or "")
     order = []

@@ -162,14 +162,20 @@ def test_full_queue_answers_503() -> None:
 
 
 def test_failing_job_answers_500_and_concurrent_requests_finish(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sample = ExLlamaV2DynamicJob.sample
+    real_sample, real_draw = ExLlamaV2DynamicJob.sample, ExLlamaV2DynamicJob.draw_point
 
     def sample(self: ExLlamaV2DynamicJob, *args: Any) -> Any:
-        if self.seed == 666:  # the request picked to fail
+        if self.seed == 666:  # the request picked to fail (host sampler)
             raise RuntimeError("injected sampling fault")
         return real_sample(self, *args)
 
+    def draw_point(self: ExLlamaV2DynamicJob) -> Any:
+        if self.seed == 666:  # ...and on the device-sampling path
+            raise RuntimeError("injected sampling fault")
+        return real_draw(self)
+
     monkeypatch.setattr(ExLlamaV2DynamicJob, "sample", sample)
+    monkeypatch.setattr(ExLlamaV2DynamicJob, "draw_point", draw_point)
     state = make_state()
     slow_steps(state.bridge.generator, 0.005)
     sampled = {"prompt": "Echoes of", "max_tokens": 30, "temperature": 1.0, "seed": 5, "logit_bias": NO_EOS}
@@ -193,21 +199,49 @@ def test_failing_job_answers_500_and_concurrent_requests_finish(monkeypatch: pyt
     assert health["status"] == "ok" and health["failed"] == 2 and health["cache_pages_free"] == health["cache_pages"]
 
 
+def test_failed_batched_step_is_retried_per_job() -> None:
+    """A batched step that fails once (e.g. out of memory with many rows): every job's step is run alone and
+    both requests complete exactly."""
+    state = make_state()
+    gen = state.bridge.generator
+    slow_steps(gen, 0.005)
+    real_launch = gen.stepper.launch
+    calls = {"launch": 0}
+
+    def launch(jobs: list[Any], prev: Any) -> Any:
+        if len(jobs) >= 2 and not calls["launch"]:
+            calls["launch"] += 1
+            raise RuntimeError("injected step fault")
+        return real_launch(jobs, prev)
+
+    gen.stepper.launch = launch
+
+    async def body(c: Any) -> tuple[Any, ...]:
+        return tuple(await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")]))
+
+    a, b = run(state, body)
+    assert calls["launch"] == 1
+    for r, p in ((a, "Once"), (b, "Why")):
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == reference_greedy(prompt_ids(p), 20, banned_eos=True)
+    assert state.bridge.stats()["step_failures"] == 0
+
+
 def test_poisoned_decode_step_fails_only_its_job() -> None:
     """A decode step that fails whenever one job is in it: the generator retries the jobs one by one, so only
     that job fails (500) and the other completes exactly, in the same batch of requests."""
     state = make_state()
     gen = state.bridge.generator
     slow_steps(gen, 0.005)
-    real_step = gen._decode_step
+    real_launch = gen.stepper.launch
     poison = prompt_ids("Why")[0]
 
-    def decode_step(jobs: list[Any]) -> Any:
+    def launch(jobs: list[Any], prev: Any) -> Any:
         if any(j.sequence[:poison.numel()].equal(poison) for j in jobs):
             raise RuntimeError("injected step fault")
-        return real_step(jobs)
+        return real_launch(jobs, prev)
 
-    gen._decode_step = decode_step
+    gen.stepper.launch = launch
 
     async def body(c: Any) -> tuple[Any, ...]:
         first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])

@@ -27,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
     p.add_argument("--gpu-split", default=None, help="comma-separated GB per GPU (default: automatic)")
+    p.add_argument("--draft-model", default=None, metavar="DIR", help="speculative decoding with this draft model "
+                   "(same vocabulary as the model, any format)")
+    p.add_argument("--ngram-draft", action="store_true", help="speculative decoding with n-gram drafts from the "
+                   "context (no draft model)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default: adapted "
+                   "to the acceptance rate)")
     p.set_defaults(_run=run)
 
 
@@ -61,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         settings = ExLlamaV2Sampler.Settings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                              min_p=args.min_p, token_repetition_penalty=args.repetition_penalty)
-    generator = ExLlamaV2StreamingGenerator(model, cache, tokenizer)
+    draft, draft_cache = load_draft(args.draft_model, config.max_seq_len) if args.draft_model else (None, None)
+    if args.draft_model and args.ngram_draft:
+        raise ConfigError("--draft-model and --ngram-draft are alternatives: pass one of them")
+    generator = ExLlamaV2StreamingGenerator(model, cache, tokenizer, draft, draft_cache, args.num_draft_tokens)
+    generator.speculative_ngram = args.ngram_draft
     generator.set_stop_conditions(sorted(tokenizer.stop_token_ids))
     if args.seed is not None:
         import torch
@@ -72,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     generator.begin_stream_ex(ids, settings)
     t0, n = time.perf_counter(), 0
     while n < max_new:
+        generator.token_budget = max_new - n  # speculative steps may emit several tokens: never past max_new
         r = generator.stream_ex()
         n += len(r.get("chunk_token_ids", [])[0]) if len(r.get("chunk_token_ids", [])) else 0
         sys.stdout.write(r["chunk"])
@@ -80,5 +91,22 @@ def run(args: argparse.Namespace) -> int:
             break
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
-    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tokens/s on {model.devices()[0]}]", file=sys.stderr)
+    sd = ""
+    if draft is not None or args.ngram_draft:
+        _, acc, _, drafted, accepted = generator.get_sd_stats()
+        sd = f", {accepted}/{drafted} drafted tokens accepted ({acc:.0%})"
+    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tokens/s on {model.devices()[0]}{sd}]", file=sys.stderr)
     return 0
+
+
+def load_draft(path: str, max_seq_len: int) -> tuple[object, object]:
+    """A draft model for speculative decoding, loaded next to the model, with a cache as long as the model's."""
+    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+
+    config = ExLlamaV2Config(path)
+    config.max_seq_len = max_seq_len
+    config.max_input_len = min(config.max_input_len, max_seq_len)
+    draft = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(draft, max_seq_len=max_seq_len, lazy=True)
+    draft.load_autosplit(cache, progress=sys.stderr.isatty())
+    return draft, cache

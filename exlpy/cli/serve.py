@@ -15,11 +15,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "model's)")
     p.add_argument("--cache-size", type=int, default=None, metavar="TOKENS",
                    help="KV cache shared by all requests, in tokens (rounded up to 256-token pages; default: the "
-                   "context length, at least 2048). Each running request reserves pages for prompt + max_tokens")
+                   "context length, at least 2048). Requests take pages as they grow; when it is full the newest "
+                   "request waits (preempted) until others finish")
     p.add_argument("--max-batch-size", type=int, default=None, help="most requests decoding at once "
                    "(default: the generator's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to start before new ones "
                    "are refused with 503 (default: 64)")
+    p.add_argument("--draft-model", default=None, metavar="DIR", help="speculative decoding with this draft model "
+                   "(same vocabulary, any format); /health shows its acceptance rate")
+    p.add_argument("--ngram-draft", action="store_true", help="speculative decoding with n-gram drafts from each "
+                   "request's context")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default: adapted "
+                   "to the acceptance rate)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MB; larger ones "
+                   "get 413 (default: 32)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
                    "model directory's name)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
@@ -40,8 +49,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"exlpy serve needs fastapi and uvicorn ({e}): pip install 'exlpy[server]'") from e
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not args.max_body_mb > 0:
+        raise ConfigError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
-                       max_batch_size=args.max_batch_size, max_queue=args.max_queue, loras=args.lora)
+                       max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                       max_body_bytes=int(args.max_body_mb * 2**20), draft_model_dir=args.draft_model,
+                       ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens, loras=args.lora)
     if args.served_model_name:
         state.model_name = args.served_model_name
     g = state.bridge.generator

@@ -89,28 +89,11 @@ class ExLlamaV2Sampler:
                 filter_mask, end_tokens = evaluate_filters(list(filters), x, eos, filter_prefer_eos)
 
         ctx = chain.LogitContext(seq, tokenizer, prefix_ids, blocked_tokens, filter_mask, filter_step)
-        for step in chain.logit_chain(settings, ctx, vocab, device):
-            x = step(x)
-        ok_logits = usable(x)
-        x = neutralize(x, ok_logits)
-
         mu = None
         if settings.mirostat:
             mu = mu_tensor(settings.mirostat_mu, batch, float(settings.mirostat_tau), device)
-        probs, ids = chain.candidates(x, chain.first_temperature(settings), float(settings.smoothing_factor),
-                                      chain.effective_top_k(settings))
-        for pstep in chain.prob_chain(settings, mu, tokenizer, vocab, device):
-            probs = pstep(probs, ids)
-        if settings.xtc_probability > 0.0 and probs.shape[-1] > 1:
-            # XTC can reorder candidates; the draw (and skew) expect descending order
-            probs, order = probs.sort(dim=-1, descending=True)
-            ids = ids.gather(-1, order)
-
         r = uniforms(batch, device, random, generator)
-        if settings.skew != 0.0:
-            r = skew_random(r, float(settings.skew))
-        idx, prob = draw(probs, r)
-        token = ids.gather(-1, idx)
+        token, prob, probs, ids, x, ok_logits = sample_core(x, settings, ctx, tokenizer, r, mu)
         raise_if_bad([ok_in, ok_logits, distribution_ok(probs)])
 
         if mu is not None:
@@ -135,6 +118,44 @@ class ExLlamaV2Sampler:
         else:
             end_filter = torch.zeros(batch, dtype=torch.bool, device=device)
         return token, top_tokens, top_probs, prob, end_filter
+
+
+def final_distribution(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
+                       mu: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distribution a token is drawn from: logit chain, candidates, probability chain. Returns
+    (candidate probs [B, C] in descending order, not necessarily normalised; candidate ids [B, C]; final
+    logits [B, V]; [B] bool whether the logit stage left each row usable, sampling/guard.py: a bad row is
+    replaced by zeros). Speculative verification reads target probabilities from here."""
+    batch, vocab = x.shape
+    device = x.device
+    for step in chain.logit_chain(settings, ctx, vocab, device):
+        x = step(x)
+    ok_logits = usable(x)
+    x = neutralize(x, ok_logits)
+    probs, ids = chain.candidates(x, chain.first_temperature(settings), float(settings.smoothing_factor),
+                                  chain.effective_top_k(settings))
+    for pstep in chain.prob_chain(settings, mu, tokenizer, vocab, device):
+        probs = pstep(probs, ids)
+    if settings.xtc_probability > 0.0 and probs.shape[-1] > 1:
+        # XTC can reorder candidates; the draw (and skew) expect descending order
+        probs, order = probs.sort(dim=-1, descending=True)
+        ids = ids.gather(-1, order)
+    return probs, ids, x, ok_logits
+
+
+def sample_core(x: torch.Tensor, settings: SamplerSettings, ctx: chain.LogitContext, tokenizer: Any,
+                r: torch.Tensor, mu: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampling pipeline after CFG and filters, shared by `sample` and the batched device sampler
+    (exlpy.generator.sampling.batched): `final_distribution`, then skew and the inverse-CDF draw at the points
+    `r` [B, 1]. Returns (token [B, 1], prob [B, 1], candidate probs [B, C], candidate ids [B, C], final
+    logits [B, V], logit-stage flags [B])."""
+    probs, ids, x, ok_logits = final_distribution(x, settings, ctx, tokenizer, mu)
+    if settings.skew != 0.0:
+        r = skew_random(r, float(settings.skew))
+    idx, prob = draw(probs, r)
+    return ids.gather(-1, idx), prob, probs, ids, x, ok_logits
 
 
 def _logits_2d(logits: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,14 @@
 """`ExLlamaV2StreamingGenerator`: one sequence, a contiguous cache, text streamed chunk by chunk.
 
 The cache keeps the K/V of the previous sequence; a new prompt that shares a prefix with it only runs the
-tokens after the common prefix. Invariant while streaming: `cache.current_seq_len == len(sequence) - 1`; the
+tokens after the common prefix. Invariant between streams: `cache.current_seq_len == len(sequence) - 1`; the
 last token is fed at the next step, which yields the logits for the token after it.
+
+While streaming, a step whose token depends only on its logits (no filters, banned strings, CFG, penalties or
+per-token extras) is sampled on the device, and `stream_ex()` launches the following step, fed by that token
+on the device, before it reads the token: the cache is then one token ahead (exlpy/generator/stream_steps.py).
+A stream that ends (or a new `begin_stream_ex`) discards that step, so the outputs are the same as stepping
+one token at a time.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from typing import Any
 
 import torch
 
+from exlpy.engine.graphs import MAX_Q_LEN
 from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.generator import stream_steps
 from exlpy.generator.base import ExLlamaV2BaseGenerator
 from exlpy.generator.dynamic.stops import (
     Released,
@@ -25,6 +33,11 @@ from exlpy.generator.dynamic.stops import (
 )
 from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
 from exlpy.generator.filters.device import collect, device_maskable, mask_rows
+from exlpy.generator.speculative.checks import check_draft
+from exlpy.generator.speculative.ngram import NgramIndex
+from exlpy.generator.speculative.streaming import StreamSpeculation, speculative_round
+from exlpy.generator.speculative.verify import speculation_capable
+from exlpy.generator.stream_output import stream_result, unpad_rows
 from exlpy.lora.slots import adapter_rows
 from exlpy.model.batch import cache_rows_batch
 
@@ -33,14 +46,14 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
     """Streams one sequence; also the base generator's `generate_simple()`, `warmup()` and `full()`."""
 
     def __init__(self, model: Any, cache: Any, tokenizer: Any, draft_model: Any = None, draft_cache: Any = None,
-                 num_speculative_tokens: int = 5) -> None:
-        if draft_model is not None or draft_cache is not None:
-            raise NotSupportedError("speculative decoding (draft_model / draft_cache) is not supported by exlpy's "
-                                    "streaming generator yet")
+                 num_speculative_tokens: int | None = None) -> None:
+        """exllamav2's arguments. `num_speculative_tokens` None (exlpy's default) adapts the draft length to the
+        acceptance rate; a number fixes it. N-gram drafting: set `speculative_ngram = True`."""
+        check_draft(model, cache, tokenizer, draft_model, draft_cache, num_speculative_tokens, False, MAX_Q_LEN,
+                    paged=False)
         super().__init__(model, cache, tokenizer)
-        # exllamav2's speculative-decoding settings. Only the n-gram preload is kept; setting
-        # speculative_ngram = True is refused when a stream begins.
-        self.draft_model = self.draft_cache = None
+        # exllamav2's speculative-decoding settings (exlpy/generator/speculative/streaming.py).
+        self.draft_model, self.draft_cache = draft_model, draft_cache
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_prob_threshold = 0.25
         self.speculative_ngram = False
@@ -48,7 +61,10 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.speculative_ngram_max_inf, self.speculative_ngram_threshold = 3, 1
         self.ngram_preloaded: list[int] | None = None
         self.total_draft_tokens = self.accepted_draft_tokens = 0
+        self.token_budget: int | None = None  # exlpy: most tokens the next stream_ex() may return (speculation)
         self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
+        self.spec = StreamSpeculation(model, cache, draft_model, draft_cache, num_speculative_tokens, MAX_Q_LEN - 1,
+                                      len(self.pieces))
         self.special_ids = set(getattr(tokenizer, "extended_id_to_piece", {}) or {})
         self.stop_tokens: set[int] = {tokenizer.eos_token_id}
         self.stop_strings: list[str] = []
@@ -57,6 +73,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.active = False
         self.reusable = True
         self.negative = None
+        self.pending: stream_steps.Pending | None = None  # a launched step whose token is not read yet
+        self.rng: torch.Generator | None = None
         self.default_loras: Any = None  # set_loras (exlpy/lora/): adapters of streams begun without loras=
         self.loras: tuple[Any, ...] = ()  # this stream's adapters
         self._cached_loras: tuple[Any, ...] = ()  # the adapters that computed the cached K/V
@@ -91,11 +109,9 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         if input_embeddings is not None:
             raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's streaming "
                                     "generator")
-        if self.speculative_ngram:
-            raise NotSupportedError("n-gram speculative decoding (speculative_ngram = True) is not supported by "
-                                    "exlpy's streaming generator yet")
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
+        self._discard()
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         cfg = getattr(gen_settings, "cfg_scale", None) is not None
@@ -107,7 +123,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             raise GeneratorError("token_healing cannot be combined with CFG")
         if cfg and self.cache.batch_size < 2:
             raise GeneratorError(f"CFG needs a cache with batch_size >= 2, got {self.cache.batch_size}")
-        rows = _unpad_rows(input_ids.detach().to("cpu", torch.long), input_mask)
+        rows = unpad_rows(input_ids.detach().to("cpu", torch.long), input_mask)
         if max(r.numel() for r in rows) >= self.cache.max_seq_len:
             raise GeneratorError(f"prompt of {max(r.numel() for r in rows)} tokens does not fit the cache "
                                  f"(max_seq_len {self.cache.max_seq_len}) with room for a new token")
@@ -130,7 +146,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self._prefill(ids)
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
-        self.rng: torch.Generator | None = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        self.rng = None  # global torch RNG (torch.manual_seed) unless set_seed()
         drop_background(self.filters)  # a result left from an earlier stream with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
@@ -151,6 +167,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             diff = (old[0, :n] != ids[0, :n]).nonzero()
             reuse = int(diff[0, 0]) if diff.numel() else n
         self.cache.current_seq_len = reuse
+        self.spec.reset_sequence(reuse)
         self._cached_loras = self.loras
         if ids.shape[1] - 1 > reuse:
             self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True, loras=self.loras)
@@ -169,6 +186,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
                                              row.numel() - 1, dev, [slot]), preprocess_only=True)
                 self.prefill_tokens += row.numel() - 1
         self.sequence_ids = ids
+        self.spec.reset_sequence(0)
         self.reusable = False  # the cache no longer holds one plain sequence: the next prompt starts over
         self.cache.current_seq_len = 0
 
@@ -191,32 +209,77 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
 
     def set_seed(self, seed: int) -> None:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
+        self._discard()
         self.rng = torch.Generator().manual_seed(seed)
 
+    def _discard(self) -> None:
+        """Drop the launched step whose token is not read yet (the cache goes back to the invariant)."""
+        if self.pending is not None:
+            stream_steps.discard(self.pending, self.cache, self.rng)
+            self.pending = None
+
+    def _device_plan(self) -> stream_steps.RowSample | None:
+        """How to sample the next token on the device, or None when it needs the host sampler."""
+        from exlpy.generator.sampling.batched import device_capable
+
+        s = self.settings
+        if (self.negative is not None or self.filters or self.text_stream.banned or not device_capable(s)
+                or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
+                or (self.prefix_token is not None and self.new_tokens == 0)):
+            return None
+        blocked = sorted(self.stop_tokens) if self.new_tokens < self.min_new_tokens else None
+        return stream_steps.RowSample(s, blocked)
+
+    def _stream_device(self, plan: stream_steps.RowSample) -> dict[str, Any]:
+        """One token through the overlapped path: launch the step after it, then read it."""
+        seq = self.sequence_ids
+        assert seq is not None
+        if self.pending is None:
+            self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer,
+                                               self.loras)
+        current = self.pending
+        self.pending = None
+        if seq.shape[1] + 1 < self.cache.max_seq_len:
+            after = stream_steps.RowSample(plan.settings, sorted(self.stop_tokens)
+                                           if self.new_tokens + 1 < self.min_new_tokens else None)
+            self.pending = stream_steps.launch(self.model, self.cache, current.token.view(1, 1), after, self.rng,
+                                               self.tokenizer, self.loras)
+        token, prob = current.read()
+        r = self._take(token, {"prob": prob}, False)
+        if r["eos"]:
+            self._discard()
+        return r
+
     def get_sd_stats(self) -> tuple[float, float, int, int, int]:
-        """(efficiency, accuracy, total tokens, drafted tokens, accepted drafts), as exllamav2 reports its
-        speculative decoding. This generator never drafts, so the draft counts and both ratios are 0."""
-        return 0.0, 0.0, self.total_tokens, self.total_draft_tokens, self.accepted_draft_tokens
+        """(efficiency, accuracy, total tokens, drafted tokens, accepted drafts) of speculative decoding:
+        efficiency = accepted drafts / tokens, accuracy = accepted / drafted (0 without drafts)."""
+        t, d, a = self.total_tokens, self.total_draft_tokens, self.accepted_draft_tokens
+        return (a / t if t else 0.0), (a / d if d else 0.0), t, d, a
 
     def reset_sd_stats(self) -> None:
         """Zero the counters get_sd_stats() reports."""
         self.total_tokens = self.total_draft_tokens = self.accepted_draft_tokens = 0
 
-    def ngram_preload(self, input_ids: torch.Tensor | list[int]) -> None:
-        """Keep example token ids for n-gram drafting ([1, n] tensor or a list). Stored for when n-gram
-        speculative decoding arrives; nothing drafts from it yet."""
-        ids = input_ids[0].tolist() if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else \
-            [int(t) for t in input_ids]
+    def ngram_preload(self, input_ids: torch.Tensor | list[int] | str) -> None:
+        """Index example token ids ([1, n] tensor or a list; exlpy also takes text) for n-gram drafting
+        (`speculative_ngram = True`): the sequence's own n-grams are searched first, then these."""
+        if isinstance(input_ids, str):
+            input_ids = self.tokenizer.encode(input_ids)
+        ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
         self.ngram_preloaded = ids
+        self._preload = NgramIndex(self.speculative_ngram_max, self.speculative_ngram_min)
+        self._preload.extend(ids)
 
     def generate_simple(self, *args: Any, **kwargs: Any) -> str | list[str]:
         """The base generator's generate_simple() on this generator's cache; any stream in progress ends (the
         cache now holds the batch)."""
+        self._discard()
         self.active = False
         self.reusable = False
         return super().generate_simple(*args, **kwargs)
 
     def warmup(self) -> None:
+        self._discard()
         self.active = False
         super().warmup()
 
@@ -232,10 +295,21 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         if not self.active or self.sequence_ids is None:
             raise GeneratorError("stream_ex() called without an active stream: call begin_stream_ex() first")
         if self.abort_event is not None and self.abort_event.is_set():
+            self._discard()
             return self._result(self.text_stream.end(Released(), "aborted"))
         longest = max(self.sequence_ids.shape[1], self.negative.numel() if self.negative is not None else 0)
         if longest >= self.cache.max_seq_len:
+            self._discard()
             return self._result(self.text_stream.end(Released(), "max_seq_len"))
+        plan = self._device_plan() if not ban_tokens else None  # a step launched earlier did not ban them
+        if plan is not None and (self.draft_model is not None or self.speculative_ngram) \
+                and not self.return_probabilities and not plan.blocked and speculation_capable(plan.settings):
+            r = speculative_round(self, plan)
+            if r is not None:
+                return r
+        if plan is not None:
+            return self._stream_device(plan)
+        self._discard()
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
         seq = self.sequence_ids
@@ -257,6 +331,21 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
                                 self.return_logits)
+        return self._take(token, payload, bool(end_filter))
+
+    def _feed(self, token: int, payload: dict[str, Any]) -> Released:
+        """Append one token (no filters or banned strings: speculation runs without them) and release text."""
+        seq = self.sequence_ids
+        assert seq is not None
+        self.sequence_ids = torch.cat([seq, torch.tensor([[token]])], dim=1)
+        self.new_tokens += 1
+        self.total_tokens += 1
+        return self.text_stream.add(token, payload)
+
+    def _take(self, token: int, payload: dict[str, Any], end_filter: bool) -> dict[str, Any]:
+        """Append a sampled token and turn it into this call's result."""
+        seq = self.sequence_ids
+        assert seq is not None
         self.sequence_ids = torch.cat([seq, torch.tensor([[token]])], dim=1)
         if self.negative is not None:
             self.negative = torch.cat([self.negative, torch.tensor([token])])
@@ -289,33 +378,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.ban_set.add(rel.ban)
 
     def _result(self, rel: Released) -> dict[str, Any]:
-        r: dict[str, Any] = {"chunk": rel.text, "eos": rel.eos,
-                             "chunk_token_ids": torch.tensor([rel.tokens], dtype=torch.long).view(1, -1)}
         if rel.eos:
-            r["eos_reason"] = rel.eos_reason
             self.active = False
-        if self.return_probabilities:
-            r["probs"] = torch.tensor([[p["prob"] for p in rel.payloads]]).view(1, -1)
-        if self.return_top_tokens:
-            k = self.return_top_tokens
-            r["top_tokens"] = (torch.stack([p["top_tokens"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
-                               else torch.empty(1, 0, k, dtype=torch.long))
-            r["top_probs"] = (torch.stack([p["top_probs"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
-                              else torch.empty(1, 0, k))
-        if self.return_logits:
-            r["logits"] = (torch.stack([p["logits"] for p in rel.payloads]).unsqueeze(0) if rel.payloads
-                           else torch.empty(1, 0, len(self.pieces)))
-        return r
-
-
-def _unpad_rows(ids: torch.Tensor, input_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """The real tokens of each row of a (left-)padded batch; `input_mask` is bool (True = token) or additive
-    (0 = token, -inf = padding), as from tokenizer.padding_mask()."""
-    if input_mask is None:
-        return [r for r in ids]
-    m = input_mask.reshape(ids.shape[0], -1)[:, -ids.shape[1]:].cpu()
-    keep = m if m.dtype == torch.bool else m > -1.0
-    rows = [ids[b][keep[b]] for b in range(ids.shape[0])]
-    if min(r.numel() for r in rows) < 1:
-        raise GeneratorError("input_mask leaves a row without any token")
-    return rows
+        return stream_result(rel, self.return_probabilities, self.return_top_tokens, self.return_logits,
+                             len(self.pieces))

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exlpy.errors import ExlpyError
-from exlpy.server import plans
+from exlpy.server import guards, plans
 from exlpy.server.bridge import JobFailedError, ServerBusyError
 from exlpy.server.lora import adapter_cards
 from exlpy.server.schemas import (
@@ -62,6 +62,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="exlpy", summary="OpenAI-compatible server over exlpy's dynamic generator",
                   lifespan=lifespan)
     app.state.exlpy = state
+    app.add_middleware(guards.BodyLimit, max_bytes=state.max_body_bytes)
     _add_error_handlers(app)
 
     def model_card() -> dict[str, Any]:
@@ -87,13 +88,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         loras = check_model(state, req.model)
-        plan = plans.plan_completion(req, state.tokenizer, state.bridge.generator.model, state.max_seq_len)
+        plan = await guards.plan_request(plans.plan_completion, req, state)
         return await execute(state, plan, req.stream, request, chat=False, loras=loras, name=req.model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         loras = check_model(state, req.model)
-        plan = plans.plan_chat(req, state.tokenizer, state.bridge.generator.model, state.max_seq_len)
+        plan = await guards.plan_request(plans.plan_chat, req, state)
         return await execute(state, plan, req.stream, request, chat=True, loras=loras, name=req.model)
 
     @app.post("/tokenize")

@@ -188,7 +188,8 @@ class GeneratorBridge:
 
     def stats(self) -> dict[str, Any]:
         g = self.generator
-        return {"running": self.num_running(), "queued": self.num_queued(), "max_queue": self.max_queue,
+        extra = g.status() if hasattr(g, "status") else {}
+        return {**extra, "running": self.num_running(), "queued": self.num_queued(), "max_queue": self.max_queue,
                 "max_batch_size": g.max_batch_size, "cache_pages": g.num_pages,
                 "cache_pages_free": g.page_table.num_unreferenced(), "max_seq_len": g.max_seq_len,
                 **self.counters}

@@ -44,7 +44,7 @@ def admit(generator: Any, job: Any, results: list[dict[str, Any]]) -> bool | Non
         return False
     except ExlpyError as e:
         generator.pending.remove(job)
-        generator._fail(job, e, results)
+        generator.fail(job, e, results)
         return None
     return True
 

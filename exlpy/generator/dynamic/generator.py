@@ -1,14 +1,18 @@
 """`ExLlamaV2DynamicGenerator`: continuous batching over a paged KV cache shared by all jobs.
 
-Each `iterate()` (1) starts queued jobs while pages and batch room allow, (2) runs one prefill chunk per job
-that still has prompt left (skipping pages another job already computed), (3) runs one batched decode step
-(q_len 1) for every prefilled job and samples each row with that job's settings and torch.Generator.
+Each `iterate()` (1) starts queued jobs while batch room and pages for their prompts allow
+(dynamic/scheduler.py), (2) runs prompt chunks of jobs still prefilling, within a token budget while other jobs
+decode so that a long prompt does not stall them, (3) gives every decoding job the page its next token goes
+to (preempting the newest job when the cache is full), launches one batched decode step (q_len 1) and
+samples it on the device where it can, and (4) only then reads the previous step's tokens and turns them
+into results (dynamic/decode.py): the host's work overlaps the GPU's.
+
 Finished or cancelled jobs give their pages back at once; full pages keep their prefix hash so a later prompt
 with the same prefix references them instead of recomputing them, and a partly filled last page remembers its
 tokens so that the next turn of a conversation copies its K/V instead of recomputing it.
 
 Counters: `prefill_tokens` (prompt tokens actually run through the model), `cached_tokens` (prompt tokens
-served from the cache instead) and `decode_tokens` (rows of batched decode steps).
+served from the cache instead), `decode_tokens` (rows of batched decode steps), `preemptions`.
 """
 
 from __future__ import annotations
@@ -19,39 +23,45 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import GeneratorError, NotSupportedError
-from exlpy.generator.dynamic import adapters
-from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
+from exlpy.errors import GeneratorError
+from exlpy.generator.dynamic import adapters, scheduler
+from exlpy.generator.dynamic.decode import DecodeStepper
+from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.scheduler import decode_step, plan_prefill, skip_cached_pages
+from exlpy.generator.dynamic.prefill import run_prefill
 from exlpy.generator.dynamic.validate import check_job_vocab
 from exlpy.generator.filters.base import drop_background
-from exlpy.model.batch import paged_batch
+from exlpy.generator.speculative.api import SpeculativeAPI
+from exlpy.generator.speculative.dynamic import Speculation
 
 
-class ExLlamaV2DynamicGenerator:
+class ExLlamaV2DynamicGenerator(SpeculativeAPI):
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
-                 draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int = 4,
+                 draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int | None = None,
                  use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
-                 min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True) -> None:
+                 min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True,
+                 page_size: int = PAGE_SIZE, max_prefill_per_step: int = 256) -> None:
         """exllamav2's arguments. max_sampling_threads / min_sampling_threads / filter_background_eval tune
-        exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing."""
+        exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing. Two exlpy
+        extensions: `page_size` (tokens per cache page; 256 as in exllamav2) and `max_prefill_per_step` (prompt
+        tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
+        prompts)."""
         cfg = model.config
-        if draft_model is not None or draft_cache is not None or use_ngram_draft:
-            raise NotSupportedError("speculative decoding (draft_model / draft_cache / use_ngram_draft) is not "
-                                    "supported by exlpy's dynamic generator yet")
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
                                  "or Q4.")
         if cache.batch_size != 1:
             raise GeneratorError(f"the dynamic generator needs a cache with batch_size 1 (its rows are pages), "
                                  f"got batch_size {cache.batch_size}")
-        if cache.max_seq_len % PAGE_SIZE != 0:
+        if page_size < 1 or cache.max_seq_len % page_size != 0:
             raise GeneratorError(f"cache max_seq_len {cache.max_seq_len} must be a multiple of the page size "
-                                 f"{PAGE_SIZE}")
+                                 f"{page_size}")
+        if max_prefill_per_step < 1:
+            raise GeneratorError(f"max_prefill_per_step must be >= 1, got {max_prefill_per_step}")
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.paged = paged
+        self.page_size = page_size
         self.max_q_size = max_q_size
         default_batch = max(1, cfg.max_input_len // max_q_size)
         # Unpaged mode keeps exllamav2's meaning (one sequence at a time) on top of the same page machinery.
@@ -61,25 +71,36 @@ class ExLlamaV2DynamicGenerator:
         # A sequence may not outgrow the cache nor the model's context (its RoPE tables end there).
         self.max_seq_len = min(max_seq_len or cache.max_seq_len, cache.max_seq_len, cfg.max_seq_len)
         chunk = max_chunk_size or cfg.max_input_len
-        if chunk % PAGE_SIZE != 0 or chunk < PAGE_SIZE:
-            raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {PAGE_SIZE}")
+        if chunk % page_size != 0 or chunk < page_size:
+            raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {page_size}")
         self.max_chunk_size = chunk
-        self.num_pages = cache.max_seq_len // PAGE_SIZE
-        self.page_table = PageTable(self.num_pages)
+        self.max_prefill_per_step = max_prefill_per_step
+        self.model_vocab = int(cfg.vocab_size)
+        self.num_pages = cache.max_seq_len // page_size
+        self.page_table = PageTable(self.num_pages, page_size)
         self.pieces: list[str] = tokenizer.get_id_to_piece_list(True)
         self.special_ids = _special_ids(tokenizer)
         self.pending: list[ExLlamaV2DynamicJob] = []
         self.active: list[ExLlamaV2DynamicJob] = []
         self.next_serial = 0
+        self.admissions = 0
         # Counters: tokens actually run through the model (prefill / decode), and prompt tokens served from cache.
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.cached_tokens = 0
+        self.preemptions = 0
         self.copy_partial_pages = True
+        self.stepper = DecodeStepper(self)
         self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
-        self.draft_model = self.draft_cache = None
-        self.use_ngram_draft = False
-        self.num_draft_tokens, self.max_ngram = num_draft_tokens, max_ngram
+        # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
+        # None adapts the draft length to the acceptance rate; a number fixes it.
+        self.draft_model, self.draft_cache = draft_model, draft_cache
+        self.use_ngram_draft, self.num_draft_tokens, self.max_ngram = use_ngram_draft, num_draft_tokens, max_ngram
+        self.spec: Speculation | None = None
+        if draft_model is not None or draft_cache is not None or use_ngram_draft or num_draft_tokens is not None:
+            self.spec = Speculation(self, draft_model, draft_cache, num_draft_tokens, use_ngram_draft, max_ngram)
+            if draft_model is None and not use_ngram_draft:
+                self.spec = None  # num_draft_tokens alone: checked, nothing to draft with
         self._lock = threading.RLock()
 
     # --- queue ---------------------------------------------------------------------------------------------
@@ -108,19 +129,23 @@ class ExLlamaV2DynamicGenerator:
         if job.serial is not None:
             raise GeneratorError(f"job was already enqueued (serial {job.serial}); create a new job to run the "
                                  "prompt again")
-        check_job_vocab(job.all_input_ids, self.model.config.vocab_size)
+        check_job_vocab(job.all_input_ids, self.model_vocab)
         with self._lock:
             serial = self.next_serial
-            job.prepare(self, serial)
-            if job.num_pages > self.num_pages:
+            try:
+                job.prepare(self, serial)
+            except Exception:
                 job.serial = None
-                raise GeneratorError(f"Job requires {job.num_pages} pages (only {self.num_pages} available): "
-                                     f"{job.prompt_len} prompt + up to {job.max_new_tokens} new tokens at "
-                                     f"{PAGE_SIZE} tokens per page")
+                raise
             if job.prompt_len >= self.max_seq_len:
                 job.serial = None
                 raise GeneratorError(f"prompt of {job.prompt_len} tokens does not fit max_seq_len "
                                      f"{self.max_seq_len} with room for a new token")
+            if job.num_pages > self.num_pages:
+                job.serial = None
+                raise GeneratorError(f"Job requires {job.num_pages} pages (only {self.num_pages} available): "
+                                     f"{job.prompt_len} prompt + up to {job.max_new_tokens} new tokens at "
+                                     f"{self.page_size} tokens per page")
             self.next_serial += 1
             job.wait_reason = "queued"
             self.pending.append(job)
@@ -153,6 +178,7 @@ class ExLlamaV2DynamicGenerator:
             for job in self.pending:
                 job.finished = True
             self.pending = []
+            self.stepper.inflight = None
 
     def reset_page_table(self) -> None:
         if self.active:
@@ -176,92 +202,114 @@ class ExLlamaV2DynamicGenerator:
         self.page_table.reset()
         self.prefill_tokens = self.decode_tokens = self.cached_tokens = 0
 
+    def status(self) -> dict[str, Any]:
+        """Cache and queue figures for monitoring (the server's /health). Reads snapshots without the lock, so
+        it answers at once even while a step runs in another thread."""
+        t = self.page_table
+        active, pending = list(self.active), list(self.pending)
+        used = sum(q.kv_valid() for j in active for q in j.seqs)
+        waiting = [{"serial": j.serial, "reason": j.wait_reason} for j in pending[:8]]
+        return {"cache_tokens": t.num_pages * t.page_size, "cache_pages": t.num_pages, "page_size": t.page_size,
+                "cache_pages_free": t.num_unreferenced(), "cache_tokens_in_use": used,
+                "running": len(active), "waiting": len(pending), "waiting_reasons": waiting,
+                "preemptions": self.preemptions, **self._sd_status()}
+
     # --- iteration -----------------------------------------------------------------------------------------
-    def _release(self, job: ExLlamaV2DynamicJob) -> None:
-        drop_background(job.filters)  # a mask computed for a step that will not come
+    def device(self) -> torch.device:
+        return self.model.strategy_for_forward().first_device
+
+    def release_pages(self, job: ExLlamaV2DynamicJob) -> None:
+        """Give back a job's pages (full ones stay cached under its LoRA salt) and its adapter slot."""
         for q in job.seqs:
             self.page_table.release(q.pages, job.serial or 0, q.ids, q.kv_valid(), q.salt)
             q.pages = []
         adapters.free_slot(self, job)
+
+    def _release(self, job: ExLlamaV2DynamicJob) -> None:
+        drop_background(job.filters)  # a mask computed for a step that will not come
+        self.release_pages(job)
         job.finished = True
+        job.epoch += 1
+        job.inflight = 0
         if job in self.active:
             self.active.remove(job)
 
-    def _schedule(self, results: list[dict[str, Any]]) -> None:
-        for job in list(self.pending):
-            if len(self.active) >= self.max_batch_size:
-                job.wait_reason = f"batch full ({self.max_batch_size} jobs running)"
-                break
-            try:
-                fits = self.page_table.can_allocate([(q.hashes, q.num_pages) for q in job.seqs])
-            except Exception as e:  # a job the enqueue checks missed ends here instead of blocking the queue
-                self.pending.remove(job)
-                self._fail(job, e, results)
-                continue
-            if not fits:
-                free = self.page_table.num_unreferenced()
-                job.wait_reason = f"not enough free cache pages (needs {job.num_pages}, {free} free)"
-                if job.skips >= job.max_skips:
-                    break  # skipped too often: later jobs may not overtake it any more
-                continue
-            if not (admitted := adapters.admit(self, job, results)):  # its LoRA adapter slot, if it needs one
-                if admitted is False and job.skips >= job.max_skips:
-                    break
-                continue
-            for other in self.pending:
-                if other is job:
-                    break
-                other.skips += 1
-            self.pending.remove(job)
-            self.active.append(job)
-            # A job that cannot start (its filters' begin() raises...) ends with an error result, pages freed.
-            self._guard(job, results, lambda j=job: self._start(j, results))
-
-    def _start(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
-        reused = 0
-        for q in job.seqs:
-            q.pages, n = self.page_table.allocate(q.hashes, q.num_pages, job.serial or 0)
-            reused += n
-        job.start(reused)
-        results.append(job.base_result("started"))
-
     def iterate(self) -> list[dict[str, Any]]:
-        """Advance every job by one step; returns the results produced (see the module docstring)."""
-        with self._lock:
+        """Advance every job by one step; returns the results produced (see the module docstring). With the
+        overlapped loop a token reaches its result one call after the step that sampled it was launched."""
+        with self._lock, torch.inference_mode():
             results: list[dict[str, Any]] = []
-            self._schedule(results)
+            scheduler.admit(self, results)
+            decoding = sum(1 for j in self.active if j.is_prefilled())
+            budget = scheduler.prefill_budget(self, decoding, len(self.active) - decoding)
+            spent = 0
             for job in list(self.active):
                 if not job.is_prefilled():
-                    self._guard(job, results, lambda j=job: self._prefill(j, results))
-            decoding = [j for j in self.active if j.is_prefilled()]
-            if decoding:
-                try:
-                    groups = [(decoding, self._decode_step(decoding))]
-                except Exception:  # retried job by job (same K/V slots): only a job that fails alone ends
-                    groups = []
-                    for job in decoding:
-                        try:
-                            groups.append(([job], self._decode_step([job])))
-                        except Exception as e:
-                            self._fail(job, e, results)
-                for jobs, (greedy, logits) in groups:
-                    for i, job in enumerate(jobs):
-                        if i in greedy:
-                            self._guard(job, results,
-                                        lambda j=job, t=greedy[i]: self._accept(
-                                            j, t, {}, j.premask_end is not None and t in j.premask_end, results))
-                        else:
-                            self._guard(job, results, lambda j=job, row=logits[i]: self._sample(j, row, results))
+                    spent += self._guard_n(job, results,
+                                           lambda j=job, s=spent: run_prefill(self, j, results, decoding, budget, s))
+            jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
+            if self.spec is not None and jobs and self._speculate(jobs, results):
+                return results
+            if any(j.filters and j.inflight for j in jobs):
+                # A constrained job's next mask needs the token in flight, fed to its filters: read it first.
+                self.stepper.drain(results)
+                jobs = [j for j in jobs if j in self.active and self._continues(j)]
+            jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
+            prev, self.stepper.inflight = self.stepper.inflight, None
+            if not jobs:
+                if prev is not None:
+                    self.stepper.finish(prev, results)
+                return results
+            try:
+                launched, host = self.stepper.launch(jobs, prev)
+            except Exception as e:
+                if prev is not None:
+                    self.stepper.finish(prev, results)
+                self._isolate(jobs, e, results)
+                return results
+            if prev is not None:
+                self.stepper.finish(prev, results)
+            self.stepper.sample_host(host, results)
+            self.stepper.inflight = launched
             return results
 
-    def _guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
+    def _continues(self, job: ExLlamaV2DynamicJob) -> bool:
+        """Whether the job needs another step: it ends by count once its tokens in flight arrive."""
+        n = job.new_tokens + job.inflight
+        return n < job.max_new_tokens and max(q.ids.numel() for q in job.seqs) + job.inflight < self.max_seq_len
+
+    def _isolate(self, jobs: list[ExLlamaV2DynamicJob], error: Exception, results: list[dict[str, Any]]) -> None:
+        """A batched step raised: run each job's step alone so that only the job at fault fails."""
+        if len(jobs) == 1:
+            self.fail(jobs[0], error, results)
+            return
+        for job in jobs:
+            if job.finished or job not in self.active:
+                continue
+
+            def solo(j: ExLlamaV2DynamicJob = job) -> None:
+                launched, host = self.stepper.launch([j], None)
+                if launched is not None:
+                    self.stepper.finish(launched, results)
+                self.stepper.sample_host(host, results)
+
+            self.guard(job, results, solo)
+
+    def guard(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> None:
         """Run one job's step; an exception ends that job with an error result and leaves the others running."""
         try:
             fn()
         except Exception as e:
-            self._fail(job, e, results)
+            self.fail(job, e, results)
 
-    def _fail(self, job: ExLlamaV2DynamicJob, e: Exception, results: list[dict[str, Any]]) -> None:
+    def _guard_n(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]], fn: Any) -> int:
+        try:
+            return int(fn())
+        except Exception as e:
+            self.fail(job, e, results)
+            return 0
+
+    def fail(self, job: ExLlamaV2DynamicJob, e: Exception, results: list[dict[str, Any]]) -> None:
         r = job.base_result("streaming")
         r.update(eos=True, text="", token_ids=torch.empty(1, 0, dtype=torch.long), error=e,
                  error_message=f"{type(e).__name__}: {e}")
@@ -269,82 +317,18 @@ class ExLlamaV2DynamicGenerator:
         self._release(job)
         results.append(r)
 
-    def _prefill(self, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
-        progressed = False
-        for q in job.seqs:
-            if q.is_prefilled():
-                continue
-            self.cached_tokens += skip_cached_pages(q)
-            self._copy_partial_page(q, job.serial or 0)
-            self.cached_tokens += skip_cached_pages(q)
-            plan = plan_prefill(q, job.serial or 0, self.max_chunk_size)
-            if plan is None:
-                job.wait_reason = "waiting for another job to finish computing a shared prefix page"
-                continue
-            progressed = True
-            start, end = plan
-            if end > start:
-                ids = q.ids[start:end].unsqueeze(0)
-                batch = paged_batch([(q.page_ids(), start, end - start)], self.cache, self._device(), PAGE_SIZE,
-                                    [job.lora_slot])
-                self.model.forward_batch(ids, batch, preprocess_only=True)
-                self.prefill_tokens += end - start
-                for p in range(start // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
-                    q.pages[p].kv_position = max(q.pages[p].kv_position, min(PAGE_SIZE, end - p * PAGE_SIZE))
-                q.prefill_pos = end
-        if progressed:
-            job.wait_reason = None
-            r = job.base_result("prefill")
-            r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
-                     max_progress=sum(q.prefill_target for q in job.seqs))
-            results.append(r)
-
-    def _copy_partial_page(self, q: SeqState, serial: int) -> None:
-        """At a page start, copy K/V from a free page that followed the same prefix and holds the same leading
-        tokens (e.g. the previous turn of a chat, whose last page was not full): those tokens skip prefill."""
-        pos, target = q.prefill_pos, q.prefill_target
-        if not self.copy_partial_pages:
-            return
-        p = pos // PAGE_SIZE
-        if pos % PAGE_SIZE or pos >= target or (p > 0 and p - 1 >= len(q.hashes)):
-            return
-        page = q.pages[p]
-        if page.complete or page.kv_position or page.filler not in (None, serial):
-            return
-        donor, n = self.page_table.find_partial(q.hashes[p - 1] if p else q.salt, q.ids[pos:target])
-        if donor is None or n == 0:
-            return
-        try:
-            self.cache.copy_states(self.cache, donor.index * PAGE_SIZE, n, page.index * PAGE_SIZE, n, 0, 1, 0, 1)
-        except NotImplementedError:
-            self.copy_partial_pages = False  # e.g. quantized caches: recompute instead
-            return
-        page.filler, page.kv_position = serial, n
-        q.prefill_pos += n
-        self.cached_tokens += n
-
-    def _device(self) -> torch.device:
-        return self.model.strategy_for_forward().first_device
-
-    def _decode_step(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[dict[int, int], list[torch.Tensor]]:
-        """One batched q_len-1 step over `jobs` (scheduler.decode_step): ({job index: greedy token}, per job its
-        logits [rows, 1, V] on the CPU)."""
-        greedy, per_job, rows = decode_step(self.model, self.cache, self._device(), jobs, len(self.pieces))
-        self.decode_tokens += rows
-        return greedy, per_job
-
-    def _sample(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]]) -> None:
+    def sample_on_host(self, job: ExLlamaV2DynamicJob, logits: torch.Tensor, results: list[dict[str, Any]],
+                       point: float | None = None) -> None:
         from exlpy.generator.sampler import ExLlamaV2Sampler
 
-        settings = job.gen_settings or ExLlamaV2Sampler.Settings()
-        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, settings)
-        self._accept(job, token, payload, end_filter, results)
+        token, payload, end_filter = job.sample(logits, ExLlamaV2Sampler, job.settings, point)
+        self.accept(job, token, payload, end_filter, results)
 
-    def _accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
-                results: list[dict[str, Any]]) -> None:
+    def accept(self, job: ExLlamaV2DynamicJob, token: int, payload: dict[str, Any], end_filter: bool,
+               results: list[dict[str, Any]]) -> None:
         r = job.receive(token, payload, end_filter)
-        for q in job.seqs:
-            q.prefill_pos = q.ids.numel() - 1
+        if self.spec is not None:
+            self.spec.tokens += 1
         if r is not None:
             results.append(r)
             if r["eos"]:

@@ -10,7 +10,8 @@ import torch
 
 from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic import adapters
-from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage, chain_hashes
+from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage
+from exlpy.generator.dynamic.sequence import JobSequence, SeqState
 from exlpy.generator.dynamic.stops import (
     Released,
     TextStream,
@@ -22,81 +23,20 @@ from exlpy.generator.dynamic.stops import (
 from exlpy.generator.dynamic.validate import check_job_args, check_prompt_ids
 from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
 from exlpy.generator.filters.device import device_maskable
-from exlpy.util import SeqTensor
+from exlpy.generator.sampling.batched import RowSample, device_capable
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
-
-
-class SeqState:
-    """One token sequence of a job (CFG jobs have two) and the cache pages that hold its K/V."""
-
-    def __init__(self, ids: torch.Tensor, max_new_tokens: int, salt: bytes | None = None) -> None:
-        self.ids = ids  # 1-D: prompt, then generated tokens
-        self.prompt_len = ids.numel()
-        self.num_pages = -(-(self.prompt_len + max_new_tokens) // PAGE_SIZE)
-        self.salt = salt  # starts the hash chain: pages computed under other LoRA adapters never match
-        # Only pages that prefill writes (all but the last prompt token) are shareable before the job ends.
-        self.hashes = chain_hashes(ids, self.prompt_len - 1, salt)
-        self.pages: list[CachePage] = []
-        self.prefill_pos = 0  # tokens of `ids` whose K/V is in the cache
-
-    @property
-    def prefill_target(self) -> int:
-        return self.ids.numel() - 1
-
-    def is_prefilled(self) -> bool:
-        return self.prefill_pos >= self.prefill_target
-
-    def kv_valid(self) -> int:
-        return self.ids.numel() - 1 if self.is_prefilled() else self.prefill_pos
-
-    def page_ids(self) -> list[int]:
-        return [p.index for p in self.pages]
-
-
-class JobSequence:
-    """exllamav2's view of one sequence of a job (`job.sequences[i]`): `input_ids` (the prompt as given) and
-    `sequence_ids` (prompt + generated so far) as SeqTensors of shape [1, n], and how far its K/V is cached."""
-
-    def __init__(self, prompt: torch.Tensor, state: SeqState | None, live: bool) -> None:
-        self._prompt = prompt
-        self._state = state
-        self.live = live
-
-    @property
-    def input_ids(self) -> SeqTensor:
-        return SeqTensor.from_tensor(self._prompt, seq_dim=-1)
-
-    @property
-    def sequence_ids(self) -> SeqTensor:
-        ids = self._prompt[0] if self._state is None else self._state.ids
-        return SeqTensor.from_tensor(ids.unsqueeze(0), seq_dim=-1)
-
-    @property
-    def kv_position(self) -> int:
-        return 0 if self._state is None else self._state.kv_valid()
-
-    @property
-    def prefill_complete(self) -> bool:
-        return self._state is not None and self._state.is_prefilled()
-
-    @property
-    def allocated_pages(self) -> list[CachePage] | None:
-        return None if self._state is None or not self._state.pages else list(self._state.pages)
-
-    @property
-    def page_hashes(self) -> list[bytes] | None:
-        return None if self._state is None else list(self._state.hashes)
 
 
 class ExLlamaV2DynamicJob:
     """A prompt plus its generation settings. Enqueue it with `generator.enqueue(job)`.
 
     While the job is not running, `job.wait_reason` says why in plain words: "queued" (not yet considered),
-    "batch full (N jobs running)", "not enough free cache pages (needs N, M free)", or, during prefill,
-    "waiting for another job to finish computing a shared prefix page". It is None while the job makes
-    progress. A job whose pages can never fit is refused at enqueue() with a GeneratorError instead.
+    "batch full (N jobs running)", "waiting for cache pages (...)" with the cache's size and what the job
+    needs, "preempted (...)" when a longer-running job needed its pages, or, during prefill, "waiting for
+    another job to finish computing a shared prefix page". It is None while the job makes progress. A job
+    whose pages can never fit is refused at enqueue() with a GeneratorError instead.
     A job that fails while running (e.g. its filter raises) ends with a result whose `eos_reason` is "error"
     and which carries `error` (the exception) and `error_message`; the other jobs continue.
     """
@@ -168,19 +108,29 @@ class ExLlamaV2DynamicJob:
         self.time_first_token = 0.0
         self.ban_pos = -1
         self.ban_set: set[int] = set()
+        # Overlapped decoding: tokens sampled on the device whose values the host has not read yet, and an
+        # epoch that any rollback (end, cancel, preemption, rewind) bumps so stale in-flight rows are dropped.
+        self.inflight = 0
+        self.epoch = 0
+        self.admitted = 0  # admission order (the newest running job is preempted first)
+        self.preemptions = 0
+        self.drafted_tokens = self.accepted_draft_tokens = 0  # speculative decoding
         self.premask_end: set[int] | None = None  # end tokens when the generator masked this step's logits
         self._device_masked: bool | None = None
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
+        from exlpy.generator.sampler import ExLlamaV2Sampler
+
         self.generator = generator
         self.serial = serial
+        self.settings = self.gen_settings if self.gen_settings is not None else ExLlamaV2Sampler.Settings()
         self.time_enqueue = time.time()
         adapters.resolve(generator, self)  # its LoRA adapters, checked, and their prefix-cache salt
         tok = generator.tokenizer
         ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
-        self.seqs = [SeqState(r.clone(), self.max_new_tokens, self.lora_salt) for r in rows]
+        self.seqs = [SeqState(r.clone(), generator.page_size, self.lora_salt) for r in rows]
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
         self.stop_tokens, stop_strings = split_stop_conditions(conds)
@@ -192,18 +142,44 @@ class ExLlamaV2DynamicJob:
         else:
             self.rng = torch.Generator()
             self.rng.seed()
-        self.num_pages = sum(q.num_pages for q in self.seqs)
+        # Most pages the job can hold at once: each sequence ends at max_new_tokens or max_seq_len.
+        limit = generator.max_seq_len
+        self.num_pages = sum(q.pages_for(min(q.ids.numel() + self.max_new_tokens, limit)) for q in self.seqs)
 
-    def start(self, reused: int) -> None:
-        self.cached_pages = reused
-        self.started = True
+    def admission_needs(self) -> list[tuple[list[bytes], int]]:
+        """(prefix hashes, pages) per sequence to start: pages for every token so far (the last one is
+        written by the first decode step)."""
+        return [(q.hashes, q.pages_for(q.ids.numel())) for q in self.seqs]
+
+    def start(self, reused: int) -> bool:
+        """Admitted (again); returns whether this is the first start (a "started" result is due)."""
+        first = not self.started
         self.wait_reason = None
-        self.time_start = time.time()
-        drop_background(self.filters)  # a result left from an earlier job with the same filter objects
-        for f in self.filters:
-            if hasattr(f, "begin"):
-                f.begin("")
-        schedule_background(self.filters)  # the first mask is computed while the prompt is prefilled
+        if first:
+            self.cached_pages = reused
+            self.started = True
+            self.time_start = time.time()
+            drop_background(self.filters)  # a result left from an earlier job with the same filter objects
+            for f in self.filters:
+                if hasattr(f, "begin"):
+                    f.begin("")
+            schedule_background(self.filters)  # the first mask is computed while the prompt is prefilled
+        return first
+
+    def preempt(self, reason: str) -> None:
+        """Its pages were taken back (the caller released them): recompute the sequence so far later."""
+        self.epoch += 1
+        self.inflight = 0
+        self.premask_end = None  # a mask applied to a step that was dropped
+        self.preemptions += 1
+        self.wait_reason = reason
+        for q in self.seqs:
+            q.pages = []
+            q.restart()
+
+    def next_position(self, q: SeqState) -> int:
+        """Cache position sequence q's next decode step writes (past the tokens fed, in flight included)."""
+        return q.ids.numel() - 1 + self.inflight
 
     @property
     def sequence(self) -> torch.Tensor:
@@ -226,7 +202,7 @@ class ExLlamaV2DynamicJob:
     # --- sampling ------------------------------------------------------------------------------------------
     def blocked_tokens(self) -> list[int] | None:
         blocked: set[int] = set()
-        if self.new_tokens < self.min_new_tokens:
+        if self.new_tokens + self.inflight < self.min_new_tokens:
             blocked |= self.stop_tokens
         if self.ban_pos == self.sequence.numel():
             blocked |= self.ban_set
@@ -238,30 +214,35 @@ class ExLlamaV2DynamicJob:
             self._device_masked = device_maskable(self.filters, self.filter_prefer_eos)
         return self._device_masked
 
-    def plain_greedy(self) -> bool:
-        """Whether the next token is simply the argmax of the raw logits (no penalty, bias, ban, healing or
-        per-token extras; filters only if the generator applies them on the device first), so the generator
-        may take it on the device for the whole batch at once."""
-        s = self.gen_settings
-        return (s is not None and getattr(s, "top_k", 0) == 1 and s.token_repetition_penalty == 1.0
-                and s.token_frequency_penalty == 0.0 and s.token_presence_penalty == 0.0 and s.token_bias is None
-                and s.dry_multiplier == 0.0 and s.cfg_scale is None and not s.post_sampling_hooks
-                and (not self.filters or self.device_masked())
-                and not (self.return_probs or self.return_top_tokens or self.return_logits)
-                and (self.prefix_token is None or self.new_tokens > 0) and self.blocked_tokens() is None)
+    def device_sampling(self) -> RowSample | None:
+        """How to sample the next token on the device, or None when it needs the host sampler (filters other
+        than device-masked ones, banned strings, CFG, penalties over the context, token healing's first token,
+        per-token extras). A device-masked job's mask is applied to its logits before they are sampled."""
+        s = self.settings
+        if ((self.filters and not self.device_masked()) or self.banned_strings or len(self.seqs) > 1
+                or not device_capable(s) or (self.return_probs or self.return_top_tokens or self.return_logits)
+                or (self.prefix_token is not None and self.new_tokens + self.inflight == 0)):
+            return None
+        return RowSample(s, self.blocked_tokens())
 
-    def sample(self, logits: torch.Tensor, sampler: Any, settings: Any) -> tuple[int, dict[str, Any], bool]:
-        """Sample the next token from logits [1, 1, V]. Returns (token, per-token payload, end_filter)."""
+    def draw_point(self) -> float:
+        """The next random point of this job's generator: what the host sampler would draw for this token."""
+        return float(torch.rand(1, 1, generator=self.rng)[0, 0])
+
+    def sample(self, logits: torch.Tensor, sampler: Any, settings: Any, point: float | None = None
+               ) -> tuple[int, dict[str, Any], bool]:
+        """Sample the next token from logits [1, 1, V] (at `point` when this token's random point was already
+        drawn from the job's generator). Returns (token, per-token payload, end_filter)."""
         prefix = self.prefix_token if self.new_tokens == 0 else None
         premasked = self.premask_end is not None  # the generator applied the filters on the device already
         tok, top_tok, top_prob, prob, end_filter = sampler.sample(
-            logits, settings, self.sequence.unsqueeze(0), None, self.generator.tokenizer if self.generator else None,
+            logits, settings, self.sequence.unsqueeze(0), point, self.generator.tokenizer if self.generator else None,
             prefix_token=prefix, return_top_tokens=self.return_top_tokens,
             blocked_tokens=self.blocked_tokens(), filters=None if premasked else (self.filters or None),
-            filter_prefer_eos=self.filter_prefer_eos, generator=self.rng)
+            filter_prefer_eos=self.filter_prefer_eos, generator=None if point is not None else self.rng)
         token = int(tok.view(-1)[0])
         if premasked:
-            end_filter = torch.tensor(token in self.premask_end)
+            end_filter = torch.tensor(token in self.premask_end)  # type: ignore[operator]
         # CFG: the positive row's logits
         payload = token_payload(prob, top_tok, top_prob, logits[0], self.return_probs, self.return_top_tokens,
                                 self.return_logits)
@@ -282,9 +263,9 @@ class ExLlamaV2DynamicJob:
             schedule_background(self.filters)  # the next mask is computed while the GPU runs the next step
         if rel.rewind:
             self.new_tokens -= rel.rewind
+            self.epoch += 1
             for q in self.seqs:
-                q.ids = q.ids[:-rel.rewind]
-                q.prefill_pos = min(q.prefill_pos, q.ids.numel() - 1)
+                q.truncate(rel.rewind)
             if self.ban_pos != self.sequence.numel():
                 self.ban_pos, self.ban_set = self.sequence.numel(), set()
             assert rel.ban is not None
@@ -346,5 +327,8 @@ class ExLlamaV2DynamicJob:
         r["time_enqueued"] = self.time_start - self.time_enqueue
         r["time_prefill"] = (self.time_first_token or now) - self.time_start
         r["time_generate"] = now - (self.time_first_token or now)
+        r["accepted_draft_tokens"] = self.accepted_draft_tokens
+        r["rejected_draft_tokens"] = self.drafted_tokens - self.accepted_draft_tokens
         r["cached_pages"] = self.cached_pages
-        r["cached_tokens"] = min(self.cached_pages * PAGE_SIZE, self.prompt_len)
+        r["cached_tokens"] = min(self.cached_pages * (self.seqs[0].page_size if self.seqs else PAGE_SIZE),
+                                 self.prompt_len)

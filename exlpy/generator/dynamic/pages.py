@@ -1,6 +1,7 @@
 """Page table of the paged KV cache: 256-token pages, reference counts, chained prefix hashes, LRU reuse.
 
-The cache is one flat row of `num_pages * 256` tokens; page p owns rows [p*256, (p+1)*256). A full page of
+The cache is one flat row of `num_pages * page_size` tokens (256 per page, as exllamav2; smaller pages are an
+exlpy extension that tests use); page p owns rows [p*size, (p+1)*size). A full page of
 tokens is identified by a chained hash `blake2b(prev_hash || int64 token bytes, 16 bytes)`, so equal hashes
 mean equal token prefixes and therefore equal K/V. Pages whose reference count drops to zero keep their hash
 and contents until the least-recently-used policy hands them to a new job: a later prompt with the same prefix
@@ -27,13 +28,14 @@ def page_hash(prev: bytes | None, tokens: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def chain_hashes(ids: torch.Tensor, num_tokens: int, salt: bytes | None = None) -> list[bytes]:
+def chain_hashes(ids: torch.Tensor, num_tokens: int, page_size: int = PAGE_SIZE,
+                 salt: bytes | None = None) -> list[bytes]:
     """Hashes of the full pages among the first `num_tokens` ids (1-D CPU tensor); `salt` (the LoRA adapters
     that compute the K/V) stands before the first page."""
     out: list[bytes] = []
     prev: bytes | None = salt
-    for p in range(num_tokens // PAGE_SIZE):
-        prev = page_hash(prev, ids[p * PAGE_SIZE:(p + 1) * PAGE_SIZE])
+    for p in range(num_tokens // page_size):
+        prev = page_hash(prev, ids[p * page_size:(p + 1) * page_size])
         out.append(prev)
     return out
 
@@ -50,23 +52,25 @@ class CachePage:
     # Unhashed pages given back keep what they hold, so a later prompt can copy a matching partial page:
     prev_hash: bytes | None = None  # chain hash of the page before it (first page: the LoRA salt, or None)
     tokens: torch.Tensor | None = None  # the token ids whose K/V it holds, from its start
+    size: int = PAGE_SIZE
 
     @property
     def complete(self) -> bool:
-        return self.hashed and self.kv_position == PAGE_SIZE
+        return self.hashed and self.kv_position == self.size
 
 
 class PageTable:
     """Allocation of pages to jobs. Single-threaded: only the generator's iterate() touches it."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, page_size: int = PAGE_SIZE) -> None:
         self.num_pages = num_pages
-        self.pages = [CachePage(i, os.urandom(16)) for i in range(num_pages)]
+        self.page_size = page_size
+        self.pages = [CachePage(i, os.urandom(16), size=page_size) for i in range(num_pages)]
         self.by_hash: dict[bytes, CachePage] = {}
         self.clock = 0
 
     def reset(self) -> None:
-        self.__init__(self.num_pages)  # type: ignore[misc]
+        self.__init__(self.num_pages, self.page_size)  # type: ignore[misc]
 
     def num_unreferenced(self) -> int:
         return sum(1 for p in self.pages if p.ref_count == 0)
@@ -75,9 +79,13 @@ class PageTable:
         self.clock += 1
         page.last_access = self.clock
 
-    def can_allocate(self, needs: list[tuple[list[bytes], int]]) -> bool:
-        """Whether sequences needing (prefix hashes, total pages) each all fit, counting the cached prefix
-        pages that would be shared with running jobs (they cost no free page)."""
+    def can_allocate(self, needs: list[tuple[list[bytes], int]], reserve: int = 0) -> bool:
+        """Whether sequences needing (prefix hashes, total pages) each all fit with `reserve` pages to spare,
+        counting the cached prefix pages that would be shared with running jobs (they cost no free page)."""
+        return self.pages_needed(needs) + reserve <= self.num_unreferenced()
+
+    def pages_needed(self, needs: list[tuple[list[bytes], int]]) -> int:
+        """Free pages that sequences needing (prefix hashes, total pages) would take."""
         need = 0
         for hashes, total_pages in needs:
             shared_live = 0
@@ -88,7 +96,7 @@ class PageTable:
                 if p.ref_count > 0:
                     shared_live += 1
             need += total_pages - shared_live
-        return need <= self.num_unreferenced()
+        return need
 
     def allocate(self, hashes: list[bytes], total_pages: int, serial: int) -> tuple[list[CachePage], int]:
         """Pages for a job: reuse the cached chain of `hashes` as far as it goes, fresh LRU pages for the rest.
@@ -117,6 +125,15 @@ class PageTable:
             pages.append(page)
         return pages, reused
 
+    def grow(self, pages: list[CachePage], total_pages: int, serial: int) -> None:
+        """Append fresh pages to a running sequence's list until it holds `total_pages` (decode growth)."""
+        while len(pages) < total_pages:
+            page = self._take_free()
+            page.filler = serial
+            page.ref_count += 1
+            self._tick(page)
+            pages.append(page)
+
     def _take_free(self) -> CachePage:
         free = [p for p in self.pages if p.ref_count == 0]
         if not free:
@@ -131,18 +148,19 @@ class PageTable:
     def release(self, pages: list[CachePage], serial: int, ids: torch.Tensor | None = None,
                 valid_tokens: int = 0, salt: bytes | None = None) -> None:
         """Drop a job's references. With `ids` (the job's full sequence) its full pages are hashed for reuse."""
-        hashes = chain_hashes(ids, valid_tokens, salt) if ids is not None else []
+        size = self.page_size
+        hashes = chain_hashes(ids, valid_tokens, size, salt) if ids is not None else []
         for i, page in enumerate(pages):
             if page.filler == serial:
                 page.filler = None  # a sharer that still holds an unfinished page claims and finishes it
             if i < len(hashes) and not page.hashed and page.ref_count == 1 and hashes[i] not in self.by_hash:
-                page.phash, page.hashed, page.kv_position = hashes[i], True, PAGE_SIZE
+                page.phash, page.hashed, page.kv_position = hashes[i], True, size
                 self.by_hash[hashes[i]] = page
             if ids is not None and page.ref_count == 1 and not page.hashed and (i == 0 or i - 1 < len(hashes)):
-                held = ids[i * PAGE_SIZE:min(valid_tokens, (i + 1) * PAGE_SIZE)]
+                held = ids[i * size:min(valid_tokens, (i + 1) * size)]
                 if held.numel():
                     page.prev_hash, page.tokens = (hashes[i - 1] if i else salt), held.clone()
-            if page.ref_count == 1 and page.hashed and page.kv_position < PAGE_SIZE:
+            if page.ref_count == 1 and page.hashed and page.kv_position < size:
                 # Last holder of a prefix page nobody finished (cancelled mid-prefill): its hash would promise
                 # K/V that is not there.
                 self._unhash(page)

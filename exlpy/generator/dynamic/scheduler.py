@@ -1,28 +1,157 @@
-"""What runs through the model in one iteration: prefill chunk planning and the batched decode step (batches:
-exlpy.model.batch)."""
+"""Scheduling for the dynamic generator: which queued jobs start, how much prompt runs next to the decoding
+jobs, and whose pages a growing sequence takes when the cache is full.
+
+Pages are taken on demand: a job starts with pages for its prompt, and each decode step first makes sure
+every row owns the page it writes. When the cache is full the newest running job is preempted: its pages go
+back (full pages keep their prefix hash, so they stay shareable), it returns to the front of the queue, and
+on re-admission it recomputes its sequence so far as a prompt, skipping pages that are still cached. The
+oldest job can always finish, because a job that could never fit is refused at enqueue().
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from exlpy.generator.dynamic.pages import PAGE_SIZE
-from exlpy.generator.filters.device import premask_jobs
-from exlpy.model.batch import paged_batch
+from exlpy.generator.dynamic import adapters
+from exlpy.generator.dynamic.validate import check_job_args
 
 if TYPE_CHECKING:
-    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob, SeqState
+    from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+    from exlpy.generator.dynamic.sequence import SeqState
+
+# Prompt tokens per iteration while other jobs decode cost them latency; attention makes a token at context L
+# cost about (1 + L / CONTEXT_COST_TOKENS) times a token at the start of a prompt (8B shapes).
+CONTEXT_COST_TOKENS = 4096
+
+
+def cache_summary(gen: ExLlamaV2DynamicGenerator) -> str:
+    t = gen.page_table
+    return (f"the cache holds {t.num_pages * t.page_size} tokens ({t.num_pages} pages of {t.page_size}), "
+            f"{t.num_unreferenced()} pages free, {len(gen.active)} jobs running")
+
+
+def growth_reserve(gen: ExLlamaV2DynamicGenerator) -> int:
+    """Pages kept free at admission for the running jobs to grow into (fewer preemptions right after)."""
+    return -(-len(gen.active) // 8)
+
+
+def admit(gen: ExLlamaV2DynamicGenerator, results: list[dict[str, Any]]) -> None:
+    """Start queued jobs while there is batch room and pages for their prompts. A job that does not fit is
+    skipped; once it has been skipped `max_skips` times no later job may overtake it."""
+    table = gen.page_table
+    for job in list(gen.pending):
+        if len(gen.active) >= gen.max_batch_size:
+            job.wait_reason = f"batch full ({gen.max_batch_size} jobs running)"
+            break
+        try:
+            # Checked again here: a job changed after enqueue() (max_new_tokens = 2.5) fails instead of
+            # misbehaving later.
+            check_job_args(job.max_new_tokens, job.min_new_tokens, job.max_skips, job.seed, job.return_top_tokens,
+                           job.stop_conditions, job.banned_strings)
+            needs = job.admission_needs()
+            need = table.pages_needed(needs)
+        except Exception as e:  # a job the enqueue checks missed ends here instead of blocking the queue
+            gen.pending.remove(job)
+            gen.fail(job, e, results)
+            continue
+        reserve = growth_reserve(gen) if gen.active else 0
+        if need + reserve > table.num_unreferenced():
+            tokens = sum(q.ids.numel() for q in job.seqs)
+            job.wait_reason = (f"waiting for cache pages: its {tokens} tokens need {need} free pages"
+                               + (f" (+{reserve} kept for running jobs to grow)" if reserve else "")
+                               + f"; {cache_summary(gen)}")
+            if job.skips >= job.max_skips:
+                break  # skipped too often: later jobs may not overtake it any more
+            continue
+        if not (admitted := adapters.admit(gen, job, results)):  # its LoRA adapter slot, if it needs one
+            if admitted is False and job.skips >= job.max_skips:
+                break
+            continue
+        for other in gen.pending:
+            if other is job:
+                break
+            other.skips += 1
+        gen.pending.remove(job)
+        gen.active.append(job)
+        gen.admissions += 1
+        job.admitted = gen.admissions
+        # A job that cannot start (its filters' begin() raises...) ends with an error result, pages freed.
+        gen.guard(job, results, lambda j=job, n=needs: _start(gen, j, n, results))
+
+
+def _start(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, needs: list[tuple[list[bytes], int]],
+           results: list[dict[str, Any]]) -> None:
+    reused = 0
+    for q, (hashes, n) in zip(job.seqs, needs):
+        q.pages, k = gen.page_table.allocate(hashes, n, job.serial or 0)
+        reused += k
+    if job.start(reused):
+        results.append(job.base_result("started"))
+
+
+def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: int) -> int:
+    """Prompt tokens for this iteration: without decoding jobs, a whole chunk per job; next to them,
+    `max_prefill_per_step`, more when many more jobs wait for their prompt than decode (the decoders lose a
+    little latency, the waiting jobs gain much)."""
+    if not decoding:
+        return gen.max_chunk_size * max(prefilling, 1)
+    return gen.max_prefill_per_step * max(1, prefilling // decoding)
+
+
+def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:
+    """Prompt tokens `seq` may run now: at most a chunk, and what is left of the budget, counting a token
+    deep into a long prompt as more (attention over its context)."""
+    if not decoding:
+        return gen.max_chunk_size
+    scale = CONTEXT_COST_TOKENS / (CONTEXT_COST_TOKENS + seq.prefill_pos)
+    return max(0, min(gen.max_chunk_size, int((budget - spent) * scale)))
+
+
+def decode_pages(gen: ExLlamaV2DynamicGenerator, jobs: list[ExLlamaV2DynamicJob], tokens: int,
+                 drain: Callable[[], bool]) -> list[ExLlamaV2DynamicJob]:
+    """Give every job the pages its next step writes (`tokens` positions per sequence), oldest job first.
+    With the cache full, `drain()` first reads the tokens in flight (a finished job frees its pages); then the
+    newest running job is preempted, possibly the one asking. Returns the jobs that still decode."""
+    table = gen.page_table
+    for job in sorted(jobs, key=lambda j: j.admitted):
+        while job in gen.active:
+            need = sum(max(0, q.pages_for(job.next_position(q) + tokens) - len(q.pages)) for q in job.seqs)
+            if need == 0:
+                break
+            if need <= table.num_unreferenced():
+                for q in job.seqs:
+                    table.grow(q.pages, q.pages_for(job.next_position(q) + tokens), job.serial or 0)
+                break
+            if drain():
+                continue
+            victim = max(gen.active, key=lambda j: j.admitted)
+            preempt(gen, victim, f"preempted: job {job.serial} needed a cache page; {cache_summary(gen)}")
+    return [j for j in jobs if j in gen.active]
+
+
+def preempt(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, reason: str) -> None:
+    """Free a running job's pages (and LoRA slot) and queue it again ahead of every job that has not started
+    yet."""
+    gen.release_pages(job)
+    gen.active.remove(job)
+    job.preempt(reason)
+    gen.preemptions += 1
+    at = next((i for i, j in enumerate(gen.pending) if not j.started or j.admitted > job.admitted),
+              len(gen.pending))
+    gen.pending.insert(at, job)
 
 
 def skip_cached_pages(seq: SeqState) -> int:
     """Advance the prefill position over leading pages whose K/V another job already computed; returns the
     number of tokens skipped."""
+    size = seq.page_size
     target = seq.prefill_target
     pos = seq.prefill_pos
     start = pos
-    while pos < target and pos % PAGE_SIZE == 0 and pos + PAGE_SIZE <= target and seq.pages[pos // PAGE_SIZE].complete:
-        pos += PAGE_SIZE
+    while pos < target and pos % size == 0 and pos + size <= target and seq.pages[pos // size].complete:
+        pos += size
     seq.prefill_pos = pos
     return pos - start
 
@@ -31,51 +160,20 @@ def plan_prefill(seq: SeqState, serial: int, max_chunk: int) -> tuple[int, int] 
     """Next prefill span (start, end) of one job sequence, after `skip_cached_pages`.
 
     A page that another running job is still filling is waited for: returns None, and the job tries again
-    next iteration. An empty span means the sequence is prefilled.
+    next iteration. An empty span means the sequence is prefilled (or has no budget this iteration).
     """
+    size = seq.page_size
     pos, target = seq.prefill_pos, seq.prefill_target
     end = pos
     limit = min(target, pos + max_chunk)
     while end < limit:
-        page = seq.pages[end // PAGE_SIZE]
+        page = seq.pages[end // size]
         if page.complete:
             break
         if page.filler is not None and page.filler != serial:
             break
         page.filler = serial
-        end = min(limit, (end // PAGE_SIZE + 1) * PAGE_SIZE)
-    if end == pos and pos < target:
+        end = min(limit, (end // size + 1) * size)
+    if end == pos and pos < limit:
         return None
     return (pos, end)
-
-
-def decode_step(model: Any, cache: Any, device: torch.device, jobs: list[ExLlamaV2DynamicJob], vocab_limit: int
-                ) -> tuple[dict[int, int], list[torch.Tensor], int]:
-    """One batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows). Plain-greedy jobs
-    are reduced to their argmax on the device; only the other jobs' logits travel to the CPU for the
-    sampler. Returns ({job index: token}, per job its logits [rows, 1, V] on the CPU, rows run)."""
-    rows, first = [], []  # first: each job's first row (a job's rows are consecutive)
-    for j in jobs:
-        first.append(len(rows))
-        rows += [(q.page_ids(), q.ids.numel() - 1, 1) for q in j.seqs]
-    ids = torch.stack([q.ids[-1:] for j in jobs for q in j.seqs])
-    batch = paged_batch(rows, cache, device, PAGE_SIZE, [j.lora_slot for j in jobs for _ in j.seqs])  # LoRA slots
-    logits = model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
-    logits = premask_jobs(jobs, first, logits)  # grammar filters: their token masks applied on the device
-    fast = [k for k, j in enumerate(jobs) if j.plain_greedy()]
-    greedy: dict[int, int] = {}
-    if fast:
-        # Ids past the tokenizer's vocab (padded heads) are never valid picks, as in the sampler.
-        picks = logits[[first[k] for k in fast], :vocab_limit].argmax(-1).tolist()
-        greedy = dict(zip(fast, picks))
-    slow = [k for k in range(len(jobs)) if k not in greedy]
-    per_job: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-    if slow:
-        # One device-to-host copy for all sampled rows, then each job takes its consecutive slice.
-        cpu = logits[[first[k] + r for k in slow for r in range(len(jobs[k].seqs))]].unsqueeze(1).float().cpu()
-        i = 0
-        for k in slow:
-            n = len(jobs[k].seqs)
-            per_job[k] = cpu[i:i + n]
-            i += n
-    return greedy, per_job, len(rows)

@@ -1,0 +1,221 @@
+"""The overlapped decode step of the dynamic generator.
+
+A step's tokens are sampled on the device (exlpy.generator.sampling.batched) and stay there: the next step
+takes them as its input ids directly (`forward_batch` copies device ids into the graph's static input), while a
+non-blocking copy brings them to pinned host memory behind an event. `iterate()` launches step n+1 first and
+only then reads step n's tokens, so stop checks, detokenization and scheduling run while the GPU computes.
+
+A job's tokens in flight are counted in `job.inflight` and its step rows are tagged with `job.epoch`. When the
+host finds that a job ended at step n (a stop token or string), its row in step n+1 computed one token too
+many: the job is released as it would have been without the overlap (its K/V past the last real token is
+never counted as valid, and a page taken for that position goes back), and the stale row is dropped when
+step n+1 is read. Rows that need the host sampler (filters other than grammar masks, penalties, CFG, banned
+strings, per-token extras) copy their logits to the CPU after the previous step's tokens were processed: for
+them the step is synchronous, as before.
+
+Grammar filters (exlpy/generator/filters/device.py) are applied on the device right after the forward pass,
+before any row is sampled or copied, so a constrained job may be sampled on the device too. Its next mask
+depends on the token it samples, so it never has a token in flight when a step is launched: `iterate()` reads
+the step in flight first whenever such a job is about to run again. Each row carries its job's LoRA slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from exlpy.errors import SamplerError
+from exlpy.generator.filters.device import premask_jobs
+from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
+from exlpy.model.batch import paged_batch, upload_ids
+
+if TYPE_CHECKING:
+    from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+
+
+BAD_ROW = ("the logits hold NaN or +inf, or leave no token with a finite, positive probability: the model output "
+           "is broken or every token was excluded")
+
+
+@dataclass
+class Launched:
+    """Tokens sampled on the device whose values the host has not read yet."""
+
+    jobs: list[tuple[ExLlamaV2DynamicJob, int]]  # (job, its epoch at launch), in token order
+    tokens: torch.Tensor  # [n] long on the device: the next step's input for these jobs
+    host: torch.Tensor  # [n] on the CPU (pinned for a CUDA step), filled by a non-blocking copy
+    event: Any = None  # recorded after that copy (None: a CPU step, already complete)
+    ends: list[set[int] | None] | None = None  # per job: its filters' end tokens when they masked this step
+    _index: dict[int, tuple[int, int]] | None = None
+
+    def position(self, job: ExLlamaV2DynamicJob) -> int | None:
+        """Index of the job's token in `tokens` (None: the job has no valid token here)."""
+        if self._index is None:
+            self._index = {id(j): (i, e) for i, (j, e) in enumerate(self.jobs)}
+        hit = self._index.get(id(job))
+        return hit[0] if hit is not None and hit[1] == job.epoch else None
+
+    def read(self) -> tuple[list[int], list[bool]]:
+        """(tokens, whether each row's distribution was usable): waits for the copy."""
+        if self.event is not None:
+            self.event.synchronize()
+        vals = self.host.tolist()
+        n = len(self.jobs)
+        return vals[:n], [bool(v) for v in vals[n:]]
+
+
+def read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying device tokens to the host without waiting: (host tensor, event to wait on)."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tokens.device))
+    return host, event
+
+
+def upload_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float32)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class HostRows:
+    """Jobs of a launched step that the host samples, and where their rows are in the step's logits."""
+
+    jobs: list[ExLlamaV2DynamicJob]
+    first_row: list[int]
+    logits: torch.Tensor | None = None  # [rows, V]: grammar masks already applied
+    points: dict[int, float] | None = None  # serial -> random point already drawn for the job
+
+
+class DecodeStepper:
+    """Launches decode steps for the generator and keeps the one step whose tokens are still in flight."""
+
+    def __init__(self, gen: ExLlamaV2DynamicGenerator) -> None:
+        self.gen = gen
+        self.inflight: Launched | None = None
+
+    def input_ids(self, rows: list[tuple[ExLlamaV2DynamicJob, Any]], prev: Launched | None,
+                  device: torch.device) -> torch.Tensor:
+        """[B, 1] ids: a row whose job has a token in flight takes it from `prev` on the device, the others
+        their last host token."""
+        src = [prev.position(job) if (prev is not None and job.inflight) else None for job, _ in rows]
+        if prev is None or all(s is None for s in src):
+            return torch.stack([q.ids[-1:] for _, q in rows])
+        n = prev.tokens.numel()
+        if src == list(range(n)):  # the same jobs in the same order: the sampled tokens are the input
+            return prev.tokens.view(n, 1)
+        host_vals = [int(q.ids[-1]) for (_, q), s in zip(rows, src) if s is None]
+        index, k = [], n
+        for s in src:
+            if s is None:
+                index.append(k)
+                k += 1
+            else:
+                index.append(s)
+        packed = upload_ids(torch.tensor(host_vals + index, dtype=torch.long), device)
+        combined = torch.cat([prev.tokens, packed[:len(host_vals)]])
+        return combined.index_select(0, packed[len(host_vals):]).view(len(rows), 1)
+
+    def launch(self, jobs: list[ExLlamaV2DynamicJob], prev: Launched | None
+               ) -> tuple[Launched | None, HostRows]:
+        """Run one batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows) and sample
+        what can be sampled on the device. Nothing is read back here."""
+        gen = self.gen
+        device = gen.device()
+        rows = [(j, q) for j in jobs for q in j.seqs]
+        first: list[int] = []  # each job's first row (a CFG job's two rows are consecutive)
+        n = 0
+        for j in jobs:
+            first.append(n)
+            n += len(j.seqs)
+        ids = self.input_ids(rows, prev, device)
+        batch = paged_batch([(q.page_ids(), j.next_position(q), 1) for j, q in rows], gen.cache, device,
+                            gen.page_size, [j.lora_slot for j, _ in rows])
+        logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
+        gen.decode_tokens += len(rows)
+        # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
+        logits = premask_jobs(jobs, first, logits)
+
+        plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
+        points: dict[int, float] = {}
+        for k, p in enumerate(plans):
+            if p is not None and not is_greedy(p.settings):
+                try:
+                    points[k] = jobs[k].draw_point()
+                except Exception:
+                    plans[k] = None  # the host sampler will meet the same fault and fail this job alone
+        dev = [k for k, p in enumerate(plans) if p is not None]
+        host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None],
+                        [first[k] for k in range(len(jobs)) if plans[k] is None])
+        launched = None
+        if dev:
+            try:
+                launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits, device)
+            except Exception:
+                # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
+                # already drawn) and fails only the job at fault
+                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
+        host.logits = logits
+        return launched, host
+
+    def _sample(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], plans: list[RowSample | None],
+                dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device) -> Launched:
+        row_plans = [plans[k] for k in dev]
+        assert all(p is not None for p in row_plans)
+        x = logits
+        if len(dev) != logits.shape[0]:
+            x = x.index_select(0, upload_ids(torch.tensor([first[k] for k in dev]), device))
+        tokens, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
+                                    self.gen.tokenizer)
+        for k in dev:
+            jobs[k].inflight += 1
+        host, event = read_back(torch.cat([tokens, ok.long()]))
+        return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event,
+                        [jobs[k].premask_end for k in dev])
+
+    def finish(self, launched: Launched, results: list[dict[str, Any]]) -> None:
+        """Read a launched step's tokens (waits for its copy) and hand each to its job."""
+        tokens, usable = launched.read()
+        ends = launched.ends or [None] * len(tokens)
+        for (job, epoch), token, ok, end in zip(launched.jobs, tokens, usable, ends):
+            if job.finished or job.epoch != epoch:
+                continue  # ended, cancelled, preempted or rewound since: a token one step too many
+            job.inflight -= 1
+            if not ok:
+                self.gen.fail(job, SamplerError(BAD_ROW), results)
+                continue
+            self.gen.guard(job, results, lambda j=job, t=token, e=end is not None and token in end:
+                           self.gen.accept(j, t, {}, e, results))
+
+    def sample_host(self, host: HostRows, results: list[dict[str, Any]]) -> None:
+        """Sample the host rows (after the previous step's tokens were processed: they see the whole context)."""
+        if not host.jobs:
+            return
+        assert host.logits is not None
+        index = [f + r for job, f in zip(host.jobs, host.first_row) for r in range(len(job.seqs))]
+        cpu = host.logits[index].unsqueeze(1).float().cpu()  # waits for this step
+        i = 0
+        for job in host.jobs:
+            n = len(job.seqs)
+            part = cpu[i:i + n]
+            i += n
+            point = (host.points or {}).get(job.serial or 0)
+            if not job.finished:
+                self.gen.guard(job, results,
+                               lambda j=job, row=part, r=point: self.gen.sample_on_host(j, row, results, r))
+
+    def drain(self, results: list[dict[str, Any]]) -> bool:
+        """Process the step in flight now (the scheduler needs the tokens first); False if there is none."""
+        launched, self.inflight = self.inflight, None
+        if launched is None:
+            return False
+        self.finish(launched, results)
+        return True

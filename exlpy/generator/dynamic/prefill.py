@@ -1,0 +1,89 @@
+"""Prompt processing of the dynamic generator: chunks that skip pages other jobs already computed, K/V copied
+from a freed page that held the same tokens, and a token budget while other jobs decode."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from exlpy.generator.dynamic import scheduler
+from exlpy.model.batch import paged_batch
+
+if TYPE_CHECKING:
+    from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
+    from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+    from exlpy.generator.dynamic.sequence import SeqState
+
+
+def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]],
+                decoding: int, budget: int, spent: int) -> int:
+    """One prompt chunk per sequence of the job; returns the tokens run."""
+    progressed, ran = False, 0
+    serial = job.serial or 0
+    for q in job.seqs:
+        if q.is_prefilled():
+            continue
+        gen.cached_tokens += scheduler.skip_cached_pages(q)
+        copy_partial_page(gen, q, serial)
+        gen.cached_tokens += scheduler.skip_cached_pages(q)
+        if gen.spec is not None:
+            gen.spec.on_cached(q)
+        if q.is_prefilled():
+            progressed = True
+            continue
+        limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
+        if limit == 0:
+            job.wait_reason = "waiting for its turn to prefill next to the running jobs"
+            continue
+        plan = scheduler.plan_prefill(q, serial, limit)
+        if plan is None:
+            job.wait_reason = "waiting for another job to finish computing a shared prefix page"
+            continue
+        progressed = True
+        start, end = plan
+        if end > start:
+            ids = q.ids[start:end].unsqueeze(0)
+            batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
+                                [job.lora_slot])
+            gen.model.forward_batch(ids, batch, preprocess_only=True)
+            if gen.spec is not None:
+                gen.spec.on_prefill(q, start, end)
+            gen.prefill_tokens += end - start
+            ran += end - start
+            size = gen.page_size
+            for p in range(start // size, (end - 1) // size + 1):
+                q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
+            q.prefill_pos = end
+    if progressed:
+        job.wait_reason = None
+        r = job.base_result("prefill")
+        r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
+                 max_progress=sum(q.prefill_target for q in job.seqs))
+        results.append(r)
+    return ran
+
+
+def copy_partial_page(gen: ExLlamaV2DynamicGenerator, q: SeqState, serial: int) -> None:
+    """At a page start, copy K/V from a free page that followed the same prefix and holds the same leading
+    tokens (e.g. the previous turn of a chat, whose last page was not full): those tokens skip prefill."""
+    pos, target, size = q.prefill_pos, q.prefill_target, gen.page_size
+    if not gen.copy_partial_pages:
+        return
+    p = pos // size
+    if pos % size or pos >= target or (p > 0 and p - 1 >= len(q.hashes)):
+        return
+    page = q.pages[p]
+    if page.complete or page.kv_position or page.filler not in (None, serial):
+        return
+    donor, n = gen.page_table.find_partial(q.hashes[p - 1] if p else q.salt, q.ids[pos:target])
+    if donor is None or n == 0:
+        return
+    try:
+        gen.cache.copy_states(gen.cache, donor.index * size, n, page.index * size, n, 0, 1, 0, 1)
+        if gen.spec is not None:
+            gen.spec.on_copy(donor.index * size, page.index * size, n)
+    except NotImplementedError:
+        gen.copy_partial_pages = False  # e.g. quantized caches: recompute instead
+        return
+    page.filler, page.kv_position = serial, n
+    q.prefill_pos += n
+    gen.cached_tokens += n

@@ -1,0 +1,180 @@
+"""Where the overlapped generator loop (pages on demand, preemption, device sampling, speculation) meets grammar
+filters and LoRA adapters, on the bundled demo model (aidreams260K, CPU):
+
+- a grammar-constrained job is masked on the device and then sampled there like any other row, next to
+  unconstrained rows, giving exactly the tokens of the host-sampled path;
+- constrained jobs never draft in a speculative generator (a filter cannot follow unverified drafts) and give
+  the tokens they give without speculation;
+- adapter jobs keep their adapters through speculative verification (a draft model without adapters only
+  proposes), through preemption (the slot goes back while the job waits) and in shared prefix pages.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Lora, ExLlamaV2Tokenizer
+from exlpy.demo import DEMO_MODEL_DIR
+from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+from exlpy.lora.slots import registry_of
+from tests.lora_util import write_adapter
+from tests.test_generator_helpers import PROMPTS, drain
+
+pytest.importorskip("llguidance")
+from exlpy.generator.filters.grammar import ExLlamaV2GrammarFilter  # noqa: E402
+
+GREEDY = ExLlamaV2Sampler.Settings.greedy()
+TOP_P = ExLlamaV2Sampler.Settings(temperature=1.2, top_k=0, top_p=0.95, token_repetition_penalty=1.0)
+PATTERN = r"(the|a|one) [a-z]+ (cat|dog|bird)s? (is|was) [a-z]+\."
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Its own model instance (adapters registered on it stay out of the other tests' models)."""
+    root = tmp_path_factory.mktemp("interactions")
+    cfg = ExLlamaV2Config(DEMO_MODEL_DIR)
+    cfg.max_seq_len = 2048
+    model = ExLlamaV2(cfg)
+    model.load(device="cpu")
+    d = Path(DEMO_MODEL_DIR)
+    a = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "a", d, r=8, seed=1, std=0.3)))
+    b = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "b", d, r=4, seed=2, std=0.3,
+                                                              targets=["v_proj", "up_proj", "down_proj"])))
+    return {"model": model, "tok": ExLlamaV2Tokenizer(cfg), "a": a, "b": b}
+
+
+def gen(demo: dict[str, Any], pages: int = 8, page_size: int = 256, **kw: Any) -> ExLlamaV2DynamicGenerator:
+    m = demo["model"]
+    return ExLlamaV2DynamicGenerator(m, ExLlamaV2Cache(m, max_seq_len=pages * page_size), demo["tok"],
+                                     page_size=page_size, **kw)
+
+
+def job(ids: torch.Tensor, n: int, **kw: Any) -> ExLlamaV2DynamicJob:
+    kw.setdefault("gen_settings", GREEDY)
+    kw.setdefault("stop_conditions", [])
+    return ExLlamaV2DynamicJob(ids, n, **kw)
+
+
+def oracle(model: Any, ids: torch.Tensor, n: int, loras: Any = None) -> list[int]:
+    """n greedy tokens from full forward passes (no cache) with `loras`."""
+    out, seq = [], ids.clone()
+    for _ in range(n):
+        t = int(model.forward(seq, loras=loras)[0, -1].argmax())
+        out.append(t)
+        seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
+    return out
+
+
+def grammar(demo: dict[str, Any]) -> ExLlamaV2GrammarFilter:
+    return ExLlamaV2GrammarFilter.regex(demo["model"], demo["tok"], PATTERN)
+
+
+def constrained_batch(demo: dict[str, Any], g: ExLlamaV2DynamicGenerator, host: bool) -> list[dict[str, Any]]:
+    """Two constrained jobs (greedy, seeded top-p) and two free ones (greedy, seeded top-p) in one batch;
+    `host` forces the constrained jobs onto the host sampler (with the mask still applied on the device)."""
+    tok = demo["tok"]
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:4]]
+    stop = [tok.eos_token_id]
+    jobs = [job(ids[0], 40, filters=[grammar(demo)], stop_conditions=stop),
+            job(ids[1], 40, filters=[grammar(demo)], gen_settings=TOP_P, seed=5, stop_conditions=stop),
+            job(ids[2], 12), job(ids[3], 12, gen_settings=TOP_P, seed=9)]
+    if host:
+        for j in jobs[:2]:
+            j.device_sampling = lambda: None  # type: ignore[method-assign]
+    else:
+        assert all(j.device_masked() for j in jobs[:2])
+    g.enqueue(jobs)
+    res = drain(g)
+    return [res[j] for j in jobs]
+
+
+def test_grammar_jobs_are_masked_and_sampled_on_the_device_next_to_free_jobs(demo: dict[str, Any]) -> None:
+    g = gen(demo)
+    device = constrained_batch(demo, g, host=False)
+    host = constrained_batch(demo, g, host=True)
+    for d, h in zip(device, host):
+        assert d["tokens"] == h["tokens"] and d["text"] == h["text"]
+    for r in device[:2]:
+        assert re.fullmatch(PATTERN, r["text"]), r["text"]
+        assert r["final"]["eos_reason"] in ("stop_token", "end_filter")
+    assert device[2]["tokens"] == oracle(demo["model"], demo["tok"].encode(PROMPTS[2], add_bos=True), 12)
+    assert g.page_table.num_unreferenced() == g.num_pages
+
+
+def test_constrained_jobs_never_draft_and_match_decoding_without_speculation(demo: dict[str, Any]) -> None:
+    plain = constrained_batch(demo, gen(demo), host=False)
+    g = gen(demo, use_ngram_draft=True, num_draft_tokens=3)
+    g.ngram_preload(" ".join(PROMPTS) * 4)
+    spec = constrained_batch(demo, g, host=False)
+    for k in range(3):  # (the sampled free job drafts: its random numbers are spent differently)
+        assert plain[k]["tokens"] == spec[k]["tokens"], k
+    assert all(s["final"]["accepted_draft_tokens"] == s["final"]["rejected_draft_tokens"] == 0 for s in spec[:2])
+    assert g.get_sd_stats()[3] > 0  # the free greedy job did draft
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "base-model"])
+def test_speculative_verification_keeps_each_jobs_adapter(demo: dict[str, Any], drafter: str) -> None:
+    m, tok, a, b = demo["model"], demo["tok"], demo["a"], demo["b"]
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[4:8]]
+    sets = [[a], [b], None, [a, b]]
+    n = 12
+    if drafter == "ngram":
+        g = gen(demo, use_ngram_draft=True, num_draft_tokens=3)
+        g.ngram_preload(tok.decode(torch.tensor(oracle(m, ids[0], n, [a]))) * 3)
+    else:  # the same weights without adapters draft for adapted targets
+        g = gen(demo, draft_model=m, draft_cache=ExLlamaV2Cache(m, max_seq_len=8 * 256), num_draft_tokens=3)
+    jobs = [job(i, n, loras=s) for i, s in zip(ids, sets)]
+    g.enqueue(jobs)
+    res = drain(g)
+    for i, s, j in zip(ids, sets, jobs):
+        assert res[j]["tokens"] == oracle(m, i, n, s), (drafter, s)
+    assert g.get_sd_stats()[3] > 0
+    reg = registry_of(m)
+    assert all(slot is None or slot.users == 0 for slot in reg.slots)  # every job gave its slot back
+
+
+def test_preempted_adapter_jobs_resume_with_their_adapter(demo: dict[str, Any]) -> None:
+    m, tok, a, b = demo["model"], demo["tok"], demo["a"], demo["b"]
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:5]]
+    sets = [[a], None, [b], [a], None]
+    n = 18
+    # 6 pages of 8 tokens for five jobs that each grow to 3 pages: the newest are preempted and resumed.
+    g = gen(demo, pages=6, page_size=8)
+    jobs = [job(i, n, loras=s) for i, s in zip(ids, sets)]
+    g.enqueue(jobs)
+    res = drain(g)
+    assert g.preemptions > 0
+    for i, s, j in zip(ids, sets, jobs):
+        assert res[j]["tokens"] == oracle(m, i, n, s), s
+        assert res[j]["stages"].count("started") == 1
+    assert g.page_table.num_unreferenced() == g.num_pages
+    assert all(slot is None or slot.users == 0 for slot in registry_of(m).slots)
+
+
+def test_preempted_job_gives_its_slot_to_a_waiting_adapter_job(demo: dict[str, Any]) -> None:
+    from exlpy.lora import configure
+
+    m, tok, a, b = demo["model"], demo["tok"], demo["a"], demo["b"]
+    configure(m, max_adapters=1)
+    try:
+        g = gen(demo, pages=6, page_size=8)
+        ja = job(tok.encode(PROMPTS[0], add_bos=True), 30, loras=[a])
+        g.enqueue(ja)
+        g.iterate()
+        assert ja.lora_slot >= 0
+        from exlpy.generator.dynamic.scheduler import preempt
+
+        preempt(g, ja, "preempted by the test")
+        assert ja.lora_slot == -1 and ja in g.pending  # the slot went back with the pages
+        jb = job(tok.encode(PROMPTS[1], add_bos=True), 6, loras=[b])
+        g.enqueue(jb)
+        res = drain(g)
+        assert res[ja]["tokens"] == oracle(m, tok.encode(PROMPTS[0], add_bos=True), 30, [a])
+        assert res[jb]["tokens"] == oracle(m, tok.encode(PROMPTS[1], add_bos=True), 6, [b])
+    finally:
+        configure(m, max_adapters=8)
