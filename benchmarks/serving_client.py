@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 NO_EOS = {"2": -100}
@@ -76,7 +77,8 @@ def start_server(model: str, port: int, cache_tokens: int, max_seq_len: int, log
     t0 = time.time()
     while time.time() - t0 < 300:
         if proc.poll() is not None:
-            raise RuntimeError(f"exlpy serve exited ({proc.returncode}); see {log}")
+            tail = Path(log).read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"exlpy serve exited ({proc.returncode}); {log} ends with:\n{tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if json.loads(r.read())["status"] == "ok":
