@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,36 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 ROOT = Path(__file__).resolve().parents[1]
 _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+
+
+def _interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into a Python int (a `range` bound, an index) with
+    `int(data)` of its 1-element array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted
+    to Python scalars"): every kernel loop with a run-time bound fails there, while compiled kernels are fine.
+    Later Triton (3.9) squeezes the array first; do the same on the interpreters that do not. Test-only: exlpy
+    runs Triton kernels on CUDA tensors only, the interpreter is how this suite runs them on the CPU."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "exlpy_squeezes", False):
+        return
+
+    def patch_lang_tensor(tensor: type, *scope: Any) -> None:  # Triton 3.6 passes a patch scope; older ones may not
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index  # type: ignore[attr-defined]
+
+    patch_lang_tensor.exlpy_squeezes = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if _INTERPRET_AT_START == "1":
+    _interpreter_scalar_index()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
