@@ -60,6 +60,18 @@ ROOT = Path(__file__).resolve().parents[1]
 _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 
 
+def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """os.environ for a child Python process, with this checkout first on PYTHONPATH as an absolute path: the
+    child imports this exlpy whatever its cwd, also when the suite runs from a checkout that is not installed
+    (PYTHONPATH=. is relative to the child's cwd). Entries already on PYTHONPATH stay after it; `drop` removes
+    variables, `extra` sets them."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *rest])
+    env.update(extra)
+    return env
+
+
 def _interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter turns a scalar tensor into a Python int (a `range` bound, an index) with
     `int(data)` of its 1-element array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted
@@ -105,7 +117,7 @@ class InterpreterRun(pytest.Item):
         self.output = ""
 
     def runtest(self) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        env = child_env(TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                *self.nodeids]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,14 +12,11 @@ import torch
 import exlpy.env as env
 from exlpy.errors import DeviceError, InsufficientVRAMError
 from exlpy.parallel import memory, p2p
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import child_env
 
 
 def run_py(code: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
-    e = {k: v for k, v in os.environ.items() if k not in ("CUDA_MODULE_LOADING", "EXLPY_NO_CPU_WARNING")}
-    e.update(extra_env)
-    e["PYTHONPATH"] = str(ROOT)
+    e = child_env(drop=("CUDA_MODULE_LOADING", "EXLPY_NO_CPU_WARNING"), **extra_env)
     return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env=e,
                           timeout=120, check=True)
 
