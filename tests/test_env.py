@@ -33,6 +33,10 @@ def test_module_loading_lazy_unless_user_set_and_cpu_warning_once() -> None:
 
 
 def test_cpu_threads_limited_for_gpu_and_restored() -> None:
+    # On a GPU machine an earlier test of this session may have loaded a model on CUDA, which limited the threads
+    # already: start from the unlimited count, and leave the state as found.
+    was_limited = env._threads_before_gpu is not None
+    env.restore_cpu_threads()
     before = torch.get_num_threads()
     try:
         env.limit_cpu_threads_for_gpu()
@@ -40,6 +44,8 @@ def test_cpu_threads_limited_for_gpu_and_restored() -> None:
     finally:
         env.restore_cpu_threads()
     assert torch.get_num_threads() == before
+    if was_limited:
+        env.limit_cpu_threads_for_gpu()
 
 
 def test_oom_guard_converts_with_advice_and_passes_other_errors() -> None:
