@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import exlpy.compat
-from tests.conftest import child_env, rel_err, shared_path
+from tests.conftest import child_env, logits_tol, rel_err, shared_path
 from tests.hf_models import make_hf_model
 from tests.test_generator_helpers import argmax_tokens
 
@@ -226,4 +226,4 @@ def test_model_init_rope_yarn_flag_matches_hf(tmp_path: Path) -> None:
     ids = torch.randint(0, 320, (1, 200), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = ref_model(ids).logits
-    assert rel_err(model.forward(ids), ref) <= 1e-4
+    assert rel_err(model.forward(ids), ref) <= logits_tol(model, 1e-4)  # init() loads onto a GPU where there is one
