@@ -3,7 +3,8 @@
 # Carried (git-ignored) inputs: .gpu/shared (small files of ../shared), .gpu/wheels (packages the GPU image lacks:
 # fastapi/uvicorn/pydantic, openai, llguidance, jsonschema, lm-format-enforcer, formatron), .gpu/smoltok (SmolLM2's
 # tokenizer and config, for a SmolLM2-shaped random EXL2 model). Parts:
-#   suite        benchmarks/gpu_tests.sh: the whole test suite in one session
+#   suite        benchmarks/gpu_tests.sh: the whole test suite in one session (GPU_TEST_ARGS: more pytest arguments,
+#                e.g. GPU_TEST_ARGS="-n 8" or GPU_TEST_ARGS="-x -k lora")
 #   lora         benchmarks/lora.py (8B fp16 and EXL2, rank 16 on all seven projections)
 #   prefill      benchmarks/prefill.py: prefill 2k/8k/32k vs HF SDPA, decode at 32k over fp16/Q4/Q6/Q8/FP8 caches
 #   grammar      benchmarks/constrained_decode.py on a SmolLM2-shaped random EXL2 model with SmolLM2's tokenizer
@@ -11,19 +12,23 @@
 #   spec         benchmarks/speculative.py --parts replay
 #   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
 set -u
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+# Absolute: child processes (tests that spawn Python, benchmarks' workers) import this exlpy whatever their cwd.
+export PYTHONPATH=$ROOT PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/exlpy-results}
 mkdir -p "$OUT"
-[ -d ../shared ] || ln -s "$PWD/.gpu/shared" ../shared
+[ -d ../shared ] || ln -s "$ROOT/.gpu/shared" ../shared
 if [ -d .gpu/wheels ] && ! python3 -c "import fastapi, llguidance" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl 2>&1 | tail -2
 fi
-export PYTHONPATH=.:/tmp/site
+export PYTHONPATH=$ROOT:/tmp/site
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for part in "$@"; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case $part in
-    suite) OUT=$OUT timeout "${SUITE_S:-280}" bash benchmarks/gpu_tests.sh 2>&1 | tail -25 ;;
+    # shellcheck disable=SC2086  # GPU_TEST_ARGS is split into words on purpose
+    suite) OUT=$OUT timeout "${SUITE_S:-280}" bash benchmarks/gpu_tests.sh ${GPU_TEST_ARGS:-} 2>&1 | tail -25 ;;
     lora) timeout "${LORA_S:-280}" python benchmarks/lora.py --out "$OUT/lora.md" 2>&1 | tail -25 ;;
     prefill) timeout "${PREFILL_S:-330}" python benchmarks/prefill.py --lengths 2048,8192,32768 \
                --out "$OUT/prefill.md" 2>&1 | tail -25 ;;

@@ -7,14 +7,16 @@
 #   bash benchmarks/gpu_tests.sh -x -k exl2 # any other arguments go to pytest
 #
 # TRITON_INTERPRET is unset: CUDA tests use compiled kernels, and tests/conftest.py runs the interpreter tests in
-# a child pytest of their own. Writes $OUT/gpu_tests.log and $OUT/gpu_tests.md (OUT defaults to
-# /tmp/exlpy-results); exits with pytest's status.
+# a child pytest of their own. The checkout goes first on PYTHONPATH as an absolute path, so this exlpy is the one
+# imported, installed or not, also by the tests' child processes whatever their cwd. Writes $OUT/gpu_tests.log and
+# $OUT/gpu_tests.md (OUT defaults to /tmp/exlpy-results); exits with pytest's status.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/exlpy-results}
 mkdir -p "$OUT"
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 ARGS=()
 QUICK=""

@@ -79,9 +79,10 @@ def variants(with_pdl: bool = True) -> dict[str, dict]:
         out[f"expand qkv {tag}"] = compile_kernel(lora._expand_kernel, expand_ptrs, dict(
             P=3, BLOCK_N=lora.expand_block_n(m), SB=lora._sb(bm, br), **common), warps)
         fused = m <= lora._DOWN_FUSED_MAX_TOKENS
-        bn = lora.expand_block_n(m, fused)
+        nbytes = 4 if dt == "fp32" else 2
+        bn = lora.expand_block_n(m, fused, nbytes)
         out[f"expand_swiglu {tag}"] = compile_kernel(lora._expand_swiglu_kernel, swiglu_ptrs, dict(
-            R2=R, DOWN=fused, BLOCK_N=bn, BLOCK_R2=br, SB=lora._sb(bm, br), **common), lora._warps(bm, bn))
+            R2=R, DOWN=fused, BLOCK_N=bn, BLOCK_R2=br, SB=lora._sb(bm, br), **common), lora._warps(bm, bn, nbytes))
     return out
 
 

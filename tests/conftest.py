@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,8 +39,29 @@ def shared() -> Path:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to max |b|."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+    """max |a - b| relative to max |b|, in fp32 on the CPU (a model on a GPU against a CPU reference)."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# rel_err bounds for logits where a model did not compute in fp32 on the CPU. CUDA's default compute dtype is fp16
+# (ExLlamaV2Config.compute_dtype), and fp32 on a GPU still means TF32 in Triton's default dots (10 mantissa bits,
+# as fp16): activations round to ~11 significant bits between ops (unit roundoff 4.9e-4). The tiny random models
+# of these tests then differ from an fp32 reference by up to 1.0e-3 of the logits' max in fp16 (tests/
+# test_model_logits.py with config.dtype = fp16 on the CPU; on an H100, incremental decode against a full forward:
+# 7e-4), and by up to 8.8e-3 in bf16 (8 bits). The bounds leave ~5x of that.
+HALF_PRECISION_TOL = {torch.float16: 5e-3, torch.float32: 5e-3, torch.bfloat16: 4e-2}
+
+
+def logits_tol(model: Any, cpu_fp32_tol: float) -> float:
+    """The rel_err bound for `model`'s logits against an fp32 reference, or between two of its forward paths:
+    `cpu_fp32_tol` where it computes in fp32 on the CPU (the same arithmetic as the reference up to summation
+    order), else its compute dtype's half-precision bound (a GPU, or a half-precision config.dtype)."""
+    device = model.modules[model.head_layer_idx].device
+    dtype = model.config.compute_dtype(device)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return cpu_fp32_tol
+    return max(cpu_fp32_tol, HALF_PRECISION_TOL[dtype])
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -59,6 +81,48 @@ ROOT = Path(__file__).resolve().parents[1]
 _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 
 
+def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """os.environ for a child Python process, with this checkout first on PYTHONPATH as an absolute path: the
+    child imports this exlpy whatever its cwd, also when the suite runs from a checkout that is not installed
+    (PYTHONPATH=. is relative to the child's cwd). Entries already on PYTHONPATH stay after it; `drop` removes
+    variables, `extra` sets them."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *rest])
+    env.update(extra)
+    return env
+
+
+def _interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into a Python int (a `range` bound, an index) with
+    `int(data)` of its 1-element array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted
+    to Python scalars"): every kernel loop with a run-time bound fails there, while compiled kernels are fine.
+    Later Triton (3.9) squeezes the array first; do the same on the interpreters that do not. Test-only: exlpy
+    runs Triton kernels on CUDA tensors only, the interpreter is how this suite runs them on the CPU."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "exlpy_squeezes", False):
+        return
+
+    def patch_lang_tensor(tensor: type, *scope: Any) -> None:  # Triton 3.6 passes a patch scope; older ones may not
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index  # type: ignore[attr-defined]
+
+    patch_lang_tensor.exlpy_squeezes = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if _INTERPRET_AT_START == "1":
+    _interpreter_scalar_index()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if os.environ.get("TRITON_INTERPRET") != _INTERPRET_AT_START:
         raise pytest.UsageError("a test module changed TRITON_INTERPRET while being collected, which breaks the "
@@ -74,7 +138,7 @@ class InterpreterRun(pytest.Item):
         self.output = ""
 
     def runtest(self) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        env = child_env(TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                *self.nodeids]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -7,12 +7,13 @@ only the compiler sees (loop-carried types, layouts, resources, pipelining) on C
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_SHARED = 227 * 1024  # bytes of shared memory one block may use
@@ -22,10 +23,8 @@ H100_SHARED = 227 * 1024  # bytes of shared memory one block may use
 def test_attention_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     # In a child process: the test suite runs with TRITON_INTERPRET=1, under which kernels cannot be compiled.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flash_compile_check.py"), "--json"],
-                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+                       capture_output=True, text=True, env=child_env(drop=("TRITON_INTERPRET",)), timeout=600, cwd=ROOT)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("JSON ")]
     if not lines and "ptxas" in r.stderr.lower():
         pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")

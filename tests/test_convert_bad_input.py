@@ -23,7 +23,7 @@ from exlpy.errors import (
     UnsupportedArchitectureError,
     WeightsError,
 )
-from tests.conftest import shared_path
+from tests.conftest import child_env, shared_path
 
 CAL = dict(rows=2, length=32, measurement_rows=2, measurement_length=32, progress=False)
 
@@ -158,6 +158,7 @@ def test_module_entry_point_errors_are_one_line(tmp_path) -> None:
     import sys
 
     r = subprocess.run([sys.executable, "-m", "exlpy.convert", "-i", str(tmp_path / "missing"), "-cf",
-                        str(tmp_path / "out"), "-b", "4.0"], capture_output=True, text=True, timeout=120)
+                        str(tmp_path / "out"), "-b", "4.0"], capture_output=True, text=True, timeout=120,
+                       env=child_env())
     assert r.returncode == 1
     assert "model directory not found" in r.stderr and "Traceback" not in r.stderr

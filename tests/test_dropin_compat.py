@@ -16,6 +16,7 @@ import pytest
 import exlpy
 import exlpy.compat
 from exlpy.errors import CompatImportError
+from tests.conftest import child_env
 
 
 @pytest.fixture
@@ -100,10 +101,11 @@ def test_real_exllamav2_already_imported_is_refused() -> None:
 
 
 def test_runner_usage_and_missing_script() -> None:
-    r = subprocess.run([sys.executable, "-m", "exlpy.compat"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "exlpy.compat"], capture_output=True, text=True, timeout=120,
+                       env=child_env())
     assert r.returncode == 2 and "usage: exlpy-as-exllamav2" in r.stdout
     r = subprocess.run([sys.executable, "-m", "exlpy.compat", "/no/such/script.py"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=child_env())
     assert r.returncode == 1 and "no such script: /no/such/script.py" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -112,6 +114,6 @@ def test_runner_module_mode(tmp_path: Path) -> None:
         "import sys\nimport exllamav2\nfrom exllamav2.util import Timer\n"
         "print('OK', exllamav2.__name__, Timer.__module__, sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-m", "exlpy.compat", "-m", "uses_exllamav2", "a", "--b"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=child_env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "OK exlpy exlpy.util ['a', '--b']"

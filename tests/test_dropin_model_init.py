@@ -13,7 +13,7 @@ import torch
 
 from exlpy import model_init, util
 from exlpy.errors import CommandLineError, DeviceError
-from tests.conftest import shared_path
+from tests.conftest import child_env, shared_path
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -97,7 +97,7 @@ def test_command_line_error_exits_with_message_not_traceback(tmp_path: Path) -> 
     script.write_text("import argparse\nfrom exlpy import model_init\np = argparse.ArgumentParser()\n"
                       "model_init.add_args(p)\nmodel_init.check_args(p.parse_args())\n")
     r = subprocess.run([sys.executable, str(script), "-m", "/no/such/dir"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=child_env())
     assert r.returncode == 1 and "Can't find model directory: /no/such/dir" in r.stderr
     assert "Traceback" not in r.stderr
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import exlpy.compat
-from tests.conftest import rel_err, shared_path
+from tests.conftest import child_env, logits_tol, rel_err, shared_path
 from tests.hf_models import make_hf_model
 from tests.test_generator_helpers import argmax_tokens
 
@@ -151,7 +151,8 @@ def test_compat_switch_runs_script_in_subprocess() -> None:
         cmds.append([str(runner), script])
     outputs = []
     for cmd in cmds:
-        p = subprocess.run([*cmd, "-m", demo(), "-n", "6"], capture_output=True, text=True, timeout=300)
+        p = subprocess.run([*cmd, "-m", demo(), "-n", "6"], capture_output=True, text=True, timeout=300,
+                           env=child_env())
         assert p.returncode == 0, p.stderr
         outputs.append(json.loads(p.stdout.splitlines()[-1][len("RESULT "):]))
     assert all(o["tokens"] == outputs[0]["tokens"] and len(o["tokens"]) == 6 for o in outputs)
@@ -225,4 +226,4 @@ def test_model_init_rope_yarn_flag_matches_hf(tmp_path: Path) -> None:
     ids = torch.randint(0, 320, (1, 200), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = ref_model(ids).logits
-    assert rel_err(model.forward(ids), ref) <= 1e-4
+    assert rel_err(model.forward(ids), ref) <= logits_tol(model, 1e-4)  # init() loads onto a GPU where there is one

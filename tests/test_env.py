@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,14 +12,11 @@ import torch
 import exlpy.env as env
 from exlpy.errors import DeviceError, InsufficientVRAMError
 from exlpy.parallel import memory, p2p
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import child_env
 
 
 def run_py(code: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
-    e = {k: v for k, v in os.environ.items() if k not in ("CUDA_MODULE_LOADING", "EXLPY_NO_CPU_WARNING")}
-    e.update(extra_env)
-    e["PYTHONPATH"] = str(ROOT)
+    e = child_env(drop=("CUDA_MODULE_LOADING", "EXLPY_NO_CPU_WARNING"), **extra_env)
     return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env=e,
                           timeout=120, check=True)
 
@@ -38,6 +33,10 @@ def test_module_loading_lazy_unless_user_set_and_cpu_warning_once() -> None:
 
 
 def test_cpu_threads_limited_for_gpu_and_restored() -> None:
+    # On a GPU machine an earlier test of this session may have loaded a model on CUDA, which limited the threads
+    # already: start from the unlimited count, and leave the state as found.
+    was_limited = env._threads_before_gpu is not None
+    env.restore_cpu_threads()
     before = torch.get_num_threads()
     try:
         env.limit_cpu_threads_for_gpu()
@@ -45,6 +44,8 @@ def test_cpu_threads_limited_for_gpu_and_restored() -> None:
     finally:
         env.restore_cpu_threads()
     assert torch.get_num_threads() == before
+    if was_limited:
+        env.limit_cpu_threads_for_gpu()
 
 
 def test_oom_guard_converts_with_advice_and_passes_other_errors() -> None:

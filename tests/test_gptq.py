@@ -16,7 +16,7 @@ from exlpy.errors import QuantFormatError
 from exlpy.quant.gptq import GPTQLinear
 from exlpy.quant.gptq_ref import build_gptq_matrix, gptq_dequant_ref
 from exlpy.quant.pack import quantize_gptq
-from tests.conftest import rel_err, shared_path
+from tests.conftest import logits_tol, rel_err, shared_path
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -100,4 +100,4 @@ def test_tiny_gptq_model(tmp_path: Path, v2: bool) -> None:
         logits.append(model.forward(ids))
         if d == qdir:
             assert isinstance(model.modules[1].q_proj, GPTQLinear)
-    assert rel_err(logits[0], logits[1]) < 1e-4
+    assert rel_err(logits[0], logits[1]) < logits_tol(model, 1e-4)  # half precision on a GPU: different kernels

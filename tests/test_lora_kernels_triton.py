@@ -137,7 +137,8 @@ def test_lora_kernels_real_shapes_cuda() -> None:
     a, b, rk = _slots(4, 2, 16, 4096, 2 * 14336, [16] * 4, g, "cuda", dt)
     da = (torch.randn(4, 1, 16, 14336, generator=g) * 0.05).to("cuda", dt)
     for n in (1, 32):
-        adapters = torch.arange(n, device="cuda") % 5 - 1
+        # Row 0 uses slot 0 (so batch-1 decode has a live adapter too); at 32 rows slots 0-3 and rows without one.
+        adapters = (torch.arange(n, device="cuda") + 1) % 5 - 1
         x = torch.randn(n, 1, 4096, generator=g).to("cuda", dt)
         gu = torch.randn(n, 1, 2 * 14336, generator=g).to("cuda", dt)
         u = lora_shrink(x, a, rk, adapters, 1)
@@ -145,4 +146,5 @@ def test_lora_kernels_real_shapes_cuda() -> None:
         ref_act, ref_down = reference.lora_expand_swiglu(gu, u, b, rk, adapters, 1, da, rk)
         _close(act, ref_act, 2e-2)
         live = adapters >= 0
-        _close(_u(down)[live], _u(ref_down)[live], 2e-2)
+        if live.any():  # rows without an adapter have no down partials to compare
+            _close(_u(down)[live], _u(ref_down)[live], 2e-2)

@@ -1,4 +1,7 @@
-"""Logits equal HF transformers (fp32, CPU) for every supported architecture and the real tiny models."""
+"""Logits equal HF transformers (fp32, CPU) for every supported architecture and the real tiny models.
+
+load() places the model as a user would (load_autosplit: the GPU where there is one, which computes in fp16);
+tolerances follow where it ran: TOL for fp32 on the CPU, tests/conftest.py's half-precision bound elsewhere."""
 
 from __future__ import annotations
 
@@ -9,10 +12,10 @@ import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.errors import ConfigError
-from tests.conftest import rel_err, shared_path
+from tests.conftest import logits_tol, rel_err, shared_path
 from tests.hf_models import make_hf_model
 
-TOL = 1e-4
+TOL = 1e-4  # fp32 on the CPU, as HF's reference
 
 
 def load(path: str | Path, max_seq_len: int | None = None) -> tuple[ExLlamaV2, ExLlamaV2Cache]:
@@ -53,7 +56,7 @@ def test_architectures_match_hf(tmp_path: Path, case: str) -> None:
         ref = hf(ids).logits
     out = model.forward(ids)
     assert out.shape == ref.shape
-    assert rel_err(out, ref) <= TOL
+    assert rel_err(out, ref) <= logits_tol(model, TOL)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-fp16", "aidreams260K", "stories260K"])
@@ -66,7 +69,15 @@ def test_shared_models_match_hf(name: str) -> None:
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(ids).logits
-    assert rel_err(model.forward(ids), ref) <= TOL
+    tol = logits_tol(model, TOL)
+    if tol > TOL:
+        # Half precision (a GPU): a trained model can be far more sensitive to it than random ones. stories260K's
+        # logits move 6.9e-2 (fp16) and 0.38 (bf16) in HF's own half-precision forward: allow twice HF's own error.
+        dtype = model.config.compute_dtype(model.modules[model.head_layer_idx].device)
+        half = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        with torch.no_grad():
+            tol = max(tol, 2 * rel_err(half(ids).logits, ref))
+    assert rel_err(model.forward(ids), ref) <= tol
 
 
 def test_incremental_decode_equals_full_forward(tmp_path: Path) -> None:
@@ -77,7 +88,7 @@ def test_incremental_decode_equals_full_forward(tmp_path: Path) -> None:
     parts = [model.forward(ids[:, :20], cache), model.forward(ids[:, 20:41], cache)]
     parts += [model.forward(ids[:, i:i + 1], cache) for i in range(41, 50)]
     assert cache.current_seq_len == 50
-    assert rel_err(torch.cat(parts, dim=1), full) <= TOL
+    assert rel_err(torch.cat(parts, dim=1), full) <= logits_tol(model, TOL)
 
 
 def test_chunked_prefill_equals_full_forward(tmp_path: Path) -> None:
@@ -90,7 +101,7 @@ def test_chunked_prefill_equals_full_forward(tmp_path: Path) -> None:
     model.config.max_input_len = 16
     chunked = model.forward(ids, cache)
     assert cache.current_seq_len == 60
-    assert rel_err(chunked, full) <= TOL
+    assert rel_err(chunked, full) <= logits_tol(model, TOL)
 
 
 def test_preprocess_only_and_last_id_only(tmp_path: Path) -> None:
@@ -102,10 +113,11 @@ def test_preprocess_only_and_last_id_only(tmp_path: Path) -> None:
     assert cache.current_seq_len == 29
     last = model.forward(ids[:, -1:], cache, last_id_only=True)
     assert last.shape == (1, 1, 320)
-    assert rel_err(last[0, 0], full[0, -1]) <= TOL
+    tol = logits_tol(model, TOL)
+    assert rel_err(last[0, 0], full[0, -1]) <= tol
     cache.current_seq_len = 0
     only_last = model.forward(ids, cache, last_id_only=True)
-    assert only_last.shape == (1, 1, 320) and rel_err(only_last[0, 0], full[0, -1]) <= TOL
+    assert only_last.shape == (1, 1, 320) and rel_err(only_last[0, 0], full[0, -1]) <= tol
 
 
 def test_left_padded_batch_matches_single_rows(tmp_path: Path) -> None:
@@ -119,8 +131,9 @@ def test_left_padded_batch_matches_single_rows(tmp_path: Path) -> None:
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, :4] = False
     out = model.forward(batch, input_mask=mask, position_offsets=torch.tensor([0, -4]))
-    assert rel_err(out[0], model.forward(a)[0]) <= TOL
-    assert rel_err(out[1, 4:], model.forward(b)[0]) <= TOL
+    tol = logits_tol(model, TOL)
+    assert rel_err(out[0], model.forward(a)[0]) <= tol
+    assert rel_err(out[1, 4:], model.forward(b)[0]) <= tol
 
 
 def test_unload_and_reload(tmp_path: Path) -> None:
@@ -149,8 +162,9 @@ def test_left_padded_batch_with_cache_matches_single_rows(tmp_path: Path) -> Non
     out = model.forward(batch[:, :10], cache, input_mask=mask, position_offsets=offsets)
     out2 = model.forward(batch[:, 10:], cache, input_mask=mask, position_offsets=offsets)
     full = torch.cat([out, out2], dim=1)
-    assert rel_err(full[0], model.forward(a)[0]) <= TOL
-    assert rel_err(full[1, 4:], model.forward(b)[0]) <= TOL
+    tol = logits_tol(model, TOL)
+    assert rel_err(full[0], model.forward(a)[0]) <= tol
+    assert rel_err(full[1, 4:], model.forward(b)[0]) <= tol
 
 
 def test_max_output_len_chunks_the_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,10 +180,11 @@ def test_max_output_len_chunks_the_head(tmp_path: Path, monkeypatch: pytest.Monk
     chunked = model.forward(ids)
     assert widths == [8, 8, 5]  # no head pass over more than max_output_len positions
     assert chunked.shape == full.shape and chunked.dtype == torch.float32
-    assert rel_err(chunked, full) <= TOL
+    tol = logits_tol(model, TOL)
+    assert rel_err(chunked, full) <= tol
     widths.clear()
     last = model.forward(ids[:1], cache, last_id_only=True)  # one position: one head pass
-    assert widths == [1] and rel_err(last[0, 0], full[0, -1]) <= TOL
+    assert widths == [1] and rel_err(last[0, 0], full[0, -1]) <= tol
 
 
 def test_arch_compat_overrides_is_callable_and_changes_nothing(tmp_path: Path) -> None:

@@ -6,14 +6,13 @@ files in a second environment where triton is not installed at all.)"""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_path
+from tests.conftest import child_env, shared_path
 
 CHILD = r"""
 import importlib.abc, json, sys
@@ -57,8 +56,8 @@ def test_exl2_and_gptq_run_without_triton(tmp_path: Path) -> None:
 
     gptq_dir, _ = _write_models(tmp_path, v2=False)
     dirs = {"exl2": str(shared_path("models", "tiny-llama-exl2-4.0")), "gptq": str(gptq_dir)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, also when the suite runs on a GPU one
+    # CUDA_VISIBLE_DEVICES="": a CPU-only machine, also when the suite runs on a GPU one
+    env = child_env(drop=("TRITON_INTERPRET",), CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(dirs)], capture_output=True, text=True, env=env,
                        timeout=600, cwd=Path(__file__).resolve().parents[1])
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]

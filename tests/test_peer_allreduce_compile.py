@@ -5,12 +5,13 @@ system-scope release/acquire operations its cross-GPU barrier relies on. Its num
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import child_env
 
 # In a child process without TRITON_INTERPRET (set when the suite runs under it), where kernels compile.
 COMPILE = r"""
@@ -29,8 +30,8 @@ print("PTX " + json.dumps(k.asm["ptx"]))
 
 def test_peer_allreduce_compiles_with_system_scope_barriers() -> None:
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
+                       env=child_env(drop=("TRITON_INTERPRET",)), timeout=300)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PTX ")]
     if not lines and "ptxas" in r.stderr.lower():
         pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from exlpy.demo import DEMO_MODEL_DIR
+from tests.conftest import child_env
 
 
 def test_readme_api_script() -> None:
@@ -26,7 +27,8 @@ def test_readme_api_script() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exlpy", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "exlpy", *args], capture_output=True, text=True, timeout=120,
+                          env=child_env())
 
 
 def test_cli_generate_demo_greedy_text() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from exlpy.cli.main import build_parser, main  # noqa: E402
+from tests.conftest import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 def test_serve_process_answers_http() -> None:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "exlpy", "serve", "--port", str(port), "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import shared_path
+from tests.conftest import child_env, shared_path
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "exlpy", "generate", "", "--greedy", "-n", "24", *args],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, env=child_env())
 
 
 def test_cli_generate_with_draft_model_and_ngram_equals_plain() -> None:

@@ -47,9 +47,10 @@ def _block_r(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _warps(block_m: int, block_n: int = 0) -> int:
-    """8 warps for 64-token tiles and the widest (256-column) tiles, else 4 (registers per thread)."""
-    return 8 if block_m >= 64 or block_n >= 256 else 4
+def _warps(block_m: int, block_n: int = 0, elem_bytes: int = 2) -> int:
+    """8 warps for 64-token tiles and the widest tiles (256 columns of 2-byte weights, 128 of fp32), else 4
+    (registers per thread)."""
+    return 8 if block_m >= 64 or block_n * elem_bytes >= 512 else 4
 
 
 def _sb(block_m: int, block_r: int) -> int:
@@ -287,10 +288,14 @@ def shrink_config(M: int, K: int, P: int, R: int) -> tuple[int, int, int, int, i
     return bm, br, bk, triton.cdiv(K, k_per), k_per
 
 
-def expand_block_n(M: int, fused_down: bool = False) -> int:
+def expand_block_n(M: int, fused_down: bool = False, elem_bytes: int = 2) -> int:
     """Output columns per program: wider tiles as tokens grow (fewer programs re-adding the shrink's splits);
-    widest for gate|up with the fused down shrink (each column tile is one split of it)."""
-    return 256 if fused_down else 128 if 16 < M <= 64 else 64  # 64-token tiles keep 64 columns (registers)
+    widest for gate|up with the fused down shrink (each column tile is one split of it). fp32 weights (4 bytes,
+    exact dots without tensor cores) take half that widest tile: 256 fp32 columns spill registers (Triton 3.6,
+    sm_90: 255 registers and 136 bytes of spills at 8 warps; 128 columns: ~205 registers, none)."""
+    if fused_down:
+        return 256 if elem_bytes <= 2 else 128
+    return 128 if 16 < M <= 64 else 64  # 64-token tiles keep 64 columns (registers)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
@@ -345,7 +350,7 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
     act = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
     fused = down_a is not None and M <= _DOWN_FUSED_MAX_TOKENS
     bm, br = _block_m(M), _block_r(R)
-    bn = expand_block_n(M, fused)
+    bn = expand_block_n(M, fused, b.element_size())
     nblocks = triton.cdiv(inter, bn)
     R2 = down_a.shape[2] if down_a is not None else 16
     dout = torch.empty(nblocks if fused else 0, M, R2 + 1, dtype=torch.float32, device=gu.device)
@@ -357,8 +362,8 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
             M, inter, q_len, adapters.numel(), S, u.shape[0], g2.stride(0), inter, u.stride(0), u.stride(1),
             b.stride(0), b.stride(1), da.stride(0), da.stride(2) if fused else 0, dout.stride(0), dout.stride(1),
             R=R, R2=R2, DOWN=fused, IEEE=b.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br,
-            BLOCK_R2=_block_r(R2), SB=_sb(bm, br), BY_ROW=by_row, ROWS_P2=rows_p2, num_warps=_warps(bm, bn),
-            **_launch_kw(gu))
+            BLOCK_R2=_block_r(R2), SB=_sb(bm, br), BY_ROW=by_row, ROWS_P2=rows_p2,
+            num_warps=_warps(bm, bn, b.element_size()), **_launch_kw(gu))
     if down_a is None:
         return act, None
     if not fused:
