@@ -8,7 +8,7 @@
 #   lora         benchmarks/lora.py (8B fp16 and EXL2, rank 16 on all seven projections)
 #   prefill      benchmarks/prefill.py: prefill 2k/8k/32k vs HF SDPA, decode at 32k over fp16/Q4/Q6/Q8/FP8 caches
 #   grammar      benchmarks/constrained_decode.py on a SmolLM2-shaped random EXL2 model with SmolLM2's tokenizer
-#   serving      benchmarks/serving.py --quick (8B fp16)
+#   serving      benchmarks/serving.py $SERVING_ARGS (default --models 8b: 8B fp16, generator and server parts)
 #   spec         benchmarks/speculative.py --parts replay
 #   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
 set -u
@@ -41,7 +41,7 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
       fi
       timeout "${GRAMMAR_S:-150}" python -m benchmarks.constrained_decode --model /tmp/smolrand \
         --out "$OUT/constrained_decode.md" 2>&1 | tail -20 ;;
-    serving) timeout "${SERVING_S:-400}" python benchmarks/serving.py --quick --models 8b \
+    serving) timeout "${SERVING_S:-400}" python benchmarks/serving.py ${SERVING_ARGS:---models 8b} \
                --out "$OUT/serving.md" 2>&1 | tail -30 ;;
     spec) timeout "${SPEC_S:-300}" python benchmarks/speculative.py --parts replay --out "$OUT/speculative.md" \
             2>&1 | tail -30 ;;
