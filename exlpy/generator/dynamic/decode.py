@@ -13,10 +13,14 @@ step n+1 is read. Rows that need the host sampler (filters other than grammar ma
 strings, per-token extras) copy their logits to the CPU after the previous step's tokens were processed: for
 them the step is synchronous, as before.
 
-Grammar filters (exlpy/generator/filters/device.py) are applied on the device right after the forward pass,
-before any row is sampled or copied, so a constrained job may be sampled on the device too. Its next mask
-depends on the token it samples, so it never has a token in flight when a step is launched: `iterate()` reads
-the step in flight first whenever such a job is about to run again. Each row carries its job's LoRA slot.
+Grammar filters (exlpy/generator/filters/device.py) are applied on the device between the forward pass and
+the sampling, so a constrained job is sampled on the device too and keeps its token in flight like any other
+row. Its mask for step n+1 depends on token n, but the forward pass of step n+1 does not: `iterate()` then
+splits the step (`forward()`, then `sample()`): it launches the forward pass of step n+1 (input: token n, still
+on the device), reads token n (the one wait on the device) and feeds it to the filters, whose next mask a
+worker thread computes while the GPU runs that forward pass, and then uploads the mask (pinned, non-blocking)
+and launches the masking kernel and the sampling behind the forward pass on the stream. Each row carries its
+job's LoRA slot.
 """
 
 from __future__ import annotations
@@ -86,6 +90,19 @@ def upload_floats(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 @dataclass
+class Pending:
+    """A step whose forward pass is launched and whose rows are not sampled yet (DecodeStepper.forward)."""
+
+    jobs: list[ExLlamaV2DynamicJob]
+    first: list[int]  # each job's first row in `logits`
+    logits: torch.Tensor  # [rows, V] on the device, not masked yet
+    epochs: list[int]  # each job's epoch at launch
+    plans: list[RowSample | None]  # device sampling per job (None: the host samples it)
+    points: dict[int, float]  # job index -> random point already drawn from its generator
+    device: torch.device  # the generator's device (where small uploads go)
+
+
+@dataclass
 class HostRows:
     """Jobs of a launched step that the host samples, and where their rows are in the step's logits."""
 
@@ -128,6 +145,13 @@ class DecodeStepper:
                ) -> tuple[Launched | None, HostRows]:
         """Run one batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows) and sample
         what can be sampled on the device. Nothing is read back here."""
+        return self.sample(self.forward(jobs, prev))
+
+    def forward(self, jobs: list[ExLlamaV2DynamicJob], prev: Launched | None) -> Pending:
+        """Launch the forward pass of one step (its input: the tokens of `prev` still on the device, or the
+        host's last tokens) and plan how each job's row is sampled; `sample()` launches the sampling. Between
+        the two the host may read `prev` and feed its tokens to grammar filters: the masks of this step are
+        collected in `sample()`, while the GPU runs this forward pass."""
         gen = self.gen
         device = gen.device()
         rows = [(j, q) for j in jobs for q in j.seqs]
@@ -141,9 +165,7 @@ class DecodeStepper:
                             gen.page_size, [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
-        # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
-        logits = premask_jobs(jobs, first, logits)
-
+        # Planned now (the token counts still include the tokens of `prev`, as after reading them).
         plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
         points: dict[int, float] = {}
         for k, p in enumerate(plans):
@@ -152,23 +174,36 @@ class DecodeStepper:
                     points[k] = jobs[k].draw_point()
                 except Exception:
                     plans[k] = None  # the host sampler will meet the same fault and fail this job alone
+        return Pending(jobs, first, logits, [j.epoch for j in jobs], plans, points, device)
+
+    def sample(self, step: Pending) -> tuple[Launched | None, HostRows]:
+        """Mask the step's constrained rows on the device (grammar filters: each waits for its mask), sample
+        the rows that can be sampled there, and start reading their tokens back. A job that ended since its
+        forward pass was launched (the host read its previous token meanwhile) is neither masked nor
+        sampled on the host; its device row, if any, is dropped when read."""
+        jobs, first, plans, points = step.jobs, step.first, step.plans, step.points
+        live = [not j.finished and j.epoch == e for j, e in zip(jobs, step.epochs)]
+        logits = premask_jobs(jobs, first, step.logits, live)
         dev = [k for k, p in enumerate(plans) if p is not None]
-        host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None],
-                        [first[k] for k in range(len(jobs)) if plans[k] is None])
+        host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None and live[k]],
+                        [first[k] for k in range(len(jobs)) if plans[k] is None and live[k]])
         launched = None
         if dev:
             try:
-                launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits, device)
+                launched = self._sample(step, dev, [points.get(k, 0.0) for k in dev], logits, live)
             except Exception:
                 # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
                 # already drawn) and fails only the job at fault
-                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
+                keep = [k for k in range(len(jobs)) if live[k]]
+                host = HostRows([jobs[k] for k in keep], [first[k] for k in keep],
+                                points={jobs[k].serial or 0: v for k, v in points.items()})
         host.logits = logits
         return launched, host
 
-    def _sample(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], plans: list[RowSample | None],
-                dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device) -> Launched:
-        row_plans = [plans[k] for k in dev]
+    def _sample(self, step: Pending, dev: list[int], points: list[float], logits: torch.Tensor,
+                live: list[bool]) -> Launched:
+        jobs, first, device = step.jobs, step.first, step.device
+        row_plans = [step.plans[k] for k in dev]
         assert all(p is not None for p in row_plans)
         x = logits
         if len(dev) != logits.shape[0]:
@@ -176,9 +211,10 @@ class DecodeStepper:
         tokens, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
                                     self.gen.tokenizer)
         for k in dev:
-            jobs[k].inflight += 1
+            if live[k]:
+                jobs[k].inflight += 1
         host, event = read_back(torch.cat([tokens, ok.long()]))
-        return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event,
+        return Launched([(jobs[k], step.epochs[k]) for k in dev], tokens, host, event,
                         [jobs[k].premask_end for k in dev])
 
     def finish(self, launched: Launched, results: list[dict[str, Any]]) -> None:

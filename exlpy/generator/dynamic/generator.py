@@ -250,18 +250,19 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
             if self.spec is not None and jobs and self._speculate(jobs, results):
                 return results
-            if any(j.filters and j.inflight for j in jobs):
-                # A constrained job's next mask needs the token in flight, fed to its filters: read it first.
-                self.stepper.drain(results)
-                jobs = [j for j in jobs if j in self.active and self._continues(j)]
             jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
             prev, self.stepper.inflight = self.stepper.inflight, None
             if not jobs:
                 if prev is not None:
                     self.stepper.finish(prev, results)
                 return results
+            # A grammar-constrained job's mask for this step needs its token in flight, fed to its filters:
+            # then the step's forward pass is launched first, the previous tokens are read (and fed; the masks
+            # are computed) while it runs, and only then are the rows masked and sampled.
+            split = prev is not None and any(j.filters and j.device_masked() for j in jobs)
             try:
-                launched, host = self.stepper.launch(jobs, prev)
+                step = self.stepper.forward(jobs, prev)
+                launched, host = (None, None) if split else self.stepper.sample(step)
             except Exception as e:
                 if prev is not None:
                     self.stepper.finish(prev, results)
@@ -269,6 +270,13 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                 return results
             if prev is not None:
                 self.stepper.finish(prev, results)
+            if split:
+                try:
+                    launched, host = self.stepper.sample(step)
+                except Exception as e:  # e.g. a filter failing to compute its mask: find the job at fault
+                    self._isolate([j for j in jobs if j in self.active and not j.finished], e, results)
+                    return results
+            assert host is not None
             self.stepper.sample_host(host, results)
             self.stepper.inflight = launched
             return results
