@@ -265,3 +265,41 @@ def test_constrained_step_launches_the_next_forward_before_reading_the_token(dem
     g = gen(demo)
     g.enqueue(host)
     assert drain(g)[host]["tokens"] == tokens
+
+
+def test_grammar_failing_between_forward_and_sampling_fails_its_job_alone(demo: dict[str, Any]) -> None:
+    """A filter whose mask computation fails after a few tokens: the error comes out when the step's rows are
+    masked, after its forward pass was launched and the previous tokens were fed. Only that job ends (with the
+    error); the constrained and free jobs beside it give exactly the tokens they give without it."""
+    from exlpy.errors import GrammarError
+
+    tok = demo["tok"]
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:3]]
+    stop = [tok.eos_token_id]
+
+    def batch(fail_at: int | None) -> list[dict[str, Any]]:
+        bad = grammar(demo)
+        if fail_at is not None:
+            calls, compute = [0], bad.prepare_logit_mask
+
+            def failing() -> bool:
+                calls[0] += 1
+                if calls[0] >= fail_at:
+                    raise GrammarError("regex: the test's mask failure")
+                return compute()
+
+            bad.prepare_logit_mask = failing  # type: ignore[method-assign]
+        jobs = [job(ids[0], 40, filters=[bad], stop_conditions=stop),
+                job(ids[1], 40, filters=[grammar(demo)], gen_settings=TOP_P, seed=5, stop_conditions=stop),
+                job(ids[2], 12)]
+        g = gen(demo)
+        g.enqueue(jobs)
+        res = drain(g)
+        assert g.page_table.num_unreferenced() == g.num_pages
+        return [res[j] for j in jobs]
+
+    clean, failed = batch(None), batch(4)
+    assert failed[0]["final"]["eos_reason"] == "error" and "mask failure" in failed[0]["final"]["error_message"]
+    assert len(clean[0]["tokens"]) > 3 and failed[0]["tokens"] == clean[0]["tokens"][:3]  # masks 1-3 came
+    for c, f in zip(clean[1:], failed[1:]):
+        assert c["tokens"] == f["tokens"] and c["final"]["eos_reason"] == f["final"]["eos_reason"]

@@ -96,9 +96,7 @@ class Pending:
     jobs: list[ExLlamaV2DynamicJob]
     first: list[int]  # each job's first row in `logits`
     logits: torch.Tensor  # [rows, V] on the device, not masked yet
-    epochs: list[int]  # each job's epoch at launch
-    plans: list[RowSample | None]  # device sampling per job (None: the host samples it)
-    points: dict[int, float]  # job index -> random point already drawn from its generator
+    epochs: list[int]  # each job's epoch at launch: a job whose epoch moved since has ended or was rolled back
     device: torch.device  # the generator's device (where small uploads go)
 
 
@@ -149,9 +147,9 @@ class DecodeStepper:
 
     def forward(self, jobs: list[ExLlamaV2DynamicJob], prev: Launched | None) -> Pending:
         """Launch the forward pass of one step (its input: the tokens of `prev` still on the device, or the
-        host's last tokens) and plan how each job's row is sampled; `sample()` launches the sampling. Between
-        the two the host may read `prev` and feed its tokens to grammar filters: the masks of this step are
-        collected in `sample()`, while the GPU runs this forward pass."""
+        host's last tokens); `sample()` masks and samples it. Between the two the host may read `prev` and feed
+        its tokens to grammar filters: the masks of this step are collected in `sample()`, while the GPU runs
+        this forward pass."""
         gen = self.gen
         device = gen.device()
         rows = [(j, q) for j in jobs for q in j.seqs]
@@ -165,7 +163,17 @@ class DecodeStepper:
                             gen.page_size, [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
-        # Planned now (the token counts still include the tokens of `prev`, as after reading them).
+        return Pending(jobs, first, logits, [j.epoch for j in jobs], device)
+
+    def sample(self, step: Pending) -> tuple[Launched | None, HostRows]:
+        """Mask the step's constrained rows on the device (grammar filters: each waits for its mask), sample
+        the rows that can be sampled there, and start reading their tokens back. Jobs that ended since the
+        forward pass was launched (the host read their previous token meanwhile) are left out: their rows
+        computed one token too many."""
+        live = [k for k, (j, e) in enumerate(zip(step.jobs, step.epochs)) if not j.finished and j.epoch == e]
+        jobs, first = [step.jobs[k] for k in live], [step.first[k] for k in live]
+        # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
+        logits = premask_jobs(jobs, first, step.logits)
         plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
         points: dict[int, float] = {}
         for k, p in enumerate(plans):
@@ -174,36 +182,24 @@ class DecodeStepper:
                     points[k] = jobs[k].draw_point()
                 except Exception:
                     plans[k] = None  # the host sampler will meet the same fault and fail this job alone
-        return Pending(jobs, first, logits, [j.epoch for j in jobs], plans, points, device)
-
-    def sample(self, step: Pending) -> tuple[Launched | None, HostRows]:
-        """Mask the step's constrained rows on the device (grammar filters: each waits for its mask), sample
-        the rows that can be sampled there, and start reading their tokens back. A job that ended since its
-        forward pass was launched (the host read its previous token meanwhile) is neither masked nor
-        sampled on the host; its device row, if any, is dropped when read."""
-        jobs, first, plans, points = step.jobs, step.first, step.plans, step.points
-        live = [not j.finished and j.epoch == e for j, e in zip(jobs, step.epochs)]
-        logits = premask_jobs(jobs, first, step.logits, live)
         dev = [k for k, p in enumerate(plans) if p is not None]
-        host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None and live[k]],
-                        [first[k] for k in range(len(jobs)) if plans[k] is None and live[k]])
+        host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None],
+                        [first[k] for k in range(len(jobs)) if plans[k] is None])
         launched = None
         if dev:
             try:
-                launched = self._sample(step, dev, [points.get(k, 0.0) for k in dev], logits, live)
+                launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits,
+                                        step.device)
             except Exception:
                 # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
                 # already drawn) and fails only the job at fault
-                keep = [k for k in range(len(jobs)) if live[k]]
-                host = HostRows([jobs[k] for k in keep], [first[k] for k in keep],
-                                points={jobs[k].serial or 0: v for k, v in points.items()})
+                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
         host.logits = logits
         return launched, host
 
-    def _sample(self, step: Pending, dev: list[int], points: list[float], logits: torch.Tensor,
-                live: list[bool]) -> Launched:
-        jobs, first, device = step.jobs, step.first, step.device
-        row_plans = [step.plans[k] for k in dev]
+    def _sample(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], plans: list[RowSample | None],
+                dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device) -> Launched:
+        row_plans = [plans[k] for k in dev]
         assert all(p is not None for p in row_plans)
         x = logits
         if len(dev) != logits.shape[0]:
@@ -211,10 +207,9 @@ class DecodeStepper:
         tokens, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
                                     self.gen.tokenizer)
         for k in dev:
-            if live[k]:
-                jobs[k].inflight += 1
+            jobs[k].inflight += 1
         host, event = read_back(torch.cat([tokens, ok.long()]))
-        return Launched([(jobs[k], step.epochs[k]) for k in dev], tokens, host, event,
+        return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event,
                         [jobs[k].premask_end for k in dev])
 
     def finish(self, launched: Launched, results: list[dict[str, Any]]) -> None:

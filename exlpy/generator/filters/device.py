@@ -48,15 +48,13 @@ def mask_rows(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) 
     return logits.index_copy(0, idx, ops.apply_token_bitmask(logits.index_select(0, idx), bm))
 
 
-def premask_jobs(jobs: Sequence[Any], first: list[int], logits: torch.Tensor,
-                 live: Sequence[bool] | None = None) -> torch.Tensor:
+def premask_jobs(jobs: Sequence[Any], first: list[int], logits: torch.Tensor) -> torch.Tensor:
     """The dynamic generator's step: apply the device-maskable filters of `jobs` (a job's rows start at
-    first[k] in logits [R, V]); sets each job's `premask_end` (None for jobs left to the sampler, and for jobs
-    that `live` marks as ended since the step was launched: their rows are not used)."""
+    first[k] in logits [R, V]); sets each job's `premask_end` (None for jobs left to the sampler)."""
     rows, masks = [], []
     for k, j in enumerate(jobs):
         j.premask_end = None
-        if j.filters and j.device_masked() and (live is None or live[k]):
+        if j.filters and j.device_masked():
             mask, j.premask_end = collect(j.filters)
             rows += [first[k] + r for r in range(len(j.seqs))]
             masks += [mask] * len(j.seqs)
