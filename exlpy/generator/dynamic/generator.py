@@ -5,7 +5,9 @@ Each `iterate()` (1) starts queued jobs while batch room and pages for their pro
 decode so that a long prompt does not stall them, (3) gives every decoding job the page its next token goes
 to (preempting the newest job when the cache is full), launches one batched decode step (q_len 1) and
 samples it on the device where it can, and (4) only then reads the previous step's tokens and turns them
-into results (dynamic/decode.py): the host's work overlaps the GPU's.
+into results (dynamic/decode.py): the host's work overlaps the GPU's. With a grammar-constrained job in the
+batch, the step's masking and sampling are launched after (4), once the previous tokens were fed to the
+filters; its forward pass is still launched first.
 
 Finished or cancelled jobs give their pages back at once; full pages keep their prefix hash so a later prompt
 with the same prefix references them instead of recomputing them, and a partly filled last page remembers its
