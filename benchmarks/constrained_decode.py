@@ -3,10 +3,11 @@
 One job at a time in the dynamic generator (the engine behind `exlpy serve`), the same prompt and the same
 number of new tokens for each variant, decode speed = (new tokens - 1) / time from the first token to the
 last. Variants:
-- `free`: no constraint (greedy runs on the device fast path; sampled copies the logits to the host).
-- `json`: a JSON schema (an array of at least N small objects, so the output is long) enforced by
-  `ExLlamaV2GrammarFilter`: llguidance computes each next-token bitmask in a worker thread while the GPU runs
-  the forward pass, and one kernel masks the logits on the GPU.
+- `free`: no constraint (greedy and sampled both sample on the device, in the overlapped loop).
+- `json`: a JSON schema (an array of N small objects, so the output is long) enforced by
+  `ExLlamaV2GrammarFilter`: the forward pass of step t+1 is launched on token t still on the device, then the
+  host reads token t, llguidance computes the next bitmask in a worker thread while the GPU runs that forward
+  pass, and one kernel masks the logits on the GPU before the device sampler.
 - `regex`: a regex of comma-separated words, same machinery.
 Each is run greedy and sampled (temperature 0.8, top-p 0.9). The host-side cost of one mask computation is
 measured on its own too, to show what the overlap hides.

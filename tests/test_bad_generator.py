@@ -124,14 +124,14 @@ def test_decode_step_failing_for_one_job_ends_only_that_job() -> None:
     prompts = [ids_of(p) for p in PROMPTS[:3]]
     g = make_gen()
     jobs = [_job(p, 5) for p in prompts]
-    real = g.stepper.launch
+    real = g.stepper.forward  # every decode step starts here (the batched one and each job's own)
 
     def step(js: list[ExLlamaV2DynamicJob], prev: Any) -> Any:
         if jobs[1] in js:
             raise RuntimeError("row 1 breaks the step")
         return real(js, prev)
 
-    g.stepper.launch = step  # type: ignore[method-assign]
+    g.stepper.forward = step  # type: ignore[method-assign]
     g.enqueue(jobs)
     res = drain(g)
     assert res[jobs[1]]["final"]["eos_reason"] == "error"

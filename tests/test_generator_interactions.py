@@ -178,3 +178,128 @@ def test_preempted_job_gives_its_slot_to_a_waiting_adapter_job(demo: dict[str, A
         assert res[jb]["tokens"] == oracle(m, tok.encode(PROMPTS[1], add_bos=True), 6, [b])
     finally:
         configure(m, max_adapters=8)
+
+
+# --- issue 15: a constrained stream keeps the overlapped loop's structure -------------------------------------
+_EVENTS: list[str] = []
+_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique",
+          "masked_select", "equal", "allclose"}
+
+
+class _OnDevice(torch.Tensor):
+    """Stands for what lives on the GPU in a CUDA run (the logits and everything computed from them, the sampled
+    tokens included): reading such a tensor's values on the host is a wait on the device there, logged "sync"."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in _READS:
+            _EVENTS.append("sync")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _traced_steps(demo: dict[str, Any], constrained: bool, settings: Any, n: int = 16
+                  ) -> tuple[list[list[str]], list[int]]:
+    """Run one job alone; per iterate(): what happened, in order ("forward" of a decode step, "sync", "feed"
+    of a token to the grammar, "mask" collected, "sample" launched), and the job's tokens."""
+    from exlpy.generator.dynamic import decode
+    from exlpy.generator.filters import device
+
+    model, tok = demo["model"], demo["tok"]
+    forward, collect, sample_rows = model.forward_batch, device.collect, decode.sample_rows
+
+    def traced_forward(ids: torch.Tensor, *a: Any, **k: Any) -> Any:
+        if not k.get("preprocess_only"):
+            _EVENTS.append("forward")
+        out = forward(ids.as_subclass(torch.Tensor), *a, **k)
+        return None if out is None else out.as_subclass(_OnDevice)
+
+    def log(tag: str, fn: Any) -> Any:
+        return lambda *a, **k: (_EVENTS.append(tag), fn(*a, **k))[1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "forward_batch", traced_forward)
+        mp.setattr(device, "collect", log("mask", collect))
+        mp.setattr(decode, "sample_rows", log("sample", sample_rows))
+        filters = []
+        if constrained:
+            f = ExLlamaV2GrammarFilter.regex(model, tok, r"[a-z]+( [a-z]+){40,}")
+            mp.setattr(f, "feed", log("feed", f.feed))
+            filters = [f]
+        g = gen(demo)
+        g.enqueue(job(tok.encode(PROMPTS[1], add_bos=True), n, filters=filters, gen_settings=settings, seed=3))
+        steps, tokens = [], []
+        while g.num_remaining_jobs():
+            _EVENTS.clear()
+            for r in g.iterate():
+                assert "error" not in r, r.get("error_message")
+                if r["stage"] == "streaming":
+                    tokens += r["token_ids"][0].tolist()
+            steps.append(list(_EVENTS))
+        _EVENTS.clear()
+    return steps, tokens
+
+
+@pytest.mark.parametrize("settings", [GREEDY, TOP_P], ids=["greedy", "top_p"])
+def test_constrained_step_launches_the_next_forward_before_reading_the_token(demo: dict[str, Any],
+                                                                           settings: Any) -> None:
+    """The forward pass of step t+1 needs token t on the device, not the mask: it is launched before the host
+    waits for token t; the host then feeds the token to the grammar and collects the next mask while the GPU
+    runs that forward pass, and the masked sampling follows it on the stream. One wait on the device per step,
+    as without a constraint; the same tokens as the host-sampled path."""
+    n = 16
+    free, _ = _traced_steps(demo, False, settings, n)
+    steps, tokens = _traced_steps(demo, True, settings, n)
+    assert len(tokens) == n and re.fullmatch(r"[a-z]+( [a-z]+)*", demo["tok"].decode(torch.tensor(tokens)).strip())
+    # Steady state: every iterate() that launches a step and reads the one before it (not the first or last).
+    middle = [s for s in steps if "forward" in s and "sync" in s]
+    free_middle = [s for s in free if "forward" in s and "sync" in s]
+    assert len(middle) >= n - 3 and len(free_middle) >= n - 3
+    assert all(s == ["forward", "sample", "sync"] for s in free_middle), free_middle
+    assert all(s == ["forward", "sync", "feed", "mask", "sample"] for s in middle), middle
+    total = lambda ss: sum(s.count("sync") for s in ss)  # noqa: E731
+    assert total(steps) <= total(free) + 1
+    model, tok = demo["model"], demo["tok"]
+    host = job(tok.encode(PROMPTS[1], add_bos=True), n, gen_settings=settings, seed=3,
+               filters=[ExLlamaV2GrammarFilter.regex(model, tok, r"[a-z]+( [a-z]+){40,}")])
+    host.device_sampling = lambda: None  # type: ignore[method-assign]
+    g = gen(demo)
+    g.enqueue(host)
+    assert drain(g)[host]["tokens"] == tokens
+
+
+def test_grammar_failing_between_forward_and_sampling_fails_its_job_alone(demo: dict[str, Any]) -> None:
+    """A filter whose mask computation fails after a few tokens: the error comes out when the step's rows are
+    masked, after its forward pass was launched and the previous tokens were fed. Only that job ends (with the
+    error); the constrained and free jobs beside it give exactly the tokens they give without it."""
+    from exlpy.errors import GrammarError
+
+    tok = demo["tok"]
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:3]]
+    stop = [tok.eos_token_id]
+
+    def batch(fail_at: int | None) -> list[dict[str, Any]]:
+        bad = grammar(demo)
+        if fail_at is not None:
+            calls, compute = [0], bad.prepare_logit_mask
+
+            def failing() -> bool:
+                calls[0] += 1
+                if calls[0] >= fail_at:
+                    raise GrammarError("regex: the test's mask failure")
+                return compute()
+
+            bad.prepare_logit_mask = failing  # type: ignore[method-assign]
+        jobs = [job(ids[0], 40, filters=[bad], stop_conditions=stop),
+                job(ids[1], 40, filters=[grammar(demo)], gen_settings=TOP_P, seed=5, stop_conditions=stop),
+                job(ids[2], 12)]
+        g = gen(demo)
+        g.enqueue(jobs)
+        res = drain(g)
+        assert g.page_table.num_unreferenced() == g.num_pages
+        return [res[j] for j in jobs]
+
+    clean, failed = batch(None), batch(4)
+    assert failed[0]["final"]["eos_reason"] == "error" and "mask failure" in failed[0]["final"]["error_message"]
+    assert len(clean[0]["tokens"]) > 3 and failed[0]["tokens"] == clean[0]["tokens"][:3]  # masks 1-3 came
+    for c, f in zip(clean[1:], failed[1:]):
+        assert c["tokens"] == f["tokens"] and c["final"]["eos_reason"] == f["final"]["eos_reason"]

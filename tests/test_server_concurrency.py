@@ -205,16 +205,16 @@ def test_failed_batched_step_is_retried_per_job() -> None:
     state = make_state()
     gen = state.bridge.generator
     slow_steps(gen, 0.005)
-    real_launch = gen.stepper.launch
+    real_forward = gen.stepper.forward  # every decode step starts here
     calls = {"launch": 0}
 
     def launch(jobs: list[Any], prev: Any) -> Any:
         if len(jobs) >= 2 and not calls["launch"]:
             calls["launch"] += 1
             raise RuntimeError("injected step fault")
-        return real_launch(jobs, prev)
+        return real_forward(jobs, prev)
 
-    gen.stepper.launch = launch
+    gen.stepper.forward = launch
 
     async def body(c: Any) -> tuple[Any, ...]:
         return tuple(await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")]))
@@ -233,15 +233,15 @@ def test_poisoned_decode_step_fails_only_its_job() -> None:
     state = make_state()
     gen = state.bridge.generator
     slow_steps(gen, 0.005)
-    real_launch = gen.stepper.launch
+    real_forward = gen.stepper.forward  # every decode step starts here
     poison = prompt_ids("Why")[0]
 
     def launch(jobs: list[Any], prev: Any) -> Any:
         if any(j.sequence[:poison.numel()].equal(poison) for j in jobs):
             raise RuntimeError("injected step fault")
-        return real_launch(jobs, prev)
+        return real_forward(jobs, prev)
 
-    gen.stepper.launch = launch
+    gen.stepper.forward = launch
 
     async def body(c: Any) -> tuple[Any, ...]:
         first = await asyncio.gather(*[c.post("/v1/completions", json=greedy(p, 20)) for p in ("Once", "Why")])

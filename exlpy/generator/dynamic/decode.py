@@ -13,10 +13,14 @@ step n+1 is read. Rows that need the host sampler (filters other than grammar ma
 strings, per-token extras) copy their logits to the CPU after the previous step's tokens were processed: for
 them the step is synchronous, as before.
 
-Grammar filters (exlpy/generator/filters/device.py) are applied on the device right after the forward pass,
-before any row is sampled or copied, so a constrained job may be sampled on the device too. Its next mask
-depends on the token it samples, so it never has a token in flight when a step is launched: `iterate()` reads
-the step in flight first whenever such a job is about to run again. Each row carries its job's LoRA slot.
+Grammar filters (exlpy/generator/filters/device.py) are applied on the device between the forward pass and
+the sampling, so a constrained job is sampled on the device too and keeps its token in flight like any other
+row. Its mask for step n+1 depends on token n, but the forward pass of step n+1 does not: `iterate()` then
+splits the step (`forward()`, then `sample()`): it launches the forward pass of step n+1 (input: token n, still
+on the device), reads token n (the one wait on the device) and feeds it to the filters, whose next mask a
+worker thread computes while the GPU runs that forward pass, and then uploads the mask (pinned, non-blocking)
+and launches the masking kernel and the sampling behind the forward pass on the stream. Each row carries its
+job's LoRA slot.
 """
 
 from __future__ import annotations
@@ -86,6 +90,17 @@ def upload_floats(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 @dataclass
+class Pending:
+    """A step whose forward pass is launched and whose rows are not sampled yet (DecodeStepper.forward)."""
+
+    jobs: list[ExLlamaV2DynamicJob]
+    first: list[int]  # each job's first row in `logits`
+    logits: torch.Tensor  # [rows, V] on the device, not masked yet
+    epochs: list[int]  # each job's epoch at launch: a job whose epoch moved since has ended or was rolled back
+    device: torch.device  # the generator's device (where small uploads go)
+
+
+@dataclass
 class HostRows:
     """Jobs of a launched step that the host samples, and where their rows are in the step's logits."""
 
@@ -128,6 +143,13 @@ class DecodeStepper:
                ) -> tuple[Launched | None, HostRows]:
         """Run one batched q_len-1 step over every sequence of `jobs` (CFG jobs have two rows) and sample
         what can be sampled on the device. Nothing is read back here."""
+        return self.sample(self.forward(jobs, prev))
+
+    def forward(self, jobs: list[ExLlamaV2DynamicJob], prev: Launched | None) -> Pending:
+        """Launch the forward pass of one step (its input: the tokens of `prev` still on the device, or the
+        host's last tokens); `sample()` masks and samples it. Between the two the host may read `prev` and feed
+        its tokens to grammar filters: the masks of this step are collected in `sample()`, while the GPU runs
+        this forward pass."""
         gen = self.gen
         device = gen.device()
         rows = [(j, q) for j in jobs for q in j.seqs]
@@ -141,9 +163,17 @@ class DecodeStepper:
                             gen.page_size, [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
-        # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
-        logits = premask_jobs(jobs, first, logits)
+        return Pending(jobs, first, logits, [j.epoch for j in jobs], device)
 
+    def sample(self, step: Pending) -> tuple[Launched | None, HostRows]:
+        """Mask the step's constrained rows on the device (grammar filters: each waits for its mask), sample
+        the rows that can be sampled there, and start reading their tokens back. Jobs that ended since the
+        forward pass was launched (the host read their previous token meanwhile) are left out: their rows
+        computed one token too many."""
+        live = [k for k, (j, e) in enumerate(zip(step.jobs, step.epochs)) if not j.finished and j.epoch == e]
+        jobs, first = [step.jobs[k] for k in live], [step.first[k] for k in live]
+        # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
+        logits = premask_jobs(jobs, first, step.logits)
         plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
         points: dict[int, float] = {}
         for k, p in enumerate(plans):
@@ -158,7 +188,8 @@ class DecodeStepper:
         launched = None
         if dev:
             try:
-                launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits, device)
+                launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits,
+                                        step.device)
             except Exception:
                 # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
                 # already drawn) and fails only the job at fault

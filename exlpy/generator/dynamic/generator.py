@@ -5,7 +5,9 @@ Each `iterate()` (1) starts queued jobs while batch room and pages for their pro
 decode so that a long prompt does not stall them, (3) gives every decoding job the page its next token goes
 to (preempting the newest job when the cache is full), launches one batched decode step (q_len 1) and
 samples it on the device where it can, and (4) only then reads the previous step's tokens and turns them
-into results (dynamic/decode.py): the host's work overlaps the GPU's.
+into results (dynamic/decode.py): the host's work overlaps the GPU's. With a grammar-constrained job in the
+batch, the step's masking and sampling are launched after (4), once the previous tokens were fed to the
+filters; its forward pass is still launched first.
 
 Finished or cancelled jobs give their pages back at once; full pages keep their prefix hash so a later prompt
 with the same prefix references them instead of recomputing them, and a partly filled last page remembers its
@@ -250,18 +252,19 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
             if self.spec is not None and jobs and self._speculate(jobs, results):
                 return results
-            if any(j.filters and j.inflight for j in jobs):
-                # A constrained job's next mask needs the token in flight, fed to its filters: read it first.
-                self.stepper.drain(results)
-                jobs = [j for j in jobs if j in self.active and self._continues(j)]
             jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
             prev, self.stepper.inflight = self.stepper.inflight, None
             if not jobs:
                 if prev is not None:
                     self.stepper.finish(prev, results)
                 return results
+            # A grammar-constrained job's mask for this step needs its token in flight, fed to its filters:
+            # then the step's forward pass is launched first, the previous tokens are read (and fed; the masks
+            # are computed) while it runs, and only then are the rows masked and sampled.
+            split = prev is not None and any(j.filters and j.device_masked() for j in jobs)
             try:
-                launched, host = self.stepper.launch(jobs, prev)
+                step = self.stepper.forward(jobs, prev)
+                launched, host = (None, None) if split else self.stepper.sample(step)
             except Exception as e:
                 if prev is not None:
                     self.stepper.finish(prev, results)
@@ -269,6 +272,13 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                 return results
             if prev is not None:
                 self.stepper.finish(prev, results)
+            if split:
+                try:
+                    launched, host = self.stepper.sample(step)
+                except Exception as e:  # e.g. a filter failing to compute its mask: find the job at fault
+                    self._isolate([j for j in jobs if j in self.active and not j.finished], e, results)
+                    return results
+            assert host is not None
             self.stepper.sample_host(host, results)
             self.stepper.inflight = launched
             return results

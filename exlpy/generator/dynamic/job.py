@@ -258,9 +258,11 @@ class ExLlamaV2DynamicJob:
         self.new_tokens += 1
         self.premask_end = None
         feed_token(self.filters, token)
+        if self.filters and not end_filter and self.new_tokens < self.max_new_tokens:
+            # The next mask is computed in a worker while this thread goes on (the text below) and the GPU runs
+            # the next step's forward pass; a job that a stop condition ends here drops it when released.
+            schedule_background(self.filters)
         rel = self.stream.add(token, payload)
-        if not rel.eos and not end_filter:
-            schedule_background(self.filters)  # the next mask is computed while the GPU runs the next step
         if rel.rewind:
             self.new_tokens -= rel.rewind
             self.epoch += 1
