@@ -248,3 +248,70 @@ def test_draft_length_adapts_to_acceptance_and_honours_a_fixed_value() -> None:
         d.update(accepted=1, rejections=1)  # ~50%
     assert high > d.choose() >= 1
     assert DraftLength(3, 7, 0.15).choose() == 3
+
+
+def geometric_round(rng: Any, rate: float, k: int, rows: int = 1) -> tuple[int, int]:
+    """(accepted drafts, rejections) of one round of k drafts per row, each accepted with `rate` while the ones
+    before it were."""
+    accepted = rejections = 0
+    for _ in range(rows):
+        m = 0
+        while m < k and rng.random() < rate:
+            m += 1
+        accepted += m
+        rejections += m < k
+    return accepted, rejections
+
+
+def test_draft_length_estimates_the_per_token_rate_without_bias() -> None:
+    """At a = 0.8 and 4 drafts a round, one row: the old average of per-round ratios read ~0.65 (and then chose
+    2 drafts instead of 4); the moving sums of counts read a."""
+    import random
+    import statistics
+
+    from exlpy.generator.speculative.length import DraftLength
+
+    for rate, k in ((0.8, 4), (0.5, 2), (0.9, 6)):
+        d, rng, seen = DraftLength(None, 7, 0.2), random.Random(0), []
+        for _ in range(2000):
+            d.update(*geometric_round(rng, rate, k))
+            seen.append(d.rate)
+        assert abs(statistics.mean(seen[50:]) - rate) < 0.03, (rate, k, statistics.mean(seen[50:]))
+
+
+def test_draft_length_maximises_tokens_per_unit_of_measured_time() -> None:
+    from exlpy.generator.speculative.length import DraftLength, best_length, expected_tokens
+
+    # best_length is the argmax of expected tokens per unit of time, a round of k drafts costing 1 + (c + v) k.
+    for rate in (0.3, 0.5, 0.7, 0.8, 0.9, 0.97):
+        for cost in (0.01, 0.1, 0.2, 0.5):
+            values = [expected_tokens(rate, k) / (1 + (cost + 0.02) * k) for k in range(1, 8)]
+            assert best_length(rate, cost, 7) == 1 + values.index(max(values))
+    assert best_length(0.8, 0.2, 7) == 4 and best_length(1.0, 0.5, 7) == 7 and best_length(0.2, 0.2, 7) == 1
+    d = DraftLength(None, 7, 1.0)  # a static guess that drafting costs as much as the target
+    d.accepted, d.rejected = 8.0, 2.0  # a = 0.8
+    assert d.choose() == 1
+    for _ in range(5):  # measured: 4 draft steps take 0.6 s of a 1.0 s round (c ~ 0.4)
+        d.observe(4, 0.6, 1.0)
+    d.observe(4, 0.6, 30.0)  # a round that captured a CUDA graph: the median ignores it
+    assert abs(d.step_cost - 0.15 * 1.08 / 0.4) < 1e-9
+    assert d.choose() == best_length(0.8, d.step_cost, 7) == 2
+
+
+def test_draft_length_recovers_from_an_early_low_estimate() -> None:
+    """Rounds of one draft still measure the rate: after a bad start (nothing accepted) the length grows back
+    within a few rounds once drafts are accepted."""
+    import random
+
+    from exlpy.generator.speculative.length import DraftLength
+
+    d, rng = DraftLength(None, 7, 0.2), random.Random(1)
+    for _ in range(30):
+        d.update(0, 1)
+    assert d.choose() == 1
+    ks = []
+    for _ in range(30):
+        ks.append(d.choose())
+        d.update(*geometric_round(rng, 0.9, ks[-1]))
+    assert max(ks[:15]) >= 4 and min(ks[-10:]) >= 4, ks
+
