@@ -315,3 +315,80 @@ def test_draft_length_recovers_from_an_early_low_estimate() -> None:
         d.update(*geometric_round(rng, 0.9, ks[-1]))
     assert max(ks[:15]) >= 4 and min(ks[-10:]) >= 4, ks
 
+
+class RefReplay:
+    """A draft that runs the tiny draft model (its cost) but proposes the target's greedy continuation `ref`
+    with probability `rate` and another token otherwise: a draft of known per-token acceptance."""
+
+    def __init__(self, inner: Any, refs: dict[int, list[int]], rate: float, vocab: int) -> None:
+        import random
+
+        self.inner, self.refs, self.rate, self.vocab = inner, refs, rate, vocab
+        self.rng, self.cache = random.Random(0), inner.cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def propose(self, seqs: list[Any], k: int, target_device: torch.device) -> torch.Tensor:
+        self.inner.propose(seqs, k, target_device)
+        rows = []
+        for q in seqs:
+            ref, L = self.refs[id(q)], q.ids.numel()
+            assert q.ids.tolist() == ref[:L]  # the sequence follows plain greedy decoding
+            want = ref[L:L + k]
+            rows.append([w if self.rng.random() < self.rate else (w + self.rng.randrange(1, self.vocab)) % self.vocab
+                         for w in want])
+        return torch.tensor(rows, dtype=torch.long, device=target_device)
+
+
+def draft_pair(tmp_path: Any) -> tuple[Any, Any, Any]:
+    """(aidreams, its tokenizer, a one-layer random draft of the same vocabulary: a draft step costs a fraction
+    of a target step, so the draft length can grow)."""
+    model, tok = aidreams()
+    draft = ExLlamaV2(ExLlamaV2Config(write_tiny(tmp_path, vocab=model.config.vocab_size)))
+    draft.config.max_seq_len = 2048
+    draft.load()
+    return model, tok, draft
+
+
+def test_replay_draft_of_known_acceptance(tmp_path: Any) -> None:
+    """Measured per-token acceptance ~ the draft's rate, output identical to plain greedy decoding, and the
+    draft length the generator adapts to: the longest at a = 1, several drafts at a = 0.8, fewer at a = 0.5."""
+    model, tok, draft = draft_pair(tmp_path)
+    n = 40
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:4]]
+    refs = [i[0].tolist() + argmax_tokens(model, i, n + 8) for i in ids]
+    g = spec_gen(draft)
+    assert g.spec is not None
+    length = g.spec.length
+    max_k = length.max_k
+    timed: list[tuple[int, float, float]] = []
+    # The rounds are timed (checked below), but the length is chosen at a fixed draft cost: CPU timings vary.
+    length.observe = lambda k, d, r: timed.append((k, d, r))  # type: ignore[method-assign]
+    length.cost = 0.1
+    replay = RefReplay(g.spec.drafter, {}, 1.0, model.config.vocab_size)
+    g.spec.drafter = replay
+    seen = {}
+    for rate in (1.0, 0.8, 0.5):
+        replay.rate = rate
+        for _ in range(2):  # the second run starts from the estimate the first one settled on
+            jobs = [job(i, n) for i in ids]
+            g.enqueue(jobs)
+            replay.refs = {id(j.seqs[0]): r for j, r in zip(jobs, refs)}
+            g.reset_sd_stats()
+            res = drain(g)
+        assert [res[j]["tokens"] for j in jobs] == [r[len(i[0]):len(i[0]) + n] for i, r in zip(ids, refs)]
+        s = g.spec
+        eff, acc, total, drafted, accepted = g.get_sd_stats()
+        assert total == 4 * n and drafted == s.drafted and accepted == s.accepted
+        assert (s.rejections == 0) == (rate == 1.0)
+        seen[rate] = (s.acceptance_per_token(), s.mean_draft_length(), acc)
+    # At cost 0.1 the best length is 7 at a = 1, 5 at a = 0.8 and 2 at a = 0.5.
+    assert seen[1.0][0] == 1.0 and seen[1.0][2] == 1.0 and seen[1.0][1] >= max_k - 0.5, seen
+    assert abs(seen[0.8][0] - 0.8) < 0.08 and seen[0.8][1] >= 3.5, seen
+    assert abs(seen[0.5][0] - 0.5) < 0.1 and 1.5 <= seen[0.5][1] < seen[0.8][1], seen
+    assert timed and all(1 <= k <= max_k and 0 < d < r for k, d, r in timed)
+    assert seen[0.8][2] < seen[0.8][0]  # accepted / drafted counts the drafts after a rejection too
+    health = g.status()["speculative"]
+    assert health["acceptance_per_token"] == round(seen[0.5][0], 4) and health["draft_step_cost"] > 0
+
