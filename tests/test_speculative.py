@@ -392,3 +392,47 @@ def test_replay_draft_of_known_acceptance(tmp_path: Any) -> None:
     health = g.status()["speculative"]
     assert health["acceptance_per_token"] == round(seen[0.5][0], 4) and health["draft_step_cost"] > 0
 
+
+def test_benchmark_replay_draft_holds_its_rate_when_verification_rounds_differently(tmp_path: Any,
+                                                                                      monkeypatch: Any) -> None:
+    """benchmarks/speculative.py's replay draft on a target whose verification steps round differently from
+    its decode steps (as fp16 does on a GPU: random weights leave near-ties that flip): the speculative text
+    leaves the plain one, and the acceptance must still be the configured rate. The first replay draft took
+    the target's tokens from a plain run and lost them at the first flip (on an H100: 0.32 at a = 0.8, draft
+    length 1)."""
+    from benchmarks.speculative import ReplayDrafter, drive
+
+    model, tok, draft = draft_pair(tmp_path)
+    forward_batch = model.forward_batch
+    noise = torch.Generator().manual_seed(3)
+
+    def rounding(ids: torch.Tensor, batch: Any, **kw: Any) -> torch.Tensor:
+        out = forward_batch(ids, batch, **kw)
+        if batch.q_len > 1 and not kw.get("preprocess_only"):
+            out = out + 0.5 * torch.randn(out.shape, generator=noise).to(out.device)  # verification: flips
+        return out
+
+    n = 48
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:3]]
+    plain = spec_gen()
+    jobs = [job(i, n) for i in ids]
+    plain.enqueue(jobs)
+    _, plain_out = drive(plain, jobs)
+    monkeypatch.setattr(model, "forward_batch", rounding)
+    g = spec_gen(draft)
+    assert g.spec is not None
+    replay = ReplayDrafter(g.spec.drafter, 1.0, len(g.pieces))
+    g.spec.drafter = replay
+    with replay.patched():
+        for rate in (1.0, 0.8):
+            replay.rate = rate
+            jobs = [job(i, n) for i in ids]
+            g.enqueue(jobs)
+            g.reset_sd_stats()
+            _, out = drive(g, jobs)
+            assert [out[j] for j in jobs] != list(plain_out.values())  # the scenario: the texts part
+            acc, k_mean = g.spec.acceptance_per_token(), g.spec.mean_draft_length()
+            assert abs(acc - rate) < 0.08 and k_mean >= (5 if rate == 1.0 else 2), (rate, acc, k_mean)
+    from exlpy.generator.speculative import dynamic
+
+    assert dynamic.verify_rows is verify_rows  # patched() put the library's verification back
