@@ -127,7 +127,9 @@ def spec_figures(gen: Any) -> tuple[float, float, float]:
     return s.acceptance_per_token(), gen.get_sd_stats()[1], s.mean_draft_length()
 
 
-def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: int) -> list[str]:
+def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: int,
+                progress: Any = None) -> list[str]:
+    """The table's lines; `progress(lines)` is called after each batch size (a run cut short keeps those)."""
     from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
     from exlpy.cli.bench import load_model
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
@@ -184,6 +186,8 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
                 cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
                 print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
+        if progress is not None:
+            progress(lines + [""])
         del gen, cache, dcache
         gc.collect()
         torch.cuda.empty_cache()
@@ -269,7 +273,8 @@ def main() -> None:
         batches = [int(x) for x in args.batches.split(",")] if args.batches else batches
         rates = [float(x) for x in args.rates.split(",")] if args.rates else rates
         n = args.new_tokens or n
-        body += part_replay(args.work, batches, rates, n)
+        body += part_replay(args.work, batches, rates, n,
+                            lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"))
         Path(args.out).write_text("\n".join(header + body) + "\n")
     if "ngram" in parts:
         body += part_ngram(smol, args.passage, 300 if args.quick else 1000)
