@@ -3,12 +3,15 @@
     PYTHONPATH=. python benchmarks/speculative.py --out benchmarks/results/speculative.md
     PYTHONPATH=. python benchmarks/speculative.py --quick --out /tmp/spec_quick.md
 
+    PYTHONPATH=. python benchmarks/speculative.py --parts replay --batches 1 --rates 0.5,0.8,1.0 --out /tmp/s.md
+
 Part `replay`: a Llama-3-8B-shape target (random fp16 weights) with a Llama-3.2-1B-shape draft. Random weights
 agree on nothing, so the draft is a replay draft: it runs its real forward passes (their cost is what is
-measured), but proposes the target's own greedy token with probability a, and another token otherwise. The
-target's greedy tokens come from a plain run first. Tokens/s at acceptance a = 0.5 / 0.7 / 0.8 / 0.9 and batch 1,
-4, 16, against plain decoding of the same jobs (512-token prompts, 256 new tokens, the dynamic generator, draft
-length adapted). Target: >= 1.8x plain at batch 1 and a = 0.8.
+measured), but each draft is the target's own greedy token with probability a, another token otherwise (the
+greedy token is read from the verification step: see `ReplayDrafter`). Tokens/s at acceptance a = 0.5 / 0.7 /
+0.8 / 0.9 and batch 1, 4, 16 (`--rates`, `--batches`), against plain decoding of the same jobs (512-token
+prompts, 256 new tokens, the dynamic generator, draft length adapted). Target: >= 1.8x plain at batch 1 and
+a = 0.8.
 
 Part `ngram`: the real SmolLM2-135M-Instruct (EXL2 4.0, `--smol`, default /tmp/smol, else ../shared) asked to
 repeat, and to lightly edit, a 1,000-token passage (`--passage`, default ../shared/eval/licenses.txt); n-gram
@@ -26,6 +29,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -60,37 +65,71 @@ def drive(gen: Any, jobs: list[Any]) -> tuple[float, dict[Any, list[int]]]:
 
 
 class ReplayDrafter:
-    """Wraps the generator's ModelDrafter: the draft model runs for real, its proposals are replaced by the
-    target's greedy continuation (probability `rate`) or another token."""
+    """Wraps the generator's ModelDrafter: the draft model runs its real forward passes (their cost is what is
+    measured), and each of its k drafts is then made the target's own greedy token with probability `rate`,
+    another token otherwise, so that the target accepts a draft with probability `rate` once the drafts before
+    it were accepted.
 
-    def __init__(self, inner: Any, refs: dict[int, list[int]], rate: float, vocab: int, seed: int = 0) -> None:
-        self.inner, self.refs, self.rate, self.vocab = inner, refs, rate, vocab
+    The target's greedy tokens are taken from the verification step itself (`patched()` puts `verify` in
+    front of the library's verification), not from a plain run done first: with random fp16 weights the two
+    part within some dozens of tokens. The top two logits often tie or nearly (a small random fp16 model on
+    the CPU: 5% of steps within 0.01, an exact tie by token 94), and a verification step of k+1 tokens rounds
+    differently from a decode step of one, so an argmax flips; from there on a reference from plain decoding
+    predicts nothing and every draft is rejected (the first replay draft: measured acceptance 0.15-0.35 at
+    a = 0.5-0.9 on an H100, draft length stuck at 1). Swapping drafts after
+    the target step leaves every cost as it was (the same steps, shapes and one read-back per round); the text
+    is no longer the target's greedy text, which random weights do not have anyway."""
+
+    def __init__(self, inner: Any, rate: float, vocab: int, seed: int = 0) -> None:
+        self.inner, self.rate, self.vocab = inner, rate, vocab
         self.rng = random.Random(seed)
         self.cache = inner.cache
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (drafts, their replay plan)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def propose(self, seqs: list[Any], k: int, target_device: torch.device) -> torch.Tensor:
+        from exlpy.model.batch import upload_ids
+
         own = self.inner.propose(seqs, k, target_device)  # the draft model's cost
-        rows = []
-        for q in seqs:
-            ref = self.refs.get(id(q))
-            L = q.ids.numel()
-            aligned = ref is not None and q.ids.tolist() == ref[:L]  # else the output left the reference
-            row = []
-            for i in range(k):
-                want = ref[L + i] if aligned and L + i < len(ref) else None
-                if want is not None and self.rng.random() < self.rate:
-                    row.append(want)
-                else:
-                    t = self.rng.randrange(3, self.vocab)
-                    row.append(t if t != want else (t + 1) % self.vocab)
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.long).to(own.device, non_blocking=True)
+        # Per draft: 0 = the target's greedy token, else an offset from it (never the greedy token itself).
+        plan = [0 if self.rng.random() < self.rate else self.rng.randrange(1, self.vocab)
+                for _ in range(len(seqs) * k)]
+        self.pending = (own, upload_ids(torch.tensor(plan, dtype=torch.long).view(len(seqs), k), own.device))
+        return own
+
+    def verify(self, original: Any, logits: torch.Tensor, drafts: torch.Tensor, *args: Any) -> Any:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] is drafts:
+            k = drafts.shape[1]
+            # The target's token after the last token and after each draft (the tokenizer's vocabulary: the
+            # verification masks the model's padding columns), then the replay's choice; on the device, no sync.
+            greedy = logits[:, :k, :self.vocab].argmax(-1)
+            drafts.copy_(torch.remainder(greedy + pending[1], self.vocab))
+        return original(logits, drafts, *args)
+
+    @contextmanager
+    def patched(self) -> Iterator[None]:
+        from exlpy.generator.speculative import dynamic
+
+        original = dynamic.verify_rows
+        dynamic.verify_rows = lambda *a: self.verify(original, *a)
+        try:
+            yield
+        finally:
+            dynamic.verify_rows = original
 
 
-def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: int) -> list[str]:
+def spec_figures(gen: Any) -> tuple[float, float, float]:
+    """(per-token acceptance, accepted / drafted, mean draft length) since the last reset_sd_stats()."""
+    s = gen.spec
+    return s.acceptance_per_token(), gen.get_sd_stats()[1], s.mean_draft_length()
+
+
+def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: int,
+                progress: Any = None) -> list[str]:
+    """The table's lines; `progress(lines)` is called after each batch size (a run cut short keeps those)."""
     from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
     from exlpy.cli.bench import load_model
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
@@ -103,9 +142,12 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
     greedy = ExLlamaV2Sampler.Settings.greedy()
     lines = ["## (a) 8B target, 1B replay draft (random fp16 weights)", "",
              f"{prompt_len}-token prompts, {new_tokens} new tokens per job, greedy, draft length adapted "
-             "(chosen per round from the measured acceptance). Plain = the same generator without a draft.", "",
-             "| batch | plain tok/s | " + " | ".join(f"a={a} tok/s (x plain, measured acceptance, draft length)"
-                                                   for a in rates) + " |",
+             "(chosen per round from the measured acceptance and the measured cost of a draft step). Plain = the "
+             "same generator without a draft. Acceptance: per token, accepted / (accepted + rejections), which "
+             "estimates a (accepted / drafted, exllamav2's figure, is lower by construction when k > 1); k: mean "
+             "draft length of the timed run; c: the measured cost of a draft step relative to the rest of a round.",
+             "",
+             "| batch | plain tok/s | " + " | ".join(f"a={a} tok/s (x plain, acceptance, k, c)" for a in rates) + " |",
              "|---|---|" + "---|" * len(rates)]
     for b in batches:
         pages = -(-(prompt_len + new_tokens + 8) // 256)
@@ -119,25 +161,33 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
         plain = ExLlamaV2DynamicGenerator(target, cache, tok, max_batch_size=b)
         for n in (8, new_tokens):  # the first run captures the graphs
             plain.enqueue(js := jobs(n))
-            base, ref_out = drive(plain, js)
-        refs = [p[0].tolist() + ref_out[j] for p, j in zip(prompts, js)]
+            base, _ = drive(plain, js)
         del plain
         cells = []
         dcache = ExLlamaV2Cache(draft, max_seq_len=b * pages * 256)
         gen = ExLlamaV2DynamicGenerator(target, cache, tok, max_batch_size=b, draft_model=draft, draft_cache=dcache)
-        replay = ReplayDrafter(gen.spec.drafter, {}, 0.0, vocab)
+        assert gen.spec is not None
+        replay = ReplayDrafter(gen.spec.drafter, 1.0, len(gen.pieces))
         gen.spec.drafter = replay
-        for a in rates:
-            replay.rate = a
-            for n in (64, new_tokens):  # warm-up (graphs of the draft lengths it picks), then the timed run
-                gen.enqueue(js := jobs(n))
-                replay.refs = {id(j.seqs[0]): r for j, r in zip(js, refs)}
-                gen.reset_sd_stats()
-                speed, _ = drive(gen, js)
-            acc = gen.get_sd_stats()[1]
-            cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {gen.spec.length.choose()})")
-            print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
+        length = gen.spec.length
+        with replay.patched():
+            for k in range(1, length.max_k + 1):  # capture the verification graph of every draft length
+                length.fixed = k
+                gen.enqueue(js := jobs(2 * (k + 1)))
+                drive(gen, js)
+            length.fixed = None
+            for a in rates:
+                replay.rate = a
+                for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
+                    gen.enqueue(js := jobs(n))
+                    gen.reset_sd_stats()
+                    speed, _ = drive(gen, js)
+                acc, _, k_mean = spec_figures(gen)
+                cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
+                print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
+        if progress is not None:
+            progress(lines + [""])
         del gen, cache, dcache
         gc.collect()
         torch.cuda.empty_cache()
@@ -200,6 +250,10 @@ def main() -> None:
     ap.add_argument("--smol", default=None, help="SmolLM2-135M EXL2 dir (default: /tmp/smol, else ../shared)")
     ap.add_argument("--passage", default=str(SHARED / "eval" / "licenses.txt"), help="text file for part ngram")
     ap.add_argument("--quick", action="store_true", help="batch 1, acceptance 0.8, shorter runs")
+    ap.add_argument("--batches", default=None, help="part replay: comma list of batch sizes (default 1,4,16)")
+    ap.add_argument("--rates", default=None, help="part replay: comma list of acceptance rates a (default "
+                    "0.5,0.7,0.8,0.9)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="part replay: new tokens per job (default 256)")
     ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -216,7 +270,11 @@ def main() -> None:
     parts = args.parts.split(",")
     if "replay" in parts:
         batches, rates, n = ([1], [0.8], 64) if args.quick else ([1, 4, 16], [0.5, 0.7, 0.8, 0.9], 256)
-        body += part_replay(args.work, batches, rates, n)
+        batches = [int(x) for x in args.batches.split(",")] if args.batches else batches
+        rates = [float(x) for x in args.rates.split(",")] if args.rates else rates
+        n = args.new_tokens or n
+        body += part_replay(args.work, batches, rates, n,
+                            lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"))
         Path(args.out).write_text("\n".join(header + body) + "\n")
     if "ngram" in parts:
         body += part_ngram(smol, args.passage, 300 if args.quick else 1000)

@@ -29,7 +29,10 @@ class SpeculativeAPI:
         return {"speculative": {"drafter": "model" if self.spec.drafter else "ngram", "acceptance": round(acc, 4),
                                 "efficiency": round(eff, 4), "drafted": drafted, "accepted": accepted,
                                 "tokens": tokens, "draft_length": self.spec.length.choose(),
-                                "acceptance_recent": round(self.spec.length.rate, 4)}}
+                                "acceptance_per_token": round(self.spec.acceptance_per_token(), 4),
+                                "draft_length_mean": round(self.spec.mean_draft_length(), 3),
+                                "acceptance_recent": round(self.spec.length.rate, 4),
+                                "draft_step_cost": round(self.spec.length.step_cost, 4)}}
 
     # --- speculative decoding ------------------------------------------------------------------------------
     def get_sd_stats(self) -> tuple[float, float, int, int, int]:

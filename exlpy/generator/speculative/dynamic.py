@@ -16,6 +16,7 @@ uses its overlapped single-token loop instead.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,12 +56,23 @@ class Speculation:
 
     def reset_stats(self) -> None:
         self.tokens = self.drafted = self.accepted = self.rounds = 0
+        self.rejections = 0  # rows whose drafts a rejection cut short
+        self.row_rounds = 0  # rows drafted for, summed over rounds
 
     def stats(self) -> tuple[float, float, int, int, int]:
         """(efficiency, accuracy, tokens, drafted, accepted): efficiency = share of all generated tokens that
         were accepted drafts, accuracy = accepted / drafted."""
         return (self.accepted / max(self.tokens, 1), self.accepted / max(self.drafted, 1), self.tokens,
                 self.drafted, self.accepted)
+
+    def acceptance_per_token(self) -> float:
+        """The chance that a draft is accepted once the drafts before it were: accepted / (accepted +
+        rejections). Unlike accepted / drafted it does not fall with the draft length (at a rate a and k drafts,
+        accepted / drafted is (a + a^2 + ... + a^k) / k)."""
+        return self.accepted / max(self.accepted + self.rejections, 1)
+
+    def mean_draft_length(self) -> float:
+        return self.drafted / max(self.row_rounds, 1)
 
     # --- prefill hooks (the draft model's cache follows the target's) -------------------------------------
     def on_prefill(self, q: Any, start: int, end: int) -> None:
@@ -110,6 +122,7 @@ class Speculation:
 
     def run(self, jobs: list[ExLlamaV2DynamicJob], k: int, spec: dict[Any, tuple[RowSample, list[int]]],
             results: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
         gen = self.gen
         dev = gen.device()
         T = k + 1
@@ -124,11 +137,14 @@ class Speculation:
             ids[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
         ids_dev = upload_ids(ids, dev)
         index = upload_ids(torch.tensor(spec_rows, dtype=torch.long), dev)
+        timer = _DraftTimer(self.drafter.device()) if self.drafter is not None else None
         if self.drafter is not None:
             drafts = self.drafter.propose([rows[i][1] for i in spec_rows], k, dev)
             ids_dev[index, 1:] = drafts
         else:
             drafts = ids_dev.index_select(0, index)[:, 1:]
+        if timer is not None:
+            timer.stop()
         batch = paged_batch([(q.page_ids(), q.ids.numel() - 1, T) for _, q in rows], gen.cache, dev, gen.page_size,
                             [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids_dev, batch)  # [B, T, V]
@@ -164,6 +180,8 @@ class Speculation:
             rejections += acc < real[s]
             self.drafted += real[s]
             self.accepted += acc
+            self.rejections += acc < real[s]
+            self.row_rounds += 1
             job.drafted_tokens += real[s]
             job.accepted_draft_tokens += acc
             if self.drafter is not None:
@@ -178,3 +196,30 @@ class Speculation:
             first = {id(j): next(i for i, (jj, _) in enumerate(rows) if jj is j) for j in others}
             firsts = [first[id(j)] for j in others]
             gen.stepper.sample_host(HostRows(others, firsts, premask_jobs(others, firsts, logits[:, 0])), results)
+        if timer is not None:
+            self.length.observe(k, timer.seconds(), time.perf_counter() - t0)
+
+
+class _DraftTimer:
+    """How long a round's draft steps took: host time, or on a GPU the device time between two events when
+    that is longer (the host only launches the steps). Read after the round's one sync: no wait of its own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.t0 = time.perf_counter()
+        self.host = 0.0
+        self.events: tuple[Any, Any] | None = None
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        if self.stream is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            self.events = (start, end)
+
+    def stop(self) -> None:
+        self.host = time.perf_counter() - self.t0
+        if self.events is not None:
+            self.events[1].record(self.stream)
+
+    def seconds(self) -> float:
+        if self.events is None or not self.events[1].query():
+            return self.host
+        return max(self.host, self.events[0].elapsed_time(self.events[1]) / 1000.0)

@@ -10,6 +10,7 @@ ordinary steps, and the draft cache holds the positions its drafts got right.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -117,14 +118,18 @@ def speculative_round(gen: Any, plan: RowSample) -> dict[str, Any] | None:
     if k < 1:
         return None
     gen._discard()
+    t0 = time.perf_counter()
     if gen.draft_model is not None:
-        drafts = spec.model_drafts(seq, k, gen.speculative_prob_threshold)
+        drafts = spec.model_drafts(seq, k, gen.speculative_prob_threshold)  # read back: the draft is done
     else:
         drafts = spec.ngram_drafts(seq[0].tolist(), k, gen.speculative_ngram_max, gen.speculative_ngram_min,
                                    gen.speculative_ngram_threshold, getattr(gen, "_preload", None))
     if not drafts:
         return None
+    t1 = time.perf_counter()
     m, emitted = spec.verify(seq, drafts, plan, gen.rng, gen.tokenizer, gen.loras)
+    if gen.draft_model is not None:  # the draft model ran k steps, also when fewer drafts were kept
+        spec.length.observe(k, t1 - t0, time.perf_counter() - t0)
     gen.total_draft_tokens += len(drafts)
     gen.accepted_draft_tokens += m
     out = Released()
