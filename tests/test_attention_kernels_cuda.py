@@ -175,7 +175,7 @@ def test_flash_bf16_and_key_mask() -> None:
 
 
 def _quant_pool(n_tokens: int, hk: int, D: int, k_bits: int, v_bits: int, fp8: bool):
-    pages = (n_tokens + PAGE - 1) // PAGE + 3
+    pages = (n_tokens + PAGE - 1) // PAGE + 5  # as many pages as _pool's: its block tables index all of them
     E = hk * D
     kq = torch.zeros(pages, PAGE, E * k_bits // 8, dtype=torch.uint8, device=DEV)
     vq = torch.zeros(pages, PAGE, E * v_bits // 8, dtype=torch.uint8, device=DEV)

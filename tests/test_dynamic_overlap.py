@@ -15,7 +15,10 @@ import torch
 from exlpy import ExLlamaV2Cache
 from exlpy.errors import GeneratorError
 from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
-from tests.test_generator_helpers import PROMPTS, aidreams, argmax_tokens, drain
+
+# Exact seeded-sampling oracles need the fp32 CPU model (see aidreams_cpu); on a GPU machine too.
+from tests.test_generator_helpers import PROMPTS, argmax_tokens, drain
+from tests.test_generator_helpers import aidreams_cpu as aidreams
 
 GREEDY = ExLlamaV2Sampler.Settings.greedy()
 TOP_P = ExLlamaV2Sampler.Settings(temperature=1.3, top_k=0, top_p=0.9, token_repetition_penalty=1.0)

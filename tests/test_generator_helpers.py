@@ -12,21 +12,31 @@ from tests.conftest import shared_path
 PROMPTS = ["Echoes of", "Once", "The gentle hum of", "A", "Vectors align, and", "In the quiet", "Precision", "Why"]
 
 
-@lru_cache(maxsize=1)
-def _load(path: str) -> tuple[Any, Any]:
+@lru_cache(maxsize=2)
+def _load(path: str, device: str | None = None) -> tuple[Any, Any]:
     from exlpy import ExLlamaV2, ExLlamaV2Config
     from exlpy.tokenizer import ExLlamaV2Tokenizer
 
     cfg = ExLlamaV2Config(path)
     cfg.max_seq_len = 2048  # trained for 128 positions; the paged tests need longer RoPE tables
     model = ExLlamaV2(cfg)
-    model.load()
+    if device is None:
+        model.load()
+    else:
+        model.load(device=device)
     return model, ExLlamaV2Tokenizer(cfg)
 
 
 def aidreams() -> tuple[Any, Any]:
     """(model, tokenizer), loaded once per test session."""
     return _load(str(shared_path("models", "aidreams260K")))
+
+
+def aidreams_cpu() -> tuple[Any, Any]:
+    """The same model on the CPU in fp32, for tests that compare seeded sampling token for token with a
+    full-forward oracle: on a GPU (fp16) the incremental step's logits differ from a full forward in the last
+    bits, which moves a top-p draw across a candidate boundary now and then."""
+    return _load(str(shared_path("models", "aidreams260K")), "cpu")
 
 
 def argmax_tokens(model: Any, ids: torch.Tensor, n: int) -> list[int]:

@@ -8,7 +8,8 @@ import torch
 from exlpy import ExLlamaV2Cache
 from exlpy.generator import ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
 from tests.test_dynamic_overlap import GREEDY, PENALTY, TOP_P, sampled_oracle
-from tests.test_generator_helpers import aidreams, argmax_tokens
+from tests.test_generator_helpers import aidreams_cpu as aidreams  # exact seeded oracles: fp32 CPU
+from tests.test_generator_helpers import argmax_tokens
 from tests.test_generator_streaming import stream_all
 
 
