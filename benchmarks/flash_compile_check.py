@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1: the kernels are compiled here")
@@ -27,6 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.kernels import flash_attention as fa  # noqa: E402
 from exlpy.kernels import flash_kernel as fk  # noqa: E402
 from exlpy.kernels import quant_kv_store as qs  # noqa: E402
@@ -51,21 +50,6 @@ def _signature(fn, ptrs: dict[str, str], consts: dict) -> tuple[dict, dict]:
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
              if (n in ptrs and ptrs[n].startswith("*")) or n in ALIGNED_ARGS}
     return sig, attrs
-
-
-def _ptxas_report(ptx: str) -> dict:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
-                           capture_output=True, text=True)
-    regs = re.findall(r"Used (\d+) registers", r.stderr)
-    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    return {"regs": int(regs[0]) if regs else -1,
-            "spill_bytes": sum(int(a) + int(b) for a, b in spill) if spill else -1}
 
 
 def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt: int = fa.PLAIN,
@@ -94,7 +78,7 @@ def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt
         waits += [int(x) - 1 for x in re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{bn}x{D}x", ir)]
     return {"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
             "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "in_flight": max(waits, default=0),
-            **_ptxas_report(ptx)}
+            **ptxas_report(ptx)}
 
 
 def compile_store(k_fmt: int, k_bits: int, v_fmt: int, v_bits: int, E: int = 1024) -> dict:
@@ -104,7 +88,7 @@ def compile_store(k_fmt: int, k_bits: int, v_fmt: int, v_bits: int, E: int = 102
     sig, attrs = _signature(qs._quant_store_kernel, ptrs, consts)
     k = triton.compile(ASTSource(qs._quant_store_kernel, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=4))
-    return {"shared": k.metadata.shared, **_ptxas_report(k.asm["ptx"])}
+    return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"])}
 
 
 def variants() -> dict[str, dict]:

@@ -11,10 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1: the kernels are compiled here")
@@ -25,25 +22,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.kernels import lora  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = ("eps",)
-
-
-def _ptxas(ptx: str) -> dict:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
-                           capture_output=True, text=True)
-    regs = re.findall(r"Used (\d+) registers", r.stderr)
-    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    return {"regs": int(regs[0]) if regs else -1,
-            "spill_bytes": sum(int(a) + int(b) for a, b in spill) if spill else -1}
 
 
 def compile_kernel(fn, ptrs: dict[str, str], consts: dict, warps: int) -> dict:
@@ -52,7 +35,7 @@ def compile_kernel(fn, ptrs: dict[str, str], consts: dict, warps: int) -> dict:
         sig[name] = ptrs.get(name) or ("constexpr" if name in consts else "fp32" if name in FLOATS else "i32")
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options={"num_warps": warps})
-    return {"shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
+    return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"])}
 
 
 def variants(with_pdl: bool = True) -> dict[str, dict]:
