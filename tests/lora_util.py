@@ -61,3 +61,20 @@ def write_adapter(path: Path, model_dir: Path, r: int, alpha: float = 16.0, targ
             "use_rslora": False, "fan_in_fan_out": False, **(config or {})}
     (path / "adapter_config.json").write_text(json.dumps(meta))
     return path
+
+
+def demo_with_two_adapters(root: Path, max_seq_len: int) -> dict[str, Any]:
+    """A CPU instance of the bundled demo model of its own (adapters registered on it stay out of other tests'
+    models) with two random adapters: `a` (rank 8, all projections) and `b` (rank 4, v/up/down)."""
+    from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Lora, ExLlamaV2Tokenizer
+    from exlpy.demo import DEMO_MODEL_DIR
+
+    cfg = ExLlamaV2Config(DEMO_MODEL_DIR)
+    cfg.max_seq_len = max_seq_len
+    model = ExLlamaV2(cfg)
+    model.load(device="cpu")
+    d = Path(DEMO_MODEL_DIR)
+    a = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "a", d, r=8, seed=1, std=0.3)))
+    b = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "b", d, r=4, seed=2, std=0.3,
+                                                              targets=["v_proj", "up_proj", "down_proj"])))
+    return {"model": model, "tok": ExLlamaV2Tokenizer(cfg), "a": a, "b": b, "root": root}

@@ -12,17 +12,15 @@ filters and LoRA adapters, on the bundled demo model (aidreams260K, CPU):
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Lora, ExLlamaV2Tokenizer
-from exlpy.demo import DEMO_MODEL_DIR
+from exlpy import ExLlamaV2Cache
 from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
 from exlpy.lora.slots import registry_of
-from tests.lora_util import write_adapter
+from tests.lora_util import demo_with_two_adapters
 from tests.test_generator_helpers import PROMPTS, drain
 
 pytest.importorskip("llguidance")
@@ -35,17 +33,7 @@ PATTERN = r"(the|a|one) [a-z]+ (cat|dog|bird)s? (is|was) [a-z]+\."
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Its own model instance (adapters registered on it stay out of the other tests' models)."""
-    root = tmp_path_factory.mktemp("interactions")
-    cfg = ExLlamaV2Config(DEMO_MODEL_DIR)
-    cfg.max_seq_len = 2048
-    model = ExLlamaV2(cfg)
-    model.load(device="cpu")
-    d = Path(DEMO_MODEL_DIR)
-    a = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "a", d, r=8, seed=1, std=0.3)))
-    b = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "b", d, r=4, seed=2, std=0.3,
-                                                              targets=["v_proj", "up_proj", "down_proj"])))
-    return {"model": model, "tok": ExLlamaV2Tokenizer(cfg), "a": a, "b": b}
+    return demo_with_two_adapters(tmp_path_factory.mktemp("interactions"), max_seq_len=2048)
 
 
 def gen(demo: dict[str, Any], pages: int = 8, page_size: int = 256, **kw: Any) -> ExLlamaV2DynamicGenerator:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Lora, ExLlamaV2Tokenizer
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Lora
 from exlpy.demo import DEMO_MODEL_DIR
 from exlpy.errors import ModelStateError
 from exlpy.generator import (
@@ -21,7 +21,7 @@ from exlpy.generator import (
     ExLlamaV2StreamingGenerator,
 )
 from exlpy.lora import configure
-from tests.lora_util import write_adapter
+from tests.lora_util import demo_with_two_adapters, write_adapter
 from tests.test_generator_helpers import drain
 
 GREEDY = ExLlamaV2Sampler.Settings.greedy()
@@ -30,16 +30,7 @@ N = 10
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("lora_gen")
-    cfg = ExLlamaV2Config(DEMO_MODEL_DIR)
-    cfg.max_seq_len = 1024
-    model = ExLlamaV2(cfg)
-    model.load(device="cpu")
-    d = Path(DEMO_MODEL_DIR)
-    a = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "a", d, r=8, seed=1, std=0.3)))
-    b = ExLlamaV2Lora.from_directory(model, str(write_adapter(root / "b", d, r=4, seed=2, std=0.3,
-                                                              targets=["v_proj", "up_proj", "down_proj"])))
-    return {"model": model, "tok": ExLlamaV2Tokenizer(cfg), "a": a, "b": b, "root": root}
+    return demo_with_two_adapters(tmp_path_factory.mktemp("lora_gen"), max_seq_len=1024)
 
 
 def oracle(model: ExLlamaV2, ids: torch.Tensor, n: int, loras: list | None) -> list[int]:
