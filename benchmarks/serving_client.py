@@ -60,7 +60,10 @@ class Stream:
         return [b - a for a, b in zip(self.chunks, self.chunks[1:]) if start <= b <= end]
 
     def decode_rate(self) -> float:
-        return (len(self.chunks) - 1) / (self.chunks[-1] - self.chunks[0])
+        """Tokens per second after the first chunk (a chunk may carry several tokens when the server's stream
+        fell behind the generator and merged them)."""
+        n = self.tokens if self.tokens else len(self.chunks)
+        return (n - 1) / (self.chunks[-1] - self.chunks[0])
 
 
 def pct(values: list[float], q: float) -> float:
@@ -70,12 +73,17 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
-def start_server(model: str, port: int, cache_tokens: int, max_seq_len: int, log: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "exlpy", "serve", "--model", model, "--port", str(port), "--cache-size",
-           str(cache_tokens), "--max-seq-len", str(max_seq_len), "--max-queue", "512", "--log-level", "warning"]
+def start_server(model: str, port: int, cache_tokens: int | None, max_seq_len: int, log: str,
+                 extra: list[str] | None = None) -> subprocess.Popen:
+    """`exlpy serve` in a subprocess, returned once /health says ok; `cache_tokens` None: the server's default
+    cache (sized from free GPU memory)."""
+    cmd = [sys.executable, "-m", "exlpy", "serve", "--model", model, "--port", str(port), "--max-seq-len",
+           str(max_seq_len), "--max-queue", "1024", "--log-level", "warning", *(extra or [])]
+    if cache_tokens is not None:
+        cmd += ["--cache-size", str(cache_tokens)]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ})
     t0 = time.time()
-    while time.time() - t0 < 300:
+    while time.time() - t0 < 600:
         if proc.poll() is not None:
             tail = Path(log).read_text(errors="replace")[-3000:]
             raise RuntimeError(f"exlpy serve exited ({proc.returncode}); {log} ends with:\n{tail}")
@@ -86,7 +94,7 @@ def start_server(model: str, port: int, cache_tokens: int, max_seq_len: int, log
         except OSError:
             time.sleep(1.0)
     proc.kill()
-    raise RuntimeError(f"exlpy serve did not come up in 300 s; see {log}")
+    raise RuntimeError(f"exlpy serve did not come up in 600 s; see {log}")
 
 
 async def stream(client: Any, model: str, ids: list[int], max_tokens: int, out: Stream) -> Stream:

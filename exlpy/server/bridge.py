@@ -1,9 +1,15 @@
-"""`GeneratorBridge`: one asyncio task owns the dynamic generator and multiplexes every request's job.
+"""`GeneratorBridge`: one thread owns the dynamic generator and multiplexes every request's job onto it.
 
-Only the owner task touches the generator. Requests do not call `enqueue()`/`cancel()` themselves: they post to
-an inbox and a cancel list that the owner applies between `iterate()` steps, so the event loop never blocks on
-the generator's lock while a step runs in the worker thread, and the generator is never used from two threads.
-Each request reads its results from its own `asyncio.Queue` (through `JobHandle.next()`).
+The generator runs in its own thread (`exlpy-generator`), step after step, never waiting for the event loop:
+requests post jobs, cancellations and exclusive calls to an inbox the thread takes between two `iterate()`
+calls, and the thread hands each step's results back to the event loop in one batch (one
+`call_soon_threadsafe` per step, merged with the previous batch while the loop has not run it yet), where they
+are routed to the requests' queues. So a busy event loop (many streams to write) delays token delivery but not
+the next step, and the loop pays one wake-up per step instead of one per token. Only the owner thread touches
+the generator.
+
+Each request reads its results from its own `asyncio.Queue` (`JobHandle.next()`, or `JobHandle.drain()` for
+everything that arrived since the last read: a stream that fell behind sends those tokens in one chunk).
 
 Faults stay local where the generator allows it: a job that fails inside `iterate()` comes back as an error
 result and only its request sees it. When a whole step raises (e.g. out of memory in a batched decode), the
@@ -15,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from exlpy.errors import ConfigError, ExlpyError
@@ -64,6 +73,21 @@ class JobHandle:
             self._ended = True
         return item
 
+    async def drain(self) -> list[dict[str, Any]]:
+        """Every result that arrived since the last read (waits for at least one); [] once the job has ended
+        or was cancelled. Raises JobFailedError when the job failed (results before the failure are lost: a
+        failed job's response is an error)."""
+        first = await self.next()
+        if first is None:
+            return []
+        out = [first]
+        while not self._ended and not self.queue.empty():
+            item = await self.next()
+            if item is None:
+                break
+            out.append(item)
+        return out
+
     def _close(self, item: Any = _END) -> None:
         if not self.finished:
             self.finished = True
@@ -75,79 +99,97 @@ class GeneratorBridge:
 
     Admission control: `submit()` raises ServerBusyError when `max_queue` requests are already waiting to start
     (accepted but not yet running in the generator's batch, because the batch or the cache is full).
+    `observer` (exlpy/server/metrics.py) is told of every step and every routed result.
     """
 
-    def __init__(self, generator: Any, max_queue: int = 64) -> None:
+    def __init__(self, generator: Any, max_queue: int = 64, observer: Any = None) -> None:
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.generator = generator
         self.max_queue = max_queue
+        self.observer = observer
+        # Shared with the owner thread, under `_cv`: what the loop posts, and the thread's batch not yet delivered.
+        self._cv = threading.Condition()
         self._inbox: list[JobHandle] = []
         self._cancels: list[JobHandle] = []
-        self._calls: list[tuple[Any, asyncio.Future[Any]]] = []  # run_exclusive() work, between steps
-        self._handles: dict[Any, JobHandle] = {}  # jobs enqueued in the generator
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._calls: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._outbox: list[tuple[str, Any, Any]] = []
+        self._delivery_pending = False
+        self._stopping = False
+        # Loop side only.
+        self._handles: dict[Any, JobHandle] = {}  # jobs enqueued in the generator, not ended
+        self._waiting = 0  # submitted, not yet accepted or refused
+        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 0, "step_failures": 0,
                          "peak_running": 0}
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the owner task on the running loop (idempotent; a new loop, e.g. a new test client, restarts it)."""
+        """Start the owner thread for the running loop (idempotent; a new loop, e.g. a new test client,
+        restarts it)."""
         loop = asyncio.get_running_loop()
-        if self._task is not None and not self._task.done() and self._loop is loop:
+        if self._thread is not None and self._thread.is_alive() and self._loop is loop:
             return
+        self._join_thread()
         self._loop = loop
-        self._wake = asyncio.Event()
-        self._task = loop.create_task(self._run(), name="exlpy-generator-bridge")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="exlpy-generator", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        """Stop the owner task and end every request (their streams end without a finish)."""
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        # A step may still be finishing in the worker thread: clear_queue() waits for it on the generator lock.
-        await asyncio.to_thread(self.generator.clear_queue)
-        for _, fut in self._calls:
+        """Stop the owner thread and end every request (their streams end without a finish)."""
+        await asyncio.to_thread(self._join_thread)
+        self.generator.clear_queue()
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+            calls, self._calls = self._calls, []
+            self._cancels.clear()
+            self._outbox.clear()
+        for _, fut in calls:
             if not fut.done():
                 fut.cancel()
-        self._calls.clear()
-        for h in [*self._inbox, *self._handles.values()]:
+        for h in [*inbox, *self._handles.values()]:
             if not h.accepted.done():
                 h.accepted.cancel()
             h._close()
-        self._inbox.clear()
         self._handles.clear()
-        self._cancels.clear()
+
+    def _join_thread(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        thread.join()
+        self._thread = None
 
     def alive(self) -> bool:
-        return self._task is None or not self._task.done()  # not started yet counts as alive
+        return self._thread is None or self._thread.is_alive()  # not started yet counts as alive
 
-    # --- requests ------------------------------------------------------------------------------------------
+    # --- requests (event loop) -----------------------------------------------------------------------------
     def num_queued(self) -> int:
         """Requests accepted but not yet running in the batch."""
-        return len(self._inbox) + sum(1 for h in self._handles.values() if not h.started)
+        return self._waiting + sum(1 for h in self._handles.values() if not h.started)
 
     def num_running(self) -> int:
         return sum(1 for h in self._handles.values() if h.started)
 
     async def submit(self, job: Any) -> JobHandle:
-        """Hand a job to the owner task and wait until the generator accepted it. Raises ServerBusyError when
+        """Hand a job to the owner thread and wait until the generator accepted it. Raises ServerBusyError when
         the queue is full, or the generator's own error (GeneratorError: e.g. prompt too long) at enqueue."""
         queued = self.num_queued()
         if queued >= self.max_queue:
             self.counters["rejected"] += 1
             raise ServerBusyError(self._busy_message(queued))
         self.start()
-        assert self._loop is not None and self._wake is not None
+        assert self._loop is not None
         handle = JobHandle(job, self._loop)
-        self._inbox.append(handle)
-        self._wake.set()
+        self._waiting += 1
+        with self._cv:
+            self._inbox.append(handle)
+            self._cv.notify()
         try:
             await handle.accepted
         except asyncio.CancelledError:
@@ -156,35 +198,24 @@ class GeneratorBridge:
         return handle
 
     async def run_exclusive(self, fn: Any) -> Any:
-        """Run `fn()` in the worker thread between two generator steps, so it may use the model (e.g. score a
+        """Run `fn()` in the owner thread between two generator steps, so it may use the model (e.g. score a
         prompt with a forward pass) without racing the generator. Returns its result or raises its error."""
         self.start()
-        assert self._loop is not None and self._wake is not None
+        assert self._loop is not None
         fut: asyncio.Future[Any] = self._loop.create_future()
-        self._calls.append((fn, fut))
-        self._wake.set()
+        with self._cv:
+            self._calls.append((fn, fut))
+            self._cv.notify()
         return await fut
 
-    async def _run_calls(self) -> None:
-        calls, self._calls = self._calls, []
-        for fn, fut in calls:
-            try:
-                result = await asyncio.to_thread(fn)
-            except Exception as e:  # the caller's error: it gets it, the loop goes on
-                if not fut.done():
-                    fut.set_exception(e)
-                continue
-            if not fut.done():
-                fut.set_result(result)
-
     def cancel(self, handle: JobHandle) -> None:
-        """Ask the owner task to cancel the job (frees its pages); a no-op for a job that already ended."""
+        """Ask the owner thread to cancel the job (frees its pages); a no-op for a job that already ended."""
         if handle.finished or handle.cancel_requested:
             return
         handle.cancel_requested = True
-        self._cancels.append(handle)
-        if self._wake is not None:
-            self._wake.set()
+        with self._cv:
+            self._cancels.append(handle)
+            self._cv.notify()
 
     def stats(self) -> dict[str, Any]:
         g = self.generator
@@ -202,73 +233,144 @@ class GeneratorBridge:
                 f"{self.num_running()} running{why}. Retry later, or start the server with a larger "
                 f"--cache-size / --max-queue.")
 
-    # --- owner task ----------------------------------------------------------------------------------------
-    async def _run(self) -> None:
-        assert self._wake is not None
+    # --- owner thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        gen = self.generator
         while True:
+            with self._cv:
+                while not (self._stopping or self._inbox or self._cancels or self._calls
+                           or gen.num_remaining_jobs()):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                calls, self._calls = self._calls, []
+            out: list[tuple[str, Any, Any]] = []
             try:
-                self._apply_commands()
-                if self._calls:
-                    await self._run_calls()
-                if not self.generator.num_remaining_jobs():
-                    self._wake.clear()
-                    if not self._inbox and not self._cancels and not self._calls:
-                        await self._wake.wait()
-                    continue
-                try:
-                    results = await asyncio.to_thread(self.generator.iterate)
-                except Exception as e:
-                    self._fail_running(e)
-                    continue
-                self._route(results)
-                running = self.num_running()
-                if running > self.counters["peak_running"]:
-                    self.counters["peak_running"] = running
-            except asyncio.CancelledError:
-                raise
+                self._apply(inbox, cancels, out)
+                for fn, fut in calls:
+                    try:
+                        out.append(("call", fut, fn()))
+                    except Exception as e:  # the caller's error: it gets it, the thread goes on
+                        out.append(("call_error", fut, e))
+                if gen.num_remaining_jobs():
+                    t0 = time.perf_counter()
+                    try:
+                        results = gen.iterate()
+                    except Exception as e:
+                        self._fail_running(e, out)
+                    else:
+                        out.append(("results", results, time.perf_counter() - t0))
             except Exception:  # a bug in the bridge itself: log it and keep serving rather than hang every request
                 log.exception("generator bridge: unexpected error")
-                await asyncio.sleep(0.01)
+                time.sleep(0.01)
+            if out:
+                self._post(out)
 
-    def _apply_commands(self) -> None:
-        inbox, self._inbox = self._inbox, []
+    def _apply(self, inbox: list[JobHandle], cancels: list[JobHandle], out: list[tuple[str, Any, Any]]) -> None:
+        gen = self.generator
         for h in inbox:
             if h.cancel_requested:
-                if not h.accepted.done():
-                    h.accepted.cancel()
-                h._close()
+                out.append(("dropped", h, None))
                 continue
             try:
-                self.generator.enqueue(h.job)
+                gen.enqueue(h.job)
             except Exception as e:
-                h.finished = True
-                if not h.accepted.done():
-                    h.accepted.set_exception(e)
+                out.append(("refused", h, e))
                 continue
-            self._handles[h.job] = h
-            if not h.accepted.done():
-                h.accepted.set_result(None)
-        cancels, self._cancels = self._cancels, []
+            out.append(("accepted", h, None))
         for h in cancels:
-            if self._handles.pop(h.job, None) is None:
-                continue  # still in the inbox (handled above) or already ended
-            if not h.job.finished:
-                try:
-                    self.generator.cancel(h.job)
-                except ExlpyError:
-                    pass  # it ended during the last step
-            self.counters["cancelled"] += 1
-            h._close()
+            if h.job.serial is None or h.job.finished:
+                continue  # never enqueued (dropped above) or already ended: the loop side knows
+            try:
+                gen.cancel(h.job)
+            except ExlpyError:
+                continue  # it ended during the last step
+            out.append(("cancelled", h, None))
+
+    def _fail_running(self, e: Exception, out: list[tuple[str, Any, Any]]) -> None:
+        """A whole step raised: the running jobs cannot be trusted to be consistent. Free them and fail their
+        requests; queued jobs never ran and stay queued."""
+        log.error("generator step failed (%s: %s); failing the %d running jobs", type(e).__name__, e,
+                  len(self.generator.active))
+        out.append(("step_failed", e, list(self.generator.active)))
+        for job in list(self.generator.active):
+            try:
+                self.generator.cancel(job)
+            except ExlpyError:
+                pass
+
+    def _post(self, out: list[tuple[str, Any, Any]]) -> None:
+        """Hand a step's outcomes to the event loop: one wake-up, or none when the last one is still pending."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with self._cv:
+            self._outbox += out
+            if self._delivery_pending:
+                return
+            self._delivery_pending = True
+        try:
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    # --- delivery (event loop) -----------------------------------------------------------------------------
+    def _deliver(self) -> None:
+        with self._cv:
+            out, self._outbox = self._outbox, []
+            self._delivery_pending = False
+        for kind, a, b in out:
+            if kind == "results":
+                self._route(a)
+                if self.observer is not None:
+                    self.observer.on_step(b, self)
+            elif kind == "accepted":
+                self._waiting -= 1
+                self._handles[a.job] = a
+                if not a.accepted.done():  # else the request went away meanwhile; its cancel follows
+                    a.accepted.set_result(None)
+            elif kind in ("refused", "dropped"):
+                self._waiting -= 1
+                a.finished = True
+                if not a.accepted.done():
+                    if kind == "refused":
+                        a.accepted.set_exception(b)
+                    else:
+                        a.accepted.cancel()
+                a._close()
+            elif kind == "cancelled":
+                if self._handles.pop(a.job, None) is not None:
+                    self.counters["cancelled"] += 1
+                a._close()
+            elif kind in ("call", "call_error"):
+                if not a.done():
+                    a.set_result(b) if kind == "call" else a.set_exception(b)
+            elif kind == "step_failed":
+                self.counters["step_failures"] += 1
+                for job in b:
+                    h = self._handles.pop(job, None)
+                    if h is not None:
+                        self.counters["failed"] += 1
+                        h._close(a)
+        running = self.num_running()
+        if running > self.counters["peak_running"]:
+            self.counters["peak_running"] = running
 
     def _route(self, results: list[dict[str, Any]]) -> None:
+        obs = self.observer
         for r in results:
             h = self._handles.get(r["job"])
             if h is None:
                 continue
-            if r["stage"] == "started":
+            stage = r["stage"]
+            if stage == "started":
                 h.started = True
-            elif r["stage"] == "streaming":
+            elif stage == "streaming":
                 h.started = True
+                if obs is not None:
+                    obs.on_result(h, r)
                 if "error" in r:
                     log.warning("job %s failed: %s", r.get("serial"), r.get("error_message"))
                     self._handles.pop(r["job"], None)
@@ -280,19 +382,3 @@ class GeneratorBridge:
                     self._handles.pop(r["job"], None)
                     self.counters["completed"] += 1
                     h.finished = True
-
-    def _fail_running(self, e: Exception) -> None:
-        """A whole step raised: the running jobs cannot be trusted to be consistent. Free them and fail their
-        requests; queued jobs never ran and stay queued."""
-        log.error("generator step failed (%s: %s); failing the %d running jobs", type(e).__name__, e,
-                  len(self.generator.active))
-        self.counters["step_failures"] += 1
-        for job in list(self.generator.active):
-            try:
-                self.generator.cancel(job)
-            except ExlpyError:
-                pass
-            h = self._handles.pop(job, None)
-            if h is not None:
-                self.counters["failed"] += 1
-                h._close(e)

@@ -77,19 +77,17 @@ async def execute(state: ServerState, plan: RequestPlan, stream: bool, request: 
     watcher = asyncio.ensure_future(_watch_disconnect(request, run))
     if stream:
         # Headers go out once the first result is in, so a job that fails at once still answers 500.
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(_pump(i, c, queue)) for i, c in enumerate(run.candidates)]
+        events = _Events(run.candidates)
         try:
-            first = await queue.get()
+            first = await events.next()
             if isinstance(first[1], BaseException):
                 raise first[1]
         except BaseException:
             watcher.cancel()
-            for t in tasks:
-                t.cancel()
+            events.close()
             run.cancel_all()
             raise
-        return StreamingResponse(_stream(run, watcher, queue, tasks, first), media_type="text/event-stream",
+        return StreamingResponse(_stream(run, watcher, events, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         await asyncio.gather(*(_drain(c) for c in run.candidates))
@@ -219,21 +217,51 @@ def _chunk(run: Run, choices: list[dict[str, Any]]) -> dict[str, Any]:
             "created": run.created, "model": run.model_name, "choices": choices}
 
 
+class _Events:
+    """The results of a run's candidates as (candidate index, results since the last read), or (i, None) at a
+    candidate's end, or (i, exception). One candidate is read straight from its handle; several through one
+    task each feeding a shared queue. Every read takes all that arrived: a stream that fell behind the
+    generator catches up in one chunk instead of one per token."""
+
+    def __init__(self, candidates: list[Candidate]) -> None:
+        self.single = candidates[0] if len(candidates) == 1 else None
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.tasks = [] if self.single else [asyncio.ensure_future(_pump(i, c, self.queue))
+                                             for i, c in enumerate(candidates)]
+        self.open = len(candidates)
+
+    async def next(self) -> tuple[int, Any]:
+        c = self.single
+        if c is None:
+            return await self.queue.get()
+        if c.handle is None:
+            return 0, None
+        try:
+            items = await c.handle.drain()
+        except BaseException as e:  # noqa: BLE001 - reported by the stream
+            return 0, e
+        return 0, items or None
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
 async def _pump(i: int, c: Candidate, queue: asyncio.Queue[tuple[int, Any]]) -> None:
     """Forward one candidate's results into the shared stream queue; None marks its end."""
     try:
         if c.handle is not None:
-            r = await c.handle.next()
-            while r is not None:
-                await queue.put((i, r))
-                r = await c.handle.next()
-        await queue.put((i, None))
+            items = await c.handle.drain()
+            while items:
+                queue.put_nowait((i, items))
+                items = await c.handle.drain()
+        queue.put_nowait((i, None))
     except BaseException as e:  # noqa: BLE001 - forwarded to the stream, which reports it
-        await queue.put((i, e))
+        queue.put_nowait((i, e))
 
 
-async def _stream(run: Run, watcher: asyncio.Future[Any], queue: asyncio.Queue[tuple[int, Any]],
-                  tasks: list[asyncio.Future[Any]], first: tuple[int, Any]) -> AsyncIterator[str]:
+async def _stream(run: Run, watcher: asyncio.Future[Any], events: _Events, first: tuple[int, Any]
+                  ) -> AsyncIterator[str]:
     plan = run.plan
     held = run.chat and plan.tools is not None  # tool calls are parsed from the whole reply
     pending: list[tuple[int, Any]] = [first]
@@ -250,19 +278,23 @@ async def _stream(run: Run, watcher: asyncio.Future[Any], queue: asyncio.Queue[t
                                     plan.top_logprobs)
                 yield _sse(_chunk(run, [{"index": i, "text": _prompt_text(run, c.prompt), "logprobs": lps,
                                          "finish_reason": None}]))
-        open_ = len(tasks)
+        open_ = events.open
         while open_:
-            i, r = pending.pop() if pending else await queue.get()
+            i, items = pending.pop() if pending else await events.next()
             c = run.candidates[i]
-            if isinstance(r, BaseException):
-                raise r
-            if r is None:
+            if isinstance(items, BaseException):
+                raise items
+            if items is None:
                 open_ -= 1
                 if c.handle is not None and c.reader.finish_reason is None:
                     return  # cancelled: the client is gone
                 yield _sse(_chunk(run, [_final_delta(run, c, i, held)]))
                 continue
-            text, entries = c.reader.add(r)
+            text, entries = "", []
+            for r in items:
+                t, e = c.reader.add(r)
+                text += t
+                entries += e
             if held or not (text or entries):
                 continue
             if run.chat:
@@ -284,8 +316,7 @@ async def _stream(run: Run, watcher: asyncio.Future[Any], queue: asyncio.Queue[t
         yield "data: [DONE]\n\n"
     finally:
         watcher.cancel()
-        for t in tasks:
-            t.cancel()
+        events.close()
         run.cancel_all()
 
 

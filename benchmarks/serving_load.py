@@ -1,0 +1,185 @@
+"""One load shape, two drivers: `exlpy serve` through the openai client, and the dynamic generator driven
+directly, so the server's cost over the generator shows in one run.
+
+    # CPU, scaled down (what benchmarks/results/serving.md records as "CPU (2 cores)"):
+    PYTHONPATH=. python benchmarks/serving_load.py --model ../shared/models/tiny-llama-fp16 --streams 64 \\
+        --prompts 100,1000 --max-tokens 64 --cache-size 131072
+
+The workload: `--streams` requests sent at once, random token-id prompts of random length in `--prompts`, each
+generating exactly `--max-tokens` tokens (EOS banned, temperature 0). The generator-direct run enqueues the same
+jobs at once and iterates until they finish. Both report total tokens/s over the wall time from the first
+request to the last token, TTFT median / p99 and inter-token median / p99 (pooled over streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serving_client import Stream, pct, prompt, start_server, stream  # noqa: E402
+
+
+@dataclass
+class Load:
+    streams: int = 64
+    prompts: tuple[int, int] = (100, 2000)
+    max_tokens: int = 256
+    seed: int = 0
+
+    def prompt_ids(self, vocab: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        return [prompt(rng, rng.randint(*self.prompts), vocab) for _ in range(self.streams)]
+
+
+@dataclass
+class Figures:
+    """What one driver measured over one run of the load."""
+
+    label: str
+    wall: float
+    tokens: int
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    failed: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall
+
+    def line(self) -> str:
+        return (f"{self.label}: {self.tok_s:,.1f} tok/s ({self.tokens} tokens in {self.wall:.2f} s); TTFT median "
+                f"{statistics.median(self.ttft) * 1e3:.0f} ms, p99 {pct(self.ttft, 0.99) * 1e3:.0f} ms; inter-token "
+                f"median {statistics.median(self.gaps) * 1e3:.1f} ms, p99 {pct(self.gaps, 0.99) * 1e3:.1f} ms"
+                + (f"; {self.failed} failed" if self.failed else ""))
+
+
+def figures_of(label: str, streams: list[Stream], wall: float) -> Figures:
+    done = [s for s in streams if not s.error and s.chunks]
+    return Figures(label, wall, sum(s.tokens for s in done), [s.ttft for s in done],
+                   [g for s in done for g in s.gaps()], len(streams) - len(done))
+
+
+async def _drive_server(port: int, name: str, prompts: list[list[int]], max_tokens: int, vocab: int) -> Figures:
+    import httpx
+    import openai
+
+    http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", http_client=http,
+                                max_retries=0)
+    await stream(client, name, prompt(random.Random(1), 32, vocab), 8, Stream())  # the HTTP path warm
+    streams = [Stream() for _ in prompts]
+    t0 = time.perf_counter()
+    await asyncio.gather(*[stream(client, name, ids, max_tokens, s) for ids, s in zip(prompts, streams)])
+    wall = time.perf_counter() - t0
+    await http.aclose()
+    return figures_of("exlpy serve (openai client)", streams, wall)
+
+
+def run_server(model: str, load: Load, port: int, cache_size: int | None, max_seq_len: int | None,
+               log: str, extra: list[str] | None = None) -> Figures:
+    from exlpy import ExLlamaV2Config
+
+    config = ExLlamaV2Config(model)
+    proc = start_server(model, port, cache_size, max_seq_len or config.max_seq_len, log, extra)
+    try:
+        return asyncio.run(_drive_server(port, os.path.basename(os.path.normpath(model)),
+                                         load.prompt_ids(config.vocab_size), load.max_tokens, config.vocab_size))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except Exception:
+            proc.kill()
+
+
+def run_generator(gen: Any, load: Load, vocab: int) -> Figures:
+    """The same requests enqueued at once into `gen`; times taken where iterate() returns each token."""
+    import torch
+
+    from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    bias = torch.zeros(vocab)
+    bias[2] = -100.0  # EOS banned, as the server client does
+    settings = ExLlamaV2Sampler.Settings.greedy()
+    settings.token_bias = bias
+    warm = ExLlamaV2DynamicJob(torch.tensor([prompt(random.Random(1), 32, vocab)]), 8, stop_conditions=[],
+                               gen_settings=settings)
+    gen.enqueue(warm)
+    while gen.num_remaining_jobs():
+        gen.iterate()
+    jobs = [ExLlamaV2DynamicJob(torch.tensor([ids]), load.max_tokens, stop_conditions=[], gen_settings=settings)
+            for ids in load.prompt_ids(vocab)]
+    streams = {j: Stream() for j in jobs}
+    t0 = time.perf_counter()
+    for j in jobs:
+        streams[j].sent = t0
+        gen.enqueue(j)
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r["stage"] == "streaming" and r["token_ids"].shape[-1]:
+                s = streams[r["job"]]
+                s.chunks.append(time.perf_counter())
+                s.tokens += int(r["token_ids"].shape[-1])
+    wall = time.perf_counter() - t0
+    return figures_of("generator driven directly", list(streams.values()), wall)
+
+
+def load_generator(model_dir: str, cache_size: int, max_seq_len: int | None, max_batch_size: int | None) -> Any:
+    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
+    from exlpy.generator import ExLlamaV2DynamicGenerator
+
+    config = ExLlamaV2Config(model_dir)
+    if max_seq_len:
+        config.max_seq_len = max_seq_len
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, max_seq_len=cache_size, lazy=True)
+    model.load_autosplit(cache, progress=False)
+    chunk = max(256, config.max_input_len // 256 * 256)
+    gen = ExLlamaV2DynamicGenerator(model, cache, ExLlamaV2Tokenizer(config), max_batch_size=max_batch_size,
+                                    max_chunk_size=chunk)
+    gen.warmup()
+    return gen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--prompts", default="100,2000", help="prompt length range LO,HI")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--cache-size", type=int, default=None, help="both runs' cache (default for the generator: "
+                    "every request's prompt and tokens; for the server: its own default)")
+    ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--parts", default="server,generator")
+    args = ap.parse_args()
+    lo, hi = (int(x) for x in args.prompts.split(","))
+    load = Load(args.streams, (lo, hi), args.max_tokens)
+    out = []
+    if "server" in args.parts:
+        out.append(run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
+                              "/tmp/exlpy_serve_load.log"))
+        print(out[-1].line(), flush=True)
+    if "generator" in args.parts:
+        cache = args.cache_size or -(-(args.streams * (hi + args.max_tokens)) // 256) * 256
+        from exlpy import ExLlamaV2Config
+
+        gen = load_generator(args.model, cache, args.max_seq_len, None)
+        out.append(run_generator(gen, load, ExLlamaV2Config(args.model).vocab_size))
+        print(out[-1].line(), flush=True)
+    if len(out) == 2:
+        print(f"server / generator: {out[0].tok_s / out[1].tok_s:.1%}")
+
+
+if __name__ == "__main__":
+    main()
