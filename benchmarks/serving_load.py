@@ -51,6 +51,7 @@ class Figures:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     failed: int = 0
+    cpu: float = float("nan")  # CPU seconds the server process (or the generator's process) used meanwhile
 
     @property
     def tok_s(self) -> float:
@@ -60,7 +61,14 @@ class Figures:
         return (f"{self.label}: {self.tok_s:,.1f} tok/s ({self.tokens} tokens in {self.wall:.2f} s); TTFT median "
                 f"{statistics.median(self.ttft) * 1e3:.0f} ms, p99 {pct(self.ttft, 0.99) * 1e3:.0f} ms; inter-token "
                 f"median {statistics.median(self.gaps) * 1e3:.1f} ms, p99 {pct(self.gaps, 0.99) * 1e3:.1f} ms"
+                + f"; CPU {self.cpu * 1e3 / max(self.tokens, 1):.2f} ms per token"
                 + (f"; {self.failed} failed" if self.failed else ""))
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def figures_of(label: str, streams: list[Stream], wall: float) -> Figures:
@@ -69,7 +77,8 @@ def figures_of(label: str, streams: list[Stream], wall: float) -> Figures:
                    [g for s in done for g in s.gaps()], len(streams) - len(done))
 
 
-async def _drive_server(port: int, name: str, prompts: list[list[int]], max_tokens: int, vocab: int) -> Figures:
+async def _drive_server(port: int, name: str, prompts: list[list[int]], max_tokens: int, vocab: int,
+                        pid: int | None = None) -> Figures:
     import httpx
     import openai
 
@@ -78,11 +87,14 @@ async def _drive_server(port: int, name: str, prompts: list[list[int]], max_toke
                                 max_retries=0)
     await stream(client, name, prompt(random.Random(1), 32, vocab), 8, Stream())  # the HTTP path warm
     streams = [Stream() for _ in prompts]
+    cpu0 = process_cpu(pid) if pid else float("nan")
     t0 = time.perf_counter()
     await asyncio.gather(*[stream(client, name, ids, max_tokens, s) for ids, s in zip(prompts, streams)])
     wall = time.perf_counter() - t0
     await http.aclose()
-    return figures_of("exlpy serve (openai client)", streams, wall)
+    out = figures_of("exlpy serve (openai client)", streams, wall)
+    out.cpu = (process_cpu(pid) if pid else float("nan")) - cpu0
+    return out
 
 
 def run_server(model: str, load: Load, port: int, cache_size: int | None, max_seq_len: int | None,
@@ -93,7 +105,8 @@ def run_server(model: str, load: Load, port: int, cache_size: int | None, max_se
     proc = start_server(model, port, cache_size, max_seq_len or config.max_seq_len, log, extra)
     try:
         return asyncio.run(_drive_server(port, os.path.basename(os.path.normpath(model)),
-                                         load.prompt_ids(config.vocab_size), load.max_tokens, config.vocab_size))
+                                         load.prompt_ids(config.vocab_size), load.max_tokens, config.vocab_size,
+                                         proc.pid))
     finally:
         proc.terminate()
         try:
@@ -120,6 +133,7 @@ def run_generator(gen: Any, load: Load, vocab: int) -> Figures:
     jobs = [ExLlamaV2DynamicJob(torch.tensor([ids]), load.max_tokens, stop_conditions=[], gen_settings=settings)
             for ids in load.prompt_ids(vocab)]
     streams = {j: Stream() for j in jobs}
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     for j in jobs:
         streams[j].sent = t0
@@ -131,7 +145,9 @@ def run_generator(gen: Any, load: Load, vocab: int) -> Figures:
                 s.chunks.append(time.perf_counter())
                 s.tokens += int(r["token_ids"].shape[-1])
     wall = time.perf_counter() - t0
-    return figures_of("generator driven directly", list(streams.values()), wall)
+    out = figures_of("generator driven directly", list(streams.values()), wall)
+    out.cpu = time.process_time() - cpu0
+    return out
 
 
 def load_generator(model_dir: str, cache_size: int, max_seq_len: int | None, max_batch_size: int | None) -> Any:

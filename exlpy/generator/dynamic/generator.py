@@ -190,8 +190,10 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
     def set_loras(self, loras: Any) -> None:  # for jobs enqueued later that name none (no empty queue needed)
         self.current_loras = list(adapters.normalize(loras, self.model))
 
-    def warmup(self) -> None:
-        """Run one tiny job so first-call costs (allocation, kernel compilation) are paid up front."""
+    def warmup(self, full: bool | None = None) -> None:
+        """Pay first-call costs up front. Always: one tiny job (allocation, first kernels). With `full` (default:
+        when the model runs on a CUDA device): every decode graph, prefill chunk shape and sampler batch a
+        server will meet (exlpy/generator/dynamic/warmup.py), so no request waits for a compile or a capture."""
         if self.num_remaining_jobs():
             raise GeneratorError("warmup() needs an empty queue")
         from exlpy.generator.sampler import ExLlamaV2Sampler
@@ -201,8 +203,13 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                                          gen_settings=ExLlamaV2Sampler.Settings.greedy()))
         while self.num_remaining_jobs():
             self.iterate()
+        if full if full is not None else self.device().type == "cuda":
+            from exlpy.generator.dynamic.warmup import run_warmup
+
+            run_warmup(self)
         self.page_table.reset()
         self.prefill_tokens = self.decode_tokens = self.cached_tokens = 0
+        self.preemptions = 0
 
     def status(self) -> dict[str, Any]:
         """Cache and queue figures for monitoring (the server's /health). Reads snapshots without the lock, so
