@@ -13,12 +13,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-seq-len", type=int, default=None, help="context length of one request (default: the "
                    "model's)")
-    p.add_argument("--cache-size", type=int, default=None, metavar="TOKENS",
-                   help="KV cache shared by all requests, in tokens (rounded up to 256-token pages; default: the "
-                   "context length, at least 2048). Requests take pages as they grow; when it is full the newest "
-                   "request waits (preempted) until others finish")
-    p.add_argument("--max-batch-size", type=int, default=None, help="most requests decoding at once "
-                   "(default: the generator's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait to start before new ones "
                    "are refused with 503 (default: 64)")
     p.add_argument("--draft-model", default=None, metavar="DIR", help="speculative decoding with this draft model "
@@ -35,7 +29,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve a PEFT LoRA adapter as model NAME (repeatable); requests for it and for the base model "
                    "share batches")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_capacity_args(p)
     p.set_defaults(_run=run)
+
+
+def add_capacity_args(p: argparse.ArgumentParser) -> None:
+    """How much the server holds at once: the KV cache and the batch (exlpy/server/sizing.py)."""
+    g = p.add_argument_group("capacity")
+    g.add_argument("--cache-size", type=int, default=None, metavar="TOKENS",
+                   help="KV cache shared by all requests, in tokens (rounded up to 256-token pages). Default: on "
+                   "GPUs what --gpu-memory-utilization leaves after weights, activations and graphs; on the CPU 8 "
+                   "full-length requests. Requests take pages as they grow; when it is full the newest request "
+                   "waits (preempted) until others finish")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="share of each GPU's memory the server may use, the KV cache taking what weights, "
+                   "activations and graphs leave (default: 0.9; ignored with --cache-size)")
+    g.add_argument("--max-batch-size", type=int, default=None, help="most requests decoding at once "
+                   "(default: the generator's, at most one per cache page)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,13 +64,15 @@ def run(args: argparse.Namespace) -> int:
     state = load_state(args.model, max_seq_len=args.max_seq_len, cache_size=args.cache_size,
                        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                        max_body_bytes=int(args.max_body_mb * 2**20), draft_model_dir=args.draft_model,
-                       ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens, loras=args.lora)
+                       ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens, loras=args.lora,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
     if args.served_model_name:
         state.model_name = args.served_model_name
     g = state.bridge.generator
-    print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, cache {g.num_pages} pages x 256 "
-          f"tokens, batch up to {g.max_batch_size}, queue up to {args.max_queue}; http://{args.host}:{args.port}/v1",
-          flush=True)
+    print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, batch up to {g.max_batch_size}, queue "
+          f"up to {args.max_queue}; http://{args.host}:{args.port}/v1", flush=True)
+    if state.cache_plan is not None:
+        print(state.cache_plan.describe(g.page_size), flush=True)
     if state.adapters:
         print(f"LoRA adapters (model names): {', '.join(state.adapters)}", flush=True)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)

@@ -72,8 +72,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = state.bridge.alive()
+        plan = state.cache_plan.as_dict() if state.cache_plan is not None else {}
         return JSONResponse({"status": "ok" if ok else "generator loop stopped", "model": state.model_name,
-                             **state.bridge.stats()}, status_code=200 if ok else 503)
+                             **state.bridge.stats(), **plan}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
