@@ -22,6 +22,9 @@ from exlpy.errors import ExlpyError
 from exlpy.server import guards, plans
 from exlpy.server.bridge import JobFailedError, ServerBusyError
 from exlpy.server.lora import adapter_cards
+from exlpy.server.metrics import KernelCompiles
+from exlpy.server.metrics import add_route as add_metrics_route
+from exlpy.server.metrics import attach as attach_metrics
 from exlpy.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +67,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.exlpy = state
     app.add_middleware(guards.BodyLimit, max_bytes=state.max_body_bytes)
     _add_error_handlers(app)
+    add_metrics_route(app, state.bridge.observer or attach_metrics(state.bridge))
 
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "exlpy",
@@ -72,7 +76,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = state.bridge.alive()
-        plan = state.cache_plan.as_dict() if state.cache_plan is not None else {}
+        plan = {**(state.cache_plan.as_dict() if state.cache_plan is not None else {}), **KernelCompiles.health()}
         return JSONResponse({"status": "ok" if ok else "generator loop stopped", "model": state.model_name,
                              **state.bridge.stats(), **plan}, status_code=200 if ok else 503)
 
@@ -141,7 +145,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _http(r: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             msg = f"no route {r.method} {r.url.path} (this server has /v1/completions, /v1/chat/completions, " \
-                  "/v1/models, /tokenize, /detokenize, /tokenizer_info, /health)"
+                  "/v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /metrics)"
             return JSONResponse(error_body(msg, "invalid_request_error", code="not_found"), status_code=404)
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code,

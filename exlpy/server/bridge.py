@@ -50,6 +50,7 @@ class JobHandle:
 
     def __init__(self, job: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.job = job
+        self.submitted = time.perf_counter()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.accepted: asyncio.Future[None] = loop.create_future()
         self.started = False
@@ -329,6 +330,8 @@ class GeneratorBridge:
             elif kind == "accepted":
                 self._waiting -= 1
                 self._handles[a.job] = a
+                if self.observer is not None:
+                    self.observer.on_accepted(a)
                 if not a.accepted.done():  # else the request went away meanwhile; its cancel follows
                     a.accepted.set_result(None)
             elif kind in ("refused", "dropped"):
@@ -343,6 +346,8 @@ class GeneratorBridge:
             elif kind == "cancelled":
                 if self._handles.pop(a.job, None) is not None:
                     self.counters["cancelled"] += 1
+                if self.observer is not None:
+                    self.observer.on_closed(a)
                 a._close()
             elif kind in ("call", "call_error"):
                 if not a.done():
@@ -353,6 +358,8 @@ class GeneratorBridge:
                     h = self._handles.pop(job, None)
                     if h is not None:
                         self.counters["failed"] += 1
+                        if self.observer is not None:
+                            self.observer.on_closed(h)
                         h._close(a)
         running = self.num_running()
         if running > self.counters["peak_running"]:

@@ -65,7 +65,9 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exlpy.demo import DEMO_MODEL_DIR
     from exlpy.generator.dynamic import ExLlamaV2DynamicGenerator
+    from exlpy.server.metrics import KernelCompiles
 
+    KernelCompiles.install()  # compiles before mark_ready() count as startup, after it as serving
     model_dir = model_dir or DEMO_MODEL_DIR
     if max_seq_len is not None and max_seq_len < 1:
         raise ConfigError(f"--max-seq-len must be >= 1, got {max_seq_len}")
@@ -112,6 +114,7 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
                                           num_draft_tokens=num_draft_tokens, use_ngram_draft=ngram_draft)
     if warmup:
         generator.warmup()
+    KernelCompiles.mark_ready()
     state = state_from_generator(generator, name, max_queue, max_body_bytes)
     state.adapters = adapters
     state.cache_plan = plan
