@@ -15,6 +15,14 @@ concurrent streams with random prompt lengths 100-2,000 and max_tokens 256 (all 
 TTFT and inter-token latency median / p99), and 32 streams with and without a 16k-token prompt arriving while
 they decode (target: their inter-token p99 stays under 3x its value without it).
 
+Part `load` (benchmarks/serving_load.py): `exlpy serve` with its default cache (sized from free GPU memory)
+and the generator driven directly, on the same load in one run: 64 streams, prompts of 100-2,000 tokens,
+max_tokens 256 (total tok/s of each, TTFT median / p99, inter-token median / p99, Triton compiles while serving),
+then 32 decoding streams alone and with a 16k-token prompt arriving (inter-token p99 ratio, target <= 3x).
+About 6 minutes for 8B fp16 on an H100 (model written once, server start with its warm-up, generator load):
+
+    PYTHONPATH=. python benchmarks/serving.py --models 8b --parts load --out /tmp/serving_load.md
+
 Models are random-weight Llama-3-8B shapes written by benchmarks/make_models.py (plus a synthetic tokenizer)
 into --work, once. Results: a markdown file with device, date and command.
 """
@@ -140,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="markdown results file")
     ap.add_argument("--models", default="8b,exl2", help="comma list of: 8b (fp16), exl2 (4.0 bpw), small")
-    ap.add_argument("--parts", default="gen,server", help="comma list of: gen, server")
+    ap.add_argument("--parts", default="gen,server", help="comma list of: gen, server, load")
     ap.add_argument("--work", default="/tmp/exlpy_bench", help="where the random-weight models are written")
     ap.add_argument("--quick", action="store_true", help="small model, batches 1 and 8, shorter server runs")
     ap.add_argument("--port", type=int, default=8765)
@@ -167,6 +175,13 @@ def main() -> None:
             lines, speeds = part_gen(key, args.work, batches, 512, new_tokens)
             body += ["## Generator vs raw decode", ""] + lines
             gen_speed = speeds[(1, GREEDY)]
+            Path(args.out).write_text("\n".join(header + body) + "\n")
+        if "load" in parts:
+            from benchmarks.serving_load import Load, part_load
+
+            load = Load(16, (100, 500), 64) if args.quick else Load(64, (100, 2000), 256)
+            body += part_load(model_dir(args.work, key), key, args.port + 1, load, 4096 if args.quick else 20480,
+                              8 if args.quick else 32, 2048 if args.quick else 16384)
             Path(args.out).write_text("\n".join(header + body) + "\n")
         if "server" in parts:
             from benchmarks.serving_client import part_server

@@ -2,8 +2,10 @@
 directly, so the server's cost over the generator shows in one run.
 
     # CPU, scaled down (what benchmarks/results/serving.md records as "CPU (2 cores)"):
-    PYTHONPATH=. python benchmarks/serving_load.py --model ../shared/models/tiny-llama-fp16 --streams 64 \\
-        --prompts 100,1000 --max-tokens 64 --cache-size 131072
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/serving_load.py --model exlpy/demo/aidreams260K \\
+        --streams 64 --prompts 8,60 --max-tokens 64 --cache-size 16384
+    # GPU (8B fp16, the server with its default cache, plus the 16k-prompt stall check):
+    PYTHONPATH=. python benchmarks/serving.py --models 8b --parts load --out /tmp/serving_load.md
 
 The workload: `--streams` requests sent at once, random token-id prompts of random length in `--prompts`, each
 generating exactly `--max-tokens` tokens (EOS banned, temperature 0). The generator-direct run enqueues the same
@@ -97,16 +99,62 @@ async def _drive_server(port: int, name: str, prompts: list[list[int]], max_toke
     return out
 
 
+def health(port: int) -> dict[str, Any]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+async def _stall_check(port: int, name: str, vocab: int, decoders: int, long_prompt: int, shape: tuple[int, int]
+                       ) -> tuple[list[float], list[float], Stream]:
+    """Inter-token gaps of `decoders` streams (`shape`: prompt length, tokens) alone, then with a `long_prompt`
+    prompt arriving once each had 32 tokens (gaps while it was prefilled)."""
+    import httpx
+    import openai
+
+    rng = random.Random(7)
+    http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", http_client=http,
+                                max_retries=0)
+    out: dict[str, Any] = {}
+    for label in ("alone", "long"):
+        dec = [Stream() for _ in range(decoders)]
+        tasks = [asyncio.ensure_future(stream(client, name, prompt(rng, shape[0], vocab), shape[1], s)) for s in dec]
+        extra = Stream()
+        if label == "long":
+            while min(len(s.chunks) for s in dec) < min(32, shape[1] // 4) and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.005)
+            await stream(client, name, prompt(rng, long_prompt, vocab), 8, extra)
+        await asyncio.gather(*tasks)
+        end = extra.chunks[0] if extra.chunks else float("inf")
+        out[label] = [g for s in dec for g in (s.gaps(extra.sent, end) if label == "long" else s.gaps())]
+        out[label + "_extra"] = extra
+    await http.aclose()
+    return out["alone"], out["long"], out["long_extra"]
+
+
 def run_server(model: str, load: Load, port: int, cache_size: int | None, max_seq_len: int | None,
-               log: str, extra: list[str] | None = None) -> Figures:
+               log: str, extra: list[str] | None = None, stall: tuple[int, int, tuple[int, int]] | None = None
+               ) -> tuple[Figures, dict[str, Any]]:
+    """The load through a fresh `exlpy serve`; with `stall` = (decoders, long prompt, (decoder prompt, decoder
+    tokens)) also the stall check.
+    Returns the figures and facts for the report (startup time, cache, compiles while serving)."""
     from exlpy import ExLlamaV2Config
 
     config = ExLlamaV2Config(model)
+    name = os.path.basename(os.path.normpath(model))
+    t0 = time.perf_counter()
     proc = start_server(model, port, cache_size, max_seq_len or config.max_seq_len, log, extra)
+    facts: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "health_start": health(port)}
     try:
-        return asyncio.run(_drive_server(port, os.path.basename(os.path.normpath(model)),
-                                         load.prompt_ids(config.vocab_size), load.max_tokens, config.vocab_size,
-                                         proc.pid))
+        fig = asyncio.run(_drive_server(port, name, load.prompt_ids(config.vocab_size), load.max_tokens,
+                                        config.vocab_size, proc.pid))
+        if stall is not None:
+            facts["stall"] = asyncio.run(_stall_check(port, name, config.vocab_size, *stall))
+        facts["health_end"] = health(port)
+        return fig, facts
     finally:
         proc.terminate()
         try:
@@ -150,6 +198,60 @@ def run_generator(gen: Any, load: Load, vocab: int) -> Figures:
     return out
 
 
+def stall_lines(alone: list[float], long: list[float], extra: Stream, long_prompt: int, decoders: int,
+                shape: tuple[int, int]) -> list[str]:
+    p_alone, p_long = pct(alone, 0.99), pct(long, 0.99)
+    ttft = f"{extra.ttft:.2f} s" if extra.chunks else f"none ({extra.error})"
+    return [f"- {decoders} decoding streams ({shape[0]}-token prompts, {shape[1]} tokens): inter-token p99 "
+            f"{p_alone * 1e3:.1f} ms "
+            f"(median {statistics.median(alone) * 1e3:.1f} ms) alone; {p_long * 1e3:.1f} ms (median "
+            f"{statistics.median(long) * 1e3:.1f} ms, {len(long)} gaps) while a {long_prompt}-token prompt was "
+            f"prefilled (its TTFT {ttft}): {p_long / p_alone:.2f}x (target <= 3x: "
+            f"{'met' if p_long <= 3 * p_alone else '**missed**'})"]
+
+
+def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, decoders: int,
+              long_prompt: int, shape: tuple[int, int] = (512, 384)) -> list[str]:
+    """benchmarks/serving.py's `load` part: the server (default cache) and the generator on the same load, the
+    stall check, one report section."""
+    import gc
+
+    import torch
+
+    from exlpy import ExLlamaV2Config
+
+    lo, hi = load.prompts
+    fig_s, facts = run_server(model, load, port, None, max_seq_len, f"/tmp/exlpy_serve_{key}.log",
+                              stall=(decoders, long_prompt, shape))
+    print(fig_s.line(), flush=True)
+    h0, h1 = facts["health_start"], facts["health_end"]
+    cache = load.streams * (hi + load.max_tokens)
+    gen = load_generator(model, -(-cache // 256) * 256, max_seq_len, None)
+    fig_g = run_generator(gen, load, ExLlamaV2Config(model).vocab_size)
+    print(fig_g.line(), flush=True)
+    del gen
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    ratio = fig_s.tok_s / fig_g.tok_s
+    ttft_ok = statistics.median(fig_s.ttft) <= 2.0 and pct(fig_s.ttft, 0.99) <= 6.0
+    lines = [f"## Load: {load.streams} streams, prompts {lo}-{hi} tokens, max_tokens {load.max_tokens} ({key})", "",
+             f"Server: `exlpy serve --model {model} --max-seq-len {max_seq_len}` with its default cache: "
+             f"{h0.get('cache_tokens', '?'):,} tokens ({h0.get('cache_source', '?')}; "
+             f"{h0.get('cache_full_length_requests', '?')} full-length requests), batch up to "
+             f"{h0.get('max_batch_size', '?')}; ready in {facts['startup_s']:.0f} s (warm-up included), "
+             f"{h0.get('kernel_compiles_startup', '?')} Triton compiles at startup, "
+             f"{h1.get('kernel_compiles_serving', '?')} while serving "
+             f"{h1.get('kernel_compiles_serving_last') or ''}; preemptions {h1.get('preemptions', '?')}.", "",
+             f"- {fig_s.line()}", f"- {fig_g.line()}",
+             f"- server / generator: {ratio:.1%} (target >= 75%: {'met' if ratio >= 0.75 else '**missed**'}); "
+             f"server TTFT p50 <= 2 s and p99 <= 6 s: {'met' if ttft_ok else '**missed**'}"]
+    alone, long, extra = facts["stall"]
+    lines += stall_lines(alone, long, extra, long_prompt, decoders, shape) + [""]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def load_generator(model_dir: str, cache_size: int, max_seq_len: int | None, max_batch_size: int | None) -> Any:
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exlpy.generator import ExLlamaV2DynamicGenerator
@@ -183,8 +285,9 @@ def main() -> None:
     load = Load(args.streams, (lo, hi), args.max_tokens)
     out = []
     if "server" in args.parts:
-        out.append(run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
-                              "/tmp/exlpy_serve_load.log"))
+        fig, _ = run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
+                            "/tmp/exlpy_serve_load.log")
+        out.append(fig)
         print(out[-1].line(), flush=True)
     if "generator" in args.parts:
         cache = args.cache_size or -(-(args.streams * (hi + args.max_tokens)) // 256) * 256
