@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/exlpy_bench", help="where the random-weight models are written")
     ap.add_argument("--quick", action="store_true", help="small model, batches 1 and 8, shorter server runs")
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--server-args", default="", help="part load: more `exlpy serve` arguments, e.g. "
+                    "\"--max-prefill-per-step 512\"")
     ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it (runs split "
                     "over several calls, e.g. one model each)")
     args = ap.parse_args()
@@ -181,7 +183,8 @@ def main() -> None:
 
             load = Load(16, (100, 500), 64) if args.quick else Load(64, (100, 2000), 256)
             body += part_load(model_dir(args.work, key), key, args.port + 1, load, 4096 if args.quick else 20480,
-                              8 if args.quick else 32, 2048 if args.quick else 16384)
+                              8 if args.quick else 32, 2048 if args.quick else 16384,
+                              server_args=args.server_args.split())
             Path(args.out).write_text("\n".join(header + body) + "\n")
         if "server" in parts:
             from benchmarks.serving_client import part_server

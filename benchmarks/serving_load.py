@@ -211,7 +211,8 @@ def stall_lines(alone: list[float], long: list[float], extra: Stream, long_promp
 
 
 def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, decoders: int,
-              long_prompt: int, shape: tuple[int, int] = (512, 384)) -> list[str]:
+              long_prompt: int, shape: tuple[int, int] = (512, 384), server_args: list[str] | None = None
+              ) -> list[str]:
     """benchmarks/serving.py's `load` part: the server (default cache) and the generator on the same load, the
     stall check, one report section."""
     import gc
@@ -222,7 +223,7 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
 
     lo, hi = load.prompts
     fig_s, facts = run_server(model, load, port, None, max_seq_len, f"/tmp/exlpy_serve_{key}.log",
-                              stall=(decoders, long_prompt, shape))
+                              extra=server_args, stall=(decoders, long_prompt, shape))
     print(fig_s.line(), flush=True)
     h0, h1 = facts["health_start"], facts["health_end"]
     cache = load.streams * (hi + load.max_tokens)
@@ -236,7 +237,8 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
     ratio = fig_s.tok_s / fig_g.tok_s
     ttft_ok = statistics.median(fig_s.ttft) <= 2.0 and pct(fig_s.ttft, 0.99) <= 6.0
     lines = [f"## Load: {load.streams} streams, prompts {lo}-{hi} tokens, max_tokens {load.max_tokens} ({key})", "",
-             f"Server: `exlpy serve --model {model} --max-seq-len {max_seq_len}` with its default cache: "
+             f"Server: `exlpy serve --model {model} --max-seq-len {max_seq_len} {' '.join(server_args or [])}` "
+             "with its default cache: "
              f"{h0.get('cache_tokens', '?'):,} tokens ({h0.get('cache_source', '?')}; "
              f"{h0.get('cache_full_length_requests', '?')} full-length requests), batch up to "
              f"{h0.get('max_batch_size', '?')}; ready in {facts['startup_s']:.0f} s (warm-up included), "

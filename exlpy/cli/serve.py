@@ -46,6 +46,10 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
                    "activations and graphs leave (default: 0.9; ignored with --cache-size)")
     g.add_argument("--max-batch-size", type=int, default=None, help="most requests decoding at once "
                    "(default: the generator's, at most one per cache page)")
+    g.add_argument("--max-prefill-per-step", type=int, default=256, metavar="TOKENS",
+                   help="prompt tokens run per step next to decoding requests (fewer deep into long prompts; more "
+                   "when many more requests wait for their prompt than decode): higher starts new requests sooner, "
+                   "lower keeps decoding streams smoother (default: 256)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                        max_body_bytes=int(args.max_body_mb * 2**20), draft_model_dir=args.draft_model,
                        ngram_draft=args.ngram_draft, num_draft_tokens=args.num_draft_tokens, loras=args.lora,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       max_prefill_per_step=args.max_prefill_per_step)
     if args.served_model_name:
         state.model_name = args.served_model_name
     g = state.bridge.generator

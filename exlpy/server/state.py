@@ -54,7 +54,8 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, draft_model_dir: str | None = None,
                ngram_draft: bool = False, num_draft_tokens: int | None = None,
                loras: list[str] | None = None,
-               gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> ServerState:
+               gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+               max_prefill_per_step: int = 256) -> ServerState:
     """Load a model (the bundled demo by default) with a paged cache and wrap it for serving.
 
     The cache holds `cache_size` tokens (rounded up to whole 256-token pages); by default what fits in
@@ -110,7 +111,8 @@ def load_state(model_dir: str | None = None, max_seq_len: int | None = None, cac
     if max_batch_size is None:  # no more rows than the cache has pages (each running request holds one)
         max_batch_size = max(1, min(config.max_input_len // 8, plan.tokens // PAGE_SIZE))
     generator = ExLlamaV2DynamicGenerator(model, cache, tokenizer, max_batch_size=max_batch_size,
-                                          max_chunk_size=chunk, draft_model=draft, draft_cache=draft_cache,
+                                          max_chunk_size=chunk, max_prefill_per_step=max_prefill_per_step,
+                                          draft_model=draft, draft_cache=draft_cache,
                                           num_draft_tokens=num_draft_tokens, use_ngram_draft=ngram_draft)
     if warmup:
         generator.warmup()
