@@ -107,6 +107,21 @@ def health(port: int) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+async def _first_requests(port: int, name: str, vocab: int) -> tuple[Stream, Stream]:
+    """Two requests one after the other (512-token prompt, 256 tokens) on a server that has served nothing."""
+    import httpx
+    import openai
+
+    rng = random.Random(11)
+    http = httpx.AsyncClient(timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", http_client=http,
+                                max_retries=0)
+    first = await stream(client, name, prompt(rng, 512, vocab), 256, Stream())
+    second = await stream(client, name, prompt(rng, 512, vocab), 256, Stream())
+    await http.aclose()
+    return first, second
+
+
 async def _stall_check(port: int, name: str, vocab: int, decoders: int, long_prompt: int, shape: tuple[int, int]
                        ) -> tuple[list[float], list[float], Stream]:
     """Inter-token gaps of `decoders` streams (`shape`: prompt length, tokens) alone, then with a `long_prompt`
@@ -149,6 +164,8 @@ def run_server(model: str, load: Load, port: int, cache_size: int | None, max_se
     proc = start_server(model, port, cache_size, max_seq_len or config.max_seq_len, log, extra)
     facts: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "health_start": health(port)}
     try:
+        if stall is not None:  # the very first request after startup, then the same again
+            facts["first"] = asyncio.run(_first_requests(port, name, config.vocab_size))
         fig = asyncio.run(_drive_server(port, name, load.prompt_ids(config.vocab_size), load.max_tokens,
                                         config.vocab_size, proc.pid))
         if stall is not None:
@@ -248,6 +265,14 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
              f"- {fig_s.line()}", f"- {fig_g.line()}",
              f"- server / generator: {ratio:.1%} (target >= 75%: {'met' if ratio >= 0.75 else '**missed**'}); "
              f"server TTFT p50 <= 2 s and p99 <= 6 s: {'met' if ttft_ok else '**missed**'}"]
+    first, second = facts["first"]
+    if first.chunks and second.chunks:
+        r1, r2 = first.decode_rate(), second.decode_rate()
+        lines.append(f"- first request after startup (512-token prompt, 256 tokens): {r1:,.1f} tok/s, TTFT "
+                     f"{first.ttft * 1e3:.0f} ms; the next one {r2:,.1f} tok/s: {r1 / r2:.1%} (target >= 95%: "
+                     f"{'met' if r1 >= 0.95 * r2 else '**missed**'})")
+    else:
+        lines.append(f"- first request after startup failed: {first.error or second.error}")
     alone, long, extra = facts["stall"]
     lines += stall_lines(alone, long, extra, long_prompt, decoders, shape) + [""]
     print("\n".join(lines), flush=True)
