@@ -41,5 +41,9 @@ def test_budget_grows_when_many_more_jobs_wait_than_decode() -> None:
     gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=8 * 256), tok, max_chunk_size=512,
                                     max_prefill_per_step=64)
     assert scheduler.prefill_budget(gen, decoding=0, prefilling=3) == 3 * 512  # nothing to stall: whole chunks
-    assert scheduler.prefill_budget(gen, decoding=8, prefilling=1) == 64
-    assert scheduler.prefill_budget(gen, decoding=4, prefilling=40) == 64 * 10
+    assert scheduler.prefill_budget(gen, decoding=0, prefilling=64) == 4 * 512  # a burst: in waves
+    for d in (1, 2, 3, 8, 32):  # a lone long prompt: the base budget, however many decode
+        assert scheduler.prefill_budget(gen, decoding=d, prefilling=1) == 64
+    assert scheduler.prefill_budget(gen, decoding=32, prefilling=7) == 64
+    assert scheduler.prefill_budget(gen, decoding=32, prefilling=32) == 64 * 4
+    assert scheduler.prefill_budget(gen, decoding=4, prefilling=60) == 4 * 512  # capped

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 # Prompt tokens per iteration while other jobs decode cost them latency; attention makes a token at context L
 # cost about (1 + L / CONTEXT_COST_TOKENS) times a token at the start of a prompt (8B shapes).
 CONTEXT_COST_TOKENS = 4096
+BURST_CHUNKS = 4  # prompt tokens per iteration at most (chunks), so a burst of arrivals starts streaming in waves
+PREFILL_WEIGHT = 4  # next to decoding jobs the budget grows by (waiting prompts x this) / max(decoding jobs, this)
 
 
 def cache_summary(gen: ExLlamaV2DynamicGenerator) -> str:
@@ -92,12 +94,16 @@ def _start(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, needs: list
 
 
 def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: int) -> int:
-    """Prompt tokens for this iteration: without decoding jobs, a whole chunk per job; next to them,
-    `max_prefill_per_step`, more when many more jobs wait for their prompt than decode (the decoders lose a
-    little latency, the waiting jobs gain much)."""
+    """Prompt tokens for this iteration. Without decoding jobs, a whole chunk per job, at most BURST_CHUNKS
+    chunks: a burst of arrivals is prefilled in waves, first come first, so the first jobs stream while later
+    ones prefill instead of every job waiting for all prompts. Next to decoding jobs, `max_prefill_per_step`,
+    more when many jobs wait for their prompt (PREFILL_WEIGHT waiting prompts weigh as one decoding job: the
+    decoders lose a little latency, the waiting jobs gain much); a lone long prompt keeps the base budget."""
+    cap = gen.max_chunk_size * BURST_CHUNKS
     if not decoding:
-        return gen.max_chunk_size * max(prefilling, 1)
-    return gen.max_prefill_per_step * max(1, prefilling // decoding)
+        return min(gen.max_chunk_size * max(prefilling, 1), cap)
+    scale = max(1, prefilling * PREFILL_WEIGHT // max(decoding, PREFILL_WEIGHT))
+    return min(gen.max_prefill_per_step * scale, max(cap, gen.max_prefill_per_step))
 
 
 def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:
