@@ -54,6 +54,7 @@ class Figures:
     gaps: list[float] = field(default_factory=list)
     failed: int = 0
     cpu: float = float("nan")  # CPU seconds the server process (or the generator's process) used meanwhile
+    client_cpu: float = float("nan")  # CPU seconds of the client processes
 
     @property
     def tok_s(self) -> float:
@@ -64,6 +65,8 @@ class Figures:
                 f"{statistics.median(self.ttft) * 1e3:.0f} ms, p99 {pct(self.ttft, 0.99) * 1e3:.0f} ms; inter-token "
                 f"median {statistics.median(self.gaps) * 1e3:.1f} ms, p99 {pct(self.gaps, 0.99) * 1e3:.1f} ms"
                 + f"; CPU {self.cpu * 1e3 / max(self.tokens, 1):.2f} ms per token"
+                + (f" (client {self.client_cpu * 1e3 / max(self.tokens, 1):.2f})" if self.client_cpu == self.client_cpu
+                   else "")
                 + (f"; {self.failed} failed" if self.failed else ""))
 
 
@@ -79,23 +82,56 @@ def figures_of(label: str, streams: list[Stream], wall: float) -> Figures:
                    [g for s in done for g in s.gaps()], len(streams) - len(done))
 
 
-async def _drive_server(port: int, name: str, prompts: list[list[int]], max_tokens: int, vocab: int,
-                        pid: int | None = None) -> Figures:
+async def _client_streams(port: int, name: str, prompts: list[list[int]], max_tokens: int
+                          ) -> tuple[list[Stream], float]:
+    """One client process's share of the load: its streams and the CPU seconds it spent on them."""
     import httpx
     import openai
 
     http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", http_client=http,
                                 max_retries=0)
-    await stream(client, name, prompt(random.Random(1), 32, vocab), 8, Stream())  # the HTTP path warm
     streams = [Stream() for _ in prompts]
+    cpu0 = time.process_time()
+    await asyncio.gather(*[stream(client, name, ids, max_tokens, s) for ids, s in zip(prompts, streams)])
+    cpu = time.process_time() - cpu0
+    await http.aclose()
+    return streams, cpu
+
+
+def _client_process(args: tuple[int, str, list[list[int]], int]) -> tuple[list[Stream], float]:
+    return asyncio.run(_client_streams(*args))
+
+
+async def _drive_server(port: int, name: str, prompts: list[list[int]], max_tokens: int, vocab: int,
+                        pid: int | None = None, clients: int = 1) -> Figures:
+    """All prompts at once through `clients` processes of the openai client (one process parsing thousands of
+    chunks a second would itself be the bottleneck; perf_counter is system-wide, so their times compare)."""
+    import httpx
+    import openai
+
+    async with httpx.AsyncClient(timeout=600) as http:  # the HTTP path warm
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", http_client=http,
+                                    max_retries=0)
+        await stream(client, name, prompt(random.Random(1), 32, vocab), 8, Stream())
     cpu0 = process_cpu(pid) if pid else float("nan")
     t0 = time.perf_counter()
-    await asyncio.gather(*[stream(client, name, ids, max_tokens, s) for ids, s in zip(prompts, streams)])
-    wall = time.perf_counter() - t0
-    await http.aclose()
-    out = figures_of("exlpy serve (openai client)", streams, wall)
+    if clients <= 1:
+        streams, client_cpu = await _client_streams(port, name, prompts, max_tokens)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        parts = [(port, name, prompts[k::clients], max_tokens) for k in range(clients)]
+        with concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("fork")) as ex:
+            done = await asyncio.get_running_loop().run_in_executor(None, lambda: list(ex.map(_client_process, parts)))
+        streams = [st for part, _ in done for st in part]
+        client_cpu = sum(c for _, c in done)
+    ends = [s.chunks[-1] for s in streams if s.chunks]
+    wall = (max(ends) if ends else time.perf_counter()) - t0
+    out = figures_of(f"exlpy serve (openai client, {clients} process{'es' if clients > 1 else ''})", streams, wall)
     out.cpu = (process_cpu(pid) if pid else float("nan")) - cpu0
+    out.client_cpu = client_cpu
     return out
 
 
@@ -151,8 +187,8 @@ async def _stall_check(port: int, name: str, vocab: int, decoders: int, long_pro
 
 
 def run_server(model: str, load: Load, port: int, cache_size: int | None, max_seq_len: int | None,
-               log: str, extra: list[str] | None = None, stall: tuple[int, int, tuple[int, int]] | None = None
-               ) -> tuple[Figures, dict[str, Any]]:
+               log: str, extra: list[str] | None = None, stall: tuple[int, int, tuple[int, int]] | None = None,
+               clients: int = 1) -> tuple[Figures, dict[str, Any]]:
     """The load through a fresh `exlpy serve`; with `stall` = (decoders, long prompt, (decoder prompt, decoder
     tokens)) also the stall check.
     Returns the figures and facts for the report (startup time, cache, compiles while serving)."""
@@ -167,7 +203,7 @@ def run_server(model: str, load: Load, port: int, cache_size: int | None, max_se
         if stall is not None:  # the very first request after startup, then the same again
             facts["first"] = asyncio.run(_first_requests(port, name, config.vocab_size))
         fig = asyncio.run(_drive_server(port, name, load.prompt_ids(config.vocab_size), load.max_tokens,
-                                        config.vocab_size, proc.pid))
+                                        config.vocab_size, proc.pid, clients))
         if stall is not None:
             facts["stall"] = asyncio.run(_stall_check(port, name, config.vocab_size, *stall))
         facts["health_end"] = health(port)
@@ -228,8 +264,8 @@ def stall_lines(alone: list[float], long: list[float], extra: Stream, long_promp
 
 
 def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, decoders: int,
-              long_prompt: int, shape: tuple[int, int] = (512, 384), server_args: list[str] | None = None
-              ) -> list[str]:
+              long_prompt: int, shape: tuple[int, int] = (512, 384), server_args: list[str] | None = None,
+              clients: int = 4) -> list[str]:
     """benchmarks/serving.py's `load` part: the server (default cache) and the generator on the same load, the
     stall check, one report section."""
     import gc
@@ -240,7 +276,7 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
 
     lo, hi = load.prompts
     fig_s, facts = run_server(model, load, port, None, max_seq_len, f"/tmp/exlpy_serve_{key}.log",
-                              extra=server_args, stall=(decoders, long_prompt, shape))
+                              extra=server_args, stall=(decoders, long_prompt, shape), clients=clients)
     print(fig_s.line(), flush=True)
     h0, h1 = facts["health_start"], facts["health_end"]
     cache = load.streams * (hi + load.max_tokens)
@@ -307,13 +343,14 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--parts", default="server,generator")
+    ap.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.prompts.split(","))
     load = Load(args.streams, (lo, hi), args.max_tokens)
     out = []
     if "server" in args.parts:
         fig, _ = run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
-                            "/tmp/exlpy_serve_load.log")
+                            "/tmp/exlpy_serve_load.log", clients=args.clients)
         out.append(fig)
         print(out[-1].line(), flush=True)
     if "generator" in args.parts:
