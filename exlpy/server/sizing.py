@@ -52,8 +52,9 @@ class CachePlan:
         return self.tokens // self.max_seq_len
 
     def describe(self, page_size: int) -> str:
+        size = f"{self.bytes / 2**30:.2f} GiB" if self.bytes >= 2**30 else f"{self.bytes / 2**20:.1f} MiB"
         return (f"KV cache {self.tokens:,} tokens ({self.tokens // page_size} pages of {page_size}, "
-                f"{self.bytes / 2**30:.2f} GiB; {self.source}): {self.full_requests} request(s) of the full "
+                f"{size}; {self.source}): {self.full_requests} request(s) of the full "
                 f"{self.max_seq_len}-token context fit at once, more shorter ones")
 
     def as_dict(self) -> dict[str, Any]:
