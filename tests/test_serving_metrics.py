@@ -58,11 +58,11 @@ def test_metrics_count_requests_tokens_and_latencies() -> None:
     assert m["exlpy:cache_pages_total"] == 16 and m["exlpy:cache_pages_used"] == 0
     assert m["exlpy:kv_cache_usage_perc"] == 0.0 and m["exlpy:num_preemptions_total"] == 0
     assert m["exlpy:num_requests_waiting"] == 0
-    assert "exlpy:kernel_compiles_total{phase=serving}" in m
+    assert ("exlpy:kernel_compiles_total{phase=serving}" in m) == KernelCompiles.available
 
 
 def test_kernel_compile_counter_splits_at_ready(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in (("startup", 0), ("serving", 0), ("ready", False), ("last", [])):
+    for k, v in (("startup", 0), ("serving", 0), ("ready", False), ("last", []), ("available", True)):
         monkeypatch.setattr(KernelCompiles, k, v)
     KernelCompiles.count("warmup kernel")
     KernelCompiles.mark_ready()
@@ -75,9 +75,11 @@ def test_kernel_compile_counter_splits_at_ready(monkeypatch: pytest.MonkeyPatch)
 def test_installed_triton_hook_counts_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     knobs = pytest.importorskip("triton.knobs")
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    for k, v in (("startup", 0), ("serving", 0), ("ready", True), ("last", []), ("_installed", False)):
+    for k, v in (("startup", 0), ("serving", 0), ("ready", True), ("last", []), ("_installed", False),
+                 ("available", False)):
         monkeypatch.setattr(KernelCompiles, k, v)
     KernelCompiles.install()
     knobs.runtime.jit_post_compile_hook(key="k", repr="_paged_kernel[num_warps=4]()", fn=None, compile={},
                                         is_manual_warmup=False, already_compiled=False)
+    assert KernelCompiles.available
     assert KernelCompiles.serving == 1 and KernelCompiles.last == ["_paged_kernel[num_warps=4]()"]

@@ -43,23 +43,37 @@ class KernelCompiles:
     last: list[str] = []
     _installed = False
 
+    available = False  # a hook is installed (Triton present, with a hook API this code knows)
+
     @classmethod
     def install(cls) -> None:
         with cls._lock:
             if cls._installed:
                 return
-            try:
-                import triton.knobs as knobs
-            except Exception:  # noqa: BLE001 - no Triton (CPU): nothing compiles
-                return
-            previous = knobs.runtime.jit_post_compile_hook
-
-            def hook(*args: Any, **kwargs: Any) -> Any:
-                cls.count(str(kwargs.get("repr", "?")))
-                return previous(*args, **kwargs) if previous else None
-
-            knobs.runtime.jit_post_compile_hook = hook
             cls._installed = True
+
+            def counting(previous: Any) -> Any:
+                def hook(*args: Any, **kwargs: Any) -> Any:
+                    cls.count(str(kwargs.get("repr", "?")))
+                    return previous(*args, **kwargs) if previous else None
+                return hook
+
+            try:
+                import triton.knobs as knobs  # Triton >= 3.4
+
+                knobs.runtime.jit_post_compile_hook = counting(knobs.runtime.jit_post_compile_hook)
+                cls.available = True
+                return
+            except Exception:  # noqa: BLE001 - no Triton (CPU), or an older one: try its class attribute
+                pass
+            try:
+                from triton.runtime.jit import JITFunction
+
+                if hasattr(JITFunction, "compiled_hook"):
+                    JITFunction.compiled_hook = counting(JITFunction.compiled_hook)
+                    cls.available = True
+            except Exception:  # noqa: BLE001 - nothing compiles without Triton
+                pass
 
     @classmethod
     def count(cls, what: str) -> None:
@@ -76,6 +90,8 @@ class KernelCompiles:
 
     @classmethod
     def health(cls) -> dict[str, Any]:
+        if not cls.available:
+            return {"kernel_compiles_startup": None, "kernel_compiles_serving": None}
         return {"kernel_compiles_startup": cls.startup, "kernel_compiles_serving": cls.serving,
                 "kernel_compiles_serving_last": list(cls.last)}
 
@@ -171,11 +187,12 @@ class _StateCollector:
             yield CounterMetricFamily("exlpy:spec_decode_num_draft_tokens", "Draft tokens proposed", value=drafted)
             yield CounterMetricFamily("exlpy:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                       value=accepted)
-        compiles = CounterMetricFamily("exlpy:kernel_compiles", "Triton kernel compiles in this process",
-                                       labels=["phase"])
-        compiles.add_metric(["startup"], KernelCompiles.startup)
-        compiles.add_metric(["serving"], KernelCompiles.serving)
-        yield compiles
+        if KernelCompiles.available:
+            compiles = CounterMetricFamily("exlpy:kernel_compiles", "Triton kernel compiles in this process",
+                                           labels=["phase"])
+            compiles.add_metric(["startup"], KernelCompiles.startup)
+            compiles.add_metric(["serving"], KernelCompiles.serving)
+            yield compiles
 
 
 def attach(bridge: Any) -> Metrics | None:
