@@ -143,8 +143,9 @@ def health(port: int) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-async def _first_requests(port: int, name: str, vocab: int) -> tuple[Stream, Stream]:
-    """Two requests one after the other (512-token prompt, 256 tokens) on a server that has served nothing."""
+async def _first_requests(port: int, name: str, vocab: int, context: int) -> tuple[Stream, Stream]:
+    """Two requests one after the other (512-token prompt, 256 tokens; less in a short context) on a server that
+    has served nothing."""
     import httpx
     import openai
 
@@ -152,8 +153,9 @@ async def _first_requests(port: int, name: str, vocab: int) -> tuple[Stream, Str
     http = httpx.AsyncClient(timeout=600)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", http_client=http,
                                 max_retries=0)
-    first = await stream(client, name, prompt(rng, 512, vocab), 256, Stream())
-    second = await stream(client, name, prompt(rng, 512, vocab), 256, Stream())
+    n, new = min(512, context // 2), min(256, context // 4)
+    first = await stream(client, name, prompt(rng, n, vocab), new, Stream())
+    second = await stream(client, name, prompt(rng, n, vocab), new, Stream())
     await http.aclose()
     return first, second
 
@@ -201,7 +203,8 @@ def run_server(model: str, load: Load, port: int, cache_size: int | None, max_se
     facts: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "health_start": health(port)}
     try:
         if stall is not None:  # the very first request after startup, then the same again
-            facts["first"] = asyncio.run(_first_requests(port, name, config.vocab_size))
+            facts["first"] = asyncio.run(_first_requests(port, name, config.vocab_size,
+                                                         max_seq_len or config.max_seq_len))
         fig = asyncio.run(_drive_server(port, name, load.prompt_ids(config.vocab_size), load.max_tokens,
                                         config.vocab_size, proc.pid, clients))
         if stall is not None:
@@ -304,7 +307,9 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
     first, second = facts["first"]
     if first.chunks and second.chunks:
         r1, r2 = first.decode_rate(), second.decode_rate()
-        lines.append(f"- first request after startup (512-token prompt, 256 tokens): {r1:,.1f} tok/s, TTFT "
+        ctx = max_seq_len
+        lines.append(f"- first request after startup ({min(512, ctx // 2)}-token prompt, {min(256, ctx // 4)} "
+                     f"tokens): {r1:,.1f} tok/s, TTFT "
                      f"{first.ttft * 1e3:.0f} ms; the next one {r2:,.1f} tok/s: {r1 / r2:.1%} (target >= 95%: "
                      f"{'met' if r1 >= 0.95 * r2 else '**missed**'})")
     else:

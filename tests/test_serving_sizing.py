@@ -45,7 +45,9 @@ def test_cpu_default_is_eight_requests_capped_by_memory() -> None:
 def test_plan_describes_tokens_and_full_requests() -> None:
     plan = CachePlan(163840, "free GPU memory, utilization 0.9", 20 * GiB, 20480)
     assert plan.full_requests == 8
-    text = plan.describe(256)
+    assert CachePlan(2048, "CPU default", 1, 128).full_requests == 8  # a 128-token request still takes a page
+    assert CachePlan(2560, "x", 1, 300).full_requests == 5  # 300 tokens: two pages each
+    text = plan.describe()
     assert "163,840 tokens" in text and "640 pages" in text and "8 request(s) of the full 20480-token" in text
     assert plan.as_dict()["cache_full_length_requests"] == 8
     assert graph_output_bytes([(1, 1), (4, 2)], 100, 10) == 5 * (400 + 40)
@@ -58,7 +60,7 @@ def test_load_state_cpu_default_and_health(monkeypatch: pytest.MonkeyPatch) -> N
     g = state.bridge.generator
     assert state.cache_plan.source == "CPU default" and state.cache_plan.tokens == 2048
     assert g.num_pages == 8 and g.max_batch_size <= 8
-    assert state.cache_plan.full_requests == 16
+    assert state.cache_plan.full_requests == 8
     explicit = load_state(cache_size=600, warmup=False)
     assert explicit.cache_plan.source == "--cache-size" and explicit.bridge.generator.num_pages == 3
     with pytest.raises(ConfigError, match="gpu-memory-utilization"):

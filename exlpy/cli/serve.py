@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"exlpy serve: {state.model_name}, context {g.max_seq_len} tokens, batch up to {g.max_batch_size}, queue "
           f"up to {args.max_queue}; http://{args.host}:{args.port}/v1", flush=True)
     if state.cache_plan is not None:
-        print(state.cache_plan.describe(g.page_size), flush=True)
+        print(state.cache_plan.describe(), flush=True)
     if state.adapters:
         print(f"LoRA adapters (model names): {', '.join(state.adapters)}", flush=True)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)

@@ -45,13 +45,15 @@ class CachePlan:
     source: str  # "--cache-size", "free GPU memory (utilization 0.9)", "CPU default"
     bytes: int
     max_seq_len: int
+    page_size: int = 256
 
     @property
     def full_requests(self) -> int:
-        """Requests of the full context length that fit at once."""
-        return self.tokens // self.max_seq_len
+        """Requests of the full context length that fit at once (each holds whole pages)."""
+        return (self.tokens // self.page_size) // -(-self.max_seq_len // self.page_size)
 
-    def describe(self, page_size: int) -> str:
+    def describe(self) -> str:
+        page_size = self.page_size
         size = f"{self.bytes / 2**30:.2f} GiB" if self.bytes >= 2**30 else f"{self.bytes / 2**20:.1f} MiB"
         return (f"KV cache {self.tokens:,} tokens ({self.tokens // page_size} pages of {page_size}, "
                 f"{size}; {self.source}): {self.full_requests} request(s) of the full "
@@ -162,4 +164,4 @@ def measure_and_size(model: Any, caches: list[Any], utilization: float, page_siz
                           f"less than one request of the {max_seq_len}-token context ({detail}). Pass a smaller "
                           "--max-seq-len, a higher --gpu-memory-utilization, or --cache-size explicitly")
     total_bytes = int(sum(per_token.values()) * tokens)
-    return CachePlan(tokens, f"free GPU memory, utilization {utilization}", total_bytes, max_seq_len)
+    return CachePlan(tokens, f"free GPU memory, utilization {utilization}", total_bytes, max_seq_len, page_size)

@@ -131,7 +131,7 @@ def _size_cache(model: Any, caches: list[Any], cache_size: int | None, utilizati
     per_token = sizing.caches_per_token(caches)
     if cache_size:
         tokens = caches[0].max_seq_len
-        return CachePlan(tokens, "--cache-size", int(sum(per_token.values()) * tokens), max_seq_len)
+        return CachePlan(tokens, "--cache-size", int(sum(per_token.values()) * tokens), max_seq_len, PAGE_SIZE)
     if any(d.startswith("cuda") for d in per_token):
         top = bucket_for(max_batch) or max_batch
         widths = [w for w in BUCKETS if w <= (bucket_for(-(-max_seq_len // PAGE_SIZE)) or 256)]
@@ -139,7 +139,7 @@ def _size_cache(model: Any, caches: list[Any], cache_size: int | None, utilizati
         return sizing.measure_and_size(model, caches, utilization, PAGE_SIZE, chunk, shapes, max_seq_len)
     kv = sum(per_token.values())
     tokens = sizing.cpu_default_tokens(max_seq_len, kv, sizing.available_ram(), PAGE_SIZE, MIN_CACHE_TOKENS)
-    return CachePlan(tokens, "CPU default", int(kv * tokens), max_seq_len)
+    return CachePlan(tokens, "CPU default", int(kv * tokens), max_seq_len, PAGE_SIZE)
 
 
 def _replace_cache(model: Any, cache: Any, tokens: int) -> Any:
