@@ -20,6 +20,7 @@ page table is reset: no prefix hash survives).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -98,7 +99,15 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
             pos = min(width * size, gen.max_seq_len) - 1
             ids = torch.randint(3, vocab, (rows, 1))
             batch = paged_batch([(table, pos, 1)] * rows, gen.cache, device, size)
-            gen.model.forward_batch(ids, batch, last_id_only=True)
+            try:
+                gen.model.forward_batch(ids, batch, last_id_only=True)
+            except torch.cuda.OutOfMemoryError:
+                # Every graph keeps its output rows: a full GPU cannot hold the largest ones. Requests of those
+                # shapes capture their graph when they come (or run eagerly), as without the warm-up.
+                warnings.warn(f"warm-up: out of memory capturing the decode step of {rows} rows x {width} pages; "
+                              "larger shapes are captured when first used", stacklevel=2)
+                torch.cuda.empty_cache()
+                break
         for start, n, width in plan.prefill:
             table = [k % gen.num_pages for k in range(width)]
             ids = torch.randint(3, vocab, (1, n))
