@@ -83,3 +83,26 @@ def test_installed_triton_hook_counts_compiles(monkeypatch: pytest.MonkeyPatch) 
                                         is_manual_warmup=False, already_compiled=False)
     assert KernelCompiles.available
     assert KernelCompiles.serving == 1 and KernelCompiles.last == ["_paged_kernel[num_warps=4]()"]
+
+
+def test_preemptions_are_counted_and_every_request_completes() -> None:
+    """16 pages of 16 tokens for 4 requests that each grow to 5 pages: the newest is preempted (and resumed)."""
+    state = make_state(pages=1, page_size=16)
+
+    async def main() -> tuple[list[Any], str]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            try:
+                body = {"max_tokens": 70, "temperature": 0, "logit_bias": NO_EOS}
+                rs = await asyncio.gather(*[c.post("/v1/completions", json={**body, "prompt": [1, 5 + k, 9]})
+                                            for k in range(4)])
+                return list(rs), (await c.get("/metrics")).text
+            finally:
+                await state.bridge.stop()
+
+    rs, text = asyncio.run(main())
+    m = scrape(text)
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 70 for r in rs)
+    assert m["exlpy:num_preemptions_total"] >= 1
+    assert m["exlpy:num_preemptions_total"] == state.bridge.generator.preemptions
+    assert m["exlpy:generation_tokens_total"] == 4 * 70 and m["exlpy:cache_pages_used"] == 0
