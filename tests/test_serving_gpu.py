@@ -1,0 +1,66 @@
+"""`exlpy serve` on a GPU: the default cache fills the memory `--gpu-memory-utilization` allows and no more, and
+after the warm-up no request of any size waits for a Triton compile (tiny model of ../shared)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import shared_path
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+ROOM = 2 * 2**30  # what the test lets the server take beyond what is in use (other tests may share the GPU)
+
+
+@pytest.fixture(scope="module")
+def state() -> Any:
+    from exlpy.server import load_state
+
+    free, total = torch.cuda.mem_get_info()
+    util = min(1.0, (total - free + ROOM) / total)
+    s = load_state(str(shared_path("models", "tiny-llama-fp16")), max_seq_len=4096, max_batch_size=16,
+                   gpu_memory_utilization=util)
+    yield s
+    del s
+    torch.cuda.empty_cache()
+
+
+def test_default_cache_takes_the_allowed_memory(state: Any) -> None:
+    plan = state.cache_plan
+    assert plan.source.startswith("free GPU memory") and plan.full_requests >= 8
+    cache_bytes = sum(state.bridge.generator.cache.footprint().values())
+    assert cache_bytes == plan.bytes
+    # About ROOM: the weights were in use already; activations, graphs and other processes' drift take a little.
+    assert 0.5 * ROOM <= cache_bytes <= ROOM
+
+
+def test_no_compile_while_serving_after_the_warmup(state: Any) -> None:
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from exlpy.server import create_app
+    from exlpy.server.metrics import KernelCompiles
+
+    if not KernelCompiles.available:
+        pytest.skip("this Triton has no compile hook")
+    before = KernelCompiles.serving
+
+    async def main() -> list[Any]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as c:
+            try:
+                g = torch.Generator().manual_seed(0)
+                lengths = [1, 3, 17, 100, 255, 700, 1500, 3000]
+                bodies = [{"prompt": torch.randint(3, 500, (n,), generator=g).tolist(), "max_tokens": 40,
+                           "temperature": 0.7 if k % 2 else 0, "top_p": 0.9} for k, n in enumerate(lengths)]
+                return list(await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies]))
+            finally:
+                await state.bridge.stop()
+
+    rs = asyncio.run(main())
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    assert KernelCompiles.serving == before, KernelCompiles.last
