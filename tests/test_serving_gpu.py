@@ -34,7 +34,7 @@ def test_default_cache_takes_the_allowed_memory(state: Any) -> None:
     plan = state.cache_plan
     assert plan.source.startswith("free GPU memory") and plan.full_requests >= 8
     cache_bytes = sum(state.bridge.generator.cache.footprint().values())
-    assert cache_bytes == plan.bytes
+    assert abs(cache_bytes - plan.bytes) <= 4096
     # About ROOM: the weights were in use already; activations, graphs and other processes' drift take a little.
     assert 0.5 * ROOM <= cache_bytes <= ROOM
 
