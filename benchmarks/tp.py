@@ -146,6 +146,7 @@ def time_dist(n: int, results: dict) -> None:
 
 
 def decode_ms(model: ExLlamaV2, cache, prompt: torch.Tensor, steps: int, n: int) -> float:
+    """ms per decode step of prompt.shape[0] rows, the argmax taken on the GPU and read back every step."""
     cache.current_seq_len = 0
     logits = model.forward(prompt, cache, last_id_only=True)
     tok = logits[:, -1:].argmax(-1).cpu()
@@ -196,6 +197,7 @@ def main() -> None:
     ap.add_argument("--split", default="", help="uneven gpu_split (GB, comma separated) checked after the main run")
     ap.add_argument("--model", default="/tmp/exlpy_tp70b")
     ap.add_argument("--no-dist", action="store_true")
+    ap.add_argument("--batch", type=int, default=32, help="also time batched decode (0: skip)")
     ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
     args = ap.parse_args()
     n = args.gpus
@@ -242,6 +244,11 @@ def main() -> None:
     cache = ExLlamaV2Cache(single, max_seq_len=4096)
     res["single_decode_ms"] = round(decode_ms(single, cache, prompt, args.steps, 1), 3)
     res["single_prefill2048_ms"] = round(prefill_ms(single, cache, long_ids, 1), 2)
+    if args.batch:
+        cb = ExLlamaV2Cache(single, batch_size=args.batch, max_seq_len=512)
+        res[f"single_decode_b{args.batch}_ms"] = round(decode_ms(single, cb, prompt.repeat(args.batch, 1),
+                                                                 args.steps // 2, 1), 3)
+        del cb
     if not args.no_diag:
         res["single_prefill_phases"] = single_phases(single, cache, long_ids)
         res["single_prefill_top_kernels"] = top_kernels(
@@ -316,6 +323,12 @@ def main() -> None:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
         m.config.no_graphs = no_graphs
         out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        if args.batch:
+            cb = ExLlamaV2Cache_TP(m, batch_size=args.batch, max_seq_len=512)
+            out[f"decode_b{args.batch}_ms"] = round(decode_ms(m, cb, prompt.repeat(args.batch, 1), args.steps // 2,
+                                                              n), 3)
+            del cb
+        out["comm_timings_us"] = {k: round(v * 1e6, 1) for k, v in (ctx.comm.timings or {}).items()}
         print(json.dumps({tag: out}), flush=True)
         save()
         if full and not args.no_diag:
@@ -374,6 +387,9 @@ def main() -> None:
     tp_run(None, "tp", True)
     res["speedup_decode"] = round(res["single_decode_ms"] / res["tp"]["decode_ms_graphs"], 2)
     res["speedup_prefill"] = round(res["single_prefill2048_ms"] / res["tp"]["prefill2048_ms"], 2)
+    if args.batch and f"decode_b{args.batch}_ms" in res["tp"]:
+        res[f"speedup_decode_b{args.batch}"] = round(res[f"single_decode_b{args.batch}_ms"]
+                                                     / res["tp"][f"decode_b{args.batch}_ms"], 2)
     save()
     if args.column:
         tp_run(None, "tp_column", False, RuntimeOptions(tp_layout="column"))
