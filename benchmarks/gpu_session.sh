@@ -53,7 +53,7 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
     mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -x -rs ${MGPU_ARGS:-} \
             tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py 2>&1 | tail -40 ;;
     tp2) CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_S:-330}" python benchmarks/tp.py --gpus 2 --timeout "${TP_WD:-320}" \
-           --no-dist --no-diag --mem-steps "${TP_MEM:-0}" --steps "${TP_STEPS:-200}" --out "$OUT/tp2.json" 2>&1 \
+           --no-dist --no-diag --mem-steps "${TP_MEM:-0}" --steps "${TP_STEPS:-200}" ${TP_ARGS:-} --out "$OUT/tp2.json" 2>&1 \
            | grep -v '^{' | tail -30; python -c "import json; r = json.load(open('$OUT/tp2.json')); \
 print(json.dumps({k: v for k, v in r.items() if k != 'flops'}, indent=0)[:3000])" ;;
     split) timeout "${SPLIT_S:-300}" python benchmarks/multigpu_split.py --out "$OUT/split_fp16.md" --steps 128 \

@@ -109,7 +109,7 @@ def _new_cache(p: dict[str, Any], model: ExLlamaV2, max_seq_len: int = 1024) -> 
 
 def _ids(tok: ExLlamaV2Tokenizer, n: int = 40) -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
-    text = tok.encode(" ".join(PROMPTS), add_bos=True)
+    text = tok.encode(" ".join(PROMPTS), add_bos=True)[:, :n // 2]
     extra = torch.randint(3, tok.get_vocab_size() - 1, (1, n - text.shape[1]), generator=g)
     return torch.cat([text, extra], dim=1)
 
