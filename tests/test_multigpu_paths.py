@@ -181,11 +181,17 @@ def _dynamic(model: ExLlamaV2, cache: Any, tok: ExLlamaV2Tokenizer, jobs: list[E
     gen = ExLlamaV2DynamicGenerator(model, cache, tok, **kw)
     gen.enqueue(jobs)
     out: dict[Any, list[int]] = {j: [] for j in jobs}
+    ends: dict[Any, str] = {}
     while gen.num_remaining_jobs():
         for r in gen.iterate():
             if r["stage"] == "streaming" and "token_ids" in r:
                 out[r["job"]].extend(r["token_ids"].view(-1).tolist())
+            if r.get("eos"):
+                ends[r["job"]] = r.get("eos_reason", "?")
     assert gen.page_table.num_unreferenced() == gen.num_pages  # every page back
+    for j in jobs:  # a job ends by its budget or a stop token, never early for another reason
+        assert ends.get(j) in ("max_new_tokens", "stop_token", "end_filter"), (ends.get(j), len(out[j]))
+        assert ends[j] != "max_new_tokens" or len(out[j]) == j.max_new_tokens, (len(out[j]), j.max_new_tokens)
     return out
 
 
