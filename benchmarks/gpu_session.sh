@@ -50,7 +50,8 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
             2>&1 | tail -30 ;;
     convert) timeout "${CONVERT_S:-560}" python benchmarks/convert_8b.py --work /tmp/cv8b --budget "${CONVERT_BUDGET:-540}" \
                --out "$OUT/convert.md" 2>&1 | tail -25 ;;
-    mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs ${MGPU_ARGS:-} \
+    mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs --timeout=120 \
+            --timeout-method=thread ${MGPU_ARGS:-} \
             tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py 2>&1 | tee "$OUT/mgpu.log" \
             | grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" | cut -c1-400 | tail -40 ;;
     tp2) CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_S:-330}" python benchmarks/tp.py --gpus 2 --timeout "${TP_WD:-320}" \

@@ -22,9 +22,8 @@ from exlpy.kernels.peer_allreduce import BLOCK, MAX_NUMEL, _allreduce_kernel
 sig = {n: "*fp16" for n in ["x"] + [f"r{i}" for i in range(8)]}
 sig |= {n: "*i32" for n in [f"f{i}" for i in range(8)]}
 sig |= {"recv_mine": "*fp16", "flags_mine": "*i32", "epochs": "*i32", "errors": "*i32"}
-sig |= {"numel": "i32", "rank": "i32", "spin": "i32", "N": "constexpr", "BLOCK": "constexpr", "MAXN": "constexpr",
-        "PDL": "constexpr"}
-src = ASTSource(_allreduce_kernel, sig, constexprs={"N": 2, "BLOCK": BLOCK, "MAXN": MAX_NUMEL, "PDL": True})
+sig |= {"numel": "i32", "rank": "i32", "spin": "i32", "N": "constexpr", "BLOCK": "constexpr", "MAXN": "constexpr"}
+src = ASTSource(_allreduce_kernel, sig, constexprs={"N": 2, "BLOCK": BLOCK, "MAXN": MAX_NUMEL})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 print("PTX " + json.dumps(k.asm["ptx"]))
 """
@@ -43,4 +42,3 @@ def test_peer_allreduce_compiles_with_system_scope_flags() -> None:
     assert re.search(r"\.sys\.acquire", ptx)  # flag polls
     assert ptx.count("bar.sync") >= 2  # stores issued before the flags; received tiles read after the wait
     assert re.search(r"ld\.global\.cg", ptx)  # received tiles bypass L1 (peers wrote them)
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx  # PDL

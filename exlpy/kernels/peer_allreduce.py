@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from exlpy.kernels import pdl
-
 MAX_SLOTS = 8
 _SLOTS = tl.constexpr(MAX_SLOTS)  # the flag row stride, inside the kernels
 MAX_PROGRAMS = 128
@@ -64,12 +62,10 @@ def _pick(j: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 @triton.jit(do_not_specialize=["numel", "rank", "spin"])
 def _allreduce_kernel(x, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, f3, f4, f5, f6, f7, recv_mine, flags_mine,
                       epochs, errors, numel, rank, spin, N: tl.constexpr, BLOCK: tl.constexpr,
-                      MAXN: tl.constexpr, PDL: tl.constexpr):
+                      MAXN: tl.constexpr):
     b = tl.program_id(0)
-    e = tl.load(epochs + b) + 1  # written by an all-reduce kernel at least two launches back: complete
+    e = tl.load(epochs + b) + 1
     par = e % 2
-    if PDL:  # launched while the projection before it drains (exlpy/kernels/pdl.py); x is its output
-        tl.extra.cuda.gdc_wait()
     offs = b * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     mine = tl.load(x + offs, mask=mask, other=0.0)
@@ -92,8 +88,6 @@ def _allreduce_kernel(x, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, f3, f4, f5,
                 n += 1
             if seen != e:
                 tl.atomic_add(errors, 1)
-    if PDL:  # the next kernel's static prologue may start while we sum
-        tl.extra.cuda.gdc_launch_dependents()
     tl.debug_barrier()  # the acquire above orders every thread's loads of the received tiles
     acc = mine.to(tl.float32)
     for j in tl.static_range(N):
@@ -147,11 +141,10 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: PeerState, spin: int = S
     recv = state.recv_as(tensors[0].dtype)
     pad = [recv[0]] * (MAX_SLOTS - n)
     fpad = [state.flags[0]] * (MAX_SLOTS - n)
-    use_pdl = pdl.enabled(tensors[0].device)
-    extra = pdl.launch_options(tensors[0].device)
+    # Not launched with PDL (exlpy/kernels/pdl.py): tried on two H200s (2026-11-26), the multi-GPU tests then hung
+    # in their first tensor-parallel forward (not diagnosed), and the benchmark's gain was within run-to-run noise.
     for rank, t in enumerate(tensors):
         with torch.cuda.device(t.device):
             _allreduce_kernel[(programs,)](
                 t, *recv, *pad, *state.flags, *fpad, recv[rank], state.flags[rank], state.epochs[rank],
-                state.errors[rank], numel, rank, spin, N=n, BLOCK=BLOCK, MAXN=MAX_NUMEL, PDL=use_pdl, num_warps=4,
-                **extra)
+                state.errors[rank], numel, rank, spin, N=n, BLOCK=BLOCK, MAXN=MAX_NUMEL, num_warps=4)
