@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_serve_is_a_subcommand_with_its_flags() -> None:
+    from exlpy.cli.serve import options_from_args
+
     args = build_parser().parse_args(["serve", "--port", "9001", "--max-queue", "3", "--cache-size", "4096"])
-    assert (args.port, args.max_queue, args.cache_size, args.host, args.model) == (9001, 3, 4096, "127.0.0.1", None)
+    opts, warnings = options_from_args(args)
+    assert (opts.access.port, opts.max_queue, opts.model.cache_size, opts.access.host, opts.model.model_dir) == \
+        (9001, 3, 4096, "127.0.0.1", None) and warnings == []
 
 
 def test_bad_max_queue_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
