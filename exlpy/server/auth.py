@@ -53,6 +53,7 @@ class KeyPolicy:
         return bool(self.api_keys) and not self.disable_auth
 
     def role_of(self, path: str) -> str:
+        path = "/" + "/".join(p for p in path.split("/") if p)  # "/v1//model/load/" is the admin route too
         if path in ADMIN_ROUTES:
             return "admin"
         return "open" if path in self.open else "user"
