@@ -103,6 +103,22 @@ class ServeOptions:
 
 
 # --- value checks (each names the flag / key) -------------------------------------------------------------------
+# Options that only a config file (or an admin request) sets: no flag of that name.
+FILE_ONLY = frozenset({"gpu_split_auto", "chunk_size", "draft_model_dir", "draft_model_name", "draft_rope_scale",
+                       "draft_rope_alpha", "draft_gpu_split", "model_name", "disable_auth", "loras"})
+
+
+def label(option: str) -> str:
+    """How a message names an option: its flag, and its key in the config file where it has one."""
+    from exlpy.server.config_file import KEYS
+
+    key = next((f"{section}.{k}" for section, keys in KEYS.items() for k, o in keys.items() if o == option), None)
+    if option in FILE_ONLY and key:
+        return key
+    flag = "--" + option.replace("_", "-")
+    return f"{flag} ({key})" if key else flag
+
+
 def _positive_int(v: Any, what: str) -> int | None:
     if v is None:
         return None
@@ -233,52 +249,52 @@ def resolve_child(root: str | None, name: str, what: str) -> str:
 
 
 def _draft(v: Mapping[str, Any]) -> DraftOptions | None:
-    directory = _str(v.get("draft_model"), "--draft-model")
+    directory = _str(v.get("draft_model"), label("draft_model"))
     name = _str(v.get("draft_model_name"), "draft_model.draft_model_name")
     if directory is None and name is not None:
         directory = resolve_child(_str(v.get("draft_model_dir"), "draft_model.draft_model_dir"), name,
                                   "draft_model.draft_model_dir")
     if directory is None:
         return None
-    return DraftOptions(directory, cache_mode(v.get("draft_cache_mode"), "--draft-cache-mode"),
-                        _positive_float(v.get("draft_rope_scale"), "--draft-rope-scale"),
-                        rope_alpha(v.get("draft_rope_alpha"), "--draft-rope-alpha"),
-                        number_list(v.get("draft_gpu_split"), "--draft-gpu-split"))
+    return DraftOptions(directory, cache_mode(v.get("draft_cache_mode"), label("draft_cache_mode")),
+                        _positive_float(v.get("draft_rope_scale"), label("draft_rope_scale")),
+                        rope_alpha(v.get("draft_rope_alpha"), label("draft_rope_alpha")),
+                        number_list(v.get("draft_gpu_split"), label("draft_gpu_split")))
 
 
 def model_options(v: Mapping[str, Any]) -> ModelOptions:
     """ModelOptions from flat values (flags, file keys or an admin request body); None means "not set"."""
-    model_dir = _str(v.get("model"), "--model")
+    model_dir = _str(v.get("model"), label("model"))
     if model_dir is None and v.get("model_name") is not None:
         model_dir = resolve_child(_str(v.get("model_dir"), "model.model_dir"), _str(v.get("model_name"),
                                   "model.model_name") or "", "model.model_dir")
-    gpu_split = number_list(v.get("gpu_split"), "--gpu-split")
-    auto = _bool(v.get("gpu_split_auto"), "gpu_split_auto", default=True)
+    gpu_split = number_list(v.get("gpu_split"), label("gpu_split"))
+    auto = _bool(v.get("gpu_split_auto"), label("gpu_split_auto"), default=True)
     if gpu_split is not None and v.get("gpu_split_auto") is True and not v.get("tensor_parallel"):
         raise ConfigError("gpu_split_auto: true and a gpu_split were both given: set gpu_split_auto: false to use "
                           "the split")
     if not auto and gpu_split is None and not v.get("tensor_parallel"):
         raise ConfigError("gpu_split_auto is false but no gpu_split is given: name the GB per GPU")
-    max_seq_len = _positive_int(v.get("max_seq_len"), "--max-seq-len")
-    cache_size = _positive_int(v.get("cache_size"), "--cache-size")
+    max_seq_len = _positive_int(v.get("max_seq_len"), label("max_seq_len"))
+    cache_size = _positive_int(v.get("cache_size"), label("cache_size"))
     if max_seq_len and cache_size and cache_size < max_seq_len:
         raise ConfigError(f"--cache-size {cache_size} is smaller than --max-seq-len {max_seq_len}: one request of "
                           "the full context would never fit")
-    ngram = _bool(v.get("ngram_draft"), "--ngram-draft")
+    ngram = _bool(v.get("ngram_draft"), label("ngram_draft"))
     draft = _draft(v)
     if draft is not None and ngram:
         raise ConfigError("--draft-model and --ngram-draft are alternatives: pass one of them")
-    template = _str(v.get("prompt_template"), "--prompt-template")
+    template = _str(v.get("prompt_template"), label("prompt_template"))
     return ModelOptions(
-        model_dir=model_dir, served_model_name=_str(v.get("served_model_name"), "--served-model-name"),
-        max_seq_len=max_seq_len, cache_size=cache_size, cache_mode=cache_mode(v.get("cache_mode"), "--cache-mode"),
-        gpu_split=gpu_split, autosplit_reserve=number_list(v.get("autosplit_reserve"), "autosplit_reserve", int),
-        tensor_parallel=_bool(v.get("tensor_parallel"), "--tensor-parallel"),
-        rope_scale=_positive_float(v.get("rope_scale"), "--rope-scale"),
-        rope_alpha=rope_alpha(v.get("rope_alpha"), "--rope-alpha"), prompt_template=template,
-        max_batch_size=_positive_int(v.get("max_batch_size"), "--max-batch-size"),
-        chunk_size=_positive_int(v.get("chunk_size"), "chunk_size"), draft=draft, ngram_draft=ngram,
-        num_draft_tokens=_positive_int(v.get("num_draft_tokens"), "--num-draft-tokens"),
+        model_dir=model_dir, served_model_name=_str(v.get("served_model_name"), label("served_model_name")),
+        max_seq_len=max_seq_len, cache_size=cache_size, cache_mode=cache_mode(v.get("cache_mode"), label("cache_mode")),
+        gpu_split=gpu_split, autosplit_reserve=number_list(v.get("autosplit_reserve"), label("autosplit_reserve"), int),
+        tensor_parallel=_bool(v.get("tensor_parallel"), label("tensor_parallel")),
+        rope_scale=_positive_float(v.get("rope_scale"), label("rope_scale")),
+        rope_alpha=rope_alpha(v.get("rope_alpha"), label("rope_alpha")), prompt_template=template,
+        max_batch_size=_positive_int(v.get("max_batch_size"), label("max_batch_size")),
+        chunk_size=_positive_int(v.get("chunk_size"), label("chunk_size")), draft=draft, ngram_draft=ngram,
+        num_draft_tokens=_positive_int(v.get("num_draft_tokens"), label("num_draft_tokens")),
         loras=lora_specs(v.get("lora"), v.get("loras"), _str(v.get("lora_dir"), "lora.lora_dir")))
 
 
@@ -291,7 +307,8 @@ def access_options(v: Mapping[str, Any], env_key: str | None) -> AccessOptions:
         admin += b
     if env_key:
         api.append(env_key)
-    keyfile, certfile = _str(v.get("ssl_keyfile"), "--ssl-keyfile"), _str(v.get("ssl_certfile"), "--ssl-certfile")
+    keyfile = _str(v.get("ssl_keyfile"), label("ssl_keyfile"))
+    certfile = _str(v.get("ssl_certfile"), label("ssl_certfile"))
     if (keyfile is None) != (certfile is None):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together: pass both (the private key and the "
                           "certificate chain, PEM)")
@@ -311,10 +328,10 @@ def access_options(v: Mapping[str, Any], env_key: str | None) -> AccessOptions:
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
         raise ConfigError(f"--port must be in [0, 65535], got {port!r}")
     return AccessOptions(
-        host=_str(v.get("host"), "--host") or DEFAULT_HOST, port=DEFAULT_PORT if port is None else port,
+        host=_str(v.get("host"), label("host")) or DEFAULT_HOST, port=DEFAULT_PORT if port is None else port,
         api_keys=_check_keys(api, "--api-key"), admin_keys=_check_keys(admin, "--admin-key"),
         disable_auth=_bool(v.get("disable_auth"), "disable_auth"),
-        metrics_require_key=_bool(v.get("metrics_require_key"), "--metrics-require-key"),
+        metrics_require_key=_bool(v.get("metrics_require_key"), label("metrics_require_key")),
         ssl_keyfile=keyfile, ssl_certfile=certfile, allowed_origins=tuple(origins),
         shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT if timeout is None else float(timeout))
 
@@ -331,7 +348,7 @@ def resolve(values: Mapping[str, Any], env_key: str | None = None) -> ServeOptio
     level = values.get("log_level") or "info"
     return ServeOptions(
         access=access_options(values, env_key), model=model_options(values),
-        models_root=_str(values.get("model_dir"), "--model-dir"), loras_root=_str(values.get("lora_dir"),
+        models_root=_str(values.get("model_dir"), label("model_dir")), loras_root=_str(values.get("lora_dir"),
                                                                                     "--lora-dir"),
         max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
         max_body_bytes=int((DEFAULT_MAX_BODY_MB if body_mb is None else body_mb) * 2**20), log_level=level)
