@@ -333,6 +333,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
                                 self.return_logits)
         return self._take(token, payload, bool(end_filter))
 
+    def end_stream(self, reason: str = "max_new_tokens") -> dict[str, Any]:
+        """exlpy: end the stream now (a token budget is spent) and release the text still held back, e.g. the
+        first bytes of a character whose last byte was never sampled. Nothing more is sampled: the result's
+        `chunk_token_ids` are tokens already generated."""
+        if not self.active:
+            raise GeneratorError("end_stream() called without an active stream")
+        self._discard()
+        return self._result(self.text_stream.end(Released(), reason))
+
     def _feed(self, token: int, payload: dict[str, Any]) -> Released:
         """Append one token (no filters or banned strings: speculation runs without them) and release text."""
         seq = self.sequence_ids
