@@ -22,8 +22,12 @@ from exlpy.server.options import AccessOptions, ModelOptions, ServeOptions  # no
 from tests.lora_util import write_adapter  # noqa: E402
 from tests.openai_server import free_port  # noqa: E402
 from tests.test_server_auth import running  # noqa: E402
-from tests.test_server_helpers import NO_EOS, slow_steps, sse_events  # noqa: E402
-from tests.test_server_helpers import single_torch_thread  # noqa: E402, F401  (autouse fixture)
+from tests.test_server_helpers import (  # noqa: E402
+    NO_EOS,
+    single_torch_thread,  # noqa: E402, F401  (autouse fixture)
+    slow_steps,
+    sse_events,
+)
 
 ADMIN = {"Authorization": "Bearer boss"}
 USER = {"Authorization": "Bearer user"}
