@@ -142,6 +142,8 @@ def test_switch_refuses_new_requests_and_lets_running_ones_finish(roots: tuple[P
         assert refused.status_code == 503 and "loading model second" in refused.json()["error"]["message"]
         assert refused.headers["retry-after"] == "1"
         assert httpx.get(f"{base}/health").status_code == 503
+        second = httpx.post(f"{base}/v1/model/load", headers=ADMIN, json={"model_name": "first"}, timeout=30)
+        assert second.status_code == 409 and second.json()["error"]["code"] == "model_switching"
         t_stream.join(timeout=30)
         t_load.join(timeout=60)
         events = stream["events"]
