@@ -66,3 +66,10 @@ def test_end_stream_releases_held_text() -> None:
     assert r["eos"] and r["eos_reason"] == "max_new_tokens" and released + r["chunk_token_ids"].shape[-1] == 4
     assert text + r["chunk"] == tok.decode(gen.sequence_ids[0, -4:])
     assert not gen.active
+
+
+def test_seed_past_64_bits_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", PROMPT, "--model", str(shared_path("models", "tiny-llama-fp16")), "-n", "2",
+                 "--seed", str(2**70)]) == 1
+    err = capsys.readouterr().err
+    assert "--seed must fit in 64 bits" in err and "Traceback" not in err

@@ -40,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exlpy.errors import ConfigError
     from exlpy.generator import ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+    from exlpy.generator.dynamic.validate import check_seed
 
     prompt = args.prompt if args.prompt is not None else args.prompt_pos
     if prompt is None:
         raise ConfigError("no prompt given: exlpy generate \"Once upon a time\" (or --prompt TEXT)")
+    check_seed(args.seed, "--seed")  # before anything is loaded
     config = ExLlamaV2Config(args.model or DEMO_MODEL_DIR)
     config.max_seq_len = args.max_seq_len or min(config.max_seq_len, 4096)
     config.max_input_len = min(config.max_input_len, config.max_seq_len)
