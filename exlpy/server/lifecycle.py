@@ -49,12 +49,14 @@ class ModelGate:
         self.closed_reason: str | None = None
         self.active = 0
         self.switching = False  # an exclusive() section runs
+        self.shutting_down = False  # drain() started: nothing reopens the gate
 
     def close(self, reason: str) -> None:
         self.closed_reason = reason
 
     def open(self) -> None:
-        self.closed_reason = None
+        if not self.shutting_down:
+            self.closed_reason = None
 
     def enter(self) -> None:
         self.active += 1
@@ -104,6 +106,7 @@ async def drain(state: Any, timeout: float) -> None:
     """Bounded shutdown: close the gate, let running requests finish for up to `timeout` seconds, then end the
     remaining jobs with ServerShutdownError (their streams send an error event)."""
     gate: ModelGate = state.gate
+    gate.shutting_down = True
     gate.close("the server is shutting down")
     t0 = time.monotonic()
     if await gate.wait_idle(timeout):
@@ -130,7 +133,9 @@ async def exclusive(state: Any, reason: str) -> AsyncIterator[None]:
         yield
     finally:
         gate.switching = False
-        if state.bridge is None:
+        if gate.shutting_down:
+            pass
+        elif state.bridge is None:
             gate.close(NO_MODEL)
         else:
             gate.open()
