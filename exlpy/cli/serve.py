@@ -59,7 +59,8 @@ def add_loading_args(p: argparse.ArgumentParser) -> None:
                    "(default: the generator's)")
     g.add_argument("--draft-model", default=None, metavar="DIR", help="speculative decoding with this draft model "
                    "(same vocabulary, any format); /health shows its acceptance rate")
-    g.add_argument("--draft-cache-mode", default=None, type=str.upper, choices=["FP16", "Q8", "Q6", "Q4"])
+    g.add_argument("--draft-cache-mode", default=None, type=str.upper, choices=["FP16", "Q8", "Q6", "Q4"],
+                   help="KV cache precision of the draft model (default: FP16)")
     g.add_argument("--ngram-draft", action="store_true", default=None, help="speculative decoding with n-gram "
                    "drafts from each request's context")
     g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default: adapted "
