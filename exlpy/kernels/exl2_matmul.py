@@ -1,9 +1,10 @@
 """Triton matmuls on packed EXL2/GPTQ weights (spec §3.2-3.6), with `exl2_matmul_ref` as the torch twin.
 
-Strategy (as in the reference library): up to 32 activation rows run a fused dequantize-and-multiply kernel that
-reads every packed word once (exl2_gemv.py for one row, with `_qmv32`/`_qmv` here for layouts it does not take;
-`_qmm` with tensor cores for 2-32 rows); more rows dequantize
-the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM.
+Strategy (as in the reference library): up to 64 activation rows run a fused dequantize-and-multiply kernel that
+reads every packed word once (exl2_gemv.py for one row, exl2_qmm.py for 2-64 rows, with `_qmv32`/`_qmv`/`_qmm`
+here for layouts those do not take: 16-row 2-bit groups, act-order GPTQ); more rows (prefill) dequantize
+the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM. Where the
+fused kernels hand over is `exl2_qmm_plan.rows_kernel_takes` (a per-shape table and EXLPY_QUANT_ROWS).
 
 The packed matrix is processed one *segment* (all groups of one bit width) at a time so the width is a
 compile-time constant; fused kernels split K across programs by whole groups and accumulate with fp32 atomics.
@@ -19,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from exlpy.kernels import exl2_gemv
+from exlpy.kernels import exl2_gemv, exl2_qmm, exl2_qmm_plan
 from exlpy.quant.exl2_ref import exl2_matmul_ref as _dense_ref
 from exlpy.quant.layout import QuantMatrix, Segment
 
-MAX_FUSED_ROWS = 32
+MAX_FUSED_ROWS = 64  # the generic fused kernels below: rows of layouts exl2_qmm does not take
 _SCRATCH_ELEMS = 1 << 26  # fp16 dequant scratch cap (128 MiB); wider matrices are done in column slices
 
 
@@ -225,7 +226,7 @@ CONFIG: dict[str, dict[str, int]] = {
 
 
 def fused_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
-    """x [M <= 32, K] fp16 contiguous -> fp32 [M, N] by the fused kernels."""
+    """x [M <= 64, K] fp16 contiguous -> fp32 [M, N] by the generic fused kernels (any layout)."""
     m = x.shape[0]
     out = torch.zeros(m, qm.n, dtype=torch.float32, device=x.device)
     sc, sm, z, ssc, sz = _args(qm)
@@ -247,7 +248,7 @@ def fused_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
             _qmm[(pn, nk)](x, perm, out, qm.q_weight, sc, sm, z, qm.group_rows, m, qm.n, x.stride(0),
                            out.stride(0), qm.q_weight.stride(0), ssc, sz, seg.g_lo, seg.g_hi, gpp, seg.row0,
                            seg.word0, BITS=seg.bits, GPTQ=gptq, HAS_PERM=qm.perm is not None,
-                           BLOCK_M=16 if m <= 16 else 32, **cfg)
+                           BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, **cfg)
     return out
 
 
@@ -283,19 +284,54 @@ def dequant_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     return y
 
 
+def fused_rows(m: int, qm: QuantMatrix) -> bool:
+    """Whether m >= 2 rows of qm run exl2_qmm (packed weights read once), by shape and layout."""
+    return exl2_qmm_plan.rows_kernel_takes(m, qm.k, qm.n) and exl2_qmm_plan.supports(qm)
+
+
 def exl2_matmul(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W (+ bias) for x [..., K] on the packed matrix qm; result [..., N] in x's dtype."""
     lead = x.shape[:-1]
+    m = x.numel() // qm.k
+    if m >= 2 and fused_rows(m, qm):
+        return exl2_qmm.qmm(x.reshape(m, qm.k), [qm], bias).reshape(*lead, qm.n)
     x2 = x.reshape(-1, qm.k).to(torch.float16).contiguous()
     if x2.shape[0] == 1 and USE_GEMV and exl2_gemv.supports(qm):
         return exl2_gemv.exl2_gemv(x2, qm, bias).to(x.dtype).reshape(*lead, qm.n)
-    if x2.shape[0] <= MAX_FUSED_ROWS:
+    if x2.shape[0] <= MAX_FUSED_ROWS and (x2.shape[0] == 1 or exl2_qmm_plan.rows_kernel_takes(x2.shape[0], qm.k,
+                                                                                               qm.n)):
         y = fused_matmul(x2, qm)
     else:
         y = dequant_matmul(x2, qm)
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).reshape(*lead, qm.n)
+
+
+def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                      eps: float = 0.0) -> torch.Tensor:
+    """Same contract as `reference.quant_matmul`: 2-64 rows of layouts it takes go to exl2_qmm in one launch
+    (norm, act-order gather and residual fused); other row counts and layouts run the parts one by one."""
+    from exlpy.kernels import ops
+
+    k = parts[0].k
+    n = sum(p.n for p in parts)
+    m = x.numel() // k
+    lead = x.shape[:-1]
+    if m >= 2 and exl2_qmm_plan.rows_kernel_takes(m, k, n) and all(exl2_qmm_plan.supports(p) for p in parts):
+        res = residual.view(m, n) if residual is not None and residual.is_contiguous() else None
+        y = exl2_qmm.qmm(x.reshape(m, k), parts, bias, res, norm_weight, eps)
+        if residual is not None and res is None:
+            return residual.add_(y.view(residual.shape))
+        return residual if res is not None else y.view(*lead, n)
+    h = ops.rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    ys, o = [], 0
+    for p in parts:
+        ys.append(exl2_matmul(h, p, bias[o:o + p.n] if bias is not None else None))
+        o += p.n
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    return y if residual is None else residual.add_(y.to(residual.dtype))
 
 
 def exl2_matmul_ref(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:

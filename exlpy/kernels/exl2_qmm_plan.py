@@ -1,0 +1,231 @@
+"""Work split of the multi-row quantized matmul (exl2_qmm.py), and where it hands over to dequantize + cuBLAS.
+
+A plan is made once per set of matrices that read the same x (one matrix, q|k|v, gate|up) and lives on the
+device as an int64 task table, one row per program: (column block, one bit width's run of 32-row blocks). The
+K ranges are cut so that the grid fills the device about WAVES times over, in proportion to the packed bytes
+of each (matrix, segment), as the decode GEMV's plan does (exl2_gemv_plan.py). Two small int32 tables go with
+it: the group of every 32-row block of every matrix (scales are applied per block, so a K range may start
+and end anywhere on a block boundary), and the source column of every position of the blocked x layout the
+kernel reads (act order and the layout change in one gather, see exl2_qmm.gather_rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from exlpy.kernels.exl2_gemv_plan import num_sms, supports
+from exlpy.quant.layout import QuantLayout, QuantMatrix
+from exlpy.runtime import options
+
+__all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "QmmPlan", "plan_for", "rows_kernel_takes", "supports"]
+
+MAX_ROWS = 64  # rows (tokens) the multi-row kernel takes at most; BLOCK_M is 16, 32 or 64
+WS_ELEMS = 1 << 21  # fp32 split-K workspace per device: rows_pad * output columns (8 MiB)
+WS_BLOCKS = 1 << 14  # arrival counters per device
+
+# Columns of a task row. o_*: element offsets of the matrix's tensors from the plan's first matrix (o_qw at the
+# segment's first word row); s_*: row strides; blk_lo/blk_hi: the 32-row blocks (of the whole matrix) this
+# program covers, sb0 the segment's first block; o_bg: the matrix's block -> group table in the plan's table;
+# o_y: first output column of the matrix; cnt/arrivals: the column block's arrival counter and how many
+# programs add into it (split-K).
+FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "o_sc", "s_sc", "o_aux", "s_aux", "o_bg", "bits", "blk_lo", "blk_hi",
+          "sb0", "o_y", "cnt", "arrivals")
+
+# Launch parameters (benchmarks/exl2_speed.py --sweep measures alternatives). BLOCK_N: output columns per
+# program; KB: 32-row blocks per K step (one tl.dot with K = 32 KB); WAVES: programs per SM the K split aims
+# for; ONE_LAUNCH: all bit widths of a plan in one launch (a run-time branch per task) instead of one launch per
+# width; WARPS_<BLOCK_M>: warps per program; STAGES: software-pipelining depth of the packed-word loads.
+# Defaults: chosen offline from the sm_90a SASS (benchmarks/qmm_compile_check.py: ~5.3 instructions per 4-bit
+# weight, no spills); to be confirmed by the H100 sweep.
+CONFIG: dict[str, int] = {"BLOCK_N": 128, "KB": 4, "WAVES": 3, "ONE_LAUNCH": 1, "WARPS_16": 4, "WARPS_32": 4,
+                          "WARPS_64": 8, "STAGES": 3}
+
+# Where dequantize-to-fp16 + cuBLAS starts to win: the fewest rows that take it, per (K, N) of a product (N: all
+# output columns of a fused group); shapes not listed switch above the runtime option `quant_rows`
+# (EXLPY_QUANT_ROWS, default MAX_ROWS). benchmarks/exl2_speed.py times both paths per shape and row count and
+# prints the crossover it measured, in this table's form.
+CROSSOVER: dict[tuple[int, int], int] = {}
+
+
+def rows_kernel_takes(m: int, k: int, n: int) -> bool:
+    """Whether m >= 2 rows of a [k, n] product run fused (the multi-row kernel), not dequantize + cuBLAS."""
+    return 2 <= m <= options().quant_rows and m < CROSSOVER.get((k, n), MAX_ROWS + 1)
+
+
+def block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+@dataclass(frozen=True)
+class Launch:
+    widths: int  # bit mask of the widths its tasks use (bit b set: some task is b-bit)
+    programs: int
+    tasks: torch.Tensor  # int64 [programs, len(FIELDS)]
+
+
+@dataclass(frozen=True)
+class QmmPlan:
+    k: int
+    n: int  # output columns of all matrices together
+    nblk: int  # 32-row blocks of K (the last one possibly partial)
+    block_n: int
+    kb: int
+    split: bool  # several programs add into one column block (workspace + arrival counters)
+    aligned: bool  # every q_weight offset and stride keeps 16-byte loads
+    launches: tuple[Launch, ...]
+    block_groups: torch.Tensor  # int32: every matrix's block -> group table, side by side
+    src: torch.Tensor  # int32 [32 * nblk]: source column of each blocked-x position (-1: zero)
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    d = t.data_ptr() - base.data_ptr()
+    if d % t.element_size():
+        raise ValueError("quantized tensors of one group must be element-aligned with each other")
+    return d // t.element_size()
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What the plan needs of one matrix: hashable, so equal sets of matrices share a cached plan."""
+
+    layout: QuantLayout
+    n: int
+    ld_n: int
+    s_qw: int
+    s_sc: int
+    s_aux: int
+    o_qw: int
+    o_sc: int
+    o_aux: int
+
+
+def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
+    q0 = parts[0]
+    aux0 = q0.scale_max if q0.kind == "exl2" else q0.zeros
+    out = []
+    for p in parts:
+        if p.kind != q0.kind or p.device != q0.device or p.k != q0.k:
+            raise ValueError("a multi-row group needs matrices of one kind, device and K")
+        if not supports(p):
+            raise ValueError("the multi-row kernel needs groups of whole 32-row blocks")
+        aux = p.scale_max if p.kind == "exl2" else p.zeros
+        assert aux is not None and aux0 is not None
+        out.append(_Part(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
+                         aux.stride(0) if aux.dim() > 1 else 0, _offset(p.q_weight, q0.q_weight),
+                         _offset(p.scales, q0.scales), _offset(aux, aux0)))
+    return tuple(out)
+
+
+def plan_for(parts: list[QuantMatrix], perm: torch.Tensor | None) -> QmmPlan:
+    """The plan for x @ [parts side by side] (parts share K and act order `perm`), cached by the matrices'
+    layouts, relative placement and the permutation's identity. Made outside CUDA-graph capture (the tables are
+    copied to the device): QuantLinear and FusedQuant make theirs at load time."""
+    dev = parts[0].device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return _plan_cached(_describe(parts), dev, num_sms(dev), tuple(sorted(CONFIG.items())),
+                        _PermKey(perm))
+
+
+class _PermKey:
+    """Hashes a permutation tensor by identity (plans hold device tables derived from it)."""
+
+    def __init__(self, perm: torch.Tensor | None) -> None:
+        self.perm = perm
+
+    def __hash__(self) -> int:
+        return id(self.perm)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _PermKey) and other.perm is self.perm
+
+
+BITREV5 = [int(f"{p:05b}"[::-1], 2) for p in range(32)]
+
+
+def _src_table(k: int, perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Blocked x position 32 b + p holds sorted row 32 b + bitrev5(p) (the order the kernel stacks a block's
+    codes in), i.e. input column perm[that row]."""
+    nblk = -(-k // 32)
+    rows = 32 * torch.arange(nblk)[:, None] + torch.tensor(BITREV5)[None, :]  # [nblk, 32] sorted row
+    src = perm.to("cpu", torch.int64)[rows.clamp(max=k - 1)] if perm is not None else rows.clone()
+    src[rows >= k] = -1
+    return src.reshape(-1).to(device=device, dtype=torch.int32)
+
+
+def _block_groups(lay: QuantLayout) -> list[int]:
+    nblk = -(-lay.k // 32)
+    out = []
+    g = 0
+    for b in range(nblk):
+        while lay.group_rows[g + 1] <= b * 32:
+            g += 1
+        out.append(g)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: tuple[tuple[str, int], ...],
+                 perm: _PermKey) -> QmmPlan:
+    c = dict(cfg)
+    bn, kb = c["BLOCK_N"], c["KB"]
+    k = parts[0].layout.k
+    nblk = -(-k // 32)
+    n_total = sum(p.n for p in parts)
+    want = c["WAVES"] * sms
+    cols = sum(triton.cdiv(p.n, bn) for p in parts)
+    # split-K only where the workspace holds MAX_ROWS rows of every output column
+    may_split = n_total * MAX_ROWS <= WS_ELEMS and cols <= WS_BLOCKS
+    segs = [(m, s) for m, p in enumerate(parts) for s in p.layout.segments]
+
+    def seg_blocks(m: int, s: object) -> tuple[int, int]:
+        lay = parts[m].layout
+        return s.row0 // 32, -(-lay.group_rows[s.g_hi] // 32)  # type: ignore[attr-defined]
+
+    cost = {(m, s): (parts[m].layout.group_rows[s.g_hi] - s.row0) * s.bits * parts[m].n for m, s in segs}
+    total = sum(cost.values())
+    rows: dict[int, list[list[int]]] = {}  # bits -> task rows
+    bg_all: list[int] = []
+    o_y = cnt0 = 0
+    for m, p in enumerate(parts):
+        pn = triton.cdiv(p.n, bn)
+        o_bg = len(bg_all)
+        bg_all += _block_groups(p.layout)
+        for s in p.layout.segments:
+            b_lo, b_hi = seg_blocks(m, s)
+            blocks = b_hi - b_lo
+            nk = max(1, min(triton.cdiv(blocks, kb), round(want * cost[(m, s)] / total / pn))) if may_split else 1
+            per = triton.cdiv(triton.cdiv(blocks, nk), kb) * kb  # whole K steps per program where possible
+            o_qw = p.o_qw + s.word0 * p.s_qw
+            for cb in range(pn):
+                for lo in range(b_lo, b_hi, per):
+                    rows.setdefault(s.bits, []).append(
+                        [cb, p.n, p.ld_n, p.s_qw, o_qw, p.o_sc, p.s_sc, p.o_aux, p.s_aux, o_bg, s.bits, lo,
+                         min(lo + per, b_hi), b_lo, o_y, cnt0 + cb, 0])
+        o_y += p.n
+        cnt0 += pn
+    arrivals = [0] * cnt0
+    every = [r for rs in rows.values() for r in rs]
+    for r in every:
+        arrivals[r[FIELDS.index("cnt")]] += 1
+    for r in every:
+        r[FIELDS.index("arrivals")] = arrivals[r[FIELDS.index("cnt")]]
+    # Largest tasks first: the tail of the grid is made of short programs.
+    if c["ONE_LAUNCH"]:
+        every.sort(key=lambda r: -(r[FIELDS.index("blk_hi")] - r[FIELDS.index("blk_lo")]) * r[FIELDS.index("bits")])
+        groups = [every]
+    else:
+        groups = [rs for _, rs in sorted(rows.items())]
+    launches = []
+    for rs in groups:
+        widths = 0
+        for r in rs:
+            widths |= 1 << r[FIELDS.index("bits")]
+        launches.append(Launch(widths, len(rs), torch.tensor(rs, dtype=torch.int64, device=device)))
+    aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
+    return QmmPlan(k, n_total, nblk, bn, kb, max(arrivals) > 1, aligned, tuple(launches),
+                   torch.tensor(bg_all, dtype=torch.int32, device=device), _src_table(k, perm.perm, device))
