@@ -57,7 +57,7 @@ def _sass_mix(cubin: bytes) -> dict[str, int]:
 def compile_variant(bits: int, bm: int, gptq: bool = False, split: bool = True, sass: str | None = None) -> dict:
     fn = exl2_qmm._qmm
     consts = dict(WIDTHS=1 << bits, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True,
-                  BLOCK_M=bm, BLOCK_N=CONFIG["BLOCK_N"], KB=CONFIG["KB"], NF=len(FIELDS))
+                  BLOCK_M=bm, BLOCK_N=CONFIG["BLOCK_N"], KB=CONFIG["KB"], NF=len(FIELDS), PDL=True)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exlpy.kernels import pdl
 from exlpy.kernels.exl2_qmm_plan import CONFIG, FIELDS, MAX_ROWS, WS_BLOCKS, WS_ELEMS, QmmPlan, block_m, plan_for
 from exlpy.quant.layout import QuantMatrix
 
@@ -139,7 +140,7 @@ def _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, 
 def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, K,
          n_total, stride_xm, stride_ym, stride_rm, one, WIDTHS: tl.constexpr, GPTQ: tl.constexpr,
          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, NF: tl.constexpr):
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, NF: tl.constexpr, PDL: tl.constexpr):
     """One program per task row. SPLIT 0: each column block has one program, which writes y; SPLIT 1: add into
     the workspace [M, n_total], and the last program to arrive at a column block writes y and resets its
     workspace and counter. aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]."""
@@ -165,6 +166,8 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
     offs_n = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     ld_mask = offs_n < ld_n
     qw = qw_ptr + o_qw
+    if PDL:  # launched early (exlpy/kernels/pdl.py): the task row above is static; x, y, workspace are not
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # One branch per bit width the launch holds (WIDTHS: bit b set for width b), chosen per task at run time.
     if (WIDTHS >> 4) & 1:
@@ -191,6 +194,8 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
         if bits == 8:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
                            bg, blk_lo, blk_hi, sb0, one, 8, GPTQ, BLOCK_M, BLOCK_N, KB)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
     out_mask = (offs_m < M)[:, None] & (offs_n < n)[None, :]
     cols = tl.load(t + _O_Y) + offs_n  # columns in the plan's y
@@ -224,12 +229,15 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
 
 @triton.jit
 def _gather(x_ptr, w_ptr, src_ptr, out_ptr, K, P, stride_x, stride_o, eps, NORM: tl.constexpr,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[m, j] = x[m, src[j]] (* w[src[j]] * rsqrt(mean(x[m]²) + eps) with NORM) as fp16; 0 where src < 0."""
     m = tl.program_id(1)
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     src = tl.load(src_ptr + j, mask=j < P, other=-1)
     ok = src >= 0
+    if PDL:  # launched early (exlpy/kernels/pdl.py): x comes from the previous kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     v = tl.load(x_ptr + m * stride_x + src, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         # every program reduces its whole row itself (a few KB from L2): no second launch
@@ -255,7 +263,8 @@ def gather_rows(x: torch.Tensor, plan: QmmPlan, norm_weight: torch.Tensor | None
     out = torch.empty(m, p, dtype=torch.float16, device=x.device)
     _gather[(triton.cdiv(p, _GATHER_BLOCK), m)](x, norm_weight if norm_weight is not None else x, plan.src, out,
                                                 k, p, x.stride(0), out.stride(0), eps, NORM=norm_weight is not None,
-                                                BLOCK=_GATHER_BLOCK, num_warps=4)
+                                                BLOCK=_GATHER_BLOCK, num_warps=4, PDL=pdl.enabled(x.device),
+                                                **pdl.launch_options(x.device))
     return out
 
 
@@ -294,13 +303,15 @@ def run_plan(plan: QmmPlan, xb: torch.Tensor, parts: list[QuantMatrix], bias: to
     assert aux is not None
     bm = block_m(m)
     res = residual if residual is not None else out
+    dev = _device(xb.device)
     for ln in plan.launches:
         _qmm[(ln.programs,)](
             xb, q0.q_weight, q0.scales, aux, plan.block_groups, bias if bias is not None else out, res, out, ws,
             cnt, ln.tasks, m, plan.k, plan.n, xb.stride(0), out.stride(0), res.stride(0), _ONE,
             WIDTHS=ln.widths, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=bm, BLOCK_N=plan.block_n, KB=plan.kb, NF=len(FIELDS),
-            num_warps=CONFIG[f"WARPS_{bm}"], num_stages=CONFIG["STAGES"])
+            PDL=pdl.enabled(dev), num_warps=CONFIG[f"WARPS_{bm}"], num_stages=CONFIG["STAGES"],
+            **pdl.launch_options(dev))
     return out
 
 
