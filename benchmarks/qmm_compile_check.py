@@ -54,18 +54,22 @@ def _sass_mix(cubin: bytes) -> dict[str, int]:
     return ops
 
 
-def compile_variant(bits: int, bm: int, gptq: bool = False, split: bool = True, sass: str | None = None) -> dict:
+def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, split: bool = True,
+                    sass: str | None = None) -> dict:
+    """One compiled variant: `bits` one width, or a tuple of widths sharing one launch."""
     fn = exl2_qmm._qmm
-    consts = dict(WIDTHS=1 << bits, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True,
+    widths = sum(1 << b for b in bits) if isinstance(bits, tuple) else 1 << bits
+    stages = CONFIG["STAGES"] if widths & (widths - 1) == 0 else CONFIG["STAGES_MIXED"]
+    consts = dict(WIDTHS=widths, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True,
                   BLOCK_M=bm, BLOCK_N=CONFIG["BLOCK_N"], KB=CONFIG["KB"], NF=len(FIELDS), PDL=True)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
-                       options={"num_warps": CONFIG[f"WARPS_{bm}"], "num_stages": CONFIG["STAGES"]})
+                       options={"num_warps": CONFIG[f"WARPS_{bm}"], "num_stages": stages})
     if sass:
         os.makedirs(sass, exist_ok=True)
-        tag = f"{'gptq' if gptq else 'exl2'}_b{bits}_m{bm}"
+        tag = f"{'gptq' if gptq else 'exl2'}_b{widths}_m{bm}"
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(sass, f"{tag}.{ext}"), "w") as f:
                 f.write(k.asm[ext])
@@ -80,6 +84,7 @@ def variants(sass: str | None = None) -> dict[str, dict]:
     out = {}
     for bits in (2, 3, 4, 5, 6, 8):
         out[f"exl2 {bits}-bit M16"] = compile_variant(bits, 16, sass=sass)
+    out["exl2 8+4+3-bit M16"] = compile_variant((8, 4, 3), 16, sass=sass)
     out["exl2 4-bit M32"] = compile_variant(4, 32, sass=sass)
     out["exl2 4-bit M64"] = compile_variant(4, 64, sass=sass)
     out["gptq 4-bit M16"] = compile_variant(4, 16, gptq=True, sass=sass)
@@ -96,7 +101,7 @@ def main() -> int:
         print("JSON " + json.dumps(res))
     else:
         for name, r in res.items():
-            print(f"{name:18s} regs {r['regs']:4d}  spills {r['spill_bytes']:5d}  shared {r['shared']:6d}  "
+            print(f"{name:20s} regs {r['regs']:4d}  spills {r['spill_bytes']:5d}  shared {r['shared']:6d}  "
                   f"sass {r['sass_total']:6d} {r['sass']}")
     return 0
 

@@ -291,3 +291,17 @@ def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 4 in calls and rel_err(got[:, -1], want[:, 19]) <= tol
     got = model.forward(ids[:, 20:24], cache)  # verification-sized step: 4 tokens per row, 16 rows
     assert 16 in calls and rel_err(got, want[:, 20:24]) <= tol
+
+
+@pytest.mark.slow
+def test_qmm_compiles_for_sm90() -> None:
+    """Every width, a mixed launch, BLOCK_M 16/32/64 and GPTQ compile for an H100 (sm_90a) without a GPU: no
+    register spills, within the shared-memory limit (benchmarks/qmm_compile_check.py)."""
+    pytest.importorskip("triton")
+    from tests.conftest import run_compile_check
+
+    res = run_compile_check("qmm_compile_check.py")
+    assert {"exl2 2-bit M16", "exl2 8-bit M16", "exl2 8+4+3-bit M16", "exl2 4-bit M64", "gptq 4-bit M16"} <= set(res)
+    for name, v in res.items():
+        assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)
+        assert v["sass"]["HMMA"] > 0 or "M64" in name, (name, v)  # tensor cores (M64: warpgroup MMA)

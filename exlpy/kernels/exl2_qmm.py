@@ -136,7 +136,7 @@ def _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, 
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled variant per BLOCK_M, whatever the row count
 def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, K,
          n_total, stride_xm, stride_ym, stride_rm, one, WIDTHS: tl.constexpr, GPTQ: tl.constexpr,
          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr,
@@ -310,7 +310,8 @@ def run_plan(plan: QmmPlan, xb: torch.Tensor, parts: list[QuantMatrix], bias: to
             cnt, ln.tasks, m, plan.k, plan.n, xb.stride(0), out.stride(0), res.stride(0), _ONE,
             WIDTHS=ln.widths, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=bm, BLOCK_N=plan.block_n, KB=plan.kb, NF=len(FIELDS),
-            PDL=pdl.enabled(dev), num_warps=CONFIG[f"WARPS_{bm}"], num_stages=CONFIG["STAGES"],
+            PDL=pdl.enabled(dev), num_warps=CONFIG[f"WARPS_{bm}"],
+            num_stages=CONFIG["STAGES"] if ln.widths & (ln.widths - 1) == 0 else CONFIG["STAGES_MIXED"],
             **pdl.launch_options(dev))
     return out
 

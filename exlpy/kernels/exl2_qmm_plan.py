@@ -38,11 +38,13 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "o_sc", "s_sc", "o_aux", "s_aux", "
 # Launch parameters (benchmarks/exl2_speed.py --sweep measures alternatives). BLOCK_N: output columns per
 # program; KB: 32-row blocks per K step (one tl.dot with K = 32 KB); WAVES: programs per SM the K split aims
 # for; ONE_LAUNCH: all bit widths of a plan in one launch (a run-time branch per task) instead of one launch per
-# width; WARPS_<BLOCK_M>: warps per program; STAGES: software-pipelining depth of the packed-word loads.
-# Defaults: chosen offline from the sm_90a SASS (benchmarks/qmm_compile_check.py: ~5.3 instructions per 4-bit
-# weight, no spills); to be confirmed by the H100 sweep.
+# width; WARPS_<BLOCK_M>: warps per program; STAGES: software-pipelining depth of the packed-word loads (cp.async
+# into shared memory) of a one-width launch, STAGES_MIXED of a launch holding several widths (pipelined, those
+# need ~250 registers per thread, unpipelined ~160 like a one-width kernel). Defaults: chosen offline from the
+# sm_90a SASS (benchmarks/qmm_compile_check.py: 5.0-5.3 instructions per 4-bit weight, no spills, 3 programs per
+# SM); to be confirmed by the H100 sweep (benchmarks/exl2_speed.py --parts sweep).
 CONFIG: dict[str, int] = {"BLOCK_N": 128, "KB": 4, "WAVES": 3, "ONE_LAUNCH": 1, "WARPS_16": 4, "WARPS_32": 4,
-                          "WARPS_64": 8, "STAGES": 3}
+                          "WARPS_64": 8, "STAGES": 3, "STAGES_MIXED": 1}
 
 # Where dequantize-to-fp16 + cuBLAS starts to win: the fewest rows that take it, per (K, N) of a product (N: all
 # output columns of a fused group); shapes not listed switch above the runtime option `quant_rows`
