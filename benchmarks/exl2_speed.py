@@ -201,7 +201,7 @@ def _sweep_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
         return
     mats = _copies(qm, 300 << 20)
     try:
-        for m in (8, 32):
+        for m in (8, 32, 64):
             x = torch.randn(m, k, dtype=torch.float16, device="cuda")
             for cfg in configs:
                 exl2_qmm.CONFIG.clear()
@@ -219,9 +219,10 @@ def _sweep_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
 
 
 def sweep(args: argparse.Namespace, res: dict) -> None:
-    configs = [{}, {"STAGES": 1}, {"STAGES": 2}, {"STAGES_MIXED": 2}, {"BLOCK_N": 64}, {"WAVES": 6}, {"WAVES": 2},
-               {"ONE_LAUNCH": 0}, {"ONE_LAUNCH": 0, "STAGES": 1}, {"KB": 2}, {"KB": 8, "BLOCK_N": 64},
-               {"WARPS_32": 8}]
+    configs = [{}, {"STAGES_16": 1, "STAGES_32": 1}, {"STAGES_16": 3, "STAGES_32": 3}, {"STAGES_MIXED": 2},
+               {"BLOCK_N_16": 64, "BLOCK_N_32": 64}, {"WAVES": 6}, {"WAVES": 2}, {"ONE_LAUNCH": 0},
+               {"ONE_LAUNCH": 0, "STAGES_16": 1, "STAGES_32": 1}, {"KB": 2}, {"WARPS_16": 8, "WARPS_32": 8},
+               {"BLOCK_N_16": 64, "BLOCK_N_32": 64, "STAGES_16": 1, "STAGES_32": 1}]
     if args.quick:
         configs = configs[:4]
     for mix in ("4.0", "mixed"):

@@ -59,9 +59,9 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     """One compiled variant: `bits` one width, or a tuple of widths sharing one launch."""
     fn = exl2_qmm._qmm
     widths = sum(1 << b for b in bits) if isinstance(bits, tuple) else 1 << bits
-    stages = CONFIG["STAGES"] if widths & (widths - 1) == 0 else CONFIG["STAGES_MIXED"]
+    stages = CONFIG[f"STAGES_{bm}"] if widths & (widths - 1) == 0 else CONFIG["STAGES_MIXED"]
     consts = dict(WIDTHS=widths, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True,
-                  BLOCK_M=bm, BLOCK_N=CONFIG["BLOCK_N"], KB=CONFIG["KB"], NF=len(FIELDS), PDL=True)
+                  BLOCK_M=bm, BLOCK_N=CONFIG[f"BLOCK_N_{bm}"], KB=CONFIG["KB"], NF=len(FIELDS), PDL=True, ASM=True)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}

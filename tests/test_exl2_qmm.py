@@ -121,6 +121,7 @@ def test_launch_variants_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     _check(x, [qm], bias)
     monkeypatch.setitem(qmm.CONFIG, "ONE_LAUNCH", 1)
     monkeypatch.setitem(qmm.CONFIG, "WAVES", 0)
+    monkeypatch.setitem(qmm.CONFIG, "BLOCK_N_16", 128)
     qm = _exl2(96, 200, [(5, 32)] * 3, gen)  # one segment, two column blocks
     plan = qmm.plan_for([qm], qm.perm)
     assert not plan.split and plan.launches[0].programs == 2

@@ -88,9 +88,22 @@ def _pairs(t, n: tl.constexpr):
 
 
 @triton.jit
+def _opaque(t, ASM: tl.constexpr):
+    """t, through an identity PTX move when ASM. The move hides the tl.join tree that built t from Triton's
+    choice of the dot operand's kWidth: with a join in the operand's history Triton 3.6 halves the width it
+    assumes (kWidth 4 for fp16) and then reads the operand from shared memory with 4-byte LDS instead of
+    ldmatrix (+30% instructions per weight, benchmarks/qmm_compile_check.py). The CPU interpreter runs no PTX
+    (ASM False there)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=tl.float16, is_pure=False,
+                                         pack=2)
+    return t
+
+
+@triton.jit
 def _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg,
              blk_lo, blk_hi, sb0, one, BITS: tl.constexpr, GPTQ: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, KB: tl.constexpr):
+             BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr):
     """acc += x[:, blocks blk_lo..blk_hi) @ W[those rows, this program's columns] for one BITS-wide segment."""
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -129,7 +142,7 @@ def _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, 
         # ... stacked by a tree of joins into [KB, BLOCK_N, 2, 2, 2, 2, 2], i.e. [KB, BLOCK_N, 32] whose
         # position p holds code bitrev5(p) (blocked x is stored in that order), then [KB * 32, BLOCK_N].
         t = _pairs(_pairs(_pairs(_pairs(_pairs(cs, 32), 16), 8), 4), 2)[0]
-        wt = tl.reshape(tl.permute(tl.reshape(t, (KB, BLOCK_N, 32)), (0, 2, 1)), (KB * 32, BLOCK_N))
+        wt = _opaque(tl.reshape(tl.permute(tl.reshape(t, (KB, BLOCK_N, 32)), (0, 2, 1)), (KB * 32, BLOCK_N)), ASM)
         xm = m_mask[:, None] & (b0 * 32 + offs_r < blk_hi * 32)[None, :]
         xv = tl.load(xb_ptr + offs_m[:, None] * stride_xm + b0 * 32 + offs_r[None, :], mask=xm, other=0.0)
         acc = tl.dot(xv, wt, acc)
@@ -140,7 +153,8 @@ def _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, 
 def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, K,
          n_total, stride_xm, stride_ym, stride_rm, one, WIDTHS: tl.constexpr, GPTQ: tl.constexpr,
          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, NF: tl.constexpr, PDL: tl.constexpr):
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, NF: tl.constexpr, PDL: tl.constexpr,
+         ASM: tl.constexpr):
     """One program per task row. SPLIT 0: each column block has one program, which writes y; SPLIT 1: add into
     the workspace [M, n_total], and the last program to arrive at a column block writes y and resets its
     workspace and counter. aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]."""
@@ -173,27 +187,27 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
     if (WIDTHS >> 4) & 1:
         if bits == 4:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 4, GPTQ, BLOCK_M, BLOCK_N, KB)
+                           bg, blk_lo, blk_hi, sb0, one, 4, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
     if (WIDTHS >> 3) & 1:
         if bits == 3:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 3, GPTQ, BLOCK_M, BLOCK_N, KB)
+                           bg, blk_lo, blk_hi, sb0, one, 3, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
     if (WIDTHS >> 2) & 1:
         if bits == 2:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 2, GPTQ, BLOCK_M, BLOCK_N, KB)
+                           bg, blk_lo, blk_hi, sb0, one, 2, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
     if (WIDTHS >> 5) & 1:
         if bits == 5:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 5, GPTQ, BLOCK_M, BLOCK_N, KB)
+                           bg, blk_lo, blk_hi, sb0, one, 5, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
     if (WIDTHS >> 6) & 1:
         if bits == 6:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 6, GPTQ, BLOCK_M, BLOCK_N, KB)
+                           bg, blk_lo, blk_hi, sb0, one, 6, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
     if (WIDTHS >> 8) & 1:
         if bits == 8:
             acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 8, GPTQ, BLOCK_M, BLOCK_N, KB)
+                           bg, blk_lo, blk_hi, sb0, one, 8, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
@@ -302,6 +316,8 @@ def run_plan(plan: QmmPlan, xb: torch.Tensor, parts: list[QuantMatrix], bias: to
     aux = q0.scale_max if q0.kind == "exl2" else q0.zeros
     assert aux is not None
     bm = block_m(m)
+    if plan.block_n != CONFIG[f"BLOCK_N_{bm}"]:
+        raise ValueError(f"plan made for BLOCK_N {plan.block_n}, {m} rows launch with {CONFIG[f'BLOCK_N_{bm}']}")
     res = residual if residual is not None else out
     dev = _device(xb.device)
     for ln in plan.launches:
@@ -310,8 +326,8 @@ def run_plan(plan: QmmPlan, xb: torch.Tensor, parts: list[QuantMatrix], bias: to
             cnt, ln.tasks, m, plan.k, plan.n, xb.stride(0), out.stride(0), res.stride(0), _ONE,
             WIDTHS=ln.widths, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=bm, BLOCK_N=plan.block_n, KB=plan.kb, NF=len(FIELDS),
-            PDL=pdl.enabled(dev), num_warps=CONFIG[f"WARPS_{bm}"],
-            num_stages=CONFIG["STAGES"] if ln.widths & (ln.widths - 1) == 0 else CONFIG["STAGES_MIXED"],
+            PDL=pdl.enabled(dev), ASM=dev.type == "cuda", num_warps=CONFIG[f"WARPS_{bm}"],
+            num_stages=CONFIG[f"STAGES_{bm}"] if ln.widths & (ln.widths - 1) == 0 else CONFIG["STAGES_MIXED"],
             **pdl.launch_options(dev))
     return out
 
@@ -322,8 +338,7 @@ def qmm(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = N
     """x [M, K] (rms_norm'd with norm_weight when given) @ [parts side by side] (+ bias) -> [M, N total] in x's
     dtype, or added into `residual` [M, N total] (contiguous) in place and returned. The parts share K and
     act order; the caller checks exl2_qmm_plan.supports for each."""
-    perm = parts[0].perm
-    plan = plan_for(parts, perm)
+    plan = plan_for(parts, parts[0].perm, block_m(x.shape[0]))
     xb = gather_rows(x, plan, norm_weight, eps)
     out = residual if residual is not None else torch.empty(x.shape[0], plan.n, dtype=x.dtype, device=x.device)
     return run_plan(plan, xb, parts, bias, residual, out)
@@ -339,22 +354,25 @@ class QmmGroup:
         self.bias = bias
         self.perm = parts[0].perm
         self.n = sum(p.n for p in parts)
-        self._plan = (tuple(sorted(CONFIG.items())), plan_for(parts, self.perm))
+        self._plans: dict[int, tuple[tuple[tuple[str, int], ...], QmmPlan]] = {}
+        for bm in (16, 32, 64):
+            self.plan(bm)
         prepare(parts[0].device)
 
-    @property
-    def plan(self) -> QmmPlan:
-        """Made again after CONFIG changes (launch-parameter sweeps, which recapture graphs)."""
+    def plan(self, bm: int) -> QmmPlan:
+        """The plan for BLOCK_M `bm`: made at load time for every class, and again after CONFIG changes
+        (launch-parameter sweeps, which recapture graphs)."""
         cfg = tuple(sorted(CONFIG.items()))
-        if self._plan[0] != cfg:
-            self._plan = (cfg, plan_for(self.parts, self.perm))
-        return self._plan[1]
+        held = self._plans.get(bm)
+        if held is None or held[0] != cfg:
+            held = self._plans[bm] = (cfg, plan_for(self.parts, self.perm, bm))
+        return held[1]
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0) -> torch.Tensor:
         """x [M, K] (rms_norm'd with norm_weight first when given) -> y [M, N total] in x's dtype, or added
         into `residual` [M, N total] (contiguous) in place and returned."""
-        plan = self.plan
+        plan = self.plan(block_m(x.shape[0]))
         xb = gather_rows(x, plan, norm_weight, eps)
         out = residual if residual is not None else torch.empty(x.shape[0], plan.n, dtype=x.dtype,
                                                                 device=x.device)

@@ -35,16 +35,19 @@ WS_BLOCKS = 1 << 14  # arrival counters per device
 FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "o_sc", "s_sc", "o_aux", "s_aux", "o_bg", "bits", "blk_lo", "blk_hi",
           "sb0", "o_y", "cnt", "arrivals")
 
-# Launch parameters (benchmarks/exl2_speed.py --sweep measures alternatives). BLOCK_N: output columns per
-# program; KB: 32-row blocks per K step (one tl.dot with K = 32 KB); WAVES: programs per SM the K split aims
-# for; ONE_LAUNCH: all bit widths of a plan in one launch (a run-time branch per task) instead of one launch per
-# width; WARPS_<BLOCK_M>: warps per program; STAGES: software-pipelining depth of the packed-word loads (cp.async
-# into shared memory) of a one-width launch, STAGES_MIXED of a launch holding several widths (pipelined, those
-# need ~250 registers per thread, unpipelined ~160 like a one-width kernel). Defaults: chosen offline from the
-# sm_90a SASS (benchmarks/qmm_compile_check.py: 5.0-5.3 instructions per 4-bit weight, no spills, 3 programs per
-# SM); to be confirmed by the H100 sweep (benchmarks/exl2_speed.py --parts sweep).
-CONFIG: dict[str, int] = {"BLOCK_N": 128, "KB": 4, "WAVES": 3, "ONE_LAUNCH": 1, "WARPS_16": 4, "WARPS_32": 4,
-                          "WARPS_64": 8, "STAGES": 3, "STAGES_MIXED": 1}
+# Launch parameters (benchmarks/exl2_speed.py --parts sweep measures alternatives). Per BLOCK_M class (16, 32,
+# 64 rows): BLOCK_N_<m> output columns per program, WARPS_<m> warps, STAGES_<m> software-pipelining depth of the
+# packed-word loads (cp.async into shared memory) of a one-width launch. STAGES_MIXED: the depth of launches that
+# hold several widths (pipelined, those take up to 255 registers per thread, unpipelined ~165 as one width). KB:
+# 32-row blocks per K step (one tl.dot with K = 32 KB); WAVES: programs per SM the K split aims for; ONE_LAUNCH:
+# all bit widths of a plan in one launch (a run-time branch per task) instead of one launch per width.
+# Defaults: chosen offline for Triton 3.6 on sm_90a (benchmarks/qmm_compile_check.py: 5.4-6.3 SASS
+# instructions per 4-bit weight, no spills, 3 programs per SM at 16 and 64 rows, 2 at 32); to be confirmed by
+# the H100 sweep.
+CONFIG: dict[str, int] = {"KB": 4, "WAVES": 3, "ONE_LAUNCH": 1, "STAGES_MIXED": 1,
+                          "BLOCK_N_16": 128, "WARPS_16": 4, "STAGES_16": 2,
+                          "BLOCK_N_32": 128, "WARPS_32": 4, "STAGES_32": 2,
+                          "BLOCK_N_64": 64, "WARPS_64": 4, "STAGES_64": 1}
 
 # Where dequantize-to-fp16 + cuBLAS starts to win: the fewest rows that take it, per (K, N) of a product (N: all
 # output columns of a fused group); shapes not listed switch above the runtime option `quant_rows`
@@ -122,15 +125,15 @@ def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
     return tuple(out)
 
 
-def plan_for(parts: list[QuantMatrix], perm: torch.Tensor | None) -> QmmPlan:
-    """The plan for x @ [parts side by side] (parts share K and act order `perm`), cached by the matrices'
-    layouts, relative placement and the permutation's identity. Made outside CUDA-graph capture (the tables are
-    copied to the device): QuantLinear and FusedQuant make theirs at load time."""
+def plan_for(parts: list[QuantMatrix], perm: torch.Tensor | None, bm: int = 16) -> QmmPlan:
+    """The plan for x @ [parts side by side] (parts share K and act order `perm`) at BLOCK_M `bm`, cached by
+    the matrices' layouts, relative placement, the permutation's identity and CONFIG. Made outside CUDA-graph
+    capture (the tables are copied to the device): QuantLinear and FusedQuant make theirs at load time."""
     dev = parts[0].device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    return _plan_cached(_describe(parts), dev, num_sms(dev), tuple(sorted(CONFIG.items())),
-                        _PermKey(perm))
+    cfg = (CONFIG["KB"], CONFIG["WAVES"], CONFIG["ONE_LAUNCH"], CONFIG[f"BLOCK_N_{bm}"])
+    return _plan_cached(_describe(parts), dev, num_sms(dev), cfg, _PermKey(perm))
 
 
 class _PermKey:
@@ -171,14 +174,13 @@ def _block_groups(lay: QuantLayout) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: tuple[tuple[str, int], ...],
+def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: tuple[int, int, int, int],
                  perm: _PermKey) -> QmmPlan:
-    c = dict(cfg)
-    bn, kb = c["BLOCK_N"], c["KB"]
+    kb, waves, one_launch, bn = cfg
     k = parts[0].layout.k
     nblk = -(-k // 32)
     n_total = sum(p.n for p in parts)
-    want = c["WAVES"] * sms
+    want = waves * sms
     cols = sum(triton.cdiv(p.n, bn) for p in parts)
     # split-K only where the workspace holds MAX_ROWS rows of every output column
     may_split = n_total * MAX_ROWS <= WS_ELEMS and cols <= WS_BLOCKS
@@ -217,7 +219,7 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: 
     for r in every:
         r[FIELDS.index("arrivals")] = arrivals[r[FIELDS.index("cnt")]]
     # Largest tasks first: the tail of the grid is made of short programs.
-    if c["ONE_LAUNCH"]:
+    if one_launch:
         every.sort(key=lambda r: -(r[FIELDS.index("blk_hi")] - r[FIELDS.index("blk_lo")]) * r[FIELDS.index("bits")])
         groups = [every]
     else:
