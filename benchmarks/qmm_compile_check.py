@@ -27,12 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.kernels import exl2_qmm  # noqa: E402
-from exlpy.kernels.exl2_qmm_plan import CONFIG, FIELDS  # noqa: E402
+from exlpy.kernels.exl2_qmm_plan import CONFIG, FIELDS, SEG_FIELDS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTRS = {"xb_ptr": "*fp16", "qw_ptr": "*i32", "sc_ptr": "*i32", "aux_ptr": "*fp32", "bg_ptr": "*i32",
         "bias_ptr": "*fp16", "res_ptr": "*fp16", "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-        "task_ptr": "*i64"}
+        "task_ptr": "*i64", "seg_ptr": "*i64"}
 GPTQ_PTRS = {**PTRS, "sc_ptr": "*fp16", "aux_ptr": "*fp16"}
 # integer arguments that are multiples of 16 at run time (Triton specializes those): row strides of x and y
 DIV16 = ("stride_xm", "stride_ym", "stride_rm")
@@ -55,13 +55,14 @@ def _sass_mix(cubin: bytes) -> dict[str, int]:
 
 
 def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, split: bool = True,
-                    sass: str | None = None) -> dict:
+                    sass: str | None = None, multi: bool = False) -> dict:
     """One compiled variant: `bits` one width, or a tuple of widths sharing one launch."""
     fn = exl2_qmm._qmm
     widths = sum(1 << b for b in bits) if isinstance(bits, tuple) else 1 << bits
     stages = CONFIG[f"STAGES_{bm}"] if widths & (widths - 1) == 0 else CONFIG["STAGES_MIXED"]
     consts = dict(WIDTHS=widths, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True,
-                  BLOCK_M=bm, BLOCK_N=CONFIG[f"BLOCK_N_{bm}"], KB=CONFIG["KB"], NF=len(FIELDS), PDL=True, ASM=True)
+                  BLOCK_M=bm, BLOCK_N=CONFIG[f"BLOCK_N_{bm}"], KB=CONFIG["KB"], NF=len(FIELDS), NS=len(SEG_FIELDS),
+                  MULTI=multi, PDL=True, ASM=True)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}
@@ -85,6 +86,7 @@ def variants(sass: str | None = None) -> dict[str, dict]:
     for bits in (2, 3, 4, 5, 6, 8):
         out[f"exl2 {bits}-bit M16"] = compile_variant(bits, 16, sass=sass)
     out["exl2 8+4+3-bit M16"] = compile_variant((8, 4, 3), 16, sass=sass)
+    out["exl2 8+6-bit M16 whole"] = compile_variant((8, 6), 16, split=False, multi=True, sass=sass)
     out["exl2 4-bit M32"] = compile_variant(4, 32, sass=sass)
     out["exl2 4-bit M64"] = compile_variant(4, 64, sass=sass)
     out["gptq 4-bit M16"] = compile_variant(4, 16, gptq=True, sass=sass)

@@ -108,24 +108,32 @@ def test_fused_group_interpreter() -> None:
 
 @pytest.mark.interpreter
 def test_launch_variants_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One launch per width (ONE_LAUNCH 0), and a grid of one program per column block (no split-K: y is
-    written directly), give the same products."""
+    """One launch per width (ONE_LAUNCH 0); one program per column block running every segment of a mixed
+    matrix (no K split: y written directly, as for a vocabulary-wide head whose columns the split-K workspace
+    cannot hold); all give the same products."""
     qmm = _qmm()
+    from exlpy.kernels import exl2_qmm_plan
+
     gen = torch.Generator().manual_seed(8)
     qm = _exl2(*MIXED, gen)
     x = torch.randn(6, qm.k, generator=gen).half()
     bias = torch.randn(qm.n, generator=gen).half()
+    res = torch.randn(6, qm.n, generator=gen).half()
     monkeypatch.setitem(qmm.CONFIG, "ONE_LAUNCH", 0)
     plan = qmm.plan_for([qm], qm.perm)
-    assert sorted(ln.widths for ln in plan.launches) == [1 << b for b in (2, 3, 4, 5, 6, 8)]
+    assert plan.split and sorted(ln.widths for ln in plan.launches) == [1 << b for b in (2, 3, 4, 5, 6, 8)]
     _check(x, [qm], bias)
     monkeypatch.setitem(qmm.CONFIG, "ONE_LAUNCH", 1)
-    monkeypatch.setitem(qmm.CONFIG, "WAVES", 0)
-    monkeypatch.setitem(qmm.CONFIG, "BLOCK_N_16", 128)
-    qm = _exl2(96, 200, [(5, 32)] * 3, gen)  # one segment, two column blocks
+    monkeypatch.setattr(exl2_qmm_plan, "WS_ELEMS", 64 * qm.n - 1)  # too small for this product: no split-K
     plan = qmm.plan_for([qm], qm.perm)
-    assert not plan.split and plan.launches[0].programs == 2
-    _check(x[:, :96], [qm], bias[:96].repeat(3)[:200], torch.randn(6, qm.n, generator=gen).half())
+    assert not plan.split and plan.launches[0].programs == 1 and len(plan.segments) == len(qm.layout.segments)
+    _check(x, [qm], bias, res)
+    monkeypatch.setattr(exl2_qmm_plan, "WS_ELEMS", 1 << 21)
+    monkeypatch.setitem(qmm.CONFIG, "WAVES", 0)
+    monkeypatch.setitem(qmm.CONFIG, "BLOCK_N_16", 32)
+    plan = qmm.plan_for([qm], qm.perm)
+    assert not plan.split and plan.launches[0].programs == 3  # three column blocks, each whole
+    _check(x, [qm], None, res)
 
 
 @pytest.mark.interpreter

@@ -38,7 +38,17 @@ import triton
 import triton.language as tl
 
 from exlpy.kernels import pdl
-from exlpy.kernels.exl2_qmm_plan import CONFIG, FIELDS, MAX_ROWS, WS_BLOCKS, WS_ELEMS, QmmPlan, block_m, plan_for
+from exlpy.kernels.exl2_qmm_plan import (
+    CONFIG,
+    FIELDS,
+    MAX_ROWS,
+    SEG_FIELDS,
+    WS_BLOCKS,
+    WS_ELEMS,
+    QmmPlan,
+    block_m,
+    plan_for,
+)
 from exlpy.quant.layout import QuantMatrix
 
 __all__ = ["QmmGroup", "gather_rows", "prepare", "qmm", "run_plan"]
@@ -47,19 +57,21 @@ _CB = tl.constexpr(FIELDS.index("cb"))
 _N = tl.constexpr(FIELDS.index("n"))
 _LD_N = tl.constexpr(FIELDS.index("ld_n"))
 _S_QW = tl.constexpr(FIELDS.index("s_qw"))
-_O_QW = tl.constexpr(FIELDS.index("o_qw"))
 _O_SC = tl.constexpr(FIELDS.index("o_sc"))
 _S_SC = tl.constexpr(FIELDS.index("s_sc"))
 _O_AUX = tl.constexpr(FIELDS.index("o_aux"))
 _S_AUX = tl.constexpr(FIELDS.index("s_aux"))
 _O_BG = tl.constexpr(FIELDS.index("o_bg"))
-_BITS = tl.constexpr(FIELDS.index("bits"))
-_BLK_LO = tl.constexpr(FIELDS.index("blk_lo"))
-_BLK_HI = tl.constexpr(FIELDS.index("blk_hi"))
-_SB0 = tl.constexpr(FIELDS.index("sb0"))
 _O_Y = tl.constexpr(FIELDS.index("o_y"))
 _CNT = tl.constexpr(FIELDS.index("cnt"))
 _ARRIVALS = tl.constexpr(FIELDS.index("arrivals"))
+_SEG_LO = tl.constexpr(FIELDS.index("seg_lo"))
+_SEG_HI = tl.constexpr(FIELDS.index("seg_hi"))
+_BITS = tl.constexpr(SEG_FIELDS.index("bits"))
+_BLK_LO = tl.constexpr(SEG_FIELDS.index("blk_lo"))
+_BLK_HI = tl.constexpr(SEG_FIELDS.index("blk_hi"))
+_SB0 = tl.constexpr(SEG_FIELDS.index("sb0"))
+_O_QW = tl.constexpr(SEG_FIELDS.index("o_qw"))
 
 
 @triton.jit
@@ -149,65 +161,84 @@ def _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, 
     return acc
 
 
+@triton.jit
+def _piece(acc, sg, xb_ptr, qw_ptr, stride_xm, M, K, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, one,
+           WIDTHS: tl.constexpr, GPTQ: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr):
+    """acc += the segment-table row at `sg` (one width's run of blocks) for this program's columns."""
+    bits = tl.load(sg + _BITS).to(tl.int32)
+    blk_lo = tl.load(sg + _BLK_LO).to(tl.int32)
+    blk_hi = tl.load(sg + _BLK_HI).to(tl.int32)
+    sb0 = tl.load(sg + _SB0).to(tl.int32)
+    o_qw = tl.load(sg + _O_QW)
+    if ALIGNED:
+        o_qw = tl.multiple_of(o_qw, 4)
+    qw = qw_ptr + o_qw
+    # One branch per bit width the launch holds (WIDTHS: bit b set for width b), chosen at run time.
+    if (WIDTHS >> 4) & 1:
+        if bits == 4:
+            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, blk_lo,
+                           blk_hi, sb0, one, 4, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    if (WIDTHS >> 3) & 1:
+        if bits == 3:
+            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, blk_lo,
+                           blk_hi, sb0, one, 3, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    if (WIDTHS >> 2) & 1:
+        if bits == 2:
+            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, blk_lo,
+                           blk_hi, sb0, one, 2, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    if (WIDTHS >> 5) & 1:
+        if bits == 5:
+            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, blk_lo,
+                           blk_hi, sb0, one, 5, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    if (WIDTHS >> 6) & 1:
+        if bits == 6:
+            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, blk_lo,
+                           blk_hi, sb0, one, 6, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    if (WIDTHS >> 8) & 1:
+        if bits == 8:
+            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux, bg, blk_lo,
+                           blk_hi, sb0, one, 8, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled variant per BLOCK_M, whatever the row count
-def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, K,
-         n_total, stride_xm, stride_ym, stride_rm, one, WIDTHS: tl.constexpr, GPTQ: tl.constexpr,
+def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, seg_ptr, M,
+         K, n_total, stride_xm, stride_ym, stride_rm, one, WIDTHS: tl.constexpr, GPTQ: tl.constexpr,
          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, NF: tl.constexpr, PDL: tl.constexpr,
-         ASM: tl.constexpr):
-    """One program per task row. SPLIT 0: each column block has one program, which writes y; SPLIT 1: add into
-    the workspace [M, n_total], and the last program to arrive at a column block writes y and resets its
-    workspace and counter. aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]."""
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, NF: tl.constexpr, NS: tl.constexpr,
+         MULTI: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """One program per task row: its column block over the segment-table rows seg_lo..seg_hi. SPLIT 0: each
+    column block has one program, which writes y; SPLIT 1: programs add into the workspace [M, n_total], and
+    the last to arrive at a column block writes y and resets its workspace and counter. aux: EXL2 scale_max
+    [G] / GPTQ zeros [G, Np]."""
     t = task_ptr + tl.program_id(0) * NF
     cb = tl.load(t + _CB).to(tl.int32)
     n = tl.load(t + _N).to(tl.int32)
     ld_n = tl.load(t + _LD_N).to(tl.int32)
     s_qw = tl.load(t + _S_QW)
-    o_qw = tl.load(t + _O_QW)
     if ALIGNED:  # keeps 16-byte word loads with run-time offsets and strides
         ld_n = tl.multiple_of(ld_n, 32)
         s_qw = tl.multiple_of(s_qw, 4)
-        o_qw = tl.multiple_of(o_qw, 4)
-    bits = tl.load(t + _BITS).to(tl.int32)
-    blk_lo = tl.load(t + _BLK_LO).to(tl.int32)
-    blk_hi = tl.load(t + _BLK_HI).to(tl.int32)
-    sb0 = tl.load(t + _SB0).to(tl.int32)
     sc = sc_ptr + tl.load(t + _O_SC)
     s_sc = tl.load(t + _S_SC)
     aux = aux_ptr + tl.load(t + _O_AUX)
     s_aux = tl.load(t + _S_AUX)
     bg = bg_ptr + tl.load(t + _O_BG)
+    seg_lo = tl.load(t + _SEG_LO).to(tl.int32)
+    seg_hi = tl.load(t + _SEG_HI).to(tl.int32) if MULTI else seg_lo + 1
     offs_n = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     ld_mask = offs_n < ld_n
-    qw = qw_ptr + o_qw
     if PDL:  # launched early (exlpy/kernels/pdl.py): the task row above is static; x, y, workspace are not
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    # One branch per bit width the launch holds (WIDTHS: bit b set for width b), chosen per task at run time.
-    if (WIDTHS >> 4) & 1:
-        if bits == 4:
-            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 4, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
-    if (WIDTHS >> 3) & 1:
-        if bits == 3:
-            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 3, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
-    if (WIDTHS >> 2) & 1:
-        if bits == 2:
-            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 2, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
-    if (WIDTHS >> 5) & 1:
-        if bits == 5:
-            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 5, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
-    if (WIDTHS >> 6) & 1:
-        if bits == 6:
-            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 6, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
-    if (WIDTHS >> 8) & 1:
-        if bits == 8:
-            acc = _segment(acc, xb_ptr, stride_xm, M, K, qw, s_qw, ld_mask, offs_n, sc, s_sc, aux, s_aux,
-                           bg, blk_lo, blk_hi, sb0, one, 8, GPTQ, BLOCK_M, BLOCK_N, KB, ASM)
+    if MULTI:  # column blocks computed whole: every segment of the matrix, one after the other
+        for si in range(seg_lo, seg_hi):
+            acc = _piece(acc, seg_ptr + si * NS, xb_ptr, qw_ptr, stride_xm, M, K, s_qw, ld_mask, offs_n, sc, s_sc,
+                         aux, s_aux, bg, one, WIDTHS, GPTQ, ALIGNED, BLOCK_M, BLOCK_N, KB, ASM)
+    else:  # one segment piece (an outer loop here costs ~80 registers of the pipelined inner loop)
+        acc = _piece(acc, seg_ptr + seg_lo * NS, xb_ptr, qw_ptr, stride_xm, M, K, s_qw, ld_mask, offs_n, sc, s_sc,
+                     aux, s_aux, bg, one, WIDTHS, GPTQ, ALIGNED, BLOCK_M, BLOCK_N, KB, ASM)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
@@ -323,10 +354,11 @@ def run_plan(plan: QmmPlan, xb: torch.Tensor, parts: list[QuantMatrix], bias: to
     for ln in plan.launches:
         _qmm[(ln.programs,)](
             xb, q0.q_weight, q0.scales, aux, plan.block_groups, bias if bias is not None else out, res, out, ws,
-            cnt, ln.tasks, m, plan.k, plan.n, xb.stride(0), out.stride(0), res.stride(0), _ONE,
+            cnt, ln.tasks, plan.segments, m, plan.k, plan.n, xb.stride(0), out.stride(0), res.stride(0), _ONE,
             WIDTHS=ln.widths, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=bm, BLOCK_N=plan.block_n, KB=plan.kb, NF=len(FIELDS),
-            PDL=pdl.enabled(dev), ASM=dev.type == "cuda", num_warps=CONFIG[f"WARPS_{bm}"],
+            NS=len(SEG_FIELDS), MULTI=plan.multi, PDL=pdl.enabled(dev), ASM=dev.type == "cuda",
+            num_warps=CONFIG[f"WARPS_{bm}"],
             num_stages=CONFIG[f"STAGES_{bm}"] if ln.widths & (ln.widths - 1) == 0 else CONFIG["STAGES_MIXED"],
             **pdl.launch_options(dev))
     return out

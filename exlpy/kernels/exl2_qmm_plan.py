@@ -21,19 +21,22 @@ from exlpy.kernels.exl2_gemv_plan import num_sms, supports
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
-__all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "QmmPlan", "plan_for", "rows_kernel_takes", "supports"]
+__all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "SEG_FIELDS", "QmmPlan", "plan_for", "rows_kernel_takes", "supports"]
 
 MAX_ROWS = 64  # rows (tokens) the multi-row kernel takes at most; BLOCK_M is 16, 32 or 64
 WS_ELEMS = 1 << 21  # fp32 split-K workspace per device: rows_pad * output columns (8 MiB)
 WS_BLOCKS = 1 << 14  # arrival counters per device
 
-# Columns of a task row. o_*: element offsets of the matrix's tensors from the plan's first matrix (o_qw at the
-# segment's first word row); s_*: row strides; blk_lo/blk_hi: the 32-row blocks (of the whole matrix) this
-# program covers, sb0 the segment's first block; o_bg: the matrix's block -> group table in the plan's table;
-# o_y: first output column of the matrix; cnt/arrivals: the column block's arrival counter and how many
-# programs add into it (split-K).
-FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "o_sc", "s_sc", "o_aux", "s_aux", "o_bg", "bits", "blk_lo", "blk_hi",
-          "sb0", "o_y", "cnt", "arrivals")
+# Columns of a task row. o_*: element offsets of the matrix's tensors from the plan's first matrix; s_*: row
+# strides; o_bg: the matrix's block -> group table in the plan's table; o_y: first output column of the matrix;
+# cnt/arrivals: the column block's arrival counter and how many programs add into it (split-K); seg_lo/seg_hi:
+# the program's rows of the segment table, run one after the other (one row: a split-K piece of one width; all of
+# a matrix's segments: a column block computed whole, no workspace).
+FIELDS = ("cb", "n", "ld_n", "s_qw", "o_sc", "s_sc", "o_aux", "s_aux", "o_bg", "o_y", "cnt", "arrivals", "seg_lo",
+          "seg_hi")
+# Columns of a segment-table row: the bit width, the 32-row blocks [blk_lo, blk_hi) of the matrix it covers, the
+# segment's first block sb0 and o_qw, the element offset of the segment's first q_weight row.
+SEG_FIELDS = ("bits", "blk_lo", "blk_hi", "sb0", "o_qw")
 
 # Launch parameters (benchmarks/exl2_speed.py --parts sweep measures alternatives). Per BLOCK_M class (16, 32,
 # 64 rows): BLOCK_N_<m> output columns per program, WARPS_<m> warps, STAGES_<m> software-pipelining depth of the
@@ -80,8 +83,10 @@ class QmmPlan:
     block_n: int
     kb: int
     split: bool  # several programs add into one column block (workspace + arrival counters)
+    multi: bool  # some program runs several segment-table rows
     aligned: bool  # every q_weight offset and stride keeps 16-byte loads
     launches: tuple[Launch, ...]
+    segments: torch.Tensor  # int64 [pieces, len(SEG_FIELDS)]
     block_groups: torch.Tensor  # int32: every matrix's block -> group table, side by side
     src: torch.Tensor  # int32 [32 * nblk]: source column of each blocked-x position (-1: zero)
 
@@ -152,6 +157,12 @@ class _PermKey:
 BITREV5 = [int(f"{p:05b}"[::-1], 2) for p in range(32)]
 
 
+@functools.lru_cache(maxsize=4096)
+def _src_cached(k: int, perm: _PermKey, device: torch.device) -> torch.Tensor:
+    """_src_table once per permutation (shared by a matrix's plans and the groups it leads)."""
+    return _src_table(k, perm.perm, device)
+
+
 def _src_table(k: int, perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """Blocked x position 32 b + p holds sorted row 32 b + bitrev5(p) (the order the kernel stacks a block's
     codes in), i.e. input column perm[that row]."""
@@ -192,44 +203,56 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: 
 
     cost = {(m, s): (parts[m].layout.group_rows[s.g_hi] - s.row0) * s.bits * parts[m].n for m, s in segs}
     total = sum(cost.values())
-    rows: dict[int, list[list[int]]] = {}  # bits -> task rows
+    tasks: list[tuple[list[int], int, int]] = []  # (task row, widths mask, cost)
+    pieces: list[list[int]] = []
     bg_all: list[int] = []
     o_y = cnt0 = 0
     for m, p in enumerate(parts):
         pn = triton.cdiv(p.n, bn)
         o_bg = len(bg_all)
         bg_all += _block_groups(p.layout)
+        head = [p.n, p.ld_n, p.s_qw, p.o_sc, p.s_sc, p.o_aux, p.s_aux, o_bg, o_y]
+        split = []  # per segment: its pieces' (blk_lo, blk_hi)
         for s in p.layout.segments:
             b_lo, b_hi = seg_blocks(m, s)
             blocks = b_hi - b_lo
             nk = max(1, min(triton.cdiv(blocks, kb), round(want * cost[(m, s)] / total / pn))) if may_split else 1
             per = triton.cdiv(triton.cdiv(blocks, nk), kb) * kb  # whole K steps per program where possible
-            o_qw = p.o_qw + s.word0 * p.s_qw
-            for cb in range(pn):
-                for lo in range(b_lo, b_hi, per):
-                    rows.setdefault(s.bits, []).append(
-                        [cb, p.n, p.ld_n, p.s_qw, o_qw, p.o_sc, p.s_sc, p.o_aux, p.s_aux, o_bg, s.bits, lo,
-                         min(lo + per, b_hi), b_lo, o_y, cnt0 + cb, 0])
+            split.append([(lo, min(lo + per, b_hi)) for lo in range(b_lo, b_hi, per)])
+        widths = sum(1 << b for b in {s.bits for s in p.layout.segments})
+        whole = all(len(sp) == 1 for sp in split) and (one_launch or len(p.layout.segments) == 1 or not may_split)
+        first = len(pieces)
+        for s, sp in zip(p.layout.segments, split):
+            for lo, hi in sp:
+                pieces.append([s.bits, lo, hi, s.row0 // 32, p.o_qw + s.word0 * p.s_qw])
+        for cb in range(pn):
+            if whole:  # one program per column block runs every segment: nothing to add up across programs
+                c = sum((pc[2] - pc[1]) * pc[0] for pc in pieces[first:])
+                tasks.append(([cb, *head, cnt0 + cb, 0, first, len(pieces)], widths, c))
+            else:
+                for j in range(first, len(pieces)):
+                    pc = pieces[j]
+                    tasks.append(([cb, *head, cnt0 + cb, 0, j, j + 1], 1 << pc[0], (pc[2] - pc[1]) * pc[0]))
         o_y += p.n
         cnt0 += pn
     arrivals = [0] * cnt0
-    every = [r for rs in rows.values() for r in rs]
-    for r in every:
-        arrivals[r[FIELDS.index("cnt")]] += 1
-    for r in every:
-        r[FIELDS.index("arrivals")] = arrivals[r[FIELDS.index("cnt")]]
-    # Largest tasks first: the tail of the grid is made of short programs.
-    if one_launch:
-        every.sort(key=lambda r: -(r[FIELDS.index("blk_hi")] - r[FIELDS.index("blk_lo")]) * r[FIELDS.index("bits")])
-        groups = [every]
-    else:
-        groups = [rs for _, rs in sorted(rows.items())]
+    ci, ai = FIELDS.index("cnt"), FIELDS.index("arrivals")
+    for r, _, _ in tasks:
+        arrivals[r[ci]] += 1
+    for r, _, _ in tasks:
+        r[ai] = arrivals[r[ci]]
+    if max(arrivals) > 1 and not may_split:
+        raise AssertionError("split-K planned for a product the workspace cannot hold")
+    tasks.sort(key=lambda t: -t[2])  # largest first: the tail of the grid is made of short programs
+    by_launch: dict[int, list[list[int]]] = {}
+    for r, w, _ in tasks:
+        by_launch.setdefault(0 if one_launch else w, []).append(r)
     launches = []
-    for rs in groups:
-        widths = 0
-        for r in rs:
-            widths |= 1 << r[FIELDS.index("bits")]
-        launches.append(Launch(widths, len(rs), torch.tensor(rs, dtype=torch.int64, device=device)))
+    for key, rs in sorted(by_launch.items()):
+        w = key or sum(1 << b for b in {pc[0] for pc in pieces})
+        launches.append(Launch(w, len(rs), torch.tensor(rs, dtype=torch.int64, device=device)))
     aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
-    return QmmPlan(k, n_total, nblk, bn, kb, max(arrivals) > 1, aligned, tuple(launches),
-                   torch.tensor(bg_all, dtype=torch.int32, device=device), _src_table(k, perm.perm, device))
+    multi = any(r[FIELDS.index("seg_hi")] - r[FIELDS.index("seg_lo")] > 1 for r, _, _ in tasks)
+    return QmmPlan(k, n_total, nblk, bn, kb, max(arrivals) > 1, multi, aligned, tuple(launches),
+                   torch.tensor(pieces, dtype=torch.int64, device=device),
+                   torch.tensor(bg_all, dtype=torch.int32, device=device), _src_cached(k, perm, device))
