@@ -11,9 +11,10 @@ compile-time shifts:
 - K is walked in steps of KB blocks of 32 rows. A block of a b-bit segment is b whole words per column, so
   the step loads b word tiles [KB, BLOCK_N] (word j of each block) and code position i (0..31) of every block
   is one [KB, BLOCK_N] tensor taken from word (i*b)//32 (and the next one where it straddles) by constant
-  shifts. Each code position is one tl.dot over K = KB with the matching x values: x is gathered beforehand
-  into a *blocked* order, position i * nblk + b holding sorted row 32 b + i (gather_rows: the act-order
-  permutation and the RMSNorm of q|k|v / gate|up in the same pass), so those x values are contiguous.
+  shifts. A tree of tl.join stacks the 32 positions into one [32 KB, BLOCK_N] tile whose K order is each
+  block's positions bit-reversed; x is gathered beforehand into that same order (gather_rows: the act-order
+  permutation, the bit reversal and the RMSNorm of q|k|v / gate|up in one pass), so one tl.dot per step
+  takes a contiguous x tile [BLOCK_M, 32 KB].
 - A code becomes fp32 without an int -> float conversion: shifted to the top of the mantissa of 1.0
   (1 + q 2^-b), one FMA by the per-block constants s 2^b and -(2^b + z) s gives (q - z) s (the constant's
   rounding is ~2^-15 of a step); the tile goes to fp16 for the dot.
@@ -22,7 +23,8 @@ compile-time shifts:
   scales and per-column zero points.
 
 One launch covers every matrix of a plan (q|k|v, gate|up) and, with CONFIG["ONE_LAUNCH"], every bit width:
-each program reads its task from the plan's int64 table and branches on its width at run time. Split-K
+each program reads its task (a column block, rows of the plan's segment table) from the plan's int64 table and
+branches on each segment's width at run time. Split-K
 partial sums meet in a per-device fp32 workspace by atomics; the last program to arrive at a column block
 (a self-resetting counter) adds bias and residual, writes y and zeroes its part of the workspace: no memset,
 no host sync, CUDA-graph safe. As with the GEMV, two of these must not run concurrently on different streams
