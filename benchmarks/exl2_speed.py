@@ -13,7 +13,8 @@ Parts:
   GEMV, else exl2_qmm), dequantize + cuBLAS, and an fp16 cuBLAS GEMM of the same shape; CUDA-graph replays over
   rotating weight copies (> L2), GB/s of packed bytes read. Prints the crossover row count per shape (the first
   M where dequantize + cuBLAS wins) as a `exl2_qmm_plan.CROSSOVER` table.
-- sweep: exl2_qmm launch parameters (BLOCK_N, STAGES, ONE_LAUNCH, WAVES) on two shapes at M = 8 and 32.
+- sweep: exl2_qmm launch parameters (BLOCK_N, STAGES, ONE_LAUNCH, WAVES, KB, warps) on gate|up-sized 4-bit
+  and down-sized mixed (8/4/3-bit) matrices at M = 8, 32 and 64.
 - e2e: writes the models once under --models-dir (random weights: speed depends on shapes only), then per
   model decode tok/s at each --batches size (CUDA graphs, `exlpy bench`'s timing) and prefill of --prefill
   tokens. A failing variant or size is reported and skipped.
@@ -220,16 +221,15 @@ def _sweep_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
 
 def sweep(args: argparse.Namespace, res: dict) -> None:
     configs = [{}, {"STAGES_16": 1, "STAGES_32": 1}, {"STAGES_16": 3, "STAGES_32": 3}, {"STAGES_MIXED": 2},
-               {"BLOCK_N_16": 64, "BLOCK_N_32": 64}, {"WAVES": 6}, {"WAVES": 2}, {"ONE_LAUNCH": 0},
+               {"BLOCK_N_16": 64, "BLOCK_N_32": 64}, {"WAVES": 3}, {"WAVES": 12}, {"ONE_LAUNCH": 0},
                {"ONE_LAUNCH": 0, "STAGES_16": 1, "STAGES_32": 1}, {"KB": 2}, {"WARPS_16": 8, "WARPS_32": 8},
                {"BLOCK_N_16": 64, "BLOCK_N_32": 64, "STAGES_16": 1, "STAGES_32": 1}]
     if args.quick:
         configs = configs[:4]
-    for mix in ("4.0", "mixed"):
-        for k, n in ((4096, 14336), (14336, 4096)):
-            _sweep_shape(args, res, k, n, mix, configs)
-            gc.collect()
-            torch.cuda.empty_cache()
+    for (k, n), mix in (((4096, 14336), "4.0"), ((14336, 4096), "mixed")):
+        _sweep_shape(args, res, k, n, mix, configs)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # --- e2e ------------------------------------------------------------------------------------------------------

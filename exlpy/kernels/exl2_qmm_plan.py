@@ -42,12 +42,13 @@ SEG_FIELDS = ("bits", "blk_lo", "blk_hi", "sb0", "o_qw")
 # 64 rows): BLOCK_N_<m> output columns per program, WARPS_<m> warps, STAGES_<m> software-pipelining depth of the
 # packed-word loads (cp.async into shared memory) of a one-width launch. STAGES_MIXED: the depth of launches that
 # hold several widths (pipelined, those take up to 255 registers per thread, unpipelined ~165 as one width). KB:
-# 32-row blocks per K step (one tl.dot with K = 32 KB); WAVES: programs per SM the K split aims for; ONE_LAUNCH:
+# 32-row blocks per K step (one tl.dot with K = 32 KB); WAVES: programs per SM the K split aims for (6: whole
+# waves both at 2 and at 3 resident programs per SM, the two occupancies the variants have); ONE_LAUNCH:
 # all bit widths of a plan in one launch (a run-time branch per task) instead of one launch per width.
 # Defaults: chosen offline for Triton 3.6 on sm_90a (benchmarks/qmm_compile_check.py: 5.4-6.3 SASS
 # instructions per 4-bit weight, no spills, 3 programs per SM at 16 and 64 rows, 2 at 32); to be confirmed by
 # the H100 sweep.
-CONFIG: dict[str, int] = {"KB": 4, "WAVES": 3, "ONE_LAUNCH": 1, "STAGES_MIXED": 1,
+CONFIG: dict[str, int] = {"KB": 4, "WAVES": 6, "ONE_LAUNCH": 1, "STAGES_MIXED": 1,
                           "BLOCK_N_16": 128, "WARPS_16": 4, "STAGES_16": 2,
                           "BLOCK_N_32": 128, "WARPS_32": 4, "STAGES_32": 2,
                           "BLOCK_N_64": 64, "WARPS_64": 4, "STAGES_64": 1}
