@@ -208,6 +208,20 @@ SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 MIXED_8B = [(8, 0.05), (4, 0.95)]  # a converter-like down_proj mix (§4.4 option table), in 128-row groups
 
 
+def _exl2_big(k: int, n: int, groups: list[tuple[int, int]], gen: torch.Generator,
+              perm: torch.Tensor | None = None) -> QuantMatrix:
+    """A random EXL2 matrix of real size, quickly: random packed words are valid codes (no bit packing)."""
+    words, qg = 0, []
+    for b, rows in groups:
+        qg += [b, words]
+        words += (rows * b + 31) // 32
+    rnd = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
+    qm = build_exl2_matrix(rnd(words, n), torch.randperm(k, generator=gen).to(torch.int32), rnd(len(groups), n // 8),
+                           (0.01 * (0.5 + torch.rand(len(groups), generator=gen))).half(),
+                           torch.tensor(qg, dtype=torch.int16), k, n, "big")
+    return qm if perm is None else dataclasses.replace(qm, perm=perm)
+
+
 def _groups(k: int, mix: list[tuple[int, float]], gs: int = 128) -> list[tuple[int, int]]:
     out, left = [], k
     for i, (b, p) in enumerate(mix):
@@ -228,7 +242,7 @@ def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) 
 
     k, n = shape
     gen = torch.Generator().manual_seed(k + n)
-    qm = _exl2(k, n, _groups(k, mix), gen)
+    qm = _exl2_big(k, n, _groups(k, mix), gen)
     w = dequant_dense(qm).cuda().half()
     q = qm.to("cuda")
     group = qmm.QmmGroup([q], None)
@@ -240,15 +254,32 @@ def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) 
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_real_shape_cuda(act_order: bool) -> None:
+    """GPTQ 4-bit g128 at gate|up's shape through ops.quant_matmul (the model's dispatch): 2-64 rows run the
+    multi-row kernel, 65+ dequantize + cuBLAS; all equal the exact dequantized product."""
+    _qmm()
+    gen = torch.Generator().manual_seed(17)
+    w = torch.randn(4096, 2048, generator=gen) * 0.02
+    t, dq = quantize_gptq(w, 128, gen, act_order)
+    qm = build_gptq_matrix(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), 4096, 2048, "g").to("cuda")
+    for m in (2, 8, 31, 64, 65):
+        x = torch.randn(m, 4096, generator=gen).half()
+        y = ops.quant_matmul(x.cuda(), [qm])
+        assert rel_err(y, x.float() @ dq) < TOL, m
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_graph_replay_cuda() -> None:
     """q|k|v at 8B shapes (mixed widths, bias, norm) and down_proj with the residual added in place, captured
     once per row count and replayed with new inputs: no host sync, no per-replay allocation."""
     qmm = _qmm()
     gen = torch.Generator().manual_seed(41)
-    a = _exl2(4096, 4096, _groups(4096, [(5, 0.1), (4, 0.7), (3, 0.2)]), gen)
-    parts = [a, _exl2(4096, 1024, _groups(4096, [(4, 1.0)]), gen, perm=a.perm),
-             _exl2(4096, 1024, _groups(4096, [(6, 1.0)]), gen, perm=a.perm)]
-    down = _exl2(14336, 4096, _groups(14336, MIXED_8B), gen)
+    a = _exl2_big(4096, 4096, _groups(4096, [(5, 0.1), (4, 0.7), (3, 0.2)]), gen)
+    parts = [a, _exl2_big(4096, 1024, _groups(4096, [(4, 1.0)]), gen, perm=a.perm),
+             _exl2_big(4096, 1024, _groups(4096, [(6, 1.0)]), gen, perm=a.perm)]
+    down = _exl2_big(14336, 4096, _groups(14336, MIXED_8B), gen)
     qkv = qmm.QmmGroup([p.to("cuda") for p in parts], torch.randn(6144, generator=gen).half().cuda())
     dn = qmm.QmmGroup([down.to("cuda")], None)
     norm = (1 + 0.1 * torch.randn(4096, generator=gen)).half().cuda()
