@@ -81,8 +81,19 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
             "sass_total": sum(mix.values())}
 
 
+def compile_gather(norm: bool) -> dict:
+    """The x gather (act order, bit-reversed blocks, optional RMSNorm) that feeds the kernel."""
+    fn = exl2_qmm._gather
+    ptrs = {"x_ptr": "*fp16", "w_ptr": "*fp16", "src_ptr": "*i32", "out_ptr": "*fp16"}
+    consts = dict(NORM=norm, BLOCK=exl2_qmm._GATHER_BLOCK, PDL=True)
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n == "eps" else "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options={"num_warps": 4})
+    return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"]), "sass": {"HMMA": 0}, "sass_total": 0}
+
+
 def variants(sass: str | None = None) -> dict[str, dict]:
-    out = {}
+    out = {"gather": compile_gather(False), "gather norm": compile_gather(True)}
     for bits in (2, 3, 4, 5, 6, 8):
         out[f"exl2 {bits}-bit M16"] = compile_variant(bits, 16, sass=sass)
     out["exl2 8+4+3-bit M16"] = compile_variant((8, 4, 3), 16, sass=sass)

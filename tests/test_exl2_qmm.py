@@ -344,4 +344,4 @@ def test_qmm_compiles_for_sm90() -> None:
     assert {"exl2 2-bit M16", "exl2 8-bit M16", "exl2 8+4+3-bit M16", "exl2 4-bit M64", "gptq 4-bit M16"} <= set(res)
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)
-        assert v["sass"]["HMMA"] > 0 or "M64" in name, (name, v)  # tensor cores (M64: warpgroup MMA)
+        assert v["sass"]["HMMA"] > 0 or "M64" in name or "gather" in name, (name, v)  # tensor cores (M64: wgmma)
