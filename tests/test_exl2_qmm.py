@@ -167,6 +167,27 @@ def test_gptq_interpreter(act_order: bool) -> None:
         assert rel_err(qmm.qmm(x, [qm]), ref) < TOL
 
 
+@pytest.mark.interpreter
+def test_dequant_path_interpreter() -> None:
+    """Past the fused rows (70 rows, or any count with EXLPY_QUANT_ROWS=0) the product dequantizes W in
+    input-feature order (act order applied while writing) for cuBLAS: same result, EXL2 mixed and GPTQ."""
+    _qmm()
+    from exlpy.kernels.exl2_matmul import exl2_matmul, quant_matmul_cuda
+
+    gen = torch.Generator().manual_seed(12)
+    qm = _exl2(*MIXED, gen)
+    t, dq = quantize_gptq(torch.randn(256, 48, generator=gen), 64, gen, True)
+    gq = build_gptq_matrix(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), 256, 48, "g")
+    x = torch.randn(70, qm.k, generator=gen).half()
+    assert rel_err(exl2_matmul(x, qm), reference.quant_matmul(x, [qm])) < TOL
+    xg = torch.randn(70, 256, generator=gen).half()
+    assert rel_err(exl2_matmul(xg, gq), xg.float() @ dq) < TOL
+    with use_options(RuntimeOptions.from_env({"EXLPY_QUANT_ROWS": "0"})):
+        res = torch.randn(3, qm.n, generator=gen).half()
+        want = reference.quant_matmul(x[:3], [qm], None, res.clone())
+        assert rel_err(quant_matmul_cuda(x[:3], [qm], None, res), want) < TOL
+
+
 def test_dispatch_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     """EXLPY_QUANT_ROWS bounds the fused rows (0 turns the kernel off); the per-shape crossover table hands a
     shape to dequantize + cuBLAS from its row count on; a bad value is a ConfigError naming the variable."""

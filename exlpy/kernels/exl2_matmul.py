@@ -171,10 +171,11 @@ def _qmm(x_ptr, perm_ptr, out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, M, 
 
 
 @triton.jit
-def _qdequant(out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, N, stride_o, stride_qw, stride_sc, stride_z,
-              g_lo, row0, word0, BITS: tl.constexpr, GPTQ: tl.constexpr, BLOCK_N: tl.constexpr,
-              CHUNK: tl.constexpr):
-    """W_sorted rows of group g_lo + program_id(1), columns of this block, as fp16."""
+def _qdequant(out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, perm_ptr, N, stride_o, stride_qw, stride_sc,
+              stride_z, g_lo, row0, word0, BITS: tl.constexpr, GPTQ: tl.constexpr, SCATTER: tl.constexpr,
+              BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """W_sorted rows of group g_lo + program_id(1), columns of this block, as fp16; with SCATTER each sorted row
+    r is written to row perm[r], i.e. W in input-feature order (x then needs no act-order gather)."""
     g = g_lo + tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -186,7 +187,8 @@ def _qdequant(out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, N, stride_o, st
         r_mask = rows < r_hi
         q = _codes(qw_ptr, stride_qw, rows, r_mask, offs_n, n_mask, row0, word0, BITS).to(tl.float32)
         w = (q - z[None, :]) * s[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], w.to(tl.float16),
+        dst = tl.load(perm_ptr + rows, mask=r_mask, other=0) if SCATTER else rows
+        tl.store(out_ptr + dst[:, None] * stride_o + offs_n[None, :], w.to(tl.float16),
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
@@ -252,9 +254,10 @@ def fused_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     return out
 
 
-def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """W_sorted[:, n0:n1] as fp16 [K, n1 - n0] (n0 a multiple of 32)."""
+def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.Tensor | None = None,
+               input_order: bool = False) -> torch.Tensor:
+    """W_sorted[:, n0:n1] as fp16 [K, n1 - n0] (n0 a multiple of 32); with input_order, W[:, n0:n1] (rows in
+    input-feature order: the act-order permutation applied while writing)."""
     n1 = qm.n if n1 is None else n1
     sub = qm.split_columns(n0, n1, copy=False) if (n0, n1) != (0, qm.n) else qm
     if out is None:
@@ -263,24 +266,25 @@ def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.T
     cfg = CONFIG["dequant"]
     for seg in qm.layout.segments:
         grid = (triton.cdiv(sub.n, cfg["BLOCK_N"]), seg.g_hi - seg.g_lo)
-        _qdequant[grid](out, sub.q_weight, sc, sm, z, qm.group_rows, sub.n, out.stride(0),
-                        sub.q_weight.stride(0), ssc, sz, seg.g_lo, seg.row0, seg.word0, BITS=seg.bits,
-                        GPTQ=qm.kind == "gptq", **cfg)
+        scatter = input_order and qm.perm is not None
+        _qdequant[grid](out, sub.q_weight, sc, sm, z, qm.group_rows, qm.perm if scatter else qm.group_rows, sub.n,
+                        out.stride(0), sub.q_weight.stride(0), ssc, sz, seg.g_lo, seg.row0, seg.word0, BITS=seg.bits,
+                        GPTQ=qm.kind == "gptq", SCATTER=scatter, **cfg)
     return out
 
 
 def dequant_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
-    """x [M, K] fp16 -> fp16 [M, N]: gather x[:, perm] once, dequantize column slices, cuBLAS GEMM."""
-    xp = x.index_select(1, qm.perm) if qm.perm is not None else x
+    """x [M, K] fp16 -> fp16 [M, N]: dequantize column slices in input-feature order (the act-order permutation
+    applied while writing W, so x needs no gather), cuBLAS GEMM."""
     step = max(32, (_SCRATCH_ELEMS // qm.k) // 32 * 32)
     if step >= qm.n:
-        return xp @ dequantize(qm)
+        return x @ dequantize(qm, input_order=True)
     y = torch.empty(x.shape[0], qm.n, dtype=torch.float16, device=x.device)
     scratch = torch.empty(qm.k, step, dtype=torch.float16, device=x.device)
     for n0 in range(0, qm.n, step):
         n1 = min(n0 + step, qm.n)
-        w = dequantize(qm, n0, n1, scratch[:, :n1 - n0])
-        y[:, n0:n1] = xp @ w
+        w = dequantize(qm, n0, n1, scratch[:, :n1 - n0], input_order=True)
+        y[:, n0:n1] = x @ w
     return y
 
 
