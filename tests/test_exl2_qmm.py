@@ -188,6 +188,27 @@ def test_dequant_path_interpreter() -> None:
         assert rel_err(quant_matmul_cuda(x[:3], [qm], None, res), want) < TOL
 
 
+@pytest.mark.interpreter
+def test_dequant_group_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused group past the fused rows: every part dequantized into its columns of one output (column slices
+    of a bounded scratch), with bias, or accumulated into the residual by the GEMM."""
+    _qmm()
+    from exlpy.kernels import exl2_matmul
+
+    monkeypatch.setattr(exl2_matmul, "_SCRATCH_ELEMS", 160 * 64)  # slices of 64 columns
+    gen = torch.Generator().manual_seed(13)
+    a = _exl2(160, 100, [(4, 64), (4, 64), (4, 32)], gen)
+    parts = [a, _exl2(160, 72, [(6, 32), (4, 96), (3, 32)], gen, perm=a.perm)]
+    x = torch.randn(66, 160, generator=gen).half()
+    bias = torch.randn(172, generator=gen).half()
+    norm = (1 + 0.1 * torch.randn(160, generator=gen)).half()
+    got = exl2_matmul.quant_matmul_cuda(x, parts, bias, None, norm, 1e-5)
+    assert rel_err(got, reference.quant_matmul(x, parts, bias, None, norm, 1e-5)) < TOL
+    res = torch.randn(66, 172, generator=gen).half()
+    want = reference.quant_matmul(x, parts, None, res.clone())
+    assert exl2_matmul.quant_matmul_cuda(x, parts, None, res) is res and rel_err(res, want) < TOL
+
+
 def test_dispatch_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     """EXLPY_QUANT_ROWS bounds the fused rows (0 turns the kernel off); the per-shape crossover table hands a
     shape to dequantize + cuBLAS from its row count on; a bad value is a ConfigError naming the variable."""

@@ -273,18 +273,31 @@ def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.T
     return out
 
 
-def dequant_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
-    """x [M, K] fp16 -> fp16 [M, N]: dequantize column slices in input-feature order (the act-order permutation
-    applied while writing W, so x needs no gather), cuBLAS GEMM."""
-    step = max(32, (_SCRATCH_ELEMS // qm.k) // 32 * 32)
-    if step >= qm.n:
-        return x @ dequantize(qm, input_order=True)
-    y = torch.empty(x.shape[0], qm.n, dtype=torch.float16, device=x.device)
-    scratch = torch.empty(qm.k, step, dtype=torch.float16, device=x.device)
-    for n0 in range(0, qm.n, step):
-        n1 = min(n0 + step, qm.n)
-        w = dequantize(qm, n0, n1, scratch[:, :n1 - n0], input_order=True)
-        y[:, n0:n1] = x @ w
+def dequant_matmul(x: torch.Tensor, qm: QuantMatrix | list[QuantMatrix], residual: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """x [M, K] fp16 @ [qm] or [parts side by side] -> fp16 [M, N total], or added into `residual` [M, N total]
+    (fp16, contiguous; cuBLAS accumulates into it, beta = 1) and returned. W is dequantized in column slices of
+    at most _SCRATCH_ELEMS, in input-feature order (the act-order permutation applied while writing, so x needs
+    no gather), each multiplied straight into its columns of the output."""
+    parts = qm if isinstance(qm, list) else [qm]
+    k = parts[0].k
+    step = max(32, (_SCRATCH_ELEMS // k) // 32 * 32)
+    if len(parts) == 1 and step >= parts[0].n:
+        w = dequantize(parts[0], input_order=True)
+        return x @ w if residual is None else residual.addmm_(x, w)
+    y = residual if residual is not None else torch.empty(x.shape[0], sum(p.n for p in parts),
+                                                          dtype=torch.float16, device=x.device)
+    scratch = torch.empty(k, min(step, max(p.n for p in parts)), dtype=torch.float16, device=x.device)
+    o = 0
+    for p in parts:
+        for n0 in range(0, p.n, step):
+            n1 = min(n0 + step, p.n)
+            w = dequantize(p, n0, n1, scratch[:, :n1 - n0], input_order=True)
+            if residual is None:
+                torch.mm(x, w, out=y[:, o + n0:o + n1])
+            else:
+                y[:, o + n0:o + n1].addmm_(x, w)
+        o += p.n
     return y
 
 
@@ -316,20 +329,33 @@ def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Ten
                       residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                       eps: float = 0.0) -> torch.Tensor:
     """Same contract as `reference.quant_matmul`: 2-64 rows of layouts it takes go to exl2_qmm in one launch
-    (norm, act-order gather and residual fused); other row counts and layouts run the parts one by one."""
+    (norm, act-order gather and residual fused); longer inputs dequantize the parts into one output for cuBLAS
+    (the residual accumulated by the GEMM); what remains (one row, other layouts) runs part by part."""
     from exlpy.kernels import ops
 
     k = parts[0].k
     n = sum(p.n for p in parts)
     m = x.numel() // k
     lead = x.shape[:-1]
-    if m >= 2 and exl2_qmm_plan.rows_kernel_takes(m, k, n) and all(exl2_qmm_plan.supports(p) for p in parts):
+    fits = residual is not None and residual.is_contiguous() and residual.dtype == torch.float16
+    takes = exl2_qmm_plan.rows_kernel_takes(m, k, n)
+    if m >= 2 and takes and all(exl2_qmm_plan.supports(p) for p in parts):
         res = residual.view(m, n) if residual is not None and residual.is_contiguous() else None
         y = exl2_qmm.qmm(x.reshape(m, k), parts, bias, res, norm_weight, eps)
         if residual is not None and res is None:
             return residual.add_(y.view(residual.shape))
         return residual if res is not None else y.view(*lead, n)
     h = ops.rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    if m >= 2 and not takes:  # prefill: dequantize + cuBLAS, every part into one output
+        h2 = h.reshape(m, k).to(torch.float16).contiguous()
+        if fits and bias is None:
+            dequant_matmul(h2, parts, residual.view(m, n))
+            return residual
+        y = dequant_matmul(h2, parts)
+        if bias is not None:
+            y = y + bias
+        y = y.to(x.dtype).view(*lead, n)
+        return y if residual is None else residual.add_(y.to(residual.dtype))
     ys, o = [], 0
     for p in parts:
         ys.append(exl2_matmul(h, p, bias[o:o + p.n] if bias is not None else None))

@@ -53,6 +53,8 @@ class FusedQuant:
         m = self._fused_rows(x)
         if m:
             return self.rows.run(x.reshape(m, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.is_cuda:  # prefill: the parts dequantized into one output for cuBLAS (no concatenation)
+            return ops.quant_matmul(x, [p.qm for p in self.parts], self.rows.bias)
         return torch.cat([p.forward(x) for p in self.parts], dim=-1)
 
     def forward_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -68,8 +68,9 @@ class QuantLinear:
         return y.to(x.dtype)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + forward(x). Up to 64 rows on CUDA add inside the kernel's epilogue, into `residual` in
-        place (the residual stream belongs to the forward pass, so nothing else sees it change)."""
+        """residual + forward(x). On CUDA the sum is made in `residual` itself, in place (the residual stream
+        belongs to the forward pass, so nothing else sees it change): up to 64 rows in the kernels' epilogues,
+        longer inputs by cuBLAS accumulating into it."""
         m = self._fused_rows(x)
         if m and residual.is_contiguous() and residual.numel() == m * self.out_features:
             assert self._rows is not None
@@ -81,6 +82,8 @@ class QuantLinear:
             if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm):
                 exl2_gemv.exl2_gemv(x.reshape(1, -1), self.qm, self.bias, residual=residual.view(1, -1))
                 return residual
+        if x.is_cuda and x.numel() > self.in_features and residual.is_contiguous() and ops.has_cuda_kernels():
+            return ops.quant_matmul(x, [self.qm], self.bias, residual)  # prefill: cuBLAS accumulates into it
         return residual + self.forward(x)
 
     def nbytes(self) -> int:
