@@ -20,8 +20,9 @@ Parts:
   tokens. A failing variant or size is reported and skipped.
 
 Every run merges its figures into --json (default benchmarks/results/raw/exl2_speed.json, keyed by part and
-case, with device, date and command) and rewrites --out (default benchmarks/results/exl2_speed.md) from all of
-them, so runs of different parts add up to one results file.
+case, with device, date and command) and rewrites --out (default benchmarks/results/exl2_speed.md, with the
+merged JSON beside it) from all of them, so runs of different parts add up to one results file. On a lent
+machine whose output folder starts empty per command: --json /tmp/exl2_speed.json --out $OUT/exl2_speed.md.
 """
 
 from __future__ import annotations
@@ -377,6 +378,10 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(state, f, indent=1)
         write_md(state, args.out)
+        beside = os.path.splitext(args.out)[0] + ".json"  # the figures travel with the markdown too
+        if os.path.abspath(beside) != os.path.abspath(args.json):
+            with open(beside, "w") as f:
+                json.dump(state, f, indent=1)
         log(f"[{time.time() - t0:.0f} s] {part} done; wrote {args.out} and {args.json}")
     return 0
 
