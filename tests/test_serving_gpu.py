@@ -31,7 +31,9 @@ def state() -> Any:
 
 
 def test_default_cache_takes_the_allowed_memory(state: Any) -> None:
-    plan = state.cache_plan
+    from exlpy.server.loading import cache_plan_of
+
+    plan = cache_plan_of(state.bridge.generator)
     assert plan.source.startswith("free GPU memory") and plan.full_requests >= 8
     cache_bytes = sum(state.bridge.generator.cache.footprint().values())
     assert abs(cache_bytes - plan.bytes) <= 4096

@@ -55,13 +55,16 @@ def test_plan_describes_tokens_and_full_requests() -> None:
 
 def test_load_state_cpu_default_and_health(monkeypatch: pytest.MonkeyPatch) -> None:
     from exlpy.server import load_state
+    from exlpy.server.loading import cache_plan_of
 
     state = load_state(warmup=False)  # the demo model: context 128 -> the 2048-token floor
     g = state.bridge.generator
-    assert state.cache_plan.source == "CPU default" and state.cache_plan.tokens == 2048
+    plan = cache_plan_of(g)
+    assert plan.source == "CPU default" and plan.tokens == 2048
     assert g.num_pages == 8 and g.max_batch_size <= 8
-    assert state.cache_plan.full_requests == 8
+    assert plan.full_requests == 8
     explicit = load_state(cache_size=600, warmup=False)
-    assert explicit.cache_plan.source == "--cache-size" and explicit.bridge.generator.num_pages == 3
+    assert cache_plan_of(explicit.bridge.generator).source == "--cache-size"
+    assert explicit.bridge.generator.num_pages == 3
     with pytest.raises(ConfigError, match="gpu-memory-utilization"):
         load_state(gpu_memory_utilization=0.0, warmup=False)

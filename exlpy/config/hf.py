@@ -183,6 +183,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     sliding = r.get("sliding_window", int, None)
     if r.get("use_sliding_window", bool, False):
         raise UnsupportedArchitectureError(f"{path}: use_sliding_window=true is not supported")
+    if sliding is not None and sliding < 0:
+        raise ConfigError(f"{path}: sliding_window must be a positive number of tokens or null, got {sliding}")
     if sliding is not None and arch.ignores_sliding_window and sliding < max_pos:
         warnings.warn(f"{name}: sliding_window={sliding} is ignored (full attention is used), as exllamav2 does",
                       stacklevel=3)
@@ -222,4 +224,17 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         quant_method=quant_method,
         raw_keys=frozenset(r.data),
     )
+    _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos
+
+
+def _check_token_ids_in_vocab(spec: ModelSpec, gen_eos: list[int], path: str, gen_path: str) -> None:
+    """BOS and EOS ids the model cannot produce or embed: generation would never stop at EOS (or index past
+    the embedding), so they are refused naming the key and the file."""
+    vocab = spec.vocab_size
+    named = [("bos_token_id", spec.bos_token_id, path), ("eos_token_id", spec.eos_token_id, path),
+             *(("eos_token_id", t, path) for t in spec.eos_token_ids),
+             *(("eos_token_id", t, gen_path) for t in gen_eos)]
+    for key, tid, where in named:
+        if tid is not None and not 0 <= tid < vocab:
+            raise ConfigError(f"{where}: {key} {tid} is outside the vocabulary [0, {vocab}) (vocab_size)")

@@ -97,6 +97,14 @@ def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: 
     return _impl("rms_norm_act_order", x)(x, weight, eps, perm, pad)
 
 
+def quant_matmul(x: torch.Tensor, parts: list[Any], bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """(rms_norm(x)) @ packed EXL2/GPTQ matrices side by side (+ bias, + residual in place); see reference. On
+    CUDA: one row the decode GEMV, 2-64 rows the multi-row kernel, longer inputs dequantize + cuBLAS."""
+    return _impl("quant_matmul", x)(x, parts, bias, residual, norm_weight, eps)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:

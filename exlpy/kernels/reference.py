@@ -95,6 +95,26 @@ def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: 
     return act_order(xf * torch.rsqrt(xf.pow(2).mean() + eps) * weight.float(), perm, pad)
 
 
+def quant_matmul(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """x [..., K] @ [W_0 | W_1 | ...] (+ bias [N total]) for packed matrices `parts` (exlpy.quant.layout.QuantMatrix,
+    one K and act order), x first rms_norm'd with norm_weight when given: [..., N total] in x's dtype, or that
+    added into `residual` (same shape) in place and returned. fp32 math on the exact dequantized weights."""
+    from exlpy.quant.exl2_ref import dequant_dense
+
+    h = x.float()
+    if norm_weight is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    w = torch.cat([dequant_dense(p).to(x.device) for p in parts], dim=1)
+    y = h @ w
+    if bias is not None:
+        y = y + bias.float()
+    if residual is None:
+        return y.to(x.dtype)
+    return residual.copy_((residual.float() + y).to(residual.dtype))
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
     """Gather the first `length` tokens of every sequence: cache [rows, S, H, D] -> [B, length, H, D]."""
     t = torch.arange(length, device=cache.device)

@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from exlpy.kernels import ops, reference
 from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import silu_mul
+from exlpy.kernels.exl2_matmul import quant_matmul_cuda
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
@@ -85,6 +86,7 @@ def register_all() -> None:
     ops.register("norm_linear_swiglu", norm_linear_swiglu)
     ops.register("act_order", act_order)
     ops.register("rms_norm_act_order", rms_norm_act_order)
+    ops.register("quant_matmul", quant_matmul_cuda)
     ops.register("paged_attention", paged_attention_cuda)
     ops.register("sdpa", sdpa_cuda)
     ops.register("flash_attention", flash_attention)

@@ -117,6 +117,7 @@ class GeneratorBridge:
         self._outbox: list[tuple[str, Any, Any]] = []
         self._delivery_pending = False
         self._stopping = False
+        self._abort: BaseException | None = None  # abort_all(): applied by the owner thread between steps
         # Loop side only.
         self._handles: dict[Any, JobHandle] = {}  # jobs enqueued in the generator, not ended
         self._waiting = 0  # submitted, not yet accepted or refused
@@ -165,6 +166,31 @@ class GeneratorBridge:
             self._cv.notify()
         thread.join()
         self._thread = None
+
+    def abort_all(self, cause: BaseException) -> None:
+        """End every job, running or waiting, with `cause` (bounded shutdown: their streams get an error event).
+        The owner thread applies it between two steps; with no owner thread running it is applied at once."""
+        if self._thread is None or not self._thread.is_alive():
+            with self._cv:
+                inbox, self._inbox = self._inbox, []
+            out: list[tuple[str, Any, Any]] = [("refused", h, cause) for h in inbox]
+            self._cancel_all(out, cause)
+            self._outbox += out
+            self._deliver()
+            return
+        with self._cv:
+            self._abort = cause
+            self._cv.notify()
+
+    def _cancel_all(self, out: list[tuple[str, Any, Any]], cause: BaseException) -> None:
+        """Cancel every job the generator holds (owner thread, or no thread running) and say so to the loop."""
+        gen = self.generator
+        for job in [*gen.active, *gen.pending]:
+            try:
+                gen.cancel(job)
+            except ExlpyError:
+                pass  # it ended during the last step
+        out.append(("aborted", cause, None))
 
     def alive(self) -> bool:
         return self._thread is None or self._thread.is_alive()  # not started yet counts as alive
@@ -239,16 +265,21 @@ class GeneratorBridge:
         gen = self.generator
         while True:
             with self._cv:
-                while not (self._stopping or self._inbox or self._cancels or self._calls
+                while not (self._stopping or self._inbox or self._cancels or self._calls or self._abort
                            or gen.num_remaining_jobs()):
                     self._cv.wait()
                 if self._stopping:
                     return
+                abort, self._abort = self._abort, None
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 calls, self._calls = self._calls, []
             out: list[tuple[str, Any, Any]] = []
             try:
+                if abort is not None:
+                    out += [("refused", h, abort) for h in inbox]
+                    inbox = []
+                    self._cancel_all(out, abort)
                 self._apply(inbox, cancels, out)
                 for fn, fut in calls:
                     try:
@@ -352,6 +383,13 @@ class GeneratorBridge:
             elif kind in ("call", "call_error"):
                 if not a.done():
                     a.set_result(b) if kind == "call" else a.set_exception(b)
+            elif kind == "aborted":
+                for h in self._handles.values():
+                    self.counters["failed"] += 1
+                    if self.observer is not None:
+                        self.observer.on_closed(h)
+                    h._close(a)
+                self._handles.clear()
             elif kind == "step_failed":
                 self.counters["step_failures"] += 1
                 for job in b:

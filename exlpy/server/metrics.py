@@ -97,12 +97,13 @@ class KernelCompiles:
 
 
 class Metrics:
-    """The server's metrics: the bridge's observer (steps, routed results) plus gauges read at scrape time."""
+    """The server's metrics: the observer of the state's bridge (steps, routed results; a model loaded later
+    through the admin routes gets a bridge observed the same way) plus gauges read at scrape time."""
 
-    def __init__(self, bridge: Any) -> None:
+    def __init__(self, state: Any) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        self.bridge = bridge
+        self.state = state
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("exlpy:prompt_tokens", "Prompt tokens of accepted requests", registry=r)
@@ -117,7 +118,7 @@ class Metrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.step = Histogram("exlpy:step_time_seconds", "Time of one generator iteration (prefill chunks and "
                               "one decode step)", buckets=STEP_BUCKETS, registry=r)
-        r.register(_StateCollector(bridge))
+        r.register(_StateCollector(state))
         self._times: dict[int, tuple[float, float]] = {}  # id(handle) -> (submitted, last token)
 
     # --- the bridge's observer (event loop) ----------------------------------------------------------------
@@ -160,15 +161,18 @@ class Metrics:
 
 
 class _StateCollector:
-    """Gauges and counters read from the bridge and the generator when scraped."""
+    """Gauges and counters read from the bridge and the generator when scraped (none while no model is loaded)."""
 
-    def __init__(self, bridge: Any) -> None:
-        self.bridge = bridge
+    def __init__(self, state: Any) -> None:
+        self.state = state
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        b, g = self.bridge, self.bridge.generator
+        b = self.state.bridge
+        if b is None:
+            return
+        g = b.generator
         total = int(g.num_pages)
         used = total - int(g.page_table.num_unreferenced())
         yield GaugeMetricFamily("exlpy:num_requests_running", "Requests in the generator's batch",
@@ -195,14 +199,17 @@ class _StateCollector:
             yield compiles
 
 
-def attach(bridge: Any) -> Metrics | None:
-    """Metrics observing `bridge`, or None without prometheus_client (the server runs without /metrics)."""
+def attach(state: Any) -> Metrics | None:
+    """Metrics of `state` (kept as state.metrics; its bridge observed), or None without prometheus_client (the
+    server runs without /metrics)."""
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
         return None
-    m = Metrics(bridge)
-    bridge.observer = m
+    m = Metrics(state)
+    state.metrics = m
+    if state.bridge is not None:
+        state.bridge.observer = m
     return m
 
 
