@@ -158,7 +158,7 @@ def parse_features(r: Reader, arch: ArchParams, hidden: int, head_dim: int, laye
         act=ACTIVATIONS[act],
         qk_norm=arch.qk_norm or r.get("use_qk_norm", bool, False),
         qkv_bias=arch.qkv_bias or attn_bias or bool(use_bias),
-        o_bias=arch.o_bias or attn_bias and not arch.qkv_bias or bool(use_bias),
+        o_bias=arch.o_bias or bool(use_bias),  # attention_bias: o_proj.bias is loaded when stored (not GLM-4)
         mlp_bias=arch.mlp_bias or mlp_bias or bool(use_bias),
         tied_head=arch.tied_head or r.get("tie_word_embeddings", bool, False),
         rotary_dim=_rotary_dim(r, arch, head_dim),

@@ -19,11 +19,6 @@ from exlpy.model.parallel_linear import ColumnParallel, RowParallel, close_block
 from exlpy.model.rotary import RotaryTables
 
 
-def load_norm(m: Module, key: str, device: torch.device, size: int | None = None) -> torch.Tensor:
-    """The weight of norm `key` ([size], default hidden_size), the architecture's constant added."""
-    return load_norm_tensors(m, key, device, [(size or m.spec.hidden_size,)])[0]
-
-
 class Attention(Module):
     """Pre-norm attention block. Under tensor parallelism a copy holds this GPU's heads (num_heads and
     num_kv_heads are then its share) and o_proj is a RowParallel / ColumnParallel that sums over GPUs.

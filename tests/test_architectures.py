@@ -1,0 +1,75 @@
+"""Every dense architecture beyond Llama against its fp32 reference: transformers' own model where it has
+one, a reference written from the spec where it has none (tests/arch_models.py).
+
+Full sequence, and incremental through a cache (a prefill chunk, a second chunk, then single tokens), with
+sequences several times longer than the sliding windows of the models that have one."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from tests.arch_models import HF_CASES, SPEC_CASES, VOCAB, make_arch_model
+from tests.conftest import logits_tol, rel_err
+
+TOL = 1e-4  # fp32 on the same (fp16-rounded) weights as the reference; the issue asks for 2e-3
+ARGMAX = 0.97
+CASES = sorted(HF_CASES) + sorted(SPEC_CASES)
+
+
+def _load(path: Path, max_seq_len: int = 128) -> tuple[ExLlamaV2, ExLlamaV2Cache]:
+    config = ExLlamaV2Config(str(path))
+    config.max_seq_len = max_seq_len
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, lazy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.load_autosplit(cache)
+    return model, cache
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, model: ExLlamaV2) -> None:
+    assert out.shape == ref.shape
+    err = rel_err(out, ref)
+    agree = (out.argmax(-1).cpu() == ref.argmax(-1)).float().mean().item()
+    assert err <= logits_tol(model, TOL), f"relative logit error {err:.2e}"
+    assert agree >= ARGMAX, f"argmax agreement {agree:.3f}"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return {}
+
+
+def _model(built: dict, tmp_path_factory: pytest.TempPathFactory, case: str):  # noqa: ANN202
+    if case not in built:
+        path = tmp_path_factory.mktemp(case)
+        built[case] = (path, make_arch_model(path, case))
+    return built[case]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_full_sequence_matches_reference(built: dict, tmp_path_factory: pytest.TempPathFactory, case: str) -> None:
+    path, ref_model = _model(built, tmp_path_factory, case)
+    ids = torch.randint(2, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids).logits.float()
+    model, _ = _load(path)
+    _check(model.forward(ids), ref, model)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_incremental_matches_reference(built: dict, tmp_path_factory: pytest.TempPathFactory, case: str) -> None:
+    path, ref_model = _model(built, tmp_path_factory, case)
+    ids = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = ref_model(ids).logits.float()
+    model, cache = _load(path)
+    parts = [model.forward(ids[:, :13], cache), model.forward(ids[:, 13:30], cache)]
+    parts += [model.forward(ids[:, i:i + 1], cache) for i in range(30, 40)]
+    assert cache.current_seq_len == 40
+    _check(torch.cat(parts, dim=1), ref, model)
