@@ -116,6 +116,15 @@ ARCHITECTURES: dict[str, ArchParams] = dict([
 
 FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (exllamav2 does the same)
 
+# Architectures exllamav2 runs that exlpy does not yet: refused by name rather than run as Llama.
+NOT_YET: dict[str, str] = {
+    "MixtralForCausalLM": "mixture of experts", "Qwen3MoeForCausalLM": "mixture of experts",
+    "DbrxForCausalLM": "mixture of experts", "GemmoeForCausalLM": "mixture of experts",
+    "Gemma3ForConditionalGeneration": "vision", "Qwen2VLForConditionalGeneration": "vision",
+    "Qwen2_5_VLForConditionalGeneration": "vision", "LlavaForConditionalGeneration": "vision",
+    "Mistral3ForConditionalGeneration": "vision",
+}
+
 
 def remap_key(name: str, remap: tuple[tuple[str, str], ...]) -> str:
     """A checkpoint tensor name in canonical naming: each (old, new) applied in order, "$old" only at the start."""

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from exlpy.config.arch import ARCHITECTURES, FALLBACK, ArchParams
+from exlpy.config.arch import ARCHITECTURES, FALLBACK, NOT_YET, ArchParams
 from exlpy.config.features import ModelFeatures, parse_features
 from exlpy.config.rope import RopeScaling, parse_rope_scaling
 from exlpy.config.values import (
@@ -171,6 +171,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     name = archs[0]
     if not isinstance(name, str):
         raise ConfigError(f"{path}: 'architectures' should hold a class name string, got {name!r:.60}")
+    if name in NOT_YET:
+        raise UnsupportedArchitectureError(f"{path}: architecture '{name}' ({NOT_YET[name]}) is not supported yet")
     if name not in ARCHITECTURES:
         # exllamav2 runs an unknown architecture as Llama, with a warning; so do we (the tensor key check and
         # the refusal of unimplemented config keys still apply).

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from exlpy.config.config import ExLlamaV2Config
-from exlpy.model.norm import block_norm, load_norm_tensors
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.linear import DenseLinear, Linear, load_linear
 from exlpy.model.module import Module
+from exlpy.model.norm import block_norm, load_norm_tensors
 from exlpy.model.parallel_linear import ColumnParallel
 
 
