@@ -73,3 +73,19 @@ def test_incremental_matches_reference(built: dict, tmp_path_factory: pytest.Tem
     parts += [model.forward(ids[:, i:i + 1], cache) for i in range(30, 40)]
     assert cache.current_seq_len == 40
     _check(torch.cat(parts, dim=1), ref, model)
+
+
+@pytest.mark.parametrize("mode", ["row", "column"])
+def test_glm4_tensor_parallel_equals_single(built: dict, tmp_path_factory: pytest.TempPathFactory,
+                                            mode: str) -> None:
+    """GLM-4 (exllamav2 marks it TP-capable): post-norms after the all-reduce, partial interleaved RoPE per
+    shard, fused gate|up split by columns, on CPU "devices"."""
+    from exlpy.runtime import RuntimeOptions
+
+    path, _ = _model(built, tmp_path_factory, "glm4")
+    ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    single, _ = _load(path)
+    ref = single.forward(ids)
+    model = ExLlamaV2(ExLlamaV2Config(str(path)))
+    model.load_tp([1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_layout=mode))
+    torch.testing.assert_close(model.forward(ids), ref, atol=2e-5, rtol=1e-5)

@@ -45,11 +45,14 @@ def read_weight(index: SafetensorsIndex, name: str, device: torch.device, rows: 
     """A source weight (HF layout [N, K]) as fp32 [K, N] on `device`; `rows` picks output features."""
     if rows is None:
         w = index.get(name)
+    elif name in index.views:  # a part of a fused / transposed tensor (exlpy/weights/views.py)
+        w = index.get(name)[rows]
     else:  # a slice of rows only (head slices): never the whole tensor in host memory
         from safetensors import safe_open
 
-        with safe_open(index.info(name).file, framework="pt", device="cpu") as f:
-            w = f.get_slice(name)[rows]
+        info = index.info(name)
+        with safe_open(info.file, framework="pt", device="cpu") as f:
+            w = f.get_slice(info.name)[rows]  # the name stored in the file (architectures remap names)
     w = w.to(device, torch.float32)
     if not bool(torch.isfinite(w).all()):
         raise NumericalError(f"source tensor {name} holds NaN or inf ({index.info(name).file}); the model "

@@ -47,12 +47,18 @@ def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
 
 def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
-                         positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None,
+                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     flash = options().flash_attn
-    if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16):
+    if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16) or ((window or softcap) and
+                                                                          q.shape[1] <= 16):
+        # The decode kernel serves sliding windows and soft-capping; the flash kernel does not (yet): short
+        # query blocks with them (verify steps) take the decode kernel, longer ones the torch reference.
         return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
-                                      positions, scale, key_mask)
+                                      positions, scale, key_mask, window, softcap)
+    if window or softcap:
+        return reference.paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                         positions, scale, key_mask, window, softcap)
     if flash:
         return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
                                key_mask)
@@ -86,6 +92,7 @@ def register_all() -> None:
     ops.register("act_order", act_order)
     ops.register("rms_norm_act_order", rms_norm_act_order)
     ops.register("paged_attention", paged_attention_cuda)
+    ops.register_features("paged_attention", frozenset({"window", "softcap"}))
     ops.register("sdpa", sdpa_cuda)
     ops.register("flash_attention", flash_attention)
     ops.register("quant_attention", quant_attention_cuda)
