@@ -79,13 +79,15 @@ def _restore_buffers(model: Any, buffers: dict[str, torch.Tensor]) -> None:
         module._buffers[leaf] = b
 
 
-def make_arch_model(path: Path, case: str, seed: int = 0) -> Any:
-    """Write the tiny model `case` (HF_CASES or SPEC_CASES) to `path`; return a callable ids -> fp32 logits."""
+def make_arch_model(path: Path, case: str, seed: int = 0, **overrides: Any) -> Any:
+    """Write the tiny model `case` (HF_CASES or SPEC_CASES) to `path`; return a callable ids -> fp32 logits.
+    `overrides` change the transformers config (HF_CASES only)."""
     if case in SPEC_CASES:
         return SPEC_CASES[case](path, seed)
     import transformers as tf
 
     model_type, kw = HF_CASES[case]
+    kw = {**kw, **overrides}
     torch.manual_seed(seed)
     config = tf.AutoConfig.for_model(model_type, **kw)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
