@@ -6,6 +6,7 @@ sequences several times longer than the sliding windows of the models that have 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -32,11 +33,18 @@ def _load(path: Path, max_seq_len: int = 128) -> tuple[ExLlamaV2, ExLlamaV2Cache
     return model, cache
 
 
-def _check(out: torch.Tensor, ref: torch.Tensor, model: ExLlamaV2) -> None:
+def _check(out: torch.Tensor, ref: torch.Tensor, model: ExLlamaV2, ref_model: object, ids: torch.Tensor) -> None:
     assert out.shape == ref.shape
     err = rel_err(out, ref)
     agree = (out.argmax(-1).cpu() == ref.argmax(-1)).float().mean().item()
-    assert err <= logits_tol(model, TOL), f"relative logit error {err:.2e}"
+    tol = logits_tol(model, TOL)
+    if tol > TOL:
+        # Half precision (a GPU): allow twice transformers' own error in the same dtype (Gemma 2's soft-caps
+        # and large test weights make some of these models more sensitive than a trained one).
+        half = copy.deepcopy(ref_model).to(model.config.compute_dtype(model.modules[model.head_layer_idx].device))
+        with torch.no_grad():
+            tol = max(tol, 2 * rel_err(half(ids).logits, ref))  # type: ignore[operator]
+    assert err <= tol, f"relative logit error {err:.2e}"
     assert agree >= ARGMAX, f"argmax agreement {agree:.3f}"
 
 
@@ -59,7 +67,7 @@ def test_full_sequence_matches_reference(built: dict, tmp_path_factory: pytest.T
     with torch.no_grad():
         ref = ref_model(ids).logits.float()
     model, _ = _load(path)
-    _check(model.forward(ids), ref, model)
+    _check(model.forward(ids), ref, model, ref_model, ids)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -72,7 +80,7 @@ def test_incremental_matches_reference(built: dict, tmp_path_factory: pytest.Tem
     parts = [model.forward(ids[:, :13], cache), model.forward(ids[:, 13:30], cache)]
     parts += [model.forward(ids[:, i:i + 1], cache) for i in range(30, 40)]
     assert cache.current_seq_len == 40
-    _check(torch.cat(parts, dim=1), ref, model)
+    _check(torch.cat(parts, dim=1), ref, model, ref_model, ids)
 
 
 @pytest.mark.parametrize("mode", ["row", "column"])
