@@ -194,6 +194,10 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     sliding = r.get("sliding_window", int, None)
     layers = r.size(("num_hidden_layers", "n_layers", "n_layer"), MAX_LAYERS)
     features = parse_features(r, arch, hidden, head_dim, layers, max_pos)
+    rope_scaling = _rope_scaling(r, max_pos)
+    if rope_scaling.kind == "su" and len(rope_scaling.short_factor) != features.rotary_dim // 2:
+        raise ConfigError(f"{path}: rope_scaling short_factor / long_factor hold {len(rope_scaling.short_factor)} "
+                          f"values; the {features.rotary_dim} rotary dimensions need {features.rotary_dim // 2}")
     qc = r.get("quantization_config", dict, {}) or {}
     quant_method = qc.get("quant_method")
     if quant_method not in (None, "exl2", "gptq"):
@@ -215,7 +219,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         intermediate_size=r.size(("intermediate_size", "n_inner"), MAX_DIM, 4 * hidden),
         norm_eps=_norm_eps(r, arch),
         rope_theta=_rope_theta(r),
-        rope_scaling=_rope_scaling(r, max_pos),
+        rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         attention_bias=r.get("attention_bias", bool, False),
