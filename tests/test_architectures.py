@@ -97,3 +97,20 @@ def test_glm4_tensor_parallel_equals_single(built: dict, tmp_path_factory: pytes
     model = ExLlamaV2(ExLlamaV2Config(str(path)))
     model.load_tp([1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_layout=mode))
     torch.testing.assert_close(model.forward(ids), ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "cohere2"])
+def test_quantized_cache_keeps_windows_and_softcaps(built: dict, tmp_path_factory: pytest.TempPathFactory,
+                                                    case: str) -> None:
+    """The Q8 cache's attention path applies the window and the soft-cap too: its logits stay near the fp16
+    cache's (ignoring the window would move them by more than their own size, see the config tests)."""
+    from exlpy import ExLlamaV2Cache_Q8
+
+    path, _ = _model(built, tmp_path_factory, case)
+    model, cache = _load(path)
+    ids = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for c in (cache, ExLlamaV2Cache_Q8(model, max_seq_len=128)):
+        parts = [model.forward(ids[:, :20], c)] + [model.forward(ids[:, i:i + 1], c) for i in range(20, 40)]
+        outs.append(torch.cat(parts, dim=1))
+    assert rel_err(outs[1], outs[0]) < 0.05

@@ -138,3 +138,14 @@ def _default():  # noqa: ANN202
     from exlpy.config.rope import RopeScaling
 
     return RopeScaling()
+
+
+def test_learned_positions_bound_max_seq_len(tmp_path: Path) -> None:
+    from exlpy import ExLlamaV2
+
+    make_arch_model(tmp_path, "gpt2")
+    config = ExLlamaV2Config(str(tmp_path))
+    assert config.max_seq_len == 256  # n_positions
+    config.max_seq_len = 300
+    with pytest.raises(ConfigError, match="learned positions"):
+        ExLlamaV2(config).load(device="cpu")

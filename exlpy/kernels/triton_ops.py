@@ -80,8 +80,17 @@ def quant_attention_cuda(q: torch.Tensor, *args: object) -> torch.Tensor:
     return quant_attention(q, *args)  # type: ignore[arg-type]
 
 
+def layer_norm_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`reference.layer_norm` as torch's fused LayerNorm kernel (fp32 statistics, as nn.LayerNorm and Cohere's
+    norm); per-head [H, D] weights (Cohere's q/k norm) and mixed dtypes (an fp32 residual) take the reference."""
+    if weight.dim() != 1 or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        return reference.layer_norm(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def register_all() -> None:
     ops.register("rms_norm", rms_norm)
+    ops.register("layer_norm", layer_norm_cuda)
     ops.register("apply_rope", apply_rope)
     ops.register("silu_mul", silu_mul)
     ops.register("linear_add", linear_add)

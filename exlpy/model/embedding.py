@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from exlpy.config.config import ExLlamaV2Config
+from exlpy.errors import ConfigError
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.module import Module
 from exlpy.model.parallel_linear import Collective
@@ -33,7 +34,11 @@ class Embedding(Module):
         self.weight = landed(self.index, name, self.index.get(name, shape=(s.vocab_size, s.hidden_size)).to(
             device=device, dtype=self.dtype(device)))
         if s.features.learned_positions:
-            shape = (s.features.learned_positions, s.hidden_size)
+            rows = s.features.learned_positions
+            if self.config.max_seq_len > rows:
+                raise ConfigError(f"config.max_seq_len {self.config.max_seq_len} exceeds the {rows} learned positions "
+                                  f"of {s.architecture} (model.wpe); it has no way to encode later positions")
+            shape = (rows, s.hidden_size)
             self.wpe = landed(self.index, "model.wpe.weight", self.index.get("model.wpe.weight", shape=shape).to(
                 device=device, dtype=self.dtype(device)))
         self.device = device
