@@ -168,21 +168,40 @@ def test_token_bitmask_kernel(device: str) -> None:
     assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out, ref)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("T,window,softcap", [(1, 37, 0.0), (1, 0, 1.5), (2, 20, 0.8), (1, 500, 2.0)])
-def test_paged_decode_attention_window_softcap_cpu(T: int, window: int, softcap: float) -> None:
-    """Sliding windows (Gemma 2, Cohere 2, Phi-3, StarCoder2) and soft-capped scores in the decode kernel."""
-    _dev_ok("cpu")
+def _window_softcap_case(device: str, dtype: torch.dtype, D: int, T: int, window: int, softcap: float) -> None:
     g = torch.Generator().manual_seed(5)
-    B, hq, hk, D, page, pages = 3, 4, 2, 16, 32, 8
+    B, hq, hk, page, pages = 3, 4, 2, 32, 8
     n_pages = B * pages + 2
     kc, vc = torch.randn(n_pages, page, hk, D, generator=g), torch.randn(n_pages, page, hk, D, generator=g)
     bt = torch.randperm(n_pages, generator=g)[:B * pages].view(B, pages).int()
     seqlens = torch.tensor([5, 200, 129], dtype=torch.int32)
     pos = (seqlens.long().view(-1, 1) - T + torch.arange(T)).clamp(min=0)
     q = torch.randn(B, T, hq, D, generator=g) * 3  # scores large enough for the cap to matter
-    ref = reference.paged_attention(q, kc, vc, bt, page, seqlens, 200, pos, 0.3, None, window, softcap)
-    out = paged_decode_attention(q, kc, vc, bt, page, seqlens, 200, pos, 0.3, None, window, softcap)
-    _close(out, ref, 1e-5)
-    plain = reference.paged_attention(q, kc, vc, bt, page, seqlens, 200, pos, 0.3)
-    assert (out - plain).abs().max() > 1e-2 or window >= 200  # the feature changed the result
+    scale = D ** -0.5
+    ref = reference.paged_attention(q, kc, vc, bt, page, seqlens, 200, pos, scale, None, window, softcap)
+    dev = [t.to(device) for t in (q, kc, vc, bt, seqlens, pos)]
+    out = paged_decode_attention(dev[0].to(dtype), dev[1].to(dtype), dev[2].to(dtype), dev[3], page, dev[4], 200,
+                                 dev[5], scale, None, window, softcap)
+    _close(out.cpu(), ref, 1e-5 if dtype == torch.float32 else 2e-2)
+    plain = reference.paged_attention(q, kc, vc, bt, page, seqlens, 200, pos, scale)
+    assert (ref - plain).abs().max() > 1e-2  # the feature changes the result
+
+
+CASES_WS = [(1, 37, 0.0), (1, 0, 1.5), (2, 20, 0.8), (1, 150, 2.0)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,window,softcap", CASES_WS)
+def test_paged_decode_attention_window_softcap_cpu(T: int, window: int, softcap: float) -> None:
+    """Sliding windows (Gemma 2, Cohere 2, Phi-3, StarCoder2) and soft-capped scores in the decode kernel."""
+    _dev_ok("cpu")
+    _window_softcap_case("cpu", torch.float32, 16, T, window, softcap)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [96, 128, 256])  # Phi-3, Llama-like, Gemma 2 head sizes
+@pytest.mark.parametrize("T,window,softcap", CASES_WS)
+def test_paged_decode_attention_window_softcap_cuda(D: int, T: int, window: int, softcap: float) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("run without TRITON_INTERPRET for compiled kernels")
+    _window_softcap_case("cuda", torch.float16, D, T, window, softcap)
