@@ -8,9 +8,9 @@ config.json can override (biases, tied heads, windows, multipliers) are read in 
 Canonical tensor names (after remapping): `model.embed_tokens`, `model.wpe` (learned positions),
 `model.layers.N.self_attn.{q,k,v,o}_proj` (+ `q_norm`, `k_norm`), `model.layers.N.mlp.{gate,up,down}_proj`
 (`up` alone for a non-gated MLP), `model.norm`, `lm_head`; a layer's norms are named per architecture by role
-(`norms`: attn_pre / attn_post / mlp_pre / mlp_post), as their checkpoints name them. Fused checkpoint tensors (`qkv_proj`,
-`gate_up_proj`, GPT-2's `c_attn`, InternLM2's `wqkv`) are read through row-slice views with these names
-(exlpy/weights/views.py), so loaders, the planner and the converter see one naming.
+(`norms`: attn_pre / attn_post / mlp_pre / mlp_post), as their checkpoints name them. Fused checkpoint tensors
+(`qkv_proj`, `gate_up_proj`, GPT-2's `c_attn`, InternLM2's `wqkv`) are read through row-slice views with these
+names (exlpy/weights/views.py), so loaders, the planner and the converter see one naming.
 """
 
 from __future__ import annotations

@@ -50,18 +50,16 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None,
                          window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     flash = options().flash_attn
-    if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16) or ((window or softcap) and
-                                                                          q.shape[1] <= 16):
-        # The decode kernel serves sliding windows and soft-capping; the flash kernel does not (yet): short
-        # query blocks with them (verify steps) take the decode kernel, longer ones the torch reference.
+    # Both kernels serve sliding windows and soft-capped scores; the gather + SDPA path below does not.
+    if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16):
         return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
                                       positions, scale, key_mask, window, softcap)
+    if flash:
+        return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
+                               key_mask, window, softcap)
     if window or softcap:
         return reference.paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
                                          positions, scale, key_mask, window, softcap)
-    if flash:
-        return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
-                               key_mask)
     k = reference.gather_kv(k_cache, block_table, page_size, max_seqlen)
     v = reference.gather_kv(v_cache, block_table, page_size, max_seqlen)
     t = torch.arange(max_seqlen, device=q.device)
@@ -104,6 +102,7 @@ def register_all() -> None:
     ops.register_features("paged_attention", frozenset({"window", "softcap"}))
     ops.register("sdpa", sdpa_cuda)
     ops.register("flash_attention", flash_attention)
+    ops.register_features("flash_attention", frozenset({"window", "softcap"}))
     ops.register("quant_attention", quant_attention_cuda)
     ops.register("store_kv_quant", store_kv_quant)
     ops.register("apply_token_bitmask", apply_token_bitmask)

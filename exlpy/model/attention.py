@@ -175,10 +175,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
     else:
         q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
         ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-    if batch.past_len == 0 and batch.key_mask is None and batch.q_len > 1 and not window:
+    if batch.past_len == 0 and batch.key_mask is None and batch.q_len > 1 and not (window or softcap):
         # A first chunk into a contiguous cache, every row from position 0: torch's own causal SDPA over the
         # slice just written (its flash backend is as fast as any kernel here for this case).
         kc, vc = k_cache[:batch.batch_size, :batch.q_len], v_cache[:batch.batch_size, :batch.q_len]
-        return ops.sdpa(q, kc, vc, scale, None, is_causal=True, softcap=softcap)
-    # longer blocks: the flash kernel
+        return ops.sdpa(q, kc, vc, scale, None, is_causal=True)
+    # longer blocks, windows and soft-caps: the flash kernel
     return ops.paged_attention(q, k_cache, v_cache, *where, batch.key_mask, **feats)
