@@ -205,3 +205,24 @@ def test_paged_decode_attention_window_softcap_cuda(D: int, T: int, window: int,
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("run without TRITON_INTERPRET for compiled kernels")
     _window_softcap_case("cuda", torch.float16, D, T, window, softcap)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+def test_post_norm_residual_add_and_geglu_cpu(x_dtype: torch.dtype) -> None:
+    """Gemma 2 / GLM-4 post-norm residual add (an fp32 residual, Gemma 2) and GeGLU (tanh) kernels."""
+    _dev_ok("cpu")
+    from exlpy.kernels.activation import act_mul
+    from exlpy.kernels.rmsnorm import rms_norm_add
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 96, generator=g).to(x_dtype)
+    y = torch.randn(5, 96, generator=g).half()
+    w = (torch.rand(96, generator=g) + 0.5).half()
+    want = reference.rms_norm_add(x.clone(), y, w, 1e-6)
+    got = rms_norm_add(x.clone(), y, w, 1e-6)
+    assert got.dtype == x_dtype
+    _close(got, want, 1e-3)
+    gu = torch.randn(3, 2 * 200, generator=g) * 3
+    _close(act_mul(gu[:, :200], gu[:, 200:], "gelu_tanh"), reference.act_mul(gu[:, :200], gu[:, 200:], "gelu_tanh"),
+           1e-5)

@@ -74,6 +74,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _impl("rms_norm", x)(x, weight, eps)
 
 
+def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl("rms_norm_add", x)(x, y, weight, eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return _impl("layer_norm", x)(x, weight, bias, eps)
 
@@ -86,7 +90,7 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
     """act(gate) * up; SiLU takes the SwiGLU kernel."""
     if kind == "silu":
         return silu_mul(gate, up)
-    return _impl("act_mul", gate)(gate, up, kind)
+    return _impl("act_mul", gate)(gate, up, kind)  # CUDA: GELU (tanh) in one kernel
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -15,6 +15,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
+def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x + rms_norm(y, weight, eps): a post-norm block's residual add (x may be fp32, Gemma 2). The CUDA
+    version writes the sum into x and returns it; callers use the return value."""
+    return x + rms_norm(y, weight, eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """(x - mean) / std * w + b over the last dim, statistics in fp32 (as transformers' LayerNorms and
     Cohere's bias-free one); the weight may be [H, D] over the last two dims (Cohere's per-head q/k norm)."""

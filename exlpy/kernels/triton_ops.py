@@ -14,14 +14,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from exlpy.kernels import ops, reference
 from exlpy.kernels.act_order import act_order, rms_norm_act_order
-from exlpy.kernels.activation import silu_mul
+from exlpy.kernels.activation import act_mul, silu_mul
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
-from exlpy.kernels.rmsnorm import rms_norm
+from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
 from exlpy.kernels.rope import apply_rope, rope_store_kv
 from exlpy.kernels.token_bitmask import apply_token_bitmask
 from exlpy.runtime import options
@@ -89,6 +89,8 @@ def layer_norm_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def register_all() -> None:
     ops.register("rms_norm", rms_norm)
     ops.register("layer_norm", layer_norm_cuda)
+    ops.register("rms_norm_add", rms_norm_add)
+    ops.register("act_mul", act_mul)
     ops.register("apply_rope", apply_rope)
     ops.register("silu_mul", silu_mul)
     ops.register("linear_add", linear_add)

@@ -131,7 +131,7 @@ class Attention(Module):
         closing = lora.closing(batch, "o") if lora is not None else None
         if self.post_norm is None:
             return await close_block(x, self.o_proj, o, closing)
-        return x + self.post_norm(await project(self.o_proj, o, x, closing))
+        return self.post_norm.add_to(x, await project(self.o_proj, o, x, closing))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int, scale: float,

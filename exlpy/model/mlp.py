@@ -103,9 +103,9 @@ class MLP(Module):
             if self.parallel:
                 batch.block_inputs.pop(self.layer_idx, None)
             if self.post_norm is not None:
-                return x + self.post_norm(await project(self.down_proj, None, x))
+                return self.post_norm.add_to(x, await project(self.down_proj, None, x))
             return await close_block(x, self.down_proj, None)
         act = self._activation(x, batch)
         if self.post_norm is None:
             return await close_block(x, self.down_proj, act)
-        return x + self.post_norm(await project(self.down_proj, act, x))
+        return self.post_norm.add_to(x, await project(self.down_proj, act, x))

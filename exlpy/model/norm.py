@@ -27,6 +27,12 @@ class Norm:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + norm(y): a post-norm block's residual add (one kernel for RMSNorm; may write into x)."""
+        if self.rms:
+            return ops.rms_norm_add(x, y, self.weight, self.eps)
+        return x + ops.layer_norm(y, self.weight, self.bias, self.eps)
+
     def to(self, device: torch.device) -> Norm:
         return Norm(self.weight.to(device), None if self.bias is None else self.bias.to(device), self.eps, self.rms)
 

@@ -136,7 +136,7 @@ async def project(linear: Linear | RowParallel | ColumnParallel, h: torch.Tensor
         return await linear.forward_add(h, torch.zeros(like.shape, dtype=_out_dtype(linear, like),
                                                        device=like.device), extra)  # type: ignore[arg-type]
     assert h is not None
-    y = linear.forward(h)
+    y = dense_matmul(linear, h) if type(linear) is DenseLinear else linear.forward(h)  # the decode GEMV kernel
     return y if extra is None else extra(h, y)
 
 
