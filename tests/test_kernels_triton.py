@@ -226,3 +226,19 @@ def test_post_norm_residual_add_and_geglu_cpu(x_dtype: torch.dtype) -> None:
     gu = torch.randn(3, 2 * 200, generator=g) * 3
     _close(act_mul(gu[:, :200], gu[:, 200:], "gelu_tanh"), reference.act_mul(gu[:, :200], gu[:, 200:], "gelu_tanh"),
            1e-5)
+
+
+@pytest.mark.interpreter
+def test_norms_read_an_fp32_residual_into_half_precision_cpu() -> None:
+    """Gemma 2's fp32 residual stream: RMSNorm and the fused norm + GEMV read it and write the weights' dtype."""
+    _dev_ok("cpu")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 128, generator=g) * 30  # beyond what an fp16 residual would hold exactly
+    nw = (torch.rand(128, generator=g) + 0.5).half()
+    w = (torch.randn(48, 128, generator=g) * 0.05).half()
+    y = rms_norm(x, nw, 1e-6)
+    assert y.dtype == torch.float16
+    _close(y, reference.rms_norm(x, nw, 1e-6), 1e-3)
+    z = norm_linear(x, nw, 1e-6, w)
+    assert z.dtype == torch.float16
+    _close(z, reference.norm_linear(x, nw, 1e-6, w), 2e-3)

@@ -9,10 +9,11 @@ from exlpy.cache import qcodec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does."""
+    """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does; in the weight's dtype (the
+    compute dtype: an fp32 residual stream, Gemma 2's, is normed into it)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    return weight * y.to(weight.dtype)
 
 
 def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

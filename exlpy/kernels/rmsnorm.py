@@ -17,8 +17,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, n, eps, BLOCK: tl.
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # Round to the input dtype before the weight multiply, as the reference (and transformers) does.
-    y = (xf * inv).to(x.dtype) * w
+    # Round to the weight's dtype before the weight multiply, as the reference (and transformers) does.
+    y = (xf * inv).to(w.dtype) * w
     tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(x2.shape, dtype=torch.result_type(x, weight), device=x.device)
+    y = torch.empty(x2.shape, dtype=weight.dtype, device=x.device)
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(n)
         warps = 4 if block <= 2048 else 8

@@ -14,7 +14,7 @@ from exlpy.model.batch import ForwardBatch
 from exlpy.model.fusion import FusedDense, FusedQuant, fuse_linears
 from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
-from exlpy.model.norm import Norm, block_norm, fused_norm_ok, load_norm, load_norm_tensors
+from exlpy.model.norm import Norm, block_norm, fused_norm_ok, load_norm, load_norm_tensors, reads
 from exlpy.model.parallel_linear import ColumnParallel, RowParallel, close_block, project
 from exlpy.model.rotary import RotaryTables
 
@@ -103,7 +103,7 @@ class Attention(Module):
         lora = self.lora if batch.lora else None  # rows with LoRA adapters (exlpy/lora/block.py)
         if lora is not None:
             q, k, v = lora.project_qkv(self, x, batch)
-        elif self.qkv_proj is not None and fused_norm_ok(s) and not self.parallel and x.dtype == self.norm_w.dtype:
+        elif self.qkv_proj is not None and fused_norm_ok(s) and not self.parallel and reads(self.qkv_proj, x):
             # pre-norm fused into one q|k|v projection
             q, k, v = self.qkv_proj.forward_normed(x, self.norm_w, s.norm_eps).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)

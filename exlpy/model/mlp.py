@@ -14,7 +14,7 @@ from exlpy.model.batch import ForwardBatch
 from exlpy.model.fusion import FusedDense, FusedQuant, fuse_linears
 from exlpy.model.linear import Linear, load_linear
 from exlpy.model.module import Module
-from exlpy.model.norm import Norm, block_norm, fused_norm_ok, load_norm, load_norm_tensors
+from exlpy.model.norm import Norm, block_norm, fused_norm_ok, load_norm, load_norm_tensors, reads
 from exlpy.model.parallel_linear import ColumnParallel, RowParallel, close_block, project
 
 
@@ -81,7 +81,7 @@ class MLP(Module):
     def _activation(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.up_proj is not None
         fusable = fused_norm_ok(self.spec) and not self.parallel and self.act == "silu"
-        if self.gate_up_proj is not None and fusable and self.norm_w is not None and x.dtype == self.norm_w.dtype:
+        if self.gate_up_proj is not None and fusable and self.norm_w is not None and reads(self.gate_up_proj, x):
             # pre-norm and activation fused into one gate|up projection
             return self.gate_up_proj.forward_normed_swiglu(x, self.norm_w, self.spec.norm_eps)
         h = self._input(x, batch)

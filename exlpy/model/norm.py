@@ -72,6 +72,17 @@ def block_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return ops.layer_norm(x, weight, bias, spec.norm_eps)  # type: ignore[attr-defined]
 
 
+def reads(fused: object, x: torch.Tensor) -> bool:
+    """Whether a fused projection's normed forward takes x as it is: dense ones also read an fp32 residual
+    stream (Gemma 2) into a half-precision GEMV, quantized ones only their own compute dtype."""
+    from exlpy.model.fusion import FusedDense
+
+    if isinstance(fused, FusedDense):
+        return True
+    parts = getattr(fused, "parts", None)  # FusedQuant: its projections' compute dtype
+    return not parts or x.dtype == parts[0].dtype
+
+
 def fused_norm_ok(spec: object) -> bool:
     """Whether a block's pre-norm may run inside the first projection's kernel (those compute RMSNorm)."""
     return spec.arch.norm == "rms"  # type: ignore[attr-defined]
