@@ -114,3 +114,22 @@ def test_quantized_cache_keeps_windows_and_softcaps(built: dict, tmp_path_factor
         parts = [model.forward(ids[:, :20], c)] + [model.forward(ids[:, i:i + 1], c) for i in range(20, 40)]
         outs.append(torch.cat(parts, dim=1))
     assert rel_err(outs[1], outs[0]) < 0.05
+
+
+def test_glm4_lora_matches_peft(tmp_path: Path) -> None:
+    """LoRA on an architecture with post-norms, partial interleaved RoPE and fused gate|up: PEFT's own adapter
+    (on q, k, v, o and down) through exlpy equals PEFT's transformers model."""
+    from exlpy import ExLlamaV2Lora
+    from tests.lora_util import peft_adapter
+
+    ref = make_arch_model(tmp_path / "m", "glm4")
+    peft_model = peft_adapter(ref, tmp_path / "a", r=4, alpha=8.0,
+                              targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+    model, _ = _load(tmp_path / "m")
+    lora = ExLlamaV2Lora.from_directory(model, str(tmp_path / "a"))
+    ids = torch.randint(2, VOCAB, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = peft_model(ids).logits.float()
+    got = model.forward(ids, loras=[lora])
+    assert rel_err(got, want) <= logits_tol(model, TOL)
+    assert rel_err(model.forward(ids), want) > 10 * TOL  # the adapter matters

@@ -149,3 +149,18 @@ def test_learned_positions_bound_max_seq_len(tmp_path: Path) -> None:
     config.max_seq_len = 300
     with pytest.raises(ConfigError, match="learned positions"):
         ExLlamaV2(config).load(device="cpu")
+
+
+@pytest.mark.parametrize("case, needle", [("gemma", "gelu_tanh"), ("cohere", "LayerNorm"), ("gpt2", "LayerNorm"),
+                                          ("granite", "residual multiplier"), ("phi3", None), ("glm4", None)])
+def test_lora_accepts_only_blocks_its_hooks_compute(tmp_path: Path, case: str, needle: str | None) -> None:
+    from exlpy.errors import LoraConfigError
+    from exlpy.lora.adapter import check_architecture
+
+    make_arch_model(tmp_path, case)
+    spec = ExLlamaV2Config(str(tmp_path)).spec
+    if needle is None:
+        check_architecture(spec)
+    else:
+        with pytest.raises(LoraConfigError, match=needle):
+            check_architecture(spec)

@@ -98,6 +98,8 @@ class MLP(Module):
         assert self.down_proj is not None
         if self.lora is not None and batch.lora:  # rows with LoRA adapters (exlpy/lora/block.py)
             act, closing = self.lora.activation(self, x, batch)
+            if self.post_norm is not None:
+                return self.post_norm.add_to(x, await project(self.down_proj, act, x, closing))
             return await close_block(x, self.down_proj, act, closing)
         if self.up_proj is None:  # a tensor-parallel GPU with no intermediate share
             if self.parallel:
