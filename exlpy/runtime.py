@@ -19,6 +19,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_FLASH_ATTN=0` | `flash_attn=False` | query blocks over the cache by gather + torch SDPA (no flash kernel) |
 | `EXLPY_FLASH_TMA=1` | `flash_tma=True` | the flash kernel copies interior K/V tiles with TMA (Hopper) |
 | `EXLPY_FLASH_CONFIG=BM,BN,warps,stages` | `flash_config` | override the flash kernel's prefill launch table |
+| `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exlpy.errors import ConfigError
 
@@ -52,6 +53,7 @@ class RuntimeOptions:
     flash_attn: bool = True
     flash_tma: bool = False
     flash_config: tuple[int, int, int, int] | None = None
+    api_key: str | None = field(default=None, repr=False)  # EXLPY_API_KEY: a key for `exlpy serve`
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -86,6 +88,7 @@ class RuntimeOptions:
             flash_attn=e.get("EXLPY_FLASH_ATTN", "1") != "0",
             flash_tma=flag("EXLPY_FLASH_TMA"),
             flash_config=_ints(e.get("EXLPY_FLASH_CONFIG", ""), "EXLPY_FLASH_CONFIG"),
+            api_key=e.get("EXLPY_API_KEY") or None,
         )
 
 

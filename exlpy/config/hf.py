@@ -192,6 +192,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     max_pos = r.size(("max_sequence_length", "model_max_length", "max_position_embeddings", "max_seq_len",
                     "n_positions"), MAX_POSITIONS, 2048)
     sliding = r.get("sliding_window", int, None)
+    if sliding is not None and sliding < 0:
+        raise ConfigError(f"{path}: sliding_window must be a positive number of tokens or null, got {sliding}")
     layers = r.size(("num_hidden_layers", "n_layers", "n_layer"), MAX_LAYERS)
     features = parse_features(r, arch, hidden, head_dim, layers, max_pos)
     rope_scaling = _rope_scaling(r, max_pos)
@@ -235,4 +237,17 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         raw_keys=frozenset(r.data),
         features=features,
     )
+    _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos
+
+
+def _check_token_ids_in_vocab(spec: ModelSpec, gen_eos: list[int], path: str, gen_path: str) -> None:
+    """BOS and EOS ids the model cannot produce or embed: generation would never stop at EOS (or index past
+    the embedding), so they are refused naming the key and the file."""
+    vocab = spec.vocab_size
+    named = [("bos_token_id", spec.bos_token_id, path), ("eos_token_id", spec.eos_token_id, path),
+             *(("eos_token_id", t, path) for t in spec.eos_token_ids),
+             *(("eos_token_id", t, gen_path) for t in gen_eos)]
+    for key, tid, where in named:
+        if tid is not None and not 0 <= tid < vocab:
+            raise ConfigError(f"{where}: {key} {tid} is outside the vocabulary [0, {vocab}) (vocab_size)")

@@ -49,6 +49,10 @@ def parse_rope_scaling(rs: dict[str, Any], where: str, orig_default: int, max_po
         value = rs.get(key)
         return default if value is None else as_positive_float(value, f"rope_scaling.{key}", where)
 
+    # As transformers requires: without it the scaling would silently be 1 (su / longrope have per-frequency
+    # factors instead).
+    if rs.get("factor") is None and kind not in ("su", "longrope"):
+        raise ConfigError(f"{where}: rope_scaling type {kind!r} needs a 'factor'")
     factor = num("factor", 1.0)
     orig = rs.get("original_max_position_embeddings")
     orig = orig_default if orig is None else as_int(orig, "rope_scaling.original_max_position_embeddings", where,

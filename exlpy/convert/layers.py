@@ -11,6 +11,7 @@ from exlpy.errors import NumericalError
 from exlpy.model.attention import Attention
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.weights.checks import stored_as_float
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
 # (linear whose input is recorded, linears quantized with that Hessian), in forward order. Quantizing the first
@@ -43,6 +44,7 @@ def has_bias(module: Module, name: str) -> bool:
 def read_weight(index: SafetensorsIndex, name: str, device: torch.device, rows: slice | None = None
                 ) -> torch.Tensor:
     """A source weight (HF layout [N, K]) as fp32 [K, N] on `device`; `rows` picks output features."""
+    stored_as_float(index, name)
     if rows is None:
         w = index.get(name)
     elif name in index.views:  # a part of a fused / transposed tensor (exlpy/weights/views.py)
@@ -62,7 +64,10 @@ def read_weight(index: SafetensorsIndex, name: str, device: torch.device, rows: 
 
 def read_bias(index: SafetensorsIndex, prefix: str) -> torch.Tensor | None:
     name = f"{prefix}.bias"
-    return index.get(name).float() if name in index else None
+    if name not in index:
+        return None
+    stored_as_float(index, name)
+    return index.get(name).float()
 
 
 def module_bits(module: Module, option: dict[str, QParams]) -> int:
@@ -78,6 +83,7 @@ def check_source(module: Module) -> None:
     """Every source tensor of the module must be finite; the error names the tensor and its file."""
     for prefix in module.tensor_prefixes():
         for name in module.index.names_with_prefix(prefix + "."):
+            stored_as_float(module.index, name)
             t = module.index.get(name)
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise NumericalError(f"source tensor {name} holds NaN or inf ({module.index.info(name).file}); "

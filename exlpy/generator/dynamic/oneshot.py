@@ -6,10 +6,15 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
+
+
+def _one_prompt(p: Any) -> bool:
+    return isinstance(p, str) or (isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p))
 
 
 def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int,
@@ -18,7 +23,10 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
                  stop_conditions: Iterable[int | str] | None, add_bos: bool, abort_event: threading.Event | None,
                  completion_only: bool, filters: list[Any] | None, filter_prefer_eos: bool,
                  return_last_results: bool, embeddings: Any, banned_strings: list[str] | None) -> Any:
-    single = isinstance(prompt, (str, tuple))
+    single = _one_prompt(prompt)
+    if not single and not (isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt)):
+        raise GeneratorError(f"generate(): prompt must be a string, a (positive, negative) pair of strings for CFG, "
+                             f"or a non-empty list of them, got {prompt!r:.60}")
     prompts = [prompt] if single else list(prompt)
     settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
     # Filters hold per-sequence state: a batch takes one list of filters per prompt.
