@@ -1,6 +1,6 @@
 """EXL2 conversion of architectures beyond Llama (CPU): Phi-3, whose q|k|v and gate|up are fused in the
 checkpoint and written as separate quantized projections, loads back exactly as the quantizer produced it and
-stays close to the source; architectures the converter does not handle yet are refused by name."""
+stays close to the source; GPT-2 (transposed, fused, non-gated); Cohere's parallel blocks are refused by name."""
 
 from __future__ import annotations
 
@@ -64,7 +64,29 @@ def test_phi3_converts_loads_and_matches_its_quantized_matrices(tmp_path: Path,
     assert kl(logits(str(src), ids), logits(str(out), ids)) < 2e-3
 
 
-@pytest.mark.parametrize("case", ["gpt2", "cohere"])
+def test_gpt2_converts_transposed_fused_and_non_gated(tmp_path: Path) -> None:
+    """GPT-2: Conv1D weights stored [in, out], q|k|v fused in c_attn with biases, a non-gated MLP (no gate),
+    learned positions: each projection quantized under its canonical name, biases beside it."""
+    src = tmp_path / "src"
+    make_arch_model(src, "gpt2")
+    out = tmp_path / "q"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert(str(src), str(tmp_path / "w"), str(out), bits=6.0, cal_dataset=_cal_file(tmp_path / "c.jsonl"),
+                **CAL)
+    from exlpy.weights.safetensors_index import SafetensorsIndex
+
+    idx = SafetensorsIndex(str(out))
+    for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj",
+              "mlp.down_proj"):
+        assert f"model.layers.1.{p}.q_weight" in idx and f"model.layers.1.{p}.bias" in idx, p
+    assert not any("gate_proj" in n or "c_attn" in n for n in idx.tensors)
+    assert "model.wpe.weight" in idx
+    ids = torch.randint(2, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
+    assert kl(logits(str(src), ids), logits(str(out), ids)) < 2e-3
+
+
+@pytest.mark.parametrize("case", ["cohere"])
 def test_unconverted_architectures_are_refused_by_name(tmp_path: Path, case: str) -> None:
     make_arch_model(tmp_path / "src", case)
     with pytest.raises(UnsupportedArchitectureError, match="not supported yet"):

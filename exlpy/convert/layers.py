@@ -28,10 +28,21 @@ def is_decoder(module: Module) -> bool:
     return type(module) in HESSIAN_GROUPS
 
 
+def linears(module: Module) -> list[str]:
+    """The module's projections the checkpoint has (a non-gated MLP, GPT-2's or StarCoder2's, has no gate)."""
+    return [n for n in LINEARS[type(module)] if n != "gate_proj" or module.spec.arch.gated_mlp]
+
+
+def hessian_groups(module: Module) -> list[tuple[str, tuple[str, ...]]]:
+    """HESSIAN_GROUPS of the module's kind, restricted to the projections it has."""
+    have = set(linears(module))
+    return [(rec, tuple(k for k in keys if k in have)) for rec, keys in HESSIAN_GROUPS[type(module)]]
+
+
 def shapes(module: Module) -> dict[str, tuple[int, int]]:
     """(K, N) of each linear (y = x @ W, W is K x N) from the tensor headers."""
     out = {}
-    for name in LINEARS[type(module)]:
+    for name in linears(module):
         n, k = module.index.info(f"{module.key}.{name}.weight").shape
         out[name] = (k, n)
     return out
