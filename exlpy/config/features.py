@@ -30,6 +30,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "scale_attn_weights": (True, "unscaled attention scores"),
     "use_parallel_residual": (None, "parallel residual blocks on this architecture"),
     "mup_width_multiplier": (None, "muP width scaling"),
+    "add_cross_attention": (False, "cross-attention layers"),
+    "rotary_pct": (1.0, "partial rotary embeddings given as rotary_pct (GPT-NeoX)"),
+    "rope_local_base_freq": (None, "a separate RoPE base for local layers (Gemma 3)"),
 }
 
 
