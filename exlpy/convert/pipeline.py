@@ -79,6 +79,9 @@ class _Converter:
         self.config = ExLlamaV2Config(s.in_dir)
         spec = self.config.spec
         assert spec is not None
+        if spec.arch.parallel_blocks:  # the MLP reads the attention's normed input, which runs before it
+            raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
+                                               "parallel attention and MLP blocks); the fp16/bf16 model loads as it is")
         if spec.quant_method is not None:
             raise UnsupportedArchitectureError(f"{s.in_dir} is already quantized ({spec.quant_method}); convert "
                                                "from the fp16/bf16/fp32 model")

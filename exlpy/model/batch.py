@@ -48,6 +48,9 @@ class ForwardBatch:
     logits: str = LOGITS_ALL  # what the head computes: every position, the last one, or nothing (prefill)
     keep_last_state: bool = False  # store the head's input in `last_state` (exllamav2's return_last_state)
     last_state: torch.Tensor | None = field(default=None, compare=False)
+    # Parallel blocks (Cohere): the attention leaves its normed input here for the MLP of the same layer,
+    # keyed by layer. One dict shared by the batch and its per-device copies (a layer split may separate them).
+    block_inputs: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     meta: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the packed int64 metadata
     # The host integers the batch was built from (row starts, page tables): the graph runner re-packs them
     # for its static layout without reading anything back from the device.
