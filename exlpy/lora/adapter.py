@@ -214,8 +214,10 @@ class ExLlamaV2Lora:
         self.directory = os.path.dirname(os.path.abspath(lora_config_path))
         self.name = os.path.basename(self.directory)
         self.lora_r, self.lora_alpha, self.use_rslora = cfg.r, cfg.alpha, cfg.use_rslora
-        self.lora_scaling = float(lora_scaling)
-        self.weights = read_weights(lora_path, model.config.spec, cfg, self.lora_scaling)
+        self.weights = read_weights(lora_path, model.config.spec, cfg, float(lora_scaling))
+        # exllamav2 stores the effective factor: the user's scale times alpha / r (alpha / sqrt(r) with rsLoRA),
+        # from the config's top-level r and lora_alpha (per-module patterns are applied to the weights above).
+        self.lora_scaling = float(lora_scaling) * cfg.alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
         self.target_modules = sorted({k.rsplit(".", 1)[1] for k in self.weights}, key=list(BLOCK_OF).index)
         self.uid = uuid.uuid4().bytes  # identity in slot keys and in the generator's prefix-cache hashes
         self.loaded = True
