@@ -107,6 +107,11 @@ class CompatImportError(ExlpyError, ModuleNotFoundError):
     """`import exllamav2.X` under exlpy.compat.install() names a module exlpy has no counterpart for."""
 
 
+class CompatInstallError(ExlpyError, RuntimeError):
+    """`exlpy compat install/uninstall` cannot do what was asked (a real exllamav2 is installed, the site
+    directory is not writable, the files there belong to something else)."""
+
+
 class CommandLineError(SystemExit):
     """A command-line argument of an exllamav2-style script (exlpy.model_init) is missing or wrong. It is a
     SystemExit carrying the message: the script ends with it on stderr and status 1, without a traceback, as
