@@ -80,8 +80,22 @@ def test_filters_resolve_when_present(compat: None) -> None:
     assert ExLlamaV2Filter is exlpy.generator.filters.ExLlamaV2Filter is from_base
 
 
-@pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.qparams",
-                                      "conversion"), ("exllamav2.vlm.vision_tower", "vision"),
+def test_conversion_and_ngram_resolve_to_what_exlpy_has(compat: None) -> None:
+    import exllamav2.conversion
+    import exllamav2.conversion.qparams
+    import exllamav2.generator.ngram
+
+    import exlpy.convert
+    import exlpy.convert.qparams
+    import exlpy.generator.speculative.ngram
+
+    assert exllamav2.conversion is exlpy.convert and exllamav2.conversion.convert is exlpy.convert.convert
+    assert exllamav2.conversion.qparams is exlpy.convert.qparams
+    assert exllamav2.generator.ngram is exlpy.generator.speculative.ngram
+
+
+@pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.adaptivegptq",
+                                      "no module exlpy.convert.adaptivegptq"), ("exllamav2.vlm.vision_tower", "vision"),
                                       ("exllamav2.no_such_module", "no module exlpy.no_such_module")])
 def test_missing_modules_are_typed_errors(compat: None, name: str, why: str) -> None:
     with pytest.raises(CompatImportError, match=why) as e:
