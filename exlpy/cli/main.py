@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each subcommand module exposes add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ("generate", "plan", "bench", "serve", "convert", "compat")
+SUBCOMMANDS = ("generate", "plan", "bench", "serve", "convert", "compat", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
