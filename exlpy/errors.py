@@ -7,6 +7,15 @@ class ExlpyError(Exception):
     """Base class of every error exlpy raises on purpose."""
 
 
+class ExlpyWarning(UserWarning):
+    """Base class of exlpy's warnings. They print as one line, `exlpy: warning: ...`, without the Python
+    source line the default format adds (exlpy/env.py installs the format)."""
+
+
+class NoGpuWarning(ExlpyWarning):
+    """A model is placed on the CPU because no GPU is usable (EXLPY_NO_CPU_WARNING=1 silences it)."""
+
+
 class ConfigError(ExlpyError, ValueError):
     """config.json (or a runtime setting) is missing, malformed or unsupported."""
 
