@@ -285,3 +285,20 @@ def test_attention_backend_flags_are_off_without_cuda() -> None:
     m, _ = aidreams()
     c = ExLlamaV2Config(m.config.model_dir)
     assert c.no_flash_attn and c.no_xformers and c.no_sdpa
+
+
+def test_set_device_map_plans_by_budgets_without_loading() -> None:
+    from exlpy import ExLlamaV2
+    from exlpy.errors import InsufficientVRAMError
+    from tests.conftest import shared_path
+
+    cfg = ExLlamaV2Config(str(shared_path("models", "smollm2-135m-exl2-4.0")))
+    cfg.max_seq_len = 2048
+    m = ExLlamaV2(cfg)
+    unused = m.set_device_map([0.3, 1.0])
+    assert len(unused) == 2 and 0 <= unused[0] < 0.3 and 0 < unused[1] < 1.0
+    devices = m.device_map_plan.devices
+    assert list(devices) == sorted(devices) and set(devices) == {0, 1}  # in order, spilling onto the second
+    assert not m.loaded
+    with pytest.raises(InsufficientVRAMError, match="Insufficient VRAM"):
+        m.set_device_map([0.01, 0.01])
