@@ -48,6 +48,12 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 # ----------------------------------------------------------------------------------------------- environment
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of the venv's processes: no PYTHONPATH (its entries would come before the venv's own
+    packages, e.g. another pydantic than the one TabbyAPI pins); the venv's .pth lines put exlpy on the path."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "EXLPY_NO_CPU_WARNING": "1", **extra}
+
+
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
@@ -57,7 +63,7 @@ def make_venv(venv: Path) -> Path:
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+                               check=True, capture_output=True, text=True, env=child_env()).stdout.strip())
     # This interpreter's packages come after the venv's own (so a pin TabbyAPI needs can shadow them), and this
     # exlpy checkout before both.
     (site / "_exlpy_parent.pth").write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
@@ -78,7 +84,7 @@ def install_deps(py: Path, reqs: list[str], wheelhouse: Path | None, log: list[s
     if wheelhouse is not None:
         cmd[5:5] = ["--no-index", "--find-links", str(wheelhouse)]
     log.append("$ " + " ".join(cmd[2:]))
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if res.returncode != 0:
         log.append("pip failed (best effort, continuing): " + (res.stderr.strip().splitlines() or ["?"])[-1])
         return False
@@ -102,7 +108,7 @@ def download_wheels(reqs: list[str], dest: Path, python_version: str | None) -> 
 
 def alias_install(py: Path, log: list[str]) -> None:
     res = subprocess.run([str(py), "-m", "exlpy.cli.main", "compat", "install"], capture_output=True, text=True,
-                         env={**os.environ, "EXLPY_NO_CPU_WARNING": "1"})
+                         env=child_env())
     log.append("$ exlpy compat install: " + (res.stdout.strip() or res.stderr.strip()))
     if res.returncode != 0:
         raise SystemExit(f"exlpy compat install failed:\n{res.stderr}")
@@ -253,7 +259,7 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
 
     def json_schema() -> str:
         r = client.chat.completions.create(
-            model=model_name, max_tokens=60, temperature=0,
+            model=model_name, max_tokens=120, temperature=0,
             messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
             extra_body={"json_schema": SCHEMA})  # TabbyAPI's field (its response_format takes the bare schema)
         text = r.choices[0].message.content
@@ -291,7 +297,10 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
     def banned_strings() -> str:
         base = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16,
                                          temperature=0).choices[0].text
-        word = next(w for w in base.split() if len(w) > 3).strip(",.")
+        words = sorted((w.strip(",.") for w in base.split()), key=len, reverse=True)
+        if not words or len(words[0]) < 2:
+            raise Skipped(f"no word to ban in the greedy text {base!r}")
+        word = words[0]
         r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0,
                                       extra_body={"banned_strings": [word]})
         text = r.choices[0].text
@@ -376,10 +385,11 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
 # ----------------------------------------------------------------------------------------------- report
 def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log: list[str], device: str,
                   log_tail: str) -> None:
+    title = f"## TabbyAPI {args.commit} on exlpy: {device}, {args.model.name}"
     passed = sum(r == "ok" for _, r, _, _ in checks.rows)
     skipped = sum(r == "skipped" for _, r, _, _ in checks.rows)
     lines = [
-        f"## TabbyAPI {args.commit} on exlpy: {device}",
+        title,
         "",
         f"Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. Host: {platform.node()}, Python "
         f"{platform.python_version()}. Model: `{args.model}`; draft: `{args.draft_model or args.model}`.",
@@ -402,9 +412,8 @@ def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log
         lines += ["<details><summary>TabbyAPI log (tail)</summary>", "", "```", log_tail, "```", "</details>", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = out.read_text() if out.exists() else "# TabbyAPI on exlpy\n\n"
-    marker = f"## TabbyAPI {args.commit} on exlpy: {device}"
-    if marker in previous:  # replace this device's section, keep the others
-        head, _, rest = previous.partition(marker)
+    if title in previous:  # replace this device's and model's section, keep the others
+        head, _, rest = previous.partition(title)
         nxt = rest.find("\n## ")
         previous = head + (rest[nxt + 1:] if nxt >= 0 else "")
     out.write_text(previous.rstrip() + "\n\n" + "\n".join(lines))
@@ -452,7 +461,7 @@ def main() -> int:
     write_lora(model, work / "loras" / "random-r8")
     cfg = write_config(work, model, draft, args.port, args.max_seq_len, args.tool_format)
     log_path = work / "tabby.log"
-    env = {**os.environ, "EXLPY_NO_CPU_WARNING": "1", "PYTHONUNBUFFERED": "1"}
+    env = child_env(PYTHONUNBUFFERED="1")
     checks = Checks()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(py), "main.py", "--config", str(cfg)], cwd=tabby, stdout=log,
