@@ -11,8 +11,6 @@
 #   serving      benchmarks/serving.py $SERVING_ARGS (default --models 8b: 8B fp16, generator and server parts)
 #   spec         benchmarks/speculative.py --parts replay
 #   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
-#   tabbyapi     benchmarks/tabbyapi.py: TabbyAPI 79126f9 (carried as .tabby, its wheels as .whl-tabby) on
-#                SmolLM2-shaped random fp16 and EXL2 models with SmolLM2's tokenizer
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -49,18 +47,6 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
             2>&1 | tail -30 ;;
     convert) timeout "${CONVERT_S:-560}" python benchmarks/convert_8b.py --work /tmp/cv8b --budget "${CONVERT_BUDGET:-540}" \
                --out "$OUT/convert.md" 2>&1 | tail -25 ;;
-    tabbyapi)
-      for spec in fp16:0 exl2:4; do
-        d=/tmp/smol${spec%%:*}
-        if [ ! -f $d/done ]; then
-          python -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from make_models import write_model
-write_model('$d', 'smollm2-135m', exl2_bits=${spec##*:})" && cp .gpu/smoltok/tokenizer* $d/ && touch $d/done
-        fi
-        timeout "${TABBY_S:-270}" python benchmarks/tabbyapi.py --tabby .tabby --model $d --wheelhouse .whl-tabby \
-          --venv /tmp/tabby-venv --out "$OUT/tabbyapi.md" 2>&1 | grep -E '^\[|results'
-      done ;;
     *) echo "unknown part $part" ;;
   esac
 done
