@@ -107,3 +107,17 @@ def test_a_real_exllamav2_installed_after_the_alias_wins(tmp_path: Path) -> None
     assert res.returncode == 0, res.stderr
     assert "real True False" in res.stdout
     assert envwide.uninstall(site) and not any(site.iterdir())
+
+
+def test_alias_left_behind_without_exlpy_says_how_to_remove_it(tmp_path: Path) -> None:
+    """A venv that holds the alias but cannot import exlpy (exlpy uninstalled): a clear error, not a traceback
+    from inside the hook."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True)
+    py = tmp_path / "v" / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    envwide.install(site)
+    res = subprocess.run([str(py), "-I", "-c", "import exllamav2"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 1
+    assert "ModuleNotFoundError" in res.stderr and "pip uninstall exllamav2" in res.stderr, res.stderr
+    assert envwide.uninstall(site)
