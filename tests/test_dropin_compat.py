@@ -94,6 +94,28 @@ def test_conversion_and_ngram_resolve_to_what_exlpy_has(compat: None) -> None:
     assert exllamav2.generator.ngram is exlpy.generator.speculative.ngram
 
 
+def test_test_inference_imports_resolve(compat: None, tmp_path) -> None:
+    """The module paths exllamav2's test_inference.py imports at its top."""
+    from exllamav2.conversion.quantize import list_live_tensors
+    from exllamav2.conversion.tokenize import get_tokens
+    from exllamav2.mlp import ExLlamaV2MLP
+    from exllamav2.moe_mlp import ExLlamaV2MoEMLP
+    from exllamav2.parallel_decoder import ExLlamaV2ParallelDecoder
+
+    from exlpy.errors import NotSupportedError
+    from exlpy.model.mlp import MLP
+    from exlpy.tokenizer import ExLlamaV2Tokenizer
+    from tests.conftest import shared_path
+
+    assert ExLlamaV2MLP is MLP and callable(list_live_tensors)
+    for cls in (ExLlamaV2MoEMLP, ExLlamaV2ParallelDecoder):
+        with pytest.raises(NotSupportedError):
+            cls()
+    tok = ExLlamaV2Tokenizer(str(shared_path("models", "aidreams260K")))
+    (tmp_path / "d.txt").write_text("Echoes of vectors unfold, a gentle hum of precision. " * 20)
+    assert get_tokens(3, 16, str(tmp_path / "d.txt"), tok).shape == (3, 16)
+
+
 @pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.adaptivegptq",
                                       "no module exlpy.convert.adaptivegptq"), ("exllamav2.vlm.vision_tower", "vision"),
                                       ("exllamav2.no_such_module", "no module exlpy.no_such_module")])

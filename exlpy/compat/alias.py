@@ -24,7 +24,12 @@ RENAMED = {
     "generator.dynamic_async": "generator.dynamic.async_",
     "generator.dynamic_embeddings": "compat.unsupported",
     "generator.ngram": "generator.speculative.ngram",  # n-gram drafting
-    "conversion": "convert",  # the EXL2 converter (exllamav2's convert.py is `exlpy convert`)
+    "mlp": "compat.modules",  # block classes scripts test modules against
+    "moe_mlp": "compat.modules",
+    "parallel_decoder": "compat.modules",
+    "conversion.tokenize": "compat.modules",  # get_tokens (test_inference.py's dataset reader)
+    "conversion.quantize": "compat.modules",  # list_live_tensors
+    "conversion": "convert",  # the EXL2 converter (exllamav2's convert.py is `exlpy convert`); after its modules
 }
 # exllamav2 modules with no exlpy counterpart, and why.
 MISSING = {
