@@ -42,7 +42,7 @@ def _signature(fn, ptrs: dict[str, str], consts: dict) -> tuple[dict, dict]:
             sig[name] = ptrs[name]
         elif name in consts:
             sig[name] = "constexpr"
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "cap_in", "cap_out"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -65,7 +65,7 @@ def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt
             "v_desc": f"tensordesc<{dt}[{bn}, {D}]>" if tma else "*" + dt}
     consts = dict(G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, SPLIT=split, K_FMT=k_fmt, K_BITS=k_bits,
                   V_FMT=v_fmt, V_BITS=v_bits, PAGING=paging, GROUP_PAGES=fa.GROUP_PAGES, USE_TMA=tma,
-                  HAS_MASK=False, HAS_NEW=has_new, PREC="tf32")
+                  HAS_MASK=False, HAS_NEW=has_new, PREC="tf32", WINDOW=False, SOFTCAP=False)
     sig, attrs = _signature(fk._flash_kernel, ptrs, consts)
     k = triton.compile(ASTSource(fk._flash_kernel, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))

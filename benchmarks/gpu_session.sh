@@ -11,6 +11,9 @@
 #   serving      benchmarks/serving.py $SERVING_ARGS (default --models 8b: 8B fp16, generator and server parts)
 #   spec         benchmarks/speculative.py --parts replay
 #   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
+#   mgpu         (2 GPUs) the multi-GPU tests: -m multigpu, tests/test_multi_gpu.py, tests/test_graphs.py
+#   tp2          (2 GPUs) benchmarks/tp.py: TP x2 on the 70B-layer shape vs one GPU (decode b1/b32, prefill 2048)
+#   split        (2 GPUs) benchmarks/multigpu_split.py: 8B fp16 and EXL2 4-bit, layer split and autosplit vs one GPU
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -47,6 +50,18 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
             2>&1 | tail -30 ;;
     convert) timeout "${CONVERT_S:-560}" python benchmarks/convert_8b.py --work /tmp/cv8b --budget "${CONVERT_BUDGET:-540}" \
                --out "$OUT/convert.md" 2>&1 | tail -25 ;;
+    mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs --timeout=120 \
+            --timeout-method=thread ${MGPU_ARGS:-} \
+            tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py 2>&1 | tee "$OUT/mgpu.log" \
+            | grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" | cut -c1-400 | tail -40 ;;
+    tp2) CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_S:-330}" python benchmarks/tp.py --gpus 2 --timeout "${TP_WD:-320}" \
+           --no-dist --no-diag --mem-steps "${TP_MEM:-0}" --steps "${TP_STEPS:-200}" ${TP_ARGS:-} --out "$OUT/tp2.json" 2>&1 \
+           | grep -v '^{' | tail -30; python -c "import json; r = json.load(open('$OUT/tp2.json')); \
+print(json.dumps({k: v for k, v in r.items() if k != 'flops'}, indent=0)[:3000])" ;;
+    split) timeout "${SPLIT_S:-300}" python benchmarks/multigpu_split.py --out "$OUT/split_fp16.md" --steps 128 \
+             --dir /tmp/llama3-8b-random 2>&1 | tail -12
+           timeout "${SPLIT_S:-300}" python benchmarks/multigpu_split.py --exl2 4 --split-gb 2.5 \
+             --out "$OUT/split_exl2.md" --steps 128 --dir /tmp/llama3-8b-exl2 2>&1 | tail -12 ;;
     *) echo "unknown part $part" ;;
   esac
 done

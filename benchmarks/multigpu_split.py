@@ -143,13 +143,21 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=1024, help="cache max_seq_len")
     ap.add_argument("--split-gb", type=float, default=7.0, help="gpu_split budget of cuda:0 for the split case")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="fewer layers: quicker run")
+    ap.add_argument("--exl2", type=int, default=0, metavar="BITS",
+                    help="an EXL2 model of uniform BITS (benchmarks/make_models.py, full 8B shape) instead of fp16")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         print(f"needs 2 CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     path = Path(args.dir)
     t0 = time.perf_counter()
-    write_model(path, {**SHAPE, "num_hidden_layers": args.layers})
+    if args.exl2:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from make_models import write_model as write_exl2
+
+        write_exl2(str(path), "llama3-8b", exl2_bits=args.exl2)
+    else:
+        write_model(path, {**SHAPE, "num_hidden_layers": args.layers})
     print(f"model at {path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     from exlpy.cli import plan as plan_cli
@@ -179,7 +187,8 @@ def main() -> int:
                      f"| {worst:.1%} | {dl:.2e} | {r['tps']:.1f} |")
     lines.append("")
     lines.append(f"GPUs: {' + '.join(torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count()))}; "
-                 f"torch {torch.__version__}; Llama-3-8B shape with {args.layers} layers, random fp16; cache "
+                 f"torch {torch.__version__}; Llama-3-8B shape with {args.layers} layers, random "
+                 f"{f'EXL2 {args.exl2}-bit' if args.exl2 else 'fp16'}; cache "
                  f"{args.seq} tokens fp16; checks (memory within 5%, logits within 5e-2): {'PASS' if ok else 'FAIL'}")
     table = "\n".join(lines)
     print(table)

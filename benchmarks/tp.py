@@ -146,6 +146,7 @@ def time_dist(n: int, results: dict) -> None:
 
 
 def decode_ms(model: ExLlamaV2, cache, prompt: torch.Tensor, steps: int, n: int) -> float:
+    """ms per decode step of prompt.shape[0] rows, the argmax taken on the GPU and read back every step."""
     cache.current_seq_len = 0
     logits = model.forward(prompt, cache, last_id_only=True)
     tok = logits[:, -1:].argmax(-1).cpu()
@@ -155,6 +156,25 @@ def decode_ms(model: ExLlamaV2, cache, prompt: torch.Tensor, steps: int, n: int)
     t0 = time.perf_counter()
     for _ in range(steps):
         tok = model.forward(tok, cache)[:, -1:].argmax(-1).cpu()  # a real sampling loop reads the token back
+    sync_all(n)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def decode_fed_ms(model: ExLlamaV2, cache, prompt: torch.Tensor, steps: int, n: int) -> float:
+    """ms per decode step when each step's argmax stays on the GPU and is the next step's input, the host
+    reading every token one step late: the generators' overlapped loop (sampling on the device)."""
+    cache.current_seq_len = 0
+    tok = model.forward(prompt, cache, last_id_only=True)[:, -1:].argmax(-1)
+    for _ in range(3):
+        tok = model.forward(tok, cache)[:, -1:].argmax(-1)
+    sync_all(n)
+    t0 = time.perf_counter()
+    prev = None
+    for _ in range(steps):
+        nxt = model.forward(tok, cache)[:, -1:].argmax(-1)
+        if prev is not None:
+            prev.cpu()  # step k-1's token, while step k runs
+        prev, tok = tok, nxt
     sync_all(n)
     return (time.perf_counter() - t0) / steps * 1e3
 
@@ -172,6 +192,20 @@ def prefill_ms(model: ExLlamaV2, cache, ids: torch.Tensor, n: int) -> float:
         sync_all(n)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def profile_steps(model: ExLlamaV2, cache, prompt: torch.Tensor, n: int, steps: int = 10) -> list[dict]:
+    """The most expensive kernels of `steps` captured decode steps (device-fed), summed over the GPUs."""
+    cache.current_seq_len = 0
+    tok = model.forward(prompt, cache, last_id_only=True)[:, -1:].argmax(-1)
+    tok = model.forward(tok, cache)[:, -1:].argmax(-1)
+
+    def run() -> None:
+        t = tok
+        for _ in range(steps):
+            t = model.forward(t, cache)[:, -1:].argmax(-1)
+
+    return top_kernels(run, n, rows=16)
 
 
 def ctx_devs(ctx) -> list[torch.device]:  # noqa: ANN001
@@ -196,6 +230,8 @@ def main() -> None:
     ap.add_argument("--split", default="", help="uneven gpu_split (GB, comma separated) checked after the main run")
     ap.add_argument("--model", default="/tmp/exlpy_tp70b")
     ap.add_argument("--no-dist", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="top kernels of 10 decode steps, b1 and batched")
+    ap.add_argument("--batch", type=int, default=32, help="also time batched decode (0: skip)")
     ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
     args = ap.parse_args()
     n = args.gpus
@@ -242,6 +278,18 @@ def main() -> None:
     cache = ExLlamaV2Cache(single, max_seq_len=4096)
     res["single_decode_ms"] = round(decode_ms(single, cache, prompt, args.steps, 1), 3)
     res["single_prefill2048_ms"] = round(prefill_ms(single, cache, long_ids, 1), 2)
+    res["single_decode_fed_ms"] = round(decode_fed_ms(single, cache, prompt, args.steps, 1), 3)
+    if args.profile:
+        res["single_b1_kernels"] = profile_steps(single, cache, prompt, 1)
+    if args.batch:
+        cb = ExLlamaV2Cache(single, batch_size=args.batch, max_seq_len=512)
+        res[f"single_decode_b{args.batch}_ms"] = round(decode_ms(single, cb, prompt.repeat(args.batch, 1),
+                                                                 args.steps // 2, 1), 3)
+        res[f"single_decode_fed_b{args.batch}_ms"] = round(decode_fed_ms(single, cb, prompt.repeat(args.batch, 1),
+                                                                         args.steps // 2, 1), 3)
+        if args.profile:
+            res[f"single_b{args.batch}_kernels"] = profile_steps(single, cb, prompt.repeat(args.batch, 1), 1)
+        del cb
     if not args.no_diag:
         res["single_prefill_phases"] = single_phases(single, cache, long_ids)
         res["single_prefill_top_kernels"] = top_kernels(
@@ -316,6 +364,19 @@ def main() -> None:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
         m.config.no_graphs = no_graphs
         out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        out["decode_fed_ms"] = round(decode_fed_ms(m, c, prompt, args.steps, n), 3)
+        if args.profile and full:
+            out["b1_kernels"] = profile_steps(m, c, prompt, n)
+        if args.batch:
+            cb = ExLlamaV2Cache_TP(m, batch_size=args.batch, max_seq_len=512)
+            out[f"decode_b{args.batch}_ms"] = round(decode_ms(m, cb, prompt.repeat(args.batch, 1), args.steps // 2,
+                                                              n), 3)
+            out[f"decode_fed_b{args.batch}_ms"] = round(decode_fed_ms(m, cb, prompt.repeat(args.batch, 1),
+                                                                      args.steps // 2, n), 3)
+            if args.profile and full:
+                out[f"b{args.batch}_kernels"] = profile_steps(m, cb, prompt.repeat(args.batch, 1), n)
+            del cb
+        out["comm_timings_us"] = {k: round(v * 1e6, 1) for k, v in (ctx.comm.timings or {}).items()}
         print(json.dumps({tag: out}), flush=True)
         save()
         if full and not args.no_diag:
@@ -374,6 +435,13 @@ def main() -> None:
     tp_run(None, "tp", True)
     res["speedup_decode"] = round(res["single_decode_ms"] / res["tp"]["decode_ms_graphs"], 2)
     res["speedup_prefill"] = round(res["single_prefill2048_ms"] / res["tp"]["prefill2048_ms"], 2)
+    if args.batch and f"decode_b{args.batch}_ms" in res["tp"]:
+        res[f"speedup_decode_b{args.batch}"] = round(res[f"single_decode_b{args.batch}_ms"]
+                                                     / res["tp"][f"decode_b{args.batch}_ms"], 2)
+    res["speedup_decode_fed"] = round(res["single_decode_fed_ms"] / res["tp"]["decode_fed_ms"], 2)
+    if args.batch and f"decode_fed_b{args.batch}_ms" in res["tp"]:
+        res[f"speedup_decode_fed_b{args.batch}"] = round(res[f"single_decode_fed_b{args.batch}_ms"]
+                                                         / res["tp"][f"decode_fed_b{args.batch}_ms"], 2)
     save()
     if args.column:
         tp_run(None, "tp_column", False, RuntimeOptions(tp_layout="column"))

@@ -19,6 +19,8 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_FLASH_ATTN=0` | `flash_attn=False` | query blocks over the cache by gather + torch SDPA (no flash kernel) |
 | `EXLPY_FLASH_TMA=1` | `flash_tma=True` | the flash kernel copies interior K/V tiles with TMA (Hopper) |
 | `EXLPY_FLASH_CONFIG=BM,BN,warps,stages` | `flash_config` | override the flash kernel's prefill launch table |
+| `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
+| `EXLPY_QUANT_ROWS=N` | `quant_rows` | up to N rows (0-64, default 64) a quantized matmul reads W once |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exlpy.errors import ConfigError
 
@@ -52,6 +54,8 @@ class RuntimeOptions:
     flash_attn: bool = True
     flash_tma: bool = False
     flash_config: tuple[int, int, int, int] | None = None
+    api_key: str | None = field(default=None, repr=False)  # EXLPY_API_KEY: a key for `exlpy serve`
+    quant_rows: int = 64  # EXLPY_QUANT_ROWS: up to this many rows EXL2/GPTQ matmuls read the packed weights once
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -61,6 +65,8 @@ class RuntimeOptions:
             raise ConfigError(f"unknown TP layout '{self.tp_layout}' (EXLPY_TP_MODE): use row or column")
         if self.flash_config is not None and (len(self.flash_config) != 4 or min(self.flash_config) < 1):
             raise ConfigError(f"EXLPY_FLASH_CONFIG {self.flash_config}: four positive ints BM,BN,warps,stages")
+        if not 0 <= self.quant_rows <= 64:
+            raise ConfigError(f"EXLPY_QUANT_ROWS={self.quant_rows}: the fused quantized matmul takes 0 to 64 rows")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeOptions:
@@ -86,6 +92,8 @@ class RuntimeOptions:
             flash_attn=e.get("EXLPY_FLASH_ATTN", "1") != "0",
             flash_tma=flag("EXLPY_FLASH_TMA"),
             flash_config=_ints(e.get("EXLPY_FLASH_CONFIG", ""), "EXLPY_FLASH_CONFIG"),
+            api_key=e.get("EXLPY_API_KEY") or None,
+            quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
         )
 
 

@@ -221,3 +221,24 @@ def test_quant_attention_rejects_unsupported_head_dim() -> None:
     with pytest.raises(ConfigError, match="head_dim"):
         quant_attention(q, kq, ks, vq, vs, torch.zeros(1, 1, dtype=torch.int32), 8,
                         torch.tensor([3], dtype=torch.int32), 3, torch.tensor([[2]]), 0.1, 8, 8)
+
+
+@pytest.mark.parametrize("page,window,softcap,splits", [(24, 0, 1.5, None), (16, 9, 0.7, 4), (70, 33, 0.0, 2)])
+def test_flash_sliding_window_and_softcap(page: int, window: int, softcap: float, splits: int | None) -> None:
+    """Chunked prefill with a sliding window (Gemma 2, Cohere 2, Phi-3, StarCoder2) and soft-capped scores:
+    paged caches (whole and split key blocks), a contiguous one (page 70), with and without a key split."""
+    g = torch.Generator().manual_seed(page + window)
+    B, hk, G, D, L = 2, 1, 4, 32, 70
+    kc, vc, bt = _paged(B, triton.cdiv(L, page), page, hk, D, g)
+    k, v = torch.randn(B, L, hk, D, generator=g), torch.randn(B, L, hk, D, generator=g)
+    q = torch.randn(B, L, hk * G, D, generator=g) * 3
+    t = torch.arange(L)
+    slots = bt[:, t // page].long() * page + t % page
+    reference.store_kv(kc, vc, slots, k, v)
+    for a, e in ((0, 30), (30, 47), (47, 70)):
+        pos = t[a:e].expand(B, -1)
+        lens = torch.full((B,), e, dtype=torch.int32)
+        ref = reference.paged_attention(q[:, a:e], kc, vc, bt, page, lens, e, pos, 0.25, None, window, softcap)
+        out = flash_attention_launch(q[:, a:e], plain_operand(kc), plain_operand(vc), bt, page, lens, e, pos, 0.25,
+                                     config=(64, 16, 4, 1), splits=splits, window=window, softcap=softcap)
+        _close(out, ref, 1e-5)

@@ -71,6 +71,14 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "heads_zero": ({"num_attention_heads": 0}, "num_attention_heads"),
     "head_dim_odd": ({"head_dim": 15}, "head_dim"),
     "intermediate_bool": ({"intermediate_size": True}, "intermediate_size"),
+    "eos_outside_vocab": ({"eos_token_id": 10**6}, "eos_token_id"),
+    "eos_list_outside_vocab": ({"eos_token_id": [2, 320]}, "eos_token_id"),  # the tiny model's vocab is 320
+    "bos_outside_vocab": ({"bos_token_id": 320}, "bos_token_id"),
+    "sliding_window_negative": ({"sliding_window": -4096}, "sliding_window"),
+    "yarn_without_factor": ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64}},
+                            "factor"),
+    "linear_without_factor": ({"rope_scaling": {"type": "linear"}}, "factor"),
+    "llama3_without_factor": ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "factor"}}, "factor"),
 }
 
 
@@ -180,3 +188,9 @@ def test_numpy_and_torch_integers_are_integers(model_dir: Path) -> None:
     model.load(device="cpu")
     cache = ExLlamaV2Cache(model, max_seq_len=np.int32(64), batch_size=np.int64(1))
     assert cache.max_seq_len == 64 and model.forward(torch.tensor([[1, 2, 3]]), cache).shape == (1, 3, 320)
+
+
+def test_generation_config_eos_outside_vocab(model_dir: Path) -> None:
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5000]}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: eos_token_id 5000 is outside the vocabulary"):
+        ExLlamaV2Config(str(model_dir))

@@ -46,6 +46,8 @@ JOB_ARGS: dict[str, tuple[dict[str, Any], str]] = {
     "min_new_tokens_float": ({"min_new_tokens": 1.5}, "min_new_tokens"),
     "max_skips_none": ({"max_skips": None}, "max_skips"),
     "seed_string": ({"seed": "42"}, "seed"),
+    "seed_too_large": ({"seed": 2**70}, "seed must fit in 64 bits"),
+    "seed_too_small": ({"seed": -(2**63) - 1}, "seed must fit in 64 bits"),
     "return_top_tokens_float": ({"return_top_tokens": 2.0}, "return_top_tokens"),
     "stop_conditions_string": ({"stop_conditions": "stop"}, "stop_conditions"),
     "stop_conditions_none_item": ({"stop_conditions": [None]}, "stop_conditions"),
@@ -183,3 +185,45 @@ def test_job_broken_after_its_checks_fails_in_scheduler_without_blocking_queue()
     assert res[bad]["final"]["eos_reason"] == "error"
     assert res[good]["tokens"] == argmax_tokens(aidreams()[0], ids_of("Echoes of"), 4)
     _idle_and_clean(g)
+
+
+def test_generate_refuses_what_is_not_a_prompt() -> None:
+    g = make_gen()
+    for prompt in (None, 5, [], [None], ("a",), [b"bytes"]):
+        with pytest.raises(GeneratorError, match="prompt must be a string"):
+            g.generate(prompt, max_new_tokens=2)
+    with pytest.raises(GeneratorError, match="seed must fit in 64 bits"):
+        g.generate("Echoes of", max_new_tokens=2, seed=2**70)
+    _idle_and_clean(g)
+    # The edges torch takes are fine.
+    assert g.generate("Echoes of", max_new_tokens=2, seed=2**64 - 1, completion_only=True) is not None
+    assert g.generate("Echoes of", max_new_tokens=2, seed=-(2**63), completion_only=True) is not None
+
+
+def test_unknown_keyword_arguments_are_named() -> None:
+    from exlpy.errors import UnknownArgumentError
+    from exlpy.generator import ExLlamaV2StreamingGenerator
+
+    g = make_gen()
+    model, tok = aidreams()
+    calls = {"generate": lambda: g.generate("Echoes of", max_new_tokens=2, max_new_token=5),
+             "Settings": lambda: ExLlamaV2Sampler.Settings(temprature=0.5),
+             "greedy": lambda: ExLlamaV2Sampler.Settings.greedy(top_kk=3),
+             "job": lambda: ExLlamaV2DynamicJob(ids_of("a"), 2, seeds=1),
+             "generator": lambda: ExLlamaV2DynamicGenerator(model, g.cache, tok, max_qsize=4),
+             "stream": lambda: ExLlamaV2StreamingGenerator(model, g.cache, tok).begin_stream_ex(ids_of("a"), GREEDY,
+                                                                                                 loras_=[])}
+    for name, call in calls.items():
+        with pytest.raises(UnknownArgumentError, match="unexpected keyword argument") as e:
+            call()
+        assert isinstance(e.value, TypeError), name  # still a TypeError for code that catches one
+    assert ExLlamaV2Sampler.Settings(temperature=0.5).temperature == 0.5
+    _idle_and_clean(g)
+
+
+@pytest.mark.parametrize("arg, value", [("max_q_size", 0), ("max_q_size", -1), ("max_q_size", 2.5),
+                                        ("max_batch_size", 0), ("max_seq_len", -5), ("max_chunk_size", 0)])
+def test_generator_sizes_are_checked(arg: str, value: Any) -> None:
+    model, tok = aidreams()
+    with pytest.raises(GeneratorError, match=f"{arg} must be an integer >= 1"):
+        ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok, **{arg: value})

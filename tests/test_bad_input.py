@@ -57,10 +57,12 @@ def test_config_wrong_type(model_dir: Path) -> None:
         ExLlamaV2Config(str(model_dir))
 
 
-def test_unknown_architecture(model_dir: Path) -> None:
-    _edit_config(model_dir, architectures=["GPTNeoXForCausalLM"])
-    with pytest.raises(UnsupportedArchitectureError, match="GPTNeoXForCausalLM"):
-        ExLlamaV2Config(str(model_dir))
+def test_unknown_architecture_runs_as_llama_with_a_warning(model_dir: Path) -> None:
+    # exllamav2's behaviour: an unknown architecture string is loaded as Llama, with a warning naming it.
+    _edit_config(model_dir, architectures=["MyLlamaForCausalLM"])
+    with pytest.warns(UserWarning, match="MyLlamaForCausalLM.*LlamaForCausalLM"):
+        config = ExLlamaV2Config(str(model_dir))
+    assert config.arch.name == "LlamaForCausalLM" and config.architecture == "MyLlamaForCausalLM"
 
 
 def test_multiple_architectures(model_dir: Path) -> None:
@@ -70,10 +72,12 @@ def test_multiple_architectures(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("changes, needle", [
-    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"hidden_act": "xielu"}, "hidden_act"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "dynamic"),
     ({"quantization_config": {"quant_method": "awq"}}, "awq"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"clip_qkv": 8.0}, "clip_qkv"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}, "layer_types"),
 ])
 def test_unsupported_settings_named(model_dir: Path, changes: dict, needle: str) -> None:
     _edit_config(model_dir, **changes)

@@ -273,3 +273,61 @@ def test_module_checks_sync_once_per_module() -> None:
                     checks.landed(Index(), f"t{i}", torch.full((4,), math.nan) if i == 3 else torch.randn(4))
     finally:
         checks.verify = real  # type: ignore[assignment]
+
+
+def _retype(src: Path, dst: Path, names: list[str], dtype: torch.dtype) -> Path:
+    """Copy a model directory with the named tensors stored value-cast to an integer dtype (what a broken
+    exporter writes: the numbers survive as integers, the weights do not)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for f in [p for p in dst.iterdir() if p.suffix == ".safetensors" and p.name != "reference.safetensors"]:
+        with safe_open(str(f), "pt") as h:
+            tensors = {n: h.get_tensor(n) for n in h.keys()}
+        hit = [n for n in names if n in tensors]
+        for n in hit:
+            tensors[n] = (tensors[n].float() * 1000).to(dtype)
+        if hit:
+            f.unlink()
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+INTEGER_FLOATS = {
+    "fp32_embedding_i32": ("hf", "model.embed_tokens.weight", torch.int32),
+    "fp32_q_proj_i16": ("hf", "model.layers.0.self_attn.q_proj.weight", torch.int16),
+    "fp32_norm_i32": ("hf", "model.layers.1.input_layernorm.weight", torch.int32),
+    "fp16_down_proj_i16": ("tiny-llama-fp16", "model.layers.1.mlp.down_proj.weight", torch.int16),
+    "fp16_lm_head_i32": ("tiny-llama-fp16", "lm_head.weight", torch.int32),
+    "exl2_q_scale_max_i16": ("tiny-llama-exl2-4.0", "model.layers.0.self_attn.q_proj.q_scale_max", torch.int16),
+    "exl2_norm_i32": ("tiny-llama-exl2-4.0", "model.norm.weight", torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", list(INTEGER_FLOATS))
+def test_float_weight_stored_as_integer_is_named(hf_dir: Path, tmp_path: Path, case: str) -> None:
+    src, name, dtype = INTEGER_FLOATS[case]
+    d = _retype(hf_dir if src == "hf" else shared_path("models", src), tmp_path / "m", [name], dtype)
+    with pytest.raises(WeightsError, match="an integer type, but it is a floating-point weight") as e:
+        ExLlamaV2(ExLlamaV2Config(str(d))).load(device="cpu")
+    assert e.value.tensor == name and e.value.file.endswith(".safetensors")
+    # Checked from the header even when the value checks are off: the values are not NaN, just wrong.
+    with use_options(RuntimeOptions.from_env({"EXLPY_SKIP_WEIGHT_CHECKS": "1"})), pytest.raises(WeightsError):
+        ExLlamaV2(ExLlamaV2Config(str(d))).load(device="cpu")
+
+
+def test_integer_float_weight_in_the_cli_and_the_converter(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    from exlpy.cli.main import main
+    from exlpy.convert import convert
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    d = _retype(shared_path("models", "tiny-llama-fp16"), tmp_path / "m", [name], torch.int16)
+    assert main(["generate", "--model", str(d), "--prompt", "Hi", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "integer type" in err and name in err and "Traceback" not in err
+    with pytest.raises(WeightsError, match="integer type") as e:
+        convert(str(d), str(tmp_path / "w"), rows=2, length=32, measurement_rows=2, measurement_length=32,
+                progress=False)
+    assert e.value.tensor == name

@@ -48,9 +48,9 @@ def test_source_missing_or_unsupported(tmp_path) -> None:
         convert(str(tmp_path / "nope"), str(tmp_path / "w"), **CAL)
     src = _copy(tmp_path)
     cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["MixtralForCausalLM"]
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
-    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
+    with pytest.raises(UnsupportedArchitectureError, match="MixtralForCausalLM"):
         convert(src, str(tmp_path / "w"), **CAL)
 
 
@@ -165,3 +165,60 @@ def test_module_entry_point_errors_are_one_line(tmp_path) -> None:
                        env=child_env())
     assert r.returncode == 1
     assert "model directory not found" in r.stderr and "Traceback" not in r.stderr
+
+
+_FSIZE_CHILD = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as a full disk does
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+from exlpy.cli.main import main
+sys.exit(main(["convert", "-i", sys.argv[1], "-o", sys.argv[2], "-cf", sys.argv[3], "-b", "4.0", "-r", "2", "-l", "32",
+               "-mr", "2", "-ml", "32"]))
+"""
+
+
+def test_write_failure_mid_job_is_typed(tmp_path) -> None:
+    """A checkpoint that cannot be written (here: files capped at 64 KiB, the way a full disk fails a write) is a
+    one-line ConvertIOError naming the file, not safetensors' raw SafetensorError, and the job stays resumable."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "w"
+    r = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, _tiny(), str(work), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300, env=child_env())
+    assert r.returncode == 1, r.stderr
+    assert "exlpy: error: cannot write" in r.stderr and "File too large" in r.stderr and "resumes" in r.stderr
+    assert "Traceback" not in r.stderr and "SafetensorError" not in r.stderr
+    assert json.load(open(work / "job.json"))["stage"]  # the last checkpoint is intact
+    assert not [p for p in work.rglob("*.tmp")]  # no half-written file left behind
+
+
+def test_io_error_messages_say_why() -> None:
+    import errno
+
+    from safetensors import SafetensorError
+
+    from exlpy.convert.job import _io_error
+
+    for e, why in ((OSError(errno.ENOSPC, "No space left on device"), "the disk is full"),
+                   (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                    "the disk is full"),
+                   (SafetensorError('IoError(Os { code: 122, kind: QuotaExceeded, message: "Disk quota exceeded" })'),
+                    "the disk is full"),
+                   (OSError(errno.EROFS, "Read-only file system"), "not writable"),
+                   (OSError(errno.EACCES, "Permission denied"), "not writable")):
+        err = _io_error("/x/out.safetensors", e)
+        assert isinstance(err, ConvertIOError) and why in str(err) and "/x/out.safetensors" in str(err)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions, so a read-only folder cannot be "
+                    "made here")
+def test_read_only_output_folder(tmp_path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    work.chmod(0o555)
+    try:
+        with pytest.raises(ConvertIOError, match="not writable"):
+            convert(_tiny(), str(work), **CAL)
+    finally:
+        work.chmod(0o755)

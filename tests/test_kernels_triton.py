@@ -166,3 +166,79 @@ def test_token_bitmask_kernel(device: str) -> None:
     out = apply_token_bitmask(logits, words)
     ref = reference.apply_token_bitmask(logits, words)
     assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out, ref)
+
+
+def _window_softcap_case(device: str, dtype: torch.dtype, D: int, T: int, window: int, softcap: float) -> None:
+    g = torch.Generator().manual_seed(5)
+    B, hq, hk, page, pages = 3, 4, 2, 32, 8
+    n_pages = B * pages + 2
+    kc, vc = torch.randn(n_pages, page, hk, D, generator=g), torch.randn(n_pages, page, hk, D, generator=g)
+    bt = torch.randperm(n_pages, generator=g)[:B * pages].view(B, pages).int()
+    seqlens = torch.tensor([5, 200, 129], dtype=torch.int32)
+    pos = (seqlens.long().view(-1, 1) - T + torch.arange(T)).clamp(min=0)
+    q = torch.randn(B, T, hq, D, generator=g) * 3  # scores large enough for the cap to matter
+    scale = D ** -0.5
+    ref = reference.paged_attention(q, kc, vc, bt, page, seqlens, 200, pos, scale, None, window, softcap)
+    dev = [t.to(device) for t in (q, kc, vc, bt, seqlens, pos)]
+    out = paged_decode_attention(dev[0].to(dtype), dev[1].to(dtype), dev[2].to(dtype), dev[3], page, dev[4], 200,
+                                 dev[5], scale, None, window, softcap)
+    _close(out.cpu(), ref, 1e-5 if dtype == torch.float32 else 2e-2)
+    plain = reference.paged_attention(q, kc, vc, bt, page, seqlens, 200, pos, scale)
+    assert (ref - plain).abs().max() > 1e-2  # the feature changes the result
+
+
+CASES_WS = [(1, 37, 0.0), (1, 0, 1.5), (2, 20, 0.8), (1, 150, 2.0)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,window,softcap", CASES_WS)
+def test_paged_decode_attention_window_softcap_cpu(T: int, window: int, softcap: float) -> None:
+    """Sliding windows (Gemma 2, Cohere 2, Phi-3, StarCoder2) and soft-capped scores in the decode kernel."""
+    _dev_ok("cpu")
+    _window_softcap_case("cpu", torch.float32, 16, T, window, softcap)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [96, 128, 256])  # Phi-3, Llama-like, Gemma 2 head sizes
+@pytest.mark.parametrize("T,window,softcap", CASES_WS)
+def test_paged_decode_attention_window_softcap_cuda(D: int, T: int, window: int, softcap: float) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("run without TRITON_INTERPRET for compiled kernels")
+    _window_softcap_case("cuda", torch.float16, D, T, window, softcap)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+def test_post_norm_residual_add_and_geglu_cpu(x_dtype: torch.dtype) -> None:
+    """Gemma 2 / GLM-4 post-norm residual add (an fp32 residual, Gemma 2) and GeGLU (tanh) kernels."""
+    _dev_ok("cpu")
+    from exlpy.kernels.activation import act_mul
+    from exlpy.kernels.rmsnorm import rms_norm_add
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 96, generator=g).to(x_dtype)
+    y = torch.randn(5, 96, generator=g).half()
+    w = (torch.rand(96, generator=g) + 0.5).half()
+    want = reference.rms_norm_add(x.clone(), y, w, 1e-6)
+    got = rms_norm_add(x.clone(), y, w, 1e-6)
+    assert got.dtype == x_dtype
+    _close(got, want, 1e-3)
+    gu = torch.randn(3, 2 * 200, generator=g) * 3
+    _close(act_mul(gu[:, :200], gu[:, 200:], "gelu_tanh"), reference.act_mul(gu[:, :200], gu[:, 200:], "gelu_tanh"),
+           1e-5)
+
+
+@pytest.mark.interpreter
+def test_norms_read_an_fp32_residual_into_half_precision_cpu() -> None:
+    """Gemma 2's fp32 residual stream: RMSNorm and the fused norm + GEMV read it and write the weights' dtype."""
+    _dev_ok("cpu")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 128, generator=g) * 30  # beyond what an fp16 residual would hold exactly
+    nw = (torch.rand(128, generator=g) + 0.5).half()
+    w = (torch.randn(48, 128, generator=g) * 0.05).half()
+    y = rms_norm(x, nw, 1e-6)
+    assert y.dtype == torch.float16
+    _close(y, reference.rms_norm(x, nw, 1e-6), 1e-3)
+    z = norm_linear(x, nw, 1e-6, w)
+    assert z.dtype == torch.float16
+    _close(z, reference.norm_linear(x, nw, 1e-6, w), 2e-3)

@@ -40,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exlpy.errors import ConfigError
     from exlpy.generator import ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+    from exlpy.generator.dynamic.validate import check_seed
 
     prompt = args.prompt if args.prompt is not None else args.prompt_pos
     if prompt is None:
         raise ConfigError("no prompt given: exlpy generate \"Once upon a time\" (or --prompt TEXT)")
+    check_seed(args.seed, "--seed")  # before anything is loaded
     config = ExLlamaV2Config(args.model or DEMO_MODEL_DIR)
     config.max_seq_len = args.max_seq_len or min(config.max_seq_len, 4096)
     config.max_input_len = min(config.max_input_len, config.max_seq_len)
@@ -80,15 +82,21 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(prompt if not args.chat else "")
     sys.stdout.flush()
     generator.begin_stream_ex(ids, settings)
-    t0, n = time.perf_counter(), 0
-    while n < max_new:
-        generator.token_budget = max_new - n  # speculative steps may emit several tokens: never past max_new
-        r = generator.stream_ex()
-        n += len(r.get("chunk_token_ids", [])[0]) if len(r.get("chunk_token_ids", [])) else 0
+    t0 = time.perf_counter()
+    while True:
+        # The budget counts sampled tokens (new_tokens), not the tokens whose text was released: text held back
+        # (a partial UTF-8 character, a possible stop string) belongs to tokens already counted.
+        left = max_new - generator.new_tokens
+        if left <= 0:
+            r = generator.end_stream("max_new_tokens")  # release what the counted tokens still hold back
+        else:
+            generator.token_budget = left  # speculative steps may emit several tokens: never past max_new
+            r = generator.stream_ex()
         sys.stdout.write(r["chunk"])
         sys.stdout.flush()
         if r["eos"]:
             break
+    n = generator.new_tokens
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
     sd = ""

@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from exlpy.config.arch import remap_key
 from exlpy.config.hf import ModelSpec, load_spec
 from exlpy.config.runtime import RuntimeSettings
 from exlpy.config.values import MAX_POSITIONS, as_int, as_positive_float, check_compute_dtype
 from exlpy.errors import ConfigError, NotSupportedError, WeightsError
 from exlpy.runtime import options
 from exlpy.weights.safetensors_index import SafetensorsIndex
+from exlpy.weights.views import add_arch_views
 
 
 class _from_file:  # used like `property`, hence the lower-case name
@@ -35,10 +37,15 @@ class _from_file:  # used like `property`, hence the lower-case name
                           f"(tried to set it to {value!r})")
 
 
-LAYER_KEYS = (
-    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)
+def layer_keys(spec: ModelSpec) -> list[str]:
+    """The tensor prefixes every decoder layer of `spec` must have (canonical names, exlpy/config/arch.py)."""
+    keys = [name for _, name in spec.arch.norms]
+    keys += [f"self_attn.{p}_proj" for p in "qkvo"]
+    keys += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if spec.arch.gated_mlp else ["mlp.up_proj",
+                                                                                         "mlp.down_proj"]
+    if spec.features.qk_norm:
+        keys += ["self_attn.q_norm", "self_attn.k_norm"]
+    return keys
 
 
 class ExLlamaV2Config(RuntimeSettings):
@@ -84,9 +91,9 @@ class ExLlamaV2Config(RuntimeSettings):
 
     def arch_compat_overrides(self, quiet: bool = False, warn_only: bool = False) -> None:
         """exllamav2 switches off attention back ends (flash-attn, xformers) that cannot serve the model's
-        logit softcapping or sliding window. exlpy has neither back end and supports no architecture that needs
-        either, so nothing is overridden; the method exists so that exllamav2 scripts (model_init) run as they
-        are. Like exllamav2's, it needs a prepared config."""
+        logit softcapping or sliding window. exlpy has neither back end (its own kernels and their torch
+        fallbacks serve both), so nothing is overridden; the method exists so that exllamav2 scripts
+        (model_init) run as they are. Like exllamav2's, it needs a prepared config."""
         self._s()
 
     def prepare(self, no_tensors: bool = False) -> None:
@@ -102,7 +109,9 @@ class ExLlamaV2Config(RuntimeSettings):
         if spec.rope_scaling.kind == "linear":
             self.scale_pos_emb = spec.rope_scaling.factor  # exllamav2 exposes linear scaling through this knob
         if not no_tensors:
-            self.index = SafetensorsIndex(self.model_dir)
+            remap = spec.arch.remap
+            self.index = SafetensorsIndex(self.model_dir, (lambda n: remap_key(n, remap)) if remap else None)
+            add_arch_views(self.index, spec)
             self._check_keys()
         self.prepared = True
 
@@ -114,10 +123,13 @@ class ExLlamaV2Config(RuntimeSettings):
             return any(f"{prefix}.{s}" in names for s in ("q_weight", "qweight", "weight")) or prefix in names
 
         required = ["model.embed_tokens", "model.norm"]
-        if not self.spec.tie_word_embeddings:
+        if not self.spec.features.tied_head:
             required.append("lm_head")
+        if self.spec.features.learned_positions:
+            required.append("model.wpe")
+        keys = layer_keys(self.spec)
         for i in range(self.spec.num_hidden_layers):
-            required += [f"model.layers.{i}.{k}" for k in LAYER_KEYS]
+            required += [f"model.layers.{i}.{k}" for k in keys]
         for prefix in required:
             if not present(prefix):
                 raise WeightsError(f"Could not find {prefix}.* in model", tensor=prefix, file=self.model_dir)
@@ -143,13 +155,16 @@ class ExLlamaV2Config(RuntimeSettings):
     architecture = _from_file(lambda s: s.architecture)
     arch = _from_file(lambda s: s.arch)
     sliding_window = _from_file(lambda s: s.sliding_window or 0)
-    use_qk_norm = _from_file(lambda s: s.arch.qk_norm)
-    # Features of architectures exlpy does not load (MoE, vision, softcapping, partial RoPE): fixed values.
+    use_qk_norm = _from_file(lambda s: s.features.qk_norm)
+    partial_rotary_factor = _from_file(lambda s: s.features.rotary_dim / s.head_dim)
+    logit_scale = _from_file(lambda s: s.features.logit_scale)
+    final_logit_softcapping = _from_file(lambda s: s.features.final_softcap or None)
+    attn_logit_softcapping = _from_file(lambda s: s.features.attn_softcap or None)
+    scale_emb = _from_file(lambda s: s.features.embed_scale)
+    scale_depth = _from_file(lambda s: s.features.residual_scale)
+    norm_head = _from_file(lambda s: s.features.norm_head)
+    # Features of architectures exlpy does not load (MoE, vision): fixed values.
     num_experts = _from_file(lambda s: None)
-    partial_rotary_factor = _from_file(lambda s: 1.0)
-    logit_scale = _from_file(lambda s: 1.0)
-    final_logit_softcapping = _from_file(lambda s: None)
-    attn_logit_softcapping = _from_file(lambda s: None)
     vision_model_type = _from_file(lambda s: None)
     tensor_file_map = property(lambda self: {n: t.file for n, t in (self.index.tensors if self.index else {}).items()})
     tensor_files = property(lambda self: sorted({t.file for t in (self.index.tensors if self.index else {}).values()}))

@@ -12,7 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from exlpy.config.arch import ARCHITECTURES, ArchParams
+from exlpy.config.arch import ARCHITECTURES, FALLBACK, NOT_YET, ArchParams
+from exlpy.config.features import ModelFeatures, parse_features
 from exlpy.config.rope import RopeScaling, parse_rope_scaling
 from exlpy.config.values import (
     MAX_DIM,
@@ -56,6 +57,11 @@ class ModelSpec:
     sliding_window: int | None = None
     quant_method: str | None = None
     raw_keys: frozenset[str] = field(default_factory=frozenset)
+    features: ModelFeatures = field(default_factory=ModelFeatures)
+
+    @property
+    def norm_kind(self) -> str:
+        return self.arch.norm
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
@@ -129,7 +135,8 @@ def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
     if not rs:
         return RopeScaling()
     orig = r.get("original_max_position_embeddings", int, max_pos)
-    return parse_rope_scaling(rs, r.path, as_int(orig, "original_max_position_embeddings", r.path, 1, MAX_POSITIONS))
+    return parse_rope_scaling(rs, r.path, as_int(orig, "original_max_position_embeddings", r.path, 1, MAX_POSITIONS),
+                              max_pos)
 
 
 def _rope_theta(r: _Reader) -> float:
@@ -137,6 +144,11 @@ def _rope_theta(r: _Reader) -> float:
     if theta is None:
         theta = (r.get("rope_parameters", dict, None) or {}).get("rope_theta", 10000.0)
     return as_positive_float(theta, "rope_theta", r.path)
+
+
+def _norm_eps(r: _Reader, arch: ArchParams) -> float:
+    key, value = r.find(arch.norm_eps_keys)
+    return as_positive_float(1e-5 if value is _MISSING else value, key, r.path)
 
 
 def _token_id(r: _Reader, key: str) -> int | None:
@@ -159,33 +171,35 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
     name = archs[0]
     if not isinstance(name, str):
         raise ConfigError(f"{path}: 'architectures' should hold a class name string, got {name!r:.60}")
+    if name in NOT_YET:
+        raise UnsupportedArchitectureError(f"{path}: architecture '{name}' ({NOT_YET[name]}) is not supported yet")
     if name not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"{path}: architecture '{name}' is not supported (supported: {', '.join(ARCHITECTURES)})")
-    arch = ARCHITECTURES[name]
+        # exllamav2 runs an unknown architecture as Llama, with a warning; so do we (the tensor key check and
+        # the refusal of unimplemented config keys still apply).
+        warnings.warn(f"{path}: unknown architecture '{name}', loading it as {FALLBACK} (known: "
+                      f"{', '.join(ARCHITECTURES)})", stacklevel=2)
+    arch = ARCHITECTURES.get(name, ARCHITECTURES[FALLBACK])
 
     hidden = r.size(("hidden_size", "d_model", "n_embd"), MAX_DIM)
     heads = r.size(("num_attention_heads", "n_heads", "n_head"), MAX_HEADS)
-    kv_heads = r.size("num_key_value_heads", MAX_HEADS, heads)
+    kv_heads = r.size("num_key_value_heads", MAX_HEADS, 1 if r.get("multi_query", bool, False) else heads)
     head_dim = r.size("head_dim", MAX_DIM, max(hidden // heads, 1))
     if heads % kv_heads:
         raise ConfigError(f"{path}: num_attention_heads ({heads}) must be a positive multiple of "
                           f"num_key_value_heads ({kv_heads})")
     if head_dim % 2:
         raise ConfigError(f"{path}: head_dim {head_dim} must be positive and even")
-    act = r.get(("hidden_act", "hidden_activation"), str, "silu")
-    if act != "silu":
-        raise UnsupportedArchitectureError(f"{path}: hidden_act '{act}' is not supported (only 'silu')")
-    if r.get("partial_rotary_factor", float, 1.0) != 1.0:
-        raise UnsupportedArchitectureError(f"{path}: partial_rotary_factor != 1 is not supported")
     max_pos = r.size(("max_sequence_length", "model_max_length", "max_position_embeddings", "max_seq_len",
                     "n_positions"), MAX_POSITIONS, 2048)
     sliding = r.get("sliding_window", int, None)
-    if r.get("use_sliding_window", bool, False):
-        raise UnsupportedArchitectureError(f"{path}: use_sliding_window=true is not supported")
-    if sliding is not None and arch.ignores_sliding_window and sliding < max_pos:
-        warnings.warn(f"{name}: sliding_window={sliding} is ignored (full attention is used), as exllamav2 does",
-                      stacklevel=3)
+    if sliding is not None and sliding < 0:
+        raise ConfigError(f"{path}: sliding_window must be a positive number of tokens or null, got {sliding}")
+    layers = r.size(("num_hidden_layers", "n_layers", "n_layer"), MAX_LAYERS)
+    features = parse_features(r, arch, hidden, head_dim, layers, max_pos)
+    rope_scaling = _rope_scaling(r, max_pos)
+    if rope_scaling.kind == "su" and len(rope_scaling.short_factor) != features.rotary_dim // 2:
+        raise ConfigError(f"{path}: rope_scaling short_factor / long_factor hold {len(rope_scaling.short_factor)} "
+                          f"values; the {features.rotary_dim} rotary dimensions need {features.rotary_dim // 2}")
     qc = r.get("quantization_config", dict, {}) or {}
     quant_method = qc.get("quant_method")
     if quant_method not in (None, "exl2", "gptq"):
@@ -202,12 +216,12 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         architecture=name, arch=arch,
         vocab_size=r.size("vocab_size", MAX_VOCAB),
         hidden_size=hidden,
-        num_hidden_layers=r.size(("num_hidden_layers", "n_layers", "n_layer"), MAX_LAYERS),
+        num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=r.size(("intermediate_size", "n_inner"), MAX_DIM),
-        norm_eps=as_positive_float(r.get("rms_norm_eps", float, 1e-5), "rms_norm_eps", path),
+        intermediate_size=r.size(("intermediate_size", "n_inner"), MAX_DIM, 4 * hidden),
+        norm_eps=_norm_eps(r, arch),
         rope_theta=_rope_theta(r),
-        rope_scaling=_rope_scaling(r, max_pos),
+        rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         attention_bias=r.get("attention_bias", bool, False),
@@ -221,5 +235,19 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         sliding_window=sliding,
         quant_method=quant_method,
         raw_keys=frozenset(r.data),
+        features=features,
     )
+    _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos
+
+
+def _check_token_ids_in_vocab(spec: ModelSpec, gen_eos: list[int], path: str, gen_path: str) -> None:
+    """BOS and EOS ids the model cannot produce or embed: generation would never stop at EOS (or index past
+    the embedding), so they are refused naming the key and the file."""
+    vocab = spec.vocab_size
+    named = [("bos_token_id", spec.bos_token_id, path), ("eos_token_id", spec.eos_token_id, path),
+             *(("eos_token_id", t, path) for t in spec.eos_token_ids),
+             *(("eos_token_id", t, gen_path) for t in gen_eos)]
+    for key, tid, where in named:
+        if tid is not None and not 0 <= tid < vocab:
+            raise ConfigError(f"{where}: {key} {tid} is outside the vocabulary [0, {vocab}) (vocab_size)")

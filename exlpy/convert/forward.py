@@ -84,6 +84,8 @@ def install_taps(module: Module) -> dict[str, Tap]:
     """Replace the loaded module's linears by taps (the module is unloaded after use, so nothing is restored)."""
     taps = {}
     for name in LINEARS[type(module)]:
+        if getattr(module, name, None) is None:
+            continue  # a projection this architecture lacks (a non-gated MLP has no gate_proj)
         tap = Tap(getattr(module, name))
         setattr(module, name, tap)
         taps[name] = tap

@@ -7,14 +7,17 @@ job resumes from the last finished layer with exactly the state it had.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from exlpy.errors import ConvertIOError, JobConflictError
@@ -28,10 +31,39 @@ VERSION = 1
 OWNED = (JOB_FILE, "cal_measure.safetensors", "cal_quant.safetensors", "out_tensor", "states", "measurement.json")
 
 
-def _io_error(path: str, e: OSError) -> ConvertIOError:
-    why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or str(e)
-    return ConvertIOError(f"cannot write {path}: {why}. Free space or fix permissions, then run the same "
+def _errno_of(e: BaseException) -> int | None:
+    """The OS error number of an OSError, or of safetensors' SafetensorError, which only carries it in its text
+    ("... (os error 28)" or "Os { code: 28, ... }")."""
+    if isinstance(e, OSError):
+        return e.errno
+    m = re.search(r"os error (\d+)|code: (\d+)", str(e))
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def _io_error(path: str, e: BaseException, what: str = "cannot write") -> ConvertIOError:
+    code = _errno_of(e)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        why = "the disk is full"
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = f"the folder is not writable ({os.strerror(code)})"
+    elif code is not None:
+        why = os.strerror(code)
+    else:
+        why = str(e)
+    return ConvertIOError(f"{what} {path}: {why}. Free space or fix permissions, then run the same "
                           "command again: the job resumes from its last checkpoint")
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """File-system errors inside the block (those not already typed where they happen) become a ConvertIOError
+    naming the file (or `path`)."""
+    try:
+        yield
+    except ConvertIOError:
+        raise
+    except (OSError, SafetensorError) as e:
+        raise _io_error(getattr(e, "filename", None) or path, e, "file system error at") from e
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
@@ -40,7 +72,7 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_UMASK)  # safetensors creates files owner-only; outputs are ordinary files
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         try:
             if os.path.exists(tmp):
                 os.remove(tmp)

@@ -11,6 +11,7 @@ from exlpy.errors import NumericalError
 from exlpy.model.attention import Attention
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.weights.checks import stored_as_float
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
 # (linear whose input is recorded, linears quantized with that Hessian), in forward order. Quantizing the first
@@ -27,10 +28,21 @@ def is_decoder(module: Module) -> bool:
     return type(module) in HESSIAN_GROUPS
 
 
+def linears(module: Module) -> list[str]:
+    """The module's projections the checkpoint has (a non-gated MLP, GPT-2's or StarCoder2's, has no gate)."""
+    return [n for n in LINEARS[type(module)] if n != "gate_proj" or module.spec.arch.gated_mlp]
+
+
+def hessian_groups(module: Module) -> list[tuple[str, tuple[str, ...]]]:
+    """HESSIAN_GROUPS of the module's kind, restricted to the projections it has."""
+    have = set(linears(module))
+    return [(rec, tuple(k for k in keys if k in have)) for rec, keys in HESSIAN_GROUPS[type(module)]]
+
+
 def shapes(module: Module) -> dict[str, tuple[int, int]]:
     """(K, N) of each linear (y = x @ W, W is K x N) from the tensor headers."""
     out = {}
-    for name in LINEARS[type(module)]:
+    for name in linears(module):
         n, k = module.index.info(f"{module.key}.{name}.weight").shape
         out[name] = (k, n)
     return out
@@ -43,13 +55,17 @@ def has_bias(module: Module, name: str) -> bool:
 def read_weight(index: SafetensorsIndex, name: str, device: torch.device, rows: slice | None = None
                 ) -> torch.Tensor:
     """A source weight (HF layout [N, K]) as fp32 [K, N] on `device`; `rows` picks output features."""
+    stored_as_float(index, name)
     if rows is None:
         w = index.get(name)
+    elif name in index.views:  # a part of a fused / transposed tensor (exlpy/weights/views.py)
+        w = index.get(name)[rows]
     else:  # a slice of rows only (head slices): never the whole tensor in host memory
         from safetensors import safe_open
 
-        with safe_open(index.info(name).file, framework="pt", device="cpu") as f:
-            w = f.get_slice(name)[rows]
+        info = index.info(name)
+        with safe_open(info.file, framework="pt", device="cpu") as f:
+            w = f.get_slice(info.name)[rows]  # the name stored in the file (architectures remap names)
     w = w.to(device, torch.float32)
     if not bool(torch.isfinite(w).all()):
         raise NumericalError(f"source tensor {name} holds NaN or inf ({index.info(name).file}); the model "
@@ -59,7 +75,10 @@ def read_weight(index: SafetensorsIndex, name: str, device: torch.device, rows: 
 
 def read_bias(index: SafetensorsIndex, prefix: str) -> torch.Tensor | None:
     name = f"{prefix}.bias"
-    return index.get(name).float() if name in index else None
+    if name not in index:
+        return None
+    stored_as_float(index, name)
+    return index.get(name).float()
 
 
 def module_bits(module: Module, option: dict[str, QParams]) -> int:
@@ -75,6 +94,7 @@ def check_source(module: Module) -> None:
     """Every source tensor of the module must be finite; the error names the tensor and its file."""
     for prefix in module.tensor_prefixes():
         for name in module.index.names_with_prefix(prefix + "."):
+            stored_as_float(module.index, name)
             t = module.index.get(name)
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise NumericalError(f"source tensor {name} holds NaN or inf ({module.index.info(name).file}); "

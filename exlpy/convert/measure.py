@@ -15,7 +15,7 @@ import torch
 
 from exlpy.convert.forward import Hessian, States, forward_chunks, install_taps, iter_outputs
 from exlpy.convert.gptq import gptq_quantize, prepare_hessian
-from exlpy.convert.layers import HESSIAN_GROUPS, OPTIONS, check_source, has_bias, read_weight, shapes
+from exlpy.convert.layers import OPTIONS, check_source, has_bias, hessian_groups, read_weight, shapes
 from exlpy.convert.qparams import QParams, distinct
 from exlpy.errors import NumericalError
 from exlpy.model.module import Module
@@ -50,7 +50,7 @@ def measure_module(module: Module, states: States, device: torch.device, store: 
     kind = type(module)
     taps = install_taps(module)
     hessians = {}
-    for rec, _ in HESSIAN_GROUPS[kind]:
+    for rec, _ in hessian_groups(module):
         hessians[rec] = Hessian(taps[rec].in_features, device)
         taps[rec].record = hessians[rec].add
     ref = forward_chunks(module, states, device, store, module.key)
@@ -60,7 +60,7 @@ def measure_module(module: Module, states: States, device: torch.device, store: 
     options = OPTIONS[kind]
     dtype = module.dtype(device)
     dense: dict[tuple[str, QParams], torch.Tensor] = {}
-    for rec, keys in HESSIAN_GROUPS[kind]:
+    for rec, keys in hessian_groups(module):
         ph = prepare_hessian(hessians.pop(rec).result(), damp, f"{module.key}.{rec}")
         ws, opts, names = [], [], []
         for k in keys:

@@ -21,7 +21,7 @@ from exlpy.config.config import ExLlamaV2Config
 from exlpy.convert import caldata
 from exlpy.convert.compile import check_output_dir, compile_output, write_model_dir
 from exlpy.convert.forward import States, _run, check_finite
-from exlpy.convert.job import Job, write_json, write_tensors
+from exlpy.convert.job import Job, write_json, write_tensors, writing
 from exlpy.convert.layers import OPTIONS, is_decoder, module_bits, module_numel, shapes
 from exlpy.convert.measure import measure_module
 from exlpy.convert.optimize import choose, reachable, slot_error
@@ -48,11 +48,13 @@ def convert(in_dir: str | None = None, out_dir: str | None = None, compile_dir: 
     s = ConvertSettings(in_dir=in_dir, out_dir=out_dir, compile_dir=compile_dir, **kwargs)
     s.validate()
     if s.out_dir is not None:
-        return _Converter(s).run()
+        with writing(s.compile_dir or s.out_dir):  # a file-system error anywhere: typed, naming the file
+            return _Converter(s).run()
     tmp = tempfile.mkdtemp(prefix="exlpy-convert-")
     s.out_dir = tmp
     try:
-        result = _Converter(s).run()
+        with writing(s.compile_dir or tmp):
+            result = _Converter(s).run()
     except BaseException:
         if os.path.exists(os.path.join(tmp, "job.json")):
             print(f"exlpy convert: the work dir {tmp} was kept; add -o {tmp} to resume the job", file=sys.stderr)
@@ -81,6 +83,9 @@ class _Converter:
             self.config.scale_alpha_value = float(s.rope_alpha)
         spec = self.config.spec
         assert spec is not None
+        if spec.arch.parallel_blocks:  # the MLP reads the attention's normed input, which runs before it
+            raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
+                                               "parallel attention and MLP blocks); the fp16/bf16 model loads as it is")
         if spec.quant_method is not None:
             raise UnsupportedArchitectureError(f"{s.in_dir} is already quantized ({spec.quant_method}); convert "
                                                "from the fp16/bf16/fp32 model")

@@ -11,7 +11,7 @@ import torch
 
 from exlpy.convert.forward import Hessian, States, _run, forward_chunks, install_taps
 from exlpy.convert.gptq import QuantResult, gptq_quantize, prepare_hessian
-from exlpy.convert.layers import HESSIAN_GROUPS, check_source, read_bias, read_weight
+from exlpy.convert.layers import check_source, hessian_groups, read_bias, read_weight
 from exlpy.convert.packing import check_packed, pack_exl2
 from exlpy.convert.qparams import HEAD_OPTIONS, QParams
 from exlpy.model.batch import contiguous_batch
@@ -26,7 +26,7 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
     taps = install_taps(module)
     dtype = module.dtype(device)
     tensors: dict[str, torch.Tensor] = {}
-    for rec, keys in HESSIAN_GROUPS[type(module)]:
+    for rec, keys in hessian_groups(module):
         h = Hessian(taps[rec].in_features, device)
         taps[rec].record, taps[rec].stop = h.add, True
         forward_chunks(module, states, device, None, module.key)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.filters.base import feed_token
 from exlpy.model.batch import cache_rows_batch
@@ -33,6 +34,7 @@ class ExLlamaV2BaseGenerator:
             return False
         return self.sequence_ids.shape[-1] >= min(self.model.config.max_seq_len, self.cache.max_seq_len)
 
+    @refuse_unknown_arguments
     def generate_simple(self, prompt: str | list[str], gen_settings: Any, num_tokens: int, seed: int | None = None,
                         token_healing: bool = False, encode_special_tokens: bool = False,
                         decode_special_tokens: bool = False, loras: Any = None, stop_token: int | None = -1,
@@ -82,7 +84,9 @@ class ExLlamaV2BaseGenerator:
                                  f"max_seq_len {self.cache.max_seq_len}")
         lens = [r.numel() for r in rows]
         # Seeded: a private generator (reproducible whatever else draws random numbers); else the global RNG.
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        from exlpy.generator.dynamic.validate import seeded_rng
+
+        gen = seeded_rng(seed) if seed is not None else None
         stop = self.tokenizer.eos_token_id if stop_token == -1 else stop_token
         filters = list(filters or [])
         if filters and B > 1:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from exlpy.arguments import refuse_unknown_arguments
 from exlpy.engine.graphs import MAX_Q_LEN
 from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator import stream_steps
@@ -45,6 +46,7 @@ from exlpy.model.batch import cache_rows_batch
 class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
     """Streams one sequence; also the base generator's `generate_simple()`, `warmup()` and `full()`."""
 
+    @refuse_unknown_arguments
     def __init__(self, model: Any, cache: Any, tokenizer: Any, draft_model: Any = None, draft_cache: Any = None,
                  num_speculative_tokens: int | None = None) -> None:
         """exllamav2's arguments. `num_speculative_tokens` None (exlpy's default) adapts the draft length to the
@@ -89,12 +91,14 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions)
 
     # --- begin ---------------------------------------------------------------------------------------------
+    @refuse_unknown_arguments
     def begin_stream(self, input_ids: torch.Tensor, gen_settings: Any, token_healing: bool = False,
                      loras: Any = None, input_mask: torch.Tensor | None = None,
                      position_offsets: torch.Tensor | None = None, **kwargs: Any) -> None:
         self.begin_stream_ex(input_ids, gen_settings, token_healing, loras, input_mask, position_offsets,
                              **kwargs)
 
+    @refuse_unknown_arguments
     def begin_stream_ex(self, input_ids: torch.Tensor, gen_settings: Any, token_healing: bool = False,
                         loras: Any = None, input_mask: torch.Tensor | None = None,
                         position_offsets: torch.Tensor | None = None, return_probabilities: bool = False,
@@ -210,8 +214,11 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
 
     def set_seed(self, seed: int) -> None:
         """Make the following samples reproducible (exlpy extension; call after begin_stream_ex)."""
+        from exlpy.generator.dynamic.validate import seeded_rng
+
+        rng = seeded_rng(seed)  # checked before the launched step is dropped
         self._discard()
-        self.rng = torch.Generator().manual_seed(seed)
+        self.rng = rng
 
     def _discard(self) -> None:
         """Drop the launched step whose token is not read yet (the cache goes back to the invariant)."""
@@ -333,6 +340,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         payload = token_payload(prob, top_tok, top_prob, logits[0, -1], True, self.return_top_tokens,
                                 self.return_logits)
         return self._take(token, payload, bool(end_filter))
+
+    def end_stream(self, reason: str = "max_new_tokens") -> dict[str, Any]:
+        """exlpy: end the stream now (a token budget is spent) and release the text still held back, e.g. the
+        first bytes of a character whose last byte was never sampled. Nothing more is sampled: the result's
+        `chunk_token_ids` are tokens already generated."""
+        if not self.active:
+            raise GeneratorError("end_stream() called without an active stream")
+        self._discard()
+        return self._result(self.text_stream.end(Released(), reason))
 
     def _feed(self, token: int, payload: dict[str, Any]) -> Released:
         """Append one token (no filters or banned strings: speculation runs without them) and release text."""

@@ -1,9 +1,10 @@
 """Triton matmuls on packed EXL2/GPTQ weights (spec §3.2-3.6), with `exl2_matmul_ref` as the torch twin.
 
-Strategy (as in the reference library): up to 32 activation rows run a fused dequantize-and-multiply kernel that
-reads every packed word once (exl2_gemv.py for one row, with `_qmv32`/`_qmv` here for layouts it does not take;
-`_qmm` with tensor cores for 2-32 rows); more rows dequantize
-the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM.
+Strategy (as in the reference library): up to 64 activation rows run a fused dequantize-and-multiply kernel that
+reads every packed word once (exl2_gemv.py for one row, exl2_qmm.py for 2-64 rows, with `_qmv32`/`_qmv`/`_qmm`
+here for layouts those do not take: 16-row 2-bit groups, act-order GPTQ); more rows (prefill) dequantize
+the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM. Where the
+fused kernels hand over is `exl2_qmm_plan.rows_kernel_takes` (a per-shape table and EXLPY_QUANT_ROWS).
 
 The packed matrix is processed one *segment* (all groups of one bit width) at a time so the width is a
 compile-time constant; fused kernels split K across programs by whole groups and accumulate with fp32 atomics.
@@ -19,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from exlpy.kernels import exl2_gemv
+from exlpy.kernels import exl2_gemv, exl2_qmm, exl2_qmm_plan
 from exlpy.quant.exl2_ref import exl2_matmul_ref as _dense_ref
 from exlpy.quant.layout import QuantMatrix, Segment
 
-MAX_FUSED_ROWS = 32
+MAX_FUSED_ROWS = 64  # the generic fused kernels below: rows of layouts exl2_qmm does not take
 _SCRATCH_ELEMS = 1 << 26  # fp16 dequant scratch cap (128 MiB); wider matrices are done in column slices
 
 
@@ -170,10 +171,11 @@ def _qmm(x_ptr, perm_ptr, out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, M, 
 
 
 @triton.jit
-def _qdequant(out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, N, stride_o, stride_qw, stride_sc, stride_z,
-              g_lo, row0, word0, BITS: tl.constexpr, GPTQ: tl.constexpr, BLOCK_N: tl.constexpr,
-              CHUNK: tl.constexpr):
-    """W_sorted rows of group g_lo + program_id(1), columns of this block, as fp16."""
+def _qdequant(out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, perm_ptr, N, stride_o, stride_qw, stride_sc,
+              stride_z, g_lo, row0, word0, BITS: tl.constexpr, GPTQ: tl.constexpr, SCATTER: tl.constexpr,
+              BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """W_sorted rows of group g_lo + program_id(1), columns of this block, as fp16; with SCATTER each sorted row
+    r is written to row perm[r], i.e. W in input-feature order (x then needs no act-order gather)."""
     g = g_lo + tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -185,7 +187,8 @@ def _qdequant(out_ptr, qw_ptr, sc_ptr, sm_ptr, z_ptr, grows_ptr, N, stride_o, st
         r_mask = rows < r_hi
         q = _codes(qw_ptr, stride_qw, rows, r_mask, offs_n, n_mask, row0, word0, BITS).to(tl.float32)
         w = (q - z[None, :]) * s[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], w.to(tl.float16),
+        dst = tl.load(perm_ptr + rows, mask=r_mask, other=0) if SCATTER else rows
+        tl.store(out_ptr + dst[:, None] * stride_o + offs_n[None, :], w.to(tl.float16),
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
@@ -225,7 +228,7 @@ CONFIG: dict[str, dict[str, int]] = {
 
 
 def fused_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
-    """x [M <= 32, K] fp16 contiguous -> fp32 [M, N] by the fused kernels."""
+    """x [M <= 64, K] fp16 contiguous -> fp32 [M, N] by the generic fused kernels (any layout)."""
     m = x.shape[0]
     out = torch.zeros(m, qm.n, dtype=torch.float32, device=x.device)
     sc, sm, z, ssc, sz = _args(qm)
@@ -247,13 +250,14 @@ def fused_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
             _qmm[(pn, nk)](x, perm, out, qm.q_weight, sc, sm, z, qm.group_rows, m, qm.n, x.stride(0),
                            out.stride(0), qm.q_weight.stride(0), ssc, sz, seg.g_lo, seg.g_hi, gpp, seg.row0,
                            seg.word0, BITS=seg.bits, GPTQ=gptq, HAS_PERM=qm.perm is not None,
-                           BLOCK_M=16 if m <= 16 else 32, **cfg)
+                           BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, **cfg)
     return out
 
 
-def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """W_sorted[:, n0:n1] as fp16 [K, n1 - n0] (n0 a multiple of 32)."""
+def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.Tensor | None = None,
+               input_order: bool = False) -> torch.Tensor:
+    """W_sorted[:, n0:n1] as fp16 [K, n1 - n0] (n0 a multiple of 32); with input_order, W[:, n0:n1] (rows in
+    input-feature order: the act-order permutation applied while writing)."""
     n1 = qm.n if n1 is None else n1
     sub = qm.split_columns(n0, n1, copy=False) if (n0, n1) != (0, qm.n) else qm
     if out is None:
@@ -262,40 +266,102 @@ def dequantize(qm: QuantMatrix, n0: int = 0, n1: int | None = None, out: torch.T
     cfg = CONFIG["dequant"]
     for seg in qm.layout.segments:
         grid = (triton.cdiv(sub.n, cfg["BLOCK_N"]), seg.g_hi - seg.g_lo)
-        _qdequant[grid](out, sub.q_weight, sc, sm, z, qm.group_rows, sub.n, out.stride(0),
-                        sub.q_weight.stride(0), ssc, sz, seg.g_lo, seg.row0, seg.word0, BITS=seg.bits,
-                        GPTQ=qm.kind == "gptq", **cfg)
+        scatter = input_order and qm.perm is not None
+        _qdequant[grid](out, sub.q_weight, sc, sm, z, qm.group_rows, qm.perm if scatter else qm.group_rows, sub.n,
+                        out.stride(0), sub.q_weight.stride(0), ssc, sz, seg.g_lo, seg.row0, seg.word0, BITS=seg.bits,
+                        GPTQ=qm.kind == "gptq", SCATTER=scatter, **cfg)
     return out
 
 
-def dequant_matmul(x: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
-    """x [M, K] fp16 -> fp16 [M, N]: gather x[:, perm] once, dequantize column slices, cuBLAS GEMM."""
-    xp = x.index_select(1, qm.perm) if qm.perm is not None else x
-    step = max(32, (_SCRATCH_ELEMS // qm.k) // 32 * 32)
-    if step >= qm.n:
-        return xp @ dequantize(qm)
-    y = torch.empty(x.shape[0], qm.n, dtype=torch.float16, device=x.device)
-    scratch = torch.empty(qm.k, step, dtype=torch.float16, device=x.device)
-    for n0 in range(0, qm.n, step):
-        n1 = min(n0 + step, qm.n)
-        w = dequantize(qm, n0, n1, scratch[:, :n1 - n0])
-        y[:, n0:n1] = xp @ w
+def dequant_matmul(x: torch.Tensor, qm: QuantMatrix | list[QuantMatrix], residual: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """x [M, K] fp16 @ [qm] or [parts side by side] -> fp16 [M, N total], or added into `residual` [M, N total]
+    (fp16, contiguous; cuBLAS accumulates into it, beta = 1) and returned. W is dequantized in column slices of
+    at most _SCRATCH_ELEMS, in input-feature order (the act-order permutation applied while writing, so x needs
+    no gather), each multiplied straight into its columns of the output."""
+    parts = qm if isinstance(qm, list) else [qm]
+    k = parts[0].k
+    step = max(32, (_SCRATCH_ELEMS // k) // 32 * 32)
+    if len(parts) == 1 and step >= parts[0].n:
+        w = dequantize(parts[0], input_order=True)
+        return x @ w if residual is None else residual.addmm_(x, w)
+    y = residual if residual is not None else torch.empty(x.shape[0], sum(p.n for p in parts),
+                                                          dtype=torch.float16, device=x.device)
+    scratch = torch.empty(k, min(step, max(p.n for p in parts)), dtype=torch.float16, device=x.device)
+    o = 0
+    for p in parts:
+        for n0 in range(0, p.n, step):
+            n1 = min(n0 + step, p.n)
+            w = dequantize(p, n0, n1, scratch[:, :n1 - n0], input_order=True)
+            if residual is None:
+                torch.mm(x, w, out=y[:, o + n0:o + n1])
+            else:
+                y[:, o + n0:o + n1].addmm_(x, w)
+        o += p.n
     return y
+
+
+def fused_rows(m: int, qm: QuantMatrix) -> bool:
+    """Whether m >= 2 rows of qm run exl2_qmm (packed weights read once), by shape and layout."""
+    return exl2_qmm_plan.rows_kernel_takes(m, qm.k, qm.n) and exl2_qmm_plan.supports(qm)
 
 
 def exl2_matmul(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W (+ bias) for x [..., K] on the packed matrix qm; result [..., N] in x's dtype."""
     lead = x.shape[:-1]
+    m = x.numel() // qm.k
+    if m >= 2 and fused_rows(m, qm):
+        return exl2_qmm.qmm(x.reshape(m, qm.k), [qm], bias).reshape(*lead, qm.n)
     x2 = x.reshape(-1, qm.k).to(torch.float16).contiguous()
     if x2.shape[0] == 1 and USE_GEMV and exl2_gemv.supports(qm):
         return exl2_gemv.exl2_gemv(x2, qm, bias).to(x.dtype).reshape(*lead, qm.n)
-    if x2.shape[0] <= MAX_FUSED_ROWS:
+    if x2.shape[0] <= MAX_FUSED_ROWS and (x2.shape[0] == 1 or exl2_qmm_plan.rows_kernel_takes(x2.shape[0], qm.k,
+                                                                                               qm.n)):
         y = fused_matmul(x2, qm)
     else:
         y = dequant_matmul(x2, qm)
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).reshape(*lead, qm.n)
+
+
+def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                      eps: float = 0.0) -> torch.Tensor:
+    """Same contract as `reference.quant_matmul`: 2-64 rows of layouts it takes go to exl2_qmm in one launch
+    (norm, act-order gather and residual fused); longer inputs dequantize the parts into one output for cuBLAS
+    (the residual accumulated by the GEMM); what remains (one row, other layouts) runs part by part."""
+    from exlpy.kernels import ops
+
+    k = parts[0].k
+    n = sum(p.n for p in parts)
+    m = x.numel() // k
+    lead = x.shape[:-1]
+    fits = residual is not None and residual.is_contiguous() and residual.dtype == torch.float16
+    takes = exl2_qmm_plan.rows_kernel_takes(m, k, n)
+    if m >= 2 and takes and all(exl2_qmm_plan.supports(p) for p in parts):
+        res = residual.view(m, n) if residual is not None and residual.is_contiguous() else None
+        y = exl2_qmm.qmm(x.reshape(m, k), parts, bias, res, norm_weight, eps)
+        if residual is not None and res is None:
+            return residual.add_(y.view(residual.shape))
+        return residual if res is not None else y.view(*lead, n)
+    h = ops.rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    if m >= 2 and not takes:  # prefill: dequantize + cuBLAS, every part into one output
+        h2 = h.reshape(m, k).to(torch.float16).contiguous()
+        if fits and bias is None:
+            dequant_matmul(h2, parts, residual.view(m, n))
+            return residual
+        y = dequant_matmul(h2, parts)
+        if bias is not None:
+            y = y + bias
+        y = y.to(x.dtype).view(*lead, n)
+        return y if residual is None else residual.add_(y.to(residual.dtype))
+    ys, o = [], 0
+    for p in parts:
+        ys.append(exl2_matmul(h, p, bias[o:o + p.n] if bias is not None else None))
+        o += p.n
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    return y if residual is None else residual.add_(y.to(residual.dtype))
 
 
 def exl2_matmul_ref(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:

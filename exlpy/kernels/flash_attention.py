@@ -129,13 +129,14 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
                            scale: float, key_mask: torch.Tensor | None = None,
                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                            config: tuple[int, int, int, int] | None = None, splits: int | None = None,
-                           tma: bool | None = None) -> torch.Tensor:
+                           tma: bool | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q [B, T, Hq, D] over the cache operands; [B, T, Hq, D] in q's dtype.
 
     `max_seqlen` (a host-side bound of seqlens, or the cache capacity) only sizes the key-range split;
     `k_new`/`v_new` [B, T, Hkv, D]: this step's own K/V, read instead of the cache for keys at positions
     >= positions[b, 0] (the step's tokens sit at consecutive positions); `config` / `splits` override the
-    tables (benchmarks/flash_sweep.py), `tma` the EXLPY_FLASH_TMA choice.
+    tables (benchmarks/flash_sweep.py), `tma` the EXLPY_FLASH_TMA choice. `window` > 0: a sliding window
+    (keys t > positions[b, i] - window); `softcap` > 0: scores soft-capped, cap * tanh(score / cap).
     """
     B, T, hq, D = q.shape
     hk = k.kv_heads(D)
@@ -193,11 +194,13 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
         q, k.values, v.values, ks, vs, k_desc, v_desc, bt, seqlens, positions, mask, out, part, lse, kn, vn,
         q.stride(0), q.stride(1), positions.stride(0), positions.stride(1), bt.stride(0), mask_stride, mask_len,
         new_bstride, new_tstride, T, hq, hk, page_size, k.row_stride, v.row_stride, k.srow_stride, v.srow_stride,
-        scale * _LOG2E, m_tiles, n_split,
-        G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)), SPLIT=n_split > 1,
+        scale * _LOG2E, m_tiles, n_split, window, scale / softcap if softcap else 0.0,
+        softcap / scale if softcap else 0.0, G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)),
+        SPLIT=n_split > 1,
         K_FMT=k.fmt, K_BITS=k.bits, V_FMT=v.fmt, V_BITS=v.bits, PAGING=paging, GROUP_PAGES=GROUP_PAGES,
         USE_TMA=use_tma,
-        HAS_MASK=key_mask is not None, HAS_NEW=k_new is not None, PREC=prec, num_warps=warps, num_stages=stages)
+        HAS_MASK=key_mask is not None, HAS_NEW=k_new is not None, PREC=prec, WINDOW=window > 0,
+        SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages)
     if n_split > 1:
         _combine_kernel[(B * T * hq,)](part, lse, out, D=D, BLOCK_D=next_pow2(D), SPLITS=n_split,
                                        BLOCK_S=max(2, next_pow2(n_split)), num_warps=4)
@@ -206,10 +209,10 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor, scale: float,
-                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    key_mask: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as `reference.flash_attention` (= `reference.paged_attention`); caches [rows, S, Hkv, D]."""
     return flash_attention_launch(q, plain_operand(k_cache), plain_operand(v_cache), block_table, page_size,
-                                  seqlens, max_seqlen, positions, scale, key_mask)
+                                  seqlens, max_seqlen, positions, scale, key_mask, window=window, softcap=softcap)
 
 
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,

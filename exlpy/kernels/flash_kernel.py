@@ -20,16 +20,19 @@ from exlpy.kernels.kv_tiles import load_kv_tile, rotate_rows
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_row,
                   page, mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride,
-                  qk_scale, kn_ptr, vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr,
-                  V_BITS: tl.constexpr, PAGING: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
-                  MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr):
+                  qk_scale, kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
+                  V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr, USE_TMA: tl.constexpr,
+                  HAS_MASK: tl.constexpr, MASKED: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr,
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One BLOCK_N block of keys [start, start + BLOCK_N) (those < r_hi) into the running (acc, m_i, l_i).
 
     Cache rows: PAGING 0 (contiguous: the whole sequence in `page`), 1 (the block inside page `page`, looked
     up by the caller), 2 (a block-table lookup per key). FRESH blocks read this step's own K/V rows
     (unquantized, key t at row t - c0 of kn/vn) instead of the cache, with the unrotated q, into a state of
-    their own (merged with the cache's at the end)."""
+    their own (merged with the cache's at the end). WINDOW: keys t > pos - window only (every block is then
+    MASKED); SOFTCAP: raw scores s become cap_out * tanh(s * cap_in), i.e. cap * tanh(s * scale / cap) / scale,
+    so that the scale applied afterwards leaves cap * tanh(score / cap)."""
     t = start + n
     n_ok = t < r_hi
     if FRESH:
@@ -55,9 +58,13 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
         k = load_kv_tile(kc_ptr, ks_ptr, base, rows, kvh, n_ok, k_row_stride, ks_row_stride, D, BLOCK_D, BLOCK_N,
                          K_FMT, K_BITS, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)  # scaled by qk_scale (log2 units) inside exp2's FMA
+    if SOFTCAP:  # tanh(y) = 1 - 2 / (exp(2y) + 1)
+        s = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s) + 1.0))
     if MASKED or HAS_MASK:
         if MASKED:
             ok = (t[None, :] <= pos[:, None]) & n_ok[None, :]
+            if WINDOW:
+                ok = ok & (t[None, :] > pos[:, None] - window)
         else:
             ok = n_ok[None, :]
         if HAS_MASK:
@@ -86,10 +93,11 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
 @triton.jit
 def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_row,
                mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
-               kn_ptr, vn_ptr, new_tstride, c0, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
-               PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
-               FRESH: tl.constexpr, PREC: tl.constexpr):
+               kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr,
+               V_BITS: tl.constexpr, PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr,
+               HAS_MASK: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest.
 
     No load inside the interior loop may feed the K/V addresses: Triton's software pipeline would then wait
@@ -97,6 +105,8 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
     So contiguous caches read their page once, and paged ones read the block-table entries of GROUP_PAGES
     pages as one vector before an inner loop over their blocks, which picks its page arithmetically."""
     interior = r_lo + tl.maximum(tl.minimum(full, r_hi) - r_lo, 0) // BLOCK_N * BLOCK_N
+    if WINDOW:  # the window's lower edge differs per row: every block goes through the masked loop
+        interior = r_lo
     page = tl.load(bt_row).to(tl.int64) if PAGING == 0 and not FRESH else 0
     if PAGING == 1 and not FRESH:
         span = GROUP_PAGES * page_size
@@ -110,15 +120,17 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
                 acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
                                               vs_ptr, k_desc, v_desc, bt_row, pg, mask_row, mask_len, page_size,
                                               k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
-                                              kn_ptr, vn_ptr, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                              V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK, False, FRESH, PREC)
+                                              kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N,
+                                              BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK,
+                                              False, FRESH, PREC, WINDOW, SOFTCAP)
     else:
         for start in range(r_lo, interior, BLOCK_N):
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                           k_desc, v_desc, bt_row, page, mask_row, mask_len, page_size, k_row_stride,
                                           v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
-                                          new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING,
-                                          USE_TMA, HAS_MASK, False, FRESH, PREC)
+                                          new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT,
+                                          K_BITS, V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK, False, FRESH, PREC,
+                                          WINDOW, SOFTCAP)
     for start in range(interior, r_hi, BLOCK_N):  # at most a few blocks: a table read per block is fine here
         if PAGING == 1 and not FRESH:
             pg = tl.load(bt_row + start // page_size).to(tl.int64)
@@ -127,8 +139,8 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                       k_desc, v_desc, bt_row, pg, mask_row, mask_len, page_size, k_row_stride,
                                       v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride,
-                                      c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK,
-                                      True, FRESH, PREC)
+                                      c0, window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS,
+                                      PAGING, USE_TMA, HAS_MASK, True, FRESH, PREC, WINDOW, SOFTCAP)
     return acc, m_i, l_i
 
 
@@ -136,11 +148,13 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
 def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
                   part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride,
                   mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size, k_row_stride, v_row_stride,
-                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits, G: tl.constexpr, D: tl.constexpr,
+                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits, window, cap_in, cap_out,
+                  G: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                   K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
                   PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
-                  HAS_NEW: tl.constexpr, PREC: tl.constexpr):
+                  HAS_NEW: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = False,
+                  SOFTCAP: tl.constexpr = False):
     tile = m_tiles - 1 - tl.program_id(0)  # latest query rows (longest key ranges) first: a shorter tail
     bh = tl.program_id(1)
     b = (bh // hk).to(tl.int64)
@@ -153,12 +167,17 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
     seqlen = tl.load(seqlen_ptr + b).to(tl.int64)
     hi = tl.maximum(tl.minimum(seqlen, tl.max(pos, axis=0) + 1), 0)  # keys any row of the tile sees
     full = tl.minimum(seqlen, tl.min(tl.where(r_ok, pos, seqlen), axis=0) + 1)  # keys every row sees
+    first = hi * 0
+    if WINDOW:  # keys any row of the tile sees start at the earliest row's window edge
+        # aligned down to a key block: blocks never straddle a page (PAGING 1 looks one page up per block)
+        first = tl.minimum(tl.maximum(tl.min(tl.where(r_ok, pos, hi), axis=0) + 1 - window, 0), hi)
+        first = first // BLOCK_N * BLOCK_N
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(hi, n_splits), BLOCK_N) * BLOCK_N
-        lo = tl.program_id(2) * chunk
+        chunk = tl.cdiv(tl.cdiv(hi - first, n_splits), BLOCK_N) * BLOCK_N
+        lo = first + tl.program_id(2) * chunk
         s_hi = tl.minimum(lo + chunk, hi)
     else:
-        lo = hi * 0
+        lo = first
         s_hi = hi
 
     d = tl.arange(0, BLOCK_D)
@@ -182,9 +201,9 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
         c0 = tl.load(pos_ptr + b * pos_bstride).to(tl.int64)
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
                                    ks_ptr, vs_ptr, k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride,
-                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0, D,
-                                   BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA,
-                                   HAS_MASK, False, PREC)
+                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0,
+                                   window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING,
+                                   GROUP_PAGES, USE_TMA, HAS_MASK, False, PREC, WINDOW, SOFTCAP)
         if V_FMT == 1:  # (sum p.g).H: back from the rotated value codes, normalized so fp16 parts never overflow
             l_r = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             acc = rotate_rows(acc / l_r, BLOCK_M, BLOCK_D) * l_r
@@ -195,8 +214,9 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
         acc2, m2, l2 = _key_range(acc2, m2, l2, q_in, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
                                   ks_ptr, vs_ptr, k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr + b * new_bstride,
-                                  vn_ptr + b * new_bstride, new_tstride, c0, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS,
-                                  V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA, HAS_MASK, True, PREC)
+                                  vn_ptr + b * new_bstride, new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N,
+                                  BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA, HAS_MASK, True,
+                                  PREC, WINDOW, SOFTCAP)
         m_new = tl.maximum(m_i, m2)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a1 = tl.exp2(m_i - m_use)
@@ -207,8 +227,9 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
     else:
         acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                    k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
-                                   ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, D, BLOCK_N, BLOCK_D,
-                                   K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES, USE_TMA, HAS_MASK, False, PREC)
+                                   ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, window, cap_in,
+                                   cap_out, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES,
+                                   USE_TMA, HAS_MASK, False, PREC, WINDOW, SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]

@@ -92,7 +92,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | N
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """Same contract as `reference.norm_linear`: rms_norm(x) @ weight^T, the norm fused in for one row."""
     N, K = weight.shape
-    if x.numel() != K or weight.stride(1) != 1 or x.dtype != weight.dtype or norm_weight.dtype != x.dtype:
+    if x.numel() != K or weight.stride(1) != 1 or not _norm_input_ok(x, norm_weight, weight):
         from exlpy.kernels.rmsnorm import rms_norm
 
         return torch.nn.functional.linear(rms_norm(x, norm_weight, eps), weight)
@@ -110,10 +110,15 @@ def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     if two_n % 2:
         raise ConfigError(f"norm_linear_swiglu: weight {tuple(weight.shape)} must stack gate and up rows of "
                           "equal count")
-    if x.numel() != K or weight.stride(1) != 1 or x.dtype != weight.dtype or norm_weight.dtype != x.dtype:
+    if x.numel() != K or weight.stride(1) != 1 or not _norm_input_ok(x, norm_weight, weight):
         gate, up = norm_linear(x, norm_weight, eps, weight).chunk(2, dim=-1)
         return silu_mul(gate, up)
     return _launch(x, weight, None, norm_weight, eps, swiglu=True)
+
+
+def _norm_input_ok(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The fused norm reads x in its own dtype: the weights' dtype, or an fp32 residual stream (Gemma 2)."""
+    return norm_weight.dtype == weight.dtype and x.dtype in (weight.dtype, torch.float32)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
@@ -124,7 +129,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     x1 = x.reshape(K)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    out = residual if residual is not None else torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty((*x.shape[:-1], N), dtype=weight.dtype, device=x.device)
     # Weight rows per program: more on large outputs. With SWIGLU each output reads a gate and an up row, so half
     # as many outputs per program keeps the same rows (and registers) per program.
     rows = 2 * N if swiglu else N

@@ -51,8 +51,46 @@ def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
     return getattr(reference, name)
 
 
+# Features some CUDA kernels do not implement: a call that needs one runs the torch reference on the GPU
+# (correct, slower). `_FEATURES[op]` lists the ones a registered kernel does implement.
+_FEATURES: dict[str, frozenset[str]] = {}
+
+
+def register_features(name: str, features: frozenset[str]) -> None:
+    _FEATURES[name] = features
+
+
+def _impl_with(name: str, t: torch.Tensor, **features: object) -> Callable[..., Any]:
+    """`_impl`, unless a requested feature (a non-zero value) is one the CUDA kernel lacks."""
+    impl = _impl(name, t)
+    if impl is not getattr(reference, name):
+        have = _FEATURES.get(name, frozenset())
+        if any(v and k not in have for k, v in features.items()):
+            return getattr(reference, name)
+    return impl
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _impl("rms_norm", x)(x, weight, eps)
+
+
+def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl("rms_norm_add", x)(x, y, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _impl("layer_norm", x)(x, weight, bias, eps)
+
+
+def act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    return _impl("act", x)(x, kind)
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """act(gate) * up; SiLU takes the SwiGLU kernel."""
+    if kind == "silu":
+        return silu_mul(gate, up)
+    return _impl("act_mul", gate)(gate, up, kind)  # CUDA: GELU (tanh) in one kernel
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -97,30 +135,48 @@ def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: 
     return _impl("rms_norm_act_order", x)(x, weight, eps, perm, pad)
 
 
+def quant_matmul(x: torch.Tensor, parts: list[Any], bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """(rms_norm(x)) @ packed EXL2/GPTQ matrices side by side (+ bias, + residual in place); see reference. On
+    CUDA: one row the decode GEMV, 2-64 rows the multi-row kernel, longer inputs dequantize + cuBLAS."""
+    return _impl("quant_matmul", x)(x, parts, bias, residual, norm_weight, eps)
+
+
+def _attn_kw(window: int, softcap: float) -> dict[str, Any]:
+    # Only non-default features are passed on, so kernels that lack them keep their plain signature.
+    return {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
-                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    return _impl("paged_attention", q)(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
-                                        positions, scale, key_mask)
+                    scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
+    return _impl_with("paged_attention", q, window=window, softcap=softcap)(
+        q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale, key_mask,
+        **_attn_kw(window, softcap))
 
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
-                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a query block (prefill chunk, verify step) over the cache in place; see reference."""
-    return _impl("flash_attention", q)(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
-                                        positions, scale, key_mask)
+    return _impl_with("flash_attention", q, window=window, softcap=softcap)(
+        q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale, key_mask,
+        **_attn_kw(window, softcap))
 
 
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
                     key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """`flash_attention` over a quantized cache read at its own width (any query length), with this step's own
     K/V optionally taken unquantized from k_new/v_new; see reference."""
-    return _impl("quant_attention", q)(q, k_codes, k_scales, v_codes, v_scales, block_table, page_size, seqlens,
-                                        max_seqlen, positions, scale, k_bits, v_bits, key_mask, k_new, v_new)
+    return _impl_with("quant_attention", q, window=window, softcap=softcap)(
+        q, k_codes, k_scales, v_codes, v_scales, block_table, page_size, seqlens, max_seqlen, positions, scale,
+        k_bits, v_bits, key_mask, k_new, v_new, **_attn_kw(window, softcap))
 
 
 def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
@@ -131,8 +187,8 @@ def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-         is_causal: bool = False) -> torch.Tensor:
-    return _impl("sdpa", q)(q, k, v, scale, mask, is_causal)
+         is_causal: bool = False, softcap: float = 0.0) -> torch.Tensor:
+    return _impl_with("sdpa", q, softcap=softcap)(q, k, v, scale, mask, is_causal, **_attn_kw(0, softcap))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ Grid (query token, KV head, split). A program handles all query heads of one KV 
 row is read once per query token. Each query's key range comes from device memory (`seqlens`, `positions`),
 never from host values, and is divided evenly over the fixed number of splits; so the kernel can be
 captured in a CUDA graph whose grid is fixed by the batch size and the cache capacity only.
+
+A sliding window (Gemma 2, Cohere 2, Phi-3, StarCoder2) narrows each query's key range to its last `window`
+positions before the split, so a windowed layer reads only those; soft-capped scores (Gemma 2:
+cap * tanh(s / cap)) are capped before the online softmax.
 """
 
 from __future__ import annotations
@@ -13,14 +17,17 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E_J = tl.constexpr(_LOG2E)
 _TARGET_PROGRAMS = 512  # about four waves of programs on an H100 (132 SMs): short programs
 
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr, part_ptr, lse_ptr,
-                   q_tok_stride, bt_stride, mask_stride, mask_len, q_len, page_size, hq, hk, qk_scale,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+                   q_tok_stride, bt_stride, mask_stride, mask_len, q_len, page_size, hq, hk, qk_scale, window,
+                   softcap, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -29,8 +36,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr,
     pos = tl.load(pos_ptr + tok)
     hi = tl.minimum(seqlen.to(tl.int64), pos + 1)  # keys this query may see
     hi = tl.maximum(hi, 0)
-    chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    first = tl.zeros_like(hi)
+    if WINDOW:  # keys pos - window < t <= pos
+        first = tl.minimum(tl.maximum(pos + 1 - window, 0), hi)
+    chunk = tl.cdiv(tl.cdiv(hi - first, SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     end = tl.minimum(lo + chunk, hi)
 
     g = tl.arange(0, BLOCK_G)
@@ -53,6 +63,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr,
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(kc_ptr + off, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale  # [G, N], log2 units
+        if SOFTCAP:  # cap * tanh(s / cap) in natural units; tanh(y) = 1 - 2 / (exp(2y) + 1)
+            y = s * (_LN2 / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * _LOG2E_J
         if HAS_MASK:
             keep = tl.load(mask_ptr + b * mask_stride + t, mask=ok & (t < mask_len), other=0) != 0
             ok = ok & keep
@@ -103,8 +116,8 @@ def num_splits(programs: int, max_keys: int, block_n: int = 64) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
-                           positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None,
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as `reference.paged_attention`. `max_seqlen` only sizes the split count."""
     B, T, hq, D = q.shape
     hk = k_cache.shape[-2]
@@ -121,7 +134,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     capacity = bt.shape[1] * page_size
     bound = max_seqlen if 0 < max_seqlen <= capacity else capacity
     block_n = 64
-    splits = num_splits(B * T * hk, bound, block_n)
+    splits = num_splits(B * T * hk, min(bound, window) if window else bound, block_n)
     part = lse = out
     if splits > 1:
         part = torch.empty((B * T * hq * splits, D), dtype=torch.float32, device=q.device)
@@ -134,9 +147,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mask_stride = mask.stride(0) if key_mask is not None else 0
     _decode_kernel[(B * T, hk, splits)](
         q3, k_cache, v_cache, bt, seqlens, pos, mask, out, part, lse,
-        q3.stride(0), bt.stride(0), mask_stride, mask_len, T, page_size, hq, hk, scale * _LOG2E,
-        G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_N=block_n, SPLITS=splits, HAS_MASK=key_mask is not None, PREC=prec, num_warps=4)
+        q3.stride(0), bt.stride(0), mask_stride, mask_len, T, page_size, hq, hk, scale * _LOG2E, window,
+        float(softcap), G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, SPLITS=splits,
+        HAS_MASK=key_mask is not None, PREC=prec, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=4)
     if splits > 1:
         _combine_kernel[(B * T * hq,)](part, lse, out, D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)

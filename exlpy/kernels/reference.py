@@ -9,10 +9,46 @@ from exlpy.cache import qcodec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does."""
+    """y = x / rms(x) * w over the last dim, computed in fp32 as transformers does; in the weight's dtype (the
+    compute dtype: an fp32 residual stream, Gemma 2's, is normed into it)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    return weight * y.to(weight.dtype)
+
+
+def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x + rms_norm(y, weight, eps): a post-norm block's residual add (x may be fp32, Gemma 2). The CUDA
+    version writes the sum into x and returns it; callers use the return value."""
+    return x + rms_norm(y, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(x - mean) / std * w + b over the last dim, statistics in fp32 (as transformers' LayerNorms and
+    Cohere's bias-free one); the weight may be [H, D] over the last two dims (Cohere's per-head q/k norm)."""
+    xf = x.float()
+    y = (xf - xf.mean(-1, keepdim=True)) * torch.rsqrt(xf.var(-1, keepdim=True, unbiased=False) + eps)
+    y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.result_type(x, weight))
+
+
+def act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The MLP activation: silu, gelu_tanh (GELU's tanh approximation), gelu (exact, erf) or relu."""
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """act(gate) * up: a gated MLP's activation (SwiGLU, GeGLU)."""
+    return act(gate, kind) * up
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +131,26 @@ def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: 
     return act_order(xf * torch.rsqrt(xf.pow(2).mean() + eps) * weight.float(), perm, pad)
 
 
+def quant_matmul(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """x [..., K] @ [W_0 | W_1 | ...] (+ bias [N total]) for packed matrices `parts` (exlpy.quant.layout.QuantMatrix,
+    one K and act order), x first rms_norm'd with norm_weight when given: [..., N total] in x's dtype, or that
+    added into `residual` (same shape) in place and returned. fp32 math on the exact dequantized weights."""
+    from exlpy.quant.exl2_ref import dequant_dense
+
+    h = x.float()
+    if norm_weight is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    w = torch.cat([dequant_dense(p).to(x.device) for p in parts], dim=1)
+    y = h @ w
+    if bias is not None:
+        y = y + bias.float()
+    if residual is None:
+        return y.to(x.dtype)
+    return residual.copy_((residual.float() + y).to(residual.dtype))
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
     """Gather the first `length` tokens of every sequence: cache [rows, S, H, D] -> [B, length, H, D]."""
     t = torch.arange(length, device=cache.device)
@@ -105,10 +161,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, le
 
 
 def _cache_mask(positions: torch.Tensor, seqlens: torch.Tensor, max_seqlen: int,
-                key_mask: torch.Tensor | None) -> torch.Tensor:
-    """[B,1,T,L] keep-mask: key t is visible to query i of row b when t <= positions[b,i], t < seqlens[b]."""
+                key_mask: torch.Tensor | None, window: int = 0) -> torch.Tensor:
+    """[B,1,T,L] keep-mask: key t is visible to query i of row b when t <= positions[b,i], t < seqlens[b]
+    (and, with a sliding window, positions[b,i] - t < window)."""
     t = torch.arange(max_seqlen, device=positions.device)
     mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
+    if window:
+        mask = mask & (positions.unsqueeze(-1) - t.view(1, 1, -1) < window)
     if key_mask is not None:
         mask = mask & key_mask[:, None, :max_seqlen]
     return mask.unsqueeze(1)
@@ -116,24 +175,27 @@ def _cache_mask(positions: torch.Tensor, seqlens: torch.Tensor, max_seqlen: int,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
-                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q [B,T,Hq,D] over cached keys.
 
     Query i of row b sits at absolute position positions[b,i] and sees keys t <= positions[b,i] with
-    t < seqlens[b] (and key_mask[b,t] when given). Returns [B,T,Hq,D].
+    t < seqlens[b] (and key_mask[b,t] when given; and positions[b,i] - t < window with a sliding window).
+    Scores are soft-capped (softcap * tanh(s / softcap)) when softcap > 0. Returns [B,T,Hq,D].
     """
     k = gather_kv(k_cache, block_table, page_size, max_seqlen)  # [B,L,Hk,D]
     v = gather_kv(v_cache, block_table, page_size, max_seqlen)
-    return sdpa(q, k, v, scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
+    return sdpa(q, k, v, scale, _cache_mask(positions, seqlens, max_seqlen, key_mask, window), softcap=softcap)
 
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
-                    scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """`paged_attention`'s contract for query blocks of any length (prefill chunks, verify steps): the CUDA
     version is the flash kernel, which reads K/V from the cache in place and never builds the [T, L] mask."""
     return paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
-                           key_mask)
+                           key_mask, window, softcap)
 
 
 def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor | None, bits: int, dtype: torch.dtype
@@ -148,7 +210,7 @@ def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tens
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
                     key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """`paged_attention` over a quantized cache (exlpy.cache.quant layout): codes [rows, S, W] uint8 and fp16
     group scales [rows, S, Hkv*D/32] per K and V, `*_bits` 4 or 8; scales None means the FP8 cache (8 bits).
 
@@ -169,7 +231,8 @@ def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tens
             vals = vals.clone()
             vals[torch.arange(B, device=q.device).view(-1, 1).expand(-1, T)[keep], t[keep]] = new[keep].to(q.dtype)
         kv.append(vals)
-    return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask))
+    return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask, window),
+                softcap=softcap)
 
 
 def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
@@ -191,16 +254,26 @@ def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-         is_causal: bool = False) -> torch.Tensor:
-    """q [B,T,Hq,D], k/v [B,L,Hk,D] (GQA: Hq multiple of Hk), mask broadcastable to [B,Hq,T,L] (True=keep)."""
+         is_causal: bool = False, softcap: float = 0.0) -> torch.Tensor:
+    """q [B,T,Hq,D], k/v [B,L,Hk,D] (GQA: Hq multiple of Hk), mask broadcastable to [B,Hq,T,L] (True=keep).
+    softcap > 0: scores become softcap * tanh(score / softcap) before the mask (Gemma 2)."""
     Hq, Hk = q.shape[2], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if Hq != Hk:
         kt = kt.repeat_interleave(Hq // Hk, dim=1)
         vt = vt.repeat_interleave(Hq // Hk, dim=1)
+    if is_causal and mask is None and softcap:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         # A fully masked row (a padding query) would produce NaN; let it see key 0, its output is unused.
         mask = mask | ~mask.any(-1, keepdim=True)
+    if softcap:
+        s = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * scale
+        s = torch.tanh(s / softcap) * softcap
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), vt)
+        return o.transpose(1, 2)
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal and mask is None,
                                        scale=scale)
     return o.transpose(1, 2)

@@ -1,4 +1,5 @@
-"""RMSNorm over the last dimension, one program per row; fp32 statistics like the torch reference."""
+"""RMSNorm over the last dimension, one program per row; fp32 statistics like the torch reference. Also the
+post-norm residual add of Gemma 2 / GLM-4 blocks (x += rms_norm(y)) in one pass."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, n, eps, BLOCK: tl.
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # Round to the input dtype before the weight multiply, as the reference (and transformers) does.
-    y = (xf * inv).to(x.dtype) * w
+    # Round to the weight's dtype before the weight multiply, as the reference (and transformers) does.
+    y = (xf * inv).to(w.dtype) * w
     tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -27,10 +28,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(x2.shape, dtype=torch.result_type(x, weight), device=x.device)
+    y = torch.empty(x2.shape, dtype=weight.dtype, device=x.device)
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(n)
         warps = 4 if block <= 2048 else 8
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block,
                                           num_warps=warps)
     return y.view(x.shape)
+
+
+@triton.jit
+def _rms_norm_add_kernel(x_ptr, y_ptr, w_ptr, x_stride, y_stride, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0)
+    yf = y.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(yf * yf, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    normed = ((yf * inv).to(y.dtype) * w).to(tl.float32)  # rounded as rms_norm's output would be
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    tl.store(x_ptr + row * x_stride + cols, (x.to(tl.float32) + normed).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `reference.rms_norm_add`: x + rms_norm(y), written into x (the residual) and returned."""
+    n = x.shape[-1]
+    if not x.is_contiguous() or y.dtype != weight.dtype:
+        from exlpy.kernels import reference
+
+        return reference.rms_norm_add(x, y, weight, eps)
+    x2, y2 = x.view(-1, n), y.reshape(-1, n)
+    if y2.stride(-1) != 1:
+        y2 = y2.contiguous()
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(n)
+        _rms_norm_add_kernel[(x2.shape[0],)](x2, y2, weight, x2.stride(0), y2.stride(0), n, eps, BLOCK=block,
+                                              num_warps=4 if block <= 2048 else 8)
+    return x

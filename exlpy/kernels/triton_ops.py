@@ -14,14 +14,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from exlpy.kernels import ops, reference
 from exlpy.kernels.act_order import act_order, rms_norm_act_order
-from exlpy.kernels.activation import silu_mul
+from exlpy.kernels.activation import act_mul, silu_mul
+from exlpy.kernels.exl2_matmul import quant_matmul_cuda
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
-from exlpy.kernels.rmsnorm import rms_norm
+from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
 from exlpy.kernels.rope import apply_rope, rope_store_kv
 from exlpy.kernels.token_bitmask import apply_token_bitmask
 from exlpy.runtime import options
@@ -47,15 +48,19 @@ def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
 
 def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
-                         positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None,
+                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     flash = options().flash_attn
+    # Both kernels serve sliding windows and soft-capped scores; the gather + SDPA path below does not.
     if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16):
         return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
-                                      positions, scale, key_mask)
+                                      positions, scale, key_mask, window, softcap)
     if flash:
         return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
-                               key_mask)
+                               key_mask, window, softcap)
+    if window or softcap:
+        return reference.paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                         positions, scale, key_mask, window, softcap)
     k = reference.gather_kv(k_cache, block_table, page_size, max_seqlen)
     v = reference.gather_kv(v_cache, block_table, page_size, max_seqlen)
     t = torch.arange(max_seqlen, device=q.device)
@@ -74,8 +79,19 @@ def quant_attention_cuda(q: torch.Tensor, *args: object) -> torch.Tensor:
     return quant_attention(q, *args)  # type: ignore[arg-type]
 
 
+def layer_norm_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`reference.layer_norm` as torch's fused LayerNorm kernel (fp32 statistics, as nn.LayerNorm and Cohere's
+    norm); per-head [H, D] weights (Cohere's q/k norm) and mixed dtypes (an fp32 residual) take the reference."""
+    if weight.dim() != 1 or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        return reference.layer_norm(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def register_all() -> None:
     ops.register("rms_norm", rms_norm)
+    ops.register("layer_norm", layer_norm_cuda)
+    ops.register("rms_norm_add", rms_norm_add)
+    ops.register("act_mul", act_mul)
     ops.register("apply_rope", apply_rope)
     ops.register("silu_mul", silu_mul)
     ops.register("linear_add", linear_add)
@@ -85,9 +101,12 @@ def register_all() -> None:
     ops.register("norm_linear_swiglu", norm_linear_swiglu)
     ops.register("act_order", act_order)
     ops.register("rms_norm_act_order", rms_norm_act_order)
+    ops.register("quant_matmul", quant_matmul_cuda)
     ops.register("paged_attention", paged_attention_cuda)
+    ops.register_features("paged_attention", frozenset({"window", "softcap"}))
     ops.register("sdpa", sdpa_cuda)
     ops.register("flash_attention", flash_attention)
+    ops.register_features("flash_attention", frozenset({"window", "softcap"}))
     ops.register("quant_attention", quant_attention_cuda)
     ops.register("store_kv_quant", store_kv_quant)
     ops.register("apply_token_bitmask", apply_token_bitmask)

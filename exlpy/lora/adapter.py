@@ -186,6 +186,20 @@ def read_weights(path: str, spec: Any, cfg: AdapterConfig, lora_scaling: float
     return out
 
 
+def check_architecture(spec: Any) -> None:
+    """The adapter hooks (exlpy/lora/block.py) compute a Llama-style block around the adapted projections:
+    RMSNorm before q|k|v and gate|up, SwiGLU, block outputs added unscaled. Other blocks are refused by name."""
+    a, f = spec.arch, spec.features
+    why = ("its LayerNorms" if a.norm != "rms" else
+           "its non-gated MLP" if not a.gated_mlp else
+           f"its {f.act} activation" if f.act != "silu" else
+           "its parallel attention and MLP" if a.parallel_blocks else
+           "its residual multiplier" if f.residual_scale != 1.0 else "")
+    if why:
+        raise LoraConfigError(f"LoRA adapters on {spec.architecture} are not supported ({why}); exlpy applies "
+                              "adapters to RMSNorm / SwiGLU blocks")
+
+
 class _BinTensors:
     """The tensors of an adapter_model.bin (a PyTorch pickle), read with weights_only=True: plain tensors and
     containers only, no code from the file runs."""
@@ -238,6 +252,7 @@ class ExLlamaV2Lora:
                 not math.isfinite(lora_scaling):
             raise LoraConfigError(f"lora_scaling must be a finite number, got {lora_scaling!r}")
         cfg = read_config(lora_config_path)
+        check_architecture(model.config.spec)
         self.model = model
         self.lora_config_path, self.lora_path = lora_config_path, lora_path
         self.directory = os.path.dirname(os.path.abspath(lora_config_path))

@@ -48,6 +48,9 @@ class ForwardBatch:
     logits: str = LOGITS_ALL  # what the head computes: every position, the last one, or nothing (prefill)
     keep_last_state: bool = False  # store the head's input in `last_state` (exllamav2's return_last_state)
     last_state: torch.Tensor | None = field(default=None, compare=False)
+    # Parallel blocks (Cohere): the attention leaves its normed input here for the MLP of the same layer,
+    # keyed by layer. One dict shared by the batch and its per-device copies (a layer split may separate them).
+    block_inputs: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     meta: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the packed int64 metadata
     # The host integers the batch was built from (row starts, page tables): the graph runner re-packs them
     # for its static layout without reading anything back from the device.
@@ -128,15 +131,50 @@ def packed_size(rows: int, q_len: int, width: int) -> int:
     return rows * (2 * q_len + 2 + width)
 
 
-class _Staging:
-    """Pinned host buffers for metadata uploads, reused round-robin. An event per buffer says when its last
-    upload finished, so a buffer is never rewritten while a copy from it may still be in flight."""
+class _Ring:
+    """Pinned host buffers for one CUDA device's metadata uploads, reused round-robin. An event per buffer says
+    when its last upload finished, so a buffer is never rewritten while a copy from it may still be in flight."""
 
-    def __init__(self, n: int = 8) -> None:
+    def __init__(self, device: torch.device, n: int) -> None:
+        self.device = device
         self.bufs: list[torch.Tensor | None] = [None] * n
         self.events: list[Any] = [None] * n
         self.i = 0
+
+    def upload(self, values: list[int], dst: torch.Tensor) -> None:
+        k = self.i
+        self.i = (k + 1) % len(self.bufs)
+        buf = self.bufs[k]
+        if buf is None or buf.numel() < len(values):
+            buf = torch.empty(max(len(values), 1024), dtype=torch.int64, pin_memory=True)
+            self.bufs[k] = buf
+        event = self.events[k]
+        if event is not None:
+            event.synchronize()  # normally long done: n uploads ago
+        else:
+            with torch.cuda.device(self.device):  # an event belongs to one device: record it only there
+                event = self.events[k] = torch.cuda.Event()
+        buf.numpy()[:len(values)] = values
+        dst[:len(values)].copy_(buf[:len(values)], non_blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+
+
+class _Staging:
+    """Asynchronous host-to-device uploads of integer lists: one ring of pinned buffers and events per CUDA
+    device (keyed by the destination's device index), so an upload to one GPU never records an event created
+    on another (a layer split or TP uploads each step's metadata to every GPU in turn)."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+        self.rings: dict[int, _Ring] = {}
         self.lock = threading.Lock()
+
+    def ring(self, device: torch.device) -> _Ring:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        r = self.rings.get(index)
+        if r is None:
+            r = self.rings[index] = _Ring(torch.device("cuda", index), self.n)
+        return r
 
     def upload(self, values: list[int], dst: torch.Tensor) -> None:
         """dst[:len(values)] = values, asynchronously for a CUDA `dst`."""
@@ -144,19 +182,7 @@ class _Staging:
             dst[:len(values)].copy_(torch.tensor(values, dtype=torch.int64))
             return
         with self.lock:
-            k = self.i
-            self.i = (k + 1) % len(self.bufs)
-            buf = self.bufs[k]
-            if buf is None or buf.numel() < len(values):
-                buf = torch.empty(max(len(values), 1024), dtype=torch.int64, pin_memory=True)
-                self.bufs[k] = buf
-            if self.events[k] is not None:
-                self.events[k].synchronize()  # normally long done: eight uploads ago
-            else:
-                self.events[k] = torch.cuda.Event()
-            buf.numpy()[:len(values)] = values
-            dst[:len(values)].copy_(buf[:len(values)], non_blocking=True)
-            self.events[k].record(torch.cuda.current_stream(dst.device))
+            self.ring(dst.device).upload(values, dst)
 
 
 staging = _Staging()

@@ -1,36 +1,38 @@
-"""The final norm and the output projection to the vocabulary (tied models fall back to the embedding)."""
+"""The final norm and the output projection to the vocabulary (tied models fall back to the embedding), with
+the architecture's logit scale and final soft-capping applied to the float32 logits."""
 
 from __future__ import annotations
 
 import torch
 
 from exlpy.config.config import ExLlamaV2Config
-from exlpy.kernels import ops
-from exlpy.model.attention import load_norm
 from exlpy.model.batch import ForwardBatch
-from exlpy.model.linear import Linear, load_linear
+from exlpy.model.linear import DenseLinear, Linear, load_linear
 from exlpy.model.module import Module
+from exlpy.model.norm import block_norm, load_norm_tensors
 from exlpy.model.parallel_linear import ColumnParallel
 
 
 class RMSNorm(Module):
-    """The final norm (the per-block norms live inside the blocks that use them)."""
+    """The final norm: RMSNorm, or LayerNorm where the architecture uses it (the per-block norms live inside
+    the blocks that use them). Its output is in the compute dtype (the residual may be fp32)."""
 
     def __init__(self, config: ExLlamaV2Config, key: str = "model.norm") -> None:
         super().__init__(config, key)
         self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
     def load(self, device: torch.device) -> None:
-        self.weight = load_norm(self, self.key, device)
+        self.weight, self.bias = load_norm_tensors(self, self.key, device)
         self.device = device
 
     def unload(self) -> None:
-        self.weight = None
+        self.weight = self.bias = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.weight is not None
-        return ops.rms_norm(x, self.weight, self.spec.norm_eps)
+        return block_norm(x, self.weight, self.bias, self.spec).to(self.weight.dtype)
 
 
 class Head(Module):
@@ -50,7 +52,11 @@ class Head(Module):
         s = self.spec
         dt = self.dtype(device)
         self.linear = load_linear(self.index, "lm_head", s.hidden_size, s.vocab_size, device, dt,
-                                  fallback_prefix="model.embed_tokens" if s.tie_word_embeddings else None)
+                                  fallback_prefix="model.embed_tokens" if s.features.tied_head else None)
+        if s.features.norm_head and isinstance(self.linear, DenseLinear):
+            # Index / Baichuan-style heads: rows L2-normalized (exllamav2 does it for unquantized heads).
+            w = self.linear.weight.float()
+            self.linear.weight = (w / w.norm(dim=-1, keepdim=True).clamp_min(1e-12)).to(dt)
         self.device = device
 
     def unload(self) -> None:
@@ -69,4 +75,12 @@ class Head(Module):
     async def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
         assert self.linear is not None
         y = await self.linear.forward(x) if isinstance(self.linear, ColumnParallel) else self.linear.forward(x)
-        return None if y is None else y.float()
+        if y is None:
+            return None
+        f = self.spec.features
+        y = y.float()
+        if f.logit_scale != 1.0:
+            y = y * f.logit_scale
+        if f.final_softcap:
+            y = torch.tanh(y / f.final_softcap) * f.final_softcap
+        return y

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from exlpy.errors import WeightsError
+from exlpy.errors import UnsupportedArchitectureError, WeightsError
 from exlpy.weights.checks import landed
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
@@ -82,12 +82,16 @@ def load_linear(index: SafetensorsIndex, prefix: str, in_features: int, out_feat
     if fmt == "gptq":
         from exlpy.quant.gptq import load_gptq_linear
 
+        if prescale != 1.0:
+            raise UnsupportedArchitectureError(f"{prefix}: a residual multiplier ({prescale}) on a GPTQ projection "
+                                               "is not supported (EXL2 and fp16 weights fold it in)")
         return load_gptq_linear(index, prefix, in_features, out_features, device, dtype, gptq_v2=gptq_v2)
     w = index.get(f"{prefix}.weight", shape=(out_features, in_features))
     w = (w.to(torch.float32) * prescale if prescale != 1.0 else w).to(device=device, dtype=dtype)
     b = None
     if f"{prefix}.bias" in index and bias is not False:
-        b = index.get(f"{prefix}.bias", shape=(out_features,)).to(device=device, dtype=dtype)
+        b = index.get(f"{prefix}.bias", shape=(out_features,))
+        b = (b.to(torch.float32) * prescale if prescale != 1.0 else b).to(device=device, dtype=dtype)
     elif bias:
         raise WeightsError("bias expected by config but missing", tensor=f"{prefix}.bias", file=index.model_dir)
     return DenseLinear(landed(index, f"{prefix}.weight", w), landed(index, f"{prefix}.bias", b))

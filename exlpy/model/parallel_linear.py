@@ -126,3 +126,21 @@ async def close_block(x: torch.Tensor, linear: Linear | RowParallel | ColumnPara
     assert h is not None
     y = add_linear(x, linear, h)
     return y if extra is None else extra(h, y)
+
+
+async def project(linear: Linear | RowParallel | ColumnParallel, h: torch.Tensor | None, like: torch.Tensor,
+                  extra: Extra | None = None) -> torch.Tensor:
+    """linear(h) alone (summed over GPUs under tensor parallelism), for blocks that norm their output before
+    the residual add (Gemma 2, GLM-4). `like`: the residual, for shape and dtype."""
+    if isinstance(linear, (RowParallel, ColumnParallel)):
+        return await linear.forward_add(h, torch.zeros(like.shape, dtype=_out_dtype(linear, like),
+                                                       device=like.device), extra)  # type: ignore[arg-type]
+    assert h is not None
+    y = dense_matmul(linear, h) if type(linear) is DenseLinear else linear.forward(h)  # the decode GEMV kernel
+    return y if extra is None else extra(h, y)
+
+
+def _out_dtype(linear: RowParallel | ColumnParallel, like: torch.Tensor) -> torch.dtype:
+    inner = linear.inner
+    weight = getattr(inner, "weight", None)
+    return weight.dtype if weight is not None else like.dtype

@@ -71,6 +71,11 @@ def _closer(lin: Linear, share: Share, part: Range, total: int, group: Collectiv
                           in_offset=part[0] if part is not None else 0, in_total=total)
 
 
+def _heads(norm_w: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """A q/k norm weight for heads [a, b): shared [D] weights whole, per-head [H, D] ones sliced."""
+    return norm_w if norm_w.dim() == 1 else norm_w[a:b]
+
+
 def shard_attention(attn: Attention, share: Share, group: Collective) -> Attention:
     assert attn.q_proj and attn.k_proj and attn.v_proj and attn.o_proj and attn.norm_w is not None
     assert not isinstance(attn.o_proj, (RowParallel, ColumnParallel))
@@ -79,8 +84,10 @@ def shard_attention(attn: Attention, share: Share, group: Collective) -> Attenti
     out = copy.copy(attn)
     out.num_heads, out.num_kv_heads = qb - qa, kb - ka
     out.norm_w = attn.norm_w.to(dev)
-    out.q_norm_w = None if attn.q_norm_w is None else attn.q_norm_w.to(dev)
-    out.k_norm_w = None if attn.k_norm_w is None else attn.k_norm_w.to(dev)
+    out.norm_b = None if attn.norm_b is None else attn.norm_b.to(dev)
+    out.post_norm = None if attn.post_norm is None else attn.post_norm.to(dev)
+    out.q_norm_w = None if attn.q_norm_w is None else _heads(attn.q_norm_w, qa, qb).to(dev)
+    out.k_norm_w = None if attn.k_norm_w is None else _heads(attn.k_norm_w, ka, kb).to(dev)
     out.q_proj = cols(attn.q_proj, qa * D, qb * D, dev)
     out.k_proj = cols(attn.k_proj, ka * D, kb * D, dev)
     out.v_proj = cols(attn.v_proj, ka * D, kb * D, dev)
@@ -97,6 +104,8 @@ def shard_mlp(mlp: MLP, share: Share, group: Collective) -> MLP:
     dev = share.device
     out = copy.copy(mlp)
     out.norm_w = mlp.norm_w.to(dev)
+    out.norm_b = None if mlp.norm_b is None else mlp.norm_b.to(dev)
+    out.post_norm = None if mlp.post_norm is None else mlp.post_norm.to(dev)
     if share.intermediate is not None:
         a, b = share.intermediate
         out.gate_proj, out.up_proj = cols(mlp.gate_proj, a, b, dev), cols(mlp.up_proj, a, b, dev)
@@ -123,6 +132,7 @@ def shard_head(norm: RMSNorm, head: Head, share: Share, group: Collective) -> tu
     assert not isinstance(head.linear, ColumnParallel)
     n, h = copy.copy(norm), copy.copy(head)
     n.weight, n.device = norm.weight.to(share.device), share.device
+    n.bias = None if norm.bias is None else norm.bias.to(share.device)
     inner = cols(head.linear, share.vocab[0], share.vocab[1], share.device) if share.vocab is not None else None
     h.linear = ColumnParallel(inner, group, share.vocab[0] if share.vocab else 0, head.spec.vocab_size,
                               first_only=True)

@@ -11,10 +11,12 @@ latency-bound anyway). Backends:
 - `peer`: a one-shot Triton all-reduce that reads the peers' partials over P2P (kernels/peer_allreduce.py),
   for decode-sized messages; larger ones go to NCCL (or `local`).
 
-Select with `EXLPY_TP_COMM=local|host|nccl|peer` (read once into exlpy.runtime.RuntimeOptions); the
-default is peer (with NCCL behind it) when every slot
-is a distinct CUDA device and the peer kernel passes its probe, else nccl when NCCL answers, else local.
-benchmarks/results/tp.md records how they compare.
+Select with `EXLPY_TP_COMM=local|host|nccl|peer` (read once into exlpy.runtime.RuntimeOptions). By default,
+when every slot is a distinct CUDA device, the candidates that work (the peer kernel passing its probe, NCCL
+answering) are *timed at load* as a decode step uses them, a run of one-row all-reduces captured in one CUDA
+graph per GPU, and the fastest is chosen (`comm.timings` keeps the figures): which one wins depends on the
+machine (NVLink generation, driver, NCCL version), and a host-timed eager call measures the launch, not what a
+captured step pays. Otherwise local. benchmarks/results/tp.md and multigpu.md record how they compare.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class LocalComm:
     """Reduce onto the first slot's device, then copy the sum back to every slot."""
 
     name = "local"
+    timings: dict[str, float] | None = None  # seconds per captured one-row all-reduce, when chosen by timing
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
         if len(tensors) == 1:
@@ -43,6 +46,7 @@ class HostComm:
     """Partials go to one pinned host buffer, every device reads all of them back and sums locally."""
 
     name = "host"
+    timings: dict[str, float] | None = None
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
@@ -73,6 +77,7 @@ class NcclComm:
     """NCCL all-reduce over distinct CUDA devices, from one process (torch.cuda.nccl)."""
 
     name = "nccl"
+    timings: dict[str, float] | None = None
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
         if len(tensors) == 1:
@@ -86,6 +91,7 @@ class PeerComm:
     """Decode-sized sums by the peer-memory kernel, larger ones by `fallback`."""
 
     name = "peer"
+    timings: dict[str, float] | None = None
 
     def __init__(self, devices: list[torch.device], fallback: NcclComm | LocalComm) -> None:
         from exlpy.kernels.peer_allreduce import PeerState
@@ -148,8 +154,10 @@ def nccl_usable(devices: list[torch.device]) -> bool:
         return False
 
 
-def make_comm(devices: list[torch.device], name: str | None = None) -> LocalComm | HostComm | NcclComm | PeerComm:
-    """The backend `name` (RuntimeOptions.tp_comm; None: the fastest that works) for these slot devices."""
+def make_comm(devices: list[torch.device], name: str | None = None, numel: int = 8192
+              ) -> LocalComm | HostComm | NcclComm | PeerComm:
+    """The backend `name` (RuntimeOptions.tp_comm; None: the fastest that works, timed on a one-row all-reduce
+    of `numel` elements, the model's hidden size) for these slot devices."""
     all_cuda = all(d.type == "cuda" for d in devices)
     if name == "local":
         return LocalComm()
@@ -171,4 +179,59 @@ def make_comm(devices: list[torch.device], name: str | None = None) -> LocalComm
     if not (all_cuda and len(devices) > 1):
         return LocalComm()
     fallback: NcclComm | LocalComm = NcclComm() if nccl_usable(devices) else LocalComm()
-    return peer_comm(devices, fallback) or fallback
+    peer = peer_comm(devices, fallback)
+    if peer is None or not isinstance(fallback, NcclComm):
+        return peer or fallback
+    timings = {c.name: time_all_reduce(c, devices, numel) for c in (peer, fallback)}
+    best = peer if timings["peer"] <= timings["nccl"] else fallback
+    best.timings = timings
+    return best
+
+
+def time_all_reduce(comm: NcclComm | PeerComm, devices: list[torch.device], numel: int, reps: int = 16,
+                    replays: int = 8) -> float:
+    """Seconds per in-place all-reduce of `numel` fp16 elements when `reps` of them are captured in one graph
+    per GPU and replayed (a decode step's collectives); inf if the backend cannot be captured."""
+    import time
+
+    xs = [torch.zeros(numel, dtype=torch.float16, device=d) for d in devices]
+    try:
+        for _ in range(2):  # compiles the peer kernel, sets up NCCL's communicator outside the capture
+            comm.all_reduce(xs)
+        for d in devices:
+            torch.cuda.synchronize(d)
+        graphs = [torch.cuda.CUDAGraph() for _ in devices]
+        streams = [torch.cuda.Stream(d) for d in devices]
+        prev = [torch.cuda.current_stream(d) for d in devices]
+        begun = []
+        try:
+            for g, d, st in zip(graphs, devices, streams):
+                with torch.cuda.device(d):
+                    torch.cuda.set_stream(st)
+                    # "relaxed": a second capture may begin while the first is open (engine/graphs.py)
+                    g.capture_begin(capture_error_mode="relaxed")
+                    begun.append((g, d))
+            for _ in range(reps):
+                comm.all_reduce(xs)
+        finally:
+            for g, d in begun:
+                with torch.cuda.device(d):
+                    g.capture_end()
+            for d, p in zip(devices, prev):
+                with torch.cuda.device(d):
+                    torch.cuda.set_stream(p)
+
+        def replay(n: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                for g, d in zip(graphs, devices):
+                    with torch.cuda.device(d):
+                        g.replay()
+            for d in devices:
+                torch.cuda.synchronize(d)
+            return time.perf_counter() - t0
+
+        replay(2)
+        return replay(replays) / (replays * reps)
+    except Exception:  # noqa: BLE001 - a backend that cannot be captured loses
+        return float("inf")

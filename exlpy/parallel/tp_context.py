@@ -75,6 +75,7 @@ class TPContext:
         self.num_devices = max(self.all_devices()) + 1
         self.all_devs = self.all_devs[:self.num_devices]
         self.comm_name = comm_name
+        self.hidden_size = cfg.hidden_size  # sizes the one-row all-reduce that picks the collective backend
         self.sin: list[torch.Tensor | None] = [None] * self.num_devices
         self.cos: list[torch.Tensor | None] = [None] * self.num_devices
         self.comm: LocalComm | HostComm | NcclComm | PeerComm | None = None
@@ -125,7 +126,7 @@ class TPContext:
         devs = [self.all_devs[s] for s in self.all_devices()]
         for s, t in zip(self.all_devices(), tables or []):
             self.cos[s], self.sin[s] = t
-        self.comm = make_comm(devs, None if self.comm_name == "auto" else self.comm_name)
+        self.comm = make_comm(devs, None if self.comm_name == "auto" else self.comm_name, self.hidden_size)
         if all(d.type == "cuda" for d in devs):
             self.streams = [torch.cuda.current_stream(d) for d in devs]
 

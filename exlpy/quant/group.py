@@ -1,4 +1,5 @@
-"""Quantized projections that read the same input (q|k|v, gate|up) run as one decode GEMV.
+"""Quantized projections that read the same input (q|k|v, gate|up) run as one launch: the decode GEMV for one
+row, the multi-row kernel (exl2_qmm.py) for 2-64 rows.
 
 EXL2 orders a matrix's rows by the Hessian of its input, which projections of one input share, so q, k and v
 (and gate and up) carry the same act-order permutation: the input is gathered into that order once, by the
@@ -14,11 +15,13 @@ from exlpy.quant.linear import QuantLinear
 
 
 class FusedQuant:
-    """Several QuantLinears side by side. Batch-1 decode on CUDA runs the grouped GEMV; everything else (CPU,
-    prefill) runs the parts one by one and concatenates."""
+    """Several QuantLinears side by side. On CUDA one row runs the grouped GEMV and 2-64 rows (decode batches,
+    speculative verification) the grouped multi-row kernel, the RMSNorm and act-order gather fused into the
+    launch that prepares x; everything else (CPU, prefill) runs the parts one by one and concatenates."""
 
     def __init__(self, parts: list[QuantLinear]) -> None:
         from exlpy.kernels.exl2_gemv import GemvGroup
+        from exlpy.kernels.exl2_qmm import QmmGroup
 
         self.parts = parts
         self.in_features = parts[0].in_features
@@ -29,9 +32,17 @@ class FusedQuant:
             bias = torch.cat([p.bias if p.bias is not None else
                               torch.zeros(p.out_features, dtype=parts[0].dtype, device=p.device) for p in parts])
         self.group = GemvGroup([p.qm for p in parts], bias)
+        self.rows = QmmGroup([p.qm for p in parts], bias)
 
     def _decode_row(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.numel() == self.in_features
+
+    def _fused_rows(self, x: torch.Tensor) -> int:
+        """Rows of x that the multi-row kernel takes in one launch (0: it does not)."""
+        from exlpy.kernels.exl2_qmm_plan import rows_kernel_takes
+
+        m = x.numel() // self.in_features
+        return m if x.is_cuda and m >= 2 and rows_kernel_takes(m, self.in_features, self.out_features) else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._decode_row(x):
@@ -39,6 +50,11 @@ class FusedQuant:
 
             y = self.group.run(ops.act_order(x, self.perm, ROW_PAD), x.dtype)
             return y.view(*x.shape[:-1], self.out_features)
+        m = self._fused_rows(x)
+        if m:
+            return self.rows.run(x.reshape(m, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.is_cuda:  # prefill: the parts dequantized into one output for cuBLAS (no concatenation)
+            return ops.quant_matmul(x, [p.qm for p in self.parts], self.rows.bias)
         return torch.cat([p.forward(x) for p in self.parts], dim=-1)
 
     def forward_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,6 +64,10 @@ class FusedQuant:
 
             xp = ops.rms_norm_act_order(x, norm_weight, eps, self.perm, ROW_PAD)
             return self.group.run(xp, x.dtype).view(*x.shape[:-1], self.out_features)
+        m = self._fused_rows(x)
+        if m:  # the gather that puts x in the kernel's order normalizes it on the way
+            y = self.rows.run(x.reshape(m, self.in_features), norm_weight=norm_weight, eps=eps)
+            return y.view(*x.shape[:-1], self.out_features)
         return self.forward(ops.rms_norm(x, norm_weight, eps))
 
     def forward_normed_swiglu(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +78,8 @@ class FusedQuant:
 
 def fuse_quant(parts: list[object]) -> FusedQuant | None:
     """A FusedQuant over `parts`, or None when they cannot share one launch: all must be quantized matrices of one
-    kind on one CUDA device with the same K and act order, each taken by the decode kernel. Without the Triton
+    kind on one CUDA device with the same K and act order, each taken by the decode kernels (groups of whole
+    32-row blocks). Without the Triton
     kernels (CPU, or no triton installed) nothing fuses and the kernel module is never imported."""
     if not all(isinstance(p, QuantLinear) for p in parts):
         return None

@@ -29,21 +29,36 @@ class QuantLinear:
         self.in_features = qm.k
         self.out_features = qm.n
         self._dense: torch.Tensor | None = None
+        self._rows = None  # exl2_qmm.QmmGroup: 2-64 rows, made at load (never inside a CUDA-graph capture)
         if qm.device.type == "cuda" and ops.has_cuda_kernels():
-            # the decode kernel's per-device workspace, allocated now rather than inside a CUDA-graph capture
+            # the decode kernels' per-device workspaces and plans, made now rather than inside a capture
+            from exlpy.kernels import exl2_qmm, exl2_qmm_plan
             from exlpy.kernels.exl2_gemv import prepare
 
             prepare(qm.device)
+            if exl2_qmm_plan.supports(qm):
+                self._rows = exl2_qmm.QmmGroup([qm], bias)
 
     @property
     def device(self) -> torch.device:
         return self.qm.device
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and ops.has_cuda_kernels():
-            from exlpy.kernels.exl2_matmul import quant_matmul
+    def _fused_rows(self, x: torch.Tensor) -> int:
+        """Rows of x that the multi-row kernel takes in one launch (0: it does not)."""
+        m = x.numel() // self.in_features
+        if self._rows is None or not x.is_cuda or m < 2:
+            return 0
+        from exlpy.kernels.exl2_qmm_plan import rows_kernel_takes
 
-            return quant_matmul(x, self.qm, self.bias)
+        return m if rows_kernel_takes(m, self.in_features, self.out_features) else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self._fused_rows(x)
+        if m:
+            assert self._rows is not None
+            return self._rows.run(x.reshape(m, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.is_cuda and ops.has_cuda_kernels():
+            return ops.quant_matmul(x, [self.qm], self.bias)
         if self._dense is None:
             self._dense = dequant_dense(self.qm).to(device=self.qm.device, dtype=self.dtype)
         w = self._dense
@@ -53,14 +68,22 @@ class QuantLinear:
         return y.to(x.dtype)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + forward(x). One decode row on CUDA adds inside the GEMV's epilogue, into `residual` in
-        place (the residual stream belongs to the forward pass, so nothing else sees it change)."""
+        """residual + forward(x). On CUDA the sum is made in `residual` itself, in place (the residual stream
+        belongs to the forward pass, so nothing else sees it change): up to 64 rows in the kernels' epilogues,
+        longer inputs by cuBLAS accumulating into it."""
+        m = self._fused_rows(x)
+        if m and residual.is_contiguous() and residual.numel() == m * self.out_features:
+            assert self._rows is not None
+            self._rows.run(x.reshape(m, self.in_features), residual=residual.view(m, self.out_features))
+            return residual
         if x.is_cuda and x.numel() == self.in_features and residual.is_contiguous() and ops.has_cuda_kernels():
             from exlpy.kernels import exl2_gemv, exl2_matmul
 
             if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm):
                 exl2_gemv.exl2_gemv(x.reshape(1, -1), self.qm, self.bias, residual=residual.view(1, -1))
                 return residual
+        if x.is_cuda and x.numel() > self.in_features and residual.is_contiguous() and ops.has_cuda_kernels():
+            return ops.quant_matmul(x, [self.qm], self.bias, residual)  # prefill: cuBLAS accumulates into it
         return residual + self.forward(x)
 
     def nbytes(self) -> int:

@@ -1,5 +1,8 @@
 """FastAPI app: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
-/detokenize and /tokenizer_info, and /health.
+/detokenize and /tokenizer_info, /health, and the admin routes (exlpy/server/admin.py).
+
+Middlewares, outermost first: CORS (--allowed-origins), keys (auth.py), the model gate (lifecycle.py: 503 while
+a model is switched or the server shuts down), the body limit (guards.py).
 
 Every error is in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for a bad request
 (the typed exception's message, naming the field), 404 for an unknown model or route, 503 when admission
@@ -15,12 +18,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exlpy.errors import ExlpyError
 from exlpy.server import guards, plans
+from exlpy.server.admin import add_admin_routes
+from exlpy.server.auth import KeyPolicy, RequireKeys
 from exlpy.server.bridge import JobFailedError, ServerBusyError
+from exlpy.server.lifecycle import GateMiddleware, ServerShutdownError, SwitchInProgressError
 from exlpy.server.lora import adapter_cards
 from exlpy.server.schemas import (
     ChatCompletionRequest,
@@ -55,15 +62,27 @@ def check_model(state: ServerState, name: str | None) -> list[Any]:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        state.bridge.start()
+        if state.bridge is not None:
+            state.bridge.start()
         yield
-        await state.bridge.stop()
+        if state.bridge is not None:
+            await state.bridge.stop()
 
     app = FastAPI(title="exlpy", summary="OpenAI-compatible server over exlpy's dynamic generator",
                   lifespan=lifespan)
     app.state.exlpy = state
+    # Outermost last: CORS answers preflights before the keys are checked, keys before the gate counts a
+    # request, the gate before the body is read.
     app.add_middleware(guards.BodyLimit, max_bytes=state.max_body_bytes)
+    app.add_middleware(GateMiddleware, gate=state.gate)
+    access = state.access
+    app.add_middleware(RequireKeys, policy=KeyPolicy(access.api_keys, access.admin_keys, access.disable_auth,
+                                                     access.metrics_require_key))
+    if access.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     _add_error_handlers(app)
+    add_admin_routes(app, state)
 
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "exlpy",
@@ -71,6 +90,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.bridge is None or state.gate.closed_reason is not None:
+            busy = state.gate.closed_reason or "no model is loaded"
+            stats = state.bridge.stats() if state.bridge is not None else {}
+            return JSONResponse({"status": busy, "model": state.model_name if state.bridge else None, **stats},
+                                status_code=503)
         ok = state.bridge.alive()
         return JSONResponse({"status": "ok" if ok else "generator loop stopped", "model": state.model_name,
                              **state.bridge.stats()}, status_code=200 if ok else 503)
@@ -158,7 +182,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(JobFailedError)
     async def _failed(_r: Request, e: JobFailedError) -> JSONResponse:
+        if isinstance(e.cause, ServerShutdownError):
+            return JSONResponse(error_body(str(e.cause), "server_error", code="shutting_down"), status_code=503)
         return JSONResponse(error_body(str(e), "server_error", code="generation_failed"), status_code=500)
+
+    @app.exception_handler(ServerShutdownError)
+    async def _shutdown(_r: Request, e: ServerShutdownError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "server_error", code="shutting_down"), status_code=503)
+
+    @app.exception_handler(SwitchInProgressError)
+    async def _switching(_r: Request, e: SwitchInProgressError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "server_error", code="model_switching"), status_code=409)
 
     @app.exception_handler(ExlpyError)
     async def _bad(_r: Request, e: ExlpyError) -> JSONResponse:

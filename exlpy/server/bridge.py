@@ -89,6 +89,7 @@ class GeneratorBridge:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._abort: BaseException | None = None  # abort_all(): applied by the owner task between steps
         self.counters = {"completed": 0, "failed": 0, "cancelled": 0, "rejected": 0, "step_failures": 0,
                          "peak_running": 0}
 
@@ -124,6 +125,34 @@ class GeneratorBridge:
         self._inbox.clear()
         self._handles.clear()
         self._cancels.clear()
+
+    def abort_all(self, cause: BaseException) -> None:
+        """End every job, running or waiting, with `cause` (bounded shutdown: their streams get an error event).
+        The owner task applies it between two steps; with no owner task running it is applied at once."""
+        self._abort = cause
+        if self._task is None or self._task.done():
+            self._apply_abort()
+        elif self._wake is not None:
+            self._wake.set()
+
+    def _apply_abort(self) -> None:
+        cause, self._abort = self._abort, None
+        if cause is None:
+            return
+        inbox, self._inbox = self._inbox, []
+        for h in inbox:
+            h.finished = True
+            if not h.accepted.done():
+                h.accepted.set_exception(cause)
+        for job, h in list(self._handles.items()):
+            if not job.finished:
+                try:
+                    self.generator.cancel(job)
+                except ExlpyError:
+                    pass  # it ended during the last step
+            self.counters["failed"] += 1
+            h._close(cause)
+        self._handles.clear()
 
     def alive(self) -> bool:
         return self._task is None or not self._task.done()  # not started yet counts as alive
@@ -231,6 +260,7 @@ class GeneratorBridge:
                 await asyncio.sleep(0.01)
 
     def _apply_commands(self) -> None:
+        self._apply_abort()
         inbox, self._inbox = self._inbox, []
         for h in inbox:
             if h.cancel_requested:

@@ -12,35 +12,40 @@ import os
 from typing import Any
 
 from exlpy.errors import ConfigError
+from exlpy.server.options import LoraSpec, lora_specs
 
 
-def parse_specs(specs: list[str] | None, base_name: str) -> list[tuple[str, str]]:
-    """`NAME=DIR` arguments as (name, directory), names unique and distinct from the base model's."""
+def parse_specs(specs: list[str] | tuple[LoraSpec, ...] | None, base_name: str) -> list[tuple[str, str]]:
+    """`NAME=DIR` arguments (or LoraSpecs) as (name, directory), names unique and distinct from the base model's,
+    directories existing."""
     out: list[tuple[str, str]] = []
-    for spec in specs or []:
-        name, sep, path = spec.partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path:
-            raise ConfigError(f"--lora {spec!r}: expected NAME=DIR (the model name clients send, then the PEFT "
-                              "adapter directory)")
-        if name == base_name or name in {n for n, _ in out}:
-            raise ConfigError(f"--lora {spec!r}: the model name {name!r} is already served")
-        if not os.path.isdir(path):
-            raise ConfigError(f"--lora {spec!r}: {path} is not a directory")
-        out.append((name, path))
+    for spec in as_specs(specs):
+        what = f"--lora {spec.name}={spec.directory}"
+        if spec.name == base_name or spec.name in {n for n, _ in out}:
+            raise ConfigError(f"{what}: the model name {spec.name!r} is already served")
+        if not os.path.isdir(spec.directory):
+            raise ConfigError(f"{what}: {spec.directory} is not a directory")
+        out.append((spec.name, spec.directory))
     return out
 
 
-def load_adapters(model: Any, specs: list[str] | None, base_name: str) -> dict[str, Any]:
-    """Read every `--lora` adapter. The model gets one adapter slot per adapter, allocated before the first
-    request (and the largest rank), so requests for any mix of them run together and nothing is reallocated
-    while serving."""
-    from exlpy.lora import ExLlamaV2Lora, configure
+def as_specs(specs: list[str] | tuple[LoraSpec, ...] | None) -> tuple[LoraSpec, ...]:
+    if specs and all(isinstance(s, str) for s in specs):
+        return lora_specs(list(specs), None, None)  # type: ignore[arg-type]
+    return tuple(specs or ())  # type: ignore[arg-type]
 
-    pairs = parse_specs(specs, base_name)
-    if pairs:
-        configure(model, max_adapters=len(pairs))
-    return {name: ExLlamaV2Lora.from_directory(model, path) for name, path in pairs}
+
+def load_adapters(model: Any, specs: list[str] | tuple[LoraSpec, ...] | None, base_name: str) -> dict[str, Any]:
+    """Read every adapter. Slots grow as adapters are used (up to 8 resident at once by default, more when
+    more are given), so adapters loaded later through POST /v1/lora/load fit too."""
+    from exlpy.lora import ExLlamaV2Lora, configure
+    from exlpy.lora.slots import DEFAULT_MAX_SLOTS
+
+    specs = as_specs(specs)
+    parse_specs(specs, base_name)
+    if len(specs) > DEFAULT_MAX_SLOTS:
+        configure(model, max_adapters=len(specs))
+    return {s.name: ExLlamaV2Lora.from_directory(model, s.directory, lora_scaling=s.scaling) for s in specs}
 
 
 def adapter_cards(state: Any) -> list[dict[str, Any]]:

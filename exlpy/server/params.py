@@ -78,9 +78,17 @@ def sampler_settings(req: SamplingFields, tokenizer: Any) -> Any:
     return ExLlamaV2Sampler.Settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, **penalties)
 
 
+MAX_STOPS = 16
+
+
 def stop_conditions(stop: str | list[str] | None, tokenizer: Any) -> list[int | str]:
     strings = [stop] if isinstance(stop, str) else list(stop or [])
-    return [*sorted(tokenizer.stop_token_ids), *[s for s in strings if s]]
+    if len(strings) > MAX_STOPS:
+        raise bad(GeneratorError, "stop", f"holds {len(strings)} strings, at most {MAX_STOPS}")
+    for i, s in enumerate(strings):
+        if not s:  # an empty stop string would match at once: a request for nothing, most likely a client bug
+            raise bad(GeneratorError, "stop" if isinstance(stop, str) else f"stop[{i}]", "is an empty string")
+    return [*sorted(tokenizer.stop_token_ids), *strings]
 
 
 def check_seed(seed: int | None) -> int | None:

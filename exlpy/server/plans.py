@@ -88,7 +88,8 @@ def choice_counts(n: int | None, best_of: int | None, stream: bool) -> tuple[int
 
 def token_budget(requested: int | None, param: str, prompt_len: int, max_seq_len: int, default: int | None,
                  prompt_param: str, allow_zero: bool = False) -> int:
-    """max_new_tokens: the request's (or the default), capped to what the context leaves after the prompt."""
+    """max_new_tokens: the request's (or the default), capped to what the context leaves after the prompt. More
+    than the whole context is an error: such a budget is a mistake, not a request to fill the context."""
     lowest = 0 if allow_zero else 1
     if requested is not None and requested < lowest:
         raise bad(GeneratorError, param, f"must be >= {lowest}, got {requested}")
@@ -97,6 +98,9 @@ def token_budget(requested: int | None, param: str, prompt_len: int, max_seq_len
             raise bad(SequenceLengthError, prompt_param, f"the prompt has {prompt_len} tokens and the context "
                       f"(max_seq_len) holds {max_seq_len}")
         return 0
+    if requested is not None and requested > max_seq_len:  # could never fit, whatever the prompt (as vLLM: 400)
+        raise bad(SequenceLengthError, param, f"{requested} tokens is more than the whole context of this model "
+                  f"({max_seq_len} tokens, prompt included); ask for at most {max_seq_len - prompt_len}")
     room = max_seq_len - prompt_len
     if room < 1:
         raise bad(SequenceLengthError, prompt_param, f"the prompt has {prompt_len} tokens and the context "

@@ -2,7 +2,8 @@
 `params.py` (and tools / response formats in `tools.py` / `structured.py`) so that a bad value answers 400
 with a typed exception that names the OpenAI field.
 
-Unknown fields are ignored (clients send `user`, `metadata` and newer fields freely).
+Unknown fields are ignored (clients send `user`, `metadata` and newer fields freely); known ones are typed
+strictly: a string is not a boolean or a number, a float is not an integer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: no lax coercion ("stream": "yes" is not true, "n": "2" is not 2, 1.5 is not an int)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(Loose):
@@ -26,7 +28,7 @@ class JsonSchemaFormat(Loose):
     schema_: dict[str, Any] | bool | None = None
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
     def __init__(self, **data: Any) -> None:
         if "schema" in data:

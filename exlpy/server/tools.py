@@ -123,14 +123,35 @@ def _call_text(name: str, args: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def message_text(m: Any, i: int) -> str:
+    """The text of message i, its role checked. Content parts must be text: images and audio are not dropped
+    silently (the model would answer without having seen them) but refused, naming the part."""
+    if m.role not in CHAT_ROLES:
+        raise _bad(f"messages[{i}].role", f"unknown role {m.role!r} (one of {', '.join(CHAT_ROLES)})")
+    if isinstance(m.content, str) or m.content is None:
+        return m.content or ""
+    texts = []
+    for k, part in enumerate(m.content):
+        where = f"messages[{i}].content[{k}]"
+        if part.type != "text":
+            raise _bad(where, f"content parts of type {part.type!r} are not supported: this server's "
+                      "models read text only")
+        if part.text is None:
+            raise _bad(where, "a text part needs a `text` string")
+        texts.append(part.text)
+    return "".join(texts)
+
+
 def chat_messages(req: ChatCompletionRequest, plan: ToolPlan | None) -> tuple[list[dict[str, Any]], list[str]]:
     """Messages for the chat template, and the user-written texts among them (kept as text when encoding)."""
     native = plan is not None and plan.native
     messages: list[dict[str, Any]] = []
     texts: list[str] = []
     for i, m in enumerate(req.messages):
-        content = m.content if isinstance(m.content, str) else \
-            "".join(p.text or "" for p in (m.content or []) if p.type == "text")
+        content = message_text(m, i)
         texts.append(content)
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name:

@@ -40,9 +40,22 @@ def enabled() -> bool:
     return options().weight_checks
 
 
+def stored_as_float(index: Any, name: str) -> None:
+    """A floating-point weight must be stored with a floating dtype: an I16/I32 tensor where a float is expected
+    would be value-cast into garbage (the checkpoint is damaged or was written wrongly). Header only, no data."""
+    info = getattr(index, "tensors", {}).get(name)
+    if info is not None and not info.torch_dtype.is_floating_point:
+        raise WeightsError(f"stored as {info.dtype}, an integer type, but it is a floating-point weight (loading "
+                           "would cast the integers to floats and give garbage); the file is damaged or was written "
+                           "with the wrong dtype", tensor=name, file=info.file)
+
+
 def landed(index: Any, name: str, t: torch.Tensor | None) -> Any:
     """Check floating tensor `t`, checkpoint tensor `name` of `index`, as it lands; returns `t`. Inside
-    `module_checks()` the result is read when the module is done, else at once."""
+    `module_checks()` the result is read when the module is done, else at once. Its stored dtype is always
+    checked (`stored_as_float`); its values unless EXLPY_SKIP_WEIGHT_CHECKS=1."""
+    if t is not None:
+        stored_as_float(index, name)
     if t is None or not t.is_floating_point() or t.numel() == 0 or not enabled():
         return t
     info = getattr(index, "tensors", {}).get(name)

@@ -97,7 +97,7 @@ class Pending:
     first: list[int]  # each job's first row in `logits`
     logits: torch.Tensor  # [rows, V] on the device, not masked yet
     epochs: list[int]  # each job's epoch at launch: a job whose epoch moved since has ended or was rolled back
-    device: torch.device  # the generator's device (where small uploads go)
+    device: torch.device  # the logits' device (where the sampler's small uploads go)
 
 
 @dataclass
@@ -163,7 +163,8 @@ class DecodeStepper:
                             gen.page_size, [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
-        return Pending(jobs, first, logits, [j.epoch for j in jobs], device)
+        # Sampling runs where the logits are: the last stage's device (not the first one under a layer split).
+        return Pending(jobs, first, logits, [j.epoch for j in jobs], logits.device)
 
     def sample(self, step: Pending) -> tuple[Launched | None, HostRows]:
         """Mask the step's constrained rows on the device (grammar filters: each waits for its mask), sample

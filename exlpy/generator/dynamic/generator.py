@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic import adapters, scheduler
 from exlpy.generator.dynamic.decode import DecodeStepper
@@ -38,6 +39,7 @@ from exlpy.generator.speculative.dynamic import Speculation
 
 
 class ExLlamaV2DynamicGenerator(SpeculativeAPI):
+    @refuse_unknown_arguments
     def __init__(self, model: Any, cache: Any, tokenizer: Any, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_chunk_size: int | None = None, max_q_size: int = 8,
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int | None = None,
@@ -59,6 +61,10 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         if page_size < 1 or cache.max_seq_len % page_size != 0:
             raise GeneratorError(f"cache max_seq_len {cache.max_seq_len} must be a multiple of the page size "
                                  f"{page_size}")
+        for name, value in (("max_q_size", max_q_size), ("max_batch_size", max_batch_size),
+                            ("max_seq_len", max_seq_len), ("max_chunk_size", max_chunk_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise GeneratorError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
         if max_prefill_per_step < 1:
             raise GeneratorError(f"max_prefill_per_step must be >= 1, got {max_prefill_per_step}")
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
@@ -345,6 +351,7 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                 self._release(job)
 
     # --- one-call generation -------------------------------------------------------------------------------
+    @refuse_unknown_arguments
     def generate(self, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int, min_new_tokens: int = 0,
                  seed: int | None = None, gen_settings: Any = None, token_healing: bool = False,
                  encode_special_tokens: bool = False, decode_special_tokens: bool = False,

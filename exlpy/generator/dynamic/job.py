@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import GeneratorError, NotSupportedError
 from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage
@@ -41,6 +42,7 @@ class ExLlamaV2DynamicJob:
     and which carries `error` (the exception) and `error_message`; the other jobs continue.
     """
 
+    @refuse_unknown_arguments
     def __init__(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int, min_new_tokens: int = 0,
                  max_skips: int = 4, gen_settings: Any = None, seed: int | None = None,
                  stop_conditions: Iterable[int | str] | None = None, decode_special_tokens: bool = False,

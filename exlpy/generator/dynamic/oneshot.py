@@ -13,13 +13,20 @@ if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
 
 
+def _one_prompt(p: Any) -> bool:
+    return isinstance(p, str) or (isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p))
+
+
 def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] | list[Any], max_new_tokens: int,
                  min_new_tokens: int, seed: int | None, gen_settings: Any, token_healing: bool,
                  encode_special_tokens: bool, decode_special_tokens: bool,
                  stop_conditions: Iterable[int | str] | None, add_bos: bool, abort_event: threading.Event | None,
                  completion_only: bool, filters: list[Any] | None, filter_prefer_eos: bool,
                  return_last_results: bool, embeddings: Any, banned_strings: list[str] | None) -> Any:
-    single = isinstance(prompt, (str, tuple))
+    single = _one_prompt(prompt)
+    if not single and not (isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt)):
+        raise GeneratorError(f"generate(): prompt must be a string, a (positive, negative) pair of strings for CFG, "
+                             f"or a non-empty list of them, got {prompt!r:.60}")
     prompts = [prompt] if single else list(prompt)
     settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
     per_prompt_filters = _per_prompt_filters(filters, len(prompts), single)

@@ -29,6 +29,24 @@ def _is_int(v: Any) -> bool:
     return True
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+def seeded_rng(seed: Any, name: str = "seed") -> torch.Generator:
+    """A private torch RNG seeded with `seed`, an integer torch can take (a GeneratorError naming it otherwise)."""
+    check_seed(seed, name)
+    return torch.Generator().manual_seed(operator.index(seed))
+
+
+def check_seed(seed: Any, name: str = "seed") -> None:
+    if seed is None:
+        return
+    if not _is_int(seed):
+        raise GeneratorError(f"{name} must be an integer or None, got {seed!r:.60}")
+    if not SEED_MIN <= operator.index(seed) <= SEED_MAX:
+        raise GeneratorError(f"{name} must fit in 64 bits ([-2**63, 2**64 - 1]), got {seed}")
+
+
 def check_job_args(max_new_tokens: Any, min_new_tokens: Any, max_skips: Any, seed: Any, return_top_tokens: Any,
                    stop_conditions: Iterable[Any] | None, banned_strings: Any) -> None:
     """The scalar arguments of ExLlamaV2DynamicJob: each a GeneratorError naming the argument."""
@@ -36,8 +54,7 @@ def check_job_args(max_new_tokens: Any, min_new_tokens: Any, max_skips: Any, see
                             ("max_skips", max_skips, 0), ("return_top_tokens", return_top_tokens, 0)):
         if not _is_int(value) or value < lo:
             raise GeneratorError(f"{name} must be an integer >= {lo}, got {value!r:.60}")
-    if seed is not None and not _is_int(seed):
-        raise GeneratorError(f"seed must be an integer or None, got {seed!r:.60}")
+    check_seed(seed)
     if stop_conditions is not None:
         if isinstance(stop_conditions, (str, bytes)) or not isinstance(stop_conditions, Iterable):
             raise GeneratorError(f"stop_conditions must be a list of token ids and strings, got "

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import SamplerError
 from exlpy.generator.sampling.tokenizer_info import token_bias_size
 
@@ -215,3 +216,7 @@ def _single_id(tokenizer: Any, piece: str) -> int:
             raise SamplerError(f"allow_tokens: {piece!r} is not a single token")
         return int(found)
     raise SamplerError(f"allow_tokens: string {piece!r} needs a tokenizer with single_id()")
+
+
+# A misspelt setting (Settings(temprature=0.5)) is an error naming it, not a silent default.
+SamplerSettings.__init__ = refuse_unknown_arguments(SamplerSettings.__init__)  # type: ignore[method-assign]

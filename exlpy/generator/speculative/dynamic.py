@@ -149,6 +149,10 @@ class Speculation:
                             [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids_dev, batch)  # [B, T, V]
         gen.decode_tokens += len(rows) * T
+        # The logits come from the last stage's device (a layer split ends on another GPU than it starts on):
+        # verification runs there, next to them.
+        dev = logits.device
+        index, drafts = index.to(dev, non_blocking=True), drafts.to(dev, non_blocking=True)
         plans = [spec[rows[i][0]][0] for i in spec_rows]
         u, r = [], []
         for i, p in zip(spec_rows, plans):

@@ -1,0 +1,390 @@
+"""EXL2 at every batch size (issue 27): per-matrix micro-benchmark of the quantized matmuls and end-to-end decode /
+prefill of 8B models (EXL2 converter-like mixed ~4.0 bpw, EXL2 uniform 4-bit, fp16, GPTQ 4-bit), side by side.
+
+Run on a CUDA machine from the repo root (each part prints as it goes and fits one 10-minute command):
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --quick          # ~2 min first check
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts micro    # kernel vs cuBLAS, crossover
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts sweep    # launch-parameter sweep
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts e2e      # the four 8B models
+
+Parts:
+- micro: for K x N in 4096x4096, 4096x14336, 14336x4096 and M in 1..64 rows: the fused kernel (M = 1: the decode
+  GEMV, else exl2_qmm), dequantize + cuBLAS, and an fp16 cuBLAS GEMM of the same shape; CUDA-graph replays over
+  rotating weight copies (> L2), GB/s of packed bytes read. Prints the crossover row count per shape (the first
+  M where dequantize + cuBLAS wins) as a `exl2_qmm_plan.CROSSOVER` table.
+- sweep: exl2_qmm launch parameters (BLOCK_N, STAGES, ONE_LAUNCH, WAVES, KB, warps) on gate|up-sized 4-bit
+  and down-sized mixed (8/4/3-bit) matrices at M = 8, 32 and 64.
+- e2e: writes the models once under --models-dir (random weights: speed depends on shapes only), then per
+  model decode tok/s at each --batches size (CUDA graphs, `exlpy bench`'s timing) and prefill of --prefill
+  tokens. A failing variant or size is reported and skipped.
+
+Every run merges its figures into --json (default benchmarks/results/raw/exl2_speed.json, keyed by part and
+case, with device, date and command) and rewrites --out (default benchmarks/results/exl2_speed.md, with the
+merged JSON beside it) from all of them, so runs of different parts add up to one results file. On a lent
+machine whose output folder starts empty per command: --json /tmp/exl2_speed.json --out $OUT/exl2_speed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+ROWS = [1, 2, 4, 8, 16, 32, 64]
+VARIANTS = ("exl2-mixed", "exl2-4.0", "fp16", "gptq-4")
+TARGETS = {1: 500, 8: 2500, 32: 5000, 64: 7000}  # tok/s, issue 27 (H100)
+PREFILL_TARGET = 37000
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or None after printing the error: one failing case never stops the run."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a benchmark run reports every failure and goes on
+        log(f"  !! {what} failed: {type(e).__name__}: {str(e)[:300]}")
+        traceback.print_exc(limit=3)
+        torch.cuda.synchronize()
+        return None
+
+
+# --- micro ----------------------------------------------------------------------------------------------------
+
+def random_matrix(k: int, n: int, mix: str, dev: torch.device, gptq: bool = False) -> Any:
+    """A packed matrix built on the GPU: uniform 4-bit g128, a converter-like mixed layout, or GPTQ 4-bit g128."""
+    from benchmarks import make_models
+    from exlpy.quant.exl2_ref import build_exl2_matrix
+    from exlpy.quant.gptq_ref import build_gptq_matrix
+
+    if gptq:
+        t = make_models._gptq("m", k, n)
+        return build_gptq_matrix(t["m.qweight"], t["m.qzeros"], t["m.scales"], None, k, n, "m").to(dev)
+    if mix == "4.0":
+        groups: list[tuple[int, int]] | int = 4
+    else:  # the down_proj / gate|up layouts of the converter's 4.0 bpw MLP row (spec §4.4): 8 / 4 / 3 bits
+        from exlpy.convert.qparams import qp
+
+        groups = (qp((8, 0.05, 32), (4, 0.25, 128), (3, 0.7, 128)) if k > n else
+                  qp((5, 0.1, 128), (4, 0.6, 128), (3, 0.3, 128))).groups(k)
+    t = make_models._exl2("m", k, n, groups)
+    return build_exl2_matrix(t["m.q_weight"], t["m.q_invperm"], t["m.q_scale"], t["m.q_scale_max"], t["m.q_groups"],
+                             k, n, "m").to(dev)
+
+
+def graph_time(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of one fn() from CUDA-graph replays (warm-up outside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(times)
+
+
+def _copies(qm: Any, total_bytes: int) -> list[Any]:
+    n = max(1, min(24, total_bytes // qm.nbytes()))
+    out = [qm]
+    for _ in range(n - 1):
+        out.append(replace(qm, q_weight=qm.q_weight.clone(), scales=qm.scales.clone()))
+    return out
+
+
+def _timed(reps: int, per: int, fn: Callable[[], Any]) -> float:
+    return graph_time(fn, reps) / per
+
+
+def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, rows: list[int]) -> None:
+    from exlpy.kernels import exl2_gemv, exl2_qmm
+    from exlpy.kernels import exl2_matmul as km
+
+    dev = torch.device("cuda")
+    key = f"{k}x{n} {mix}"
+    log(f"micro {key}")
+    qm = guarded("build", random_matrix, k, n, mix, dev, mix == "gptq")
+    if qm is None:
+        return
+    mats = _copies(qm, 300 << 20)
+    groups = [exl2_qmm.QmmGroup([m], None) for m in mats]
+    w16 = [torch.randn(k, n, dtype=torch.float16, device=dev) for _ in range(max(1, (300 << 20) // (2 * k * n)))]
+    nbytes = qm.nbytes()
+    for m in rows:
+        x = torch.randn(m, k, dtype=torch.float16, device=dev)
+        if m == 1:  # the decode GEMV (through exl2_matmul's dispatch)
+            fused = (lambda x=x: [km.exl2_matmul(x, q) for q in mats]) if exl2_gemv.supports(qm) else None
+        else:
+            fused = lambda x=x: [g.run(x) for g in groups]  # noqa: E731
+        t_f = guarded(f"fused M={m}", _timed, args.reps, len(mats), fused) if fused else None
+        t_d = guarded(f"dequant M={m}", _timed, max(3, args.reps // 4), len(mats),
+                      lambda x=x: [km.dequant_matmul(x, q) for q in mats])
+        t_h = guarded(f"fp16 M={m}", _timed, args.reps, len(w16), lambda x=x: [x @ w for w in w16])
+        res.setdefault("micro", {})[f"{key} M{m}"] = {
+            "k": k, "n": n, "mix": mix, "m": m, "bytes": nbytes, "fused_us": t_f and t_f * 1e6,
+            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6}
+        gbs = f"{nbytes / t_f / 1e9:7.0f} GB/s" if t_f else "      -"
+        log(f"  M={m:3d} fused {_us(t_f)} ({gbs})  dequant+cuBLAS {_us(t_d)}  fp16 cuBLAS {_us(t_h)}")
+    x = torch.randn(2048, k, dtype=torch.float16, device=dev)
+    t_p = guarded("prefill", _timed, 5, 1, lambda: km.dequant_matmul(x, qm))
+    t_p16 = guarded("prefill fp16", _timed, 5, 1, lambda: x @ w16[0])
+    res.setdefault("micro_prefill", {})[key] = {"dequant_us": t_p and t_p * 1e6, "fp16_us": t_p16 and t_p16 * 1e6}
+    if t_p and t_p16:
+        log(f"  prefill 2048: dequant+cuBLAS {2 * 2048 * k * n / t_p / 1e12:.0f} TFLOP/s, fp16 "
+            f"{2 * 2048 * k * n / t_p16 / 1e12:.0f} TFLOP/s")
+
+
+def micro(args: argparse.Namespace, res: dict) -> None:
+    mixes = ["4.0"] if args.quick else ["4.0", "mixed", "gptq"]
+    rows = [1, 8, 32, 64] if args.quick else ROWS
+    for mix in mixes:
+        for k, n in SHAPES:
+            _micro_shape(args, res, k, n, mix, rows)
+            gc.collect()
+            torch.cuda.empty_cache()
+    log("crossover (first M where dequantize + cuBLAS is faster; none: the fused kernel wins up to 64):")
+    log("CROSSOVER = " + json.dumps(crossover(res)))
+
+
+def crossover(res: dict) -> dict[str, int]:
+    out = {}
+    for r in res.get("micro", {}).values():
+        if r["mix"] != "4.0" or r["m"] < 2 or not r["fused_us"] or not r["dequant_us"]:
+            continue
+        key = f"({r['k']}, {r['n']})"
+        if r["dequant_us"] < r["fused_us"] and r["m"] < out.get(key, 1 << 30):
+            out[key] = r["m"]
+    return out
+
+
+def _us(t: float | None) -> str:
+    return f"{t * 1e6:8.1f} us" if t else "       - us"
+
+
+# --- sweep ----------------------------------------------------------------------------------------------------
+
+def _sweep_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, configs: list[dict]) -> None:
+    from exlpy.kernels import exl2_qmm
+
+    base = dict(exl2_qmm.CONFIG)
+    qm = guarded("build", random_matrix, k, n, mix, torch.device("cuda"))
+    if qm is None:
+        return
+    mats = _copies(qm, 300 << 20)
+    try:
+        for m in (8, 32, 64):
+            x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+            for cfg in configs:
+                exl2_qmm.CONFIG.clear()
+                exl2_qmm.CONFIG.update({**base, **cfg})
+                groups = [exl2_qmm.QmmGroup([q], None) for q in mats]
+                t = guarded(f"{cfg}", _timed, args.reps, len(mats),
+                            lambda x=x, groups=groups: [g.run(x) for g in groups])
+                name = ",".join(f"{a}={b}" for a, b in cfg.items()) or "default"
+                res.setdefault("sweep", {})[f"{k}x{n} {mix} M{m} {name}"] = t and t * 1e6
+                log(f"sweep {k}x{n} {mix} M={m} {name:28s} {_us(t)}"
+                    + (f" {qm.nbytes() / t / 1e9:6.0f} GB/s" if t else ""))
+    finally:
+        exl2_qmm.CONFIG.clear()
+        exl2_qmm.CONFIG.update(base)
+
+
+def sweep(args: argparse.Namespace, res: dict) -> None:
+    configs = [{}, {"STAGES_16": 1, "STAGES_32": 1}, {"STAGES_16": 3, "STAGES_32": 3}, {"STAGES_MIXED": 2},
+               {"BLOCK_N_16": 64, "BLOCK_N_32": 64}, {"WAVES": 3}, {"WAVES": 12}, {"ONE_LAUNCH": 0},
+               {"ONE_LAUNCH": 0, "STAGES_16": 1, "STAGES_32": 1}, {"KB": 2}, {"WARPS_16": 8, "WARPS_32": 8},
+               {"BLOCK_N_16": 64, "BLOCK_N_32": 64, "STAGES_16": 1, "STAGES_32": 1}]
+    if args.quick:
+        configs = configs[:4]
+    for (k, n), mix in (((4096, 14336), "4.0"), ((14336, 4096), "mixed")):
+        _sweep_shape(args, res, k, n, mix, configs)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# --- e2e ------------------------------------------------------------------------------------------------------
+
+def model_dir(args: argparse.Namespace, variant: str) -> str:
+    from benchmarks.make_models import write_model
+
+    path = os.path.join(args.models_dir, f"llama3-8b-{variant}")
+    t0 = time.time()
+    kw = {"exl2-mixed": {"exl2_mix": "converter"}, "exl2-4.0": {"exl2_bits": 4}, "fp16": {},
+          "gptq-4": {"gptq": True}}[variant]
+    write_model(path, "llama3-8b", **kw)
+    if time.time() - t0 > 1:
+        log(f"  wrote {path} in {time.time() - t0:.0f} s")
+    return path
+
+
+def _e2e_variant(args: argparse.Namespace, res: dict, variant: str) -> None:
+    from exlpy.cli.bench import load_model, time_decode, time_prefill
+
+    log(f"e2e {variant}")
+    path = guarded("write model", model_dir, args, variant)
+    if path is None:
+        return
+    seq = max(args.prompt_len + args.gen_len + 16, args.prefill)
+    model = guarded("load", load_model, path, seq, max(args.batches))
+    if model is None:
+        return
+    out = res.setdefault("e2e", {}).setdefault(variant, {})
+    out["weights_gb"] = sum(m.weight_bytes() for m in model.modules[1:]) / 1e9
+    for b in args.batches:
+        r = guarded(f"decode batch {b}", time_decode, model, b, args.prompt_len, args.gen_len)
+        if r is not None:
+            out[f"b{b}"] = r.tokens_per_s
+            log(f"  batch {b:3d}: {r.tokens_per_s:9.1f} tok/s  ({1e3 * r.seconds / r.gen_len:.2f} ms/step, "
+                f"{r.bandwidth() / 1e12:.2f} TB/s)")
+    if args.prefill:
+        t = guarded("prefill", time_prefill, model, args.prefill)
+        if t is not None:
+            out["prefill"] = t
+            log(f"  prefill {args.prefill}: {t:,.0f} tok/s")
+    guarded("unload", model.unload)
+
+
+def e2e(args: argparse.Namespace, res: dict) -> None:
+    for variant in [v for v in args.variants if v in VARIANTS]:
+        _e2e_variant(args, res, variant)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# --- results --------------------------------------------------------------------------------------------------
+
+def write_md(state: dict, path: str) -> None:
+    lines = ["# EXL2 at every batch size (issue 27)", ""]
+    for run in state.get("runs", []):
+        lines.append(f"- {run['date']} on {run['device']} (torch {run['torch']}, triton {run['triton']}): "
+                     f"`{run['command']}`")
+    lines.append("")
+    e2e_res = state.get("e2e", {})
+    if e2e_res:
+        batches = sorted({int(k[1:]) for v in e2e_res.values() for k in v if k.startswith("b")})
+        lines += ["## Decode and prefill, 8B (Llama-3 shape, random weights), tok/s total", "",
+                  "| model | weights GB | " + " | ".join(f"batch {b}" for b in batches) + " | prefill 2048 |",
+                  "|---|---|" + "---|" * len(batches) + "---|"]
+        for v, r in e2e_res.items():
+            cells = [f"{r[f'b{b}']:,.0f}" if f"b{b}" in r else "-" for b in batches]
+            pre = f"{r['prefill']:,.0f}" if "prefill" in r else "-"
+            lines.append(f"| {v} | {r.get('weights_gb', 0):.2f} | " + " | ".join(cells) + f" | {pre} |")
+        lines.append("| target (EXL2 4.0 bpw) | | " + " | ".join(f"{TARGETS.get(b, 0):,}" for b in batches)
+                     + f" | {PREFILL_TARGET:,} |")
+        lines.append("")
+    micro_res = state.get("micro", {})
+    if micro_res:
+        lines += ["## Per matrix: fused kernel vs dequantize + cuBLAS (us per call, CUDA-graph replays, weights "
+                  "streamed from HBM)", "",
+                  "M = 1: the decode GEMV; M >= 2: exl2_qmm. GB/s: packed bytes (q_weight, scales, perm) / time.", "",
+                  "| K x N | layout | M | fused us | fused GB/s | dequant+cuBLAS us | fp16 cuBLAS us |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in micro_res.values():
+            f = r["fused_us"]
+            lines.append(f"| {r['k']}x{r['n']} | {r['mix']} | {r['m']} | {_f(f)} | "
+                         f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} |")
+        lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
+    sw = state.get("sweep", {})
+    if sw:
+        lines += ["## exl2_qmm launch-parameter sweep (us per call)", "", "| case | us |", "|---|---|"]
+        lines += [f"| {k} | {_f(v)} |" for k, v in sw.items()]
+        lines.append("")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _f(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, e2e (default micro,e2e)")
+    ap.add_argument("--quick", action="store_true", help="~2 minutes: 4-bit micro at M 1/8/32/64, EXL2 4-bit and "
+                    "fp16 models at batch 1 and 8")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e2e models, of {', '.join(VARIANTS)}")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens to time (0: skip)")
+    ap.add_argument("--reps", type=int, default=20, help="graph replays per micro timing")
+    ap.add_argument("--models-dir", default=os.environ.get("EXLPY_BENCH_MODELS", "/tmp/exlpy_bench_models"))
+    ap.add_argument("--out", default="benchmarks/results/exl2_speed.md")
+    ap.add_argument("--json", default="benchmarks/results/raw/exl2_speed.json")
+    ap.add_argument("--fresh", action="store_true", help="start the JSON over instead of merging into it")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        log("needs a CUDA device")
+        return 2
+    parts = args.parts.split(",")
+    if args.quick:
+        args.variants = [v for v in args.variants if v in ("exl2-4.0", "fp16")] if args.variants == list(VARIANTS) \
+            else args.variants
+        args.batches = [b for b in args.batches if b in (1, 8)] if args.batches == [1, 8, 32, 64] else args.batches
+        args.gen_len = min(args.gen_len, 64)
+        args.reps = min(args.reps, 10)
+        args.prefill = min(args.prefill, 2048)
+    import triton
+
+    state: dict = {}
+    if os.path.exists(args.json) and not args.fresh:
+        with open(args.json) as f:
+            state = json.load(f)
+    run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
+    state.setdefault("runs", []).append(run)
+    log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
+    t0 = time.time()
+    for part in parts:
+        fn = {"micro": micro, "sweep": sweep, "e2e": e2e}.get(part)
+        if fn is None:
+            log(f"unknown part {part!r}")
+            continue
+        guarded(part, fn, args, state)
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(state, f, indent=1)
+        write_md(state, args.out)
+        beside = os.path.splitext(args.out)[0] + ".json"  # the figures travel with the markdown too
+        if os.path.abspath(beside) != os.path.abspath(args.json):
+            with open(beside, "w") as f:
+                json.dump(state, f, indent=1)
+        log(f"[{time.time() - t0:.0f} s] {part} done; wrote {args.out} and {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
