@@ -22,11 +22,32 @@ from collections.abc import Iterator  # noqa: E402
 
 import torch  # noqa: E402
 
-from exlpy.errors import InsufficientVRAMError  # noqa: E402
+from exlpy.errors import ExlpyWarning, InsufficientVRAMError, NoGpuWarning  # noqa: E402
 
 
-class CpuOnlyTorchWarning(UserWarning):
+class CpuOnlyTorchWarning(NoGpuWarning):
     """The installed torch has no GPU backend."""
+
+
+_default_formatwarning = warnings.formatwarning
+
+
+def _formatwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                   line: str | None = None) -> str:
+    """exlpy's warnings as one line, without the file, line number and source line that Python's default format
+    adds (they point into exlpy, not at anything the user wrote); other warnings keep the default format."""
+    if isinstance(category, type) and issubclass(category, ExlpyWarning):
+        text = str(message)
+        text = text[len("exlpy: "):] if text.startswith("exlpy: ") else text
+        return f"exlpy: warning: {text}\n"
+    return _default_formatwarning(message, category, filename, lineno, line)
+
+
+def install_warning_format() -> None:
+    if warnings.formatwarning is not _formatwarning:
+        global _default_formatwarning
+        _default_formatwarning = warnings.formatwarning
+        warnings.formatwarning = _formatwarning
 
 
 _warned_cpu_only = False
@@ -97,4 +118,5 @@ def oom_guard(what: str) -> Iterator[None]:
         raise InsufficientVRAMError(f"Insufficient VRAM during {what}: {detail}. To fit, {OOM_ADVICE}") from e
 
 
+install_warning_format()
 warn_if_cpu_only_torch()

@@ -7,6 +7,15 @@ class ExlpyError(Exception):
     """Base class of every error exlpy raises on purpose."""
 
 
+class ExlpyWarning(UserWarning):
+    """Base class of exlpy's warnings. They print as one line, `exlpy: warning: ...`, without the Python
+    source line the default format adds (exlpy/env.py installs the format)."""
+
+
+class NoGpuWarning(ExlpyWarning):
+    """A model is placed on the CPU because no GPU is usable (EXLPY_NO_CPU_WARNING=1 silences it)."""
+
+
 class ConfigError(ExlpyError, ValueError):
     """config.json (or a runtime setting) is missing, malformed or unsupported."""
 
@@ -105,6 +114,11 @@ class UnknownArgumentError(ExlpyError, TypeError):
 
 class CompatImportError(ExlpyError, ModuleNotFoundError):
     """`import exllamav2.X` under exlpy.compat.install() names a module exlpy has no counterpart for."""
+
+
+class CompatInstallError(ExlpyError, RuntimeError):
+    """`exlpy compat install/uninstall` cannot do what was asked (a real exllamav2 is installed, the site
+    directory is not writable, the files there belong to something else)."""
 
 
 class CommandLineError(SystemExit):

@@ -157,8 +157,7 @@ def test_model_methods() -> None:
     assert set(r) == {"logits", "last_state"} and rel_err(r["logits"], model.forward(ids)) <= 1e-5
     assert cache.current_seq_len == 6 and model.forward_chunk(ids, cache, preprocess_only=True) == {}
     assert model.update_loras() is None  # adapters are applied per call: nothing to refresh
-    for call in (model.drop_device_context, model.free_device_context,
-                 lambda: model.set_device_map([8.0]), lambda: model.get_device_context(0),
+    for call in (model.drop_device_context, model.free_device_context, lambda: model.get_device_context(0),
                  lambda: model.forward_chunk(ids, attn_params=object())):
         with pytest.raises(NotSupportedError):
             call()

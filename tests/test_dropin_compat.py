@@ -80,8 +80,44 @@ def test_filters_resolve_when_present(compat: None) -> None:
     assert ExLlamaV2Filter is exlpy.generator.filters.ExLlamaV2Filter is from_base
 
 
-@pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.qparams",
-                                      "conversion"), ("exllamav2.vlm.vision_tower", "vision"),
+def test_conversion_and_ngram_resolve_to_what_exlpy_has(compat: None) -> None:
+    import exllamav2.conversion
+    import exllamav2.conversion.qparams
+    import exllamav2.generator.ngram
+
+    import exlpy.convert
+    import exlpy.convert.qparams
+    import exlpy.generator.speculative.ngram
+
+    assert exllamav2.conversion is exlpy.convert and exllamav2.conversion.convert is exlpy.convert.convert
+    assert exllamav2.conversion.qparams is exlpy.convert.qparams
+    assert exllamav2.generator.ngram is exlpy.generator.speculative.ngram
+
+
+def test_test_inference_imports_resolve(compat: None, tmp_path) -> None:
+    """The module paths exllamav2's test_inference.py imports at its top."""
+    from exllamav2.conversion.quantize import list_live_tensors
+    from exllamav2.conversion.tokenize import get_tokens
+    from exllamav2.mlp import ExLlamaV2MLP
+    from exllamav2.moe_mlp import ExLlamaV2MoEMLP
+    from exllamav2.parallel_decoder import ExLlamaV2ParallelDecoder
+
+    from exlpy.errors import NotSupportedError
+    from exlpy.model.mlp import MLP
+    from exlpy.tokenizer import ExLlamaV2Tokenizer
+    from tests.conftest import shared_path
+
+    assert ExLlamaV2MLP is MLP and callable(list_live_tensors)
+    for cls in (ExLlamaV2MoEMLP, ExLlamaV2ParallelDecoder):
+        with pytest.raises(NotSupportedError):
+            cls()
+    tok = ExLlamaV2Tokenizer(str(shared_path("models", "aidreams260K")))
+    (tmp_path / "d.txt").write_text("Echoes of vectors unfold, a gentle hum of precision. " * 20)
+    assert get_tokens(3, 16, str(tmp_path / "d.txt"), tok).shape == (3, 16)
+
+
+@pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.adaptivegptq",
+                                      "no module exlpy.convert.adaptivegptq"), ("exllamav2.vlm.vision_tower", "vision"),
                                       ("exllamav2.no_such_module", "no module exlpy.no_such_module")])
 def test_missing_modules_are_typed_errors(compat: None, name: str, why: str) -> None:
     with pytest.raises(CompatImportError, match=why) as e:

@@ -121,12 +121,33 @@ def test_bad_tensors_name_tensor_and_file(model: ExLlamaV2, model_dir: Path, tmp
 
 def test_bin_and_unreadable_weights(model: ExLlamaV2, model_dir: Path, tmp_path: Path) -> None:
     d = write_adapter(tmp_path / "a", model_dir, r=4)
-    (d / "adapter_model.safetensors").rename(d / "adapter_model.bin")
-    with pytest.raises(LoraWeightsError, match=r"\.bin \(pickle\) file are not read") as e:
+    ref = ExLlamaV2Lora.from_directory(model, str(d))
+    # adapter_model.bin (PEFT's pickle format) is read as exllamav2 reads it, with torch.load(weights_only=True)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(d / "adapter_model.safetensors")), str(d / "adapter_model.bin"))
+    (d / "adapter_model.safetensors").unlink()
+    for lora in (ExLlamaV2Lora.from_directory(model, str(d)),
+                 ExLlamaV2Lora(model, str(d / "adapter_config.json"), str(d / "adapter_model.bin"))):
+        assert lora.weights.keys() == ref.weights.keys()
+        assert all(torch.equal(lora.weights[k][1], ref.weights[k][1]) for k in ref.weights)
+        lora.unload()
+    ref.unload()
+
+    class Payload:  # a pickle that would run code: weights_only refuses it
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (print, ("pwned",))
+
+    torch.save({"x": Payload()}, str(d / "adapter_model.bin"))
+    with pytest.raises(LoraWeightsError, match="not a readable PyTorch weights file") as e:
         ExLlamaV2Lora.from_directory(model, str(d))
     assert "adapter_model.bin" in str(e.value)
-    with pytest.raises(LoraWeightsError, match=".bin"):
-        ExLlamaV2Lora(model, str(d / "adapter_config.json"), str(d / "adapter_model.bin"))
+    (d / "adapter_model.bin").write_bytes(b"garbage")
+    with pytest.raises(LoraWeightsError, match="not a readable PyTorch weights file"):
+        ExLlamaV2Lora.from_directory(model, str(d))
+    torch.save([torch.zeros(2)], str(d / "adapter_model.bin"))
+    with pytest.raises(LoraWeightsError, match="dict of tensor name"):
+        ExLlamaV2Lora.from_directory(model, str(d))
     (d / "adapter_model.bin").unlink()
     with pytest.raises(LoraWeightsError, match="not found"):
         ExLlamaV2Lora.from_directory(model, str(d))

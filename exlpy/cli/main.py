@@ -7,12 +7,15 @@ import importlib
 import sys
 
 # Each subcommand module exposes add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ("generate", "plan", "bench", "serve", "convert")
+SUBCOMMANDS = ("generate", "plan", "bench", "serve", "convert", "compat", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exlpy", description="Run Llama-family LLMs (fp16, EXL2, GPTQ) with "
                                      "exllamav2's API, in pure Python + Triton.")
+    from exlpy.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"exlpy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from exlpy.errors import GpuSplitError, InsufficientVRAMError
+from exlpy.errors import DeviceError, GpuSplitError, InsufficientVRAMError
 from exlpy.parallel.costs import (
     CACHE_TYPES,
     CUDA_CONTEXT_BYTES,
@@ -75,7 +75,11 @@ def _budgets(args: argparse.Namespace) -> tuple[list[DeviceBudget], str]:
     elif args.gpu_split is None:
         from exlpy.parallel.memory import has_context, query_devices
 
-        mem = query_devices()
+        try:
+            mem = query_devices()
+        except DeviceError as e:  # no GPU here: say how to plan for one anyway
+            raise DeviceError(f"{e}. To plan for a machine with GPUs from this one, give their free memory: "
+                              "--devices 24000,24000 (MiB per GPU), or budgets with --gpu-split") from None
         free = [m.free for m in mem]
         overheads = [0 if has_context(m.ordinal) else CUDA_CONTEXT_BYTES for m in mem]
         source = f"queried ({mem[0].source})"

@@ -19,17 +19,22 @@ from exlpy.errors import CompatImportError
 ALIAS = "exllamav2"
 TARGET = "exlpy"
 
-# exllamav2 modules that live under another name in exlpy.
+# exllamav2 modules (and their submodules) that live under another name in exlpy.
 RENAMED = {
     "generator.dynamic_async": "generator.dynamic.async_",
     "generator.dynamic_embeddings": "compat.unsupported",
+    "generator.ngram": "generator.speculative.ngram",  # n-gram drafting
+    "mlp": "compat.modules",  # block classes scripts test modules against
+    "moe_mlp": "compat.modules",
+    "parallel_decoder": "compat.modules",
+    "conversion.tokenize": "compat.modules",  # get_tokens (test_inference.py's dataset reader)
+    "conversion.quantize": "compat.modules",  # list_live_tensors
+    "conversion": "convert",  # the EXL2 converter (exllamav2's convert.py is `exlpy convert`); after its modules
 }
 # exllamav2 modules with no exlpy counterpart, and why.
 MISSING = {
     "ext": "exlpy has no compiled extension (exllamav2_ext): its kernels are Triton, with torch references",
-    "conversion": "EXL2 conversion (convert.py) is not part of exlpy; convert with exllamav2 and load the result",
     "server": "exllamav2's websocket server is not part of exlpy; `exlpy serve` is an OpenAI-compatible server",
-    "generator.ngram": "n-gram speculative decoding is not supported by exlpy yet",
     "experimental": "exllamav2's experimental modules are not part of exlpy",
     "device": "exllamav2's device contexts do not exist in exlpy (torch's allocator gives scratch per call)",
     "vlm": "vision models are not supported by exlpy (ExLlamaV2VisionTower exists and says so)",
@@ -43,7 +48,10 @@ def target_name(fullname: str) -> str | None:
     if not fullname.startswith(ALIAS + "."):
         return None
     sub = fullname[len(ALIAS) + 1:]
-    return f"{TARGET}.{RENAMED.get(sub, sub)}"
+    for old, new in RENAMED.items():
+        if sub == old or sub.startswith(old + "."):
+            return f"{TARGET}.{new}{sub[len(old):]}"
+    return f"{TARGET}.{sub}"
 
 
 class _Loader(importlib.abc.Loader):

@@ -9,7 +9,8 @@ import sys
 
 from exlpy.compat.alias import install
 
-USAGE = "usage: exlpy-as-exllamav2 SCRIPT.py [ARGS...]  |  exlpy-as-exllamav2 -m MODULE [ARGS...]"
+USAGE = ("usage: exlpy-as-exllamav2 SCRIPT.py [ARGS...]  |  exlpy-as-exllamav2 -m MODULE [ARGS...]  |  "
+         "exlpy-as-exllamav2 --install | --uninstall  (the alias for the whole environment: exlpy compat)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\nRuns the program with `import exllamav2` resolving to exlpy.")
         raise SystemExit(0 if args else 2)
+    if args[0] in ("--install", "--uninstall"):
+        from exlpy.cli.main import main as exlpy_main
+
+        raise SystemExit(exlpy_main(["compat", args[0][2:], *args[1:]]))
     install()
     if args[0] == "-m":
         if len(args) < 2:

@@ -62,10 +62,13 @@ class ExLlamaV2Config(RuntimeSettings):
         self.scale_pos_emb = 1.0
         self.scale_alpha_value = 1.0
         opts = options()  # exllamav2 reads these from the environment; exlpy's one snapshot of it
-        self.no_flash_attn = opts.no_flash_attn
-        self.no_xformers = opts.no_xformers
-        self.no_sdpa = opts.no_sdpa
-        self.no_graphs = opts.no_graphs
+        # Without a CUDA device none of exllamav2's attention back ends exists: report them off, so callers that
+        # probe the GPU unless no_flash_attn is set (TabbyAPI) take their no-GPU path.
+        no_cuda = not torch.cuda.is_available()
+        self.no_flash_attn = opts.no_flash_attn or no_cuda
+        self.no_xformers = opts.no_xformers or no_cuda
+        self.no_sdpa = opts.no_sdpa or no_cuda
+        self.no_graphs = opts.no_graphs  # graphs need CUDA anyway; this stays the user's setting
         self._load_in_q4 = False
         # exlpy dequantizes inside its kernels (no temporary fp16 weight buffer), so this bound has nothing to
         # limit; kept so exllamav2 scripts can set it.

@@ -37,7 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("-res", "--resume", action="store_true", help="resume the job in OUT_DIR (the default)")
     resume.add_argument("-nr", "--no_resume", action="store_true", help="discard the job in OUT_DIR and restart")
-    p.add_argument("-fst", "--fast_safetensors", action="store_true", help=argparse.SUPPRESS)  # accepted, no-op
+    p.add_argument("-rs", "--rope_scale", type=float, default=None,
+                   help="linear RoPE scale for the calibration forward (config.scale_pos_emb)")
+    p.add_argument("-ra", "--rope_alpha", type=float, default=None,
+                   help="NTK RoPE alpha for the calibration forward (config.scale_alpha_value)")
+    p.add_argument("-so", "--status_output", action="store_true",
+                   help='print exllamav2\'s status lines on stdout: [STATUS]{"stage": ..., "completion": ...}[/STATUS]')
+    p.add_argument("-hsol", "--hidden_state_offload_layers", type=int, default=None,
+                   help="accepted for exllamav2 compatibility; no effect (exlpy moves hidden states to host memory "
+                   "by itself when they do not fit)")
+    p.add_argument("-fst", "--fast_safetensors", action="store_true",
+                   help="accepted for exllamav2 compatibility; no effect (deprecated there too)")
     p.add_argument("--device", help="device to convert on (default: cuda:0 when there is a GPU, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
 
@@ -47,12 +57,26 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "head_bits": a.head_bits, "cal_dataset": a.cal_dataset, "measurement": a.measurement,
             "output_measurement": a.output_measurement, "rows": a.dataset_rows, "length": a.length,
             "measurement_rows": a.measurement_rows, "measurement_length": a.measurement_length,
-            "shard_size": a.shard_size, "no_resume": a.no_resume, "device": a.device, "progress": not a.quiet}
+            "shard_size": a.shard_size, "no_resume": a.no_resume, "device": a.device, "progress": not a.quiet,
+            "rope_scale": a.rope_scale, "rope_alpha": a.rope_alpha, "status_output": a.status_output}
+
+
+def deprecated_notices(a: argparse.Namespace) -> list[str]:
+    """Notices for exllamav2 flags that are accepted and change nothing."""
+    out = []
+    if a.fast_safetensors:
+        out.append("-fst/--fast_safetensors is deprecated and has no effect")
+    if a.hidden_state_offload_layers is not None:
+        out.append("-hsol/--hidden_state_offload_layers has no effect: exlpy keeps hidden states on the GPU while "
+                   "they fit and moves them to host memory by itself otherwise")
+    return out
 
 
 def run(a: argparse.Namespace) -> int:
     from exlpy.convert.pipeline import convert
 
+    for notice in deprecated_notices(a):
+        print(f"exlpy convert: note: {notice}", file=sys.stderr)
     kw = settings_from_args(a)
     convert(kw.pop("in_dir"), kw.pop("out_dir"), kw.pop("compile_dir"), **kw)
     return 0

@@ -68,7 +68,7 @@ def convert(in_dir: str | None = None, out_dir: str | None = None, compile_dir: 
 class _Converter:
     def __init__(self, s: ConvertSettings) -> None:
         self.s = s
-        self.prog = StageProgress(s.progress)
+        self.prog = StageProgress(s.progress, s.status_output)
         self.device = torch.device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
 
     # ------------------------------------------------------------------ setup
@@ -77,6 +77,10 @@ class _Converter:
         if s.in_dir is None:
             raise ConvertSettingsError("-i/--in_dir (the source model directory) is required")
         self.config = ExLlamaV2Config(s.in_dir)
+        if s.rope_scale is not None:
+            self.config.scale_pos_emb = float(s.rope_scale)
+        if s.rope_alpha is not None:
+            self.config.scale_alpha_value = float(s.rope_alpha)
         spec = self.config.spec
         assert spec is not None
         if spec.arch.parallel_blocks:  # the MLP reads the attention's normed input, which runs before it
@@ -182,6 +186,7 @@ class _Converter:
     def _measure(self) -> dict[str, list[dict[str, Any]]]:
         s, job = self.s, self.job
         ids = self._cal("cal_measure.safetensors", s.measurement_rows, s.measurement_length)
+        self.prog.step("tokenize (measure)")
         md = job.data.setdefault("measure", {"next": 0, "states": None, "measurement": {}, "module_times": {}})
         store = self._store_for(s.measurement_rows, s.measurement_length)
         t0 = time.perf_counter()
@@ -253,12 +258,14 @@ class _Converter:
             e = meas[m.key][c]
             strategy[m.key] = {k: e[k] for k in shapes(m)} | {"total_bits": int(e["total_bits"]), "option": c}
         self.job.data["strategy"] = strategy
+        self.prog.step("optimize")
         self._timed("optimize", t0)
         self.job.set_stage("quant")
 
     def _quantize(self) -> None:
         s, job = self.s, self.job
         ids = self._cal("cal_quant.safetensors", s.rows, s.length)
+        self.prog.step("tokenize (quantize)")
         qd = job.data.setdefault("quant", {"next": 0, "states": None, "errors": {}, "module_times": {}})
         store = self._store_for(s.rows, s.length)
         os.makedirs(job.path("out_tensor"), exist_ok=True)

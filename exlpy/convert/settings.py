@@ -33,6 +33,9 @@ class ConvertSettings:
     scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
     act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
     progress: bool = True
+    rope_scale: float | None = None  # -rs: linear RoPE scale for the calibration forward (config.scale_pos_emb)
+    rope_alpha: float | None = None  # -ra: NTK alpha for the calibration forward (config.scale_alpha_value)
+    status_output: bool = False  # -so: exllamav2's [STATUS]{...}[/STATUS] lines on stdout
 
     def validate(self) -> None:
         if self.head_bits not in HEAD_BITS:
@@ -56,6 +59,10 @@ class ConvertSettings:
             raise ConvertSettingsError("-om needs -o WORK_DIR: the measurement is written there")
         if self.act_order not in ("on", "off", "auto"):
             raise ConvertSettingsError(f"act_order must be 'on', 'off' or 'auto', got {self.act_order!r}")
+        for name, flag in (("rope_scale", "-rs/--rope_scale"), ("rope_alpha", "-ra/--rope_alpha")):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise ConvertSettingsError(f"{flag} must be a positive number, got {v}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
@@ -69,7 +76,7 @@ class ConvertSettings:
 
         d = asdict(self)
         keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
-                "act_order")
+                "act_order", "rope_scale", "rope_alpha")
         out = {k: d[k] for k in keep}
         out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
                    measurement=ident(self.measurement))

@@ -171,9 +171,24 @@ class ModelCompatMixin:
 
     # --- features exlpy does not have ------------------------------------------------------------------------
     def set_device_map(self, allocation: list[float], embed_cpu: bool = True) -> list[float]:
-        raise NotSupportedError("ExLlamaV2.set_device_map() (assigning devices without loading) is not supported "
-                                "by exlpy; use model.load(gpu_split=[GB, ...]) to load by budgets, or `exlpy plan "
-                                "--model DIR --gpu-split ...` to see the placement without loading")
+        """exllamav2's placement by GB budgets, without loading: plans every module as `load(gpu_split=
+        allocation)` would (weights from the safetensors headers, cache and scratch for config.max_seq_len and
+        max_batch_size), keeps the plan in `self.device_map_plan`, and returns the unused GB per device. An
+        allocation too small raises InsufficientVRAMError. Works without a GPU (planning reads no tensor data);
+        `embed_cpu` is accepted: exlpy's planner places the embedding as load() will."""
+        import torch
+
+        from exlpy.engine.placement import parse_gpu_split, plan_for_model
+        from exlpy.parallel.costs import CacheSpec
+        from exlpy.parallel.plan import DeviceBudget
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else len(allocation)
+        budgets = parse_gpu_split(allocation, count)
+        plan = plan_for_model(self, [DeviceBudget(b) for b in budgets], torch.device("cuda", 0),
+                              max_seq_len=self.config.max_seq_len, batch_size=self.config.max_batch_size,
+                              cache=CacheSpec("none", 0.0, 0.0), layer_cache=None, policy="greedy")
+        self.device_map_plan = plan
+        return [max(0, u.free - u.total) / 1024**3 for u in plan.usage]
 
     def create_device_context(self, scratch_bytes: list[int]) -> None:
         raise NotSupportedError(_NO_DEVICE_CONTEXT)

@@ -232,7 +232,12 @@ def _oom_message(model: ExLlamaV2, i: int, devices: Sequence[torch.device], plan
 def _cpu_fallback(
     model: ExLlamaV2, callback: Callback, callback_gen: CallbackGen, progress: bool
 ) -> Generator[Any, None, None]:
-    warnings.warn("exlpy: no CUDA device is visible; loading the whole model on the CPU (slow)", stacklevel=5)
+    from exlpy.errors import NoGpuWarning
+    from exlpy.runtime import options
+
+    if options().cpu_warning:  # EXLPY_NO_CPU_WARNING=1: a CPU deployment that knows
+        warnings.warn("exlpy: no CUDA device is visible; loading the whole model on the CPU (slow)", NoGpuWarning,
+                      stacklevel=5)
     yield from load_on_devices(model, [0] * len(model.modules), [torch.device("cpu")], callback, callback_gen, progress)
 
 

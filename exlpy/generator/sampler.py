@@ -79,6 +79,7 @@ class ExLlamaV2Sampler:
             prefix_ids = None if prefix_ids is None else prefix_ids[:1]
 
         filter_mask, end_tokens, filter_step = None, None, None
+        filters = [f for f in (filters or []) if f is not None]  # None entries: no filter (exllamav2's lists)
         if filters:
             eos = getattr(tokenizer, "eos_token_id", None)
             if filter_prefer_eos and eos is None:

@@ -113,6 +113,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         if input_embeddings is not None:
             raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's streaming "
                                     "generator")
+        filters = [f for f in (filters or []) if f is not None]  # None entries: no filter
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
         self._discard()

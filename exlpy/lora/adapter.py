@@ -5,7 +5,8 @@ A PEFT directory holds adapter_config.json and adapter_model.safetensors with, p
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight` [r, in] and `lora_B.weight` [out, r].
 The adapted projection computes y = W x + s · B (A x) with s = lora_scaling · alpha / r (alpha / sqrt(r) with
 use_rslora; r and alpha per module from rank_pattern / alpha_pattern, as PEFT reads them); s is folded into B
-here. Anything that would change that formula (DoRA, trained biases, replaced heads or embeddings, ...) is
+here. adapter_model.bin (a PyTorch pickle) is read with weights_only=True when there is no safetensors file.
+Anything that would change that formula (DoRA, trained biases, replaced heads or embeddings, ...) is
 refused by name rather than silently ignored.
 """
 
@@ -134,19 +135,8 @@ def _check_targets(path: str, targets: Any) -> None:
 def read_weights(path: str, spec: Any, cfg: AdapterConfig, lora_scaling: float
                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module key: (A [r, in], scaled B [out, r])} in fp32, checked against the base model's shapes."""
-    if path.endswith(".bin") or not os.path.isfile(path):
-        binary = path if path.endswith(".bin") else os.path.join(os.path.dirname(path), "adapter_model.bin")
-        if os.path.isfile(binary):
-            raise LoraWeightsError("adapter weights in a .bin (pickle) file are not read: save the adapter with "
-                                   "safetensors (PEFT's save_pretrained(..., safe_serialization=True))", file=binary)
-        raise LoraWeightsError("adapter weights not found (expected adapter_model.safetensors)", file=path)
-    from safetensors import safe_open
-
-    try:
-        f = safe_open(path, "pt")
-        names = list(f.keys())
-    except Exception as e:  # the library raises several types for a corrupt header
-        raise LoraWeightsError(f"not a readable safetensors file ({e})", file=path) from None
+    f = _open_tensors(path)
+    names = list(f.keys())
     shapes = projection_shapes(spec)
     pairs: dict[str, dict[str, str]] = {}
     for name in names:
@@ -210,6 +200,45 @@ def check_architecture(spec: Any) -> None:
                               "adapters to RMSNorm / SwiGLU blocks")
 
 
+class _BinTensors:
+    """The tensors of an adapter_model.bin (a PyTorch pickle), read with weights_only=True: plain tensors and
+    containers only, no code from the file runs."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # an unpickling error, a truncated zip, a file that is not a checkpoint
+            raise LoraWeightsError(f"not a readable PyTorch weights file ({type(e).__name__}: {e})",
+                                   file=path) from None
+        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in data.items()):
+            raise LoraWeightsError("expected a dict of tensor name -> tensor", file=path)
+        self.data = data
+
+    def keys(self) -> list[str]:
+        return list(self.data)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.data[name]
+
+
+def _open_tensors(path: str) -> Any:
+    """The adapter's tensors: adapter_model.safetensors, or else adapter_model.bin beside it (or `path` itself
+    when it names a .bin file), as exllamav2 reads them."""
+    if not path.endswith(".bin") and os.path.isfile(path):
+        from safetensors import safe_open
+
+        try:
+            return safe_open(path, "pt")
+        except Exception as e:  # the library raises several types for a corrupt header
+            raise LoraWeightsError(f"not a readable safetensors file ({e})", file=path) from None
+    binary = path if path.endswith(".bin") else os.path.join(os.path.dirname(path), "adapter_model.bin")
+    if os.path.isfile(binary):
+        return _BinTensors(binary)
+    raise LoraWeightsError("adapter weights not found (expected adapter_model.safetensors or adapter_model.bin)",
+                           file=path)
+
+
 class ExLlamaV2Lora:
     """A LoRA adapter for `model` (exllamav2's class). Pass it to `model.forward(..., loras=[lora])`, the
     generators' `set_loras([lora])` / `loras=`, or a dynamic job's `loras=`; `unload()` drops it.
@@ -229,8 +258,10 @@ class ExLlamaV2Lora:
         self.directory = os.path.dirname(os.path.abspath(lora_config_path))
         self.name = os.path.basename(self.directory)
         self.lora_r, self.lora_alpha, self.use_rslora = cfg.r, cfg.alpha, cfg.use_rslora
-        self.lora_scaling = float(lora_scaling)
-        self.weights = read_weights(lora_path, model.config.spec, cfg, self.lora_scaling)
+        self.weights = read_weights(lora_path, model.config.spec, cfg, float(lora_scaling))
+        # exllamav2 stores the effective factor: the user's scale times alpha / r (alpha / sqrt(r) with rsLoRA),
+        # from the config's top-level r and lora_alpha (per-module patterns are applied to the weights above).
+        self.lora_scaling = float(lora_scaling) * cfg.alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
         self.target_modules = sorted({k.rsplit(".", 1)[1] for k in self.weights}, key=list(BLOCK_OF).index)
         self.uid = uuid.uuid4().bytes  # identity in slot keys and in the generator's prefix-cache hashes
         self.loaded = True

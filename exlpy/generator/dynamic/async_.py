@@ -50,7 +50,9 @@ class ExLlamaV2DynamicGeneratorAsync:
                 ajob = self.jobs.get(r["job"])
                 if ajob is None:
                     continue
-                ajob.queue.put_nowait(r)
+                # A job that failed ends alone in exlpy's iterate(); exllamav2's async job raises the error from
+                # its iteration instead of yielding a result, and callers (TabbyAPI) rely on that.
+                ajob.queue.put_nowait(r["error"] if isinstance(r.get("error"), Exception) else r)
                 if r["eos"]:
                     del self.jobs[r["job"]]
             await asyncio.sleep(0)

@@ -70,7 +70,7 @@ class ExLlamaV2DynamicJob:
                        banned_strings)
         if embeddings:
             raise NotSupportedError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
-        if filters and banned_strings:
+        if filters and any(f is not None for f in filters) and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
         self.all_input_ids = [p.detach().to("cpu", torch.long) for p in prompts]
         self.input_ids = self.all_input_ids[0]
@@ -84,7 +84,7 @@ class ExLlamaV2DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_logits = return_logits
         self.return_probs = return_probs
-        self.filters = list(filters or [])
+        self.filters = [f for f in (filters or []) if f is not None]  # None entries: no filter
         self.filter_prefer_eos = filter_prefer_eos
         self.token_healing = token_healing
         self.identifier = identifier
@@ -309,7 +309,7 @@ class ExLlamaV2DynamicJob:
             r["logits"] = torch.stack([p["logits"] for p in rel.payloads]).unsqueeze(0)
         if rel.eos:
             self.finished = True
-            self.add_final_fields(r, rel.eos_reason or "", rel.trigger)
+            self.add_final_fields(r, rel.eos_reason or "", rel.trigger, rel)
         return r
 
     def base_result(self, stage: str) -> dict[str, Any]:
@@ -318,7 +318,8 @@ class ExLlamaV2DynamicJob:
             r["identifier"] = self.identifier
         return r
 
-    def add_final_fields(self, r: dict[str, Any], reason: str, trigger: Any = None) -> None:
+    def add_final_fields(self, r: dict[str, Any], reason: str, trigger: Any = None,
+                         rel: Released | None = None) -> None:
         now = time.time()
         r["eos_reason"] = reason
         if reason == "stop_token":
@@ -331,8 +332,12 @@ class ExLlamaV2DynamicJob:
         r["time_enqueued"] = self.time_start - self.time_enqueue
         r["time_prefill"] = (self.time_first_token or now) - self.time_start
         r["time_generate"] = now - (self.time_first_token or now)
-        r["accepted_draft_tokens"] = self.accepted_draft_tokens
-        r["rejected_draft_tokens"] = self.drafted_tokens - self.accepted_draft_tokens
+        if self.generator is not None and self.generator.spec is not None:  # exllamav2: only when drafting
+            r["accepted_draft_tokens"] = self.accepted_draft_tokens
+            r["rejected_draft_tokens"] = self.drafted_tokens - self.accepted_draft_tokens
+        # What was held back and never emitted: after a stop string, the stop string (and any text after it).
+        r["held"] = {"text": rel.held_text if rel else "",
+                     "token_ids": torch.tensor([rel.held_tokens if rel else []], dtype=torch.long)}
         r["cached_pages"] = self.cached_pages
         r["cached_tokens"] = min(self.cached_pages * (self.seqs[0].page_size if self.seqs else PAGE_SIZE),
                                  self.prompt_len)

@@ -29,8 +29,7 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
                              f"or a non-empty list of them, got {prompt!r:.60}")
     prompts = [prompt] if single else list(prompt)
     settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
-    # Filters hold per-sequence state: a batch takes one list of filters per prompt.
-    per_prompt_filters = filters if (filters and not single and isinstance(filters[0], list)) else None
+    per_prompt_filters = _per_prompt_filters(filters, len(prompts), single)
     jobs = []
     for i, p in enumerate(prompts):
         texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
@@ -40,7 +39,7 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
             ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
             token_healing=token_healing, seed=None if seed is None else seed + i,
             stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
-            filters=per_prompt_filters[i] if per_prompt_filters else filters,
+            filters=per_prompt_filters[i] if per_prompt_filters is not None else filters,
             filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
             embeddings=embeddings))
     gen.enqueue(jobs)
@@ -70,3 +69,15 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
     if return_last_results:
         return out, (last[0] if single else last)
     return out
+
+
+def _per_prompt_filters(filters: list[Any] | None, n: int, single: bool) -> list[Any] | None:
+    """Filters hold per-sequence state, so a batch takes one entry per prompt: a list of filters, or None to
+    leave that prompt unfiltered (exllamav2's examples/inference_lmfe.py). A flat list of filter objects is
+    shared by every prompt. None when `filters` is not per prompt."""
+    if single or not filters or not any(f is None or isinstance(f, (list, tuple)) for f in filters):
+        return None
+    if len(filters) != n:
+        raise GeneratorError(f"generate(): filters has {len(filters)} entries for {n} prompts; give one list of "
+                             "filters (or None) per prompt")
+    return [list(f) if isinstance(f, (list, tuple)) else ([] if f is None else [f]) for f in filters]

@@ -33,6 +33,8 @@ class Released:
     ban: int | None = None  # token the caller must ban at the position it rewound to
     suppressed_text: str = ""  # on a rewind: the text (and tokens) of the banned match that was dropped
     suppressed_tokens: list[int] = field(default_factory=list)
+    held_text: str = ""  # at a stop string: the text held back when it matched (the stop string and after)
+    held_tokens: list[int] = field(default_factory=list)  # ... and the tokens that text came from
 
 
 def tokenizer_decode(tokenizer: Any, ids: list[int], decode_special_tokens: bool) -> str:
@@ -153,8 +155,11 @@ class TextStream:
 
         stop = _first_match(text, self.stop_strings)
         if stop is not None:
+            j = max(i for i, o in enumerate(offsets) if o <= stop[0])
+            held_tokens = [tok for tok, _, _ in self.held[j:]]
             out = self._take_all()
             out.text = text[:stop[0]]
+            out.held_text, out.held_tokens = text[stop[0]:], held_tokens
             out.eos, out.eos_reason, out.trigger = True, "stop_string", stop[1]
             return out
 

@@ -100,6 +100,10 @@ def mask_filter_step(filters: Sequence[Any], eos_id: int | None,
     for f in filters:
         if hasattr(f, "mask_end_tokens"):
             end |= set(f.mask_end_tokens())
+    # exllamav2 prefers EOS only when the filters' allowed set names it. A mask does not say that: a filter may
+    # leave EOS's logit untouched while it still expects text (formatron masks only its own vocabulary), so EOS
+    # is preferred here only when a filter declares it among its end tokens for this step.
+    prefer = prefer_eos and eos_id is not None and eos_id in end
 
     def step(logits: torch.Tensor) -> torch.Tensor:
         # exllamav2 hands mask_logits one row (1-D), as third-party filters (formatron) expect.
@@ -109,7 +113,7 @@ def mask_filter_step(filters: Sequence[Any], eos_id: int | None,
                 row = f.mask_logits(row)
             rows.append(row)
         logits = torch.stack(rows)
-        if prefer_eos and eos_id is not None and 0 <= eos_id < logits.shape[-1]:
+        if prefer and 0 <= eos_id < logits.shape[-1]:
             eos_ok = torch.isfinite(logits[:, eos_id:eos_id + 1])
             others = torch.arange(logits.shape[-1], device=logits.device) != eos_id
             logits = logits.masked_fill(eos_ok & others, float("-inf"))
