@@ -32,6 +32,12 @@ class _QuantizedCache(ExLlamaV2CacheBase):
         self.key_scales: list[torch.Tensor | None] = []
         self.value_scales: list[torch.Tensor | None] = []
         super().__init__(model, *args, **kwargs)
+        # The quantized-cache kernel takes head_dim a power of two >= 32 and no sliding window or soft-cap; other
+        # models attend through the torch reference, which selects rows with host-side masks: their steps run
+        # eagerly (a capture would fail with "operation not permitted when stream is capturing").
+        d = self.head_dim
+        features = any(getattr(m, "window", 0) or getattr(m, "softcap", 0.0) for m in getattr(model, "modules", ()))
+        self.graph_safe = d >= 32 and not d & (d - 1) and not features
 
     @staticmethod
     def _width(bits: int, e: int) -> int:
