@@ -103,7 +103,8 @@ def test_glm4_tensor_parallel_equals_single(built: dict, tmp_path_factory: pytes
 
     path, _ = _model(built, tmp_path_factory, "glm4")
     ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    single, _ = _load(path)
+    single = ExLlamaV2(ExLlamaV2Config(str(path)))
+    single.load(device="cpu")  # fp32 on the CPU like the "devices" below, also where a GPU is present
     ref = single.forward(ids)
     model = ExLlamaV2(ExLlamaV2Config(str(path)))
     model.load_tp([1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_layout=mode))
