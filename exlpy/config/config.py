@@ -37,12 +37,18 @@ class _from_file:  # used like `property`, hence the lower-case name
                           f"(tried to set it to {value!r})")
 
 
-def layer_keys(spec: ModelSpec) -> list[str]:
-    """The tensor prefixes every decoder layer of `spec` must have (canonical names, exlpy/config/arch.py)."""
+def layer_keys(spec: ModelSpec, layer: int = 0) -> list[str]:
+    """The tensor prefixes decoder layer `layer` of `spec` must have (canonical names, exlpy/config/arch.py)."""
     keys = [name for _, name in spec.arch.norms]
     keys += [f"self_attn.{p}_proj" for p in "qkvo"]
-    keys += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if spec.arch.gated_mlp else ["mlp.up_proj",
-                                                                                         "mlp.down_proj"]
+    if spec.is_sparse(layer):
+        assert spec.moe is not None
+        keys += ["mlp.router"] + [f"mlp.experts.{e}.{p}_proj" for e in range(spec.moe.num_experts)
+                                  for p in ("gate", "up", "down")]
+    elif spec.arch.gated_mlp:
+        keys += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    else:
+        keys += ["mlp.up_proj", "mlp.down_proj"]
     if spec.features.qk_norm:
         keys += ["self_attn.q_norm", "self_attn.k_norm"]
     return keys
@@ -127,9 +133,8 @@ class ExLlamaV2Config(RuntimeSettings):
             required.append("lm_head")
         if self.spec.features.learned_positions:
             required.append("model.wpe")
-        keys = layer_keys(self.spec)
         for i in range(self.spec.num_hidden_layers):
-            required += [f"model.layers.{i}.{k}" for k in keys]
+            required += [f"model.layers.{i}.{k}" for k in layer_keys(self.spec, i)]
         for prefix in required:
             if not present(prefix):
                 raise WeightsError(f"Could not find {prefix}.* in model", tensor=prefix, file=self.model_dir)
@@ -148,6 +153,7 @@ class ExLlamaV2Config(RuntimeSettings):
     num_key_value_groups = _from_file(lambda s: s.num_attention_heads // s.num_key_value_heads)
     head_dim = _from_file(lambda s: s.head_dim)
     intermediate_size = _from_file(lambda s: s.intermediate_size)
+    num_experts = _from_file(lambda s: s.moe.num_experts if s.moe else None)  # None for dense models
     norm_eps = _from_file(lambda s: s.norm_eps)
     bos_token_id = _from_file(lambda s: s.bos_token_id)
     eos_token_id = _from_file(lambda s: s.eos_token_id)
@@ -163,8 +169,7 @@ class ExLlamaV2Config(RuntimeSettings):
     scale_emb = _from_file(lambda s: s.features.embed_scale)
     scale_depth = _from_file(lambda s: s.features.residual_scale)
     norm_head = _from_file(lambda s: s.features.norm_head)
-    # Features of architectures exlpy does not load (MoE, vision): fixed values.
-    num_experts = _from_file(lambda s: None)
+    # Features of architectures exlpy does not load (vision): fixed values.
     vision_model_type = _from_file(lambda s: None)
     tensor_file_map = property(lambda self: {n: t.file for n, t in (self.index.tensors if self.index else {}).items()})
     tensor_files = property(lambda self: sorted({t.file for t in (self.index.tensors if self.index else {}).values()}))
@@ -172,13 +177,19 @@ class ExLlamaV2Config(RuntimeSettings):
 
     @property
     def num_experts_per_token(self) -> int | None:
-        return None  # exlpy loads dense models only
+        """Experts each token is routed to (config.json's num_experts_per_tok); None for a dense model."""
+        moe = self.spec.moe if self.spec is not None else None
+        return moe.top_k if moe is not None else None
 
     @num_experts_per_token.setter
     def num_experts_per_token(self, value: int | None) -> None:
-        if value is not None:
-            raise ConfigError(f"config.num_experts_per_token = {value}: this model has no experts (exlpy loads "
-                              "dense models only)")
+        if value is None or value == self.num_experts_per_token:
+            return
+        if self.num_experts_per_token is None:
+            raise ConfigError(f"config.num_experts_per_token = {value}: this model has no experts")
+        raise NotSupportedError(f"config.num_experts_per_token = {value}: exlpy routes each token to the "
+                                f"model's own {self.num_experts_per_token} experts (num_experts_per_tok); "
+                                "changing it is not supported yet")
 
     @property
     def load_in_q4(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from exlpy.config.arch import ARCHITECTURES, FALLBACK, NOT_YET, ArchParams
 from exlpy.config.features import ModelFeatures, parse_features
+from exlpy.config.moe import MoESpec, parse_moe
 from exlpy.config.rope import RopeScaling, parse_rope_scaling
 from exlpy.config.values import (
     MAX_DIM,
@@ -58,6 +59,11 @@ class ModelSpec:
     quant_method: str | None = None
     raw_keys: frozenset[str] = field(default_factory=frozenset)
     features: ModelFeatures = field(default_factory=ModelFeatures)
+    moe: MoESpec | None = None  # mixture-of-experts settings (None: every layer has the dense MLP)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has an MoE block in place of the dense MLP."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def norm_kind(self) -> str:
@@ -206,6 +212,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         raise UnsupportedArchitectureError(f"{path}: quantization method {quant_method!r:.60} is not supported "
                                            "(supported: EXL2, GPTQ 4-bit)")
 
+    intermediate = r.size(("intermediate_size", "n_inner"), MAX_DIM, 4 * hidden)
+    moe = parse_moe(r, arch, layers, intermediate)
     gen_eos: list[int] = []
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
@@ -218,7 +226,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=r.size(("intermediate_size", "n_inner"), MAX_DIM, 4 * hidden),
+        intermediate_size=intermediate,
         norm_eps=_norm_eps(r, arch),
         rope_theta=_rope_theta(r),
         rope_scaling=rope_scaling,
@@ -236,6 +244,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         quant_method=quant_method,
         raw_keys=frozenset(r.data),
         features=features,
+        moe=moe,
     )
     _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos
