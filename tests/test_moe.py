@@ -1,0 +1,166 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE) beyond the fp32 comparisons of test_architectures.py: both
+formulations of the routed experts, half precision, the planner, and the refusals (TP, LoRA, convert)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+from exlpy.errors import LoraConfigError, TensorParallelError, UnsupportedArchitectureError
+from exlpy.kernels import reference
+from tests.arch_models import VOCAB, make_arch_model
+from tests.conftest import logits_tol, rel_err, requires_cuda
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    out = {}
+    for case in ("mixtral", "qwen3_moe"):
+        path = tmp_path_factory.mktemp(case)
+        out[case] = (path, make_arch_model(path, case))
+    return out
+
+
+def _load(path: Path, dtype: torch.dtype | None = None, device: str | None = None) -> ExLlamaV2:
+    config = ExLlamaV2Config(str(path))
+    config.max_seq_len = 128
+    config.dtype = dtype
+    model = ExLlamaV2(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if device is None:
+            model.load_autosplit(ExLlamaV2Cache(model, lazy=True))
+        else:
+            model.load(device=device)
+    return model
+
+
+def _naive(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, gu: torch.Tensor, down: torch.Tensor
+           ) -> torch.Tensor:
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (gu[e] @ h[t]).chunk(2)
+            out[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_gathered_and_grouped_experts_equal_a_per_token_loop(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    E, k, H, inter = 5, 2, 24, 40
+    h = torch.randn(tokens, H, generator=g)
+    gu, down = torch.randn(E, 2 * inter, H, generator=g) / 5, torch.randn(E, H, inter, generator=g) / 6
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    want = _naive(h, w, ids, gu, down)
+    for limit in (0, 10**9):  # every call grouped, every call gathered
+        monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
+        torch.testing.assert_close(reference.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
+
+
+def test_unrouted_experts_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expert no token chose may hold anything (NaN here): it never enters the result."""
+    g = torch.Generator().manual_seed(1)
+    h, gu, down = torch.randn(20, 8, generator=g), torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g)
+    gu[2], down[2] = float("nan"), float("nan")
+    ids = torch.randint(0, 2, (20, 1), generator=g)
+    for limit in (0, 10**9):
+        monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
+        assert torch.isfinite(reference.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_half_precision_matches_reference(moe_models: dict, case: str, dtype: torch.dtype) -> None:
+    path, ref = moe_models[case]
+    ids = torch.randint(2, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(ids).logits  # type: ignore[operator]
+    model = _load(path, dtype)
+    assert rel_err(model.forward(ids), want) <= logits_tol(model, 2e-3)
+
+
+def test_routing_settings_exposed(moe_models: dict) -> None:
+    config = ExLlamaV2Config(str(moe_models["qwen3_moe"][0]))
+    assert config.num_experts == 4 and config.num_experts_per_token == 2
+    assert config.spec is not None and config.spec.moe is not None
+    assert config.spec.moe.sparse_layers == (True, False) and config.spec.moe.renormalize
+    config.num_experts_per_token = 2  # the model's own value: accepted
+
+
+def test_moe_models_are_not_graph_captured(moe_models: dict) -> None:
+    from exlpy.engine.forward import graph_runner
+
+    model = _load(moe_models["mixtral"][0])
+    strategy = types.SimpleNamespace(graph_safe=True, graph_cache={})
+    assert graph_runner(model, strategy) is None  # type: ignore[arg-type]
+
+
+def test_tensor_parallel_refused_by_name(moe_models: dict) -> None:
+    model = ExLlamaV2(ExLlamaV2Config(str(moe_models["qwen3_moe"][0])))
+    with pytest.raises(TensorParallelError, match="mixture-of-experts.*Qwen3MoeForCausalLM"):
+        model.load_tp([1, 1], devices=["cpu", "cpu"])
+
+
+def test_lora_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
+    from exlpy import ExLlamaV2Lora
+
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, '
+                                                  '"target_modules": ["q_proj"]}')
+    model = _load(moe_models["mixtral"][0])
+    with pytest.raises(LoraConfigError, match="mixture-of-experts"):
+        ExLlamaV2Lora.from_directory(model, str(tmp_path))
+
+
+def test_convert_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
+    from exlpy.convert.pipeline import convert
+
+    with pytest.raises(UnsupportedArchitectureError, match="MixtralForCausalLM.*mixture-of-experts"):
+        convert(str(moe_models["mixtral"][0]), str(tmp_path / "out"))
+
+
+def test_plan_counts_every_expert(moe_models: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    from exlpy.cli import plan as plan_cli
+    from exlpy.parallel.costs import module_costs
+
+    path = moe_models["mixtral"][0]
+    model = ExLlamaV2(ExLlamaV2Config(str(path)))
+    costs = {c.name: c for c in module_costs(model.modules, 2)}
+    # 4 experts x 3 projections of 64 x 128, the router (4 x 64) and the norm (64), at 2 bytes
+    assert costs["model.layers.0.mlp"].weight_bytes == (4 * 3 * 64 * 128 + 4 * 64 + 64) * 2
+    assert costs["model.layers.0.mlp"].kind == "mlp"
+    parser = argparse.ArgumentParser()
+    plan_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--model", str(path), "--devices", "1000,1000", "--max-seq-len", "256"])
+    assert args._run(args) == 0
+    assert "embedding" in capsys.readouterr().out
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_cuda_full_and_incremental(moe_models: dict, case: str) -> None:
+    """On a GPU (fp16): full sequence and token by token through a cache; with two GPUs, autosplit balances the
+    layers over both (a layer split through MoE blocks)."""
+    path, ref = moe_models[case]
+    ids = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids).logits  # type: ignore[operator]
+    config = ExLlamaV2Config(str(path))
+    config.max_seq_len = 128
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, lazy=True)
+    model.load_autosplit(cache)
+    if torch.cuda.device_count() > 1:
+        assert len({str(m.device) for m in model.modules}) > 1
+    assert rel_err(model.forward(ids), want) <= logits_tol(model, 2e-3)
+    parts = [model.forward(ids[:, :20], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(20, 40)]
+    assert rel_err(torch.cat(parts, dim=1), want) <= logits_tol(model, 2e-3)
