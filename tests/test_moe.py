@@ -92,7 +92,7 @@ def test_routing_settings_exposed(moe_models: dict) -> None:
     config = ExLlamaV2Config(str(moe_models["qwen3_moe"][0]))
     assert config.num_experts == 4 and config.num_experts_per_token == 2
     assert config.spec is not None and config.spec.moe is not None
-    assert config.spec.moe.sparse_layers == (True, False) and config.spec.moe.renormalize
+    assert config.spec.moe.sparse_layers == (True, False) and config.spec.moe.norm_p == 1.0
     config.num_experts_per_token = 2  # the model's own value: accepted
 
 

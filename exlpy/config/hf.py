@@ -106,9 +106,12 @@ class _Reader:
         (first key, _MISSING)."""
         names = (keys,) if isinstance(keys, str) else keys
         for key in names:
+            *outer, leaf = key.split(".")  # "attn_config.kv_n_heads": a key of a nested object (DBRX)
             for source in (self.data, self.text):
-                if source.get(key) is not None:
-                    return key, source[key]
+                for part in outer:
+                    source = source.get(part) if isinstance(source, dict) else None
+                if isinstance(source, dict) and source.get(leaf) is not None:
+                    return key, source[leaf]
         return names[0], _MISSING
 
     def get(self, keys: str | tuple[str, ...], typ: type, default: Any = _MISSING) -> Any:
@@ -146,7 +149,7 @@ def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
 
 
 def _rope_theta(r: _Reader) -> float:
-    theta = r.get("rope_theta", float, None)
+    theta = r.get(("rope_theta", "attn_config.rope_theta"), float, None)
     if theta is None:
         theta = (r.get("rope_parameters", dict, None) or {}).get("rope_theta", 10000.0)
     return as_positive_float(theta, "rope_theta", r.path)
@@ -188,7 +191,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
 
     hidden = r.size(("hidden_size", "d_model", "n_embd"), MAX_DIM)
     heads = r.size(("num_attention_heads", "n_heads", "n_head"), MAX_HEADS)
-    kv_heads = r.size("num_key_value_heads", MAX_HEADS, 1 if r.get("multi_query", bool, False) else heads)
+    kv_heads = r.size(("num_key_value_heads", "attn_config.kv_n_heads"), MAX_HEADS,
+                      1 if r.get("multi_query", bool, False) else heads)
     head_dim = r.size("head_dim", MAX_DIM, max(hidden // heads, 1))
     if heads % kv_heads:
         raise ConfigError(f"{path}: num_attention_heads ({heads}) must be a positive multiple of "
@@ -212,7 +216,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         raise UnsupportedArchitectureError(f"{path}: quantization method {quant_method!r:.60} is not supported "
                                            "(supported: EXL2, GPTQ 4-bit)")
 
-    intermediate = r.size(("intermediate_size", "n_inner"), MAX_DIM, 4 * hidden)
+    intermediate = r.size(("intermediate_size", "n_inner", "ffn_config.ffn_hidden_size"), MAX_DIM, 4 * hidden)
     moe = parse_moe(r, arch, layers, intermediate)
     gen_eos: list[int] = []
     gen_path = os.path.join(model_dir, "generation_config.json")

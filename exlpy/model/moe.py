@@ -81,8 +81,10 @@ class MoEMLP(Module):
         assert self.router is not None
         probs = torch.softmax((h @ self.router.t()).float(), dim=-1)
         weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
-        if self.moe.renormalize:
+        if self.moe.norm_p == 1.0:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.moe.norm_p:
+            weights = weights / torch.linalg.vector_norm(weights, ord=self.moe.norm_p, dim=-1, keepdim=True)
         return weights.to(h.dtype), ids
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
