@@ -55,6 +55,11 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe_sparse_step": ("qwen3_moe", {**COMMON, "num_experts": 4, "num_experts_per_tok": 2,
                                             "moe_intermediate_size": 48, "decoder_sparse_step": 2,
                                             "norm_topk_prob": False}),
+    # DBRX: fused Wqkv clipped at 0.5 (below the random projections' range, so the clamp acts), experts fused
+    # per layer, LayerNorm without bias.
+    "dbrx": ("dbrx", dict(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
+                          ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2})),
 }
 
 
@@ -66,7 +71,7 @@ def _randomize(model: Any) -> None:
             if is_norm and name.endswith(".weight"):
                 # Gemma stores weight - 1: values near 0 there, near 1 elsewhere; both well away from trivial.
                 p.copy_((0.0 if "gemma" in type(model).__name__.lower() else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+            elif name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight", "ffn.router.layer.weight")):
                 # MoE routers: decisive routing, so that no top-k choice hangs on a rounding difference
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(".bias"):

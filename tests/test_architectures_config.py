@@ -59,7 +59,7 @@ def test_older_configs_without_layer_types_use_the_architecture_pattern(tmp_path
     ({"query_pre_attn_scalar": 0}, ConfigError, "query_pre_attn_scalar"),
     ({"hidden_activation": "xielu", "hidden_act": None}, UnsupportedArchitectureError, "xielu"),
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, UnsupportedArchitectureError, "vision"),
-    ({"architectures": ["DbrxForCausalLM"]}, UnsupportedArchitectureError, "mixture of experts"),
+    ({"architectures": ["GemmoeForCausalLM"]}, UnsupportedArchitectureError, "mixture of experts"),
     ({"architectures": ["MixtralForCausalLM"], "layer_types": None}, ConfigError, "num_local_experts"),
     ({"architectures": ["MixtralForCausalLM"], "layer_types": None, "num_local_experts": 2,
       "num_experts_per_tok": 3}, ConfigError, "num_experts_per_tok"),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE) beyond the fp32 comparisons of test_architectures.py: both
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, DBRX) beyond the fp32 comparisons of test_architectures.py: both
 formulations of the routed experts, half precision, the planner, and the refusals (TP, LoRA, convert)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.conftest import logits_tol, rel_err, requires_cuda
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     out = {}
-    for case in ("mixtral", "qwen3_moe"):
+    for case in ("mixtral", "qwen3_moe", "dbrx"):
         path = tmp_path_factory.mktemp(case)
         out[case] = (path, make_arch_model(path, case))
     return out
@@ -78,7 +78,7 @@ def test_unrouted_experts_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "dbrx"])
 def test_half_precision_matches_reference(moe_models: dict, case: str, dtype: torch.dtype) -> None:
     path, ref = moe_models[case]
     ids = torch.randint(2, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -127,6 +127,24 @@ def test_convert_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
         convert(str(moe_models["mixtral"][0]), str(tmp_path / "out"))
 
 
+def test_dbrx_fused_experts_read_as_canonical_parts(moe_models: dict) -> None:
+    """DBRX stores each layer's experts as [E*I, H] w1 / v1 / w2 (w2 transposed): every expert's projections
+    are views of them, with the canonical shapes, and the fused tensors are counted once."""
+    from safetensors import safe_open
+
+    path = moe_models["dbrx"][0]
+    config = ExLlamaV2Config(str(path))
+    index = config.index
+    assert index is not None
+    with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
+        w2 = f.get_tensor("transformer.blocks.1.ffn.experts.mlp.w2")
+        v1 = f.get_tensor("transformer.blocks.1.ffn.experts.mlp.v1")
+    assert index.info("model.layers.1.mlp.experts.2.down_proj.weight").shape == (64, 48)
+    torch.testing.assert_close(index.get("model.layers.1.mlp.experts.2.down_proj.weight"), w2[96:144].t())
+    torch.testing.assert_close(index.get("model.layers.1.mlp.experts.3.up_proj.weight"), v1[144:192])
+    assert "model.layers.1.mlp.experts.w2" not in index.tensors
+
+
 def test_plan_counts_every_expert(moe_models: dict, capsys: pytest.CaptureFixture[str]) -> None:
     from exlpy.cli import plan as plan_cli
     from exlpy.parallel.costs import module_costs
@@ -146,7 +164,7 @@ def test_plan_counts_every_expert(moe_models: dict, capsys: pytest.CaptureFixtur
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "dbrx"])
 def test_cuda_full_and_incremental(moe_models: dict, case: str) -> None:
     """On a GPU (fp16): full sequence and token by token through a cache; with two GPUs, autosplit balances the
     layers over both (a layer split through MoE blocks)."""

@@ -67,6 +67,7 @@ class ArchParams:
     moe_renormalize: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral)
     moe_renormalize_key: str | None = None  # config key that sets it (Qwen3-MoE: norm_topk_prob)
     moe_dense_layers: bool = False  # config's mlp_only_layers / decoder_sparse_step leave dense layers
+    moe_fused_experts: bool = False  # DBRX: experts stored as [E*I, H] tensors w1 / v1 / w2 (exlpy/weights/views.py)
 
 
 _GPT2_KEYS = (
@@ -122,6 +123,16 @@ ARCHITECTURES: dict[str, ArchParams] = dict([
     # exllamav2 marks Qwen3-MoE TP-capable but has no TP split of its MoE layers; neither has exlpy.
     _arch("Qwen3MoeForCausalLM", qk_norm=True, moe=True, moe_renormalize=False,
           moe_renormalize_key="norm_topk_prob", moe_dense_layers=True, remap=((".mlp.gate.", ".mlp.router."),)),
+    # DBRX: LayerNorm without bias, fused Wqkv with clip_qkv, experts fused per layer, top-k weights divided by
+    # their L_p norm (ffn_config.moe_normalize_expert_weights; nested config keys are read as "a.b").
+    _arch("DbrxForCausalLM", norm="layer", norm_eps_keys=("layer_norm_epsilon",), fused_qkv="self_attn.Wqkv",
+          moe=True, moe_renormalize_key="ffn_config.moe_normalize_expert_weights", moe_fused_experts=True, remap=(
+              ("$transformer.wte.", "model.embed_tokens."), ("$transformer.norm_f.", "model.norm."),
+              ("$transformer.blocks.", "model.layers."), (".norm_attn_norm.norm_1.", ".input_layernorm."),
+              (".norm_attn_norm.norm_2.", ".post_attention_layernorm."),
+              (".norm_attn_norm.attn.Wqkv.", ".self_attn.Wqkv."),
+              (".norm_attn_norm.attn.out_proj.", ".self_attn.o_proj."),
+              (".ffn.router.layer.", ".mlp.router."), (".ffn.experts.mlp.", ".mlp.experts."))),
     _arch("Glm4ForCausalLM", fused_gate_up="mlp.gate_up_proj", rope_style="gptj", supports_tp=True,
           norms=(("attn_pre", "input_layernorm"), ("attn_post", "post_self_attn_layernorm"),
                  ("mlp_pre", "post_attention_layernorm"), ("mlp_post", "post_mlp_layernorm"))),
@@ -131,7 +142,7 @@ FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (ex
 
 # Architectures exllamav2 runs that exlpy does not yet: refused by name rather than run as Llama.
 NOT_YET: dict[str, str] = {
-    "DbrxForCausalLM": "mixture of experts", "GemmoeForCausalLM": "mixture of experts",
+    "GemmoeForCausalLM": "mixture of experts",
     "Gemma3ForConditionalGeneration": "vision", "Qwen2VLForConditionalGeneration": "vision",
     "Qwen2_5_VLForConditionalGeneration": "vision", "LlavaForConditionalGeneration": "vision",
     "Mistral3ForConditionalGeneration": "vision",
