@@ -182,3 +182,43 @@ def test_cuda_full_and_incremental(moe_models: dict, case: str) -> None:
     assert rel_err(model.forward(ids), want) <= logits_tol(model, 2e-3)
     parts = [model.forward(ids[:, :20], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(20, 40)]
     assert rel_err(torch.cat(parts, dim=1), want) <= logits_tol(model, 2e-3)
+
+
+def test_exl2_experts_equal_their_dense_equivalent(moe_models: dict, tmp_path: Path) -> None:
+    """Experts stored as EXL2 (as exllamav2 converts Mixtral) load packed and run grouped by expert: the logits
+    equal those of the same model with every expert written out densely as its quantized linear computes it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from exlpy.model.moe import MoEMLP
+    from exlpy.quant.pack import random_exl2
+
+    src = moe_models["mixtral"][0]
+    dense = load_file(str(src / "model.safetensors"))
+    quant = dict(dense)
+    g = torch.Generator().manual_seed(9)
+    for name, w in dense.items():
+        if ".experts." in name:
+            n, k = w.shape
+            del quant[name]
+            for suffix, t in random_exl2(k, n, [(4, k // 2), (6, k // 2)], g).items():
+                quant[f"{name.removesuffix('.weight')}.{suffix}"] = t
+    dirs = {"exl2": tmp_path / "exl2", "dense": tmp_path / "dense"}
+    for d in dirs.values():
+        d.mkdir()
+        shutil.copy(src / "config.json", d / "config.json")
+    save_file(quant, str(dirs["exl2"] / "model.safetensors"))
+    model = _load(dirs["exl2"], torch.float32, "cpu")
+    for m in model.modules:
+        if isinstance(m, MoEMLP):
+            assert m.experts is not None and m.w_gate_up is None
+            for e, linears in enumerate(m.experts):
+                for lin, proj in zip(linears, ("w1", "w3", "w2")):
+                    eye = torch.eye(lin.in_features)
+                    w = lin.forward(eye).t().contiguous()  # [out, in], exactly what the packed linear computes
+                    dense[f"model.layers.{m.layer_idx}.block_sparse_moe.experts.{e}.{proj}.weight"] = w
+    save_file(dense, str(dirs["dense"] / "model.safetensors"))
+    ref = _load(dirs["dense"], torch.float32, "cpu")
+    ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(6))
+    assert rel_err(model.forward(ids), ref.forward(ids)) < 1e-4

@@ -2,8 +2,9 @@
 
 Routing as exlpy/config/moe.py describes it: router logits in the compute dtype, softmax in fp32, the top k
 experts per token, their weights renormalised where the architecture says, cast back to the compute dtype.
-The experts are gated MLPs stacked at load into one [E, 2I, H] gate|up and one [E, H, I] down tensor, run by
-`ops.moe_experts` (only the chosen experts' weights are read).
+Dense experts are stacked at load into one [E, 2I, H] gate|up and one [E, H, I] down tensor, run by
+`ops.moe_experts` (only the chosen experts' weights are read). Quantized experts (EXL2, GPTQ: exllamav2's
+converted Mixtral) stay one linear each, read packed, and run grouped by expert (`grouped_experts`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import torch
 
 from exlpy.config.config import ExLlamaV2Config
-from exlpy.errors import NotSupportedError
 from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
-from exlpy.model.linear import linear_format
+from exlpy.model.linear import Linear, linear_format, load_linear
 from exlpy.model.module import Module
 from exlpy.model.norm import block_norm, load_norm_tensors
 from exlpy.weights.checks import landed
@@ -41,6 +41,7 @@ class MoEMLP(Module):
         self.router: torch.Tensor | None = None  # [E, H]
         self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H]
         self.w_down: torch.Tensor | None = None  # [E, H, I]
+        self.experts: list[tuple[Linear, Linear, Linear]] | None = None  # (gate, up, down) when not all dense
         self.lora = None  # adapters do not reach expert layers (exlpy/lora/ refuses MoE models)
 
     def tensor_prefixes(self) -> list[str]:
@@ -48,32 +49,34 @@ class MoEMLP(Module):
         return [self.key, self.norm_key]
 
     def _dense(self, name: str, shape: tuple[int, int], device: torch.device, dt: torch.dtype) -> torch.Tensor:
-        prefix = name.rsplit(".", 1)[0]
-        fmt = linear_format(self.index, prefix)
-        if fmt != "dense":
-            raise NotSupportedError(f"{self.index.model_dir}: expert {prefix} is stored as {fmt.upper()}; exlpy "
-                                    "runs mixture-of-experts models from fp16/bf16/fp32 weights only for now")
         return landed(self.index, name, self.index.get(name, shape=shape)).to(device=device, dtype=dt)
 
     def load(self, device: torch.device) -> None:
         s, dt = self.spec, self.dtype(device)
         hid, inter, n = s.hidden_size, self.moe.expert_size, self.moe.num_experts
+        scale = s.features.residual_scale
         self.norm_w, self.norm_b = load_norm_tensors(self, self.norm_key, device)
         self.router = self._dense(f"{self.key}.router.weight", (n, hid), device, dt)
-        gate_up, down = [], []
-        for e in range(n):
-            p = f"{self.key}.experts.{e}"
-            gate_up.append(torch.cat([self._dense(f"{p}.gate_proj.weight", (inter, hid), device, dt),
-                                      self._dense(f"{p}.up_proj.weight", (inter, hid), device, dt)]))
-            down.append(self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt))
-        self.w_gate_up = torch.stack(gate_up)
-        self.w_down = torch.stack(down)
-        if s.features.residual_scale != 1.0:
-            self.w_down.mul_(s.features.residual_scale)
+        prefixes = [f"{self.key}.experts.{e}" for e in range(n)]
+        if any(linear_format(self.index, f"{p}.{proj}") != "dense" for p in prefixes
+               for proj in ("gate_proj", "up_proj", "down_proj")):
+            kw = {"gptq_v2": s.gptq_v2}
+            self.experts = [(load_linear(self.index, f"{p}.gate_proj", hid, inter, device, dt, **kw),
+                             load_linear(self.index, f"{p}.up_proj", hid, inter, device, dt, **kw),
+                             load_linear(self.index, f"{p}.down_proj", inter, hid, device, dt, prescale=scale, **kw))
+                            for p in prefixes]
+        else:
+            self.w_gate_up = torch.stack([torch.cat([self._dense(f"{p}.gate_proj.weight", (inter, hid), device, dt),
+                                                     self._dense(f"{p}.up_proj.weight", (inter, hid), device, dt)])
+                                          for p in prefixes])
+            self.w_down = torch.stack([self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt)
+                                       for p in prefixes])
+            if scale != 1.0:
+                self.w_down.mul_(scale)
         self.device = device
 
     def unload(self) -> None:
-        self.norm_w = self.norm_b = self.router = self.w_gate_up = self.w_down = None
+        self.norm_w = self.norm_b = self.router = self.w_gate_up = self.w_down = self.experts = None
         super().unload()
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +91,33 @@ class MoEMLP(Module):
         return weights.to(h.dtype), ids
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        assert self.norm_w is not None and self.w_gate_up is not None and self.w_down is not None
+        assert self.norm_w is not None
         h = block_norm(x, self.norm_w, self.norm_b, self.spec).to(self.norm_w.dtype).reshape(-1, x.shape[-1])
         weights, ids = self.route(h)
-        out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act)
+        if self.experts is not None:
+            out = grouped_experts(h, weights, ids, self.experts, self.act)
+        else:
+            assert self.w_gate_up is not None and self.w_down is not None
+            out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act)
         return x + out.view(x.shape).to(x.dtype)
+
+
+def grouped_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: list[tuple[Linear, Linear, Linear]], act: str) -> torch.Tensor:
+    """`ops.moe_experts` over experts that are linears of any format (EXL2 / GPTQ read packed): the (token,
+    expert) pairs sorted by expert, each active expert run once over its tokens (counts read on the host)."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    xs = h.index_select(0, order // k)
+    grouped = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=len(experts)).tolist()):
+        if n:
+            gate, up, down = experts[e]
+            seg = xs[start:start + n]
+            grouped[start:start + n] = down.forward(ops.act_mul(gate.forward(seg), up.forward(seg), act))
+            start += n
+    out = torch.empty_like(grouped)
+    out[order] = grouped
+    return (out.view(T, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(h.dtype)
