@@ -59,7 +59,8 @@ def write(path: str, cfg: dict[str, Any], device: str = "cuda") -> None:
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         t |= {f"{p}.input_layernorm.weight": rnd(h, std=0) + 1,
-              f"{p}.post_attention_layernorm.weight": rnd(h, std=0) + 1, f"{p}.self_attn.q_proj.weight": rnd(hq * d, h), f"{p}.self_attn.k_proj.weight": rnd(hk * d, h),
+              f"{p}.post_attention_layernorm.weight": rnd(h, std=0) + 1,
+              f"{p}.self_attn.q_proj.weight": rnd(hq * d, h), f"{p}.self_attn.k_proj.weight": rnd(hk * d, h),
               f"{p}.self_attn.v_proj.weight": rnd(hk * d, h), f"{p}.self_attn.o_proj.weight": rnd(h, hq * d)}
         if not mixtral:
             t |= {f"{p}.self_attn.q_norm.weight": rnd(d, std=0) + 1,
