@@ -94,6 +94,25 @@ def test_routing_settings_exposed(moe_models: dict) -> None:
     assert config.spec is not None and config.spec.moe is not None
     assert config.spec.moe.sparse_layers == (True, False) and config.spec.moe.norm_p == 1.0
     config.num_experts_per_token = 2  # the model's own value: accepted
+    assert config.num_experts_per_token == 2
+
+
+def test_experts_per_token_override_matches_a_model_trained_so(moe_models: dict, tmp_path: Path) -> None:
+    """exllamav2's -ept: config.num_experts_per_token = 3 on the top-2 Mixtral routes like transformers' Mixtral
+    with num_experts_per_tok = 3 and the same weights."""
+    from exlpy.errors import ConfigError
+
+    ref3 = make_arch_model(tmp_path, "mixtral", num_experts_per_tok=3)  # same seed: the same weights
+    config = ExLlamaV2Config(str(moe_models["mixtral"][0]))
+    with pytest.raises(ConfigError, match="num_experts_per_token"):
+        config.num_experts_per_token = 5  # only 4 experts
+    config.num_experts_per_token = 3
+    model = ExLlamaV2(config)
+    model.load(device="cpu")
+    ids = torch.randint(2, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = ref3(ids).logits  # type: ignore[operator]
+    assert rel_err(model.forward(ids), want) <= logits_tol(model, 2e-3)
 
 
 def test_moe_models_are_not_graph_captured(moe_models: dict) -> None:

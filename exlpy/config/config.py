@@ -76,6 +76,7 @@ class ExLlamaV2Config(RuntimeSettings):
         self.no_sdpa = opts.no_sdpa or no_cuda
         self.no_graphs = opts.no_graphs  # graphs need CUDA anyway; this stays the user's setting
         self._load_in_q4 = False
+        self._experts_per_token: int | None = None  # exllamav2's -ept: overrides num_experts_per_tok
         # exlpy dequantizes inside its kernels (no temporary fp16 weight buffer), so this bound has nothing to
         # limit; kept so exllamav2 scripts can set it.
         self.max_dq_size = 512 * 1024**2
@@ -177,19 +178,22 @@ class ExLlamaV2Config(RuntimeSettings):
 
     @property
     def num_experts_per_token(self) -> int | None:
-        """Experts each token is routed to (config.json's num_experts_per_tok); None for a dense model."""
+        """Experts each token is routed to: config.json's num_experts_per_tok unless set here (exllamav2's
+        `-ept`); None for a dense model."""
         moe = self.spec.moe if self.spec is not None else None
-        return moe.top_k if moe is not None else None
+        if moe is None:
+            return None
+        return self._experts_per_token or moe.top_k
 
     @num_experts_per_token.setter
     def num_experts_per_token(self, value: int | None) -> None:
-        if value is None or value == self.num_experts_per_token:
+        moe = self.spec.moe if self.spec is not None else None
+        if value is None:
+            self._experts_per_token = None
             return
-        if self.num_experts_per_token is None:
+        if moe is None:
             raise ConfigError(f"config.num_experts_per_token = {value}: this model has no experts")
-        raise NotSupportedError(f"config.num_experts_per_token = {value}: exlpy routes each token to the "
-                                f"model's own {self.num_experts_per_token} experts (num_experts_per_tok); "
-                                "changing it is not supported yet")
+        self._experts_per_token = as_int(value, "num_experts_per_token", "config", 1, moe.num_experts, strict=True)
 
     @property
     def load_in_q4(self) -> bool:

@@ -83,7 +83,8 @@ class MoEMLP(Module):
         """(weights [T, k] in the compute dtype, expert ids [T, k]) of the normed tokens h [T, H]."""
         assert self.router is not None
         probs = torch.softmax((h @ self.router.t()).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        k = self.config.num_experts_per_token or self.moe.top_k  # the config's, or exllamav2's -ept override
+        weights, ids = torch.topk(probs, k, dim=-1)
         if self.moe.norm_p == 1.0:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         elif self.moe.norm_p:
