@@ -164,6 +164,38 @@ def test_dbrx_fused_experts_read_as_canonical_parts(moe_models: dict) -> None:
     assert "model.layers.1.mlp.experts.w2" not in index.tensors
 
 
+def test_dbrx_original_config_reads_nested_keys(moe_models: dict, tmp_path: Path) -> None:
+    """databricks' own config.json has kv heads, RoPE base, clip and routing only under attn_config / ffn_config."""
+    import json
+    import shutil
+
+    d = tmp_path / "dbrx"
+    shutil.copytree(moe_models["dbrx"][0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("num_key_value_heads", "rope_parameters"):
+        cfg.pop(key, None)
+    cfg["attn_config"]["rope_theta"] = 5e5
+    cfg["ffn_config"]["moe_normalize_expert_weights"] = 2
+    (d / "config.json").write_text(json.dumps(cfg))
+    spec = ExLlamaV2Config(str(d)).spec
+    assert spec is not None and spec.moe is not None
+    assert (spec.num_key_value_heads, spec.rope_theta, spec.features.clip_qkv) == (2, 5e5, 0.5)
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_size, spec.moe.norm_p) == (4, 2, 48, 2.0)
+    cfg["ffn_config"]["moe_normalize_expert_weights"] = None  # null: the top-k weights as they are
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert ExLlamaV2Config(str(d)).spec.moe.norm_p == 0.0  # type: ignore[union-attr]
+
+
+def test_dbrx_l2_normalised_routing_matches_reference(tmp_path: Path) -> None:
+    ffn = {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 2.0}
+    ref = make_arch_model(tmp_path, "dbrx", ffn_config=ffn)
+    model = _load(tmp_path, torch.float32, "cpu")
+    ids = torch.randint(2, VOCAB, (2, 20), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        want = ref(ids).logits  # type: ignore[operator]
+    assert rel_err(model.forward(ids), want) <= 2e-3
+
+
 def test_plan_counts_every_expert(moe_models: dict, capsys: pytest.CaptureFixture[str]) -> None:
     from exlpy.cli import plan as plan_cli
     from exlpy.parallel.costs import module_costs
