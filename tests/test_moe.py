@@ -273,3 +273,20 @@ def test_exl2_experts_equal_their_dense_equivalent(moe_models: dict, tmp_path: P
     ref = _load(dirs["dense"], torch.float32, "cpu")
     ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(6))
     assert rel_err(model.forward(ids), ref.forward(ids)) < 1e-4
+
+
+def test_nan_in_an_expert_is_named(moe_models: dict, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from exlpy.errors import WeightsError
+
+    d = tmp_path / "m"
+    shutil.copytree(moe_models["qwen3_moe"][0], d)
+    f = next(d.glob("*.safetensors"))
+    t = load_file(str(f))
+    t["model.layers.0.mlp.experts.3.down_proj.weight"][5, 7] = float("nan")
+    save_file(t, str(f))
+    with pytest.raises(WeightsError, match="experts.3.down_proj"):
+        _load(d, torch.float32, "cpu")

@@ -1,4 +1,4 @@
-"""The mixture-of-experts block (Mixtral, Qwen3-MoE): x + sum_j w_j * expert_j(h) with h = norm(x).
+"""The mixture-of-experts block (Mixtral, Qwen3-MoE, DBRX): x + sum_j w_j * expert_j(h) with h = norm(x).
 
 Routing as exlpy/config/moe.py describes it: router logits in the compute dtype, softmax in fp32, the top k
 experts per token, their weights renormalised where the architecture says, cast back to the compute dtype.
@@ -49,7 +49,7 @@ class MoEMLP(Module):
         return [self.key, self.norm_key]
 
     def _dense(self, name: str, shape: tuple[int, int], device: torch.device, dt: torch.dtype) -> torch.Tensor:
-        return landed(self.index, name, self.index.get(name, shape=shape)).to(device=device, dtype=dt)
+        return landed(self.index, name, self.index.get(name, shape=shape).to(device=device, dtype=dt))
 
     def load(self, device: torch.device) -> None:
         s, dt = self.spec, self.dtype(device)
@@ -66,11 +66,13 @@ class MoEMLP(Module):
                              load_linear(self.index, f"{p}.down_proj", inter, hid, device, dt, prescale=scale, **kw))
                             for p in prefixes]
         else:
-            self.w_gate_up = torch.stack([torch.cat([self._dense(f"{p}.gate_proj.weight", (inter, hid), device, dt),
-                                                     self._dense(f"{p}.up_proj.weight", (inter, hid), device, dt)])
-                                          for p in prefixes])
-            self.w_down = torch.stack([self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt)
-                                       for p in prefixes])
+            # filled expert by expert: the peak is the stacked tensors plus one expert, not twice the experts
+            self.w_gate_up = torch.empty(n, 2 * inter, hid, device=device, dtype=dt)
+            self.w_down = torch.empty(n, hid, inter, device=device, dtype=dt)
+            for e, p in enumerate(prefixes):
+                self.w_gate_up[e, :inter] = self._dense(f"{p}.gate_proj.weight", (inter, hid), device, dt)
+                self.w_gate_up[e, inter:] = self._dense(f"{p}.up_proj.weight", (inter, hid), device, dt)
+                self.w_down[e] = self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt)
             if scale != 1.0:
                 self.w_down.mul_(scale)
         self.device = device
