@@ -24,7 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from exlpy.cli.bench import copy_bandwidth, load_model, time_decode  # noqa: E402
+from exlpy.cli.bench import copy_bandwidth, load_model, time_decode, weight_bytes_read  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -76,21 +76,6 @@ def write(path: str, cfg: dict[str, Any], device: str = "cuda") -> None:
         json.dump(cfg, f)
 
 
-def active_bytes(model: Any) -> int:
-    """Weight bytes one token reads: all but the embedding, each MoE layer's experts scaled by k / E."""
-    from exlpy.model.moe import MoEMLP
-
-    total = 0
-    for m in model.modules[1:]:
-        b = m.weight_bytes()
-        if isinstance(m, MoEMLP):
-            experts = sum(t.nbytes for name, t in model.config.index.tensors.items()
-                          if name.startswith(f"{m.key}.experts."))
-            b += experts * m.moe.top_k // m.moe.num_experts - experts
-        total += b
-    return total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/exlpy_moe")
@@ -108,7 +93,7 @@ def main() -> None:
         if not os.path.exists(os.path.join(path, "model.safetensors")):
             write(path, cfg)
         model = load_model(path, a.prompt_len + a.gen_len + 8, max(int(b) for b in a.batches.split(",")))
-        act = active_bytes(model)
+        act = weight_bytes_read(model)  # an MoE layer's experts counted k / E
         for b in (int(x) for x in a.batches.split(",")):
             r = time_decode(model, b, a.prompt_len, a.gen_len)
             tps = b * a.gen_len / r.seconds

@@ -206,6 +206,9 @@ def test_plan_counts_every_expert(moe_models: dict, capsys: pytest.CaptureFixtur
     # 4 experts x 3 projections of 64 x 128, the router (4 x 64) and the norm (64), at 2 bytes
     assert costs["model.layers.0.mlp"].weight_bytes == (4 * 3 * 64 * 128 + 4 * 64 + 64) * 2
     assert costs["model.layers.0.mlp"].kind == "mlp"
+    # a token reads 2 of the 4 experts (fp16 on disk): what `exlpy bench` takes as the batch-1 bandwidth limit
+    moe = model.modules[2]
+    assert moe.active_weight_bytes() == (2 * 3 * 64 * 128 + 4 * 64 + 64) * 2
     parser = argparse.ArgumentParser()
     plan_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["plan", "--model", str(path), "--devices", "1000,1000", "--max-seq-len", "256"])

@@ -48,6 +48,12 @@ class MoEMLP(Module):
         # all experts' weights are resident (the planner counts them all); a token reads only its k experts'
         return [self.key, self.norm_key]
 
+    def active_weight_bytes(self) -> int:
+        """Stored bytes one token reads: the router, the norm and k of the E experts (on average)."""
+        experts = sum(t.nbytes for n, t in self.index.tensors.items() if n.startswith(f"{self.key}.experts."))
+        k = self.config.num_experts_per_token or self.moe.top_k
+        return self.weight_bytes() - experts + experts * k // self.moe.num_experts
+
     def _dense(self, name: str, shape: tuple[int, int], device: torch.device, dt: torch.dtype) -> torch.Tensor:
         return landed(self.index, name, self.index.get(name, shape=shape).to(device=device, dtype=dt))
 
