@@ -47,6 +47,19 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", GPT),
     "gpt_bigcode": ("gpt_bigcode", {**GPT, "multi_query": True}),
     "glm4": ("glm4", {**COMMON, "head_dim": 16, "attention_bias": True}),
+    # Mixture of experts: 4 experts, top 2. Qwen3-MoE with a dense layer (mlp_only_layers) and renormalised
+    # top-k, and without renormalisation with its dense layer from decoder_sparse_step.
+    "mixtral": ("mixtral", {**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("qwen3_moe", {**COMMON, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                "mlp_only_layers": [1], "norm_topk_prob": True}),
+    "qwen3_moe_sparse_step": ("qwen3_moe", {**COMMON, "num_experts": 4, "num_experts_per_tok": 2,
+                                            "moe_intermediate_size": 48, "decoder_sparse_step": 2,
+                                            "norm_topk_prob": False}),
+    # DBRX: fused Wqkv clipped at 0.5 (below the random projections' range, so the clamp acts), experts fused
+    # per layer, LayerNorm without bias.
+    "dbrx": ("dbrx", dict(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
+                          ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2})),
 }
 
 
@@ -58,6 +71,9 @@ def _randomize(model: Any) -> None:
             if is_norm and name.endswith(".weight"):
                 # Gemma stores weight - 1: values near 0 there, near 1 elsewhere; both well away from trivial.
                 p.copy_((0.0 if "gemma" in type(model).__name__.lower() else 1.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight", "ffn.router.layer.weight")):
+                # MoE routers: decisive routing, so that no top-k choice hangs on a rounding difference
+                p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
 

@@ -59,7 +59,12 @@ def test_older_configs_without_layer_types_use_the_architecture_pattern(tmp_path
     ({"query_pre_attn_scalar": 0}, ConfigError, "query_pre_attn_scalar"),
     ({"hidden_activation": "xielu", "hidden_act": None}, UnsupportedArchitectureError, "xielu"),
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, UnsupportedArchitectureError, "vision"),
-    ({"architectures": ["MixtralForCausalLM"]}, UnsupportedArchitectureError, "mixture of experts"),
+    ({"architectures": ["GemmoeForCausalLM"]}, UnsupportedArchitectureError, "mixture of experts"),
+    ({"architectures": ["MixtralForCausalLM"], "layer_types": None}, ConfigError, "num_local_experts"),
+    ({"architectures": ["MixtralForCausalLM"], "layer_types": None, "num_local_experts": 2,
+      "num_experts_per_tok": 3}, ConfigError, "num_experts_per_tok"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "layer_types": None, "num_experts": 4, "num_experts_per_tok": 2,
+      "mlp_only_layers": [7]}, ConfigError, "mlp_only_layers"),
 ])
 def test_bad_values_are_named(tmp_path: Path, gemma2: Path, changes: dict, error: type, needle: str) -> None:
     d = tmp_path / "m"

@@ -29,7 +29,8 @@ def _oracle(ref: object, ids: torch.Tensor, n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("case", ["gemma2", "cohere", "cohere2", "gpt2", "phi3_window"])
+@pytest.mark.parametrize("case", ["gemma2", "cohere", "cohere2", "gpt2", "phi3_window", "mixtral", "qwen3_moe",
+                                  "dbrx"])
 def test_dynamic_generator_greedy_equals_reference(tmp_path: Path, case: str) -> None:
     src = shared_path("models", "aidreams260K")
     vocab_key = "vocab_size"

@@ -75,7 +75,7 @@ def test_multiple_architectures(model_dir: Path) -> None:
     ({"hidden_act": "xielu"}, "hidden_act"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_parameters": None}, "dynamic"),
     ({"quantization_config": {"quant_method": "awq"}}, "awq"),
-    ({"clip_qkv": 8.0}, "clip_qkv"),
+    ({"alibi": True}, "alibi"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}, "layer_types"),
 ])

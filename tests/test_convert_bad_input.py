@@ -48,9 +48,9 @@ def test_source_missing_or_unsupported(tmp_path) -> None:
         convert(str(tmp_path / "nope"), str(tmp_path / "w"), **CAL)
     src = _copy(tmp_path)
     cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["architectures"] = ["MixtralForCausalLM"]
+    cfg["architectures"] = ["GemmoeForCausalLM"]
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
-    with pytest.raises(UnsupportedArchitectureError, match="MixtralForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match="GemmoeForCausalLM"):
         convert(src, str(tmp_path / "w"), **CAL)
 
 

@@ -81,8 +81,9 @@ def load_model(path: str, max_seq_len: int, max_batch: int = 1, no_graphs: bool 
 
 
 def weight_bytes_read(model: Any) -> int:
-    """Weight bytes one decode step reads: everything but the embedding table (one row of it is gathered)."""
-    return sum(m.weight_bytes() for m in model.modules[1:])
+    """Weight bytes one token of a decode step reads: everything but the embedding table (one row of it is
+    gathered), an MoE block's k routed experts rather than all of them (at batch 1 the bandwidth limit)."""
+    return sum(m.active_weight_bytes() for m in model.modules[1:])
 
 
 def kv_bytes_per_token(model: Any, bytes_per_element: float = 2.0) -> float:

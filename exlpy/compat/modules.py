@@ -1,7 +1,7 @@
 """exllamav2 classes that scripts import from their module paths (`exllamav2.mlp`, `.moe_mlp`,
 `.parallel_decoder`, `.conversion.tokenize`, `.conversion.quantize`), mostly for isinstance checks over
-`model.modules` (test_inference.py). exlpy's MLP is exllamav2's MLP; the mixture-of-experts and parallel decoder
-blocks belong to architectures exlpy does not run, so no module is ever one of them."""
+`model.modules` (test_inference.py). exlpy's MLP and MoE block are exllamav2's MLP and MoE MLP; the parallel
+decoder block belongs to architectures exlpy runs with its MLP, so no module is ever one of them."""
 
 from __future__ import annotations
 
@@ -12,13 +12,7 @@ import torch
 
 from exlpy.errors import NotSupportedError
 from exlpy.model.mlp import MLP as ExLlamaV2MLP
-
-
-class ExLlamaV2MoEMLP:
-    """exllamav2's mixture-of-experts MLP (Mixtral, ...): not supported by exlpy."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedError("ExLlamaV2MoEMLP: mixture-of-experts models are not supported by exlpy")
+from exlpy.model.moe import MoEMLP as ExLlamaV2MoEMLP
 
 
 class ExLlamaV2ParallelDecoder:

@@ -7,10 +7,12 @@ config.json can override (biases, tied heads, windows, multipliers) are read in 
 
 Canonical tensor names (after remapping): `model.embed_tokens`, `model.wpe` (learned positions),
 `model.layers.N.self_attn.{q,k,v,o}_proj` (+ `q_norm`, `k_norm`), `model.layers.N.mlp.{gate,up,down}_proj`
-(`up` alone for a non-gated MLP), `model.norm`, `lm_head`; a layer's norms are named per architecture by role
-(`norms`: attn_pre / attn_post / mlp_pre / mlp_post), as their checkpoints name them. Fused checkpoint tensors
-(`qkv_proj`, `gate_up_proj`, GPT-2's `c_attn`, InternLM2's `wqkv`) are read through row-slice views with these
-names (exlpy/weights/views.py), so loaders, the planner and the converter see one naming.
+(`up` alone for a non-gated MLP), an MoE layer's `model.layers.N.mlp.router` and
+`model.layers.N.mlp.experts.E.{gate,up,down}_proj`, `model.norm`, `lm_head`; a layer's norms are named per
+architecture by role (`norms`: attn_pre / attn_post / mlp_pre / mlp_post), as their checkpoints name them.
+Fused checkpoint tensors (`qkv_proj`, `gate_up_proj`, GPT-2's `c_attn`, InternLM2's `wqkv`) are read through
+row-slice views with these names (exlpy/weights/views.py), so loaders, the planner and the converter see one
+naming.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ class ArchParams:
     rope_on_global: bool = True  # Cohere 2: full-attention layers have no RoPE
     ignores_sliding_window: bool = False  # Mistral v0.1: exllamav2 ignores its window; so do we, with a warning
     supports_tp: bool = False
+    # Mixture of experts (exlpy/config/moe.py): routed expert MLPs in place of the dense one.
+    moe: bool = False
+    moe_renormalize: bool = True  # the top-k routing weights renormalised to sum 1 (Mixtral)
+    moe_renormalize_key: str | None = None  # config key that sets it (Qwen3-MoE: norm_topk_prob)
+    moe_dense_layers: bool = False  # config's mlp_only_layers / decoder_sparse_step leave dense layers
+    moe_fused_experts: bool = False  # DBRX: experts stored as [E*I, H] tensors w1 / v1 / w2 (exlpy/weights/views.py)
 
 
 _GPT2_KEYS = (
@@ -109,6 +117,22 @@ ARCHITECTURES: dict[str, ArchParams] = dict([
         (".feed_forward.w2.", ".mlp.down_proj."))),
     _arch("IndexForCausalLM"),
     _arch("GraniteForCausalLM"),
+    _arch("MixtralForCausalLM", moe=True, ignores_sliding_window=True, remap=(
+        (".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.experts.", ".mlp.experts."),
+        (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))),
+    # exllamav2 marks Qwen3-MoE TP-capable but has no TP split of its MoE layers; neither has exlpy.
+    _arch("Qwen3MoeForCausalLM", qk_norm=True, moe=True, moe_renormalize=False,
+          moe_renormalize_key="norm_topk_prob", moe_dense_layers=True, remap=((".mlp.gate.", ".mlp.router."),)),
+    # DBRX: LayerNorm without bias, fused Wqkv with clip_qkv, experts fused per layer, top-k weights divided by
+    # their L_p norm (ffn_config.moe_normalize_expert_weights; nested config keys are read as "a.b").
+    _arch("DbrxForCausalLM", norm="layer", norm_eps_keys=("layer_norm_epsilon",), fused_qkv="self_attn.Wqkv",
+          moe=True, moe_renormalize_key="ffn_config.moe_normalize_expert_weights", moe_fused_experts=True, remap=(
+              ("$transformer.wte.", "model.embed_tokens."), ("$transformer.norm_f.", "model.norm."),
+              ("$transformer.blocks.", "model.layers."), (".norm_attn_norm.norm_1.", ".input_layernorm."),
+              (".norm_attn_norm.norm_2.", ".post_attention_layernorm."),
+              (".norm_attn_norm.attn.Wqkv.", ".self_attn.Wqkv."),
+              (".norm_attn_norm.attn.out_proj.", ".self_attn.o_proj."),
+              (".ffn.router.layer.", ".mlp.router."), (".ffn.experts.mlp.", ".mlp.experts."))),
     _arch("Glm4ForCausalLM", fused_gate_up="mlp.gate_up_proj", rope_style="gptj", supports_tp=True,
           norms=(("attn_pre", "input_layernorm"), ("attn_post", "post_self_attn_layernorm"),
                  ("mlp_pre", "post_attention_layernorm"), ("mlp_post", "post_mlp_layernorm"))),
@@ -118,8 +142,7 @@ FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (ex
 
 # Architectures exllamav2 runs that exlpy does not yet: refused by name rather than run as Llama.
 NOT_YET: dict[str, str] = {
-    "MixtralForCausalLM": "mixture of experts", "Qwen3MoeForCausalLM": "mixture of experts",
-    "DbrxForCausalLM": "mixture of experts", "GemmoeForCausalLM": "mixture of experts",
+    "GemmoeForCausalLM": "mixture of experts",
     "Gemma3ForConditionalGeneration": "vision", "Qwen2VLForConditionalGeneration": "vision",
     "Qwen2_5_VLForConditionalGeneration": "vision", "LlavaForConditionalGeneration": "vision",
     "Mistral3ForConditionalGeneration": "vision",

@@ -37,12 +37,18 @@ class _from_file:  # used like `property`, hence the lower-case name
                           f"(tried to set it to {value!r})")
 
 
-def layer_keys(spec: ModelSpec) -> list[str]:
-    """The tensor prefixes every decoder layer of `spec` must have (canonical names, exlpy/config/arch.py)."""
+def layer_keys(spec: ModelSpec, layer: int = 0) -> list[str]:
+    """The tensor prefixes decoder layer `layer` of `spec` must have (canonical names, exlpy/config/arch.py)."""
     keys = [name for _, name in spec.arch.norms]
     keys += [f"self_attn.{p}_proj" for p in "qkvo"]
-    keys += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if spec.arch.gated_mlp else ["mlp.up_proj",
-                                                                                         "mlp.down_proj"]
+    if spec.is_sparse(layer):
+        assert spec.moe is not None
+        keys += ["mlp.router"] + [f"mlp.experts.{e}.{p}_proj" for e in range(spec.moe.num_experts)
+                                  for p in ("gate", "up", "down")]
+    elif spec.arch.gated_mlp:
+        keys += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    else:
+        keys += ["mlp.up_proj", "mlp.down_proj"]
     if spec.features.qk_norm:
         keys += ["self_attn.q_norm", "self_attn.k_norm"]
     return keys
@@ -70,6 +76,7 @@ class ExLlamaV2Config(RuntimeSettings):
         self.no_sdpa = opts.no_sdpa or no_cuda
         self.no_graphs = opts.no_graphs  # graphs need CUDA anyway; this stays the user's setting
         self._load_in_q4 = False
+        self._experts_per_token: int | None = None  # exllamav2's -ept: overrides num_experts_per_tok
         # exlpy dequantizes inside its kernels (no temporary fp16 weight buffer), so this bound has nothing to
         # limit; kept so exllamav2 scripts can set it.
         self.max_dq_size = 512 * 1024**2
@@ -127,9 +134,8 @@ class ExLlamaV2Config(RuntimeSettings):
             required.append("lm_head")
         if self.spec.features.learned_positions:
             required.append("model.wpe")
-        keys = layer_keys(self.spec)
         for i in range(self.spec.num_hidden_layers):
-            required += [f"model.layers.{i}.{k}" for k in keys]
+            required += [f"model.layers.{i}.{k}" for k in layer_keys(self.spec, i)]
         for prefix in required:
             if not present(prefix):
                 raise WeightsError(f"Could not find {prefix}.* in model", tensor=prefix, file=self.model_dir)
@@ -148,6 +154,7 @@ class ExLlamaV2Config(RuntimeSettings):
     num_key_value_groups = _from_file(lambda s: s.num_attention_heads // s.num_key_value_heads)
     head_dim = _from_file(lambda s: s.head_dim)
     intermediate_size = _from_file(lambda s: s.intermediate_size)
+    num_experts = _from_file(lambda s: s.moe.num_experts if s.moe else None)  # None for dense models
     norm_eps = _from_file(lambda s: s.norm_eps)
     bos_token_id = _from_file(lambda s: s.bos_token_id)
     eos_token_id = _from_file(lambda s: s.eos_token_id)
@@ -163,8 +170,7 @@ class ExLlamaV2Config(RuntimeSettings):
     scale_emb = _from_file(lambda s: s.features.embed_scale)
     scale_depth = _from_file(lambda s: s.features.residual_scale)
     norm_head = _from_file(lambda s: s.features.norm_head)
-    # Features of architectures exlpy does not load (MoE, vision): fixed values.
-    num_experts = _from_file(lambda s: None)
+    # Features of architectures exlpy does not load (vision): fixed values.
     vision_model_type = _from_file(lambda s: None)
     tensor_file_map = property(lambda self: {n: t.file for n, t in (self.index.tensors if self.index else {}).items()})
     tensor_files = property(lambda self: sorted({t.file for t in (self.index.tensors if self.index else {}).values()}))
@@ -172,13 +178,22 @@ class ExLlamaV2Config(RuntimeSettings):
 
     @property
     def num_experts_per_token(self) -> int | None:
-        return None  # exlpy loads dense models only
+        """Experts each token is routed to: config.json's num_experts_per_tok unless set here (exllamav2's
+        `-ept`); None for a dense model."""
+        moe = self.spec.moe if self.spec is not None else None
+        if moe is None:
+            return None
+        return self._experts_per_token or moe.top_k
 
     @num_experts_per_token.setter
     def num_experts_per_token(self, value: int | None) -> None:
-        if value is not None:
-            raise ConfigError(f"config.num_experts_per_token = {value}: this model has no experts (exlpy loads "
-                              "dense models only)")
+        moe = self.spec.moe if self.spec is not None else None
+        if value is None:
+            self._experts_per_token = None
+            return
+        if moe is None:
+            raise ConfigError(f"config.num_experts_per_token = {value}: this model has no experts")
+        self._experts_per_token = as_int(value, "num_experts_per_token", "config", 1, moe.num_experts, strict=True)
 
     @property
     def load_in_q4(self) -> bool:

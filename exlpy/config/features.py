@@ -22,7 +22,6 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 # key -> (value that is harmless, why it is refused otherwise)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "use_sliding_window": (False, "sliding windows on this architecture"),
-    "clip_qkv": (None, "clipping of q/k/v activations"),
     "qk_layernorm": (False, "q/k LayerNorm on this architecture"),
     "use_bidirectional_attention": (None, "bidirectional attention"),
     "alibi": (False, "ALiBi position biases"),
@@ -53,6 +52,7 @@ class ModelFeatures:
     rotary_dim: int = 0  # dimensions of a head that RoPE rotates (0: none, learned positions)
     layer_window: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = full attention
     layer_rope: tuple[bool, ...] = ()  # per layer: RoPE applied (Cohere 2's global layers have none)
+    clip_qkv: float = 0.0  # q, k and v clamped to [-c, c] after their projection (DBRX), 0: not clamped
     attn_scale: float = 0.0  # softmax scale of q.k
     attn_softcap: float = 0.0  # cap * tanh(score / cap) when > 0
     final_softcap: float = 0.0
@@ -130,8 +130,8 @@ def _refuse_unimplemented(r: Reader) -> None:
 def parse_features(r: Reader, arch: ArchParams, hidden: int, head_dim: int, layers: int, max_pos: int
                    ) -> ModelFeatures:
     _refuse_unimplemented(r)
-    act_key, act = "hidden_act", r.get(("hidden_act", "hidden_activation", "activation_function"), str,
-                                       arch.default_act)
+    act_key, act = "hidden_act", r.get(("hidden_act", "hidden_activation", "activation_function",
+                                        "ffn_config.ffn_act_fn.name"), str, arch.default_act)
     if act not in ACTIVATIONS:
         raise UnsupportedArchitectureError(f"{r.path}: {act_key} '{act}' is not supported (supported: "
                                            f"{', '.join(ACTIVATIONS)})")
@@ -166,6 +166,7 @@ def parse_features(r: Reader, arch: ArchParams, hidden: int, head_dim: int, laye
         tied_head=arch.tied_head or r.get("tie_word_embeddings", bool, False),
         rotary_dim=_rotary_dim(r, arch, head_dim),
         layer_window=windows, layer_rope=rope,
+        clip_qkv=_float(r, ("clip_qkv", "attn_config.clip_qkv"), 0.0),
         attn_scale=scale,
         attn_softcap=_float(r, "attn_logit_softcapping", 0.0, allow_zero=True),
         final_softcap=_float(r, "final_logit_softcapping", 0.0, allow_zero=True),

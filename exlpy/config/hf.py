@@ -14,6 +14,7 @@ from typing import Any
 
 from exlpy.config.arch import ARCHITECTURES, FALLBACK, NOT_YET, ArchParams
 from exlpy.config.features import ModelFeatures, parse_features
+from exlpy.config.moe import MoESpec, parse_moe
 from exlpy.config.rope import RopeScaling, parse_rope_scaling
 from exlpy.config.values import (
     MAX_DIM,
@@ -58,6 +59,11 @@ class ModelSpec:
     quant_method: str | None = None
     raw_keys: frozenset[str] = field(default_factory=frozenset)
     features: ModelFeatures = field(default_factory=ModelFeatures)
+    moe: MoESpec | None = None  # mixture-of-experts settings (None: every layer has the dense MLP)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has an MoE block in place of the dense MLP."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def norm_kind(self) -> str:
@@ -100,9 +106,12 @@ class _Reader:
         (first key, _MISSING)."""
         names = (keys,) if isinstance(keys, str) else keys
         for key in names:
+            *outer, leaf = key.split(".")  # "attn_config.kv_n_heads": a key of a nested object (DBRX)
             for source in (self.data, self.text):
-                if source.get(key) is not None:
-                    return key, source[key]
+                for part in outer:
+                    source = source.get(part) if isinstance(source, dict) else None
+                if isinstance(source, dict) and source.get(leaf) is not None:
+                    return key, source[leaf]
         return names[0], _MISSING
 
     def get(self, keys: str | tuple[str, ...], typ: type, default: Any = _MISSING) -> Any:
@@ -140,7 +149,7 @@ def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
 
 
 def _rope_theta(r: _Reader) -> float:
-    theta = r.get("rope_theta", float, None)
+    theta = r.get(("rope_theta", "attn_config.rope_theta"), float, None)
     if theta is None:
         theta = (r.get("rope_parameters", dict, None) or {}).get("rope_theta", 10000.0)
     return as_positive_float(theta, "rope_theta", r.path)
@@ -182,7 +191,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
 
     hidden = r.size(("hidden_size", "d_model", "n_embd"), MAX_DIM)
     heads = r.size(("num_attention_heads", "n_heads", "n_head"), MAX_HEADS)
-    kv_heads = r.size("num_key_value_heads", MAX_HEADS, 1 if r.get("multi_query", bool, False) else heads)
+    kv_heads = r.size(("num_key_value_heads", "attn_config.kv_n_heads"), MAX_HEADS,
+                      1 if r.get("multi_query", bool, False) else heads)
     head_dim = r.size("head_dim", MAX_DIM, max(hidden // heads, 1))
     if heads % kv_heads:
         raise ConfigError(f"{path}: num_attention_heads ({heads}) must be a positive multiple of "
@@ -206,6 +216,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         raise UnsupportedArchitectureError(f"{path}: quantization method {quant_method!r:.60} is not supported "
                                            "(supported: EXL2, GPTQ 4-bit)")
 
+    intermediate = r.size(("intermediate_size", "n_inner", "ffn_config.ffn_hidden_size"), MAX_DIM, 4 * hidden)
+    moe = parse_moe(r, arch, layers, intermediate)
     gen_eos: list[int] = []
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
@@ -218,7 +230,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=r.size(("intermediate_size", "n_inner"), MAX_DIM, 4 * hidden),
+        intermediate_size=intermediate,
         norm_eps=_norm_eps(r, arch),
         rope_theta=_rope_theta(r),
         rope_scaling=rope_scaling,
@@ -236,6 +248,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         quant_method=quant_method,
         raw_keys=frozenset(r.data),
         features=features,
+        moe=moe,
     )
     _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos

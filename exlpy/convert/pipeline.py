@@ -86,6 +86,9 @@ class _Converter:
         if spec.arch.parallel_blocks:  # the MLP reads the attention's normed input, which runs before it
             raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
                                                "parallel attention and MLP blocks); the fp16/bf16 model loads as it is")
+        if spec.moe is not None:  # experts need their own measurement, calibration coverage and packing
+            raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
+                                               "mixture-of-experts layers); the fp16/bf16 model loads as it is")
         if spec.quant_method is not None:
             raise UnsupportedArchitectureError(f"{s.in_dir} is already quantized ({spec.quant_method}); convert "
                                                "from the fp16/bf16/fp32 model")

@@ -19,8 +19,10 @@ from exlpy.runtime import options
 
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
-    """The strategy's graph runner, or None where graphs do not apply (CPU, no Triton, config.no_graphs)."""
-    if model.config.no_graphs or not strategy.graph_safe:
+    """The strategy's graph runner, or None where graphs do not apply (CPU, no Triton, config.no_graphs, a
+    module whose step synchronises with the host: MoE blocks)."""
+    if model.config.no_graphs or not strategy.graph_safe or not all(getattr(m, "graph_safe", True)
+                                                                     for m in model.modules):
         return None
     runner = strategy.graph_cache.get("runner")
     if runner is None:

@@ -37,6 +37,10 @@ from exlpy.weights.checks import module_checks
 def check_supported(config: Any, modules: list[Module]) -> None:
     """Raise TensorParallelError naming the first feature this model has that TP does not support."""
     s = config.spec
+    if s.moe is not None:  # exllamav2 has no TP split of MoE layers either (spec §1)
+        raise TensorParallelError(f"Tensor-parallel is not implemented for mixture-of-experts models "
+                                  f"({s.architecture}): load it on one GPU or split its layers (load_autosplit / "
+                                  "gpu_split)")
     if not s.arch.supports_tp:
         raise TensorParallelError(f"Tensor-parallel is not supported for {s.architecture}")
     if s.intermediate_size % 128:

@@ -220,3 +220,10 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
                        adapters: torch.Tensor, q_len: int, down_a: torch.Tensor | None = None,
                        down_ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _impl("lora_expand_swiglu", gu)(gu, u, b, ranks, adapters, q_len, down_a, down_ranks)
+
+
+def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, kind: str) -> torch.Tensor:
+    """Routed experts of an MoE block (reference.moe_experts). No Triton grouped GEMM yet: CUDA runs the
+    torch reference, whose grouped path reads expert counts on the host (MoE models run without CUDA graphs)."""
+    return _impl("moe_experts", h)(h, weights, ids, w_gate_up, w_down, kind)

@@ -400,3 +400,43 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
         return act, None
     assert down_ranks is not None
     return act, lora_shrink(act, down_a, down_ranks, adapters, q_len)
+
+
+# Above this many (token, expert) pairs, or this many bytes of gathered weights, the experts run grouped by
+# expert; at or below, each pair gathers its expert's weights (fixed shapes, no host synchronisation: what a
+# decode step of a few tokens wants). The byte bound keeps large experts (Mixtral's 350 MB) from being copied.
+MOE_GATHER_MAX = 16
+MOE_GATHER_BYTES = 128 * 2**20
+
+
+def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, kind: str) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(act(gate_e(h_t)) * up_e(h_t)) with e = ids[t, j]: the routed experts of a
+    mixture-of-experts block. h [T, H]; weights, ids [T, k]; w_gate_up [E, 2I, H] (gate rows, then up rows);
+    w_down [E, H, I]. Only the experts some token chose are read; never all experts for all tokens.
+
+    Few pairs (and few bytes): each pair's expert weights gathered into a [T*k, ...] batch (fixed shapes, no host
+    sync). More: pairs sorted by expert, one matmul per expert over its tokens (the expert counts are read on the
+    host)."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_gate_up.element_size()
+    if T * k <= MOE_GATHER_MAX and T * k * expert_bytes <= MOE_GATHER_BYTES:
+        x = h.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        gate, up = torch.bmm(w_gate_up.index_select(0, flat), x).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(w_down.index_select(0, flat), act_mul(gate, up, kind).unsqueeze(-1)).squeeze(-1)
+    else:
+        order = torch.argsort(flat, stable=True)
+        xs = h.index_select(0, order // k)
+        counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+        grouped = torch.empty(T * k, h.shape[-1], dtype=h.dtype, device=h.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = (xs[start:start + n] @ w_gate_up[e].t()).chunk(2, dim=-1)
+                grouped[start:start + n] = act_mul(gate, up, kind) @ w_down[e].t()
+                start += n
+        out = torch.empty_like(grouped)
+        out[order] = grouped
+    # the k expert outputs of a token summed in fp32 (half precision would round each partial sum)
+    return (out.view(T, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(h.dtype)

@@ -190,7 +190,8 @@ def check_architecture(spec: Any) -> None:
     """The adapter hooks (exlpy/lora/block.py) compute a Llama-style block around the adapted projections:
     RMSNorm before q|k|v and gate|up, SwiGLU, block outputs added unscaled. Other blocks are refused by name."""
     a, f = spec.arch, spec.features
-    why = ("its LayerNorms" if a.norm != "rms" else
+    why = ("its mixture-of-experts layers" if spec.moe is not None else
+           "its LayerNorms" if a.norm != "rms" else
            "its non-gated MLP" if not a.gated_mlp else
            f"its {f.act} activation" if f.act != "silu" else
            "its parallel attention and MLP" if a.parallel_blocks else

@@ -116,6 +116,9 @@ class Attention(Module):
                     [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
             else:
                 q, k, v = self.q_proj.forward(h), self.k_proj.forward(h), self.v_proj.forward(h)
+        if s.features.clip_qkv:
+            c = s.features.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)

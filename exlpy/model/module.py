@@ -47,6 +47,10 @@ class Module:
             total += sum(t.nbytes for n, t in self.index.tensors.items() if n == p or n.startswith(p + "."))
         return total
 
+    def active_weight_bytes(self) -> int:
+        """Bytes of stored weights one token reads (all of them here; an MoE block's only its k experts')."""
+        return self.weight_bytes()
+
     def loaded_bytes(self, dtype_bytes: int) -> int:
         """Bytes once loaded: float tensors become `dtype_bytes` wide, packed integer tensors keep their size."""
         total = 0

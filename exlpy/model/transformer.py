@@ -16,14 +16,18 @@ from exlpy.model.embedding import Embedding
 from exlpy.model.head import Head, RMSNorm
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.model.moe import MoEMLP
 from exlpy.model.rotary import RotaryTables
 
 
 def build_modules(config: ExLlamaV2Config, rotary: RotaryTables) -> list[Module]:
-    """Embedding, then attention and MLP per layer, the final norm and the head (exllamav2's module list)."""
+    """Embedding, then attention and MLP (or MoE block) per layer, the final norm and the head (exllamav2's
+    module list)."""
+    assert config.spec is not None
     modules: list[Module] = [Embedding(config)]
     for i in range(config.num_hidden_layers):
-        modules += [Attention(config, i, rotary), MLP(config, i)]
+        mlp = MoEMLP(config, i) if config.spec.is_sparse(i) else MLP(config, i)
+        modules += [Attention(config, i, rotary), mlp]
     return modules + [RMSNorm(config), Head(config)]
 
 

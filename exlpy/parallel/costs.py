@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from exlpy.kernels.reference import MOE_GATHER_BYTES, MOE_GATHER_MAX
+
 MiB = 1024**2
 GiB = 1024**3
 
@@ -84,6 +86,9 @@ class ModelShape:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    moe_experts: int = 0  # experts per MoE layer (0: dense model)
+    moe_top_k: int = 0  # experts per token
+    moe_expert_size: int = 0  # intermediate features of one expert
 
     @classmethod
     def from_spec(cls, spec: Any) -> ModelShape:
@@ -95,6 +100,9 @@ class ModelShape:
             spec.head_dim,
             spec.intermediate_size,
             spec.vocab_size,
+            spec.moe.num_experts if spec.moe else 0,
+            spec.moe.top_k if spec.moe else 0,
+            spec.moe.expert_size if spec.moe else 0,
         )
 
 
@@ -176,13 +184,22 @@ def scratch_by_kind(shape: ModelShape, run: RunShape) -> dict[str, int]:
     att_elems = min(run.max_attention_size, run.chunk * run.max_seq_len) * run.batch_size * hq
     attention = base + t * (2 * hq + 2 * hkv) * d * a + 2 * att_elems * a + 2 * run.max_seq_len * d * a
     mlp = base + 3 * t * shape.intermediate_size * a
+    if shape.moe_experts:
+        # MoE block: router logits (fp32), the routed copies of the tokens (k per token) in, out and re-ordered,
+        # gate|up and their product per copy, and the expert weights a few-token step gathers (bounded).
+        tk, inter = t * shape.moe_top_k, shape.moe_expert_size
+        gathered = min(MOE_GATHER_BYTES, MOE_GATHER_MAX * 3 * h * inter * a)
+        mlp = max(mlp, base + t * shape.moe_experts * 4 + 3 * tk * h * a + 3 * tk * inter * a + gathered)
     rows = 1 if run.last_id_only else min(run.max_output_len or run.max_input_len, run.chunk)
     head = base + rows * run.batch_size * shape.vocab_size * (a + 4)
     return {"embedding": base, "attention": attention, "mlp": mlp, "norm": base, "head": head}
 
 
 def module_costs(modules: Sequence[Any], dtype_bytes: int) -> list[ModuleCost]:
-    """Costs of a real model's module list, from safetensors headers only (no tensor data is read)."""
+    """Costs of a real model's module list, from safetensors headers only (no tensor data is read).
+
+    An MoE block's cost is all of its experts: every expert stays resident on its device. (What a token reads
+    per step is less, its k experts' weights; that matters for speed, not for placement.)"""
     out: list[ModuleCost] = []
     for m in modules:
         kind = type(m).__name__.lower()

@@ -67,6 +67,8 @@ class SafetensorsIndex:
         cols = src.shape[0] if view.transpose else (src.shape[1] if len(src.shape) > 1 else 1)
         width = int(src.torch_dtype.itemsize) * (cols if len(src.shape) > 1 else 1)
         shape = (rows, cols) if len(src.shape) > 1 else (rows,)
+        if view.transpose_rows:  # the selected rows, transposed: same bytes, [cols, rows]
+            shape = (cols, rows)
         # A view's byte range is its share of the source's (for byte accounting; reads go through the source).
         self.tensors[name] = TensorInfo(src.name, src.file, src.dtype, shape, src.begin, src.begin + rows * width)
         self.views[name] = view

@@ -24,6 +24,7 @@ class TensorView:
     transpose: bool = False  # the stored 2-D tensor is [in, out]
     rows: Rows = None  # after the transpose: all rows, a [start, stop) range, or indices
     indexed: bool = False
+    transpose_rows: bool = False  # the selected rows transposed (DBRX's fused w2: [E*I, H], an expert's [I, H])
 
     def rows_of(self, shape: tuple[int, ...]) -> int:
         total = shape[1] if self.transpose and len(shape) == 2 else shape[0]
@@ -36,6 +37,8 @@ class TensorView:
             t = t.t()
         if self.rows is not None:
             t = t[torch.tensor(self.rows)] if self.indexed else t[self.rows[0]:self.rows[1]]
+        if self.transpose_rows:
+            t = t.t()
         return t.contiguous()
 
 
@@ -74,6 +77,23 @@ def _split(index: Any, fused: str, parts: list[str], sizes: list[int] | None, tr
         index.hide(src)
 
 
+def _fused_experts(index: Any, layer: str, n: int, inter: int) -> None:
+    """DBRX: an MoE layer's experts stored as three [E*I, H] tensors (w1 gate, v1 up, w2 down transposed),
+    read as each expert's canonical gate / up / down projections."""
+    for src, proj in (("w1", "gate_proj"), ("v1", "up_proj"), ("w2", "down_proj")):
+        name = f"{layer}.mlp.experts.{src}"
+        if name not in index.stored:
+            continue
+        info = index.stored[name]
+        if len(info.shape) != 2 or info.shape[0] != n * inter:
+            raise WeightsError(f"fused experts of shape {list(info.shape)}, the config implies {n} experts of "
+                               f"{inter} rows", tensor=name, file=info.file)
+        for e in range(n):
+            index.add_view(f"{layer}.mlp.experts.{e}.{proj}.weight",
+                           TensorView(name, rows=(e * inter, (e + 1) * inter), transpose_rows=src == "w2"))
+        index.hide(name)
+
+
 def add_arch_views(index: Any, spec: Any) -> None:
     """Canonical views of `spec`'s fused and transposed tensors in `index` (nothing when none are stored)."""
     arch = spec.arch
@@ -90,6 +110,8 @@ def add_arch_views(index: Any, spec: Any) -> None:
                                                                       spec.head_dim))
             else:
                 _split(index, fused, attn, [hq, hk, hk], arch.transposed)
+        if arch.moe_fused_experts and spec.is_sparse(i):
+            _fused_experts(index, layer, spec.moe.num_experts, spec.moe.expert_size)
         if arch.fused_gate_up is not None:
             inter = spec.intermediate_size
             _split(index, f"{layer}.{arch.fused_gate_up}", [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"],
