@@ -127,6 +127,19 @@ def _timed(reps: int, per: int, fn: Callable[[], Any]) -> float:
     return graph_time(fn, reps) / per
 
 
+def _fused_error(x: torch.Tensor, qm: Any, group: Any, runs: int = 20) -> float:
+    """Worst rel_err (max |diff| / max |ref|) of the fused kernel against dequantize + cuBLAS over `runs` calls
+    (the split-K epilogue is where GPU-only races showed: repeat to catch an intermittent one)."""
+    from exlpy.kernels import exl2_matmul as km
+
+    ref = km.dequant_matmul(x, qm).float()
+    worst = 0.0
+    for _ in range(runs):
+        y = km.exl2_matmul(x, qm) if x.shape[0] == 1 else group.run(x)
+        worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
 def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, rows: list[int]) -> None:
     from exlpy.kernels import exl2_gemv, exl2_qmm
     from exlpy.kernels import exl2_matmul as km
@@ -148,14 +161,17 @@ def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
         else:
             fused = lambda x=x: [g.run(x) for g in groups]  # noqa: E731
         t_f = guarded(f"fused M={m}", _timed, args.reps, len(mats), fused) if fused else None
+        err = guarded(f"check M={m}", _fused_error, x, qm, groups[0]) if fused else None
         t_d = guarded(f"dequant M={m}", _timed, max(3, args.reps // 4), len(mats),
                       lambda x=x: [km.dequant_matmul(x, q) for q in mats])
         t_h = guarded(f"fp16 M={m}", _timed, args.reps, len(w16), lambda x=x: [x @ w for w in w16])
         res.setdefault("micro", {})[f"{key} M{m}"] = {
             "k": k, "n": n, "mix": mix, "m": m, "bytes": nbytes, "fused_us": t_f and t_f * 1e6,
-            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6}
+            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6, "fused_rel_err": err}
         gbs = f"{nbytes / t_f / 1e9:7.0f} GB/s" if t_f else "      -"
-        log(f"  M={m:3d} fused {_us(t_f)} ({gbs})  dequant+cuBLAS {_us(t_d)}  fp16 cuBLAS {_us(t_h)}")
+        bad = "  WRONG" if err is not None and err >= 2e-3 else ""
+        log(f"  M={m:3d} fused {_us(t_f)} ({gbs})  dequant+cuBLAS {_us(t_d)}  fp16 cuBLAS {_us(t_h)}  "
+            f"fused rel_err {err if err is None else f'{err:.1e}'}{bad}")
     x = torch.randn(2048, k, dtype=torch.float16, device=dev)
     t_p = guarded("prefill", _timed, 5, 1, lambda: km.dequant_matmul(x, qm))
     t_p16 = guarded("prefill fp16", _timed, 5, 1, lambda: x @ w16[0])

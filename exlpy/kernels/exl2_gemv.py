@@ -167,7 +167,10 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
             # them). Never a load then a store of zeros: compiled, the two may be laid out over different
             # threads (Triton 3.6 gives atomics their own layout), and with no barrier between them a thread
             # zeroes a sum before another has read it (the lost sums of the first GPU run).
-            tot = tl.atomic_xchg(ws_ptr + cols, tl.zeros_like(acc), mask=out_mask, sem="relaxed")
+            # (as int32 words: the CPU interpreter exchanges no floats)
+            wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + cols
+            tot = tl.atomic_xchg(wsi, tl.zeros((BLOCK_N,), tl.int32), mask=out_mask, sem="relaxed").to(
+                tl.float32, bitcast=True)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
             if HAS_RES:

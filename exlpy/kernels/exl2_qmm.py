@@ -257,7 +257,10 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
             # them). Never a load then a store of zeros: compiled, the two are laid out over different threads
             # (Triton 3.6 gives the atomics their own layout) and nothing orders them, so a thread could zero
             # a sum before another had read it: the lost sums (rel_err 0.35-0.68) of the first GPU run.
-            tot = tl.atomic_xchg(wsp, tl.zeros_like(acc), mask=out_mask, sem="relaxed")
+            # (as int32 words: the CPU interpreter exchanges no floats)
+            wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + offs_m[:, None] * n_total + cols[None, :]
+            tot = tl.atomic_xchg(wsi, tl.zeros((BLOCK_M, BLOCK_N), tl.int32), mask=out_mask, sem="relaxed").to(
+                tl.float32, bitcast=True)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + cols, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
             if HAS_RES:
