@@ -324,12 +324,16 @@ def write_md(state: dict, path: str) -> None:
         lines += ["## Per matrix: fused kernel vs dequantize + cuBLAS (us per call, CUDA-graph replays, weights "
                   "streamed from HBM)", "",
                   "M = 1: the decode GEMV; M >= 2: exl2_qmm. GB/s: packed bytes (q_weight, scales, perm) / time.", "",
-                  "| K x N | layout | M | fused us | fused GB/s | dequant+cuBLAS us | fp16 cuBLAS us |",
-                  "|---|---|---|---|---|---|---|"]
+                  "fused rel_err: worst max |diff| / max |ref| of 20 fused calls against dequantize + cuBLAS (under "
+                  "2e-3).", "",
+                  "| K x N | layout | M | fused us | fused GB/s | dequant+cuBLAS us | fp16 cuBLAS us | fused rel_err |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in micro_res.values():
             f = r["fused_us"]
+            err = r.get("fused_rel_err")
             lines.append(f"| {r['k']}x{r['n']} | {r['mix']} | {r['m']} | {_f(f)} | "
-                         f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} |")
+                         f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} | "
+                         f"{'-' if err is None else f'{err:.1e}'} |")
         lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
     sw = state.get("sweep", {})
     if sw:
@@ -337,8 +341,13 @@ def write_md(state: dict, path: str) -> None:
         lines += [f"| {k} | {_f(v)} |" for k, v in sw.items()]
         lines.append("")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    kept = ""
+    if os.path.exists(path):  # a hand-written "## Analysis" section (to the end of the file) survives rewrites
+        text = open(path).read()
+        at = text.find("\n## Analysis")
+        kept = text[at:] if at >= 0 else ""
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines).rstrip("\n") + "\n" + kept)
 
 
 def _f(v: float | None, digits: int = 1) -> str:
@@ -374,13 +383,16 @@ def main() -> int:
         args.prefill = min(args.prefill, 2048)
     import triton
 
+    from exlpy.runtime import options
+
     state: dict = {}
     if os.path.exists(args.json) and not args.fresh:
         with open(args.json) as f:
             state = json.load(f)
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
+           # EXLPY_QUANT_ROWS decides whether e2e batches of 2-64 rows run exl2_qmm (default 0: dequantize + cuBLAS)
+           "command": f"EXLPY_QUANT_ROWS={options().quant_rows} python " + " ".join(shlex.quote(a) for a in sys.argv)}
     state.setdefault("runs", []).append(run)
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()
