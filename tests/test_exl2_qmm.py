@@ -398,3 +398,5 @@ def test_qmm_compiles_for_sm90() -> None:
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)
         assert v["sass"]["HMMA"] > 0 or "M64" in name or "gather" in name, (name, v)  # tensor cores (M64: wgmma)
+        if "split_k" in v and "whole" not in name:  # split-K variants: every partial sum taken back atomically
+            assert v["split_k"]["add"] > 0 and v["split_k"]["exch"] == v["split_k"]["add"], (name, v["split_k"])
