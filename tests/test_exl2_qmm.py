@@ -287,7 +287,8 @@ def _groups(k: int, mix: list[tuple[int, float]], gs: int = 128) -> list[tuple[i
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mix", [[(4, 1.0)], MIXED_8B, [(6, 0.1), (5, 0.2), (3, 0.5), (2, 0.2)]])
 def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) -> None:
-    """8B shapes against the dequantized fp16 matmul, for row counts across 2-64, eager."""
+    """8B shapes against the dequantized fp16 matmul, for row counts across 2-64, eager, each five times (the first
+    GPU run lost split-K sums now and then: a load and a store of the workspace on different threads)."""
     qmm = _qmm()
     from exlpy.quant.exl2_ref import dequant_dense
 
@@ -300,7 +301,8 @@ def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) 
     for m in (2, 5, 8, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, generator=gen).half().cuda()
         ref = (x.float() @ w.float())
-        assert rel_err(group.run(x), ref) < TOL, m
+        for _ in range(5):  # repeated: a race in the split-K epilogue shows only now and then
+            assert rel_err(group.run(x), ref) < TOL, m
 
 
 @requires_cuda
