@@ -43,13 +43,26 @@ print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), triton {tv}, {tor
 START=$(date -u +"%Y-%m-%d %H:%M UTC")
 T0=$(date +%s)
 
-python -m pytest -q -p no:cacheprovider -rs "${ARGS[@]+"${ARGS[@]}"}" "${FILES[@]+"${FILES[@]}"}" 2>&1 \
-  | tee "$OUT/gpu_tests.log"
-RC=${PIPESTATUS[0]}
+# With pytest-xdist (-n N) the multi-GPU tests run afterwards in one process of their own: N workers sharing
+# two GPUs time-slice them, and the tensor-parallel collectives, which spin until the peer GPU arrives, then
+# wait for other processes' time slices (tests that take seconds alone took minutes, 2026-11-26).
+XDIST=""
+for a in "${ARGS[@]+"${ARGS[@]}"}"; do case $a in -n|-n[0-9]*|--numprocesses*) XDIST=1 ;; esac; done
+if [ -n "$XDIST" ] && [ -z "$QUICK" ]; then
+  python -m pytest -q -p no:cacheprovider -rs -m "not multigpu" "${ARGS[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
+  RC=${PIPESTATUS[0]}
+  python -m pytest -q -p no:cacheprovider -rs -m multigpu 2>&1 | tee -a "$OUT/gpu_tests.log"
+  RC2=${PIPESTATUS[0]}
+  [ "$RC2" = 5 ] || [ "$RC2" = 0 ] || RC=$RC2  # 5: none selected (fewer than two GPUs visible skip, not deselect)
+else
+  python -m pytest -q -p no:cacheprovider -rs "${ARGS[@]+"${ARGS[@]}"}" "${FILES[@]+"${FILES[@]}"}" 2>&1 \
+    | tee "$OUT/gpu_tests.log"
+  RC=${PIPESTATUS[0]}
+fi
 SECS=$(( $(date +%s) - T0 ))
 
-SUMMARY=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT/gpu_tests.log" | grep -E " in [0-9.]+s" | tail -1 \
-          | sed -E 's/^=+ //; s/ =+$//')
+SUMMARY=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT/gpu_tests.log" | grep -E " in [0-9.]+s" | tail -2 \
+          | sed -E 's/^=+ //; s/ =+$//' | paste -sd ';' -)  # two passes with -n: the rest; the multi-GPU tests
 CUDA_SKIPS=$(grep -E "^SKIPPED" "$OUT/gpu_tests.log" | grep -i "cuda" \
              | sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' | awk '{n += $1} END {print n + 0}')
 SKIPS=$(grep -E "^SKIPPED" "$OUT/gpu_tests.log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+(:[0-9]+)?: /\1x /' \

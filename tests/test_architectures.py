@@ -83,6 +83,17 @@ def test_incremental_matches_reference(built: dict, tmp_path_factory: pytest.Tem
     _check(torch.cat(parts, dim=1), ref, model, ref_model, ids)
 
 
+def test_reference_applies_gemma2_attention_softcap(tmp_path: Path) -> None:
+    """The reference itself honours Gemma 2's score soft-cap. transformers 5.17 runs Gemma 2 on SDPA, which
+    drops it: the reference then lacked the cap and a correct exlpy failed against it (relative error 1.3).
+    With the cap removed from the config the reference's logits must move by about that much."""
+    ids = torch.randint(2, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    capped = make_arch_model(tmp_path / "capped", "gemma2")
+    uncapped = make_arch_model(tmp_path / "uncapped", "gemma2", attn_logit_softcapping=None)
+    with torch.no_grad():
+        assert rel_err(capped(ids).logits, uncapped(ids).logits) > 0.1
+
+
 @pytest.mark.parametrize("mode", ["row", "column"])
 def test_glm4_tensor_parallel_equals_single(built: dict, tmp_path_factory: pytest.TempPathFactory,
                                             mode: str) -> None:
@@ -92,7 +103,8 @@ def test_glm4_tensor_parallel_equals_single(built: dict, tmp_path_factory: pytes
 
     path, _ = _model(built, tmp_path_factory, "glm4")
     ids = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    single, _ = _load(path)
+    single = ExLlamaV2(ExLlamaV2Config(str(path)))
+    single.load(device="cpu")  # fp32 on the CPU like the "devices" below, also where a GPU is present
     ref = single.forward(ids)
     model = ExLlamaV2(ExLlamaV2Config(str(path)))
     model.load_tp([1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_layout=mode))

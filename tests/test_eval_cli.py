@@ -37,7 +37,7 @@ def test_perplexity_matches_a_direct_computation_and_the_token_by_token_pass(dat
     nll = []
     for row in ids:
         lp = torch.log_softmax(model.forward(row[None])[0, :-1].float(), -1)
-        nll.append(-lp.gather(-1, row[1:, None]).mean())
+        nll.append(-lp.gather(-1, row[1:, None].to(lp.device)).mean().cpu())
     assert r.tokens == 2 * 47 and r.perplexity == pytest.approx(math.exp(float(torch.stack(nll).mean())), rel=1e-4)
     assert 1.0 < r.perplexity < 20  # a trained model on text of its kind (uniform guessing: 512)
     # One token at a time through an fp16 cache gives the same (fp32 on the CPU); Q4 stays close.

@@ -7,6 +7,7 @@ import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.cache import ExLlamaV2Cache_8bit, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8, qcodec
+from exlpy.kernels import reference
 from tests.conftest import rel_err, shared_path
 
 
@@ -81,3 +82,37 @@ def test_unload_releases_working_copies_and_reload_restores_them() -> None:
     q4.current_seq_len = 0
     after = model.forward(ids, q4)
     assert rel_err(after, before) < 1e-6
+
+
+def test_quant_attention_reference_runs_without_data_dependent_shapes() -> None:
+    """On CUDA the quantized-cache attention of head sizes its Triton kernel lacks (the tiny Gemma 2 / Cohere 2
+    test models' 16) is this reference, run inside CUDA-graph capture, which refuses the host sync a
+    data-dependent shape (boolean indexing) needs. Meta tensors refuse it as well: the whole reference, with
+    this step's fresh rows and a window and soft-cap, must run on them."""
+    B, T, Hq, Hk, D, S = 2, 3, 4, 2, 16, 32
+    meta = {"device": "meta"}
+    q = torch.empty(B, T, Hq, D, dtype=torch.float16, **meta)
+    codes = torch.empty(B, S, Hk * D // 2, dtype=torch.uint8, **meta)
+    scales = torch.empty(B, S, Hk * D // 32, dtype=torch.float16, **meta)
+    lens = torch.empty(B, dtype=torch.long, **meta)
+    pos = lens.view(-1, 1) - T + torch.arange(T, **meta)
+    new = torch.empty(B, T, Hk, D, dtype=torch.float16, **meta)
+    bt = torch.arange(B, **meta).view(B, 1).int()
+    out = reference.quant_attention(q, codes, scales, codes, scales, bt, S, lens, S, pos, 0.25, 4, 4, None, new,
+                                    new, window=8, softcap=0.5)
+    assert out.shape == (B, T, Hq, D)
+
+
+def test_quant_attention_fresh_rows_land_at_their_positions() -> None:
+    """The step's own K/V replace the dequantized rows at their positions; rows past the cache are dropped."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, D, L = 2, 3, 2, 4, 8
+    vals = torch.randn(B, L, H, D, generator=g)
+    new = torch.randn(B, T, H, D, generator=g)
+    pos = torch.tensor([[2, 3, 4], [6, 7, 8]])  # row 1's last token lies past the L = 8 positions read
+    want = vals.clone()
+    for b in range(B):
+        for i in range(T):
+            if pos[b, i] < L:
+                want[b, pos[b, i]] = new[b, i]
+    torch.testing.assert_close(reference._overwrite_step_rows(vals, new, pos, L), want, rtol=0, atol=0)

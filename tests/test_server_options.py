@@ -174,9 +174,11 @@ def test_cache_mode_and_rope_reach_the_model() -> None:
 
 
 def test_gpu_split_goes_to_the_library(capsys: pytest.CaptureFixture[str]) -> None:
-    # No GPU here: the library refuses a split for devices that do not exist, and says so.
-    assert main(["serve", "--gpu-split", "20,24"]) == 1
-    assert "gpu_split: 2 entries for 0 visible CUDA device" in capsys.readouterr().err
+    # One entry more than there are GPUs (none on a CPU machine): the library refuses a split for devices that do
+    # not exist, and says so (a split that fits would start serving).
+    n = torch.cuda.device_count()
+    assert main(["serve", "--gpu-split", ",".join(["20"] * (n + 1))]) == 1
+    assert f"gpu_split: {n + 1} entries for {n} visible CUDA device" in capsys.readouterr().err
     assert main(["serve", "--gpu-split", "20,x"]) == 1
     assert "'x' is not a number" in capsys.readouterr().err
 

@@ -4,6 +4,7 @@ default through load_state on the demo model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from exlpy.errors import ConfigError
 from exlpy.server.sizing import CachePlan, DeviceBudget, cpu_default_tokens, graph_output_bytes, plan_tokens
@@ -53,6 +54,8 @@ def test_plan_describes_tokens_and_full_requests() -> None:
     assert graph_output_bytes([(1, 1), (4, 2)], 100, 10) == 5 * (400 + 40)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU default applies where no GPU is visible; "
+                    "tests/test_serving_gpu.py covers sizing from free GPU memory")
 def test_load_state_cpu_default_and_health(monkeypatch: pytest.MonkeyPatch) -> None:
     from exlpy.server import load_state
     from exlpy.server.loading import cache_plan_of

@@ -17,6 +17,14 @@ from exlpy.cache.base import ExLlamaV2CacheBase, layout_of
 from exlpy.errors import ConfigError
 
 
+def kernel_attends(head_dim: int, model: Any) -> bool:
+    """Whether the quantized-cache attention kernel serves this model (else the torch reference does, eagerly):
+    head_dim a power of two >= 32, no sliding window and no soft-capped scores. `model` may be a model or a
+    cache layout (which has no modules: only head_dim counts then)."""
+    features = any(getattr(m, "window", 0) or getattr(m, "softcap", 0.0) for m in getattr(model, "modules", ()))
+    return head_dim >= 32 and not head_dim & (head_dim - 1) and not features
+
+
 class _QuantizedCache(ExLlamaV2CacheBase):
     k_bits: int = 4
     v_bits: int = 4
@@ -32,6 +40,10 @@ class _QuantizedCache(ExLlamaV2CacheBase):
         self.key_scales: list[torch.Tensor | None] = []
         self.value_scales: list[torch.Tensor | None] = []
         super().__init__(model, *args, **kwargs)
+        # The quantized-cache kernel takes head_dim a power of two >= 32 and no sliding window or soft-cap; other
+        # models attend through the torch reference, which selects rows with host-side masks: their steps run
+        # eagerly (a capture would fail with "operation not permitted when stream is capturing").
+        self.graph_safe = kernel_attends(self.head_dim, model)
 
     @staticmethod
     def _width(bits: int, e: int) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from exlpy.cache.base import ExLlamaV2Cache, ExLlamaV2CacheBase, layout_of
+from exlpy.cache.quant import _QuantizedCache, kernel_attends
 from exlpy.errors import TensorParallelError
 
 
@@ -34,6 +35,10 @@ class ExLlamaV2Cache_TP(ExLlamaV2CacheBase):  # noqa: N801 - exllamav2's public 
         self.caches: dict[int, ExLlamaV2CacheBase] = {
             slot: base(layout.for_heads(heads), batch_size, max_seq_len, fixed_device=dev)
             for slot, (dev, heads) in enumerate(layout.tp_slots)}
+        # Graph-safe only where every slot's attention runs in a kernel (a quantized slot cache of a model with
+        # windows or soft-caps, or odd head sizes, attends through the torch reference: eager steps).
+        self.graph_safe = all(c.graph_safe for c in self.caches.values()) and (
+            not issubclass(base, _QuantizedCache) or kernel_attends(layout.head_dim, model))
         self._seq_len = 0
         super().__init__(layout, batch_size, max_seq_len, lazy=True)
         if copy_from is not None:

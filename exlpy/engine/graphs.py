@@ -265,6 +265,11 @@ class StepGraphs:
                         graphs[k].capture_end()
                     except RuntimeError as e:  # after a failure above, the invalidated captures say so again
                         end_error = end_error or e
+            if failed or end_error is not None:
+                # A capture that failed can leave its memory pool marked as recording ("beginAllocateToPool:
+                # already recording to mempool_id" on the next capture): later captures take a fresh pool.
+                for k in begun:
+                    self._pools.pop(str(lanes[k].lane.device), None)
             if end_error is not None and not failed:
                 raise end_error
         for ls, g in zip(lanes, graphs):

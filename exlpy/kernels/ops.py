@@ -6,6 +6,7 @@ tensors; everything else (CPU, or `EXLPY_NO_TRITON=1`, see exlpy/runtime.py) run
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +48,18 @@ def _impl(name: str, t: torch.Tensor) -> Callable[..., Any]:
         if not _tried_triton:
             _load_triton()
         if name in _TRITON:
-            return _TRITON[name]
+            fn = _TRITON[name]
+            if t.device.index is not None and t.device.index != torch.cuda.current_device():
+                # A Triton kernel launches on the *current* device's stream: a tensor on another GPU (a layer
+                # split's logits on its last GPU, masked by the generator) would be read out of stream order.
+                return functools.partial(_on_device, fn, t.device)
+            return fn
     return getattr(reference, name)
+
+
+def _on_device(fn: Callable[..., Any], device: torch.device, *args: Any, **kwargs: Any) -> Any:
+    with torch.cuda.device(device):
+        return fn(*args, **kwargs)
 
 
 # Features some CUDA kernels do not implement: a call that needs one runs the torch reference on the GPU

@@ -206,6 +206,20 @@ def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor | None, bits: int, d
     return qcodec.dequantize(codes, scales, bits, dtype)
 
 
+def _overwrite_step_rows(vals: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, max_seqlen: int
+                         ) -> torch.Tensor:
+    """vals [B, L, H, D] with the step's own rows new [B, T, H, D] written at positions[b, 0] + i (those below
+    max_seqlen). No boolean indexing: rows past the end go to a spare position that is then dropped, so the
+    shapes never depend on the data and the op runs inside a CUDA-graph capture (the quantized-cache decode of
+    head sizes the Triton kernel lacks takes this path on CUDA)."""
+    B, T = new.shape[:2]
+    t = positions[:, :1] + torch.arange(T, device=vals.device)  # [B, T] positions of the step's rows
+    t = torch.where((t >= 0) & (t < max_seqlen), t, max_seqlen)
+    out = torch.cat([vals, vals.new_zeros(B, 1, *vals.shape[2:])], dim=1)
+    out[torch.arange(B, device=vals.device).view(-1, 1), t] = new.to(vals.dtype)
+    return out[:, :max_seqlen]
+
+
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
@@ -226,10 +240,7 @@ def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tens
         vals = _dequant_rows(c.squeeze(2), None if s is None else s.squeeze(2), bits, q.dtype)
         vals = vals.view(B, max_seqlen, -1, D)
         if new is not None:
-            t = positions[:, :1] + torch.arange(T, device=q.device)  # [B, T] positions of the step's rows
-            keep = t < max_seqlen
-            vals = vals.clone()
-            vals[torch.arange(B, device=q.device).view(-1, 1).expand(-1, T)[keep], t[keep]] = new[keep].to(q.dtype)
+            vals = _overwrite_step_rows(vals, new, positions, max_seqlen)
         kv.append(vals)
     return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask, window),
                 softcap=softcap)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from exlpy.config.values import MAX_POSITIONS
 from exlpy.errors import ConfigError
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -163,5 +164,9 @@ def measure_and_size(model: Any, caches: list[Any], utilization: float, page_siz
         raise ConfigError(f"the KV cache that fits (--gpu-memory-utilization {utilization}) holds {tokens} tokens, "
                           f"less than one request of the {max_seq_len}-token context ({detail}). Pass a smaller "
                           "--max-seq-len, a higher --gpu-memory-utilization, or --cache-size explicitly")
+    source = f"free GPU memory, utilization {utilization}"
+    if tokens > MAX_POSITIONS:  # a small model on a large GPU: a cache holds at most this many positions
+        tokens = round_down(MAX_POSITIONS, page_size)
+        source += f", capped at {tokens:,} tokens (the cache's limit)"
     total_bytes = int(sum(per_token.values()) * tokens)
-    return CachePlan(tokens, f"free GPU memory, utilization {utilization}", total_bytes, max_seq_len, page_size)
+    return CachePlan(tokens, source, total_bytes, max_seq_len, page_size)

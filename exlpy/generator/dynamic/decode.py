@@ -135,7 +135,8 @@ class DecodeStepper:
                 k += 1
             else:
                 index.append(s)
-        packed = upload_ids(torch.tensor(host_vals + index, dtype=torch.long), device)
+        # On the previous tokens' device: under a layer split they were sampled on the last GPU, not the first.
+        packed = upload_ids(torch.tensor(host_vals + index, dtype=torch.long), prev.tokens.device)
         combined = torch.cat([prev.tokens, packed[:len(host_vals)]])
         return combined.index_select(0, packed[len(host_vals):]).view(len(rows), 1)
 
