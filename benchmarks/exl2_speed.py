@@ -127,6 +127,19 @@ def _timed(reps: int, per: int, fn: Callable[[], Any]) -> float:
     return graph_time(fn, reps) / per
 
 
+def _fused_error(x: torch.Tensor, qm: Any, group: Any, runs: int = 20) -> float:
+    """Worst rel_err (max |diff| / max |ref|) of the fused kernel against dequantize + cuBLAS over `runs` calls
+    (the split-K epilogue is where GPU-only races showed: repeat to catch an intermittent one)."""
+    from exlpy.kernels import exl2_matmul as km
+
+    ref = km.dequant_matmul(x, qm).float()
+    worst = 0.0
+    for _ in range(runs):
+        y = km.exl2_matmul(x, qm) if x.shape[0] == 1 else group.run(x)
+        worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
 def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, rows: list[int]) -> None:
     from exlpy.kernels import exl2_gemv, exl2_qmm
     from exlpy.kernels import exl2_matmul as km
@@ -148,14 +161,17 @@ def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
         else:
             fused = lambda x=x: [g.run(x) for g in groups]  # noqa: E731
         t_f = guarded(f"fused M={m}", _timed, args.reps, len(mats), fused) if fused else None
+        err = guarded(f"check M={m}", _fused_error, x, qm, groups[0]) if fused else None
         t_d = guarded(f"dequant M={m}", _timed, max(3, args.reps // 4), len(mats),
                       lambda x=x: [km.dequant_matmul(x, q) for q in mats])
         t_h = guarded(f"fp16 M={m}", _timed, args.reps, len(w16), lambda x=x: [x @ w for w in w16])
         res.setdefault("micro", {})[f"{key} M{m}"] = {
             "k": k, "n": n, "mix": mix, "m": m, "bytes": nbytes, "fused_us": t_f and t_f * 1e6,
-            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6}
+            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6, "fused_rel_err": err}
         gbs = f"{nbytes / t_f / 1e9:7.0f} GB/s" if t_f else "      -"
-        log(f"  M={m:3d} fused {_us(t_f)} ({gbs})  dequant+cuBLAS {_us(t_d)}  fp16 cuBLAS {_us(t_h)}")
+        bad = "  WRONG" if err is not None and err >= 2e-3 else ""
+        log(f"  M={m:3d} fused {_us(t_f)} ({gbs})  dequant+cuBLAS {_us(t_d)}  fp16 cuBLAS {_us(t_h)}  "
+            f"fused rel_err {err if err is None else f'{err:.1e}'}{bad}")
     x = torch.randn(2048, k, dtype=torch.float16, device=dev)
     t_p = guarded("prefill", _timed, 5, 1, lambda: km.dequant_matmul(x, qm))
     t_p16 = guarded("prefill fp16", _timed, 5, 1, lambda: x @ w16[0])
@@ -308,12 +324,16 @@ def write_md(state: dict, path: str) -> None:
         lines += ["## Per matrix: fused kernel vs dequantize + cuBLAS (us per call, CUDA-graph replays, weights "
                   "streamed from HBM)", "",
                   "M = 1: the decode GEMV; M >= 2: exl2_qmm. GB/s: packed bytes (q_weight, scales, perm) / time.", "",
-                  "| K x N | layout | M | fused us | fused GB/s | dequant+cuBLAS us | fp16 cuBLAS us |",
-                  "|---|---|---|---|---|---|---|"]
+                  "fused rel_err: worst max |diff| / max |ref| of 20 fused calls against dequantize + cuBLAS (under "
+                  "2e-3).", "",
+                  "| K x N | layout | M | fused us | fused GB/s | dequant+cuBLAS us | fp16 cuBLAS us | fused rel_err |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in micro_res.values():
             f = r["fused_us"]
+            err = r.get("fused_rel_err")
             lines.append(f"| {r['k']}x{r['n']} | {r['mix']} | {r['m']} | {_f(f)} | "
-                         f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} |")
+                         f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} | "
+                         f"{'-' if err is None else f'{err:.1e}'} |")
         lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
     sw = state.get("sweep", {})
     if sw:
@@ -321,8 +341,13 @@ def write_md(state: dict, path: str) -> None:
         lines += [f"| {k} | {_f(v)} |" for k, v in sw.items()]
         lines.append("")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    kept = ""
+    if os.path.exists(path):  # a hand-written "## Analysis" section (to the end of the file) survives rewrites
+        text = open(path).read()
+        at = text.find("\n## Analysis")
+        kept = text[at:] if at >= 0 else ""
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines).rstrip("\n") + "\n" + kept)
 
 
 def _f(v: float | None, digits: int = 1) -> str:
@@ -358,13 +383,16 @@ def main() -> int:
         args.prefill = min(args.prefill, 2048)
     import triton
 
+    from exlpy.runtime import options
+
     state: dict = {}
     if os.path.exists(args.json) and not args.fresh:
         with open(args.json) as f:
             state = json.load(f)
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
+           # EXLPY_QUANT_ROWS decides whether e2e batches of 2-64 rows run exl2_qmm (default 0: dequantize + cuBLAS)
+           "command": f"EXLPY_QUANT_ROWS={options().quant_rows} python " + " ".join(shlex.quote(a) for a in sys.argv)}
     state.setdefault("runs", []).append(run)
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()

@@ -78,7 +78,16 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     keep = ("HMMA", "LDG", "LDS", "LDSM", "STS", "LOP3", "SHF", "FFMA", "FMUL", "F2FP", "BAR", "IMAD", "IADD3")
     return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"]),
             "sass": {o: sum(v for op, v in mix.items() if op.split(".")[0] == o) for o in keep},
-            "sass_total": sum(mix.values())}
+            "sass_total": sum(mix.values()), "split_k": split_k_ops(k.asm["ptx"])}
+
+
+def split_k_ops(ptx: str) -> dict[str, int]:
+    """The split-K epilogue's workspace accesses in PTX: fp32 atomic adds of the partial sums and the atomic
+    exchanges that take and zero them. A plain load then store of the sums instead ran on differently laid-out
+    threads with no barrier under Triton 3.6 (sums zeroed before they were read); tests/test_exl2_qmm.py asserts
+    that every add is matched by an exchange."""
+    return {"add": len(re.findall(r"(?:atom|red)\.global\.gpu\.relaxed\.add\.f32", ptx)),
+            "exch": len(re.findall(r"atom\.global\.gpu\.relaxed\.exch\.b32", ptx))}
 
 
 def compile_gather(norm: bool) -> dict:

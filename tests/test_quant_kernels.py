@@ -251,7 +251,8 @@ def test_gemv_group_cuda() -> None:
     x = torch.randn(1, 4096, generator=gen).half().cuda()
     ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
     xp = act_order(x, group.perm, exl2_gemv.ROW_PAD)
-    assert rel_err(group.run(xp, torch.float16).cpu(), ref) < 2e-3
+    for _ in range(5):  # repeated: a race in the split-K epilogue showed only now and then
+        assert rel_err(group.run(xp, torch.float16).cpu(), ref) < 2e-3
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = group.run(act_order(x, group.perm, exl2_gemv.ROW_PAD), torch.float16)

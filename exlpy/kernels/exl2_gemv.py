@@ -155,6 +155,7 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
             acc += tl.load(bias_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
         if HAS_RES:
             acc += tl.load(res_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
+            tl.debug_barrier()  # y may be the residual itself: every read of it before any write
         tl.store(y_ptr + cols, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.atomic_add(ws_ptr + cols, acc, mask=out_mask, sem="relaxed")
@@ -162,13 +163,19 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
         cnt = cnt_ptr + tl.load(t + _CNT)
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
         if arrived == tl.load(t + _ARRIVALS).to(tl.int32) - 1:
-            # .cg: the sums live in L2 (atomics); this SM's L1 may hold a stale line from an earlier call
-            tot = tl.load(ws_ptr + cols, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(ws_ptr + cols, tl.zeros_like(acc), mask=out_mask)
+            # Take the sums and zero them in one atomic exchange per element (in L2, where the atomics put
+            # them). Never a load then a store of zeros: compiled, the two may be laid out over different
+            # threads (Triton 3.6 gives atomics their own layout), and with no barrier between them a thread
+            # zeroes a sum before another has read it (the lost sums of the first GPU run).
+            # (as int32 words: the CPU interpreter exchanges no floats)
+            wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + cols
+            tot = tl.atomic_xchg(wsi, tl.zeros((BLOCK_N,), tl.int32), mask=out_mask, sem="relaxed").to(
+                tl.float32, bitcast=True)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
             if HAS_RES:
                 tot += tl.load(res_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
+                tl.debug_barrier()  # y may be the residual itself: every read of it before any write
             tl.store(y_ptr + cols, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt, 0)
 

@@ -253,14 +253,20 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
         cnt = cnt_ptr + tl.load(t + _CNT)
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
         if arrived == tl.load(t + _ARRIVALS).to(tl.int32) - 1:
-            # .cg: the sums live in L2 (atomics); this SM's L1 may hold a stale line from an earlier call
-            tot = tl.load(wsp, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(wsp, tl.zeros_like(acc), mask=out_mask)
+            # Take the sums and zero them in one atomic exchange per element (in L2, where the atomics put
+            # them). Never a load then a store of zeros: compiled, the two are laid out over different threads
+            # (Triton 3.6 gives the atomics their own layout) and nothing orders them, so a thread could zero
+            # a sum before another had read it: the lost sums (rel_err 0.35-0.68) of the first GPU run.
+            # (as int32 words: the CPU interpreter exchanges no floats)
+            wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + offs_m[:, None] * n_total + cols[None, :]
+            tot = tl.atomic_xchg(wsi, tl.zeros((BLOCK_M, BLOCK_N), tl.int32), mask=out_mask, sem="relaxed").to(
+                tl.float32, bitcast=True)
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + cols, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
             if HAS_RES:
                 tot += tl.load(res_ptr + offs_m[:, None] * stride_rm + cols[None, :], mask=out_mask,
                                other=0.0).to(tl.float32)
+                tl.debug_barrier()  # y may be the residual itself: every read of it before any write
             tl.store(y_ptr + offs_m[:, None] * stride_ym + cols[None, :], tot.to(y_ptr.dtype.element_ty),
                      mask=out_mask)
             tl.atomic_xchg(cnt, 0)
@@ -270,6 +276,7 @@ def _qmm(xb_ptr, qw_ptr, sc_ptr, aux_ptr, bg_ptr, bias_ptr, res_ptr, y_ptr, ws_p
         if HAS_RES:
             acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + cols[None, :], mask=out_mask,
                            other=0.0).to(tl.float32)
+            tl.debug_barrier()  # y may be the residual itself: every read of it before any write
         tl.store(y_ptr + offs_m[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=out_mask)
 
