@@ -187,7 +187,8 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.zeros(WS_BLOCKS, dtype=torch.int32, device=device))
 
 
-def _device(dev: torch.device) -> torch.device:
+def cuda_device(dev: torch.device) -> torch.device:
+    """`dev` with its index ("cuda" alone means the current device): plans and workspaces are per device."""
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -196,7 +197,7 @@ def _device(dev: torch.device) -> torch.device:
 def prepare(device: torch.device) -> None:
     """Allocate the device's workspace now (outside any CUDA-graph capture)."""
     if device.type == "cuda":
-        _workspace(_device(device))
+        _workspace(cuda_device(device))
 
 
 _MAGIC = 0x4B000000  # fp32 2^23: OR-ing a field below bit 23 into its mantissa gives 2^23 + field
@@ -207,7 +208,7 @@ def run_plan(plan: GemvPlan, xp: torch.Tensor, parts: list[QuantMatrix], bias: t
     """Launch `plan` over `parts` (the tensors its offsets are relative to) with act-order x `xp`; writes and
     returns `out` [.., N total] (may be `residual` itself: the residual is added in place)."""
     q0 = parts[0]
-    dev = _device(xp.device)
+    dev = cuda_device(xp.device)
     ws, cnt = _workspace(dev)
     aux = q0.scale_max if q0.kind == "exl2" else q0.zeros
     assert aux is not None
@@ -228,7 +229,7 @@ def exl2_gemv(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None
               residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] (any float dtype) -> y [1, N] in x's dtype (+ bias, + residual in place when given: then the
     result is `residual`, which must be contiguous with N elements). The caller checks `supports(qm)`."""
-    plan = plan_for([qm], _device(x.device))
+    plan = plan_for([qm], cuda_device(x.device))
     xp = act_order(x, qm.perm, ROW_PAD)
     out = residual if residual is not None else torch.empty(1, qm.n, dtype=x.dtype, device=x.device)
     return run_plan(plan, xp, [qm], bias, residual, out)
@@ -245,7 +246,7 @@ class GemvGroup:
         self.n = sum(p.n for p in parts)
         self.perm = parts[0].perm
         # made now, not inside a CUDA-graph capture (the task table is copied to the device)
-        self._plan = (tuple(sorted(CONFIG.items())), plan_for(parts, _device(parts[0].device)))
+        self._plan = (tuple(sorted(CONFIG.items())), plan_for(parts, cuda_device(parts[0].device)))
         prepare(parts[0].device)
 
     @property
@@ -253,7 +254,7 @@ class GemvGroup:
         """Made again after CONFIG changes (launch-parameter sweeps, which recapture graphs)."""
         cfg = tuple(sorted(CONFIG.items()))
         if self._plan[0] != cfg:
-            self._plan = (cfg, plan_for(self.parts, _device(self.parts[0].device)))
+            self._plan = (cfg, plan_for(self.parts, cuda_device(self.parts[0].device)))
         return self._plan[1]
 
     def run(self, xp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -68,7 +68,8 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+def element_offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from `base` to `t` (tensors of one group are addressed from the first matrix's pointers)."""
     d = t.data_ptr() - base.data_ptr()
     if d % t.element_size():
         raise ValueError("quantized tensors of one group must be element-aligned with each other")
@@ -101,8 +102,9 @@ def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
         aux = p.scale_max if p.kind == "exl2" else p.zeros
         assert aux is not None and aux0 is not None and p.group_rows is not None and q0.group_rows is not None
         out.append(_Part(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
-                         aux.stride(0) if aux.dim() > 1 else 0, _offset(p.q_weight, q0.q_weight),
-                         _offset(p.scales, q0.scales), _offset(aux, aux0), _offset(p.group_rows, q0.group_rows)))
+                         aux.stride(0) if aux.dim() > 1 else 0, element_offset(p.q_weight, q0.q_weight),
+                         element_offset(p.scales, q0.scales), element_offset(aux, aux0),
+                         element_offset(p.group_rows, q0.group_rows)))
     return tuple(out)
 
 

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from exlpy.kernels import pdl
+from exlpy.kernels.exl2_gemv import cuda_device as _device
 from exlpy.kernels.exl2_qmm_plan import (
     CONFIG,
     FIELDS,
@@ -327,12 +328,6 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-device zeroed (fp32 partial sums, int32 arrival counters); fixed size, kept zero by the kernel."""
     return (torch.zeros(WS_ELEMS, dtype=torch.float32, device=device),
             torch.zeros(WS_BLOCKS, dtype=torch.int32, device=device))
-
-
-def _device(dev: torch.device) -> torch.device:
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def prepare(device: torch.device) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from exlpy.kernels.exl2_gemv_plan import num_sms, supports
+from exlpy.kernels.exl2_gemv_plan import element_offset, num_sms, supports
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
@@ -93,13 +93,6 @@ class QmmPlan:
     src: torch.Tensor  # int32 [32 * nblk]: source column of each blocked-x position (-1: zero)
 
 
-def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
-    d = t.data_ptr() - base.data_ptr()
-    if d % t.element_size():
-        raise ValueError("quantized tensors of one group must be element-aligned with each other")
-    return d // t.element_size()
-
-
 @dataclass(frozen=True)
 class _Part:
     """What the plan needs of one matrix: hashable, so equal sets of matrices share a cached plan."""
@@ -127,8 +120,8 @@ def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
         aux = p.scale_max if p.kind == "exl2" else p.zeros
         assert aux is not None and aux0 is not None
         out.append(_Part(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
-                         aux.stride(0) if aux.dim() > 1 else 0, _offset(p.q_weight, q0.q_weight),
-                         _offset(p.scales, q0.scales), _offset(aux, aux0)))
+                         aux.stride(0) if aux.dim() > 1 else 0, element_offset(p.q_weight, q0.q_weight),
+                         element_offset(p.scales, q0.scales), element_offset(aux, aux0)))
     return tuple(out)
 
 
