@@ -35,9 +35,15 @@ from exlpy.server.options import (
 )
 
 try:
+    import ray
     from ray import serve
 except ImportError as e:  # the error names the extra that brings Ray
     raise ImportError("exlpy.server.ray_app needs Ray Serve: pip install \"exlpy[ray]\" (ray[serve])") from e
+
+MIN_RAY = (2, 60)  # the replica builds its app after loading the model: `@serve.ingress()` + __serve_build_asgi_app__
+if tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit()) < MIN_RAY:
+    raise ImportError(f"exlpy.server.ray_app needs ray[serve] >= {'.'.join(map(str, MIN_RAY))} (found "
+                      f"{ray.__version__}): pip install -U \"exlpy[ray]\"")
 
 REPLICA_HEADER = "x-exlpy-replica"
 
