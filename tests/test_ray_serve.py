@@ -99,6 +99,9 @@ def test_completion_and_chat(base_url: str) -> None:
     again = client.completions.create(model="aidreams260K", prompt="Once upon a time", max_tokens=8,
                                       temperature=0, logit_bias=NO_EOS)
     assert again.choices[0].text == out.choices[0].text  # greedy is the same on every replica
+    several = client.completions.create(model="aidreams260K", prompt="Once upon a time", max_tokens=4, n=3,
+                                        temperature=1.0, seed=7)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2] and several.usage.completion_tokens >= 3
     chat = client.chat.completions.create(model="aidreams260K", max_tokens=6, temperature=0,
                                           messages=[{"role": "user", "content": "Tell me a story."}])
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
