@@ -13,6 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+pytest.importorskip("exlpy.server.ray_app", exc_type=ImportError)  # skips (with the reason) on a Ray too old
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
