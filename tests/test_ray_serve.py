@@ -186,3 +186,29 @@ def test_arguments_are_checked() -> None:
         parse_args({"min_replicas": 3, "max_replicas": 2})
     with pytest.raises(ConfigError, match="gpus_per_replica"):
         parse_args({"gpus_per_replica": "1.5"})
+
+
+def test_kuberay_manifest_in_docs_is_valid() -> None:
+    yaml = pytest.importorskip("yaml")
+    import importlib
+
+    text = (REPO / "docs" / "ray_serve.md").read_text()
+    manifest = yaml.safe_load(text.split("```yaml")[1].split("```")[0])
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    (application,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    module, attr = application["import_path"].split(":")
+    assert getattr(importlib.import_module(module), attr) is not None
+    opts = parse_args(application["args"])  # every argument is one the builder knows, with a valid value
+    assert opts.gpus_per_replica == 1 and opts.autoscaling is not None
+    workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    gpus = int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus >= opts.gpus_per_replica  # a worker pod fits a replica
+    assert opts.autoscaling["max_replicas"] * opts.gpus_per_replica <= workers["maxReplicas"] * gpus
+
+
+def test_api_key_from_environment() -> None:
+    from exlpy.runtime import RuntimeOptions, use_options
+
+    with use_options(RuntimeOptions.from_env({"EXLPY_API_KEY": "from-env"})):
+        assert parse_args({"api_key": "a"}).access.api_keys == ("a", "from-env")
+        assert parse_args({}).access.api_keys == ("from-env",)

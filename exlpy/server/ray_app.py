@@ -121,7 +121,10 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
         kind = int if k in _INT_ARGS else float if k in _FLOAT_ARGS else bool if k in _BOOL_ARGS else str
         values[k] = _parse(k, args.get(k), kind)
     model = model_options(values)
-    access = AccessOptions(api_keys=_keys(args.get("api_key"), "api_key"),
+    from exlpy.runtime import options as runtime_options
+
+    env_key = runtime_options().api_key  # EXLPY_API_KEY where the app is built (a Kubernetes secret, say)
+    access = AccessOptions(api_keys=_keys(args.get("api_key"), "api_key") + ((env_key,) if env_key else ()),
                            admin_keys=_keys(args.get("admin_key"), "admin_key"),
                            disable_auth=bool(_parse("disable_auth", args.get("disable_auth"), bool)))
     out: dict[str, Any] = {}
