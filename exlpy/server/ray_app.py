@@ -72,6 +72,9 @@ class RayServeOptions:
     cpus_per_replica: float = 1.0
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
+    # A replica that Ray removes (scaling down, redeploying) stops taking requests and has this long to finish
+    # the ones it runs, streams included, before it is killed (exlpy serve's --shutdown-timeout).
+    shutdown_timeout_s: float = 30.0
     name: str = "exlpy"
 
     @property
@@ -132,7 +135,7 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
         if args.get(k) is None:
             continue
         kind = float if k in ("target_ongoing_requests", "gpus_per_replica", "cpus_per_replica",
-                              "health_check_period_s", "health_check_timeout_s") else int
+                              "health_check_period_s", "health_check_timeout_s", "shutdown_timeout_s") else int
         v = _parse(k, args[k], kind)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (kind is int and v < 1):
             raise ConfigError(f"ray_app argument {k} must be a {'positive integer' if kind is int else 'number >= 0'}"
@@ -223,7 +226,8 @@ def bind(opts: RayServeOptions) -> Any:
     deployment = serve.deployment(ExlpyReplica, name=opts.name, ray_actor_options=actor,
                                   max_ongoing_requests=opts.max_ongoing_requests,
                                   health_check_period_s=opts.health_check_period_s,
-                                  health_check_timeout_s=opts.health_check_timeout_s, **layout)
+                                  health_check_timeout_s=opts.health_check_timeout_s,
+                                  graceful_shutdown_timeout_s=opts.shutdown_timeout_s, **layout)
     return deployment.bind(opts)
 
 
