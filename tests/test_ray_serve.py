@@ -228,6 +228,8 @@ def test_arguments_are_checked() -> None:
         parse_args({"min_replicas": 3, "max_replicas": 2})
     with pytest.raises(ConfigError, match="gpus_per_replica"):
         parse_args({"gpus_per_replica": "1.5"})
+    with pytest.raises(ConfigError, match="gpus_per_replica"):
+        parse_args({"gpus_per_replica": 0.5})
 
 
 def test_kuberay_manifest_in_docs_is_valid() -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from exlpy.errors import ConfigError
+from exlpy.runtime import options as runtime_options
 from exlpy.server.options import (
     DEFAULT_MAX_QUEUE,
     AccessOptions,
@@ -124,8 +125,6 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
         kind = int if k in _INT_ARGS else float if k in _FLOAT_ARGS else bool if k in _BOOL_ARGS else str
         values[k] = _parse(k, args.get(k), kind)
     model = model_options(values)
-    from exlpy.runtime import options as runtime_options
-
     env_key = runtime_options().api_key  # EXLPY_API_KEY where the app is built (a Kubernetes secret, say)
     access = AccessOptions(api_keys=_keys(args.get("api_key"), "api_key") + ((env_key,) if env_key else ()),
                            admin_keys=_keys(args.get("admin_key"), "admin_key"),
@@ -145,8 +144,9 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
     a = opts.autoscaling
     if a is not None and a["min_replicas"] > a["max_replicas"]:
         raise ConfigError(f"ray_app: min_replicas {a['min_replicas']} > max_replicas {a['max_replicas']}")
-    if opts.gpus_per_replica > 1 and opts.gpus_per_replica != int(opts.gpus_per_replica):
-        raise ConfigError(f"ray_app: gpus_per_replica {opts.gpus_per_replica} must be whole above 1 GPU")
+    if opts.gpus_per_replica != int(opts.gpus_per_replica):  # a fraction would put two engines on one GPU
+        raise ConfigError(f"ray_app: gpus_per_replica must be a whole number of GPUs (replicas never share one), "
+                          f"got {opts.gpus_per_replica:g}")
     return opts
 
 
