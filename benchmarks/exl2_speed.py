@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 import traceback
@@ -44,6 +43,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.quant_matmul import graph_time  # noqa: E402  (median of CUDA-graph replays)
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -88,31 +89,6 @@ def random_matrix(k: int, n: int, mix: str, dev: torch.device, gptq: bool = Fals
     t = make_models._exl2("m", k, n, groups)
     return build_exl2_matrix(t["m.q_weight"], t["m.q_invperm"], t["m.q_scale"], t["m.q_scale_max"], t["m.q_groups"],
                              k, n, "m").to(dev)
-
-
-def graph_time(fn: Callable[[], Any], reps: int) -> float:
-    """Median seconds of one fn() from CUDA-graph replays (warm-up outside the capture)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del g
-    return statistics.median(times)
 
 
 def _copies(qm: Any, total_bytes: int) -> list[Any]:
