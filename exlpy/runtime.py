@@ -21,7 +21,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_FLASH_CONFIG=BM,BN,warps,stages` | `flash_config` | override the flash kernel's prefill launch table |
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
-| `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 8) of a quant matmul run the decode GEMV (FMAs per row) |
+| `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -62,7 +62,7 @@ class RuntimeOptions:
     quant_rows: int = 64
     # EXLPY_GEMV_ROWS: 2 up to this many rows take the decode GEMV extended to several rows (exl2_gemv.py), which
     # beats the tensor-core kernel where the rows' FMAs cost less than that kernel's fixed cost; 0 or 1: off.
-    gemv_rows: int = 8
+    gemv_rows: int = 4
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -103,7 +103,7 @@ class RuntimeOptions:
             flash_config=_ints(e.get("EXLPY_FLASH_CONFIG", ""), "EXLPY_FLASH_CONFIG"),
             api_key=e.get("EXLPY_API_KEY") or None,
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
-            gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (8,))[0],
+            gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
         )
 
 

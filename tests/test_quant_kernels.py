@@ -206,9 +206,14 @@ def test_act_order_kernels_interpreter(k: int, with_perm: bool) -> None:
     from exlpy.kernels import reference
 
     gen = torch.Generator().manual_seed(k)
-    x = torch.randn(1, 1, k, generator=gen).half() * 3
     w = (1 + 0.1 * torch.randn(k, generator=gen)).half()
     perm = torch.randperm(k, generator=gen).to(torch.int32) if with_perm else None
+    x3 = torch.randn(3, k, generator=gen).half() * torch.tensor([[1.0], [3.0], [10.0]]).half()  # rows of own norms
+    for got, ref in ((ak.act_order(x3, perm, 512), reference.act_order(x3, perm, 512)),
+                     (ak.rms_norm_act_order(x3, w, 1e-5, perm, 512),
+                      reference.rms_norm_act_order(x3, w, 1e-5, perm, 512))):
+        assert got.shape == (3, k + 512) and not got[:, k:].any() and rel_err(got, ref) < 1e-6
+    x = torch.randn(1, 1, k, generator=gen).half() * 3
     for got, ref in ((ak.act_order(x, perm, 512), reference.act_order(x, perm, 512)),
                      (ak.rms_norm_act_order(x, w, 1e-5, perm, 512), reference.rms_norm_act_order(x, w, 1e-5, perm,
                                                                                                   512))):
@@ -245,13 +250,15 @@ def test_fused_quant_matches_parts_interpreter() -> None:
 
 
 @requires_cuda
-def test_gemv_group_cuda() -> None:
-    """The grouped decode GEMV at q|k|v shapes of an 8B model with mixed widths, eager and graph-replayed."""
-    gen = torch.Generator().manual_seed(41)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_gemv_group_cuda(rows: int) -> None:
+    """The grouped decode GEMV at q|k|v shapes of an 8B model with mixed widths, 1-8 rows, eager and
+    graph-replayed."""
+    gen = torch.Generator().manual_seed(41 + rows)
     mixed = [(5, 128)] * 4 + [(4, 128)] * 24 + [(3, 128)] * 4
     parts = _same_perm_parts(gen, 4096, [(4096, mixed), (1024, [(4, 128)] * 32), (1024, [(6, 128)] * 32)])
     group = exl2_gemv.GemvGroup([p.to("cuda") for p in parts], None)
-    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    x = torch.randn(rows, 4096, generator=gen).half().cuda()
     ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
     xp = act_order(x, group.perm, exl2_gemv.ROW_PAD)
     for _ in range(5):  # repeated: a race in the split-K epilogue showed only now and then
@@ -260,7 +267,7 @@ def test_gemv_group_cuda() -> None:
     with torch.cuda.graph(g):
         y = group.run(act_order(x, group.perm, exl2_gemv.ROW_PAD), torch.float16)
     for _ in range(2):
-        x.copy_(torch.randn(1, 4096, generator=gen).half())
+        x.copy_(torch.randn(rows, 4096, generator=gen).half())
         g.replay()
         ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
         assert rel_err(y.cpu(), ref) < 2e-3

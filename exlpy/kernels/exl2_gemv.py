@@ -44,12 +44,15 @@ __all__ = ["CONFIG", "MAX_ROWS", "ROW_PAD", "GemvGroup", "exl2_gemv", "gemv_take
 # Up to MAX_ROWS activation rows run through this kernel: each decoded code feeds one FMA per row, so a few rows
 # cost little more than one (the code's unpacking and the weight read are shared); past that the FMAs dominate
 # and the tensor-core kernel (exl2_qmm.py) wins. Register caps per row count (more rows hold more accumulators).
-# Per row count (register cap, packed words in flight per thread and step): more rows hold more accumulators, so
-# fewer words are prefetched to stay under a cap that keeps 3-4 programs per SM without spills (sm_90a compile,
-# benchmarks/gemv_compile_check.py: 8 rows with 16 words spill at any cap).
+# Per row count (register cap, packed words in flight per thread and step): more rows hold more accumulators.
+# Measured on an H100 (benchmarks/exl2_speed.py --parts micro --gemv-variants, 2026-11-26): 3-4 rows are fastest
+# with few words in flight and 4 programs per SM (128 registers, 8 words: 31.6 us for 4096x14336 against 37-40 us
+# with 16 words); 8 rows with 16 words in flight and no cap that spills (sm_90a compile:
+# benchmarks/gemv_compile_check.py). Up to 4 rows this kernel beats the tensor-core one (exl2_qmm.py) 1.3-2.1x; at
+# 8 rows the two are even (EXLPY_GEMV_ROWS, default 4).
 MAX_ROWS = 8
-ROWS_CONFIG: dict[int, tuple[int, int]] = {2: (128, 16), 3: (144, 16), 4: (144, 16), 5: (168, 8), 6: (168, 8),
-                                           7: (192, 8), 8: (192, 8)}
+ROWS_CONFIG: dict[int, tuple[int, int]] = {2: (128, 16), 3: (128, 8), 4: (128, 8), 5: (232, 16), 6: (232, 16),
+                                           7: (255, 16), 8: (255, 16)}
 
 
 def _rows_nb(nb: int, bits: int, rows: int) -> int:

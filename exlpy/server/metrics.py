@@ -54,8 +54,8 @@ class KernelCompiles:
 
             def counting(previous: Any) -> Any:
                 def hook(*args: Any, **kwargs: Any) -> Any:
-                    # repr names the variant (constexprs, launch options, and each argument's specialization)
-                    cls.count(str(kwargs.get("repr", "?")))
+                    # repr names the kernel and launch options, key the arguments' specializations and constexprs
+                    cls.count(f"{kwargs.get('repr', '?')} key={kwargs.get('key', '?')}")
                     return previous(*args, **kwargs) if previous else None
                 return hook
 
