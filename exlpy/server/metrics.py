@@ -6,7 +6,7 @@
 | exlpy:kv_cache_usage_perc (0-1), exlpy:cache_pages_used / exlpy:cache_pages_total | gauge | vllm:kv_cache_usage_perc |
 | exlpy:prompt_tokens_total / exlpy:generation_tokens_total | counter | vllm:prompt_tokens / generation_tokens |
 | exlpy:num_preemptions_total | counter | vllm:num_preemptions |
-| exlpy:prefix_cache_queries_total / exlpy:prefix_cache_hits_total (prompt tokens looked up / found cached) | counter | vllm:prefix_cache_queries / _hits |
+| exlpy:prefix_cache_queries_total / _hits_total (prompt tokens looked up / cached) | counter | vllm:prefix_cache_* |
 | exlpy:request_success_total{finished_reason} | counter | vllm:request_success |
 | exlpy:time_to_first_token_seconds | histogram | the same |
 | exlpy:inter_token_latency_seconds, exlpy:e2e_request_latency_seconds | histogram | the same |

@@ -61,6 +61,8 @@ def _escape(v: str) -> str:
 def _render(families: Mapping[str, Family]) -> str:
     lines = []
     for f in families.values():
+        if not f.samples:
+            continue  # e.g. the `_created` family the parser makes of a counter's creation times
         lines.append(f"# HELP {f.name} {f.doc}")
         lines.append(f"# TYPE {f.name} {f.kind}")
         for (name, labels), v in f.samples.items():

@@ -90,7 +90,11 @@ class PrefixAffinityRouter(RequestRouter):
 
     def initialize_state(self, imbalance: int = 16, **_: Any) -> None:
         self.imbalance = int(imbalance)
-        ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
+        # Ray ships this class to the ingress pickled by value, with its own copy of this module's globals: the
+        # registry the ingress reads is the imported module's.
+        import exlpy.server.ray_router as registry
+
+        registry.ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
 
     def _queue_len(self, r: RunningReplica) -> int | None:
         if not self._use_replica_queue_len_cache:
