@@ -291,8 +291,6 @@ def test_redeploy_keeps_running_streams(base_url: str, ray_app_args: dict[str, A
     """Redeploying with one replica while streams run replaces the running replicas (a new version): those stop
     taking requests and have `shutdown_timeout_s` to finish theirs, so every stream ends with [DONE]. (On the demo
     model the streams may also just finish before the old replica is told to stop; the test checks none is lost.)"""
-    import threading
-
     started = threading.Barrier(5, timeout=60)
     results: list[tuple[int, str, str]] = []
 
@@ -310,7 +308,7 @@ def test_redeploy_keeps_running_streams(base_url: str, ray_app_args: dict[str, A
     for t in threads:
         t.start()
     started.wait()  # every stream is running
-    serve.run(build_app(**{**ray_app_args, "replicas": 1}), name=APP, route_prefix="/")
+    serve.run(build_app(**{**ray_app_args, "replicas": 1, "retries": 0}), name=APP, route_prefix="/")
     for t in threads:
         t.join(timeout=WAIT_S)
     assert len(results) == 4
@@ -320,12 +318,35 @@ def test_redeploy_keeps_running_streams(base_url: str, ray_app_args: dict[str, A
     _wait("one running replica", lambda: _running(1))
 
 
+def test_lost_replica_without_retries_is_a_503(base_url: str) -> None:
+    """With `retries=0` (the redeploy above), a request whose replica dies gets OpenAI's error shape: 503,
+    code `replica_unavailable`, and a Retry-After header."""
+    (victim,) = _replica_actors()
+    result: list[httpx.Response] = []
+    body = {"prompt": "Lost", "max_tokens": 440, "logit_bias": NO_EOS}
+    t = threading.Thread(target=lambda: result.append(_post(base_url, "/v1/completions", body)))
+    t.start()
+    time.sleep(0.5)
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    t.join(timeout=WAIT_S)
+    (r,) = result
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.headers[ATTEMPTS_HEADER] == "1"
+    error = r.json()["error"]
+    assert error["code"] == "replica_unavailable" and error["type"] == "server_error" and "Retry" in error["message"]
+
+
 def test_arguments_are_checked() -> None:
     opts = parse_args({"model": "/m", "replicas": "3", "gpus_per_replica": "1", "max_seq_len": "4096",
                        "tensor_parallel": "true", "api_key": "a,b", "shutdown_timeout_s": "5"})
     assert opts.replicas == 3 and opts.gpus_per_replica == 1.0 and opts.model.max_seq_len == 4096
     assert opts.model.tensor_parallel and opts.access.api_keys == ("a", "b") and opts.autoscaling is None
-    assert opts.shutdown_timeout_s == 5.0
+    assert opts.shutdown_timeout_s == 5.0 and opts.router == "pow2" and opts.retries == 1
+    routed = parse_args({"router": "Prefix", "prefix_chars": "300", "prefix_imbalance": "0", "retries": "0"})
+    assert (routed.router, routed.prefix_chars, routed.prefix_imbalance, routed.retries) == ("prefix", 300, 0, 0)
+    with pytest.raises(ConfigError, match="router"):
+        parse_args({"router": "round-robin"})
+    with pytest.raises(ConfigError, match="stats_period_s"):
+        parse_args({"stats_period_s": "0"})
     auto = parse_args({"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8})
     assert auto.autoscaling == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
                                 "target_ongoing_requests": 8.0}
