@@ -245,6 +245,21 @@ def test_metrics_summed_over_replicas(base_url: str) -> None:
     assert 0.0 <= total[("exlpy:kv_cache_usage_perc", ())] <= 1.0
 
 
+def test_client_gone_cancels_the_replicas_job(base_url: str) -> None:
+    """A client that closes its stream early: the ingress cancels the replica's stream, whose app sees the
+    disconnect and cancels the job (it stops generating long before its 440 tokens)."""
+    gen = "exlpy:generation_tokens_total"
+    before = _total(_metrics(base_url), gen)
+    body = {"prompt": "Gone", "max_tokens": 440, "logit_bias": NO_EOS, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        assert next(x for x in r.iter_lines() if x).startswith("data: {")
+    ended = _wait("the job's end in the metrics", lambda: (lambda m: m if _total(m, gen) > before and _total(
+        m, "exlpy:num_requests_running") == 0 else None)(_metrics(base_url)))
+    assert _total(ended, gen) - before < 300
+
+
 def test_replica_killed_mid_stream(base_url: str) -> None:
     """A replica killed while it streams one answer and computes others: the stream ends with an error event
     and [DONE] (no hang, no cut connection), the non-streaming requests it held are sent again to the other

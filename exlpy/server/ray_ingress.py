@@ -7,7 +7,7 @@ Replica failures (the replica's process died, its node went away, Ray replaced i
   `retries` times (nothing the client saw is lost: a non-streaming answer is held until complete, a stream
   until its first chunk);
 - past that, the client gets OpenAI's error shape with status 503, code `replica_unavailable` and a
-  `Retry-After` header;
+  `Retry-After` header (any other failure of the call is a 500 in the same shape, code `internal_error`);
 - a stream already running ends with an error event (`data: {"error": {...}}`, code `replica_unavailable`)
   and `data: [DONE]`, as exlpy ends a stream whose job failed, instead of hanging or being cut.
 Each response says in `x-exlpy-attempts` how many replicas it took.
@@ -56,8 +56,8 @@ def _error(message: str, status: int, code: str, retry_after: int | None = None,
     return status, headers, body
 
 
-def _sse_error(message: str) -> bytes:
-    event = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_unavailable"}}
+def _sse_error(message: str, code: str = "replica_unavailable") -> bytes:
+    event = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
 
 
@@ -130,11 +130,21 @@ class ExlpyIngress:
                     log.warning("exlpy ingress: a replica stopped before answering (%s); retrying (%d/%d)",
                                 type(e).__name__, attempts, self.opts.retries)
                     continue
+                again = f", and so did the {attempts - 1} it was sent to again" if attempts > 1 else ""
                 status, hs, err = _error(
-                    f"The replica serving this request stopped before answering ({type(e).__name__}) and "
-                    f"{attempts - 1} retr{'y' if attempts == 2 else 'ies'} failed too; nothing was generated "
-                    "for this request. Retry it.", 503, "replica_unavailable", self.opts.retry_after_s, attempts)
+                    f"The replica serving this request stopped before answering ({type(e).__name__}){again}; "
+                    "nothing was generated for this request. Retry it.", 503, "replica_unavailable",
+                    self.opts.retry_after_s, attempts)
                 return _raw(Response(err, status_code=status), hs)
+            except Exception as e:  # the replica's forward itself failed (a bug): OpenAI's shape, not Ray's text
+                gen.cancel()
+                log.exception("exlpy ingress: a replica failed to answer")
+                status, hs, err = _error(f"internal error in the replica: {type(e).__name__}: {e}", 500,
+                                         "internal_error", attempts=attempts)
+                return _raw(Response(err, status_code=status), hs)
+            except BaseException:  # cancelled (the client went away): so is the replica's work
+                gen.cancel()
+                raise
         headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         headers.append((ATTEMPTS_HEADER.encode(), str(attempts).encode()))
         if not stream:
@@ -149,6 +159,9 @@ class ExlpyIngress:
             except REPLICA_GONE as e:
                 yield _sse_error(f"The replica serving this stream stopped ({type(e).__name__}); the text so far "
                                  "is incomplete. Retry the request.")
+            except Exception as e:
+                log.exception("exlpy ingress: a replica's stream failed")
+                yield _sse_error(f"internal error in the replica: {type(e).__name__}: {e}", "internal_error")
             finally:
                 gen.cancel()  # no-op when finished; a client gone away cancels the replica's stream
 
