@@ -1,7 +1,8 @@
 """exlpy on Ray Serve (issue 36): throughput by replica count, and prefix routing against power of two choices.
 
-    # GPU, two GPUs (what the lead runs; under 4 minutes with Ray's start): SmolLM2 EXL2, 1 and 2 one-GPU replicas
-    PYTHONPATH=. python benchmarks/ray_serve.py --model ../shared/models/smollm2-135m-exl2-4.0 --quick \
+    # GPU, two GPUs, under 4 minutes with Ray's start (`bash benchmarks/gpu_session.sh ray` runs this): a tiny EXL2
+    # model, 1 and 2 one-GPU replicas, then both routings on the 2 replicas
+    PYTHONPATH=. python benchmarks/ray_serve.py --model ../shared/models/tiny-llama-exl2-4.0 --quick \
         --out benchmarks/results/ray_serve.md
     # GPU, the issue's figures: an 8B model, 128 streams, a 2,000-token shared system prompt
     PYTHONPATH=. python benchmarks/ray_serve.py --model /path/to/8b --replicas 1,2 --streams 128 \
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import socket
 import sys
@@ -196,8 +198,11 @@ def main() -> None:
     prompts = [prompt(rng, rng.randint(lo, hi), vocab) for _ in range(args.streams)]
     counts = [int(x) for x in args.replicas.split(",")]
     port = free_port()
-    repo = str(Path(__file__).resolve().parent.parent)
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": repo}})
+    # The replicas are Ray workers: they import this checkout's exlpy, and whatever else PYTHONPATH names (the GPU
+    # session's carried packages).
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH"))
+                           if p)
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     rows: list[dict[str, Any]] = []
     routed: list[dict[str, Any]] = []
     try:
@@ -240,8 +245,9 @@ def main() -> None:
                          f"{r['tok_s']:.0f} | {r['errors']} |")
         if len(routed) == 2 and routed[0]["ttft_p50"] > 0:
             pw, px = routed
-            lines += ["", f"Prefix routing: TTFT p50 {px['ttft_p50'] / pw['ttft_p50']:.2f}x of power of two "
-                          f"choices', hit rate {px['hit_rate']:.1%} vs {pw['hit_rate']:.1%}."]
+            ratio = px["ttft_p50"] / pw["ttft_p50"]
+            lines += ["", f"Prefix routing against power of two choices: TTFT p50 {ratio:.2f}x, "
+                          f"hit rate {px['hit_rate']:.1%} vs {pw['hit_rate']:.1%}."]
         lines.append("")
     text = "\n".join(lines)
     print(text)
