@@ -303,8 +303,9 @@ def test_replica_killed_mid_stream(base_url: str) -> None:
 
 
 def test_redeploy_keeps_running_streams(base_url: str, ray_app_args: dict[str, Any]) -> None:
-    """Redeploying with one replica while streams run replaces the running replicas (a new version): those stop
-    taking requests and have `shutdown_timeout_s` to finish theirs, so every stream ends with [DONE]. (On the demo
+    """Redeploying with one replica (and `retries=0`, for the next test) while streams run replaces the running
+    replicas (a new version): those stop taking requests and have `shutdown_timeout_s` to finish theirs, so every
+    stream ends with [DONE]. (On the demo
     model the streams may also just finish before the old replica is told to stop; the test checks none is lost.)"""
     started = threading.Barrier(5, timeout=60)
     results: list[tuple[int, str, str]] = []
@@ -388,7 +389,7 @@ def test_kuberay_manifest_in_docs_is_valid() -> None:
     module, attr = application["import_path"].split(":")
     assert getattr(importlib.import_module(module), attr) is not None
     opts = parse_args(application["args"])  # every argument is one the builder knows, with a valid value
-    assert opts.gpus_per_replica == 1 and opts.autoscaling is not None
+    assert opts.gpus_per_replica == 1 and opts.autoscaling is not None and opts.router == "prefix"
     workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus >= opts.gpus_per_replica  # a worker pod fits a replica

@@ -50,7 +50,7 @@ try:
 except ImportError as e:  # the error names the extra that brings Ray
     raise ImportError("exlpy.server.ray_app needs Ray Serve: pip install \"exlpy[ray]\" (ray[serve])") from e
 
-MIN_RAY = (2, 60)  # the replica builds its app after loading the model: `@serve.ingress()` + __serve_build_asgi_app__
+MIN_RAY = (2, 60)  # `@serve.ingress()` + __serve_build_asgi_app__, and ray.serve.request_router's public API
 if tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit()) < MIN_RAY:
     raise ImportError(f"exlpy.server.ray_app needs ray[serve] >= {'.'.join(map(str, MIN_RAY))} (found "
                       f"{ray.__version__}): pip install -U \"exlpy[ray]\"")
