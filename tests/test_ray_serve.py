@@ -162,6 +162,9 @@ def test_errors_and_keys(base_url: str) -> None:
     assert r.status_code == 401
     r = _post(base_url, "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 4})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = _post(base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}, x_exlpy_routing="round-robin")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-exlpy-routing"
+    assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_both_replicas_serve(base_url: str) -> None:

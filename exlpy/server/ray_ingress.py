@@ -47,9 +47,9 @@ class IngressOptions:
     metrics_require_key: bool = False
 
 
-def _error(message: str, status: int, code: str, retry_after: int | None = None,
-           attempts: int = 1) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}}).encode()
+def _error(message: str, status: int, code: str, retry_after: int | None = None, attempts: int = 1,
+           kind: str = "server_error", param: str | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
     headers = [(b"content-type", b"application/json"), (ATTEMPTS_HEADER.encode(), str(attempts).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
@@ -92,8 +92,8 @@ class ExlpyIngress:
         if policy not in POLICIES:
             from starlette.responses import Response
 
-            status, hs, err = _error(f"{ROUTING_HEADER} must be one of {', '.join(POLICIES)}, got {policy!r}",
-                                     400, "invalid_routing")
+            status, hs, err = _error(f"header {ROUTING_HEADER} must be one of {', '.join(POLICIES)}, got {policy!r}",
+                                     400, "invalid_routing", kind="invalid_request_error", param=ROUTING_HEADER)
             return _raw(Response(err, status_code=status), hs)
         key = None
         if policy == "prefix":
