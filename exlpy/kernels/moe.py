@@ -1,0 +1,153 @@
+"""Grouped GEMMs of a mixture-of-experts block: every expert's gate|up (with the activation) in one launch, every
+expert's down in another. Same contracts as `reference.moe_gate_up / moe_down` (read those first).
+
+The rows are the step's (token, slot) pairs sorted by expert (`reference.moe_sort`, on the device), so each
+expert owns a contiguous run of rows. The row axis of the grid is a list of row tiles: expert e's run is cut into
+ceil(count_e / BLOCK_M) tiles, laid end to end in expert order. A program reads the expert counts from device
+memory, finds which expert's tile it is (a prefix sum over the E counts) and multiplies that tile by that
+expert's weights, which it reads once for all the tile's rows; programs past the last tile exit at once. Sum over
+experts of ceil(count_e / BLOCK_M) <= ceil(N / BLOCK_M) + min(E, N), so the grid has that many row tiles: fixed
+for a given number of pairs N, whatever the routing. Nothing is read on the host, nothing is allocated with a
+routed size, and experts no token chose are never read: one launch per projection, capturable in a CUDA graph.
+
+gate|up gathers its input rows (token order[r] // k) and writes act(gate) * up in sorted order; down reads the
+sorted rows and writes each row back to its pair's place, unweighted (the k outputs of a token are summed with
+their routing weights in fp32 by `reference.moe_combine`, as the reference does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+@triton.jit
+def _tile(counts_ptr, pid, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first sorted row, end of the expert's rows) of row tile `pid`; expert == E past the last tile."""
+    e = tl.arange(0, E_P2)
+    c = tl.load(counts_ptr + e, mask=e < E, other=0)
+    tiles = (c + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    row_end = tl.cumsum(c, axis=0)
+    expert = tl.sum((tile_end <= pid).to(tl.int32), axis=0)
+    mine = e == expert
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
+    end = tl.sum(tl.where(mine, row_end, 0), axis=0)
+    start = end - tl.sum(tl.where(mine, c, 0), axis=0)
+    return expert, start + (pid - first_tile) * BLOCK_M, end
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 weights: exact products (on GPUs fp32 dots default to tf32)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, I, top_k, sx, swe, swn, so,
+                    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ACT: tl.constexpr, IEEE: tl.constexpr):
+    expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        live = rows < end
+        tok = tl.load(order_ptr + rows, mask=live, other=0) // top_k
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        w_gate = w_ptr + expert.to(tl.int64) * swe + cols[None, :] * swn
+        w_up = w_gate + I * swn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < H
+            xt = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+            wmask = k_ok[:, None] & col_ok[None, :]
+            wg = tl.load(w_gate + kk[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]: gate rows transposed
+            wu = tl.load(w_up + kk[:, None], mask=wmask, other=0.0)
+            acc_g = _dot(xt.to(wg.dtype), wg, acc_g, IEEE)
+            acc_u = _dot(xt.to(wu.dtype), wu, acc_u, IEEE)
+        if ACT == 0:
+            y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
+            inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+            y = 0.5 * acc_g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)) * acc_u
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * so + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, I, sa, swe, swn, sy,
+                 E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
+    if expert < E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        live = rows < end
+        pair = tl.load(order_ptr + rows, mask=live, other=0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        w = w_ptr + expert.to(tl.int64) * swe + cols[None, :] * swn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < I
+            at = tl.load(a_ptr + rows[:, None].to(tl.int64) * sa + kk[None, :], mask=live[:, None] & k_ok[None, :],
+                         other=0.0)
+            wt = tl.load(w + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = _dot(at.to(wt.dtype), wt, acc, IEEE)
+        tl.store(y_ptr + pair[:, None] * sy + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+def plan(n_pairs: int, n_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, row tiles) for N pairs over E experts. The tile height follows the mean rows
+    per routed expert (known only on the device, so estimated from N and E); few rows per expert (decode) take
+    narrow column tiles and long K steps: more programs streaming weights, more bytes in flight each."""
+    per_expert = n_pairs / max(1, min(n_experts, n_pairs))
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    block_n, block_k = (32, 128) if block_m == 16 else (64, 64)
+    return block_m, block_n, block_k, triton.cdiv(n_pairs, block_m) + min(n_experts, n_pairs)
+
+
+def _warps(block_m: int) -> int:
+    return 8 if block_m >= 64 else 4
+
+
+def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, top_k: int,
+                kind: str) -> torch.Tensor:
+    """Same contract as `reference.moe_gate_up` (activations silu and gelu_tanh; ops sends others there)."""
+    E, two_i, H = w_gate_up.shape
+    inter, N = two_i // 2, order.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    out = torch.empty(N, inter, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    bm, bn, bk, tiles = plan(N, E)
+    _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
+        x, order, counts, w, out, E, H, inter, top_k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACT=_ACTS[kind],
+        IEEE=w.dtype == torch.float32, num_warps=_warps(bm), num_stages=3)
+    return out
+
+
+def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Same contract as `reference.moe_down`."""
+    E, H, inter = w_down.shape
+    N = order.shape[0]
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    w = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    y = torch.empty(N, H, dtype=a.dtype, device=a.device)
+    if N == 0:
+        return y
+    bm, bn, bk, tiles = plan(N, E)
+    _down_kernel[(tiles, triton.cdiv(H, bn))](
+        a, order, counts, w, y, E, H, inter, a.stride(0), w.stride(0), w.stride(1), y.stride(0),
+        E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=w.dtype == torch.float32,
+        num_warps=_warps(bm), num_stages=3)
+    return y
