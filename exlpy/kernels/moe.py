@@ -48,7 +48,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, I, top_k, sx, swe, swn, so,
+def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, INTER, top_k, sx, swe, swn, so,
                     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ACT: tl.constexpr, IEEE: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
@@ -57,9 +57,9 @@ def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, I, top_k
         live = rows < end
         tok = tl.load(order_ptr + rows, mask=live, other=0) // top_k
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < I
+        col_ok = cols < INTER
         w_gate = w_ptr + expert.to(tl.int64) * swe + cols[None, :] * swn
-        w_up = w_gate + I * swn
+        w_up = w_gate + INTER * swn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -81,7 +81,7 @@ def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, I, top_k
 
 
 @triton.jit
-def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, I, sa, swe, swn, sy,
+def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, INTER, sa, swe, swn, sy,
                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
@@ -93,9 +93,9 @@ def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, I, sa, swe, s
         col_ok = cols < H
         w = w_ptr + expert.to(tl.int64) * swe + cols[None, :] * swn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, INTER, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < I
+            k_ok = kk < INTER
             at = tl.load(a_ptr + rows[:, None].to(tl.int64) * sa + kk[None, :], mask=live[:, None] & k_ok[None, :],
                          other=0.0)
             wt = tl.load(w + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
