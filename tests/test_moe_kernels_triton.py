@@ -98,7 +98,7 @@ def test_grid_covers_every_routing() -> None:
     `plan` sizes from N and E alone, for any routing (every count vector summing to N)."""
     g = torch.Generator().manual_seed(0)
     for N, E in [(1, 8), (2, 8), (8, 128), (64, 8), (256, 128), (4096, 8), (700, 60)]:
-        bm, _, _, tiles = plan(N, E)
+        bm, _, _, _, tiles = plan(N, E)
         worst = 0
         for trial in range(200):
             n_used = min(E, N) if trial == 0 else int(torch.randint(1, min(E, N) + 1, (1,), generator=g))

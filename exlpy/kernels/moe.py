@@ -21,7 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from exlpy.kernels import reference
+
 _ACTS = {"silu": 0, "gelu_tanh": 1}
+STAGES = 3  # software pipelining depth of the K loop (weight tiles in flight per program)
 
 
 @triton.jit
@@ -58,7 +61,8 @@ def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, INTER, t
         tok = tl.load(order_ptr + rows, mask=live, other=0) // top_k
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < INTER
-        w_gate = w_ptr + expert.to(tl.int64) * swe + cols[None, :] * swn
+        w_e = w_ptr + expert.to(tl.int64) * swe  # the expert's weights; offsets inside them fit 32 bits
+        w_gate = cols[None, :] * swn
         w_up = w_gate + INTER * swn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -67,8 +71,8 @@ def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, INTER, t
             k_ok = kk < H
             xt = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
             wmask = k_ok[:, None] & col_ok[None, :]
-            wg = tl.load(w_gate + kk[:, None], mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]: gate rows transposed
-            wu = tl.load(w_up + kk[:, None], mask=wmask, other=0.0)
+            wg = tl.load(w_e + (w_gate + kk[:, None]), mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]: gate rows^T
+            wu = tl.load(w_e + (w_up + kk[:, None]), mask=wmask, other=0.0)
             acc_g = _dot(xt.to(wg.dtype), wg, acc_g, IEEE)
             acc_u = _dot(xt.to(wu.dtype), wu, acc_u, IEEE)
         if ACT == 0:
@@ -91,31 +95,40 @@ def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, INTER, sa, sw
         pair = tl.load(order_ptr + rows, mask=live, other=0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < H
-        w = w_ptr + expert.to(tl.int64) * swe + cols[None, :] * swn
+        w_e = w_ptr + expert.to(tl.int64) * swe
+        w = cols[None, :] * swn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < INTER
             at = tl.load(a_ptr + rows[:, None].to(tl.int64) * sa + kk[None, :], mask=live[:, None] & k_ok[None, :],
                          other=0.0)
-            wt = tl.load(w + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            wt = tl.load(w_e + (w + kk[:, None]), mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _dot(at.to(wt.dtype), wt, acc, IEEE)
         tl.store(y_ptr + pair[:, None] * sy + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
 
-def plan(n_pairs: int, n_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, row tiles) for N pairs over E experts. The tile height follows the mean rows
-    per routed expert (known only on the device, so estimated from N and E); few rows per expert (decode) take
-    narrow column tiles and long K steps: more programs streaming weights, more bytes in flight each."""
+# (BLOCK_N, BLOCK_K, warps) per tile height, 2-byte weights; chosen so that no variant spills registers on sm_90a
+# (benchmarks/moe_compile_check.py). 16-row tiles (decode) take narrow column tiles and long K steps: more
+# programs streaming weights, more bytes in flight each. benchmarks/moe.py --sweep times alternatives on a GPU.
+TILES: dict[int, tuple[int, int, int]] = {16: (32, 128, 4), 32: (64, 64, 8), 64: (64, 64, 8)}
+
+
+def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, row tiles) for N pairs over E experts. The tile height follows the mean
+    rows per routed expert (known only on the device, so estimated from N and E)."""
     per_expert = n_pairs / max(1, min(n_experts, n_pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    block_n, block_k = (32, 128) if block_m == 16 else (64, 64)
-    return block_m, block_n, block_k, triton.cdiv(n_pairs, block_m) + min(n_experts, n_pairs)
+    block_n, block_k, warps = TILES[block_m]
+    if elem_bytes > 2:  # fp32 weights (exact dots: tests, fp32 models): a short K step keeps registers
+        block_k = 32
+    return block_m, block_n, block_k, warps, triton.cdiv(n_pairs, block_m) + min(n_experts, n_pairs)
 
 
-def _warps(block_m: int) -> int:
-    return 8 if block_m >= 64 else 4
+def fits(w: torch.Tensor) -> bool:
+    """The kernels address inside one expert with 32-bit offsets."""
+    return w.stride(0) < 2**31 and w.stride(-1) == 1
 
 
 def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, top_k: int,
@@ -123,16 +136,18 @@ def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_ga
     """Same contract as `reference.moe_gate_up` (activations silu and gelu_tanh; ops sends others there)."""
     E, two_i, H = w_gate_up.shape
     inter, N = two_i // 2, order.shape[0]
+    w = w_gate_up
+    if not fits(w):
+        return reference.moe_gate_up(x, order, counts, w, top_k, kind)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    w = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     out = torch.empty(N, inter, dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    bm, bn, bk, tiles = plan(N, E)
+    bm, bn, bk, warps, tiles = plan(N, E, w.element_size())
     _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
         x, order, counts, w, out, E, H, inter, top_k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACT=_ACTS[kind],
-        IEEE=w.dtype == torch.float32, num_warps=_warps(bm), num_stages=3)
+        IEEE=w.dtype == torch.float32, num_warps=warps, num_stages=STAGES)
     return out
 
 
@@ -140,14 +155,16 @@ def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down:
     """Same contract as `reference.moe_down`."""
     E, H, inter = w_down.shape
     N = order.shape[0]
+    w = w_down
+    if not fits(w):
+        return reference.moe_down(a, order, counts, w)
     a = a if a.stride(-1) == 1 else a.contiguous()
-    w = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
     y = torch.empty(N, H, dtype=a.dtype, device=a.device)
     if N == 0:
         return y
-    bm, bn, bk, tiles = plan(N, E)
+    bm, bn, bk, warps, tiles = plan(N, E, w.element_size())
     _down_kernel[(tiles, triton.cdiv(H, bn))](
         a, order, counts, w, y, E, H, inter, a.stride(0), w.stride(0), w.stride(1), y.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=w.dtype == torch.float32,
-        num_warps=_warps(bm), num_stages=3)
+        num_warps=warps, num_stages=STAGES)
     return y
