@@ -17,6 +17,8 @@ embedding and head keep their size), written with safetensors once into --work a
   launch overhead; the layers together far exceed L2); bytes = the routed experts' weights (each distinct
   expert once per layer), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are
   also timed alone.
+- --sweep: the two launches again under other tiles (exlpy/kernels/moe.py TILES, STAGES) for the tile height
+  each batch uses, to choose the defaults from.
 
 Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
@@ -212,6 +214,32 @@ def kernel_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[s
     return rows
 
 
+SWEEP = {16: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 4), (16, 128, 4, 3), (64, 128, 8, 3),
+              (32, 256, 8, 3)],
+         32: [(64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
+         64: [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 4)]}
+
+
+def sweep_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
+    """`kernel_rows`' gate|up and down launches under each alternative tile of this batch's tile height."""
+    from exlpy.kernels import moe
+
+    E = model.config.num_experts
+    bm = moe.plan(tokens * model.config.num_experts_per_token, E)[0]
+    saved, saved_stages = dict(moe.TILES), moe.STAGES
+    rows = []
+    try:
+        for bn, bk, warps, stages in SWEEP[bm]:
+            moe.TILES[bm], moe.STAGES = (bn, bk, warps), stages
+            for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
+                rows.append((f"{what}, tile {bm}x{bn}x{bk} w{warps} s{stages}", t, rate))
+    finally:
+        moe.TILES.clear()
+        moe.TILES.update(saved)
+        moe.STAGES = saved_stages
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script end to end)")
@@ -221,6 +249,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--sweep", action="store_true", help="time the grouped launches under other tiles too")
     ap.add_argument("--out", default=None, help="markdown file to append to (default: benchmarks/results/moe.md "
                                                 "on a GPU, nothing with --tiny)")
     a = ap.parse_args()
@@ -261,9 +290,12 @@ def main() -> None:
                 table.append(f"| {b} | {mode} | {b * steps:,.1f} | {1e3 / steps:.3f} | {frac} |")
                 print(table[-1], flush=True)
         table += ["", "| batch tokens | kernel | µs per layer | GB/s | of copy rate |", "|---|---|---|---|---|"]
-        print("\n".join(table[-3:]), flush=True)
+        if a.tiny:
+            table.insert(-3, "\nOn the CPU the kernel rows time the torch references the ops dispatch to.")
+        print("\n".join(table[-4:]), flush=True)
         for b in batches:
-            for what, t, rate in kernel_rows(model, b, device, bw):
+            for what, t, rate in kernel_rows(model, b, device, bw) + (sweep_rows(model, b, device, bw)
+                                                                        if a.sweep else []):
                 table.append(f"| {b} | {what} | {1e6 * t:,.1f} | {rate / 1e9:,.0f} | {rate / bw:.0%} |")
                 print(table[-1], flush=True)
         lines += table + [""]

@@ -402,9 +402,9 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
     return act, lora_shrink(act, down_a, down_ranks, adapters, q_len)
 
 
-# Above this many (token, expert) pairs, or this many bytes of gathered weights, the experts run grouped by
-# expert; at or below, each pair gathers its expert's weights (fixed shapes, no host synchronisation: what a
-# decode step of a few tokens wants). The byte bound keeps large experts (Mixtral's 350 MB) from being copied.
+# Above this many (token, expert) pairs, or this many bytes of gathered weights, `moe_experts` runs grouped by
+# expert; at or below, each pair gathers its expert's weights. The byte bound keeps large experts (Mixtral's
+# 350 MB) from being copied; `_grouped_matmul` gathers under the same bound.
 MOE_GATHER_MAX = 16
 MOE_GATHER_BYTES = 128 * 2**20
 
@@ -415,9 +415,10 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     mixture-of-experts block. h [T, H]; weights, ids [T, k]; w_gate_up [E, 2I, H] (gate rows, then up rows);
     w_down [E, H, I]. Only the experts some token chose are read; never all experts for all tokens.
 
-    Few pairs (and few bytes): each pair's expert weights gathered into a [T*k, ...] batch (fixed shapes, no host
-    sync). More: pairs sorted by expert, one matmul per expert over its tokens (the expert counts are read on the
-    host)."""
+    The test oracle of the whole block, written independently of the sorted formulation the model runs
+    (ops.moe_experts: moe_sort, moe_gate_up, moe_down, moe_combine below). Few pairs (and few bytes): each pair's
+    expert weights gathered into a [T*k, ...] batch. More: pairs sorted by expert, one matmul per expert over its
+    tokens (the expert counts read on the host)."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_gate_up.element_size()
