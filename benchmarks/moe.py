@@ -12,7 +12,7 @@ embedding and head keep their size), written with safetensors once into --work a
   model.forward, once eagerly (config.no_graphs) and once replaying the captured step (the MoE blocks inside
   the graph); tokens/s, ms/step, and at batch 1 the fraction of the active-weights limit (copy rate ÷ bytes one
   token reads: everything but the embedding, each MoE layer's experts counted k / E).
-- kernels: ops.moe_experts (sort by expert, grouped gate|up with SiLU, grouped down, combine) over every loaded
+- kernels: ops.moe_experts (counting sort by expert, grouped gate|up with SiLU, grouped down, combine) over every loaded
   MoE layer's real weights with a random routing of `batch` tokens per layer, timed as CUDA-graph replays (no
   launch overhead; the layers together far exceed L2); bytes = the routed experts' weights (each distinct
   expert once per layer), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from exlpy.cli.bench import weight_bytes_read  # noqa: E402
-from exlpy.kernels import ops, reference  # noqa: E402
+from exlpy.kernels import ops  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
@@ -193,7 +193,7 @@ def kernel_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[s
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(device)
         h = (torch.randn(tokens, H, generator=g) * 0.1).to(device, blk.w_gate_up.dtype)
         w = torch.rand(tokens, k, generator=g).to(device, blk.w_gate_up.dtype)
-        order, counts = reference.moe_sort(ids, E)
+        order, counts = ops.moe_sort(ids, E)
         a = ops.moe_gate_up(h, order, counts, blk.w_gate_up, k, "silu")
         cases.append((blk, ids, h, w, order, counts, a))
     elem = blocks[0].w_gate_up.element_size()

@@ -52,6 +52,11 @@ def variants() -> dict[str, dict]:
         out[f"down {tag}"] = compile_kernel(moe._down_kernel, {
             "a_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "w_ptr": p, "y_ptr": p}, common, warps,
             moe.STAGES)
+    for e in (8, 128):
+        e_p2 = triton.next_power_of_2(e)
+        out[f"sort E{e}"] = compile_kernel(moe._sort_kernel, {"ids_ptr": "*i64", "order_ptr": "*i64",
+                                                              "counts_ptr": "*i32"},
+                                           dict(E_P2=e_p2, CHUNK=max(16, 8192 // e_p2)), 4, 3)
     return out
 
 

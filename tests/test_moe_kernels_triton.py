@@ -20,7 +20,7 @@ from tests.conftest import requires_cuda
 
 triton = pytest.importorskip("triton")
 
-from exlpy.kernels.moe import moe_down, moe_gate_up, plan  # noqa: E402
+from exlpy.kernels.moe import moe_down, moe_gate_up, moe_sort, plan  # noqa: E402
 
 
 def _cpu_ok() -> None:
@@ -45,8 +45,10 @@ def _routing(T: int, E: int, k: int, skew: bool, g: torch.Generator, device: str
 
 def _weights(E: int, H: int, inter: int, g: torch.Generator, device: str, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    gu = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).to(device, dtype)
-    down = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).to(device, dtype)
+    if device != "cpu":  # real shapes: drawn on the device (GBs of fp32 on the host would take long)
+        g = torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,), generator=g)))
+    gu = (torch.randn(E, 2 * inter, H, generator=g, device=device) / H ** 0.5).to(dtype)
+    down = (torch.randn(E, H, inter, generator=g, device=device) / inter ** 0.5).to(dtype)
     return gu, down
 
 
@@ -60,7 +62,9 @@ def _check(T: int, E: int, k: int, H: int, inter: int, skew: bool, kind: str = "
         gu[unused], down[unused] = float("nan"), float("nan")
     h = torch.randn(T, H, generator=g).to(device, dtype)
     w = torch.rand(T, k, generator=g).to(device, dtype)
-    order, counts = reference.moe_sort(ids, E)
+    order, counts = moe_sort(ids, E)
+    ref_order, ref_counts = reference.moe_sort(ids, E)
+    assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts)
     a = moe_gate_up(h, order, counts, gu, k, kind)
     ref_a = reference.moe_gate_up(h, order, counts, gu, k, kind)
     assert a.shape == ref_a.shape and torch.isfinite(a).all()
@@ -84,6 +88,18 @@ def _check(T: int, E: int, k: int, H: int, inter: int, skew: bool, kind: str = "
 def test_kernels_match_references(T: int, E: int, k: int, H: int, inter: int, skew: bool) -> None:
     _cpu_ok()
     _check(T, E, k, H, inter, skew)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("N,E", [(300, 128), (2100, 5), (7, 3)])
+def test_sort_equals_the_stable_torch_sort(N: int, E: int) -> None:
+    """The counting sort over several chunks of pairs (CHUNK = 8192 / E_P2): the same order and counts as torch's
+    stable argsort, with experts that get no pair."""
+    _cpu_ok()
+    ids = torch.randint(0, max(1, E - 1), (N, 1), generator=torch.Generator().manual_seed(N))
+    order, counts = moe_sort(ids, E)
+    ref_order, ref_counts = reference.moe_sort(ids, E)
+    assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts) and counts[-1] == 0
 
 
 @pytest.mark.interpreter

@@ -1,7 +1,7 @@
 """Grouped GEMMs of a mixture-of-experts block: every expert's gate|up (with the activation) in one launch, every
 expert's down in another. Same contracts as `reference.moe_gate_up / moe_down` (read those first).
 
-The rows are the step's (token, slot) pairs sorted by expert (`reference.moe_sort`, on the device), so each
+The rows are the step's (token, slot) pairs sorted by expert (`moe_sort`: one program, a counting sort), so each
 expert owns a contiguous run of rows. The row axis of the grid is a list of row tiles: expert e's run is cut into
 ceil(count_e / BLOCK_M) tiles, laid end to end in expert order. A program reads the expert counts from device
 memory, finds which expert's tile it is (a prefix sum over the E counts) and multiplies that tile by that
@@ -25,6 +25,27 @@ from exlpy.kernels import reference
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
 STAGES = 3  # software pipelining depth of the K loop (weight tiles in flight per program)
+
+
+@triton.jit
+def _sort_kernel(ids_ptr, order_ptr, counts_ptr, N, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: counts per expert, then each pair's sorted row = rows of earlier experts + earlier pairs of
+    its own expert (a stable counting sort; chunks of pairs one-hot against the experts, ranks by cumsum)."""
+    e = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], tl.int32)
+    for c0 in range(0, N, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < N, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + e, counts, mask=e < E)
+    base = tl.cumsum(counts, axis=0) - counts  # first sorted row of each expert, then of its next pair
+    for c0 in range(0, N, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < N, other=-1)
+        hot = (ids[:, None] == e[None, :]).to(tl.int32)
+        pos = tl.sum(hot * (base[None, :] + tl.cumsum(hot, axis=0) - 1), axis=1)
+        tl.store(order_ptr + pos, p.to(tl.int64), mask=p < N)
+        base += tl.sum(hot, axis=0)
 
 
 @triton.jit
@@ -129,6 +150,19 @@ def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2) -> tuple[int, int, i
 def fits(w: torch.Tensor) -> bool:
     """The kernels address inside one expert with 32-bit offsets."""
     return w.stride(0) < 2**31 and w.stride(-1) == 1
+
+
+def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.moe_sort` (the same stable order), in one launch instead of a sort and a
+    scatter: capturable whatever torch's sort does at a size, and one small kernel per MoE layer of a step."""
+    flat = ids.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    n = flat.shape[0]
+    order = torch.empty(n, dtype=torch.int64, device=ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    e_p2 = triton.next_power_of_2(num_experts)
+    _sort_kernel[(1,)](flat, order, counts, n, num_experts, E_P2=e_p2, CHUNK=max(16, 8192 // e_p2), num_warps=4)
+    return order, counts
 
 
 def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, top_k: int,

@@ -227,9 +227,13 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     """Routed experts of an MoE block (same result as reference.moe_experts): the pairs sorted by expert on the
     device, one grouped launch for every expert's gate|up with the activation, one for down, the k outputs of
     each token summed. Nothing is read on the host and no shape depends on the routing (CUDA-graph safe)."""
-    order, counts = reference.moe_sort(ids, w_gate_up.shape[0])
+    order, counts = moe_sort(ids, w_gate_up.shape[0])
     a = moe_gate_up(h, order, counts, w_gate_up, ids.shape[1], kind)
     return reference.moe_combine(moe_down(a, order, counts, w_down), weights)
+
+
+def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("moe_sort", ids)(ids, num_experts)
 
 
 def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, top_k: int,
