@@ -52,8 +52,14 @@ def variants() -> dict[str, dict]:
         out[f"down {tag}"] = compile_kernel(moe._down_kernel, {
             "a_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "w_ptr": p, "y_ptr": p}, common, warps,
             moe.STAGES)
-    for e in (8, 128):
+    for e, k in ((8, 2), (128, 8)):
         e_p2 = triton.next_power_of_2(e)
+        out[f"route E{e} k{k}"] = compile_kernel(moe._route_kernel, {"logits_ptr": "*fp16", "w_ptr": "*fp16",
+                                                                     "ids_ptr": "*i64"},
+                                                 dict(K=k, K_P2=k, E_P2=e_p2, NORM=1), 1, 3)
+        out[f"combine k{k}"] = compile_kernel(moe._combine_kernel, {"y_ptr": "*fp16", "w_ptr": "*fp16",
+                                                                    "res_ptr": "*fp16", "out_ptr": "*fp16"},
+                                              dict(K=k, HAS_RES=True, BLOCK=1024), 4, 3)
         out[f"sort E{e}"] = compile_kernel(moe._sort_kernel, {"ids_ptr": "*i64", "order_ptr": "*i64",
                                                               "counts_ptr": "*i32"},
                                            dict(E_P2=e_p2, CHUNK=max(16, 8192 // e_p2)), 4, 3)

@@ -20,7 +20,7 @@ from tests.conftest import requires_cuda
 
 triton = pytest.importorskip("triton")
 
-from exlpy.kernels.moe import moe_down, moe_gate_up, moe_sort, plan  # noqa: E402
+from exlpy.kernels.moe import moe_combine, moe_down, moe_gate_up, moe_route, moe_sort, plan  # noqa: E402
 
 
 def _cpu_ok() -> None:
@@ -74,7 +74,7 @@ def _check(T: int, E: int, k: int, H: int, inter: int, skew: bool, kind: str = "
     assert y.shape == ref_y.shape and torch.isfinite(y).all()
     assert _rel(y, ref_y) < tol
     # the whole block: the kernels composed as ops.moe_experts composes them, against the old torch path
-    out = reference.moe_combine(moe_down(a, order, counts, down), w)
+    out = moe_combine(moe_down(a, order, counts, down), w)
     assert _rel(out, reference.moe_experts(h, w, ids, gu, down, kind)) < tol
 
 
@@ -100,6 +100,37 @@ def test_sort_equals_the_stable_torch_sort(N: int, E: int) -> None:
     order, counts = moe_sort(ids, E)
     ref_order, ref_counts = reference.moe_sort(ids, E)
     assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts) and counts[-1] == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("E,k,norm_p", [(8, 2, 1.0), (60, 8, 0.0), (4, 3, 2.0), (128, 1, 0.5)])
+def test_route_equals_softmax_topk(E: int, k: int, norm_p: float) -> None:
+    """Softmax, top-k (k not a power of two too) and each renormalisation: the same experts as torch.topk, the
+    same weights; NaN logits still name experts inside [0, E)."""
+    _cpu_ok()
+    g = torch.Generator().manual_seed(E + k)
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(9, E, generator=g) * 3).to(dtype)
+        w, ids = moe_route(logits, k, norm_p)
+        ref_w, ref_ids = reference.moe_route(logits, k, norm_p)
+        assert torch.equal(ids, ref_ids) and w.dtype == dtype
+        assert _rel(w, ref_w) < (1e-6 if dtype == torch.float32 else 1e-3)
+    logits[0] = float("nan")
+    ids = moe_route(logits, k, norm_p)[1]
+    assert ((ids >= 0) & (ids < E)).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_combine_with_and_without_residual(dtype: torch.dtype) -> None:
+    _cpu_ok()
+    g = torch.Generator().manual_seed(4)
+    T, k, H = 5, 3, 1100  # H over one column block
+    y, w = torch.randn(T * k, H, generator=g).to(dtype), torch.rand(T, k, generator=g).to(dtype)
+    res = torch.randn(T, H, generator=g).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert _rel(moe_combine(y, w), reference.moe_combine(y, w)) < tol
+    assert _rel(moe_combine(y, w, res), reference.moe_combine(y, w, res)) < tol
 
 
 @pytest.mark.interpreter

@@ -11,8 +11,9 @@ for a given number of pairs N, whatever the routing. Nothing is read on the host
 routed size, and experts no token chose are never read: one launch per projection, capturable in a CUDA graph.
 
 gate|up gathers its input rows (token order[r] // k) and writes act(gate) * up in sorted order; down reads the
-sorted rows and writes each row back to its pair's place, unweighted (the k outputs of a token are summed with
-their routing weights in fp32 by `reference.moe_combine`, as the reference does).
+sorted rows and writes each row back to its pair's place, unweighted; `moe_combine` sums the k outputs of a token
+with their routing weights in fp32 and adds the residual. With `moe_route` (softmax, top-k, renormalisation in
+one program per token) an MoE block is seven launches: norm, router matmul, route, sort, gate|up, down, combine.
 """
 
 from __future__ import annotations
@@ -25,6 +26,53 @@ from exlpy.kernels import reference
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}
 STAGES = 3  # software pipelining depth of the K loop (weight tiles in flight per program)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, sl, norm_p, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, NORM: tl.constexpr):
+    """One token per program: softmax over the E logits in fp32, the K largest taken one by one (the lowest
+    index among equals; NaN logits still give an expert id < E), divided by their L_p norm (NORM 1: the sum;
+    2: any p > 0, via exp2/log2; 0: none)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + t * sl + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)
+    j = tl.arange(0, K_P2)
+    top = tl.zeros([K_P2], tl.float32)
+    idx = tl.zeros([K_P2], tl.int64)
+    for i in tl.static_range(K):
+        m = tl.max(p, axis=0)
+        at = tl.minimum(tl.min(tl.where(p == m, e, E_P2), axis=0), E - 1)
+        top = tl.where(j == i, m, top)
+        idx = tl.where(j == i, at.to(tl.int64), idx)
+        p = tl.where(e == at, -1.0, p)
+    if NORM == 1:
+        top = top / tl.sum(top, axis=0)
+    elif NORM == 2:
+        top = top / tl.exp2(tl.log2(tl.sum(tl.exp2(tl.log2(top) * norm_p), axis=0)) / norm_p)
+    tl.store(w_ptr + t * K + j, top.to(w_ptr.dtype.element_ty), mask=j < K)
+    tl.store(ids_ptr + t * K + j, idx, mask=j < K)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, res_ptr, out_ptr, H, K: tl.constexpr, HAS_RES: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """out[t] = (residual[t] +) round(sum_j w[t, j] * y[t * K + j]) over a block of columns, sums in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += w * tl.load(y_ptr + (t * K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    out = acc.to(y_ptr.dtype.element_ty)
+    if HAS_RES:
+        out = (tl.load(res_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32) + out.to(tl.float32)).to(
+            out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + cols, out, mask=ok)
 
 
 @triton.jit
@@ -150,6 +198,35 @@ def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2) -> tuple[int, int, i
 def fits(w: torch.Tensor) -> bool:
     """The kernels address inside one expert with 32-bit offsets."""
     return w.stride(0) < 2**31 and w.stride(-1) == 1
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.moe_route`, one launch (softmax, top-k, renormalisation)."""
+    T, E = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), float(norm_p or 1.0), K=top_k,
+                            K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E),
+                            NORM=0 if not norm_p else 1 if norm_p == 1.0 else 2, num_warps=1 if E <= 256 else 4)
+    return weights, ids
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.moe_combine` (+ the residual in the same launch)."""
+    T, k = weights.shape
+    H = y.shape[-1]
+    y = y if y.is_contiguous() else y.contiguous()
+    weights = weights if weights.is_contiguous() else weights.contiguous()
+    if residual is not None and not residual.is_contiguous():
+        residual = residual.contiguous()
+    out = torch.empty(T, H, dtype=y.dtype if residual is None else residual.dtype, device=y.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, block))](y, weights, residual if residual is not None else y, out, H,
+                                                    K=k, HAS_RES=residual is not None, BLOCK=block, num_warps=4)
+    return out
 
 
 def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

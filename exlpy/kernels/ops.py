@@ -223,13 +223,22 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
 
 
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, kind: str) -> torch.Tensor:
-    """Routed experts of an MoE block (same result as reference.moe_experts): the pairs sorted by expert on the
-    device, one grouped launch for every expert's gate|up with the activation, one for down, the k outputs of
-    each token summed. Nothing is read on the host and no shape depends on the routing (CUDA-graph safe)."""
+                w_down: torch.Tensor, kind: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts of an MoE block (same result as reference.moe_experts; + residual when given): the pairs
+    sorted by expert on the device, one grouped launch for every expert's gate|up with the activation, one for
+    down, the k outputs of each token summed. Nothing is read on the host and no shape depends on the routing
+    (CUDA-graph safe)."""
     order, counts = moe_sort(ids, w_gate_up.shape[0])
     a = moe_gate_up(h, order, counts, w_gate_up, ids.shape[1], kind)
-    return reference.moe_combine(moe_down(a, order, counts, w_down), weights)
+    return moe_combine(moe_down(a, order, counts, w_down), weights, residual)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("moe_route", logits)(logits, top_k, norm_p)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    return _impl("moe_combine", y)(y, weights, residual)
 
 
 def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -449,6 +449,18 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
 # the host, so a decode step with MoE blocks can be captured in a CUDA graph.
 
 
+def moe_route(logits: torch.Tensor, top_k: int, norm_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, expert ids [T, k] int64) of router logits [T, E]: softmax in fp32,
+    the top k, divided by their L_p norm (norm_p 1: their sum; 0: kept as they are)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_p == 1.0:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif norm_p:
+        weights = weights / torch.linalg.vector_norm(weights, ord=norm_p, dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
 def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order [N] int64: the pairs p = t * k + j of ids [T, k] sorted by expert, stable; counts [E] int32: pairs
     per expert). N = T * k; sorted row r holds pair order[r], and expert e owns rows sum(counts[:e]) onwards."""
@@ -508,7 +520,9 @@ def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down:
     return torch.empty_like(ys).index_copy_(0, order, ys)
 
 
-def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * y[t * k + j] in fp32 (half precision would round each partial sum): [T, H]."""
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * y[t * k + j] in fp32 (half precision would round each partial sum), in y's dtype:
+    [T, H]; with `residual` [T, H], residual + that sum (in the residual's dtype)."""
     T, k = weights.shape
-    return (y.view(T, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    out = (y.view(T, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    return out if residual is None else residual + out.to(residual.dtype)

@@ -95,14 +95,8 @@ class MoEMLP(Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the compute dtype, expert ids [T, k]) of the normed tokens h [T, H]."""
         assert self.router is not None
-        probs = torch.softmax((h @ self.router.t()).float(), dim=-1)
         k = self.config.num_experts_per_token or self.moe.top_k  # the config's, or exllamav2's -ept override
-        weights, ids = torch.topk(probs, k, dim=-1)
-        if self.moe.norm_p == 1.0:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        elif self.moe.norm_p:
-            weights = weights / torch.linalg.vector_norm(weights, ord=self.moe.norm_p, dim=-1, keepdim=True)
-        return weights.to(h.dtype), ids
+        return ops.moe_route(h @ self.router.t(), k, self.moe.norm_p)
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.norm_w is not None
@@ -110,10 +104,10 @@ class MoEMLP(Module):
         weights, ids = self.route(h)
         if self.experts is not None:
             out = grouped_experts(h, weights, ids, self.experts, self.act)
-        else:
-            assert self.w_gate_up is not None and self.w_down is not None
-            out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act)
-        return x + out.view(x.shape).to(x.dtype)
+            return x + out.view(x.shape).to(x.dtype)
+        assert self.w_gate_up is not None and self.w_down is not None
+        out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act, x.reshape(h.shape))
+        return out.view(x.shape)
 
 
 def grouped_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
