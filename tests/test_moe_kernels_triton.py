@@ -207,3 +207,42 @@ def test_cuda_graph_capture_and_replay_with_new_routing() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(out, reference.moe_experts(h, w, ids, gu, down, "silu")) < 5e-3
+
+
+# --- the kernels inside a model ----------------------------------------------------------------------------------
+_MOE_OPS = {"moe_route", "moe_sort", "moe_gate_up", "moe_down", "moe_combine"}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])  # DBRX differs in what the kernels don't see
+def test_models_through_the_kernels_match_hf(tmp_path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Tiny random models written by transformers, prefill then token-by-token decode on CPU tensors with every
+    MoE op routed to its Triton kernel (the interpreter): HF fp32's logits."""
+    _cpu_ok()
+    import exlpy.kernels.triton_ops  # noqa: F401 - registers the kernels
+    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+    from exlpy.kernels import ops
+    from tests.arch_models import VOCAB, make_arch_model
+    from tests.conftest import rel_err
+
+    hf = make_arch_model(tmp_path, case)
+    config = ExLlamaV2Config(str(tmp_path))
+    config.max_seq_len = 32
+    model = ExLlamaV2(config)
+    cache = ExLlamaV2Cache(model, batch_size=2, lazy=True)
+    model.load(device="cpu")
+    ids = torch.randint(2, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(ids).logits  # type: ignore[operator]
+    used: set[str] = set()
+
+    def impl(name: str, t: torch.Tensor):  # noqa: ANN202
+        if name in _MOE_OPS:
+            used.add(name)
+            return ops._TRITON[name]
+        return getattr(reference, name)
+
+    monkeypatch.setattr(ops, "_impl", impl)
+    got = [model.forward(ids[:, :8], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(8, 10)]
+    assert used == _MOE_OPS
+    assert rel_err(torch.cat(got, dim=1), want) <= 2e-3
