@@ -214,8 +214,8 @@ def kernel_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[s
     return rows
 
 
-SWEEP = {16: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 4), (16, 128, 4, 3), (64, 128, 8, 3),
-              (32, 256, 8, 3)],
+SWEEP = {16: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 4), (16, 256, 4, 3),
+              (64, 128, 8, 3), (32, 256, 8, 3)],
          32: [(64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
          64: [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 4)]}
 
@@ -226,9 +226,10 @@ def sweep_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[st
 
     E = model.config.num_experts
     bm = moe.plan(tokens * model.config.num_experts_per_token, E)[0]
-    saved, saved_stages = dict(moe.TILES), moe.STAGES
+    saved, saved_stages, saved_waves = dict(moe.TILES), moe.STAGES, moe.WAVES
     rows = []
     try:
+        moe.WAVES = 0  # the tiles exactly as listed
         for bn, bk, warps, stages in SWEEP[bm]:
             moe.TILES[bm], moe.STAGES = (bn, bk, warps), stages
             for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
@@ -236,7 +237,7 @@ def sweep_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[st
     finally:
         moe.TILES.clear()
         moe.TILES.update(saved)
-        moe.STAGES = saved_stages
+        moe.STAGES, moe.WAVES = saved_stages, saved_waves
     return rows
 
 

@@ -91,6 +91,17 @@ def test_kernels_match_references(T: int, E: int, k: int, H: int, inter: int, sk
 
 
 @pytest.mark.interpreter
+def test_narrow_column_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device with many SMs few routed experts take 16-column tiles (the plan as an H100 makes it)."""
+    _cpu_ok()
+    from exlpy.kernels import moe
+
+    monkeypatch.setattr(moe, "_sms", lambda t: 132)
+    assert moe.plan(2, 8, 4, 40, 132)[1] == 16
+    _check(2, 8, 2, 48, 40, False)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("N,E", [(300, 128), (2100, 5), (7, 3)])
 def test_sort_equals_the_stable_torch_sort(N: int, E: int) -> None:
     """The counting sort over several chunks of pairs (CHUNK = 8192 / E_P2): the same order and counts as torch's

@@ -18,6 +18,8 @@ one program per token) an MoE block is seven launches: norm, router matmul, rout
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -182,17 +184,35 @@ def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, INTER, sa, sw
 # (benchmarks/moe_compile_check.py). 16-row tiles (decode) take narrow column tiles and long K steps: more
 # programs streaming weights, more bytes in flight each. benchmarks/moe.py --sweep times alternatives on a GPU.
 TILES: dict[int, tuple[int, int, int]] = {16: (32, 128, 4), 32: (64, 64, 8), 64: (64, 64, 8)}
+WAVES = 3  # 0: no narrowing
 
 
-def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
+def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2, n_out: int = 0, sms: int = 0
+         ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, row tiles) for N pairs over E experts. The tile height follows the mean
-    rows per routed expert (known only on the device, so estimated from N and E)."""
-    per_expert = n_pairs / max(1, min(n_experts, n_pairs))
+    rows per routed expert (known only on the device, so estimated from N and E). With the output width and the
+    device's SM count, 16-row tiles halve their column tile while the routed experts' programs would fill the
+    device less than WAVES times (Qwen3-MoE's 768-wide gate|up at batch 1: 192 programs on 132 SMs)."""
+    routed = max(1, min(n_experts, n_pairs))
+    per_expert = n_pairs / routed
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     block_n, block_k, warps = TILES[block_m]
+    if block_m == 16 and sms:
+        while block_n > 16 and routed * triton.cdiv(n_out, block_n) < WAVES * sms:
+            block_n //= 2
     if elem_bytes > 2:  # fp32 weights (exact dots: tests, fp32 models): a short K step keeps registers
         block_k = 32
-    return block_m, block_n, block_k, warps, triton.cdiv(n_pairs, block_m) + min(n_experts, n_pairs)
+    return block_m, block_n, block_k, warps, triton.cdiv(n_pairs, block_m) + routed
+
+
+def _sms(t: torch.Tensor) -> int:
+    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
+        if t.is_cuda else 0
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fits(w: torch.Tensor) -> bool:
@@ -254,7 +274,7 @@ def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_ga
     out = torch.empty(N, inter, dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    bm, bn, bk, warps, tiles = plan(N, E, w.element_size())
+    bm, bn, bk, warps, tiles = plan(N, E, w.element_size(), inter, _sms(x))
     _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
         x, order, counts, w, out, E, H, inter, top_k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ACT=_ACTS[kind],
@@ -273,7 +293,7 @@ def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down:
     y = torch.empty(N, H, dtype=a.dtype, device=a.device)
     if N == 0:
         return y
-    bm, bn, bk, warps, tiles = plan(N, E, w.element_size())
+    bm, bn, bk, warps, tiles = plan(N, E, w.element_size(), H, _sms(a))
     _down_kernel[(tiles, triton.cdiv(H, bn))](
         a, order, counts, w, y, E, H, inter, a.stride(0), w.stride(0), w.stride(1), y.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=w.dtype == torch.float32,
