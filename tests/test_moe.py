@@ -200,6 +200,12 @@ def test_decode_through_the_graph_runner_equals_eager(moe_models: dict, case: st
         ref.append(model.forward(tok, eager_cache))
         out.append(model.forward(tok, graph_cache))
     assert rel_err(torch.cat(out, 1), torch.cat(ref, 1)) <= 1e-5
+    # the experts per token changed between calls (exllamav2's -ept): graphs of the old top-k are dropped
+    old_step = next(iter(runner.steps.values()))
+    model.config.num_experts_per_token = 3
+    out3 = model.forward(tok, graph_cache)
+    assert len(runner.steps) == 1 and all(s is not old_step for s in runner.steps.values())
+    assert rel_err(out3, model.forward(tok, eager_cache)) <= 1e-5
 
 
 @requires_cuda
