@@ -55,20 +55,22 @@ def test_exl2_kernels_interpreter(name: str, m: int) -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("name", ["2bit", "3bit", "4bit", "5bit", "6bit", "8bit", "mixed_blocked",
-                                  "partial_last_group", "odd_n_3bit_partial"])
-def test_gemv_interpreter(name: str) -> None:
-    """The decode kernel itself (split-K, the self-resetting workspace), twice in a row."""
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+@pytest.mark.parametrize("name,rows", [("2bit", 1), ("3bit", 1), ("4bit", 1), ("5bit", 1), ("6bit", 1),
+                                       ("8bit", 1), ("mixed_blocked", 1), ("partial_last_group", 1),
+                                       ("odd_n_3bit_partial", 1), ("3bit", 2), ("5bit", 3), ("mixed_blocked", 8),
+                                       ("odd_n_3bit_partial", 7)])
+def test_gemv_interpreter(name: str, rows: int) -> None:
+    """The decode kernel itself (split-K, the self-resetting workspace) for 1-8 rows, twice in a row."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)) + rows)
     qm = _exl2(name, gen)
     assert exl2_gemv.supports(qm)
     plan = plan_for([qm], torch.device("cpu"))
     assert plan.mode == 1 and sum(ln.programs for ln in plan.launches) > 1  # split-K + arrival counters run
     bias = torch.randn(qm.n, generator=gen).half()
     for _ in range(2):  # a second call finds the workspace and counters zero again
-        x = torch.randn(1, qm.k, generator=gen).half()
+        x = torch.randn(rows, qm.k, generator=gen).half()
         y = exl2_gemv.exl2_gemv(x, qm, bias)
-        assert y.shape == (1, qm.n) and y.dtype == torch.float16
+        assert y.shape == (rows, qm.n) and y.dtype == torch.float16
         assert rel_err(y, exl2_matmul_ref(x.float(), qm, bias.float())) < 2e-3
     ws, cnt = exl2_gemv._workspace(torch.device("cpu"))
     assert not ws.any() and not cnt.any()
@@ -108,11 +110,11 @@ def test_gemv_group_interpreter() -> None:
     bias = torch.randn(143, generator=gen).half()
     group = exl2_gemv.GemvGroup(parts, bias)
     assert sorted(ln.bits for ln in group.plan.launches) == [3, 4, 5, 6]
-    for _ in range(2):
-        x = torch.randn(1, 160, generator=gen).half()
+    for rows in (1, 4):
+        x = torch.randn(rows, 160, generator=gen).half()
         y = group.run(act_order(x, parts[0].perm, exl2_gemv.ROW_PAD), torch.float16)
         ref = torch.cat([exl2_matmul_ref(x.float(), p) for p in parts], -1) + bias.float()
-        assert y.shape == (1, 143) and rel_err(y, ref) < 2e-3
+        assert y.shape == (rows, 143) and rel_err(y, ref) < 2e-3
     ws, cnt = exl2_gemv._workspace(torch.device("cpu"))
     assert not ws.any() and not cnt.any()
 
@@ -121,12 +123,13 @@ def test_gemv_group_interpreter() -> None:
 def test_gemv_residual_in_place() -> None:
     gen = torch.Generator().manual_seed(23)
     qm = _exl2("mixed_blocked", gen)
-    res = torch.randn(1, qm.n, generator=gen).half()
-    before = res.clone()
-    x = torch.randn(1, qm.k, generator=gen).half()
-    out = exl2_gemv.exl2_gemv(x, qm, None, residual=res)
-    assert out is res
-    assert rel_err(res, before.float() + exl2_matmul_ref(x.float(), qm)) < 2e-3
+    for rows in (1, 3):
+        res = torch.randn(rows, qm.n, generator=gen).half()
+        before = res.clone()
+        x = torch.randn(rows, qm.k, generator=gen).half()
+        out = exl2_gemv.exl2_gemv(x, qm, None, residual=res)
+        assert out is res
+        assert rel_err(res, before.float() + exl2_matmul_ref(x.float(), qm)) < 2e-3
 
 
 @pytest.mark.interpreter

@@ -55,7 +55,7 @@ CONFIG: dict[str, int] = {"KB": 4, "WAVES": 6, "ONE_LAUNCH": 1, "STAGES_MIXED": 
 
 # Where dequantize-to-fp16 + cuBLAS starts to win: the fewest rows that take it, per (K, N) of a product (N: all
 # output columns of a fused group); shapes not listed switch above the runtime option `quant_rows`
-# (EXLPY_QUANT_ROWS; default 0, the kernel off until its GPU tests pass, see exlpy/runtime.py).
+# (EXLPY_QUANT_ROWS; default 64, see exlpy/runtime.py).
 # benchmarks/exl2_speed.py times both paths per shape and row count and prints the crossover it measured, in this
 # table's form.
 CROSSOVER: dict[tuple[int, int], int] = {}

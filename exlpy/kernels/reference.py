@@ -119,16 +119,18 @@ def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
 
 
 def act_order(x: torch.Tensor, perm: torch.Tensor | None, pad: int) -> torch.Tensor:
-    """One row x [..., K] as fp32 [K + pad] in a quantized matrix's act order (x[perm]), zero past K."""
-    v = x.reshape(-1).float()
-    return F.pad(v[perm.long()] if perm is not None else v, (0, pad))
+    """Rows x [..., K] as fp32 in a quantized matrix's act order (x[..., perm]), zero past K: [K + pad] for one
+    row, [m, K + pad] for m rows."""
+    v = x.reshape(-1, x.shape[-1]).float()
+    v = F.pad(v[:, perm.long()] if perm is not None else v, (0, pad))
+    return v[0] if v.shape[0] == 1 else v
 
 
 def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor | None,
                        pad: int) -> torch.Tensor:
-    """act_order(rms_norm(x)) kept in fp32 (no rounding of the normalized row to x's dtype)."""
-    xf = x.reshape(-1).float()
-    return act_order(xf * torch.rsqrt(xf.pow(2).mean() + eps) * weight.float(), perm, pad)
+    """act_order(rms_norm(x)) kept in fp32 (no rounding of the normalized rows to x's dtype)."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    return act_order(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float(), perm, pad)
 
 
 def quant_matmul(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,

@@ -54,6 +54,7 @@ class KernelCompiles:
 
             def counting(previous: Any) -> Any:
                 def hook(*args: Any, **kwargs: Any) -> Any:
+                    # repr names the variant (constexprs, launch options, and each argument's specialization)
                     cls.count(str(kwargs.get("repr", "?")))
                     return previous(*args, **kwargs) if previous else None
                 return hook
@@ -80,7 +81,7 @@ class KernelCompiles:
         with cls._lock:
             if cls.ready:
                 cls.serving += 1
-                cls.last = [*cls.last[-7:], what[:200]]
+                cls.last = [*cls.last[-7:], what[:4000]]  # whole: which argument picked the variant
             else:
                 cls.startup += 1
 
