@@ -151,6 +151,15 @@ def test_gelu_and_half_precision() -> None:
     _check(5, 4, 2, 32, 24, False, dtype=torch.float16, tol=5e-3)
 
 
+def test_kernels_have_their_references_signatures() -> None:
+    import inspect
+
+    from exlpy.kernels import moe
+
+    for name in ("moe_route", "moe_sort", "moe_gate_up", "moe_down", "moe_combine"):
+        assert inspect.signature(getattr(moe, name)) == inspect.signature(getattr(reference, name)), name
+
+
 def test_grid_covers_every_routing() -> None:
     """The row tiles the kernels need, sum over experts of ceil(count / BLOCK_M), never exceed the fixed grid
     `plan` sizes from N and E alone, for any routing (every count vector summing to N)."""
