@@ -185,6 +185,7 @@ def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, INTER, sa, sw
 # programs streaming weights, more bytes in flight each. benchmarks/moe.py --sweep times alternatives on a GPU.
 TILES: dict[int, tuple[int, int, int]] = {16: (32, 128, 4), 32: (64, 64, 8), 64: (64, 64, 8)}
 WAVES = 3  # 0: no narrowing
+SORT_MAX_PAIRS = 4096  # (token, expert) pairs the one-program sort takes: 256 decode rows of top-8, and more
 
 
 def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2, n_out: int = 0, sms: int = 0
@@ -251,7 +252,10 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor |
 
 def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.moe_sort` (the same stable order), in one launch instead of a sort and a
-    scatter: capturable whatever torch's sort does at a size, and one small kernel per MoE layer of a step."""
+    scatter: one small kernel per MoE layer of a decode step. Its one program walks the pairs serially in chunks,
+    so a prefill's many pairs take torch's parallel sort instead (also free of host syncs)."""
+    if ids.numel() > SORT_MAX_PAIRS:
+        return reference.moe_sort(ids, num_experts)
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     n = flat.shape[0]
