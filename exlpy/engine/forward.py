@@ -20,13 +20,18 @@ from exlpy.runtime import options
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
     """The strategy's graph runner, or None where graphs do not apply (CPU, no Triton, config.no_graphs, a
-    module whose step synchronises with the host: MoE blocks)."""
+    module whose step synchronises with the host: MoE blocks with quantized experts)."""
     if model.config.no_graphs or not strategy.graph_safe or not all(getattr(m, "graph_safe", True)
                                                                      for m in model.modules):
         return None
     runner = strategy.graph_cache.get("runner")
     if runner is None:
         runner = strategy.graph_cache["runner"] = StepGraphs(strategy)
+    # MoE blocks' graphs bake in the experts per token (exllamav2's -ept), which may be set between calls
+    k = model.config.num_experts_per_token
+    if strategy.graph_cache.get("experts_per_token", k) != k:
+        runner.clear()
+    strategy.graph_cache["experts_per_token"] = k
     return runner
 
 
