@@ -238,6 +238,9 @@ class LoraRegistry:
 
         model = self._model()
         shares = _lane_shares(model, strategy)
+        if strategy.name == "streaming":
+            raise LoraConfigError("LoRA adapters are not supported on a model loaded for layer streaming "
+                                  "(load(lazy=True)): their buffers live on loaded modules; load the model normally")
         outer = {m for m in (EMBED, HEAD) if m in self.groups or self.tables[m]}
         if outer and strategy.name == "tensor_parallel":
             raise LoraConfigError(f"adapters that replace or adapt {' and '.join(sorted(outer))} are not supported "
