@@ -163,6 +163,13 @@ def test_rows_with_different_outer_adapters_in_one_step(case: dict) -> None:
     assert registry_of(m).tables["lm_head"] >= 2  # two replaced heads resident at once
     strategy = m.strategy_for_forward()
     assert rel_err(_mixed_step(m, loras, ids, StepGraphs(strategy, capture=False)), ref) <= TOL
+    # A layer split (the embedding and the head in different stages, as on two GPUs): their buffers follow.
+    from exlpy.engine.split import layer_split
+    from exlpy.model import Transformer
+
+    split = StepGraphs(layer_split(Transformer(m.modules), (2, 5)), capture=False)
+    assert len(split.strategy.stages) == 3
+    assert rel_err(_mixed_step(m, loras, ids, split), ref) <= TOL
     # Against PEFT for the rows whose adapter PEFT computed on these ids' prefix: not available; instead the
     # combination row differs from both of its parts, so both were applied.
     alone = [m.forward(ids[4:5], loras=[ad[k]])[:, -1:] for k in ("saved", "head_only")]
