@@ -176,9 +176,11 @@ def test_streaming_on_gpu_keeps_few_layers_resident(tmp_path: Path) -> None:
     want = full.forward(ids).float().cpu()
     full.unload()
     torch.cuda.empty_cache()
+    # what the process keeps after an unload (per-device kernel workspaces, rotary tables) is not the lazy load's
+    before = torch.cuda.memory_allocated()
     m = ExLlamaV2(ExLlamaV2Config(str(d)))
     m.load(lazy=True)
-    assert m.devices() == [torch.device("cuda:0")] and torch.cuda.memory_allocated() < weights / 8
+    assert m.devices() == [torch.device("cuda:0")] and torch.cuda.memory_allocated() - before < weights / 8
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     got = m.forward(ids).float().cpu()
