@@ -174,6 +174,11 @@ def test_streaming_on_gpu_keeps_few_layers_resident(tmp_path: Path) -> None:
     torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated()
     want = full.forward(ids).float().cpu()
+    # the same cached steps on the resident model: fp16 incremental logits differ from a full pass in the last bits
+    full_cache = ExLlamaV2Cache(full, max_seq_len=128)
+    full.forward(ids[:, :60], full_cache, preprocess_only=True)
+    want_steps = torch.cat([full.forward(ids[:, t:t + 1], full_cache).float().cpu() for t in range(60, 64)], 1)
+    del full_cache
     full.unload()
     torch.cuda.empty_cache()
     # what the process keeps after an unload (per-device kernel workspaces, rotary tables) is not the lazy load's
@@ -190,5 +195,5 @@ def test_streaming_on_gpu_keeps_few_layers_resident(tmp_path: Path) -> None:
     cache = ExLlamaV2Cache(m, max_seq_len=128)  # the cache stays resident; the layers stream around it
     steps = [m.forward(ids[:, :60], cache, preprocess_only=True)] + [m.forward(ids[:, t:t + 1], cache)
                                                                     for t in range(60, 64)]
-    assert rel_err(torch.cat([s.float().cpu() for s in steps[1:]], 1), want[:, 60:]) <= 2e-3
+    assert rel_err(torch.cat([s.float().cpu() for s in steps[1:]], 1), want_steps) <= 2e-3
     m.unload()

@@ -42,6 +42,7 @@ class KernelCompiles:
     serving = 0
     ready = False
     last: list[str] = []
+    keys: list[str] = []  # every compile of this process, startup ones too (what the warm-up covered)
     _installed = False
 
     available = False  # a hook is installed (Triton present, with a hook API this code knows)
@@ -80,6 +81,7 @@ class KernelCompiles:
     @classmethod
     def count(cls, what: str) -> None:
         with cls._lock:
+            cls.keys = [*cls.keys[-4095:], what]
             if cls.ready:
                 cls.serving += 1
                 cls.last = [*cls.last[-7:], what[:4000]]  # whole: which argument picked the variant
