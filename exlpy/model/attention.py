@@ -128,7 +128,10 @@ class Attention(Module):
         perm = self.rotary.permutation(x.device)
         if perm is not None:  # GPT-J or partial rotary: the dimensions NEOX rotates first (rotary.py)
             q, k = q.index_select(-1, perm), k.index_select(-1, perm)
-        rope = self.rotary.get(x.device, q.dtype, self.use_rope)
+        if batch.mm is not None and batch.mm.rope is not None:  # M-RoPE rows of this chunk's tokens
+            rope = batch.mm.table(x.device, self.rotary.get(x.device, q.dtype, self.use_rope)[0].dtype)
+        else:
+            rope = self.rotary.get(x.device, q.dtype, self.use_rope)
         o = attend(q, k, v, batch, self.layer_idx, self.scale, rope, self.window, self.softcap)
         o = o.reshape(B, T, self.num_heads * self.head_dim)
         closing = lora.closing(batch, "o") if lora is not None else None

@@ -1,0 +1,117 @@
+"""Tiny random vision-language models for the vision tests: written with transformers' own config and model
+classes (and a byte-level tokenizer with the models' special tokens), saved into a directory, and the
+matching Hugging Face model and image processor returned as the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+            "<|video_pad|>"]
+VOCAB = 320  # 256 bytes, the specials, some unused rows
+IDS = {t: 256 + i for i, t in enumerate(SPECIALS)}
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer without merges (one token per byte) plus the Qwen special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    del ByteLevel
+    vocab = {ch: i for i, ch in enumerate(_byte_chars())}  # id = byte value
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def _byte_chars() -> list[str]:
+    # GPT-2's bytes_to_unicode order: the character each byte 0..255 maps to.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    order = sorted(zip(bs, cs))
+    return [chr(c) for _, c in order]
+
+
+def text_ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def _randomize(model: Any) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight") or name.endswith("ln_q.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+
+
+def make_qwen_vl(path: Path, kind: str = "qwen2_vl", seed: int = 0, layers: int = 2, min_pixels: int = 56 * 56,
+                 max_pixels: int = 28 * 28 * 16) -> tuple[Any, Any]:
+    """(HF model fp32, HF image processor) of a tiny Qwen2-VL (kind qwen2_vl) or Qwen2.5-VL (qwen2_5_vl)."""
+    import transformers as tf
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=IDS["<|endoftext|>"],
+                eos_token_id=IDS["<|im_end|>"], rope_theta=10000.0)
+    tokens = dict(image_token_id=IDS["<|image_pad|>"], video_token_id=IDS["<|video_pad|>"],
+                  vision_start_token_id=IDS["<|vision_start|>"], vision_end_token_id=IDS["<|vision_end|>"])
+    if kind == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        cfg = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_cls = tf.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1])
+        cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_cls = tf.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    _randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        g.update(bos_token_id=IDS["<|endoftext|>"], eos_token_id=IDS["<|im_end|>"])
+        gen.write_text(json.dumps(g))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}))
+    write_tokenizer(path)
+    proc = tf.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels)
+    return model.float(), proc
+
+
+def random_image(w: int, h: int, seed: int = 0, mode: str = "RGB") -> Any:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    return Image.fromarray(rng.integers(0, 256, (h, w, channels), dtype=np.uint8), mode)
+
+
+def hf_inputs(before: str, after: str, n_image_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF input_ids [1, n] of before + <vision_start> <image_pad> x n <vision_end> + after, and mm_token_type_ids."""
+    ids = text_ids(before) + [IDS["<|vision_start|>"]] + [IDS["<|image_pad|>"]] * n_image_tokens + \
+        [IDS["<|vision_end|>"]] + text_ids(after)
+    t = torch.tensor([ids])
+    return t, (t == IDS["<|image_pad|>"]).int()
