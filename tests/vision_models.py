@@ -13,7 +13,7 @@ import torch
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]
-VOCAB = 320  # 256 bytes, the specials, some unused rows
+VOCAB = 256 + len(SPECIALS)  # 256 bytes and the specials: every id a token (none masked by the sampler)
 IDS = {t: 256 + i for i, t in enumerate(SPECIALS)}
 
 
