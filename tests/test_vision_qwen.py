@@ -182,6 +182,7 @@ def test_image_across_prefill_chunks_matches_hf(vl: Loaded) -> None:
     got: list[int] = []
     while gen.num_remaining_jobs():
         for r in gen.iterate():
+            assert "error" not in r, r.get("error_message")
             if r["stage"] == "streaming" and "token_ids" in r:
                 got += r["token_ids"][0].tolist()
     assert got == want

@@ -281,7 +281,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         from exlpy.generator.sampling.batched import device_capable
 
         s = self.settings
-        if (self.negative is not None or self.embeddings or self.filters or self.text_stream.banned or not device_capable(s)
+        if (self.negative is not None or self.embeddings or self.filters or self.text_stream.banned
+                or not device_capable(s)
                 or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
                 or (self.prefix_token is not None and self.new_tokens == 0)):
             return None

@@ -128,11 +128,11 @@ class MMInputs:
 
 def chunk_inputs(config: object, seq_ids: torch.Tensor, start: int, end: int,
                  embeddings: list[ExLlamaV2MMEmbedding]) -> MMInputs:
-    """MMInputs for tokens [start, end) of the 1-D sequence `seq_ids` (its ids up to `end` at least)."""
+    """MMInputs for tokens [start, end) of the 1-D sequence `seq_ids` (whole: a chunk may end inside an image)."""
     sections = getattr(config.spec, "mrope_section", ())  # type: ignore[attr-defined]
     if not sections:
         return MMInputs(embeddings)
-    pos, _ = mrope_positions(seq_ids[:end], embeddings)
+    pos, _ = mrope_positions(seq_ids, embeddings)
     return MMInputs(embeddings, mrope_cos_sin(config, pos[:, start:end], sections))
 
 
