@@ -38,10 +38,10 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
             preprocess_only: bool = False, last_id_only: bool = False, loras: Any = None,
             return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
             abort_event: Any = None, cpu_logits: bool = False, indexed_embeddings: Any = None) -> Any:
-    if indexed_embeddings:
-        from exlpy.vision.embedding import check_embeddings
+    from exlpy.vision.embedding import check_embeddings
 
-        mm = check_embeddings(indexed_embeddings, model, "indexed_embeddings")
+    mm = check_embeddings(indexed_embeddings, model, "indexed_embeddings")
+    if mm:
         if position_offsets is not None:
             from exlpy.errors import NotSupportedError
 

@@ -64,7 +64,7 @@ class ExLlamaV2MMEmbedding:
     def __init__(self, model: Any, embeddings: torch.Tensor, text_alias: str | None = None,
                  thw_grid: tuple[int, int, int] | None = None, pre_tokens: int = 0, post_tokens: int = 0,
                  ) -> None:
-        hidden = model.config.hidden_size
+        hidden = getattr(getattr(model, "config", None), "hidden_size", "hidden_size")
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[0] < 1:
             raise MultimodalError(f"ExLlamaV2MMEmbedding: embeddings must be a [num_tokens >= 1, {hidden}] tensor, "
                                   f"got {getattr(embeddings, 'shape', type(embeddings).__name__)}")

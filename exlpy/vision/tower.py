@@ -55,6 +55,10 @@ class ExLlamaV2VisionTower:
     GPU (fp16) or on the CPU (fp32) without one, next to the language model wherever that is."""
 
     def __init__(self, config: Any) -> None:
+        from exlpy.config.config import ExLlamaV2Config
+
+        if not isinstance(config, ExLlamaV2Config):
+            raise ConfigError(f"ExLlamaV2VisionTower takes an ExLlamaV2Config, got {type(config).__name__}")
         if not getattr(config, "prepared", False):
             config.prepare()
         self.config = config
