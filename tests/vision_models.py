@@ -17,6 +17,10 @@ VOCAB = 256 + len(SPECIALS)  # 256 bytes and the specials: every id a token (non
 IDS = {t: 256 + i for i, t in enumerate(SPECIALS)}
 
 
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def write_tokenizer(path: Path) -> None:
     """A byte-level BPE tokenizer without merges (one token per byte) plus the Qwen special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -30,7 +34,7 @@ def write_tokenizer(path: Path) -> None:
     tok.add_special_tokens(SPECIALS)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT,
         "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 

@@ -148,6 +148,9 @@ def load_generator(opts: ModelOptions, warmup: bool = True) -> tuple[Any, dict[s
                                               draft_model=draft, draft_cache=draft_cache,
                                               num_draft_tokens=opts.num_draft_tokens,
                                               use_ngram_draft=opts.ngram_draft)
+        from exlpy.server.vision import attach
+
+        attach(model, opts.vision, opts.allow_local_images)
     except BaseException:
         model.unload()
         raise
