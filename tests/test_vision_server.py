@@ -85,3 +85,24 @@ def test_bad_image_parts_are_400(served: Any) -> None:
         assert r.status_code == 400 and "--allow-local-images" in r.text
     finally:
         entry.allow_local_images = True
+
+
+def test_generate_cli_with_image(served: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from exlpy.cli.main import main
+    from exlpy.generator import ExLlamaV2Sampler
+
+    _, state, path = served
+    random_image(80, 64, seed=33).save(tmp_path / "pic.png")
+    assert main(["generate", "Describe it.", "--model", str(path), "--image", str(tmp_path / "pic.png"), "--greedy",
+                 "-n", "5", "--no-bos"]) == 0
+    out = capsys.readouterr().out
+    gen = state.generator
+    from exlpy.server.vision import serving
+
+    emb = serving(gen.model).tower.get_image_embeddings(model=gen.model, tokenizer=gen.tokenizer,
+                                                         image=str(tmp_path / "pic.png"), text_alias="<i>")
+    want = gen.generate("<i>\nDescribe it.", 5, gen_settings=ExLlamaV2Sampler.Settings.greedy(), embeddings=[emb],
+                        completion_only=True, stop_conditions=[gen.tokenizer.eos_token_id])
+    assert out == "Describe it." + want + "\n"
+    assert main(["generate", "x", "--image", str(tmp_path / "pic.png"), "-n", "1"]) == 1  # the text-only demo
+    assert "text-only model" in capsys.readouterr().err
