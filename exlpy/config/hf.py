@@ -60,6 +60,7 @@ class ModelSpec:
     raw_keys: frozenset[str] = field(default_factory=frozenset)
     features: ModelFeatures = field(default_factory=ModelFeatures)
     moe: MoESpec | None = None  # mixture-of-experts settings (None: every layer has the dense MLP)
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of sliding-window layers (default scaling)
     mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen2-VL): rotary frequencies per t / h / w section
 
     def is_sparse(self, layer: int) -> bool:
@@ -140,8 +141,28 @@ class _Reader:
 
 
 def _rope_dict(r: _Reader) -> dict[str, Any]:
-    # transformers >= 5 writes `rope_parameters` (theta included); older configs write `rope_scaling`.
-    return r.get("rope_scaling", dict, None) or r.get("rope_parameters", dict, None) or {}
+    # transformers >= 5 writes `rope_parameters` (theta included; per layer type for Gemma 3: the global layers'
+    # set is the model's, the sliding layers' one gives rope_local_theta); older configs write `rope_scaling`.
+    rs = r.get("rope_scaling", dict, None) or r.get("rope_parameters", dict, None) or {}
+    if isinstance(rs.get("full_attention"), dict):
+        rs = rs["full_attention"]
+    return rs
+
+
+def _rope_local_theta(r: _Reader, arch: ArchParams) -> float | None:
+    if not arch.rope_local:
+        return None
+    params = r.get("rope_parameters", dict, None) or {}
+    local = params.get("sliding_attention")
+    if isinstance(local, dict):
+        kind = local.get("rope_type", local.get("type", "default"))
+        if kind not in (None, "default"):
+            raise UnsupportedArchitectureError(f"{r.path}: rope_parameters.sliding_attention type {kind!r} is not "
+                                               "supported (local layers take a plain RoPE base)")
+        theta = local.get("rope_theta", 10000.0)
+    else:
+        theta = r.get("rope_local_base_freq", float, 10000.0)
+    return as_positive_float(theta, "rope_local_base_freq", r.path)
 
 
 def _mrope_section(r: _Reader, arch: ArchParams, head_dim: int) -> tuple[int, ...]:
@@ -180,7 +201,7 @@ def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
 def _rope_theta(r: _Reader) -> float:
     theta = r.get(("rope_theta", "attn_config.rope_theta"), float, None)
     if theta is None:
-        theta = (r.get("rope_parameters", dict, None) or {}).get("rope_theta", 10000.0)
+        theta = _rope_dict(r).get("rope_theta", 10000.0)
     return as_positive_float(theta, "rope_theta", r.path)
 
 
@@ -279,6 +300,7 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         features=features,
         moe=moe,
         mrope_section=_mrope_section(r, arch, head_dim),
+        rope_local_theta=_rope_local_theta(r, arch),
     )
     _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos

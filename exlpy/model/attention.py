@@ -41,6 +41,7 @@ class Attention(Module):
         self.window = f.layer_window[layer_idx] if f.layer_window else 0
         self.softcap = f.attn_softcap
         self.use_rope = f.layer_rope[layer_idx] if f.layer_rope else True
+        self.rope_local = bool(self.window) and s.rope_local_theta is not None  # Gemma 3's local RoPE base
         self.parallel = s.arch.parallel_blocks
         norms = dict(s.arch.norms)
         self.norm_key = f"model.layers.{layer_idx}.{norms['attn_pre']}"
@@ -131,7 +132,7 @@ class Attention(Module):
         if batch.mm is not None and batch.mm.rope is not None:  # M-RoPE rows of this chunk's tokens
             rope = batch.mm.table(x.device, self.rotary.get(x.device, q.dtype, self.use_rope)[0].dtype)
         else:
-            rope = self.rotary.get(x.device, q.dtype, self.use_rope)
+            rope = self.rotary.get(x.device, q.dtype, self.use_rope, self.rope_local)
         o = attend(q, k, v, batch, self.layer_idx, self.scale, rope, self.window, self.softcap)
         o = o.reshape(B, T, self.num_heads * self.head_dim)
         closing = lora.closing(batch, "o") if lora is not None else None
