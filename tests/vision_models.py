@@ -119,3 +119,56 @@ def hf_inputs(before: str, after: str, n_image_tokens: int) -> tuple[torch.Tenso
         [IDS["<|vision_end|>"]] + text_ids(after)
     t = torch.tensor([ids])
     return t, (t == IDS["<|image_pad|>"]).int()
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
+                  "<start_of_turn>", "<end_of_turn>"]
+GEMMA_IDS = {t: 256 + i for i, t in enumerate(GEMMA_SPECIALS)}
+
+
+def make_gemma3(path: Path, seed: int = 0, layers: int = 3, image_size: int = 56, tokens: int = 4) -> tuple[Any, Any]:
+    """(HF model fp32, HF image processor) of a tiny Gemma 3 with a SigLIP tower (layers alternate local /
+    global with a window of 8, so images of `tokens` + 2 rows cross window boundaries)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = 256 + len(GEMMA_SPECIALS)
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    cfg = tf.Gemma3Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         sliding_window=8, query_pre_attn_scalar=16,
+                         rope_scaling={"rope_type": "linear", "factor": 8.0},
+                         layer_types=types, bos_token_id=GEMMA_IDS["<bos>"], eos_token_id=GEMMA_IDS["<eos>"],
+                         pad_token_id=GEMMA_IDS["<pad>"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=image_size, patch_size=14),
+        mm_tokens_per_image=tokens, image_token_index=GEMMA_IDS["<image_soft_token>"],
+        boi_token_index=GEMMA_IDS["<start_of_image>"], eoi_token_index=GEMMA_IDS["<end_of_image>"])
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"height": image_size, "width": image_size}, "image_processor_type": "Gemma3ImageProcessor"}))
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(GEMMA_SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                            "pad_token": "<pad>"}))
+    proc = tf.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
+        size={"height": image_size, "width": image_size})
+    return model.float(), proc
+
+
+def gemma_hf_inputs(before: str, after: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF input_ids of before + <start_of_image> <image_soft_token> x tokens <end_of_image> + after, and
+    token_type_ids (1 on image tokens)."""
+    ids = text_ids(before) + [GEMMA_IDS["<start_of_image>"]] + [GEMMA_IDS["<image_soft_token>"]] * tokens + \
+        [GEMMA_IDS["<end_of_image>"]] + text_ids(after)
+    t = torch.tensor([ids])
+    return t, (t == GEMMA_IDS["<image_soft_token>"]).long()

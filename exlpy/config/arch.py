@@ -70,6 +70,7 @@ class ArchParams:
     moe_fused_experts: bool = False  # DBRX: experts stored as [E*I, H] tensors w1 / v1 / w2 (exlpy/weights/views.py)
     # Vision-language models (exlpy/vision/): the vision tower's kind; its tensors live under `visual.` etc.
     vision: str | None = None
+    image_bidirectional: bool = False  # Gemma 3: an image's tokens attend to each other in both directions
     rope_local: bool = False  # Gemma 3: sliding-window layers use their own RoPE base (rope_local_base_freq)
     mrope: bool = False  # Qwen2-VL: rotary frequencies in t / h / w sections (rope_scaling.mrope_section)
 
@@ -89,7 +90,8 @@ _COHERE = dict(norm="layer", norm_eps_keys=("layer_norm_eps",), norms=_PARALLEL,
                rope_style="gptj", tied_head=True, requires_bos=True)
 
 
-_GEMMA3_KEYS = (("$model.vision_tower.vision_model.", "vision_tower."), ("$vision_tower.vision_model.", "vision_tower."),
+_GEMMA3_KEYS = (("$model.vision_tower.vision_model.", "vision_tower."),
+                ("$vision_tower.vision_model.", "vision_tower."),
                 ("$model.vision_tower.", "vision_tower."), ("$model.multi_modal_projector.", "multi_modal_projector."),
                 ("$model.language_model.", "model."), ("$language_model.model.", "model."),
                 ("$language_model.lm_head.", "lm_head."))
@@ -153,7 +155,8 @@ ARCHITECTURES: dict[str, ArchParams] = dict([
     _arch("Gemma3ForCausalLM", **_GEMMA, norms=_FOUR, residual_fp32=True, sliding_window=True, swa_pattern=6,
           qk_norm=True, rope_local=True),
     _arch("Gemma3ForConditionalGeneration", **_GEMMA, norms=_FOUR, residual_fp32=True, sliding_window=True,
-          swa_pattern=6, qk_norm=True, rope_local=True, vision="gemma3", remap=_GEMMA3_KEYS),
+          swa_pattern=6, qk_norm=True, rope_local=True, vision="gemma3", image_bidirectional=True,
+          remap=_GEMMA3_KEYS),
     # Qwen2-VL / Qwen2.5-VL: a Qwen2 language model with M-RoPE. Checkpoints name the language model `model.` (or,
     # as transformers >= 4.52 writes them, `model.language_model.`) and the tower `visual.` (`model.visual.`).
     _arch("Qwen2VLForConditionalGeneration", qkv_bias=True, vision="qwen2_vl", mrope=True, remap=_QWEN_VL_KEYS),

@@ -135,6 +135,8 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
             cur = past + pos
             att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
             n = max(1, min(T - pos, cfg.max_input_len, cfg.max_input_len if tiled else att))
+            if rows_mm is not None:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+                n = rows_mm.chunk_end(pos, pos + n) - pos
             last = pos + n >= T
             batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
                                 page_size=cache.max_seq_len, key_mask=key_mask, adapters=adapters)

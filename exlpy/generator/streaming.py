@@ -196,13 +196,13 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
 
     def _prefill_mm(self, ids: torch.Tensor, reuse: int) -> None:
         """Prefill a prompt that holds embeddings: chunks with their image rows and M-RoPE angles."""
-        from exlpy.vision.mm import chunk_inputs, rope_delta
+        from exlpy.vision.mm import chunk_inputs, extend_to_image_end, rope_delta
 
         cfg, dev = self.model.config, self.model.strategy_for_forward().first_device
         self.rope_delta = rope_delta(cfg, ids[0], self.embeddings)
         pos, end = reuse, ids.shape[1] - 1
         while pos < end:
-            n = min(end - pos, cfg.max_input_len)
+            n = extend_to_image_end(cfg, ids[0], pos + min(end - pos, cfg.max_input_len), end, self.embeddings) - pos
             with adapter_rows(self.model, self.loras) as (slot, _):
                 batch = cache_rows_batch(self.cache, [0], [pos], n, dev, [slot])
                 batch.mm = chunk_inputs(cfg, ids[0], pos, pos + n, self.embeddings)

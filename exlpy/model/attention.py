@@ -152,6 +152,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
     a query sees only the `window` most recent positions (itself included); `softcap` > 0: scores are
     soft-capped. The cache keeps every position either way (the window is a mask, not a ring buffer).
     """
+    if batch.mm is not None and batch.mm.blocks is not None and bool((batch.mm.blocks >= 0).any()):
+        from exlpy.vision.attention import attend_blocks  # Gemma 3: images attend to themselves both ways
+
+        return attend_blocks(q, k, v, batch, layer_idx, scale, rope, window, softcap)
     cache = batch.cache
     feats = {"window": window, "softcap": softcap}
     if cache is None:

@@ -114,6 +114,9 @@ class MMInputs:
 
     embeddings: list[ExLlamaV2MMEmbedding]
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Gemma 3: per token of the chunk [B, T], the image occurrence it belongs to (-1: not an image token); tokens
+    # of one occurrence attend to each other both ways (exlpy/vision/attention.py).
+    blocks: torch.Tensor | None = None
     _tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict,
                                                                                      repr=False)
 
@@ -126,10 +129,38 @@ class MMInputs:
         return self._tables[key]
 
 
+def image_blocks(ids: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding]) -> torch.Tensor:
+    """Per token of 1-D `ids`, the index of the image run it is in (runs of one embedding's image ids), or -1."""
+    owner = torch.full_like(ids, -1)
+    for k, e in enumerate(embeddings):
+        lo, hi = e.get_vision_token_range()
+        owner[(ids >= lo) & (ids < hi)] = k
+    is_img = owner >= 0
+    prev = torch.cat([torch.tensor([-1]), owner[:-1]])
+    prev_id = torch.cat([torch.tensor([-1]), ids[:-1]])
+    start = is_img & ((prev != owner) | (ids != prev_id + 1))  # a new run: another image, or its ids restart
+    runs = torch.cumsum(start.long(), 0) - 1
+    return torch.where(is_img, runs, torch.full_like(runs, -1))
+
+
+def extend_to_image_end(config: object, seq_ids: torch.Tensor, end: int, limit: int,
+                        embeddings: list[ExLlamaV2MMEmbedding]) -> int:
+    """A chunk end moved past the image it would cut (models whose image tokens attend both ways), <= limit."""
+    if not embeddings or not config.spec.arch.image_bidirectional or end >= limit:  # type: ignore[attr-defined]
+        return end
+    blocks = image_blocks(seq_ids[:limit], embeddings)
+    b = int(blocks[end - 1]) if end > 0 else -1
+    while b >= 0 and end < limit and int(blocks[end]) == b:
+        end += 1
+    return end
+
+
 def chunk_inputs(config: object, seq_ids: torch.Tensor, start: int, end: int,
                  embeddings: list[ExLlamaV2MMEmbedding]) -> MMInputs:
     """MMInputs for tokens [start, end) of the 1-D sequence `seq_ids` (whole: a chunk may end inside an image)."""
     sections = getattr(config.spec, "mrope_section", ())  # type: ignore[attr-defined]
+    if config.spec.arch.image_bidirectional:  # type: ignore[attr-defined]
+        return MMInputs(embeddings, blocks=image_blocks(seq_ids, embeddings)[start:end].unsqueeze(0))
     if not sections:
         return MMInputs(embeddings)
     pos, _ = mrope_positions(seq_ids, embeddings)
@@ -150,13 +181,26 @@ class RowsMM:
     def __init__(self, config: object, ids: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding], past: int) -> None:
         self.config, self.embeddings, self.past = config, embeddings, past
         self.sections = tuple(getattr(config.spec, "mrope_section", ()))  # type: ignore[attr-defined]
+        self.ids = ids
+        self.blocks = None
+        if config.spec.arch.image_bidirectional:  # type: ignore[attr-defined]
+            self.blocks = torch.stack([image_blocks(r.cpu(), embeddings) for r in ids])
         self.pos = None
         if self.sections:
             self.pos = torch.stack([mrope_positions(r.cpu(), embeddings)[0] + past for r in ids])  # [B, 3, T]
 
+    def chunk_end(self, start: int, end: int) -> int:
+        """`end` moved past an image it would cut (bidirectional image attention), for every row."""
+        if self.blocks is None:
+            return end
+        for row in self.ids:
+            end = max(end, extend_to_image_end(self.config, row.cpu(), end, row.numel(), self.embeddings))
+        return end
+
     def attach(self, batch: object, start: int, end: int, device: torch.device) -> None:
         if self.pos is None:
-            batch.mm = MMInputs(self.embeddings)  # type: ignore[attr-defined]
+            blocks = self.blocks[:, start:end] if self.blocks is not None else None
+            batch.mm = MMInputs(self.embeddings, blocks=blocks)  # type: ignore[attr-defined]
             return
         p = self.pos[:, :, start:end]
         B, n = p.shape[0], p.shape[2]

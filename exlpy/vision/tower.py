@@ -18,7 +18,7 @@ import torch
 
 from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import ConfigError, ModelStateError, MultimodalError, NotSupportedError
-from exlpy.vision import qwen2
+from exlpy.vision import gemma3, qwen2
 from exlpy.vision.embedding import ExLlamaV2MMEmbedding
 from exlpy.vision.image import image_digest, load_image
 from exlpy.weights.checks import landed, module_checks
@@ -51,7 +51,7 @@ def vision_kind(config: Any) -> str:
 
 
 class ExLlamaV2VisionTower:
-    """The vision encoder of `config`'s model (Qwen2-VL, Qwen2.5-VL). Load with `load()`; it runs on the first
+    """The vision encoder of `config`'s model (Qwen2-VL, Qwen2.5-VL, Gemma 3). Load with `load()`; it runs on the first
     GPU (fp16) or on the CPU (fp32) without one, next to the language model wherever that is."""
 
     def __init__(self, config: Any) -> None:
@@ -66,12 +66,19 @@ class ExLlamaV2VisionTower:
         where = os.path.join(config.model_dir, "config.json")
         raw = _json(where)
         pre = _json(os.path.join(config.model_dir, "preprocessor_config.json"))
+        self.vspec: Any
+        self.tower: Any
         if kind in ("qwen2_vl", "qwen2_5_vl"):
             self.vspec = qwen2.parse_spec(kind, raw, pre, config.hidden_size, where)
             if self.vspec.out_dim != config.hidden_size:
                 raise ConfigError(f"{where}: the vision merger's output size {self.vspec.out_dim} differs from the "
                                   f"language model's hidden_size {config.hidden_size}")
             self.tower = qwen2.QwenVisionTower(self.vspec)
+            self._preprocess = qwen2.preprocess
+        elif kind == "gemma3":
+            self.vspec = gemma3.parse_spec(raw, pre, config.hidden_size, where)
+            self.tower = gemma3.SiglipTower(self.vspec)
+            self._preprocess = gemma3.preprocess
         else:  # pragma: no cover - every arch with a `vision` kind has a tower above
             raise NotSupportedError(f"vision tower {kind!r} is not supported yet")
         self.kind = kind
@@ -112,7 +119,7 @@ class ExLlamaV2VisionTower:
     # --- embeddings ---------------------------------------------------------------------------------------------
     def preprocess(self, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(pixel values, patch grid (t, h, w)) of an image, as the model's Hugging Face processor makes them."""
-        return qwen2.preprocess(self.vspec, load_image(image))
+        return self._preprocess(self.vspec, load_image(image))
 
     def image_features(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """The merger's output [tokens, hidden_size] for one image's pixel values."""
@@ -129,13 +136,13 @@ class ExLlamaV2VisionTower:
             raise MultimodalError("get_image_embeddings: the model is not the language model of this vision tower")
         vision_kind(model.config)
         img = load_image(image)
-        key = (image_digest(img), id(model), self.vspec.min_pixels, self.vspec.max_pixels)
+        key = (image_digest(img), id(model), getattr(self.vspec, "min_pixels", 0), getattr(self.vspec, "max_pixels", 0))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
         if hit is None:
-            pixels, grid = qwen2.preprocess(self.vspec, img)
+            pixels, grid = self._preprocess(self.vspec, img)
             features = self.image_features(pixels, grid)
             rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
             rows = rows.cpu() if embeddings_cpu else rows
@@ -147,9 +154,10 @@ class ExLlamaV2VisionTower:
                     self._cache.popitem(last=False)
         rows, thw, pre, post = hit
         emb = ExLlamaV2MMEmbedding(model, rows, text_alias, thw_grid=thw, pre_tokens=pre, post_tokens=post)
-        emb.metadata.update({"original_size": (img.height, img.width),
-                             "preprocessed_size": (thw[1] * self.vspec.merge_size * self.vspec.patch_size,
-                                                   thw[2] * self.vspec.merge_size * self.vspec.patch_size),
+        side = getattr(self.vspec, "image_size", None)
+        prep = (side, side) if side else (thw[1] * self.vspec.merge_size * self.vspec.patch_size,
+                                          thw[2] * self.vspec.merge_size * self.vspec.patch_size)
+        emb.metadata.update({"original_size": (img.height, img.width), "preprocessed_size": prep,
                              "patches_size": (thw[1], thw[2])})
         return emb
 

@@ -42,6 +42,10 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             continue
         progressed = True
         start, end = plan
+        if job.embeddings:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+            from exlpy.vision.mm import extend_to_image_end
+
+            end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
         if end > start:
             ids = q.ids[start:end].unsqueeze(0)
             batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
