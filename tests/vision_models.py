@@ -172,3 +172,50 @@ def gemma_hf_inputs(before: str, after: str, tokens: int) -> tuple[torch.Tensor,
         [GEMMA_IDS["<end_of_image>"]] + text_ids(after)
     t = torch.tensor([ids])
     return t, (t == GEMMA_IDS["<image_soft_token>"]).long()
+
+
+PIXTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
+PIXTRAL_IDS = {t: 256 + i for i, t in enumerate(PIXTRAL_SPECIALS)}
+
+
+def make_mistral3(path: Path, seed: int = 0, layers: int = 2, longest_edge: int = 112) -> tuple[Any, Any]:
+    """(HF model fp32, HF image processor) of a tiny Mistral 3.1 (Pixtral tower, 2x2 patch merger)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = 256 + len(PIXTRAL_SPECIALS)
+    cfg = tf.Mistral3Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, bos_token_id=PIXTRAL_IDS["<s>"], eos_token_id=PIXTRAL_IDS["</s>"],
+                         sliding_window=None, tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=longest_edge, patch_size=14, head_dim=16),
+        image_token_index=PIXTRAL_IDS["[IMG]"], spatial_merge_size=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.Mistral3ForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():  # default init (std 0.02) leaves the projected features tiny: fp32 noise would dominate
+        for lin in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
+            lin.weight.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"longest_edge": longest_edge}, "patch_size": {"height": 14, "width": 14},
+        "image_processor_type": "PixtralImageProcessor"}))
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(PIXTRAL_SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "unk_token": "<unk>"}))
+    proc = tf.models.pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil(
+        size={"longest_edge": longest_edge}, patch_size={"height": 28, "width": 28})
+    return model.float(), proc
+
+
+def pixtral_hf_inputs(before: str, after: str, rows: int, cols: int) -> torch.Tensor:
+    """HF input_ids: before + rows of [IMG] x cols each ending in [IMG_BREAK] (the last in [IMG_END]) + after."""
+    image = ([PIXTRAL_IDS["[IMG]"]] * cols + [PIXTRAL_IDS["[IMG_BREAK]"]]) * rows
+    image[-1] = PIXTRAL_IDS["[IMG_END]"]
+    return torch.tensor([text_ids(before) + image + text_ids(after)])

@@ -95,6 +95,9 @@ _GEMMA3_KEYS = (("$model.vision_tower.vision_model.", "vision_tower."),
                 ("$model.vision_tower.", "vision_tower."), ("$model.multi_modal_projector.", "multi_modal_projector."),
                 ("$model.language_model.", "model."), ("$language_model.model.", "model."),
                 ("$language_model.lm_head.", "lm_head."))
+_LLAVA_KEYS = (("$model.vision_tower.", "vision_tower."), ("$model.multi_modal_projector.", "multi_modal_projector."),
+               ("$model.language_model.", "model."), ("$language_model.model.", "model."),
+               ("$language_model.lm_head.", "lm_head."))
 _QWEN_VL_KEYS = (("$model.visual.", "visual."), ("$model.language_model.", "model."),
                  ("$language_model.model.", "model."), ("$language_model.lm_head.", "lm_head."))
 
@@ -157,6 +160,9 @@ ARCHITECTURES: dict[str, ArchParams] = dict([
     _arch("Gemma3ForConditionalGeneration", **_GEMMA, norms=_FOUR, residual_fp32=True, sliding_window=True,
           swa_pattern=6, qk_norm=True, rope_local=True, vision="gemma3", image_bidirectional=True,
           remap=_GEMMA3_KEYS),
+    # Mistral 3.1 / Pixtral-12B (Llava): a Mistral language model under `language_model.`, a Pixtral tower.
+    _arch("Mistral3ForConditionalGeneration", ignores_sliding_window=True, vision="pixtral", remap=_LLAVA_KEYS),
+    _arch("LlavaForConditionalGeneration", ignores_sliding_window=True, vision="pixtral", remap=_LLAVA_KEYS),
     # Qwen2-VL / Qwen2.5-VL: a Qwen2 language model with M-RoPE. Checkpoints name the language model `model.` (or,
     # as transformers >= 4.52 writes them, `model.language_model.`) and the tower `visual.` (`model.visual.`).
     _arch("Qwen2VLForConditionalGeneration", qkv_bias=True, vision="qwen2_vl", mrope=True, remap=_QWEN_VL_KEYS),
@@ -169,8 +175,6 @@ FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (ex
 # Architectures exllamav2 runs that exlpy does not yet: refused by name rather than run as Llama.
 NOT_YET: dict[str, str] = {
     "GemmoeForCausalLM": "mixture of experts",
-    "LlavaForConditionalGeneration": "vision",
-    "Mistral3ForConditionalGeneration": "vision",
 }
 
 

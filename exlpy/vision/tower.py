@@ -18,7 +18,7 @@ import torch
 
 from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import ConfigError, ModelStateError, MultimodalError, NotSupportedError
-from exlpy.vision import gemma3, qwen2
+from exlpy.vision import gemma3, pixtral, qwen2
 from exlpy.vision.embedding import ExLlamaV2MMEmbedding
 from exlpy.vision.image import image_digest, load_image
 from exlpy.weights.checks import landed, module_checks
@@ -51,7 +51,8 @@ def vision_kind(config: Any) -> str:
 
 
 class ExLlamaV2VisionTower:
-    """The vision encoder of `config`'s model (Qwen2-VL, Qwen2.5-VL, Gemma 3). Load with `load()`; it runs on the first
+    """The vision encoder of `config`'s model (Qwen2-VL, Qwen2.5-VL, Gemma 3, Pixtral /
+    Mistral 3.1). Load with `load()`; it runs on the first
     GPU (fp16) or on the CPU (fp32) without one, next to the language model wherever that is."""
 
     def __init__(self, config: Any) -> None:
@@ -79,6 +80,11 @@ class ExLlamaV2VisionTower:
             self.vspec = gemma3.parse_spec(raw, pre, config.hidden_size, where)
             self.tower = gemma3.SiglipTower(self.vspec)
             self._preprocess = gemma3.preprocess
+        elif kind == "pixtral":
+            mistral3 = config.spec.architecture == "Mistral3ForConditionalGeneration"
+            self.vspec = pixtral.parse_spec(raw, pre, config.hidden_size, config.spec.norm_eps, mistral3, where)
+            self.tower = pixtral.PixtralTower(self.vspec)
+            self._preprocess = pixtral.preprocess
         else:  # pragma: no cover - every arch with a `vision` kind has a tower above
             raise NotSupportedError(f"vision tower {kind!r} is not supported yet")
         self.kind = kind
@@ -144,19 +150,24 @@ class ExLlamaV2VisionTower:
         if hit is None:
             pixels, grid = self._preprocess(self.vspec, img)
             features = self.image_features(pixels, grid)
-            rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
-            rows = rows.cpu() if embeddings_cpu else rows
             m = self.vspec.merge_size
-            hit = (rows, (grid[0], grid[1] // m, grid[2] // m), pre, post)
+            thw = (grid[0], grid[1] // m, grid[2] // m)
+            if self.kind == "pixtral":  # rows interleaved with [IMG_BREAK]: no grid positions to keep
+                rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids), grid, tokenizer)
+            else:
+                rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
+            rows = rows.cpu() if embeddings_cpu else rows
+            hit = (rows, thw, pre, post)
             with self._lock:
                 self._cache[key] = hit
                 while len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
         rows, thw, pre, post = hit
-        emb = ExLlamaV2MMEmbedding(model, rows, text_alias, thw_grid=thw, pre_tokens=pre, post_tokens=post)
+        emb = ExLlamaV2MMEmbedding(model, rows, text_alias, thw_grid=None if self.kind == "pixtral" else thw,
+                                   pre_tokens=pre, post_tokens=post)
         side = getattr(self.vspec, "image_size", None)
-        prep = (side, side) if side else (thw[1] * self.vspec.merge_size * self.vspec.patch_size,
-                                          thw[2] * self.vspec.merge_size * self.vspec.patch_size)
+        step = getattr(self.vspec, "factor", self.vspec.merge_size * self.vspec.patch_size)
+        prep = (side, side) if side else (thw[1] * step, thw[2] * step)
         emb.metadata.update({"original_size": (img.height, img.width), "preprocessed_size": prep,
                              "patches_size": (thw[1], thw[2])})
         return emb
