@@ -4,8 +4,8 @@ and the multimodal projector of Mistral3ForConditionalGeneration (LlavaForCondit
 Preprocessing: scale down (never up) so the longer side fits `longest_edge`, round each side up to a multiple of
 patch_size x spatial_merge_size (bicubic, through PIL), rescale, CLIP normalization. Tower: a Conv2d patch
 embedding without bias (one linear map per patch), RMSNorm, blocks of RMSNorm -> attention with 2D RoPE (even
-frequencies rotated by the patch row, odd ones by the column) -> RMSNorm -> gated MLP (config's hidden_act); the last block's
-output is the feature. Projector: Mistral 3.1 normalizes (RMSNorm), merges each 2x2 block of patches with one
+frequencies rotated by the patch row, odd ones by the column) -> RMSNorm -> gated MLP (config's hidden_act); the
+last block's output is the feature. Projector: Mistral 3.1 normalizes (RMSNorm), merges each 2x2 block of patches with one
 linear map (the patch merger), then linear -> GELU -> linear; Pixtral-12B has only the last three (with biases).
 The image's rows in the prompt follow the processor's layout: each row of image tokens ends with [IMG_BREAK],
 the last one with [IMG_END].
@@ -78,7 +78,8 @@ def parse_spec(cfg: dict[str, Any], pre: dict[str, Any], out_dim: int, norm_eps:
     size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
     return PixtralSpec(
         depth=_int(v, "num_hidden_layers", 24, where), width=width, num_heads=heads, head_dim=head_dim,
-        mlp_dim=_int(v, "intermediate_size", 4096, where), act=v.get("hidden_act", "gelu"), patch_size=_int(v, "patch_size", 16, where),
+        mlp_dim=_int(v, "intermediate_size", 4096, where), act=v.get("hidden_act", "gelu"),
+        patch_size=_int(v, "patch_size", 16, where),
         channels=_int(v, "num_channels", 3, where), rope_theta=theta,
         merge=_int(cfg, "spatial_merge_size", 2, where) if mistral3 else 1, merger=mistral3,
         proj_bias=bool(cfg.get("multimodal_projector_bias", not mistral3)),
