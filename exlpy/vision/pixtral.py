@@ -6,9 +6,9 @@ patch_size x spatial_merge_size (bicubic, through PIL), rescale, CLIP normalizat
 embedding without bias (one linear map per patch), RMSNorm, blocks of RMSNorm -> attention with 2D RoPE (even
 frequencies rotated by the patch row, odd ones by the column) -> RMSNorm -> gated MLP (config's hidden_act); the
 last block's output is the feature. Projector: Mistral 3.1 normalizes (RMSNorm), merges each 2x2 block of
-patches with one linear map (the patch merger), then linear -> GELU -> linear; Pixtral-12B has only the last three (with biases).
-The image's rows in the prompt follow the processor's layout: each row of image tokens ends with [IMG_BREAK],
-the last one with [IMG_END].
+patches with one linear map (the patch merger), then linear -> GELU -> linear; Pixtral-12B has only the last
+three (with biases). The image's rows in the prompt follow the processor's layout: each row of image tokens ends
+with [IMG_BREAK], the last one with [IMG_END].
 """
 
 from __future__ import annotations
