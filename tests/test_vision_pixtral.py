@@ -115,3 +115,28 @@ def test_greedy_continuations_match_hf(m3: Loaded) -> None:
     while len(got) < 8:
         got += stream.stream_ex()["chunk_token_ids"][0].tolist()
     assert got[:8] == want
+
+
+def test_pixtral_12b_llava_logits_match_hf(tmp_path: Path) -> None:
+    """Pixtral-12B's layout: LlavaForConditionalGeneration with a Pixtral tower, no patch merger, a projector
+    with biases, 16-pixel patches."""
+    from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
+    from tests.vision_models import make_llava_pixtral
+
+    hf, proc = make_llava_pixtral(tmp_path)
+    config = ExLlamaV2Config(str(tmp_path))
+    model = ExLlamaV2(config)
+    model.load()
+    tok = ExLlamaV2Tokenizer(config)
+    tower = ExLlamaV2VisionTower(config)
+    tower.load()
+    img = random_image(90, 60, seed=1)
+    px, grid = tower.preprocess(img)
+    ref = proc(images=[img], return_tensors="pt")
+    assert (px - ref["pixel_values"][0]).abs().max().item() < 1e-6
+    emb = tower.get_image_embeddings(model=model, tokenizer=tok, image=img, text_alias="<img>")
+    ids = tok.encode("Look <img> now", embeddings=[emb])
+    hid = pixtral_hf_inputs("Look ", " now", grid[1], grid[2])
+    with torch.no_grad():
+        want = hf(input_ids=hid, pixel_values=ref["pixel_values"], image_sizes=ref["image_sizes"]).logits
+    assert rel_err(model.forward(ids, indexed_embeddings=[emb]), want) < 1e-4

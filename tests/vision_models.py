@@ -181,7 +181,6 @@ PIXTRAL_IDS = {t: 256 + i for i, t in enumerate(PIXTRAL_SPECIALS)}
 def make_mistral3(path: Path, seed: int = 0, layers: int = 2, longest_edge: int = 112) -> tuple[Any, Any]:
     """(HF model fp32, HF image processor) of a tiny Mistral 3.1 (Pixtral tower, 2x2 patch merger)."""
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = 256 + len(PIXTRAL_SPECIALS)
     cfg = tf.Mistral3Config(
@@ -202,13 +201,7 @@ def make_mistral3(path: Path, seed: int = 0, layers: int = 2, longest_edge: int 
     (path / "preprocessor_config.json").write_text(json.dumps({
         "size": {"longest_edge": longest_edge}, "patch_size": {"height": 14, "width": 14},
         "image_processor_type": "PixtralImageProcessor"}))
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(PIXTRAL_SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                            "unk_token": "<unk>"}))
+    _pixtral_tokenizer(path)
     proc = tf.models.pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil(
         size={"longest_edge": longest_edge}, patch_size={"height": 28, "width": 28})
     return model.float(), proc
@@ -219,3 +212,41 @@ def pixtral_hf_inputs(before: str, after: str, rows: int, cols: int) -> torch.Te
     image = ([PIXTRAL_IDS["[IMG]"]] * cols + [PIXTRAL_IDS["[IMG_BREAK]"]]) * rows
     image[-1] = PIXTRAL_IDS["[IMG_END]"]
     return torch.tensor([text_ids(before) + image + text_ids(after)])
+
+
+def make_llava_pixtral(path: Path, seed: int = 0) -> tuple[Any, Any]:
+    """(HF model fp32, HF image processor) of a tiny Pixtral-12B-style Llava (Pixtral tower, no patch merger,
+    projector with biases, patch size 16)."""
+    import transformers as tf
+
+    cfg = tf.LlavaConfig(
+        vision_config=tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=112, patch_size=16, head_dim=16),
+        text_config=tf.MistralConfig(vocab_size=256 + len(PIXTRAL_SPECIALS), hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     bos_token_id=PIXTRAL_IDS["<s>"], eos_token_id=PIXTRAL_IDS["</s>"],
+                                     sliding_window=None),
+        image_token_index=PIXTRAL_IDS["[IMG]"], vision_feature_layer=-1, vision_feature_select_strategy="full",
+        projector_hidden_act="gelu", multimodal_projector_bias=True)
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 112},
+                                                               "patch_size": {"height": 16, "width": 16}}))
+    _pixtral_tokenizer(path)
+    proc = tf.models.pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil(
+        size={"longest_edge": 112}, patch_size={"height": 16, "width": 16})
+    return model.float(), proc
+
+
+def _pixtral_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(PIXTRAL_SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "unk_token": "<unk>"}))
