@@ -186,3 +186,44 @@ def test_image_across_prefill_chunks_matches_hf(vl: Loaded) -> None:
             if r["stage"] == "streaming" and "token_ids" in r:
                 got += r["token_ids"][0].tolist()
     assert got == want
+
+
+def test_exllamav2_multimodal_example_runs_through_the_alias(tmp_path: Path) -> None:
+    """exllamav2's examples/multimodal.py (mode "qwen2"), with only its imports changed by the compat alias and
+    the image read from a file instead of a URL."""
+    import exlpy.compat
+
+    make_qwen_vl(tmp_path / "model", "qwen2_vl", layers=1)
+    random_image(100, 80, seed=12).save(tmp_path / "test_image_1.jpg")
+    exlpy.compat.install()
+    try:
+        from exllamav2 import (
+            ExLlamaV2,
+            ExLlamaV2Cache,
+            ExLlamaV2Config,
+            ExLlamaV2Tokenizer,
+            ExLlamaV2VisionTower,
+        )
+        from exllamav2.generator import ExLlamaV2DynamicGenerator, ExLlamaV2Sampler
+        from PIL import Image
+
+        config = ExLlamaV2Config(str(tmp_path / "model"))
+        config.max_seq_len = 512
+        vision_model = ExLlamaV2VisionTower(config)
+        vision_model.load(progress=True)
+        model = ExLlamaV2(config)
+        cache = ExLlamaV2Cache(model, max_seq_len=512, lazy=True)
+        model.load_autosplit(progress=True, cache=cache)
+        tokenizer = ExLlamaV2Tokenizer(config)
+        generator = ExLlamaV2DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer)
+        image_embeddings = [vision_model.get_image_embeddings(model=model, tokenizer=tokenizer,
+                                                              image=Image.open(tmp_path / "test_image_1.jpg"))]
+        placeholders = "\n".join([ie.text_alias for ie in image_embeddings]) + "\n"
+        prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + placeholders +
+                  "Describe the image.<|im_end|>\n<|im_start|>assistant\n")
+        output = generator.generate(prompt=prompt, max_new_tokens=20, add_bos=True, encode_special_tokens=True,
+                                    decode_special_tokens=True, stop_conditions=[tokenizer.eos_token_id],
+                                    gen_settings=ExLlamaV2Sampler.Settings.greedy(), embeddings=image_embeddings)
+        assert output.startswith(prompt) and len(output) > len(prompt)
+    finally:
+        exlpy.compat.uninstall()
