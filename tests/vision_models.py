@@ -21,19 +21,17 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer without merges (one token per byte) plus the Qwen special tokens."""
+def write_tokenizer(path: Path, specials: list[str] | None = None, config: dict[str, Any] | None = None) -> None:
+    """A byte-level BPE tokenizer without merges (one token per byte: id = byte value) plus special tokens
+    (ids from 256 on; the Qwen ones by default) and its tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
 
-    del ByteLevel
-    vocab = {ch: i for i, ch in enumerate(_byte_chars())}  # id = byte value
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(specials or SPECIALS)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
+    (path / "tokenizer_config.json").write_text(json.dumps(config or {
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT,
         "tokenizer_class": "PreTrainedTokenizerFast"}))
 
@@ -124,13 +122,13 @@ def hf_inputs(before: str, after: str, n_image_tokens: int) -> tuple[torch.Tenso
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
                   "<start_of_turn>", "<end_of_turn>"]
 GEMMA_IDS = {t: 256 + i for i, t in enumerate(GEMMA_SPECIALS)}
+GEMMA_TOKENIZER_CONFIG = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 
 
 def make_gemma3(path: Path, seed: int = 0, layers: int = 3, image_size: int = 56, tokens: int = 4) -> tuple[Any, Any]:
     """(HF model fp32, HF image processor) of a tiny Gemma 3 with a SigLIP tower (layers alternate local /
     global with a window of 8, so images of `tokens` + 2 rows cross window boundaries)."""
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = 256 + len(GEMMA_SPECIALS)
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
@@ -153,13 +151,7 @@ def make_gemma3(path: Path, seed: int = 0, layers: int = 3, image_size: int = 56
     model.save_pretrained(path, safe_serialization=True)
     (path / "preprocessor_config.json").write_text(json.dumps({
         "size": {"height": image_size, "width": image_size}, "image_processor_type": "Gemma3ImageProcessor"}))
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(GEMMA_SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
-                                                            "pad_token": "<pad>"}))
+    write_tokenizer(path, GEMMA_SPECIALS, GEMMA_TOKENIZER_CONFIG)
     proc = tf.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
         size={"height": image_size, "width": image_size})
     return model.float(), proc
@@ -241,12 +233,4 @@ def make_llava_pixtral(path: Path, seed: int = 0) -> tuple[Any, Any]:
 
 
 def _pixtral_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(_byte_chars())}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(PIXTRAL_SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                            "unk_token": "<unk>"}))
+    write_tokenizer(path, PIXTRAL_SPECIALS, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
