@@ -227,3 +227,37 @@ def test_exllamav2_multimodal_example_runs_through_the_alias(tmp_path: Path) -> 
         assert output.startswith(prompt) and len(output) > len(prompt)
     finally:
         exlpy.compat.uninstall()
+
+
+def test_video_matches_hf(tmp_path: Path) -> None:
+    """Qwen2-VL video (five frames: padded to three temporal patches): features per temporal patch and logits
+    with the video in the prompt (temporal M-RoPE positions) against transformers fed the same pixel values
+    (transformers' video processor needs torchvision)."""
+    from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
+
+    hf, _ = make_qwen_vl(tmp_path, "qwen2_vl")
+    config = ExLlamaV2Config(str(tmp_path))
+    model = ExLlamaV2(config)
+    model.load()
+    tok = ExLlamaV2Tokenizer(config)
+    tower = ExLlamaV2VisionTower(config)
+    tower.load()
+    frames = [random_image(90, 60, seed=40 + i) for i in range(5)]
+    from exlpy.vision import qwen2
+
+    px, grid = qwen2.preprocess_video(tower.vspec, frames)
+    assert grid[0] == 3
+    thw = torch.tensor([grid])
+    with torch.no_grad():
+        want = hf.model.get_video_features(px, thw).pooler_output[0]
+    assert rel_err(tower.image_features(px, grid), want) < 1e-4
+    emb = tower.get_video_embeddings(model=model, tokenizer=tok, video=frames, text_alias="<video>")
+    ids = tok.encode("Watch <video> then answer.", embeddings=[emb])
+    n = emb.length - 2
+    hid = torch.tensor([list(b"Watch ") + [IDS["<|vision_start|>"]] + [IDS["<|video_pad|>"]] * n +
+                        [IDS["<|vision_end|>"]] + list(b" then answer.")])
+    assert ids.shape == hid.shape
+    with torch.no_grad():
+        ref = hf(input_ids=hid, pixel_values_videos=px, video_grid_thw=thw,
+                 mm_token_type_ids=(hid == IDS["<|video_pad|>"]).int() * 2).logits
+    assert rel_err(model.forward(ids, indexed_embeddings=[emb]), ref) < 1e-4

@@ -154,6 +154,36 @@ def preprocess(spec: QwenVisionSpec, image: Any) -> tuple[torch.Tensor, tuple[in
     return torch.from_numpy(np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p))), (1, gh, gw)
 
 
+def preprocess_video(spec: QwenVisionSpec, frames: list[Any]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(pixel values [patches, C * tp * p * p], grid (t, h, w)) of a video given as RGB PIL frames of one size:
+    each frame resized and normalized as an image, the frame count padded to a multiple of temporal_patch_size
+    with the last frame, and patches cut from each group of tp frames (transformers' Qwen2-VL video layout)."""
+    from PIL import Image
+
+    from exlpy.errors import ImageError
+
+    if not frames:
+        raise ImageError("a video needs at least one frame")
+    size = (frames[0].width, frames[0].height)
+    if any((f.width, f.height) != size for f in frames):
+        raise ImageError(f"all video frames must have the same size (first frame {size[0]}x{size[1]})")
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    h, w = smart_resize(size[1], size[0], p * m, spec.min_pixels, spec.max_pixels)
+    mean = np.asarray(spec.image_mean, dtype=np.float32).reshape(-1, 1, 1)
+    std = np.asarray(spec.image_std, dtype=np.float32).reshape(-1, 1, 1)
+    arrays = []
+    for f in frames:
+        if (f.width, f.height) != (w, h):
+            f = f.resize((w, h), resample=Image.BICUBIC)
+        a = np.asarray(f, dtype=np.uint8).transpose(2, 0, 1)
+        arrays.append(((a.astype(np.float64) * spec.rescale).astype(np.float32) - mean) / std)
+    arrays += [arrays[-1]] * (-len(arrays) % tp)
+    x = np.stack(arrays)  # F, C, H, W
+    c, gt, gh, gw = x.shape[1], x.shape[0] // tp, h // p, w // p
+    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return torch.from_numpy(np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p))), (gt, gh, gw)
+
+
 # --- the tower ------------------------------------------------------------------------------------------------
 
 def patch_positions(grid: tuple[int, int, int], m: int) -> torch.Tensor:
@@ -253,7 +283,8 @@ class QwenVisionTower:
         x = F.linear(pixels.to(device=self.device, dtype=self.dtype), self.w["visual.patch_embed.proj.weight"])
         n = x.shape[0]
         cos, sin = self._rope(grid)
-        full = [0, n]
+        frame = grid[1] * grid[2]  # full attention is per temporal patch (a frame group of a video)
+        full = list(range(0, n + 1, frame))
         unit = s.merge_size ** 2
         order = None
         if s.kind == "qwen2_5_vl":

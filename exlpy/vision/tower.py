@@ -135,6 +135,29 @@ class ExLlamaV2VisionTower:
             return self.tower.forward(pixels, grid)
 
     @refuse_unknown_arguments
+    def get_video_embeddings(self, model: Any, tokenizer: Any, video: list[Any], text_alias: str | None = None,
+                             embeddings_cpu: bool = True) -> ExLlamaV2MMEmbedding:
+        """The embedding of a video (a list of frames: PIL images, paths or bytes, all of one size) for Qwen2-VL:
+        frames in pairs (temporal patches), M-RoPE's temporal position one step per pair."""
+        if self.kind != "qwen2_vl":
+            raise NotSupportedError(f"video input is supported for Qwen2-VL only, not {self.config.spec.architecture}")
+        if model.config.spec is None or model.config.hidden_size != self.config.hidden_size:
+            raise MultimodalError("get_video_embeddings: the model is not the language model of this vision tower")
+        if not isinstance(video, (list, tuple)):
+            raise MultimodalError(f"video must be a list of frames, got {type(video).__name__}")
+        frames = [load_image(f, f"video frame {i}") for i, f in enumerate(video)]
+        pixels, grid = qwen2.preprocess_video(self.vspec, frames)
+        features = self.image_features(pixels, grid)
+        rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
+        m = self.vspec.merge_size
+        thw = (grid[0], grid[1] // m, grid[2] // m)
+        emb = ExLlamaV2MMEmbedding(model, rows.cpu() if embeddings_cpu else rows, text_alias, thw_grid=thw,
+                                   pre_tokens=pre, post_tokens=post)
+        emb.metadata.update({"original_size": (frames[0].height, frames[0].width), "frames": len(frames),
+                             "patches_size": (thw[1], thw[2])})
+        return emb
+
+    @refuse_unknown_arguments
     def get_image_embeddings(self, model: Any, tokenizer: Any, image: Any, text_alias: str | None = None,
                              embeddings_cpu: bool = True) -> ExLlamaV2MMEmbedding:
         """The embedding of one image for `model`'s prompts, its alias `text_alias` (default: a unique tag)."""
