@@ -12,6 +12,7 @@ import binascii
 import hashlib
 import io
 import os
+import warnings
 from typing import Any
 
 from exlpy.errors import ImageError
@@ -72,9 +73,11 @@ def load_image(image: Any, what: str = "image") -> Any:
             raise ImageError(f"{what} must be a PIL image, a file path, bytes or a data: URL, got "
                              f"{type(image).__name__}")
         try:
-            img = Image.open(src)
-            _check_size(img.width, img.height, name)  # from the header, before decoding the pixels
-            img.load()
+            with warnings.catch_warnings():  # PIL's own bomb warning: the limits below decide, with a typed error
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(src)
+                _check_size(img.width, img.height, name)  # from the header, before decoding the pixels
+                img.load()
         except ImageError:
             raise
         except Image.DecompressionBombError as e:
