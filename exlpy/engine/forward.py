@@ -20,13 +20,18 @@ from exlpy.runtime import options
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
     """The strategy's graph runner, or None where graphs do not apply (CPU, no Triton, config.no_graphs, a
-    module whose step synchronises with the host: MoE blocks)."""
+    module whose step synchronises with the host: MoE blocks with quantized experts)."""
     if model.config.no_graphs or not strategy.graph_safe or not all(getattr(m, "graph_safe", True)
                                                                      for m in model.modules):
         return None
     runner = strategy.graph_cache.get("runner")
     if runner is None:
         runner = strategy.graph_cache["runner"] = StepGraphs(strategy)
+    # MoE blocks' graphs bake in the experts per token (exllamav2's -ept), which may be set between calls
+    k = model.config.num_experts_per_token
+    if strategy.graph_cache.get("experts_per_token", k) != k:
+        runner.clear()
+    strategy.graph_cache["experts_per_token"] = k
     return runner
 
 
@@ -101,7 +106,7 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
         # everything before were text (the generators keep the whole sequence and its position shift).
         rows_mm = RowsMM(model.config, input_ids, mm, cache.current_seq_len if cache is not None else 0)
 
-    def run(batch: ForwardBatch, chunk: torch.Tensor, chunk_mode: str) -> Any:
+    def prepare(batch: ForwardBatch, chunk_mode: str) -> ForwardBatch:
         batch.logits = chunk_mode
         batch.lora = lora
         batch.keep_last_state = return_last_state
@@ -110,10 +115,15 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
         if rows_mm is not None:
             start = int(batch.host[0][0]) - rows_mm.past if batch.host is not None else 0
             rows_mm.attach(batch, start, start + batch.q_len, dev)
-        out = execute(strategy, chunk, batch)
+        return batch
+
+    def finish(batch: ForwardBatch, out: torch.Tensor | None) -> Any:
         if out is not None and cpu_logits:
             out = out.cpu()
         return (out, batch.last_state) if return_last_state and out is not None else out
+
+    def run(batch: ForwardBatch, chunk: torch.Tensor, chunk_mode: str) -> Any:
+        return finish(batch, execute(strategy, chunk, prepare(batch, chunk_mode)))
 
     if cache is None:
         limit = cfg.max_input_len * cfg.max_batch_size // B
@@ -129,7 +139,11 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     outputs: list[torch.Tensor] = []
     last_state = None
     pos = 0
+    # Layer streaming runs the chunks layer-major (each module loaded once for all of them), after planning them.
+    streamed = getattr(model, "stream", None) is not None
+    deferred: list[tuple[ForwardBatch, torch.Tensor]] | None = [] if streamed else None
     try:
+        results = []
         while pos < T:
             # Chunks bound activation memory: max_input_len tokens, and past*q within max_attention_size.
             cur = past + pos
@@ -141,13 +155,23 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
             batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
                                 page_size=cache.max_seq_len, key_mask=key_mask, adapters=adapters)
             batch.past_len = cur
-            r = run(batch, ids[:, pos:pos + n], mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode)
+            chunk_mode = mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode
+            if deferred is not None:
+                deferred.append((prepare(batch, chunk_mode), ids[:, pos:pos + n]))
+            else:
+                results.append(run(batch, ids[:, pos:pos + n], chunk_mode))
             cache.current_seq_len = cur + n
+            pos += n
+        if deferred:
+            from exlpy.engine.streaming import execute_layer_major
+
+            outs = execute_layer_major(model, [c for _, c in deferred], [b for b, _ in deferred])
+            results = [finish(b, out) for (b, _), out in zip(deferred, outs)]
+        for r in results:
             if return_last_state and r is not None:
                 r, last_state = r
             if r is not None:
                 outputs.append(r)
-            pos += n
     except BaseException:
         cache.current_seq_len = past  # a failed chunk leaves the cache's length where the caller had it
         raise

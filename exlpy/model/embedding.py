@@ -4,6 +4,8 @@ architecture says so. Gemma 2 keeps its residual stream in fp32: the embedding s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,7 @@ class Embedding(Module):
         f = self.spec.features
         self.scale = f.embed_scale
         self.residual_fp32 = self.spec.arch.residual_fp32
+        self.lora: Any = None  # adapters that replace or adapt the embedding (exlpy/lora/outer.py)
 
     def load(self, device: torch.device) -> None:
         s = self.spec
@@ -49,7 +52,7 @@ class Embedding(Module):
         return [self.key] + (["model.wpe"] if self.spec.features.learned_positions else [])
 
     def unload(self) -> None:
-        self.weight = self.wpe = None
+        self.weight = self.wpe = self.lora = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -58,6 +61,8 @@ class Embedding(Module):
         if mm:
             x = x.masked_fill(x >= EMBEDDING_INDEX, 0)  # embedding ids: looked up below, not in the table
         h = await self._lookup(x, batch)
+        if batch.lora and self.lora is not None:  # rows whose adapters replace or adapt the table (PEFT adds
+            h = self.lora.embed(x, h, batch)       # them inside embed_tokens, before any scaling)
         if self.scale != 1.0:
             # As transformers: the scale rounded to the compute dtype, one multiply.
             h = h * float(torch.tensor(self.scale, dtype=h.dtype))
