@@ -151,14 +151,15 @@ class HF:
             self.proc = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels)
         self.device = device
 
-    def logits(self, img: Any, before: list[int], after: list[int]) -> torch.Tensor:
+    def logits(self, img: Any, before: list[int], after: list[int], keep: int = 0) -> torch.Tensor:
+        """Logits of every position (keep=0), or of the last `keep` (what a first token needs)."""
         if self.arch == "gemma3":
             px = self.proc(images=[img], return_tensors="pt")["pixel_values"].to(self.device)
             n = self.model.config.mm_tokens_per_image
             ids = torch.tensor([before + [GEMMA_IDS["<start_of_image>"]] + [GEMMA_IDS["<image_soft_token>"]] * n +
                                 [GEMMA_IDS["<end_of_image>"]] + after], device=self.device)
             with torch.no_grad():
-                return self.model(input_ids=ids, pixel_values=px.to(self.model.dtype), logits_to_keep=0,
+                return self.model(input_ids=ids, pixel_values=px.to(self.model.dtype), logits_to_keep=keep,
                                   token_type_ids=(ids == GEMMA_IDS["<image_soft_token>"]).long()).logits
         inputs = self.proc(images=[img], return_tensors="pt")
         n = int(inputs["image_grid_thw"].prod()) // 4
@@ -167,7 +168,7 @@ class HF:
         with torch.no_grad():
             return self.model(input_ids=ids, pixel_values=inputs["pixel_values"].to(self.device),
                               image_grid_thw=inputs["image_grid_thw"].to(self.device),
-                              mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int(), logits_to_keep=0).logits
+                              mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int(), logits_to_keep=keep).logits
 
 
 class Exlpy:
@@ -279,7 +280,7 @@ def main() -> None:
             return out[1:]  # the first run warms up
 
         t_ex = timed(lambda im: ex.first_token(im, before, after))
-        t_hf = timed(lambda im: int(hf.logits(im, before, after)[0, -1].argmax()))
+        t_hf = timed(lambda im: int(hf.logits(im, before, after, keep=1)[0, -1].argmax()))
         mx, mh = statistics.median(t_ex), statistics.median(t_hf)
         say(f"time to first token (median of {args.runs}): exlpy {mx * 1e3:.1f} ms, transformers {mh * 1e3:.1f} ms "
             f"({mh / mx:.2f}x)")

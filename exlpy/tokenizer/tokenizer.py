@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import TokenizerError
+from exlpy.errors import MultimodalError, TokenizerError
 from exlpy.tokenizer import tables
 from exlpy.tokenizer.backend import AddedToken, TokenizerBackend, read_json_object
 from exlpy.tokenizer.base import BackendTokenizerModel
@@ -189,8 +189,6 @@ class ExLlamaV2Tokenizer:
             raise TokenizerError("encode() got an empty list of texts")
         seqs = []
         if mm:
-            from exlpy.errors import MultimodalError
-
             missing = [e.text_alias for e in mm if not any(e.text_alias in t for t in texts)]
             if missing:
                 raise MultimodalError(f"encode(): the alias {missing[0]!r} of an embedding passed in embeddings= "
@@ -212,8 +210,6 @@ class ExLlamaV2Tokenizer:
     def _encode_with_aliases(self, text: str, encode_special_tokens: bool, embeddings: list[Any]) -> list[int]:
         """The text's ids with each embedding alias replaced by its id range (text between aliases encoded
         on its own, as exllamav2 does)."""
-        import re
-
         by_alias = {e.text_alias: e for e in embeddings}
         pattern = re.compile("|".join(re.escape(a) for a in sorted(by_alias, key=len, reverse=True)))
         out: list[int] = []
