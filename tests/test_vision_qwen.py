@@ -229,13 +229,14 @@ def test_exllamav2_multimodal_example_runs_through_the_alias(tmp_path: Path) -> 
         exlpy.compat.uninstall()
 
 
-def test_video_matches_hf(tmp_path: Path) -> None:
-    """Qwen2-VL video (five frames: padded to three temporal patches): features per temporal patch and logits
-    with the video in the prompt (temporal M-RoPE positions) against transformers fed the same pixel values
-    (transformers' video processor needs torchvision)."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_video_matches_hf(tmp_path: Path, kind: str) -> None:
+    """Video (five frames: padded to three temporal patches; Qwen2.5-VL at 1 fps): features per temporal patch
+    and logits with the video in the prompt (temporal M-RoPE positions, scaled by tokens_per_second for
+    Qwen2.5-VL) against transformers fed the same pixel values (its video processor needs torchvision)."""
     from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
 
-    hf, _ = make_qwen_vl(tmp_path, "qwen2_vl")
+    hf, _ = make_qwen_vl(tmp_path, kind)
     config = ExLlamaV2Config(str(tmp_path))
     model = ExLlamaV2(config)
     model.load()
@@ -251,13 +252,14 @@ def test_video_matches_hf(tmp_path: Path) -> None:
     with torch.no_grad():
         want = hf.model.get_video_features(px, thw).pooler_output[0]
     assert rel_err(tower.image_features(px, grid), want) < 1e-4
-    emb = tower.get_video_embeddings(model=model, tokenizer=tok, video=frames, text_alias="<video>")
+    emb = tower.get_video_embeddings(model=model, tokenizer=tok, video=frames, text_alias="<video>", fps=1.0)
     ids = tok.encode("Watch <video> then answer.", embeddings=[emb])
     n = emb.length - 2
     hid = torch.tensor([list(b"Watch ") + [IDS["<|vision_start|>"]] + [IDS["<|video_pad|>"]] * n +
                         [IDS["<|vision_end|>"]] + list(b" then answer.")])
     assert ids.shape == hid.shape
     with torch.no_grad():
+        extra = {"second_per_grid_ts": torch.tensor([2.0])} if kind == "qwen2_5_vl" else {}  # 2 frames at 1 fps
         ref = hf(input_ids=hid, pixel_values_videos=px, video_grid_thw=thw,
-                 mm_token_type_ids=(hid == IDS["<|video_pad|>"]).int() * 2).logits
+                 mm_token_type_ids=(hid == IDS["<|video_pad|>"]).int() * 2, **extra).logits
     assert rel_err(model.forward(ids, indexed_embeddings=[emb]), ref) < 1e-4

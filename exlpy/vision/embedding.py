@@ -59,11 +59,12 @@ class ExLlamaV2MMEmbedding:
 
     `thw_grid` (Qwen2-VL: temporal, height, width of the merged feature grid) and `pre_tokens` /
     `post_tokens` (rows before and after the image features: the image start / end tokens) place the image's
-    M-RoPE positions, as in exllamav2. `metadata` holds what the tower knows of the image (sizes)."""
+    M-RoPE positions, as in exllamav2; `time_interval` (exlpy: Qwen2.5-VL video) is the M-RoPE time step from one
+    temporal patch to the next. `metadata` holds what the tower knows of the image (sizes)."""
 
     def __init__(self, model: Any, embeddings: torch.Tensor, text_alias: str | None = None,
                  thw_grid: tuple[int, int, int] | None = None, pre_tokens: int = 0, post_tokens: int = 0,
-                 ) -> None:
+                 time_interval: float = 1.0) -> None:
         hidden = getattr(getattr(model, "config", None), "hidden_size", "hidden_size")
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[0] < 1:
             raise MultimodalError(f"ExLlamaV2MMEmbedding: embeddings must be a [num_tokens >= 1, {hidden}] tensor, "
@@ -90,8 +91,12 @@ class ExLlamaV2MMEmbedding:
         self.pre_tokens = pre_tokens
         self.post_tokens = post_tokens
         self.metadata: dict[str, Any] = {}
+        if not isinstance(time_interval, (int, float)) or not 0 < time_interval < 1e6:
+            raise MultimodalError(f"ExLlamaV2MMEmbedding: time_interval must be a positive number, got "
+                                  f"{time_interval!r}")
+        self.time_interval = float(time_interval)
         self.length = embeddings.shape[0]
-        self.digest = content_digest(embeddings, thw_grid, pre_tokens, post_tokens)
+        self.digest = content_digest(embeddings, thw_grid, pre_tokens, post_tokens, self.time_interval)
         self.first_index = global_allocator.allocate(self.length, self.digest)
         self.text_alias = text_alias or f"<$EMB_{self.first_index}$>"
 

@@ -84,7 +84,8 @@ def mrope_positions(ids: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding]) -
         pos += s - at
         assert e.thw_grid is not None
         t, h, w = e.thw_grid
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        tpos = (torch.arange(t) * e.time_interval).long()  # transformers: time steps scaled, then truncated
+        grid = torch.stack(torch.meshgrid(tpos, torch.arange(h), torch.arange(w), indexing="ij"))
         out[:, s:end] = grid.reshape(3, -1) + pos
         pos += max(h, w)
         at = end

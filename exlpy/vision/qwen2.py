@@ -46,6 +46,7 @@ class QwenVisionSpec:
     rope_theta: float
     window_size: int  # Qwen2.5-VL (pixels); 0 for Qwen2-VL
     fullatt_blocks: tuple[int, ...]
+    tokens_per_second: float  # Qwen2.5-VL video: M-RoPE time steps per second of video
     min_pixels: int
     max_pixels: int
     image_mean: tuple[float, ...]
@@ -106,6 +107,7 @@ def parse_spec(kind: str, cfg: dict[str, Any], pre: dict[str, Any], out_default:
         patch_size=_int(v, "patch_size", 14, where), temporal_patch_size=_int(v, "temporal_patch_size", 2, where),
         merge_size=_int(v, "spatial_merge_size", 2, where), in_channels=_int(v, "in_channels", 3, where),
         rope_theta=theta, window_size=_int(v, "window_size", 112, where) if q25 else 0, fullatt_blocks=full,
+        tokens_per_second=float(v.get("tokens_per_second", 4)) if q25 else 1.0,
         min_pixels=min_px, max_pixels=max_px,
         image_mean=tuple(pre.get("image_mean", CLIP_MEAN)), image_std=tuple(pre.get("image_std", CLIP_STD)),
         rescale=float(pre.get("rescale_factor", 1 / 255)),

@@ -136,11 +136,15 @@ class ExLlamaV2VisionTower:
 
     @refuse_unknown_arguments
     def get_video_embeddings(self, model: Any, tokenizer: Any, video: list[Any], text_alias: str | None = None,
-                             embeddings_cpu: bool = True) -> ExLlamaV2MMEmbedding:
-        """The embedding of a video (a list of frames: PIL images, paths or bytes, all of one size) for Qwen2-VL:
-        frames in pairs (temporal patches), M-RoPE's temporal position one step per pair."""
-        if self.kind != "qwen2_vl":
-            raise NotSupportedError(f"video input is supported for Qwen2-VL only, not {self.config.spec.architecture}")
+                             embeddings_cpu: bool = True, fps: float = 2.0) -> ExLlamaV2MMEmbedding:
+        """The embedding of a video (a list of frames: PIL images, paths or bytes, all of one size) for Qwen2-VL
+        and Qwen2.5-VL: frames in groups of temporal_patch_size; M-RoPE's time advances one step per group
+        (Qwen2-VL), or tokens_per_second x the group's duration at `fps` frames per second (Qwen2.5-VL)."""
+        if self.kind not in ("qwen2_vl", "qwen2_5_vl"):
+            raise NotSupportedError(f"video input is supported for Qwen2-VL / Qwen2.5-VL, not "
+                                    f"{self.config.spec.architecture}")
+        if not isinstance(fps, (int, float)) or not 0 < fps < 1e4:
+            raise MultimodalError(f"get_video_embeddings: fps must be a positive number, got {fps!r}")
         if model.config.spec is None or model.config.hidden_size != self.config.hidden_size:
             raise MultimodalError("get_video_embeddings: the model is not the language model of this vision tower")
         if not isinstance(video, (list, tuple)):
@@ -151,8 +155,11 @@ class ExLlamaV2VisionTower:
         rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
         m = self.vspec.merge_size
         thw = (grid[0], grid[1] // m, grid[2] // m)
+        interval = 1.0
+        if self.kind == "qwen2_5_vl":  # transformers: tokens_per_second x seconds per temporal patch
+            interval = self.vspec.tokens_per_second * self.vspec.temporal_patch_size / fps
         emb = ExLlamaV2MMEmbedding(model, rows.cpu() if embeddings_cpu else rows, text_alias, thw_grid=thw,
-                                   pre_tokens=pre, post_tokens=post)
+                                   pre_tokens=pre, post_tokens=post, time_interval=interval)
         emb.metadata.update({"original_size": (frames[0].height, frames[0].width), "frames": len(frames),
                              "patches_size": (thw[1], thw[2])})
         return emb
