@@ -42,7 +42,23 @@ def _logits_mode(preprocess_only: bool, last_id_only: bool) -> str:
 def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: torch.Tensor | None = None,
             preprocess_only: bool = False, last_id_only: bool = False, loras: Any = None,
             return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
-            abort_event: Any = None, cpu_logits: bool = False) -> Any:
+            abort_event: Any = None, cpu_logits: bool = False, indexed_embeddings: Any = None) -> Any:
+    from exlpy.vision.embedding import check_embeddings
+
+    mm = check_embeddings(indexed_embeddings, model, "indexed_embeddings")
+    if mm:
+        if position_offsets is not None:
+            from exlpy.errors import NotSupportedError
+
+            raise NotSupportedError("model.forward(): position_offsets cannot be combined with indexed_embeddings")
+        if loras:
+            from exlpy.lora.slots import adapter_rows
+
+            with adapter_rows(model, loras) as (slot, generation):
+                return _forward(model, input_ids, cache, input_mask, preprocess_only, last_id_only,
+                                return_last_state, None, cpu_logits, slot, generation, mm)
+        return _forward(model, input_ids, cache, input_mask, preprocess_only, last_id_only, return_last_state,
+                        None, cpu_logits, mm=mm)
     if loras:  # every row uses the same adapters: one slot, held for the call (exlpy/lora/slots.py)
         from exlpy.lora.slots import adapter_rows
 
@@ -55,9 +71,10 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
 
 def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.Tensor | None,
              preprocess_only: bool, last_id_only: bool, return_last_state: bool,
-             position_offsets: torch.Tensor | None, cpu_logits: bool, adapter: int = -1, lora: int = 0) -> Any:
+             position_offsets: torch.Tensor | None, cpu_logits: bool, adapter: int = -1, lora: int = 0,
+             mm: list[Any] | None = None) -> Any:
     strategy = model.strategy_for_forward()
-    input_ids = check_forward(model, input_ids, cache)
+    input_ids = check_forward(model, input_ids, cache, mm)
     B, T = input_ids.shape
     adapters = [adapter] * B if lora else None
     cfg = model.config
@@ -72,7 +89,7 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
                                      f"cached + {T} new tokens > cache max_seq_len {cache.max_seq_len}")
         runner = graph_runner(model, strategy)
         if (runner is not None and T <= MAX_Q_LEN and input_mask is None and position_offsets is None
-                and mode != LOGITS_NONE and not return_last_state):
+                and mode != LOGITS_NONE and not return_last_state and not mm):
             # A captured step: ids go straight into its static input, metadata as host integers.
             logits = runner.run_rows(input_ids, cache, [past] * B, None, cache.max_seq_len, mode, adapters, lora)
             if logits is not None:
@@ -81,6 +98,13 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     ids = upload_ids(input_ids, dev)
     key_mask = _key_mask(input_mask, dev)
     offsets = position_offsets.to(dev).view(-1, 1) if position_offsets is not None else None
+    rows_mm = None
+    if mm:
+        from exlpy.vision.mm import RowsMM
+
+        # model.forward sees only this call's ids: M-RoPE positions count from the cache's length, as if
+        # everything before were text (the generators keep the whole sequence and its position shift).
+        rows_mm = RowsMM(model.config, input_ids, mm, cache.current_seq_len if cache is not None else 0)
 
     def prepare(batch: ForwardBatch, chunk_mode: str) -> ForwardBatch:
         batch.logits = chunk_mode
@@ -88,6 +112,9 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
         batch.keep_last_state = return_last_state
         if offsets is not None:
             batch.rope_positions = (batch.positions + offsets).clamp(min=0)
+        if rows_mm is not None:
+            start = int(batch.host[0][0]) - rows_mm.past if batch.host is not None else 0
+            rows_mm.attach(batch, start, start + batch.q_len, dev)
         return batch
 
     def finish(batch: ForwardBatch, out: torch.Tensor | None) -> Any:
@@ -122,6 +149,8 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
             cur = past + pos
             att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
             n = max(1, min(T - pos, cfg.max_input_len, cfg.max_input_len if tiled else att))
+            if rows_mm is not None:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+                n = rows_mm.chunk_end(pos, pos + n) - pos
             last = pos + n >= T
             batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
                                 page_size=cache.max_seq_len, key_mask=key_mask, adapters=adapters)
