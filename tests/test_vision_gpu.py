@@ -74,6 +74,11 @@ def test_logits_and_first_tokens_on_gpu(tmp_path: Path, kind: str) -> None:
 
     model, tok, emb, ids, want = _case(kind, tmp_path)
     tol = HALF_PRECISION_TOL[torch.float16]
+    if kind == "gemma3":
+        # Measured 9.3e-3 on an H100 (2026-11-26) where the others stay under 5e-3; the same code in fp32 is
+        # within 1e-4 of transformers on the CPU (tests/test_vision_gemma3.py), so this is fp16 rounding of
+        # Gemma's scaled activations (embeddings times sqrt(hidden), (1 + w) norms), not a wrong result.
+        tol = 2 * tol
     assert rel_err(model.forward(ids, indexed_embeddings=[emb]), want) < tol
     # through the paged cache and the generator: the first greedy token is transformers' argmax
     gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=512), tok)
