@@ -31,11 +31,20 @@ PTRS = {"x_ptr": "*fp32", "qw_ptr": "*i32", "sc_ptr": "*i32", "aux_ptr": "*fp32"
         "task_ptr": "*i64"}
 
 
-def compile_variant(bits: int, rows: int, mode: int = 1, gptq: bool = False) -> dict:
+def compile_variant(bits: int | tuple[int, ...], rows: int, mode: int = 1, gptq: bool = False) -> dict:
+    """One compiled variant: `bits` one width, or a tuple of widths sharing one launch (a mixed matrix)."""
     fn = exl2_gemv._gemv
-    nb = exl2_gemv._rows_nb(max(1, min(CONFIG["WORDS"] // bits, 16)), bits, rows)
-    consts = dict(BITS=bits, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, MODE=mode, ALIGNED=True,
-                  BLOCK_N=CONFIG["BLOCK_N"], NB=nb, NF=len(FIELDS), MR=rows, PDL=True)
+
+    def nb_of(b: int) -> int:
+        return exl2_gemv._rows_nb(max(1, min(CONFIG["WORDS"] // b, 16)), b, rows)
+
+    widths = nbs = 0
+    if isinstance(bits, tuple):
+        widths = sum(1 << b for b in bits)
+        nbs = sum(nb_of(b) << (5 * exl2_gemv._WIDTH_INDEX[b]) for b in bits)
+    consts = dict(BITS=0 if widths else bits, GPTQ=gptq, HAS_BIAS=False, HAS_RES=True, MODE=mode, ALIGNED=True,
+                  BLOCK_N=CONFIG["BLOCK_N"], NB=1 if widths else nb_of(bits), NF=len(FIELDS), MR=rows, PDL=True,
+                  WIDTHS=widths, NBS=nbs)
     ptrs = {**PTRS, "sc_ptr": "*fp16", "aux_ptr": "*fp16"} if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, "xs", "ys", "wss")}
@@ -53,15 +62,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", default="4")
     ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--mixed", default="", help="also one mixed launch of these widths, e.g. 3,4,5,6")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = {f"{b}-bit MR{r}": compile_variant(b, r) for b in map(int, args.bits.split(","))
            for r in map(int, args.rows.split(","))}
+    if args.mixed:
+        mix = tuple(map(int, args.mixed.split(",")))
+        out.update({f"{args.mixed} MR{r}": compile_variant(mix, r) for r in map(int, args.rows.split(","))})
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         for name, v in out.items():
-            print(f"{name:12s} regs {v['regs']:4d} (cap {v['maxnreg']}) spill {v['spill_bytes']:5d} B "
+            print(f"{name:14s} regs {v['regs']:4d} (cap {v['maxnreg']}) spill {v['spill_bytes']:5d} B "
                   f"shared {v['shared']:6d}  SASS {v['sass_total']:6d}  {v['sass']}")
     return 0
 

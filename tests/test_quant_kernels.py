@@ -101,15 +101,21 @@ def _same_perm_parts(gen: torch.Generator, k: int, shapes: list[tuple[int, list[
 
 
 @pytest.mark.interpreter
-def test_gemv_group_interpreter() -> None:
-    """q|k|v-like group with different layouts per matrix (widths 3-6, partial last groups): one launch per
-    width, every part's outputs side by side, bias, twice in a row."""
+@pytest.mark.parametrize("one_launch", [1, 0])
+def test_gemv_group_interpreter(one_launch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q|k|v-like group with different layouts per matrix (widths 3-6, partial last groups): every width in one
+    launch (task rows name their width) or one launch per width, every part's outputs side by side, bias, for
+    one and four rows."""
+    monkeypatch.setitem(exl2_gemv.CONFIG, "ONE_LAUNCH", one_launch)
     gen = torch.Generator().manual_seed(21)
     parts = _same_perm_parts(gen, 160, [(70, [(4, 64), (4, 64), (4, 32)]), (40, [(6, 32), (4, 96), (3, 32)]),
                                         (33, [(5, 64), (5, 96)])])
     bias = torch.randn(143, generator=gen).half()
     group = exl2_gemv.GemvGroup(parts, bias)
-    assert sorted(ln.bits for ln in group.plan.launches) == [3, 4, 5, 6]
+    if one_launch:
+        assert [(ln.bits, ln.widths) for ln in group.plan.launches] == [(0, (1 << 3) | (1 << 4) | (1 << 5) | (1 << 6))]
+    else:
+        assert sorted(ln.bits for ln in group.plan.launches) == [3, 4, 5, 6]
     for rows in (1, 4):
         x = torch.randn(rows, 160, generator=gen).half()
         y = group.run(act_order(x, parts[0].perm, exl2_gemv.ROW_PAD), torch.float16)

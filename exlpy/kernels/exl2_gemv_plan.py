@@ -23,22 +23,26 @@ ROW_PAD = 16 * 32  # act-order x is zero-padded this far past K: a step covers a
 # already at the segment's first word row); s_*: row strides; ga/gb: the groups; cnt: the column block's arrival
 # counter and `arrivals` how many programs add into it.
 FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "o_sc", "s_sc", "o_aux", "s_aux", "o_gr", "ga", "gb", "row0", "o_y",
-          "cnt", "arrivals")
+          "cnt", "arrivals", "bits")
 
 # Launch parameters; benchmarks/quant_matmul.py sweeps them. BLOCK_N shrinks (down to MIN_BLOCK_N) until the
 # grid has WAVES programs per SM; num_warps = BLOCK_N / (32 * COLS) gives each thread COLS columns (4: one
 # 16-byte load per word row). WORDS: packed words in flight per thread and step. MAXNREG: register cap per
 # thread (0: compiler's choice), trading hoisted loads for occupancy. Defaults: best of the H100 sweep in
 # benchmarks/results/quant_matmul.md (MIN_BLOCK_N: benchmarks/results/decode.md, session 3 sweep).
-CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 256, "WAVES": 4, "WORDS": 16, "COLS": 4, "MAXNREG": 96}
+# ONE_LAUNCH: every bit width of a plan in one launch (task rows name their width) rather than one per width.
+CONFIG: dict[str, int] = {"BLOCK_N": 512, "MIN_BLOCK_N": 256, "WAVES": 4, "WORDS": 16, "COLS": 4, "MAXNREG": 96,
+                          "ONE_LAUNCH": 1}
 
 
 @dataclass(frozen=True)
 class Launch:
-    bits: int
+    bits: int  # 0: several widths (`widths`), each task row names its own
     nb: int  # 32-row blocks per step
     programs: int
     tasks: torch.Tensor  # int64 [programs, len(FIELDS)]
+    widths: int = 0  # mask of the widths of a mixed launch
+    nbs: int = 0  # their blocks per step, 5 bits each at 5 * (index of the width in 2, 3, 4, 5, 6, 8)
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: 
                 for ga in range(s.g_lo, s.g_hi, gpp):
                     rows.setdefault(s.bits, []).append(
                         [cb, p.n, p.ld_n, p.s_qw, o_qw, p.o_sc, p.s_sc, p.o_aux, p.s_aux, p.o_gr, ga,
-                         min(ga + gpp, s.g_hi), s.row0, o_y, cnt0 + cb, 0])
+                         min(ga + gpp, s.g_hi), s.row0, o_y, cnt0 + cb, 0, s.bits])
         o_y += p.n
         cnt0 += pn
     arrivals = [0] * cnt0
@@ -164,8 +168,21 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: 
     for r in (r for rs in rows.values() for r in rs):
         r[FIELDS.index("arrivals")] = arrivals[r[FIELDS.index("cnt")]]
     launches = []
-    for bits, rs in sorted(rows.items()):
-        nb = _nb(bits, must_divide[bits], biggest[bits], c["WORDS"])
-        launches.append(Launch(bits, nb, len(rs), torch.tensor(rs, dtype=torch.int64, device=device)))
+    nbs = {bits: _nb(bits, must_divide[bits], biggest[bits], c["WORDS"]) for bits in rows}
+    if c.get("ONE_LAUNCH", 1) and len(rows) > 1:
+        index = {2: 0, 3: 1, 4: 2, 5: 3, 6: 4, 8: 5}
+        ga, gb, gr = FIELDS.index("ga"), FIELDS.index("gb"), FIELDS.index("o_gr")
+        lay_of = {p.o_gr: p.layout for p in parts}
+
+        def cost(r: list[int]) -> int:  # packed words the task reads per column: largest first, short ones last
+            g = lay_of[r[gr]].group_rows
+            return (g[r[gb]] - g[r[ga]]) * r[FIELDS.index("bits")]
+
+        rs = sorted((r for bits in sorted(rows) for r in rows[bits]), key=cost, reverse=True)
+        launches.append(Launch(0, 1, len(rs), torch.tensor(rs, dtype=torch.int64, device=device),
+                               sum(1 << b for b in rows), sum(nb << (5 * index[b]) for b, nb in nbs.items())))
+    else:
+        for bits, rs in sorted(rows.items()):
+            launches.append(Launch(bits, nbs[bits], len(rs), torch.tensor(rs, dtype=torch.int64, device=device)))
     aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
     return GemvPlan(bn, max(1, bn // (32 * c["COLS"])), 0 if max(arrivals) == 1 else 1, aligned, tuple(launches))
