@@ -1,0 +1,337 @@
+"""The sampler of a decode step as fixed-shape device work, captured in a CUDA graph per row bucket.
+
+Rows whose settings fit (see `graph_capable`) are sampled here by the generators: repetition / frequency /
+presence penalties over the whole context, blocked tokens, token bias, grammar bitmasks, the vocabulary limit,
+temperature, top-k, top-p, top-a, min-p, skew and the draw; other rows keep the host chain
+(exlpy/generator/sampler.py, which stays the reference). Nothing here reads the device from the host, and no
+shape depends on the data, so on CUDA the whole chain is one graph replay per step:
+
+- Per-row parameters live in static device tensors of the row bucket (`_Bucket`), written by the host before
+  each replay with one pinned, non-blocking copy per kind: changing settings never recaptures anything.
+- Penalties read a token-count table `counts[slot, V]` (one slot per job, `bind_counts` fills it once from the
+  context); the graph adds each sampled token to its row's slot, so the counts follow the sequence without the
+  host. Token bias rows live in a table of the same shape, written when a job first uses its slot.
+- The random point of a row is either drawn by the host (a seeded job's torch.Generator: the same numbers the
+  host sampler draws, so seeded jobs stay reproducible across both paths) or by the kernel from Philox of the
+  row's (seed, counter); the graph advances the counter, so a replay draws fresh numbers.
+- top-k / top-p / top-a / min-p and the draw are `ops.sample_top` (exlpy/kernels/sample_top.py): the K_MAX most
+  likely tokens per row without sorting the vocabulary. Rows need top-k <= K_MAX (exllamav2's default is 50)
+  or a vocabulary of at most K_MAX tokens; others take the host chain.
+
+Variants of the graph by the features the step's rows use (penalties, bias, masks, blocked tokens) are captured
+apart, so a plain step does not pay for penalties it does not apply.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from exlpy.engine.graphs import BUCKETS, bucket_for
+from exlpy.generator.sampling.chain import GREEDY_BELOW
+from exlpy.generator.sampling.settings import SamplerSettings
+from exlpy.kernels import ops
+from exlpy.kernels.sample_top import NPARAM
+
+K_MAX = 128  # candidates per row kept by the fused kernel: top-k up to this runs in the graph
+BLOCKED_LOGIT = -1e30  # as the host sampler's blocked tokens (a fully blocked row stays finite)
+
+
+def graph_capable(s: SamplerSettings, vocab: int) -> bool:
+    """Whether rows with these settings can be sampled by `GraphSampler` with the host chain's distribution."""
+    greedy = s.temperature < GREEDY_BELOW
+    k = 1 if greedy else s.top_k
+    return (s.cfg_scale is None and not s.mirostat and not s.post_sampling_hooks and s.dry_multiplier == 0.0
+            and s.smoothing_factor == 0.0 and not (0.0 < s.tfs < 1.0) and not (0.0 < s.typical < 1.0)
+            and not s.max_temp > s.min_temp and not (s.temperature_last and s.temperature != 1.0 and not greedy)
+            and s.xtc_probability == 0.0
+            and (s.token_repetition_range < 0 and s.token_repetition_decay <= 0
+                 or not has_penalties(s))
+            and (0 < k <= K_MAX or vocab <= K_MAX))
+
+
+def has_penalties(s: SamplerSettings) -> bool:
+    return (s.token_repetition_penalty != 1.0 or s.token_frequency_penalty != 0.0
+            or s.token_presence_penalty != 0.0)
+
+
+def row_params(s: SamplerSettings, vocab: int, point: float | None) -> list[float]:
+    """The row's `ops.sample_top` parameters (kernels/sample_top.py: params columns)."""
+    greedy = s.temperature < GREEDY_BELOW
+    k = 1 if greedy else s.top_k
+    if not 0 < k < vocab:
+        k = vocab
+    temp = 1.0 if greedy or s.temperature_last else float(s.temperature)
+    return [temp, float(k), float(s.top_p), float(s.top_a), float(s.min_p),
+            1.0 if s.skew == 0.0 else math.exp(-float(s.skew)), -1.0 if point is None else float(point)]
+
+
+@dataclass
+class GraphRow:
+    """One row of a step: its settings, sampler slot (penalty counts, bias), random source and masks."""
+
+    settings: SamplerSettings
+    slot: int = -1  # -1: no slot (no penalties, no bias)
+    seed: int = 0
+    counter: int = 0  # Philox counter: the row's token index
+    point: float | None = None  # host-drawn random point (None: Philox of (seed, counter))
+    blocked: list[int] | None = None
+    mask: torch.Tensor | None = None  # grammar bitmask [1, W] int32 on the host
+
+
+@dataclass
+class _Bucket:
+    rows: int
+    x: torch.Tensor  # [R, V] float32 logits in
+    params: torch.Tensor  # [R, NPARAM] float32
+    pen: torch.Tensor  # [R, 3] float32: repetition, frequency, presence
+    rng: torch.Tensor  # [R, 2] int64: seed, counter
+    slots: torch.Tensor  # [R] int64 (padding / no slot: the spare slot)
+    mask: torch.Tensor  # [R, W] int32 grammar bitmask (all ones: no mask)
+    block: torch.Tensor  # [R, W] int32 blocked-token bits
+    tokens: torch.Tensor  # [R] int64 out
+    probs: torch.Tensor  # [R] float32 out
+    ok: torch.Tensor  # [R] bool out
+    graphs: dict[tuple[bool, ...], Any]
+
+
+class GraphSampler:
+    """Samples rows of a decode step's logits [B, V] on their device (see the module docstring)."""
+
+    def __init__(self, vocab: int, device: torch.device, slots: int, limit: int | None = None,
+                 capture: bool | None = None) -> None:
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self.slots = slots  # slot `slots` is the spare one that padding rows and slot-less rows use
+        self.limit = limit if limit is not None and limit < vocab else None  # tokenizer's vocabulary size
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.words = (vocab + 31) // 32
+        self.counts: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.bias_of: dict[int, int] = {}  # slot -> id of the bias tensor written there
+        self.buckets: dict[int, _Bucket] = {}
+        self._pool: Any = None
+        self._word = torch.arange(vocab, device=self.device) // 32
+        self._bit = (torch.arange(vocab, device=self.device) % 32).to(torch.int32)
+        self.steps = 0
+
+    # --- per-job state -------------------------------------------------------------------------------------
+    def _table(self, name: str) -> torch.Tensor:
+        t = getattr(self, name)
+        if t is None:
+            t = torch.zeros(self.slots + 1, self.vocab, dtype=torch.float32, device=self.device)
+            setattr(self, name, t)
+            for b in self.buckets.values():
+                b.graphs.clear()  # captured graphs do not read a table allocated after them
+        return t
+
+    def bind_counts(self, slot: int, ids: torch.Tensor) -> None:
+        """Counts of `slot` := occurrences of each token in `ids` (the whole context; ids outside V ignored)."""
+        counts = self._table("counts")
+        ids = ids.reshape(-1).long()
+        ids = ids[(ids >= 0) & (ids < self.vocab)].to(self.device, non_blocking=True)
+        row = torch.zeros(self.vocab, dtype=torch.float32, device=self.device)
+        row.index_add_(0, ids, torch.ones(ids.shape, dtype=torch.float32, device=self.device))
+        counts[slot].copy_(row)
+
+    def bind_bias(self, slot: int, bias: torch.Tensor | None) -> None:
+        """Bias row of `slot` := bias[:V] (zeros past a shorter bias), rewritten only when the tensor changes."""
+        if bias is None:
+            if self.bias is not None and self.bias_of.get(slot, 0) != 0:
+                self.bias[slot].zero_()
+                self.bias_of[slot] = 0
+            return
+        if self.bias_of.get(slot) == id(bias):
+            return
+        table = self._table("bias")
+        row = torch.zeros(self.vocab, dtype=torch.float32)
+        n = min(bias.numel(), self.vocab)
+        row[:n] = bias.reshape(-1)[:n].float().cpu()
+        table[slot].copy_(row.to(self.device, non_blocking=True))
+        self.bias_of[slot] = id(bias)
+        weakref.finalize(bias, self.bias_of.pop, slot, None)
+
+    # --- a step --------------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[GraphRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample row i of `logits` [B, V] with rows[i]. Returns (tokens [B] int64, probabilities [B] float32,
+        usable [B] bool) on the device, views of static buffers valid until the next call: copy what you keep."""
+        n = len(rows)
+        size = bucket_for(n)
+        if size is None:
+            size = max(n, BUCKETS[-1])
+        b = self.buckets.get(size)
+        if b is None:
+            b = self.buckets[size] = self._bucket(size)
+        feats = self._write(b, rows)
+        b.x[:n].copy_(logits.float())
+        if not self.capture:
+            self._step(b, feats)
+        else:
+            g = b.graphs.get(feats)
+            if g is None:
+                g = b.graphs[feats] = self._capture(b, feats)  # its warm-up ran this step already
+            else:
+                g.replay()
+        self.steps += 1
+        return b.tokens[:n], b.probs[:n], b.ok[:n]
+
+    def _bucket(self, rows: int) -> _Bucket:
+        d = self.device
+        return _Bucket(rows, torch.zeros(rows, self.vocab, device=d), torch.ones(rows, NPARAM, device=d),
+                       torch.ones(rows, 3, device=d), torch.zeros(rows, 2, dtype=torch.int64, device=d),
+                       torch.full((rows,), self.slots, dtype=torch.int64, device=d),
+                       torch.full((rows, self.words), -1, dtype=torch.int32, device=d),
+                       torch.zeros(rows, self.words, dtype=torch.int32, device=d),
+                       torch.zeros(rows, dtype=torch.int64, device=d), torch.zeros(rows, device=d),
+                       torch.zeros(rows, dtype=torch.bool, device=d), {})
+
+    def _write(self, b: _Bucket, rows: list[GraphRow]) -> tuple[bool, ...]:
+        """Fill the bucket's parameter buffers for `rows` (padding rows: greedy, spare slot, no masks)."""
+        pad = b.rows - len(rows)
+        floats: list[float] = []
+        pens: list[float] = []
+        ints: list[int] = []
+        slots: list[int] = []
+        pen = bias = False
+        for r in rows:
+            s = r.settings
+            floats += row_params(s, self.vocab, r.point)
+            p = has_penalties(s) and r.slot >= 0
+            pen |= p
+            pens += [float(s.token_repetition_penalty), float(s.token_frequency_penalty),
+                     float(s.token_presence_penalty)] if p else [1.0, 0.0, 0.0]
+            bias |= s.token_bias is not None and r.slot >= 0
+            ints += [r.seed & 0x7FFFFFFFFFFFFFFF, r.counter]
+            slots.append(r.slot if r.slot >= 0 else self.slots)
+        floats += [1.0, 1.0, 2.0, 0.0, 0.0, 1.0, 0.0] * pad
+        pens += [1.0, 0.0, 0.0] * pad
+        ints += [0, 0] * pad
+        slots += [self.slots] * pad
+        _upload(torch.tensor(floats, dtype=torch.float32), b.params.view(-1))
+        _upload(torch.tensor(ints + slots, dtype=torch.int64), None, (b.rng.view(-1), b.slots))
+        if pen:
+            _upload(torch.tensor(pens, dtype=torch.float32), b.pen.view(-1))
+        masked = any(r.mask is not None for r in rows)
+        blocked = any(r.blocked for r in rows)
+        if masked:
+            m = torch.full((b.rows, self.words), -1, dtype=torch.int32)
+            for i, r in enumerate(rows):
+                if r.mask is not None:
+                    src = r.mask.reshape(-1).to(torch.int32)
+                    w = min(src.numel(), self.words)
+                    m[i, :w] = src[:w]
+                    m[i, w:] = 0  # tokens past the mask's width are excluded (as ops.apply_token_bitmask)
+            _upload(m, b.mask)
+        if blocked:
+            bl = torch.zeros(b.rows, self.words, dtype=torch.int64)
+            for i, r in enumerate(rows):
+                for t in r.blocked or ():
+                    if 0 <= t < self.vocab:
+                        bl[i, t // 32] |= 1 << (t % 32)
+            _upload(torch.where(bl >= 2**31, bl - 2**32, bl).to(torch.int32), b.block)
+        return (pen, bias, masked, blocked)
+
+    def _step(self, b: _Bucket, feats: tuple[bool, ...]) -> None:
+        """The captured work: logit stage, fused truncation + draw, count and counter updates."""
+        pen, bias, masked, blocked = feats
+        x = b.x
+        ok_in = torch.isfinite(x.amax(-1))
+        x = torch.where(ok_in[:, None], x, torch.zeros_like(x))
+        if pen:
+            assert self.counts is not None
+            c = self.counts.index_select(0, b.slots)
+            seen = (c > 0).float()
+            r = 1.0 + (b.pen[:, 0:1] - 1.0) * seen
+            x = torch.where(x > 0, x / r, x * r) - b.pen[:, 2:3] * seen - b.pen[:, 1:2] * c
+        if blocked:
+            hit = ((b.block.index_select(1, self._word) >> self._bit) & 1).bool()
+            x = x.masked_fill(hit, BLOCKED_LOGIT)
+        if bias:
+            assert self.bias is not None
+            x = x + self.bias.index_select(0, b.slots)
+        if masked:
+            x = ops.apply_token_bitmask(x, b.mask)
+        if self.limit is not None:
+            x = x.clone()
+            x[:, self.limit:] = float("-inf")
+        ok_logits = torch.isfinite(x.amax(-1))
+        x = torch.where(ok_logits[:, None], x, torch.zeros_like(x))
+        tokens, probs = ops.sample_top(x, b.params, b.rng, K_MAX)
+        b.tokens.copy_(tokens)
+        b.probs.copy_(probs)
+        b.ok.copy_(ok_in & ok_logits & (probs > 0))
+        if pen:
+            assert self.counts is not None
+            flat = b.slots * self.vocab + tokens
+            self.counts.view(-1).scatter_add_(0, flat, torch.ones(flat.shape, device=flat.device))
+        b.rng[:, 1] += 1
+
+    def _capture(self, b: _Bucket, feats: tuple[bool, ...]) -> Any:
+        """Warm up (compiles the kernels) on a side stream, then capture. The parameters written for this step
+        are read by the warm-up run, which is this step; the captured graph is replayed from the next one."""
+        snapshot = (b.rng.clone(), None if self.counts is None else self.counts.clone())
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                b.rng.copy_(snapshot[0])
+                if snapshot[1] is not None:
+                    self.counts.copy_(snapshot[1])  # type: ignore[union-attr]
+                self._step(b, feats)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        saved = (b.rng.clone(), b.tokens.clone(), b.probs.clone(), b.ok.clone(),
+                 None if self.counts is None else self.counts.clone())
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._step(b, feats)
+        # capture does not run the work: the state after the warm-up step is the state after this step
+        b.rng.copy_(saved[0])
+        b.tokens.copy_(saved[1])
+        b.probs.copy_(saved[2])
+        b.ok.copy_(saved[3])
+        if saved[4] is not None:
+            self.counts.copy_(saved[4])  # type: ignore[union-attr]
+        return g
+
+
+def _upload(src: torch.Tensor, dst: torch.Tensor | None,
+            split: tuple[torch.Tensor, ...] | None = None) -> None:
+    """Host tensor -> device buffer(s) through pinned memory, without waiting for the device. With `split`,
+    `src` is the concatenation of the flattened buffers in order."""
+    targets = split if split is not None else (dst,)
+    on_cuda = targets[0] is not None and targets[0].device.type == "cuda"  # type: ignore[union-attr]
+    if on_cuda:
+        src = src.pin_memory()
+    flat = src.reshape(-1)
+    k = 0
+    for t in targets:
+        assert t is not None
+        n = t.numel()
+        t.view(-1).copy_(flat[k:k + n], non_blocking=on_cuda)
+        k += n
+
+
+def wanted(model: Any, device: torch.device, flag: bool | None) -> bool:
+    """Whether a generator samples through `GraphSampler`: `flag` when set (tests compare both paths), else
+    where decode steps run as CUDA graphs (a CUDA device, graphs not turned off, the Triton kernels present)."""
+    if flag is not None:
+        return flag
+    return (device.type == "cuda" and not getattr(model.config, "no_graphs", False)
+            and ops.has_cuda_kernels())
+
+
+def for_logits(logits: torch.Tensor, slots: int, tokenizer: Any) -> GraphSampler:
+    """A sampler for logits like these [B, V] (their vocabulary and device; the tokenizer's size as the host
+    chain's vocab-limit step)."""
+    from exlpy.generator.sampling.tokenizer_info import vocab_size
+
+    vocab, device = logits.shape[-1], logits.device
+    limit = vocab_size(tokenizer) if tokenizer is not None else None
+    return GraphSampler(vocab, device, slots, limit)

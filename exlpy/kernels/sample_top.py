@@ -1,0 +1,171 @@
+"""Top-k / top-p / top-a / min-p sampling of many rows in two launches, without sorting the vocabulary.
+
+The captured decode step samples here (exlpy/generator/sampling/graphed.py). A full sort of a 128k vocabulary
+per row costs more than the rest of the sampler; the truncation samplers only ever look at the head of the
+sorted distribution, so:
+
+1. `_chunk_kernel`, grid (rows, chunks): each program reads one chunk of a row's logits (divided by the row's
+   temperature), and writes the chunk's max, its sum of exp(x - max) (the softmax normaliser, combined in 2)
+   and its `KC` largest entries as sortable int64 keys (float bits made order-preserving in the high word, the
+   complemented token id in the low word: ties go to the lower id, as torch's argmax does).
+2. `_select_kernel`, grid (rows,): merges the chunks' keys into the row's `K` most likely tokens (descending),
+   computes their exact probabilities from the combined normaliser and applies, in exllamav2's order, top-k
+   (renormalised), top-p, top-a and min-p, then draws at the row's point r by inverse CDF over the survivors.
+
+The result equals sorting the whole distribution whenever top-k is at most K (the caller only sends such
+rows, or a vocabulary of at most K tokens). The random point is either given by the host (`params` column
+R_HOST >= 0, e.g. drawn from a seeded job's torch.Generator) or drawn in the kernel from Philox-4x32-10 of
+(seed, counter): counter-based, so a replayed CUDA graph draws fresh numbers as the counter advances.
+`reference.sample_top` is the same computation in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# params [B, NPARAM] float32 columns
+TEMP, TOP_K, TOP_P, TOP_A, MIN_P, SKEW_EXP, R_HOST = range(7)
+NPARAM = 7
+PHILOX_A, PHILOX_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KA, PHILOX_KB = 0x9E3779B9, 0xBB67AE85
+TOP_P_DROP = 1e-6
+TOP_P_TOL = 1e-6
+
+
+def plan(vocab: int, k_max: int) -> tuple[int, int, int, int]:
+    """(chunk size, chunks (a power of 2), keys kept per chunk, candidates K) for a vocabulary."""
+    chunk = min(4096, triton.next_power_of_2(vocab))
+    chunks = triton.next_power_of_2(triton.cdiv(vocab, chunk))
+    kc = min(k_max, chunk)
+    return chunk, chunks, kc, min(k_max, chunks * kc)
+
+
+@triton.jit
+def _mul32(a, b: tl.constexpr):
+    p = a.to(tl.uint64) * tl.full([], b, tl.uint64)
+    return (p >> 32).to(tl.uint32), (p & 0xFFFFFFFF).to(tl.uint32)
+
+
+@triton.jit
+def _philox_uniform(seed, counter):
+    """Philox-4x32-10 of counter (c0, c1 = its low, high words; c2 = c3 = 0) under key seed; first word -> [0, 1)."""
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c0 * 0
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(10):
+        hi0, lo0 = _mul32(c0, PHILOX_A)
+        hi1, lo1 = _mul32(c2, PHILOX_B)
+        n0 = hi1 ^ c1 ^ k0
+        n2 = hi0 ^ c3 ^ k1
+        c0, c1, c2, c3 = n0, lo1, n2, lo0
+        k0 = ((k0.to(tl.uint64) + tl.full([], PHILOX_KA, tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((k1.to(tl.uint64) + tl.full([], PHILOX_KB, tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+    return (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _chunk_kernel(x_ptr, x_stride, params_ptr, keys_ptr, stats_ptr, vocab, chunks,
+                  CH: tl.constexpr, KC: tl.constexpr, NP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CH + tl.arange(0, CH)
+    inside = offs < vocab
+    t = tl.load(params_ptr + row * NP + 0)
+    x = tl.load(x_ptr + row * x_stride + offs, mask=inside, other=float("-inf")).to(tl.float32) / t
+    m = tl.max(x, axis=0)
+    live = inside & (x > float("-inf"))
+    s = tl.sum(tl.where(live, tl.exp(x - m), 0.0), axis=0)
+    bits = x.to(tl.int32, bitcast=True)
+    skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    low = (0xFFFFFFFF - offs.to(tl.int64))
+    key = (skey.to(tl.int64) << 32) | low
+    top = tl.topk(key, KC)
+    tl.store(keys_ptr + (row * chunks + c) * KC + tl.arange(0, KC), top)
+    tl.store(stats_ptr + (row * chunks + c) * 2 + 0, m)
+    tl.store(stats_ptr + (row * chunks + c) * 2 + 1, s)
+
+
+@triton.jit
+def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, vocab,
+                   NCH: tl.constexpr, KC: tl.constexpr, K: tl.constexpr, NP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.arange(0, NCH)
+    ms = tl.load(stats_ptr + (row * NCH + ch) * 2 + 0)
+    ss = tl.load(stats_ptr + (row * NCH + ch) * 2 + 1)
+    big_m = tl.max(ms, axis=0)
+    z = tl.sum(tl.where(ss > 0.0, ss * tl.exp(ms - big_m), 0.0), axis=0)
+    keys = tl.load(keys_ptr + row * NCH * KC + tl.arange(0, NCH * KC))
+    if K < NCH * KC:
+        keys = tl.topk(keys, K)
+    else:
+        keys = tl.sort(keys, descending=True)
+    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    skey = (keys >> 32).to(tl.int32)
+    x = tl.where(skey >= 0, skey, skey ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    j = tl.arange(0, K)
+    valid = (ids < vocab) & (x > float("-inf"))
+    p = tl.where(valid, tl.exp(x - big_m) / z, 0.0)
+
+    top_k = tl.load(params_ptr + row * NP + 1).to(tl.int32)
+    top_p = tl.load(params_ptr + row * NP + 2)
+    top_a = tl.load(params_ptr + row * NP + 3)
+    min_p = tl.load(params_ptr + row * NP + 4)
+    skew_exp = tl.load(params_ptr + row * NP + 5)
+    r_host = tl.load(params_ptr + row * NP + 6)
+    first = j == 0
+    # top-k, renormalised (only when it truncates: exllamav2 renormalises the top-k slice)
+    q = tl.where(j < top_k, p, 0.0)
+    q = tl.where(top_k < vocab, q / tl.sum(q, axis=0), q)
+    # top-p: keep while the running mass stays <= p (the crossing token is excluded), drop < 1e-6
+    cum = tl.cumsum(q, axis=0)
+    keep = ((cum <= top_p + 1e-6) & (q >= 1e-6)) | first
+    qp = tl.where(keep, q, 0.0)
+    q = tl.where((top_p > 0.0) & (top_p < 1.0), qp / tl.sum(qp, axis=0), q)
+    # top-a: p >= a * p_max^2
+    pmax = tl.max(q, axis=0)
+    qa = tl.where((q >= top_a * pmax * pmax) | first, q, 0.0)
+    q = tl.where(top_a > 0.0, qa / tl.sum(qa, axis=0), q)
+    # min-p: p >= m * p_max
+    pmax = tl.max(q, axis=0)
+    qm = tl.where((q >= min_p * pmax) | first, q, 0.0)
+    q = tl.where((min_p > 0.0) & (min_p < 1.0), qm / tl.sum(qm, axis=0), q)
+
+    seed = tl.load(rng_ptr + row * 2 + 0)
+    counter = tl.load(rng_ptr + row * 2 + 1)
+    r = tl.where(r_host >= 0.0, r_host, _philox_uniform(seed, counter))
+    r = tl.where(skew_exp == 1.0, r, tl.exp(skew_exp * tl.log(r)))
+    cum = tl.cumsum(q, axis=0)
+    total = tl.sum(q, axis=0)
+    idx = tl.sum((cum <= r * total).to(tl.int32), axis=0)
+    last = tl.max(tl.where(q > 0.0, j, 0), axis=0)
+    idx = tl.minimum(idx, last)
+    tok = tl.sum(tl.where(j == idx, ids, 0), axis=0)
+    pr = tl.sum(tl.where(j == idx, q, 0.0), axis=0) / total
+    tl.store(tok_ptr + row, tok)
+    tl.store(prob_ptr + row, pr)
+
+
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.sample_top`."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows, vocab = x.shape
+    ch, nch, kc, k = plan(vocab, k_max)
+    keys = torch.empty(rows, nch * kc, dtype=torch.int64, device=x.device)
+    stats = torch.empty(rows, nch, 2, dtype=torch.float32, device=x.device)
+    tok = torch.empty(rows, dtype=torch.int64, device=x.device)
+    prob = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return tok, prob
+    params = params.contiguous()
+    rng = rng.contiguous()
+    _chunk_kernel[(rows, nch)](x, x.stride(0), params, keys, stats, vocab, nch, CH=ch, KC=kc, NP=NPARAM,
+                               num_warps=8 if ch >= 2048 else 4)
+    _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, vocab, NCH=nch, KC=kc, K=k, NP=NPARAM,
+                            num_warps=4)
+    return tok, prob
