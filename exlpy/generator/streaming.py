@@ -34,6 +34,8 @@ from exlpy.generator.dynamic.stops import (
 )
 from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
 from exlpy.generator.filters.device import collect, device_maskable, mask_rows
+from exlpy.generator.sampling import graphed
+from exlpy.generator.sampling.graphed import GraphSampler
 from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.ngram import NgramIndex
 from exlpy.generator.speculative.streaming import StreamSpeculation, speculative_round
@@ -77,6 +79,10 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.negative = None
         self.pending: stream_steps.Pending | None = None  # a launched step whose token is not read yet
         self.rng: torch.Generator | None = None
+        # Sample through the captured sampler (exlpy/generator/sampling/graphed.py): None = where decode steps
+        # are CUDA graphs; True / False force it (tests compare both paths on the CPU).
+        self.graph_sampling: bool | None = None
+        self.graphed: GraphSampler | None = None
         self.default_loras: Any = None  # set_loras (exlpy/lora/): adapters of streams begun without loras=
         self.loras: tuple[Any, ...] = ()  # this stream's adapters
         self._cached_loras: tuple[Any, ...] = ()  # the adapters that computed the cached K/V
@@ -238,20 +244,30 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         blocked = sorted(self.stop_tokens) if self.new_tokens < self.min_new_tokens else None
         return stream_steps.RowSample(s, blocked)
 
+    def _graph_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
+        """The captured sampler for this stream's logits, or None where the stream samples with `sample_rows`
+        (`graph_sampling`: None = where decode steps are CUDA graphs; True / False force it)."""
+        if not graphed.wanted(self.model, logits.device, self.graph_sampling):
+            return None
+        g = self.graphed
+        if g is None or g.device != logits.device or g.vocab != logits.shape[-1]:
+            g = self.graphed = graphed.for_logits(logits, 1, self.tokenizer)
+        return g
+
     def _stream_device(self, plan: stream_steps.RowSample) -> dict[str, Any]:
         """One token through the overlapped path: launch the step after it, then read it."""
         seq = self.sequence_ids
         assert seq is not None
         if self.pending is None:
             self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer,
-                                               self.loras)
+                                               self.loras, self._graph_sampler)
         current = self.pending
         self.pending = None
         if seq.shape[1] + 1 < self.cache.max_seq_len:
             after = stream_steps.RowSample(plan.settings, sorted(self.stop_tokens)
                                            if self.new_tokens + 1 < self.min_new_tokens else None)
             self.pending = stream_steps.launch(self.model, self.cache, current.token.view(1, 1), after, self.rng,
-                                               self.tokenizer, self.loras)
+                                               self.tokenizer, self.loras, self._graph_sampler)
         token, prob = current.read()
         r = self._take(token, {"prob": prob}, False)
         if r["eos"]:

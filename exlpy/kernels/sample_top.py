@@ -30,13 +30,12 @@ TEMP, TOP_K, TOP_P, TOP_A, MIN_P, SKEW_EXP, R_HOST = range(7)
 NPARAM = 7
 PHILOX_A, PHILOX_B = 0xD2511F53, 0xCD9E8D57
 PHILOX_KA, PHILOX_KB = 0x9E3779B9, 0xBB67AE85
-TOP_P_DROP = 1e-6
-TOP_P_TOL = 1e-6
+MAX_CHUNK = 4096  # vocabulary entries per program of the first kernel (tests lower it to cover many chunks)
 
 
 def plan(vocab: int, k_max: int) -> tuple[int, int, int, int]:
     """(chunk size, chunks (a power of 2), keys kept per chunk, candidates K) for a vocabulary."""
-    chunk = min(4096, triton.next_power_of_2(vocab))
+    chunk = min(MAX_CHUNK, triton.next_power_of_2(vocab))
     chunks = triton.next_power_of_2(triton.cdiv(vocab, chunk))
     kc = min(k_max, chunk)
     return chunk, chunks, kc, min(k_max, chunks * kc)

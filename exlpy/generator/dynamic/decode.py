@@ -266,7 +266,6 @@ class DecodeStepper:
             if job.inflight:
                 return -1
             g.bind_counts(slot, job.sequence)
-        g.bind_bias(slot, job.settings.token_bias)
         entry[1] = expected + 1  # the graph counts the token it samples now
         return slot
 

@@ -204,7 +204,9 @@ class GraphSampler:
             pen |= p
             pens += [float(s.token_repetition_penalty), float(s.token_frequency_penalty),
                      float(s.token_presence_penalty)] if p else [1.0, 0.0, 0.0]
-            bias |= s.token_bias is not None and r.slot >= 0
+            if r.slot >= 0:
+                self.bind_bias(r.slot, s.token_bias)  # a no-op unless the slot's bias changed
+                bias |= s.token_bias is not None
             ints += [r.seed & 0x7FFFFFFFFFFFFFFF, r.counter]
             slots.append(r.slot if r.slot >= 0 else self.slots)
         floats += [1.0, 1.0, 2.0, 0.0, 0.0, 1.0, 0.0] * pad

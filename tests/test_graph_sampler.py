@@ -1,0 +1,260 @@
+"""The captured sampler (exlpy/generator/sampling/graphed.py) and its fused kernel (kernels/sample_top.py).
+
+Oracles: the host sampler (`ExLlamaV2Sampler.sample`, the reference chain) for exact tokens at given random
+points and for deterministic settings; chi-square tests of sampled-token histograms (in-kernel Philox draws)
+against the host chain's exact distribution; the generators' old device path and full-forward oracles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from exlpy import ExLlamaV2Cache
+from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+from exlpy.generator.sampler import final_distribution
+from exlpy.generator.sampling import chain
+from exlpy.generator.sampling.graphed import K_MAX, GraphRow, GraphSampler, graph_capable
+from exlpy.kernels import reference
+from tests.conftest import requires_cuda
+
+Settings = ExLlamaV2Sampler.Settings
+
+COMBOS = {
+    "default": Settings(),
+    "topk_topp_minp_rep": Settings(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, token_repetition_penalty=1.2),
+    "freq_presence_topa": Settings(temperature=1.1, top_k=64, top_p=1.0, top_a=0.2, token_repetition_penalty=1.0,
+                                   token_frequency_penalty=0.3, token_presence_penalty=0.4),
+    "plain_temperature": Settings(temperature=1.3, top_k=100, top_p=1.0, token_repetition_penalty=1.0),
+}
+DETERMINISTIC = {
+    "greedy": Settings.greedy(),
+    "top_k_1": Settings(top_k=1, temperature=0.7),
+    "temperature_0": Settings(temperature=0.0, top_k=0, top_p=0.9),
+    "greedy_penalised": Settings.greedy(token_repetition_penalty=1.5, token_presence_penalty=0.5),
+}
+SKEWED = Settings(temperature=1.5, top_k=30, top_p=0.95, skew=0.7, token_repetition_penalty=1.0)
+
+
+def _case(vocab: int = 300, rows: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 2.5, torch.randint(0, vocab, (rows, 48), generator=g)
+
+
+@pytest.mark.parametrize("name", [*COMBOS, *DETERMINISTIC, "skew"])
+def test_same_token_as_host_sampler_at_the_same_point(name: str) -> None:
+    """Three rows over four steps: penalty counts follow the sampled tokens in the sampler itself."""
+    settings = {**COMBOS, **DETERMINISTIC, "skew": SKEWED}[name]
+    assert graph_capable(settings, 300)
+    logits, context = _case()
+    gs = GraphSampler(300, logits.device, slots=3)
+    seqs = [context[i].clone() for i in range(3)]
+    for i in range(3):
+        gs.bind_counts(i, seqs[i])
+    for step, base in enumerate((0.05, 0.41, 0.77, 0.93)):
+        points = [(base + 0.29 * i) % 1.0 for i in range(3)]
+        tokens, probs, ok = gs.sample(logits, [GraphRow(settings, slot=i, point=points[i]) for i in range(3)])
+        assert bool(ok.all())
+        for i in range(3):
+            tok, _, _, prob, _ = ExLlamaV2Sampler.sample(logits[i:i + 1], settings, seqs[i].unsqueeze(0), points[i])
+            assert int(tokens[i]) == int(tok), (name, step, i)
+            assert float(probs[i]) == pytest.approx(float(prob), rel=1e-4, abs=1e-6)
+            seqs[i] = torch.cat([seqs[i], tok.view(1)])
+
+
+def test_blocked_tokens_bias_mask_and_vocab_limit_match_host() -> None:
+    logits, context = _case(rows=2, seed=3)
+    bias = torch.zeros(320)
+    bias[[5, 17, 250]] = torch.tensor([4.0, -3.0, 6.0])
+    s = Settings(temperature=0.8, top_k=50, top_p=0.9, token_bias=bias)
+    mask = torch.full((1, 10), -1, dtype=torch.int32)
+    mask[0, 0] = 0x0000FFFF  # tokens 16-31 excluded
+    mask[0, 7] = 0  # tokens 224-255 excluded
+    gs = GraphSampler(300, logits.device, slots=2, limit=290)
+    for i in range(2):
+        gs.bind_counts(i, context[i])
+    blocked = [250, 3]
+
+    def allowed(x: torch.Tensor) -> torch.Tensor:
+        return reference.apply_token_bitmask(torch.zeros(1, 300), mask).isfinite().expand(x.shape[0], -1)
+
+    class Tok:  # the vocab-limit step of the host chain reads the tokenizer's size
+        actual_vocab_size = 290
+
+    for point in (0.1, 0.5, 0.9):
+        for i in range(2):
+            gs.bind_counts(i, context[i])  # the same context at every point
+        rows = [GraphRow(s, slot=0, point=point, blocked=blocked, mask=mask), GraphRow(s, slot=1, point=point)]
+        tokens, _, _ = gs.sample(logits, rows)
+        want0 = ExLlamaV2Sampler.sample(logits[:1], s, context[:1], point, Tok(), blocked_tokens=blocked,
+                                        filters=[allowed])[0]
+        want1 = ExLlamaV2Sampler.sample(logits[1:], s, context[1:], point, Tok())[0]
+        assert [int(tokens[0]), int(tokens[1])] == [int(want0), int(want1)]
+
+
+def _chi2_limit(df: int) -> float:
+    """The 0.999 quantile of chi-square with df degrees of freedom (Wilson-Hilferty)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_philox_draws_follow_the_host_distribution(name: str) -> None:
+    """Histogram of 6400 in-kernel draws (64 rows, own seeds, 100 steps) against the host chain's distribution."""
+    settings = COMBOS[name]
+    logits, context = _case(vocab=200, rows=1, seed=7)
+    rows = 64
+    gs = GraphSampler(200, logits.device, slots=rows)
+    x = logits.expand(rows, -1)
+    counts = torch.zeros(200)
+    for step in range(100):
+        for i in range(rows):
+            gs.bind_counts(i, context[0])  # the same context every step: one fixed distribution
+        tok, _, ok = gs.sample(x, [GraphRow(settings, slot=i, seed=1000 + i, counter=step) for i in range(rows)])
+        assert bool(ok.all())
+        counts += torch.bincount(tok, minlength=200).float()
+    ctx = chain.LogitContext(context[:1])
+    probs, ids, _, _ = final_distribution(logits.clone(), settings, ctx, None)
+    expected = torch.zeros(200).scatter_(0, ids[0], probs[0] / probs[0].sum()) * counts.sum()
+    assert counts[expected == 0].sum() == 0, "drew a token the host chain excludes"
+    big = expected >= 5
+    rest_e, rest_o = expected[~big & (expected > 0)].sum(), counts[~big & (expected > 0)].sum()
+    obs = torch.cat([counts[big], rest_o.view(1)]) if rest_e > 0 else counts[big]
+    exp = torch.cat([expected[big], rest_e.view(1)]) if rest_e > 0 else expected[big]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = max(1, obs.numel() - 1)
+    assert chi2 < _chi2_limit(df), f"{name}: chi2 {chi2:.1f} over {df} dof"
+
+
+def test_philox_is_counter_based() -> None:
+    seed = torch.tensor([1, 1, 2, 2**40 + 3])
+    counter = torch.tensor([0, 1, 0, 2**33])
+    u = reference.philox_uniform(seed, counter)
+    assert ((u >= 0) & (u < 1)).all() and len(set(u.tolist())) == 4
+    assert torch.equal(u, reference.philox_uniform(seed, counter))  # a pure function of (seed, counter)
+    many = reference.philox_uniform(torch.full((20000,), 9), torch.arange(20000))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.var()) - 1 / 12) < 0.003
+
+
+def test_settings_outside_the_graph_are_refused() -> None:
+    assert not graph_capable(Settings(top_k=0, top_p=0.9), 1000)  # whole-vocabulary top-p: host chain
+    assert graph_capable(Settings(top_k=0, top_p=0.9), K_MAX)  # unless the vocabulary fits the candidates
+    assert not graph_capable(Settings(typical=0.5), 1000)
+    assert not graph_capable(Settings(token_repetition_range=64), 1000)
+    assert graph_capable(Settings(token_repetition_range=64, token_repetition_penalty=1.0), 1000)
+
+
+# --- the fused kernel under Triton's interpreter -------------------------------------------------------------------
+
+def _kernel_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g) * 3
+    x[1, 7] = float("-inf")
+    x[2, :] = x[2, 0]  # ties everywhere: the lower id first
+    v = float(vocab)
+    params = torch.tensor([[0.8, 50, 0.8, 0, 0, 1, -1], [1, 1, 2, 0, 0, 1, -1], [0.7, v, 0.9, 0, 0.05, 1, -1],
+                           [1.3, 20, 2, 0.2, 0.1, 1, 0.37], [1.0, 40, 2, 0, 0, 0.5, -1]])
+    rng = torch.tensor([[s, s * 7 + 3] for s in range(5)], dtype=torch.int64)
+    return x, params, rng
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("vocab,chunk", [(300, 4096), (1000, 256)])
+def test_kernel_matches_reference(vocab: int, chunk: int, monkeypatch: Any) -> None:
+    pytest.importorskip("triton")
+    from exlpy.kernels import sample_top as kernel
+
+    monkeypatch.setattr(kernel, "MAX_CHUNK", chunk)  # 1000 tokens in 4 chunks: the merge of chunk candidates
+    x, params, rng = _kernel_case(vocab)
+    tok, prob = kernel.sample_top(x, params, rng, 64)
+    ref_tok, ref_prob = reference.sample_top(x, params, rng, 64)
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(prob, ref_prob, rtol=1e-5, atol=1e-7)
+
+
+@requires_cuda
+def test_kernel_matches_reference_on_cuda() -> None:
+    from exlpy.kernels.sample_top import sample_top
+
+    x, params, rng = _kernel_case(128256)
+    params[2, 1] = 128256.0
+    tok, prob = sample_top(x.cuda(), params.cuda(), rng.cuda(), K_MAX)
+    ref_tok, ref_prob = reference.sample_top(x, params, rng, K_MAX)
+    assert torch.equal(tok.cpu(), ref_tok)
+    torch.testing.assert_close(prob.cpu(), ref_prob, rtol=1e-4, atol=1e-6)
+
+
+@requires_cuda
+def test_captured_replays_equal_eager_steps() -> None:
+    logits, context = _case(vocab=32000, rows=5, seed=2)
+    settings = COMBOS["topk_topp_minp_rep"]
+    out = []
+    for capture in (False, True):
+        gs = GraphSampler(32000, torch.device("cuda"), slots=5, capture=capture)
+        for i in range(5):
+            gs.bind_counts(i, context[i])
+        toks = []
+        for step in range(6):
+            t, _, ok = gs.sample(logits.cuda(), [GraphRow(settings, slot=i, seed=i, counter=step) for i in range(5)])
+            assert bool(ok.all())
+            toks.append(t.cpu().tolist())
+        out.append(toks)
+    assert out[0] == out[1]
+
+
+# --- the generators: captured path against the old one --------------------------------------------------------------
+
+def _dynamic_tokens(graph: bool, jobs_kw: list[dict[str, Any]], ids: list[torch.Tensor], n: int) -> list[list[int]]:
+    from tests.test_generator_helpers import aidreams_cpu, drain
+
+    model, tok = aidreams_cpu()
+    g = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=2048), tok)
+    g.graph_sampling = graph
+    jobs = [ExLlamaV2DynamicJob(i, n, stop_conditions=[], **kw) for i, kw in zip(ids, jobs_kw)]
+    for j in jobs:
+        g.enqueue(j)
+    res = drain(g)
+    assert (g.stepper.graphed is not None) == graph
+    return [res[j]["tokens"] for j in jobs]
+
+
+def test_dynamic_generator_captured_path_matches_old_path_and_oracles() -> None:
+    from tests.test_dynamic_overlap import sampled_oracle
+    from tests.test_generator_helpers import PROMPTS, aidreams_cpu
+
+    _, tok = aidreams_cpu()
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:4]]
+    n = 10
+    pen = COMBOS["topk_topp_minp_rep"]
+    kws = [{"gen_settings": Settings.greedy()}, {"gen_settings": Settings.greedy()},
+           {"gen_settings": COMBOS["plain_temperature"], "seed": 12}, {"gen_settings": pen, "seed": 13}]
+    old, new = _dynamic_tokens(False, kws, ids, n), _dynamic_tokens(True, kws, ids, n)
+    assert new[:2] == old[:2]  # greedy: identical
+    assert new[2] == sampled_oracle(ids[2], n, COMBOS["plain_temperature"], 12)  # seeded: the host's draws
+    assert new[3] == sampled_oracle(ids[3], n, pen, 13)  # penalties from the device counts
+
+
+def test_streaming_generator_captured_path_matches_old_path() -> None:
+    from exlpy.generator import ExLlamaV2StreamingGenerator
+    from tests.test_dynamic_overlap import sampled_oracle
+    from tests.test_generator_helpers import aidreams_cpu
+    from tests.test_generator_streaming import stream_all
+
+    model, tok = aidreams_cpu()
+    ids = tok.encode("Echoes of", add_bos=True)
+    out = {}
+    for graph in (False, True):
+        sg = ExLlamaV2StreamingGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok)
+        sg.set_stop_conditions([])
+        sg.graph_sampling = graph
+        sg.begin_stream_ex(ids, Settings.greedy())
+        greedy = stream_all(sg, 12)[1]
+        sg.begin_stream_ex(ids, COMBOS["plain_temperature"])
+        sg.set_seed(21)
+        out[graph] = (greedy, stream_all(sg, 12)[1])
+        assert (sg.graphed is not None) == graph
+    assert out[True] == out[False]
+    assert out[True][1] == sampled_oracle(ids, 12, COMBOS["plain_temperature"], 21)
