@@ -29,6 +29,8 @@ COMBOS = {
     "freq_presence_topa": Settings(temperature=1.1, top_k=64, top_p=1.0, top_a=0.2, token_repetition_penalty=1.0,
                                    token_frequency_penalty=0.3, token_presence_penalty=0.4),
     "plain_temperature": Settings(temperature=1.3, top_k=100, top_p=1.0, token_repetition_penalty=1.0),
+    "server_top_p": Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0),  # whole vocab
+    "min_p_only": Settings(temperature=1.2, top_k=0, top_p=1.0, min_p=0.01, token_repetition_penalty=1.05),
 }
 DETERMINISTIC = {
     "greedy": Settings.greedy(),
@@ -140,8 +142,9 @@ def test_philox_is_counter_based() -> None:
 
 
 def test_settings_outside_the_graph_are_refused() -> None:
-    assert not graph_capable(Settings(top_k=0, top_p=0.9), 1000)  # whole-vocabulary top-p: host chain
-    assert graph_capable(Settings(top_k=0, top_p=0.9), K_MAX)  # unless the vocabulary fits the candidates
+    assert graph_capable(Settings(top_k=0, top_p=0.9), 1000)  # whole-vocabulary top-p: the third kernel
+    assert not graph_capable(Settings(top_k=K_MAX + 1), 1000)  # top-k past the candidates: host chain
+    assert graph_capable(Settings(top_k=K_MAX + 1), K_MAX)  # unless the vocabulary fits the candidates
     assert not graph_capable(Settings(typical=0.5), 1000)
     assert not graph_capable(Settings(token_repetition_range=64), 1000)
     assert graph_capable(Settings(token_repetition_range=64, token_repetition_penalty=1.0), 1000)
@@ -150,27 +153,31 @@ def test_settings_outside_the_graph_are_refused() -> None:
 # --- the fused kernel under Triton's interpreter -------------------------------------------------------------------
 
 def _kernel_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows 0-2 with top-k (the candidates decide), rows 3-6 without: flat enough that the survivors pass 32
+    candidates (the whole-vocabulary kernel), with ties everywhere (row 3) and at a top-p boundary (row 6)."""
     g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(5, vocab, generator=g) * 3
+    x = torch.randn(7, vocab, generator=g) * 3
+    x[3:] /= 3
     x[1, 7] = float("-inf")
-    x[2, :] = x[2, 0]  # ties everywhere: the lower id first
+    x[3, :] = x[3, 0]  # the lower id first
+    x[6, 100:140] = 2.5
     v = float(vocab)
-    params = torch.tensor([[0.8, 50, 0.8, 0, 0, 1, -1], [1, 1, 2, 0, 0, 1, -1], [0.7, v, 0.9, 0, 0.05, 1, -1],
-                           [1.3, 20, 2, 0.2, 0.1, 1, 0.37], [1.0, 40, 2, 0, 0, 0.5, -1]])
-    rng = torch.tensor([[s, s * 7 + 3] for s in range(5)], dtype=torch.int64)
+    params = torch.tensor([[0.8, 30, 0.8, 0, 0, 1, -1], [1, 1, 2, 0, 0, 1, -1], [1.3, 20, 2, 0.2, 0.1, 0.5, 0.37],
+                           [0.7, v, 0.9, 0, 0.0, 1, -1], [1.3, v, 0.97, 0.05, 0.0, 1, 0.37],
+                           [1.0, v, 2, 0, 0.02, 1, -1], [1.0, v, 0.8, 0, 0, 1, 0.55]])
+    rng = torch.tensor([[s, s * 7 + 3] for s in range(7)], dtype=torch.int64)
     return x, params, rng
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("vocab,chunk", [(300, 4096), (1000, 256)])
-def test_kernel_matches_reference(vocab: int, chunk: int, monkeypatch: Any) -> None:
+def test_kernel_matches_reference(monkeypatch: Any) -> None:
     pytest.importorskip("triton")
     from exlpy.kernels import sample_top as kernel
 
-    monkeypatch.setattr(kernel, "MAX_CHUNK", chunk)  # 1000 tokens in 4 chunks: the merge of chunk candidates
-    x, params, rng = _kernel_case(vocab)
-    tok, prob = kernel.sample_top(x, params, rng, 64)
-    ref_tok, ref_prob = reference.sample_top(x, params, rng, 64)
+    monkeypatch.setattr(kernel, "MAX_CHUNK", 256)  # 700 tokens in 4 chunks: the merge of chunk candidates
+    x, params, rng = _kernel_case(700)
+    tok, prob = kernel.sample_top(x, params, rng, 32)
+    ref_tok, ref_prob = reference.sample_top(x, params, rng, 32)
     assert torch.equal(tok, ref_tok)
     torch.testing.assert_close(prob, ref_prob, rtol=1e-5, atol=1e-7)
 
@@ -180,7 +187,7 @@ def test_kernel_matches_reference_on_cuda() -> None:
     from exlpy.kernels.sample_top import sample_top
 
     x, params, rng = _kernel_case(128256)
-    params[2, 1] = 128256.0
+    params[3:, 1] = 128256.0
     tok, prob = sample_top(x.cuda(), params.cuda(), rng.cuda(), K_MAX)
     ref_tok, ref_prob = reference.sample_top(x, params, rng, K_MAX)
     assert torch.equal(tok.cpu(), ref_tok)
@@ -229,11 +236,12 @@ def test_dynamic_generator_captured_path_matches_old_path_and_oracles() -> None:
     ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:4]]
     n = 10
     pen = COMBOS["topk_topp_minp_rep"]
+    top_p = COMBOS["server_top_p"]
     kws = [{"gen_settings": Settings.greedy()}, {"gen_settings": Settings.greedy()},
-           {"gen_settings": COMBOS["plain_temperature"], "seed": 12}, {"gen_settings": pen, "seed": 13}]
+           {"gen_settings": top_p, "seed": 12}, {"gen_settings": pen, "seed": 13}]
     old, new = _dynamic_tokens(False, kws, ids, n), _dynamic_tokens(True, kws, ids, n)
     assert new[:2] == old[:2]  # greedy: identical
-    assert new[2] == sampled_oracle(ids[2], n, COMBOS["plain_temperature"], 12)  # seeded: the host's draws
+    assert new[2] == sampled_oracle(ids[2], n, top_p, 12)  # seeded: the host's draws (whole-vocabulary top-p)
     assert new[3] == sampled_oracle(ids[3], n, pen, 13)  # penalties from the device counts
 
 

@@ -481,10 +481,12 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     most likely tokens (ties: the lower id first), then exllamav2's top-k (renormalised when it truncates),
     top-p (running mass <= p, candidates < 1e-6 dropped), top-a, min-p, each keeping the most likely token,
     and the inverse-CDF draw at r (skewed). Returns (token [B] int64, its final probability [B] float32; NaN
-    or 0 when the row had no usable distribution). Exact for rows whose top-k is at most K."""
+    or 0 when the row had no usable distribution). Here over the whole sorted vocabulary; the CUDA kernel keeps
+    K candidates and handles rows without top-k whose survivors pass K apart (same result). Rows with a top-k
+    between K and the vocabulary size are not supported (the callers send them to the host chain)."""
     x = logits.float() / params[:, 0:1]
     batch, vocab = x.shape
-    k = min(k_max, vocab)
+    k = vocab
     m = x.amax(-1, keepdim=True)
     z = torch.where(x > float("-inf"), torch.exp(x - m), torch.zeros_like(x)).sum(-1, keepdim=True)
     xs, ids = x.sort(dim=-1, descending=True, stable=True)

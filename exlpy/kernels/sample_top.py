@@ -30,6 +30,8 @@ TEMP, TOP_K, TOP_P, TOP_A, MIN_P, SKEW_EXP, R_HOST = range(7)
 NPARAM = 7
 PHILOX_A, PHILOX_B = 0xD2511F53, 0xCD9E8D57
 PHILOX_KA, PHILOX_KB = 0x9E3779B9, 0xBB67AE85
+FULL_BLOCK = 2048  # tokens per step of the whole-vocabulary kernel's scans
+SORTED_MAX = 16384  # up to this many surviving tokens the whole-vocabulary draw follows the sorted order
 MAX_CHUNK = 4096  # vocabulary entries per program of the first kernel (tests lower it to cover many chunks)
 
 
@@ -90,7 +92,7 @@ def _chunk_kernel(x_ptr, x_stride, params_ptr, keys_ptr, stats_ptr, vocab, chunk
 
 
 @triton.jit
-def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, vocab,
+def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, info_ptr, vocab,
                    NCH: tl.constexpr, KC: tl.constexpr, K: tl.constexpr, NP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ch = tl.arange(0, NCH)
@@ -147,6 +149,155 @@ def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, 
     pr = tl.sum(tl.where(j == idx, q, 0.0), axis=0) / total
     tl.store(tok_ptr + row, tok)
     tl.store(prob_ptr + row, pr)
+    # Without top-k, a row whose K-th candidate survived every step keeps tokens past the candidates: the
+    # third kernel samples it from the whole vocabulary.
+    tail = tl.sum(tl.where(j == K - 1, q, 0.0), axis=0) > 0.0
+    full = (top_k >= vocab) & (K < vocab) & tail
+    tl.store(info_ptr + row * 4 + 0, big_m)
+    tl.store(info_ptr + row * 4 + 1, z)
+    tl.store(info_ptr + row * 4 + 2, r)
+    tl.store(info_ptr + row * 4 + 3, full.to(tl.float32))
+
+
+@triton.jit
+def _key(x, ids):
+    bits = x.to(tl.int32, bitcast=True)
+    skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (skey.to(tl.int64) << 32) | (0xFFFFFFFF - ids.to(tl.int64))
+
+
+@triton.jit
+def _scan(x_row, idx_row, n, t, thr, big_m, z, temp, BLOCK: tl.constexpr):
+    """Over the n compacted tokens: (mass of those with key >= t and p >= thr, their smallest key)."""
+    acc = tl.zeros([], tl.float32)
+    kmin = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    for s0 in range(0, n, BLOCK):
+        o = s0 + tl.arange(0, BLOCK)
+        inb = o < n
+        ids = tl.load(idx_row + o, mask=inb, other=0)
+        x = tl.load(x_row + ids, mask=inb, other=float("-inf")).to(tl.float32) / temp
+        p = tl.exp(x - big_m) / z
+        key = _key(x, ids)
+        sel = inb & (key >= t) & (p >= thr)
+        acc += tl.sum(tl.where(sel, p, 0.0), axis=0)
+        kmin = tl.minimum(kmin, tl.min(tl.where(sel, key, 0x7FFFFFFFFFFFFFFF), axis=0))
+    return acc, kmin
+
+
+@triton.jit
+def _mid(lo, hi):
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+@triton.jit
+def _full_kernel(x_ptr, x_stride, params_ptr, info_ptr, idx_ptr, tok_ptr, prob_ptr, vocab,
+                 NP: tl.constexpr, BLOCK: tl.constexpr, SORTED_MAX: tl.constexpr):
+    """Rows flagged by `_select_kernel`: the same chain over the whole vocabulary. Tokens that can survive are
+    compacted first (p >= 1e-6 under top-p, else the min-p / top-a bounds); the top-p cut and the draw are then
+    bisections over the int64 keys (value, then lower id first: the host's sorted order, ties included)."""
+    row = tl.program_id(0).to(tl.int64)
+    full = tl.load(info_ptr + row * 4 + 3)
+    if full != 0.0:
+        big_m = tl.load(info_ptr + row * 4 + 0)
+        z = tl.load(info_ptr + row * 4 + 1)
+        r = tl.load(info_ptr + row * 4 + 2)
+        temp = tl.load(params_ptr + row * NP + 0)
+        top_p = tl.load(params_ptr + row * NP + 2)
+        top_a = tl.load(params_ptr + row * NP + 3)
+        min_p = tl.load(params_ptr + row * NP + 4)
+        use_p = (top_p > 0.0) & (top_p < 1.0)
+        use_a = top_a > 0.0
+        use_m = (min_p > 0.0) & (min_p < 1.0)
+        p0 = 1.0 / z
+        low = tl.where(use_p, 1e-6, tl.maximum(tl.where(use_m, min_p * p0, 0.0), tl.where(use_a, top_a * p0 * p0,
+                                                                                              0.0)))
+        x_row = x_ptr + row * x_stride
+        idx_row = idx_ptr + row * vocab
+        n = tl.zeros([], tl.int32)
+        kmax = tl.full([], -0x7FFFFFFFFFFFFFFF, tl.int64)
+        for s0 in range(0, vocab, BLOCK):
+            o = s0 + tl.arange(0, BLOCK)
+            inb = o < vocab
+            x = tl.load(x_row + o, mask=inb, other=float("-inf")).to(tl.float32) / temp
+            p = tl.where(inb & (x > float("-inf")), tl.exp(x - big_m) / z, 0.0)
+            keep = (p >= low) & (p > 0.0)
+            pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(idx_row + pos, o, mask=keep)
+            n += tl.sum(keep.to(tl.int32), axis=0)
+            kmax = tl.maximum(kmax, tl.max(tl.where(keep, _key(x, o), -0x7FFFFFFFFFFFFFFF), axis=0))
+        # top-p: the smallest key t with mass(key >= t) <= p + 1e-6 (the most likely token always stays)
+        t_p = tl.full([], -0x7FFFFFFFFFFFFFFF, tl.int64)
+        s_all, kmin = _scan(x_row, idx_row, n, t_p, 0.0, big_m, z, temp, BLOCK)
+        s_p = s_all
+        if use_p:
+            lim = top_p + 1e-6
+            if s_all > lim:
+                lo = kmin
+                hi = kmax + 1
+                while lo + 1 < hi:
+                    mid = _mid(lo, hi)
+                    m_mid, _k = _scan(x_row, idx_row, n, mid, 0.0, big_m, z, temp, BLOCK)
+                    if m_mid <= lim:
+                        hi = mid
+                    else:
+                        lo = mid
+                t_p = tl.minimum(hi, kmax)
+                s_p, _k = _scan(x_row, idx_row, n, t_p, 0.0, big_m, z, temp, BLOCK)
+        else:
+            s_p = tl.full([], 1.0, tl.float32)  # no top-p: the softmax itself (sums to 1)
+        thr = tl.where(use_a, top_a * p0 * p0 / s_p, 0.0)
+        thr = tl.maximum(thr, tl.where(use_m, min_p * p0, 0.0))
+        thr = tl.minimum(thr, p0)  # the most likely token always stays
+        s_f, kmin = _scan(x_row, idx_row, n, t_p, thr, big_m, z, temp, BLOCK)
+        target = r * s_f
+        tok = tl.zeros([], tl.int64)
+        pr = tl.zeros([], tl.float32)
+        if n <= SORTED_MAX:
+            # the draw in descending order: the largest key t with mass(key >= t) > target
+            lo = kmin
+            hi = kmax + 1
+            m_lo, _k = _scan(x_row, idx_row, n, lo, thr, big_m, z, temp, BLOCK)
+            if m_lo > target:
+                while lo + 1 < hi:
+                    mid = _mid(lo, hi)
+                    m_mid, _k = _scan(x_row, idx_row, n, mid, thr, big_m, z, temp, BLOCK)
+                    if m_mid > target:
+                        lo = mid
+                    else:
+                        hi = mid
+            tok = 0xFFFFFFFF - (lo & 0xFFFFFFFF)
+            skey = (lo >> 32).to(tl.int32)
+            xv = tl.where(skey >= 0, skey, skey ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+            pr = tl.exp(xv - big_m) / z / s_f
+        else:
+            # very flat rows: the draw in vocabulary order (the same distribution, one pass)
+            acc = tl.zeros([], tl.float32)
+            found = tl.zeros([], tl.int32)
+            last = tl.zeros([], tl.int64)
+            for s0 in range(0, n, BLOCK):
+                o = s0 + tl.arange(0, BLOCK)
+                inb = o < n
+                ids = tl.load(idx_row + o, mask=inb, other=0)
+                x = tl.load(x_row + ids, mask=inb, other=float("-inf")).to(tl.float32) / temp
+                p = tl.exp(x - big_m) / z
+                sel = inb & (_key(x, ids) >= t_p) & (p >= thr)
+                q = tl.where(sel, p, 0.0)
+                cum = acc + tl.cumsum(q, axis=0)
+                hit = sel & (cum > target) & (found == 0)
+                first_hit = tl.min(tl.where(hit, o, 0x7FFFFFFF), axis=0)
+                take = hit & (o == first_hit)
+                tok = tl.where(first_hit < 0x7FFFFFFF, tl.sum(tl.where(take, ids, 0), axis=0).to(tl.int64), tok)
+                pr = tl.where(first_hit < 0x7FFFFFFF, tl.sum(tl.where(take, q, 0.0), axis=0) / s_f, pr)
+                found = tl.where(first_hit < 0x7FFFFFFF, 1, found)
+                last_sel = tl.max(tl.where(sel, o, -1), axis=0)
+                last = tl.where(last_sel >= 0, tl.sum(tl.where(o == last_sel, ids, 0), axis=0).to(tl.int64), last)
+                acc += tl.sum(q, axis=0)
+            if found == 0:
+                tok = last
+                xl = tl.load(x_row + last).to(tl.float32) / temp
+                pr = tl.exp(xl - big_m) / z / s_f
+        tl.store(tok_ptr + row, tok)
+        tl.store(prob_ptr + row, pr)
 
 
 def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
@@ -165,6 +316,11 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     rng = rng.contiguous()
     _chunk_kernel[(rows, nch)](x, x.stride(0), params, keys, stats, vocab, nch, CH=ch, KC=kc, NP=NPARAM,
                                num_warps=8 if ch >= 2048 else 4)
-    _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, vocab, NCH=nch, KC=kc, K=k, NP=NPARAM,
+    info = torch.empty(rows, 4, dtype=torch.float32, device=x.device)
+    _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, info, vocab, NCH=nch, KC=kc, K=k, NP=NPARAM,
                             num_warps=4)
+    if k < vocab:
+        idx = torch.empty(rows, vocab, dtype=torch.int32, device=x.device)
+        _full_kernel[(rows,)](x, x.stride(0), params, info, idx, tok, prob, vocab, NP=NPARAM, BLOCK=FULL_BLOCK,
+                              SORTED_MAX=SORTED_MAX, num_warps=8)
     return tok, prob

@@ -15,8 +15,8 @@ shape depends on the data, so on CUDA the whole chain is one graph replay per st
   host sampler draws, so seeded jobs stay reproducible across both paths) or by the kernel from Philox of the
   row's (seed, counter); the graph advances the counter, so a replay draws fresh numbers.
 - top-k / top-p / top-a / min-p and the draw are `ops.sample_top` (exlpy/kernels/sample_top.py): the K_MAX most
-  likely tokens per row without sorting the vocabulary. Rows need top-k <= K_MAX (exllamav2's default is 50)
-  or a vocabulary of at most K_MAX tokens; others take the host chain.
+  likely tokens per row without sorting the vocabulary, and for rows without top-k whose survivors pass them
+  (a wide top-p nucleus) a whole-vocabulary pass. Rows with K_MAX < top-k < vocabulary take the host chain.
 
 Variants of the graph by the features the step's rows use (penalties, bias, masks, blocked tokens) are captured
 apart, so a plain step does not pay for penalties it does not apply.
@@ -51,7 +51,7 @@ def graph_capable(s: SamplerSettings, vocab: int) -> bool:
             and s.xtc_probability == 0.0
             and (s.token_repetition_range < 0 and s.token_repetition_decay <= 0
                  or not has_penalties(s))
-            and (0 < k <= K_MAX or vocab <= K_MAX))
+            and (0 < k <= K_MAX or k <= 0 or k >= vocab or vocab <= K_MAX))
 
 
 def has_penalties(s: SamplerSettings) -> bool:
