@@ -266,3 +266,15 @@ def test_streaming_generator_captured_path_matches_old_path() -> None:
         assert (sg.graphed is not None) == graph
     assert out[True] == out[False]
     assert out[True][1] == sampled_oracle(ids, 12, COMBOS["plain_temperature"], 21)
+
+
+@pytest.mark.slow
+def test_sampling_kernels_compile_for_sm90() -> None:
+    """What only the compiler sees (the interpreter accepts more): every kernel compiles for an H100, no spills."""
+    pytest.importorskip("triton")
+    from tests.conftest import run_compile_check
+
+    res = run_compile_check("sample_compile_check.py")
+    assert {"chunk V128256", "select V128256", "full"} <= set(res)
+    for name, v in res.items():
+        assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)

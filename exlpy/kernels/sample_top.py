@@ -28,8 +28,10 @@ import triton.language as tl
 # params [B, NPARAM] float32 columns
 TEMP, TOP_K, TOP_P, TOP_A, MIN_P, SKEW_EXP, R_HOST = range(7)
 NPARAM = 7
-PHILOX_A, PHILOX_B = 0xD2511F53, 0xCD9E8D57
-PHILOX_KA, PHILOX_KB = 0x9E3779B9, 0xBB67AE85
+PHILOX_A = tl.constexpr(0xD2511F53)
+PHILOX_B = tl.constexpr(0xCD9E8D57)
+PHILOX_KA = tl.constexpr(0x9E3779B9)
+PHILOX_KB = tl.constexpr(0xBB67AE85)
 FULL_BLOCK = 2048  # tokens per step of the whole-vocabulary kernel's scans
 SORTED_MAX = 16384  # up to this many surviving tokens the whole-vocabulary draw follows the sorted order
 MAX_CHUNK = 4096  # vocabulary entries per program of the first kernel (tests lower it to cover many chunks)
