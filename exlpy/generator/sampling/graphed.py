@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,6 +97,9 @@ class _Bucket:
     probs: torch.Tensor  # [R] float32 out
     ok: torch.Tensor  # [R] bool out
     graphs: dict[tuple[bool, ...], Any]
+    # What the device buffers hold (after this step's graph advanced the counters): unchanged values are not
+    # uploaded again, so a steady batch costs the host no copies.
+    held: dict[str, Any] = field(default_factory=dict)
 
 
 class GraphSampler:
@@ -166,16 +169,20 @@ class GraphSampler:
         b = self.buckets.get(size)
         if b is None:
             b = self.buckets[size] = self._bucket(size)
-        feats = self._write(b, rows)
-        b.x[:n].copy_(logits.float())
-        if not self.capture:
-            self._step(b, feats)
-        else:
-            g = b.graphs.get(feats)
-            if g is None:
-                g = b.graphs[feats] = self._capture(b, feats)  # its warm-up ran this step already
+        try:
+            feats = self._write(b, rows)
+            b.x[:n].copy_(logits.float())
+            if not self.capture:
+                self._step(b, feats)
             else:
-                g.replay()
+                g = b.graphs.get(feats)
+                if g is None:
+                    g = b.graphs[feats] = self._capture(b, feats)  # its warm-up ran this step already
+                else:
+                    g.replay()
+        except Exception:
+            b.held.clear()  # the buffers may hold part of this step: upload everything next time
+            raise
         self.steps += 1
         return b.tokens[:n], b.probs[:n], b.ok[:n]
 
@@ -213,10 +220,17 @@ class GraphSampler:
         pens += [1.0, 0.0, 0.0] * pad
         ints += [0, 0] * pad
         slots += [self.slots] * pad
-        _upload(torch.tensor(floats, dtype=torch.float32), b.params.view(-1))
-        _upload(torch.tensor(ints + slots, dtype=torch.int64), None, (b.rng.view(-1), b.slots))
-        if pen:
+        if b.held.get("params") != floats:
+            _upload(torch.tensor(floats, dtype=torch.float32), b.params.view(-1))
+            b.held["params"] = floats
+        ints += slots
+        if b.held.get("ints") != ints:
+            _upload(torch.tensor(ints, dtype=torch.int64), None, (b.rng.view(-1), b.slots))
+        ints[1:2 * b.rows:2] = [c + 1 for c in ints[1:2 * b.rows:2]]  # the step advances every counter
+        b.held["ints"] = ints
+        if pen and b.held.get("pen") != pens:
             _upload(torch.tensor(pens, dtype=torch.float32), b.pen.view(-1))
+            b.held["pen"] = pens
         masked = any(r.mask is not None for r in rows)
         blocked = any(r.blocked for r in rows)
         if masked:
@@ -228,7 +242,9 @@ class GraphSampler:
                     m[i, :w] = src[:w]
                     m[i, w:] = 0  # tokens past the mask's width are excluded (as ops.apply_token_bitmask)
             _upload(m, b.mask)
-        if blocked:
+        blocked_now = [(i, tuple(r.blocked)) for i, r in enumerate(rows) if r.blocked]
+        if blocked and b.held.get("blocked") != blocked_now:
+            b.held["blocked"] = blocked_now
             bl = torch.zeros(b.rows, self.words, dtype=torch.int64)
             for i, r in enumerate(rows):
                 for t in r.blocked or ():
