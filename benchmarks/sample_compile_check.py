@@ -43,9 +43,11 @@ def variants() -> dict[str, dict]:
         out[f"chunk V{vocab}"] = compile_kernel(st._chunk_kernel, {
             "x_ptr": "*fp32", "params_ptr": "*fp32", "keys_ptr": "*i64", "stats_ptr": "*fp32"},
             dict(CH=ch, KC=kc, NP=st.NPARAM), 8 if ch >= 2048 else 4)
-        out[f"select V{vocab}"] = compile_kernel(st._select_kernel, {
-            "keys_ptr": "*i64", "stats_ptr": "*fp32", "params_ptr": "*fp32", "rng_ptr": "*i64", "tok_ptr": "*i64",
-            "prob_ptr": "*fp32", "info_ptr": "*fp32"}, dict(NCH=nch, KC=kc, K=k, NP=st.NPARAM), 4)
+        for cand in (False, True):
+            out[f"select V{vocab}{' cand' if cand else ''}"] = compile_kernel(st._select_kernel, {
+                "keys_ptr": "*i64", "stats_ptr": "*fp32", "params_ptr": "*fp32", "rng_ptr": "*i64",
+                "tok_ptr": "*i64", "prob_ptr": "*fp32", "info_ptr": "*fp32", "cq_ptr": "*fp32", "cid_ptr": "*i64"},
+                dict(NCH=nch, KC=kc, K=k, NP=st.NPARAM, CAND=cand), 4)
     out["full"] = compile_kernel(st._full_kernel, {
         "x_ptr": "*fp32", "params_ptr": "*fp32", "info_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64",
         "prob_ptr": "*fp32"}, dict(NP=st.NPARAM, BLOCK=st.FULL_BLOCK, SORTED_MAX=st.SORTED_MAX), 8)

@@ -39,6 +39,14 @@ DETERMINISTIC = {
     "greedy_penalised": Settings.greedy(token_repetition_penalty=1.5, token_presence_penalty=0.5),
 }
 SKEWED = Settings(temperature=1.5, top_k=30, top_p=0.95, skew=0.7, token_repetition_penalty=1.0)
+EXTENDED = {  # candidate steps in torch after the kernel (top-k within the candidates), and smoothing
+    "typical": Settings(temperature=1.0, top_k=80, top_p=1.0, typical=0.7),
+    "tfs": Settings(top_k=100, top_p=1.0, tfs=0.9),
+    "temperature_last": Settings(temperature=1.7, temperature_last=True, top_k=60, top_p=0.95, min_p=0.05),
+    "dynamic_temperature": Settings(min_temp=0.5, max_temp=1.5, temp_exponent=1.2, top_k=50),
+    "xtc": Settings(xtc_probability=0.5, xtc_threshold=0.05, top_k=50, temperature=0.7),
+    "smoothing": Settings(smoothing_factor=0.3, top_k=0, top_p=0.9),
+}
 
 
 def _case(vocab: int = 300, rows: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +54,10 @@ def _case(vocab: int = 300, rows: int = 3, seed: int = 0) -> tuple[torch.Tensor,
     return torch.randn(rows, vocab, generator=g) * 2.5, torch.randint(0, vocab, (rows, 48), generator=g)
 
 
-@pytest.mark.parametrize("name", [*COMBOS, *DETERMINISTIC, "skew"])
+@pytest.mark.parametrize("name", [*COMBOS, *DETERMINISTIC, "skew", *EXTENDED])
 def test_same_token_as_host_sampler_at_the_same_point(name: str) -> None:
     """Three rows over four steps: penalty counts follow the sampled tokens in the sampler itself."""
-    settings = {**COMBOS, **DETERMINISTIC, "skew": SKEWED}[name]
+    settings = {**COMBOS, **DETERMINISTIC, "skew": SKEWED, **EXTENDED}[name]
     assert graph_capable(settings, 300)
     logits, context = _case()
     gs = GraphSampler(300, logits.device, slots=3)
@@ -65,6 +73,20 @@ def test_same_token_as_host_sampler_at_the_same_point(name: str) -> None:
             assert int(tokens[i]) == int(tok), (name, step, i)
             assert float(probs[i]) == pytest.approx(float(prob), rel=1e-4, abs=1e-6)
             seqs[i] = torch.cat([seqs[i], tok.view(1)])
+
+
+def test_mixed_rows_in_one_step_match_host() -> None:
+    """Rows with the candidate steps, whole-vocabulary top-p, greedy and penalties share one step."""
+    logits, context = _case(rows=4, seed=5)
+    kinds = [EXTENDED["typical"], COMBOS["server_top_p"], Settings.greedy(), COMBOS["topk_topp_minp_rep"]]
+    gs = GraphSampler(300, logits.device, slots=4)
+    for i in range(4):
+        gs.bind_counts(i, context[i])
+    points = [0.13, 0.52, 0.7, 0.91]
+    tokens, _, ok = gs.sample(logits, [GraphRow(k, slot=i, point=p) for i, (k, p) in enumerate(zip(kinds, points))])
+    assert bool(ok.all())
+    for i, (k, p) in enumerate(zip(kinds, points)):
+        assert int(tokens[i]) == int(ExLlamaV2Sampler.sample(logits[i:i + 1], k, context[i:i + 1], p)[0])
 
 
 def test_blocked_tokens_bias_mask_and_vocab_limit_match_host() -> None:
@@ -145,7 +167,10 @@ def test_settings_outside_the_graph_are_refused() -> None:
     assert graph_capable(Settings(top_k=0, top_p=0.9), 1000)  # whole-vocabulary top-p: the third kernel
     assert not graph_capable(Settings(top_k=K_MAX + 1), 1000)  # top-k past the candidates: host chain
     assert graph_capable(Settings(top_k=K_MAX + 1), K_MAX)  # unless the vocabulary fits the candidates
-    assert not graph_capable(Settings(typical=0.5), 1000)
+    assert graph_capable(Settings(typical=0.5), 1000)  # top-k 50: the candidate steps run in the graph
+    assert not graph_capable(Settings(typical=0.5, top_k=0), 1000)  # they need every survivor among the candidates
+    assert not graph_capable(Settings(mirostat=True), 1000)
+    assert not graph_capable(Settings(dry_multiplier=0.8), 1000)
     assert not graph_capable(Settings(token_repetition_range=64), 1000)
     assert graph_capable(Settings(token_repetition_range=64, token_repetition_penalty=1.0), 1000)
 
@@ -176,10 +201,13 @@ def test_kernel_matches_reference(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(kernel, "MAX_CHUNK", 256)  # 700 tokens in 4 chunks: the merge of chunk candidates
     x, params, rng = _kernel_case(700)
-    tok, prob = kernel.sample_top(x, params, rng, 32)
-    ref_tok, ref_prob = reference.sample_top(x, params, rng, 32)
+    tok, prob, q, ids, r = kernel.sample_top_candidates(x, params, rng, 32)
+    ref_tok, ref_prob, ref_q, ref_ids, ref_r = reference.sample_top_candidates(x, params, rng, 32)
     assert torch.equal(tok, ref_tok)
     torch.testing.assert_close(prob, ref_prob, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(r, ref_r)  # Philox in the kernel = the reference's, bit for bit
+    assert torch.equal(ids[:3], ref_ids[:3])  # the candidates of the top-k rows (the others pass 32)
+    torch.testing.assert_close(q[:3], ref_q[:3], rtol=1e-5, atol=1e-7)
 
 
 @requires_cuda
@@ -262,10 +290,14 @@ def test_streaming_generator_captured_path_matches_old_path() -> None:
         greedy = stream_all(sg, 12)[1]
         sg.begin_stream_ex(ids, COMBOS["plain_temperature"])
         sg.set_seed(21)
-        out[graph] = (greedy, stream_all(sg, 12)[1])
+        sampled = stream_all(sg, 12)[1]
+        sg.begin_stream_ex(ids, COMBOS["topk_topp_minp_rep"])  # penalties: the old path samples on the host
+        sg.set_seed(22)
+        out[graph] = (greedy, sampled, stream_all(sg, 12)[1])
         assert (sg.graphed is not None) == graph
     assert out[True] == out[False]
     assert out[True][1] == sampled_oracle(ids, 12, COMBOS["plain_temperature"], 21)
+    assert out[True][2] == sampled_oracle(ids, 12, COMBOS["topk_topp_minp_rep"], 22)
 
 
 @pytest.mark.slow

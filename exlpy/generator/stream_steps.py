@@ -45,11 +45,12 @@ class Pending:
 
 
 def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torch.Generator | None,
-           tokenizer: Any, loras: Any = None, graph: Callable[[torch.Tensor], GraphSampler | None] | None = None
-           ) -> Pending:
+           tokenizer: Any, loras: Any = None,
+           graph: Callable[[torch.Tensor], tuple[GraphSampler, int] | None] | None = None) -> Pending:
     """Feed `ids` [1, 1] (host or device) at `cache.current_seq_len` and sample the next token on the device
-    (`loras`: the stream's LoRA adapters). `graph(logits)` gives the captured sampler to sample with, when the
-    stream uses one (exlpy/generator/sampling/graphed.py); the random point is drawn from `rng` either way."""
+    (`loras`: the stream's LoRA adapters). `graph(logits)` gives the captured sampler to sample with and the slot
+    of the stream's penalty counts, when the stream uses one (exlpy/generator/sampling/graphed.py); the random
+    point is drawn from `rng` either way."""
     fed_at = cache.current_seq_len
     logits = model.forward(ids, cache, loras=loras or None)[:, -1].float()
     state = after = None
@@ -58,9 +59,10 @@ def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torc
         state = _get_state(rng)
         point = float(torch.rand(1, 1, generator=rng)[0, 0])
         after = _get_state(rng)
-    sampler = graph(logits) if graph is not None else None
-    if sampler is not None and graph_capable(plan.settings, logits.shape[-1]):
-        t, p, k = sampler.sample(logits, [GraphRow(plan.settings, point=point, blocked=plan.blocked)])
+    use = graph(logits) if graph is not None and graph_capable(plan.settings, logits.shape[-1]) else None
+    if use is not None:
+        sampler, slot = use
+        t, p, k = sampler.sample(logits, [GraphRow(plan.settings, slot=slot, point=point, blocked=plan.blocked)])
         token, prob, ok = t.clone(), p.clone(), k.clone()
     else:
         token, prob, ok = sample_rows(logits, [plan], upload_floats([point], logits.device).view(1, 1), tokenizer)

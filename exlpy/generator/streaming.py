@@ -83,6 +83,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         # are CUDA graphs; True / False force it (tests compare both paths on the CPU).
         self.graph_sampling: bool | None = None
         self.graphed: GraphSampler | None = None
+        self._counted = -1  # tokens the captured sampler's penalty counts hold (-1: rebuild them)
         self.default_loras: Any = None  # set_loras (exlpy/lora/): adapters of streams begun without loras=
         self.loras: tuple[Any, ...] = ()  # this stream's adapters
         self._cached_loras: tuple[Any, ...] = ()  # the adapters that computed the cached K/V
@@ -158,6 +159,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
         self.rng = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        self._counted = -1  # a new sequence: the captured sampler's penalty counts are rebuilt
         drop_background(self.filters)  # a result left from an earlier stream with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
@@ -228,6 +230,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
 
     def _discard(self) -> None:
         """Drop the launched step whose token is not read yet (the cache goes back to the invariant)."""
+        self._counted = -1  # the captured sampler counted that token: its counts are rebuilt on next use
         if self.pending is not None:
             stream_steps.discard(self.pending, self.cache, self.rng)
             self.pending = None
@@ -237,22 +240,43 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         from exlpy.generator.sampling.batched import device_capable
 
         s = self.settings
-        if (self.negative is not None or self.filters or self.text_stream.banned or not device_capable(s)
-                or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
+        graph = (self._graph_device() is not None
+                 and graphed.graph_capable(s, int(self.model.config.vocab_size)))
+        if (self.negative is not None or self.filters or self.text_stream.banned
+                or not (device_capable(s) or graph) or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
                 or (self.prefix_token is not None and self.new_tokens == 0)):
             return None
         blocked = sorted(self.stop_tokens) if self.new_tokens < self.min_new_tokens else None
         return stream_steps.RowSample(s, blocked)
 
-    def _graph_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
-        """The captured sampler for this stream's logits, or None where the stream samples with `sample_rows`
+    def _graph_device(self) -> torch.device | None:
+        """Where the captured sampler would run (the head's device), or None when the stream does not use it
         (`graph_sampling`: None = where decode steps are CUDA graphs; True / False force it)."""
+        head = self.model.modules[self.model.head_layer_idx]
+        device = torch.device(getattr(head, "device", None) or "cpu")
+        return device if graphed.wanted(self.model, device, self.graph_sampling) else None
+
+    def _graph_sampler(self, logits: torch.Tensor, inflight: torch.Tensor | None
+                       ) -> tuple[GraphSampler, int] | None:
+        """The captured sampler for this stream's logits and the slot of its penalty counts (-1: no penalties),
+        or None where the stream samples with `sample_rows`. The counts hold the sequence plus the token still
+        in flight (`inflight`, on the device); rebuilt when they do not."""
         if not graphed.wanted(self.model, logits.device, self.graph_sampling):
             return None
         g = self.graphed
         if g is None or g.device != logits.device or g.vocab != logits.shape[-1]:
             g = self.graphed = graphed.for_logits(logits, 1, self.tokenizer)
-        return g
+            self._counted = -1
+        if not graphed.has_penalties(self.settings):
+            return g, -1
+        seq = self.sequence_ids
+        assert seq is not None
+        expected = seq.shape[1] + (inflight is not None)
+        if self._counted != expected:
+            ids = seq[0].to(g.device, non_blocking=True)
+            g.bind_counts(0, ids if inflight is None else torch.cat([ids, inflight.view(-1)]))
+        self._counted = expected + 1  # the step counts the token it samples
+        return g, 0
 
     def _stream_device(self, plan: stream_steps.RowSample) -> dict[str, Any]:
         """One token through the overlapped path: launch the step after it, then read it."""
@@ -260,14 +284,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         assert seq is not None
         if self.pending is None:
             self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer,
-                                               self.loras, self._graph_sampler)
+                                               self.loras, lambda lg: self._graph_sampler(lg, None))
         current = self.pending
         self.pending = None
         if seq.shape[1] + 1 < self.cache.max_seq_len:
             after = stream_steps.RowSample(plan.settings, sorted(self.stop_tokens)
                                            if self.new_tokens + 1 < self.min_new_tokens else None)
             self.pending = stream_steps.launch(self.model, self.cache, current.token.view(1, 1), after, self.rng,
-                                               self.tokenizer, self.loras, self._graph_sampler)
+                                               self.tokenizer, self.loras,
+                                               lambda lg, t=current.token: self._graph_sampler(lg, t))
         token, prob = current.read()
         r = self._take(token, {"prob": prob}, False)
         if r["eos"]:

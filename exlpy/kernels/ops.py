@@ -211,6 +211,11 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     return _impl("sample_top", logits)(logits, params, rng, k_max)
 
 
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
+                          ) -> tuple[torch.Tensor, ...]:
+    return _impl("sample_top_candidates", logits)(logits, params, rng, k_max)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     return _impl("lora_shrink", x)(x, a, ranks, adapters, q_len, norm_weight, eps)

@@ -475,15 +475,12 @@ def philox_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return (c0 >> 8).float() * (1.0 / 16777216.0)
 
 
-def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of logits [B, V] (float32): softmax at the row's temperature, its K = min(k_max, V)
-    most likely tokens (ties: the lower id first), then exllamav2's top-k (renormalised when it truncates),
-    top-p (running mass <= p, candidates < 1e-6 dropped), top-a, min-p, each keeping the most likely token,
-    and the inverse-CDF draw at r (skewed). Returns (token [B] int64, its final probability [B] float32; NaN
-    or 0 when the row had no usable distribution). Here over the whole sorted vocabulary; the CUDA kernel keeps
-    K candidates and handles rows without top-k whose survivors pass K apart (same result). Rows with a top-k
-    between K and the vocabulary size are not supported (the callers send them to the host chain)."""
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
+                          ) -> tuple[torch.Tensor, ...]:
+    """`sample_top`, plus what the later steps of the chain need (exlpy/generator/sampling/graphed.py): the
+    distribution after min-p over the K = min(k_max, V) most likely tokens, descending ([B, K] float32, not
+    renormalised; exact for rows whose survivors are among them), their ids [B, K] and each row's (skewed)
+    random point [B]. Returns (token, prob, q, ids, r)."""
     x = logits.float() / params[:, 0:1]
     batch, vocab = x.shape
     k = vocab
@@ -517,4 +514,19 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     idx = (cum <= r * total).sum(-1, keepdim=True)
     last = torch.where(q > 0, j, torch.zeros_like(j)).amax(-1, keepdim=True)
     idx = torch.minimum(idx, last)
-    return ids.gather(-1, idx).view(batch), (q.gather(-1, idx) / total).view(batch)
+    kc = min(k_max, vocab)
+    return (ids.gather(-1, idx).view(batch), (q.gather(-1, idx) / total).view(batch), q[:, :kc], ids[:, :kc],
+            r.view(batch))
+
+
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of logits [B, V] (float32): softmax at the row's temperature, then exllamav2's top-k
+    (renormalised when it truncates), top-p (running mass <= p, candidates < 1e-6 dropped), top-a, min-p, each
+    keeping the most likely token (ties: the lower id first), and the inverse-CDF draw at r (skewed). Returns
+    (token [B] int64, its final probability [B] float32; NaN or 0 when the row had no usable distribution).
+    The CUDA kernel keeps k_max candidates and finishes rows without top-k whose survivors pass them over the
+    whole vocabulary (same result); rows with a top-k between k_max and the vocabulary size are not supported
+    (the callers send them to the host chain)."""
+    tok, prob, _, _, _ = sample_top_candidates(logits, params, rng, k_max)
+    return tok, prob

@@ -94,8 +94,8 @@ def _chunk_kernel(x_ptr, x_stride, params_ptr, keys_ptr, stats_ptr, vocab, chunk
 
 
 @triton.jit
-def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, info_ptr, vocab,
-                   NCH: tl.constexpr, KC: tl.constexpr, K: tl.constexpr, NP: tl.constexpr):
+def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, info_ptr, cq_ptr, cid_ptr, vocab,
+                   NCH: tl.constexpr, KC: tl.constexpr, K: tl.constexpr, NP: tl.constexpr, CAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ch = tl.arange(0, NCH)
     ms = tl.load(stats_ptr + (row * NCH + ch) * 2 + 0)
@@ -151,6 +151,9 @@ def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, 
     pr = tl.sum(tl.where(j == idx, q, 0.0), axis=0) / total
     tl.store(tok_ptr + row, tok)
     tl.store(prob_ptr + row, pr)
+    if CAND:  # the candidates for the steps that follow in torch (graphed.py: TFS, typical, ...)
+        tl.store(cq_ptr + row * K + j, q)
+        tl.store(cid_ptr + row * K + j, ids)
     # Without top-k, a row whose K-th candidate survived every step keeps tokens past the candidates: the
     # third kernel samples it from the whole vocabulary.
     tail = tl.sum(tl.where(j == K - 1, q, 0.0), axis=0) > 0.0
@@ -302,9 +305,8 @@ def _full_kernel(x_ptr, x_stride, params_ptr, info_ptr, idx_ptr, tok_ptr, prob_p
         tl.store(prob_ptr + row, pr)
 
 
-def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.sample_top`."""
+def _launch(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int, cand: bool
+            ) -> tuple[torch.Tensor, ...]:
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, vocab = x.shape
     ch, nch, kc, k = plan(vocab, k_max)
@@ -312,17 +314,32 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     stats = torch.empty(rows, nch, 2, dtype=torch.float32, device=x.device)
     tok = torch.empty(rows, dtype=torch.int64, device=x.device)
     prob = torch.empty(rows, dtype=torch.float32, device=x.device)
+    info = torch.empty(rows, 4, dtype=torch.float32, device=x.device)
+    cq = torch.empty(rows, k if cand else 1, dtype=torch.float32, device=x.device)
+    cid = torch.empty(rows, k if cand else 1, dtype=torch.int64, device=x.device)
     if rows == 0:
-        return tok, prob
+        return tok, prob, cq, cid, info[:, 2]
     params = params.contiguous()
     rng = rng.contiguous()
     _chunk_kernel[(rows, nch)](x, x.stride(0), params, keys, stats, vocab, nch, CH=ch, KC=kc, NP=NPARAM,
                                num_warps=8 if ch >= 2048 else 4)
-    info = torch.empty(rows, 4, dtype=torch.float32, device=x.device)
-    _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, info, vocab, NCH=nch, KC=kc, K=k, NP=NPARAM,
-                            num_warps=4)
+    _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, info, cq, cid, vocab, NCH=nch, KC=kc, K=k,
+                            NP=NPARAM, CAND=cand, num_warps=4)
     if k < vocab:
         idx = torch.empty(rows, vocab, dtype=torch.int32, device=x.device)
         _full_kernel[(rows,)](x, x.stride(0), params, info, idx, tok, prob, vocab, NP=NPARAM, BLOCK=FULL_BLOCK,
                               SORTED_MAX=SORTED_MAX, num_warps=8)
+    return tok, prob, cq, cid, info[:, 2]
+
+
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.sample_top`."""
+    tok, prob, _, _, _ = _launch(logits, params, rng, k_max, False)
     return tok, prob
+
+
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
+                          ) -> tuple[torch.Tensor, ...]:
+    """Same contract as `reference.sample_top_candidates`."""
+    return _launch(logits, params, rng, k_max, True)

@@ -32,8 +32,12 @@ from typing import Any
 import torch
 
 from exlpy.engine.graphs import BUCKETS, bucket_for
+from exlpy.generator.sampling import truncation
 from exlpy.generator.sampling.chain import GREEDY_BELOW
+from exlpy.generator.sampling.draw import draw
 from exlpy.generator.sampling.settings import SamplerSettings
+from exlpy.generator.sampling.temperature import apply_temperature, dynamic_temperature
+from exlpy.generator.sampling.xtc import xtc
 from exlpy.kernels import ops
 from exlpy.kernels.sample_top import NPARAM
 
@@ -41,19 +45,42 @@ K_MAX = 128  # candidates per row kept by the fused kernel: top-k up to this run
 BLOCKED_LOGIT = -1e30  # as the host sampler's blocked tokens (a fully blocked row stays finite)
 
 
+def candidate_steps(s: SamplerSettings) -> bool:
+    """Whether the row uses steps the graph runs in torch on the K_MAX candidates (TFS, typical, dynamic or last
+    temperature, XTC): the host chain applies them only when not greedy."""
+    if s.temperature < GREEDY_BELOW or s.top_k == 1:
+        return False
+    return (0.0 < s.tfs < 1.0 or 0.0 < s.typical < 1.0 or s.max_temp > s.min_temp
+            or (s.temperature_last and s.temperature != 1.0) or s.xtc_probability > 0.0)
+
+
 def graph_capable(s: SamplerSettings, vocab: int) -> bool:
     """Whether rows with these settings can be sampled by `GraphSampler` with the host chain's distribution."""
     greedy = s.temperature < GREEDY_BELOW
     k = 1 if greedy else s.top_k
+    if candidate_steps(s):  # they read the candidates: every survivor must be one
+        k_ok = 0 < k <= K_MAX or vocab <= K_MAX
+    else:
+        k_ok = 0 < k <= K_MAX or k <= 0 or k >= vocab or vocab <= K_MAX
     return (s.cfg_scale is None and not s.mirostat and not s.post_sampling_hooks and s.dry_multiplier == 0.0
-            and s.smoothing_factor == 0.0 and not (0.0 < s.tfs < 1.0) and not (0.0 < s.typical < 1.0)
-            and not s.max_temp > s.min_temp and not (s.temperature_last and s.temperature != 1.0 and not greedy)
-            and s.xtc_probability == 0.0
-            and (s.token_repetition_range < 0 and s.token_repetition_decay <= 0
-                 or not has_penalties(s))
-            and (0 < k <= K_MAX or k <= 0 or k >= vocab or vocab <= K_MAX))
+            and (s.token_repetition_range < 0 and s.token_repetition_decay <= 0 or not has_penalties(s))
+            and (s.xtc_probability == 0.0 or s.xtc_ignore_tokens is None) and k_ok)
 
 
+def ext_params(s: SamplerSettings) -> list[float]:
+    """The row's parameters of the candidate steps and smoothing (`_Bucket.ext` columns, see `_step`)."""
+    cand = candidate_steps(s)
+    tfs = cand and 0.0 < s.tfs < 1.0
+    typ = cand and 0.0 < s.typical < 1.0
+    dyn = cand and s.max_temp > s.min_temp
+    last = cand and not dyn and s.temperature_last and s.temperature != 1.0
+    xtc_on = cand and s.xtc_probability > 0.0
+    return [float(tfs), float(s.tfs), float(typ), float(s.typical), float(dyn), float(s.min_temp),
+            float(s.max_temp), float(s.temp_exponent), float(last), float(s.temperature), float(xtc_on),
+            float(s.xtc_probability), float(s.xtc_threshold), float(s.smoothing_factor)]
+
+
+NEXT = 14
 def has_penalties(s: SamplerSettings) -> bool:
     return (s.token_repetition_penalty != 1.0 or s.token_frequency_penalty != 0.0
             or s.token_presence_penalty != 0.0)
@@ -93,6 +120,7 @@ class _Bucket:
     slots: torch.Tensor  # [R] int64 (padding / no slot: the spare slot)
     mask: torch.Tensor  # [R, W] int32 grammar bitmask (all ones: no mask)
     block: torch.Tensor  # [R, W] int32 blocked-token bits
+    ext: torch.Tensor  # [R, NEXT] float32: candidate steps and smoothing (ext_params)
     tokens: torch.Tensor  # [R] int64 out
     probs: torch.Tensor  # [R] float32 out
     ok: torch.Tensor  # [R] bool out
@@ -106,8 +134,9 @@ class GraphSampler:
     """Samples rows of a decode step's logits [B, V] on their device (see the module docstring)."""
 
     def __init__(self, vocab: int, device: torch.device, slots: int, limit: int | None = None,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, tokenizer: Any = None) -> None:
         self.vocab = vocab
+        self.tokenizer = tokenizer  # XTC's default ignore set (the host chain's)
         self.device = torch.device(device)
         self.slots = slots  # slot `slots` is the spare one that padding rows and slot-less rows use
         self.limit = limit if limit is not None and limit < vocab else None  # tokenizer's vocabulary size
@@ -135,10 +164,10 @@ class GraphSampler:
     def bind_counts(self, slot: int, ids: torch.Tensor) -> None:
         """Counts of `slot` := occurrences of each token in `ids` (the whole context; ids outside V ignored)."""
         counts = self._table("counts")
-        ids = ids.reshape(-1).long()
-        ids = ids[(ids >= 0) & (ids < self.vocab)].to(self.device, non_blocking=True)
+        ids = ids.reshape(-1).long().to(self.device, non_blocking=True)
+        inside = ((ids >= 0) & (ids < self.vocab)).float()  # a weight, not a mask: no host sync on a device
         row = torch.zeros(self.vocab, dtype=torch.float32, device=self.device)
-        row.index_add_(0, ids, torch.ones(ids.shape, dtype=torch.float32, device=self.device))
+        row.index_add_(0, ids.clamp(0, self.vocab - 1), inside)
         counts[slot].copy_(row)
 
     def bind_bias(self, slot: int, bias: torch.Tensor | None) -> None:
@@ -193,8 +222,8 @@ class GraphSampler:
                        torch.full((rows,), self.slots, dtype=torch.int64, device=d),
                        torch.full((rows, self.words), -1, dtype=torch.int32, device=d),
                        torch.zeros(rows, self.words, dtype=torch.int32, device=d),
-                       torch.zeros(rows, dtype=torch.int64, device=d), torch.zeros(rows, device=d),
-                       torch.zeros(rows, dtype=torch.bool, device=d), {})
+                       torch.zeros(rows, NEXT, device=d), torch.zeros(rows, dtype=torch.int64, device=d),
+                       torch.zeros(rows, device=d), torch.zeros(rows, dtype=torch.bool, device=d), {})
 
     def _write(self, b: _Bucket, rows: list[GraphRow]) -> tuple[bool, ...]:
         """Fill the bucket's parameter buffers for `rows` (padding rows: greedy, spare slot, no masks)."""
@@ -231,6 +260,14 @@ class GraphSampler:
         if pen and b.held.get("pen") != pens:
             _upload(torch.tensor(pens, dtype=torch.float32), b.pen.view(-1))
             b.held["pen"] = pens
+        exts = [ext_params(r.settings) for r in rows]
+        cand = any(e[0] or e[2] or e[4] or e[8] or e[10] for e in exts)
+        smooth = any(e[13] > 0.0 for e in exts)
+        if cand or smooth:
+            flat_ext = [v for e in exts for v in e] + [0.0] * (NEXT * pad)
+            if b.held.get("ext") != flat_ext:
+                _upload(torch.tensor(flat_ext, dtype=torch.float32), b.ext.view(-1))
+                b.held["ext"] = flat_ext
         masked = any(r.mask is not None for r in rows)
         blocked = any(r.blocked for r in rows)
         if masked:
@@ -251,11 +288,11 @@ class GraphSampler:
                     if 0 <= t < self.vocab:
                         bl[i, t // 32] |= 1 << (t % 32)
             _upload(torch.where(bl >= 2**31, bl - 2**32, bl).to(torch.int32), b.block)
-        return (pen, bias, masked, blocked)
+        return (pen, bias, masked, blocked, smooth, cand)
 
     def _step(self, b: _Bucket, feats: tuple[bool, ...]) -> None:
         """The captured work: logit stage, fused truncation + draw, count and counter updates."""
-        pen, bias, masked, blocked = feats
+        pen, bias, masked, blocked, smooth, cand = feats
         x = b.x
         ok_in = torch.isfinite(x.amax(-1))
         x = torch.where(ok_in[:, None], x, torch.zeros_like(x))
@@ -278,7 +315,14 @@ class GraphSampler:
             x[:, self.limit:] = float("-inf")
         ok_logits = torch.isfinite(x.amax(-1))
         x = torch.where(ok_logits[:, None], x, torch.zeros_like(x))
-        tokens, probs = ops.sample_top(x, b.params, b.rng, K_MAX)
+        if smooth:  # quadratic smoothing of the first softmax: exp(-(l - max)^2 * s / T)
+            sf = b.ext[:, 13:14]
+            z = -(x - x.amax(-1, keepdim=True)).square() * sf
+            x = torch.where(sf > 0, torch.where(torch.isfinite(x), z, torch.full_like(z, float("-inf"))), x)
+        if cand:
+            tokens, probs = self._candidate_steps(x, b)
+        else:
+            tokens, probs = ops.sample_top(x, b.params, b.rng, K_MAX)
         b.tokens.copy_(tokens)
         b.probs.copy_(probs)
         b.ok.copy_(ok_in & ok_logits & (probs > 0))
@@ -287,6 +331,31 @@ class GraphSampler:
             flat = b.slots * self.vocab + tokens
             self.counts.view(-1).scatter_add_(0, flat, torch.ones(flat.shape, device=flat.device))
         b.rng[:, 1] += 1
+
+    def _candidate_steps(self, x: torch.Tensor, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host chain's steps after min-p, on each row's K_MAX candidates (rows that use none keep the fused
+        kernel's draw): TFS, typical, dynamic or last temperature, XTC, then the draw at the kernel's point."""
+        tokens, probs, q, ids, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX)
+        e = b.ext
+        q = torch.where(e[:, 0:1] > 0, truncation.tail_free(q, e[:, 1:2]), q)
+        q = torch.where(e[:, 2:3] > 0, truncation.typical(q, e[:, 3:4]), q)
+        q = torch.where(e[:, 4:5] > 0, dynamic_temperature(q, e[:, 5:6], e[:, 6:7], e[:, 7:8]), q)
+        q = torch.where(e[:, 8:9] > 0, apply_temperature(q, e[:, 9:10]), q)
+        ignore = self._xtc_ignore()
+        q = torch.where(e[:, 10:11] > 0, xtc(q, ids, e[:, 11:12], e[:, 12:13], ignore), q)
+        q, order = q.sort(dim=-1, descending=True, stable=True)  # XTC may reorder; the draw wants descending
+        ids = ids.gather(-1, order)
+        idx, prob = draw(q, r.view(-1, 1))
+        use = (e[:, 0] + e[:, 2] + e[:, 4] + e[:, 8] + e[:, 10]) > 0
+        return torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs)
+
+    def _xtc_ignore(self) -> torch.Tensor | None:
+        if not hasattr(self, "_ignore"):
+            from exlpy.generator.sampling.chain import _token_mask
+            from exlpy.generator.sampling.tokenizer_info import default_xtc_ignore
+
+            self._ignore = _token_mask(self.tokenizer, "xtc", None, default_xtc_ignore, self.vocab, self.device)
+        return self._ignore
 
     def _capture(self, b: _Bucket, feats: tuple[bool, ...]) -> Any:
         """Warm up (compiles the kernels) on a side stream, then capture. The parameters written for this step
@@ -352,4 +421,4 @@ def for_logits(logits: torch.Tensor, slots: int, tokenizer: Any) -> GraphSampler
 
     vocab, device = logits.shape[-1], logits.device
     limit = vocab_size(tokenizer) if tokenizer is not None else None
-    return GraphSampler(vocab, device, slots, limit)
+    return GraphSampler(vocab, device, slots, limit, tokenizer=tokenizer)
