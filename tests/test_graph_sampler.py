@@ -310,3 +310,53 @@ def test_sampling_kernels_compile_for_sm90() -> None:
     assert {"chunk V128256", "select V128256", "full"} <= set(res)
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)
+
+
+# --- speculative verification ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kinds", [("greedy", "greedy"), ("topk_topp_minp", "typical"), ("greedy", "temp_last")])
+def test_verification_equals_verify_rows(kinds: tuple[str, str]) -> None:
+    """Rows with drafts that the target likes (its argmax) or not: accepted counts and added tokens as the
+    host-side rejection rule computes them, at the same points."""
+    from exlpy.generator.sampling.batched import RowSample
+    from exlpy.generator.speculative.verify import verify_rows
+
+    table = {"greedy": Settings.greedy(), "typical": EXTENDED["typical"],
+             "temp_last": EXTENDED["temperature_last"],
+             "topk_topp_minp": Settings(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05,
+                                        token_repetition_penalty=1.0)}
+    settings = [table[k] for k in kinds]
+    g = torch.Generator().manual_seed(11)
+    B, T, V = 2, 4, 300
+    logits = torch.randn(B, T, V, generator=g) * 2
+    argmax = logits.argmax(-1)
+    drafts = argmax[:, :T - 1].clone()
+    drafts[1, 1] = (drafts[1, 1] + 1) % V  # row 1's second draft is not the target's argmax
+    gs = GraphSampler(V, logits.device, slots=2)
+    for trial in range(5):
+        pts = torch.rand(B, 2 * T - 1, generator=g)
+        u, r = pts[:, :T - 1], pts[:, T - 1:]
+        m, tok = gs.verify(logits, drafts, settings, u.tolist(), r.tolist())
+        want_m, want_tok = verify_rows(logits, drafts, [RowSample(s) for s in settings], u, r, None)
+        assert m.tolist() == want_m.tolist() and tok.tolist() == want_tok.tolist(), (kinds, trial)
+
+
+def test_dynamic_speculation_captured_path_matches_old_path() -> None:
+    from tests.test_generator_helpers import PROMPTS, aidreams_cpu, drain
+
+    model, tok = aidreams_cpu()
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:3]]
+    out = []
+    for graph in (False, True):
+        g = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=2048), tok, use_ngram_draft=True,
+                                      num_draft_tokens=3)
+        g.graph_sampling = graph
+        jobs = [ExLlamaV2DynamicJob(i, 16, stop_conditions=[], gen_settings=s, seed=5)
+                for i, s in zip(ids, (Settings.greedy(), COMBOS["plain_temperature"], Settings.greedy()))]
+        for j in jobs:
+            g.enqueue(j)
+        res = drain(g)
+        assert g.get_sd_stats()[3] > 0  # drafted
+        assert (g.stepper.graphed is not None and g.stepper.graphed._verifier is not None) == graph
+        out.append([res[j]["tokens"] for j in jobs])
+    assert out[0] == out[1]

@@ -278,6 +278,11 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self._counted = expected + 1  # the step counts the token it samples
         return g, 0
 
+    def _verify_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
+        """The captured sampler that verifies speculative rounds, or None (see `_graph_sampler`)."""
+        use = self._graph_sampler(logits[:, -1], None) if not graphed.has_penalties(self.settings) else None
+        return None if use is None else use[0]
+
     def _stream_device(self, plan: stream_steps.RowSample) -> dict[str, Any]:
         """One token through the overlapped path: launch the step after it, then read it."""
         seq = self.sequence_ids

@@ -212,14 +212,22 @@ class DecodeStepper:
         return launched, host
 
     # --- the captured sampler (exlpy/generator/sampling/graphed.py) ---------------------------------------------
-    def _graph_rows(self, jobs: list[ExLlamaV2DynamicJob], logits: torch.Tensor) -> dict[int, GraphRow]:
-        """The jobs (by index) that the captured sampler samples this step, with their rows."""
+    def graph_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
+        """The captured sampler for logits like these ([..., V] on their device), or None where the generator
+        does not use it (`gen.graph_sampling`)."""
         if not graphed.wanted(self.gen.model, logits.device, self.gen.graph_sampling):
-            return {}
+            return None
         vocab = logits.shape[-1]
         if self.graphed is None or self.graphed.device != logits.device or self.graphed.vocab != vocab:
-            self.graphed = graphed.for_logits(logits, self.gen.max_batch_size, self.gen.tokenizer)
+            self.graphed = graphed.for_logits(logits.view(-1, vocab), self.gen.max_batch_size, self.gen.tokenizer)
             self.slot_of.clear()
+        return self.graphed
+
+    def _graph_rows(self, jobs: list[ExLlamaV2DynamicJob], logits: torch.Tensor) -> dict[int, GraphRow]:
+        """The jobs (by index) that the captured sampler samples this step, with their rows."""
+        if self.graph_sampler(logits) is None:
+            return {}
+        vocab = logits.shape[-1]
         rows: dict[int, GraphRow] = {}
         live = {id(j) for j in jobs}
         for k, job in enumerate(jobs):

@@ -150,6 +150,7 @@ class GraphSampler:
         self._word = torch.arange(vocab, device=self.device) // 32
         self._bit = (torch.arange(vocab, device=self.device) % 32).to(torch.int32)
         self.steps = 0
+        self._verifier: _Verifier | None = None
 
     # --- per-job state -------------------------------------------------------------------------------------
     def _table(self, name: str) -> torch.Tensor:
@@ -186,6 +187,17 @@ class GraphSampler:
         table[slot].copy_(row.to(self.device, non_blocking=True))
         self.bias_of[slot] = id(bias)
         weakref.finalize(bias, self.bias_of.pop, slot, None)
+
+    # --- speculative verification ---------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, drafts: torch.Tensor, settings: list[SamplerSettings],
+               u: list[list[float]], r: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rejection rule over logits [B, T, V] of rows whose settings are `verify_capable`, drafts [B, T-1]
+        (device), acceptance points u[b][i] and draw points r[b][t] (host floats, drawn from the jobs'
+        generators as `verify_rows` takes them). Returns (accepted drafts [B], the token the target adds [B]),
+        equal to `speculative.verify.verify_rows`; views of static buffers valid until the next call."""
+        if self._verifier is None:
+            self._verifier = _Verifier(self)
+        return self._verifier.run(logits, drafts, settings, u, r)
 
     # --- a step --------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[GraphRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,18 +348,22 @@ class GraphSampler:
         """The host chain's steps after min-p, on each row's K_MAX candidates (rows that use none keep the fused
         kernel's draw): TFS, typical, dynamic or last temperature, XTC, then the draw at the kernel's point."""
         tokens, probs, q, ids, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX)
+        q, ids = self._chain(q, ids, b.ext)
+        idx, prob = draw(q, r.view(-1, 1))
         e = b.ext
+        use = (e[:, 0] + e[:, 2] + e[:, 4] + e[:, 8] + e[:, 10]) > 0
+        return torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs)
+
+    def _chain(self, q: torch.Tensor, ids: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TFS, typical, dynamic or last temperature and XTC where each row's `ext_params` turn them on; the
+        candidates come back in descending order (XTC may reorder)."""
         q = torch.where(e[:, 0:1] > 0, truncation.tail_free(q, e[:, 1:2]), q)
         q = torch.where(e[:, 2:3] > 0, truncation.typical(q, e[:, 3:4]), q)
         q = torch.where(e[:, 4:5] > 0, dynamic_temperature(q, e[:, 5:6], e[:, 6:7], e[:, 7:8]), q)
         q = torch.where(e[:, 8:9] > 0, apply_temperature(q, e[:, 9:10]), q)
-        ignore = self._xtc_ignore()
-        q = torch.where(e[:, 10:11] > 0, xtc(q, ids, e[:, 11:12], e[:, 12:13], ignore), q)
-        q, order = q.sort(dim=-1, descending=True, stable=True)  # XTC may reorder; the draw wants descending
-        ids = ids.gather(-1, order)
-        idx, prob = draw(q, r.view(-1, 1))
-        use = (e[:, 0] + e[:, 2] + e[:, 4] + e[:, 8] + e[:, 10]) > 0
-        return torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs)
+        q = torch.where(e[:, 10:11] > 0, xtc(q, ids, e[:, 11:12], e[:, 12:13], self._xtc_ignore()), q)
+        q, order = q.sort(dim=-1, descending=True, stable=True)
+        return q, ids.gather(-1, order)
 
     def _xtc_ignore(self) -> torch.Tensor | None:
         if not hasattr(self, "_ignore"):
@@ -386,6 +402,126 @@ class GraphSampler:
         if saved[4] is not None:
             self.counts.copy_(saved[4])  # type: ignore[union-attr]
         return g
+
+
+@dataclass
+class _VerifyBucket:
+    """Static buffers of verification steps of R rows x T positions (rows flattened with their positions)."""
+
+    rows: int
+    T: int
+    x: torch.Tensor  # [R*T, V]
+    params: torch.Tensor  # [R*T, NPARAM]: each row's parameters at each position, r = the position's point
+    rng: torch.Tensor  # [R*T, 2] (unused: the points come from the host)
+    ext: torch.Tensor  # [R*T, NEXT]
+    drafts: torch.Tensor  # [R, T-1] int64
+    u: torch.Tensor  # [R, T-1] acceptance points
+    m: torch.Tensor  # [R] out: accepted drafts
+    tok: torch.Tensor  # [R] out: the token the target adds
+    graphs: dict[tuple[bool, bool], Any]
+    held: dict[str, Any] = field(default_factory=dict)
+
+
+def verify_capable(s: SamplerSettings, vocab: int) -> bool:
+    """Rows whose speculative verification `GraphSampler.verify` runs: their whole distribution is among the
+    K_MAX candidates (greedy, top-k <= K_MAX or a small vocabulary), no penalties, bias or skew (as the host
+    verification: drafts extend the context, skew bends the draw)."""
+    greedy = s.temperature < GREEDY_BELOW or s.top_k == 1
+    return (graph_capable(s, vocab) and not has_penalties(s) and s.token_bias is None and s.skew == 0.0
+            and (greedy or 0 < s.top_k <= K_MAX or vocab <= K_MAX))
+
+
+class _Verifier:
+    """Speculative verification (the rejection rule of exlpy/generator/speculative/verify.py) as fixed-shape
+    device work, one CUDA graph per (row bucket, T, feature set), on a `GraphSampler`'s kernels."""
+
+    def __init__(self, owner: GraphSampler) -> None:
+        self.owner = owner
+        self.buckets: dict[tuple[int, int], _VerifyBucket] = {}
+
+    def run(self, logits: torch.Tensor, drafts: torch.Tensor, settings: list[SamplerSettings],
+            u: list[list[float]], r: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.owner
+        n, T, _ = logits.shape
+        k = T - 1
+        size = bucket_for(n) or n
+        vb = self.buckets.get((size, T))
+        if vb is None:
+            d, R = g.device, size
+            vb = self.buckets[(size, T)] = _VerifyBucket(
+                R, T, torch.zeros(R * T, g.vocab, device=d), torch.ones(R * T, NPARAM, device=d),
+                torch.zeros(R * T, 2, dtype=torch.int64, device=d), torch.zeros(R * T, NEXT, device=d),
+                torch.zeros(R, max(k, 1), dtype=torch.int64, device=d), torch.zeros(R, max(k, 1), device=d),
+                torch.zeros(R, dtype=torch.int64, device=d), torch.zeros(R, dtype=torch.int64, device=d), {})
+        pad = vb.rows - n
+        floats: list[float] = []
+        row_ext = [ext_params(s) for s in settings]
+        for s, pts in zip(settings, r):
+            for t in range(T):
+                floats += row_params(s, g.vocab, pts[t])
+        floats += [1.0, 1.0, 2.0, 0.0, 0.0, 1.0, 0.0] * (pad * T)
+        exts = [v for e in row_ext for _ in range(T) for v in e] + [0.0] * (NEXT * pad * T)
+        cand = any(e[0] or e[2] or e[4] or e[8] or e[10] for e in row_ext)
+        smooth = any(e[13] > 0.0 for e in row_ext)
+        _upload(torch.tensor(floats, dtype=torch.float32), vb.params.view(-1))
+        if cand or smooth:
+            _upload(torch.tensor(exts, dtype=torch.float32), vb.ext.view(-1))
+        if k:
+            _upload(torch.tensor([x for row in u for x in row] + [0.0] * (pad * k), dtype=torch.float32),
+                    vb.u.view(-1))
+            vb.drafts[:n].copy_(drafts)
+        vb.x.view(vb.rows, T, -1)[:n].copy_(logits.float())
+        feats = (smooth, cand)
+        if not g.capture:
+            self._step(vb, feats)
+        else:
+            graph = vb.graphs.get(feats)
+            if graph is None:
+                graph = vb.graphs[feats] = self._capture(vb, feats)
+            else:
+                graph.replay()
+        return vb.m[:n], vb.tok[:n]
+
+    def _step(self, vb: _VerifyBucket, feats: tuple[bool, bool]) -> None:
+        from exlpy.generator.speculative.verify import verify_group
+
+        smooth, cand = feats
+        x = vb.x
+        x = torch.where(torch.isfinite(x.amax(-1, keepdim=True)), x, torch.zeros_like(x))
+        if smooth:
+            sf = vb.ext[:, 13:14]
+            z = -(x - x.amax(-1, keepdim=True)).square() * sf
+            x = torch.where(sf > 0, torch.where(torch.isfinite(x), z, torch.full_like(z, float("-inf"))), x)
+        if self.owner.limit is not None:
+            x = x.clone()
+            x[:, self.owner.limit:] = float("-inf")
+        _, _, q, ids, r = ops.sample_top_candidates(x, vb.params, vb.rng, K_MAX)
+        if cand:
+            q, ids = self.owner._chain(q, ids, vb.ext)
+        R, T, C = vb.rows, vb.T, q.shape[-1]
+        k = T - 1
+        m, tok = verify_group(q.view(R, T, C), ids.view(R, T, C), vb.drafts[:, :k], vb.u[:, :k], r.view(R, T))
+        vb.m.copy_(m)
+        vb.tok.copy_(tok)
+
+    def _capture(self, vb: _VerifyBucket, feats: tuple[bool, bool]) -> Any:
+        g = self.owner
+        stream = torch.cuda.Stream(g.device)
+        stream.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles; the second run leaves this step's results
+                self._step(vb, feats)
+        torch.cuda.current_stream(g.device).wait_stream(stream)
+        torch.cuda.synchronize(g.device)
+        if g._pool is None:
+            g._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        saved = (vb.m.clone(), vb.tok.clone())
+        with torch.cuda.graph(graph, pool=g._pool):
+            self._step(vb, feats)
+        vb.m.copy_(saved[0])
+        vb.tok.copy_(saved[1])
+        return graph
 
 
 def _upload(src: torch.Tensor, dst: torch.Tensor | None,
