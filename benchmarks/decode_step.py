@@ -5,17 +5,20 @@
 
 The dynamic generator on a random-weight Llama-3-8B-shape fp16 model (benchmarks/make_models.py, synthetic
 tokenizer; written once into --work), steady tokens/s after every job's first token, for: greedy, exllamav2's
-default `Settings()`, top-k 40 + top-p 0.9 + min-p 0.05 + repetition penalty 1.1, at batch 1 and 64, each with
+default `Settings()`, top-k 40 + top-p 0.9 + min-p 0.05 + repetition penalty 1.1, top-p 0.9 over the whole
+vocabulary (top_k 0: what the OpenAI server sends), at batch 1 and 64, each with
 the old sampler path (`graph_sampling = False`: sample_rows / the host chain for penalties) and the captured
 sampler (exlpy/generator/sampling/graphed.py); JSON-schema constrained decoding (llguidance) at batch 1 and 16
-against the same jobs unconstrained; and with `--exl2` the EXL2 4.0 bpw 8B at batch 1. The speculative replay
-draft at acceptance 0.8 vs plain (batch 1) is benchmarks/speculative.py's part `replay` (`--spec`, adds ~2 min
-for the 1B draft's weights). Results: a markdown table with device, date and command.
+against the same jobs unconstrained; with `--exl2` the EXL2 4.0 bpw 8B at batch 1 (writing its weights the first
+time adds minutes). Then the speculative replay draft at acceptance 0.8 vs plain at batch 1 (benchmarks/
+speculative.py's part `replay`, a 1B-shape draft; verification through the captured sampler; `--no-spec` skips
+it). Results: a markdown table with device, date and command.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -43,10 +46,12 @@ def settings(kind: str) -> Any:
         return S.greedy()
     if kind == "default Settings()":
         return S()
+    if kind == "top-p 0.9, top_k 0 (server)":
+        return S(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0)
     return S(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, token_repetition_penalty=1.1)
 
 
-KINDS = ("greedy", "default Settings()", "top-k+top-p+min-p+rep")
+KINDS = ("greedy", "default Settings()", "top-k+top-p+min-p+rep", "top-p 0.9, top_k 0 (server)")
 
 
 def load(work: str, tiny: bool, exl2: bool, max_batch: int, max_len: int) -> tuple[Any, Any]:
@@ -110,7 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on whatever device (CPU check)")
     ap.add_argument("--exl2", action="store_true", help="also the EXL2 4.0 bpw 8B at batch 1")
-    ap.add_argument("--spec", action="store_true", help="also speculative replay draft a=0.8 vs plain, batch 1")
+    ap.add_argument("--no-spec", action="store_true", help="skip speculative replay draft a=0.8 vs plain")
     ap.add_argument("--work", default="/tmp/exlpy_bench_models")
     ap.add_argument("--new-tokens", type=int, default=0, help="tokens per timed job (default 128; tiny 12)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.md")
@@ -158,6 +163,7 @@ def main() -> int:
         emit()
     if args.exl2 and not args.tiny:
         del model
+        gc.collect()
         torch.cuda.empty_cache()
         model, tok = load(args.work, False, True, 1, prompt_len + new + 256)
         lines += ["", "EXL2 4.0 bpw 8B, batch 1:", "", "| settings | old tok/s | captured tok/s | % of greedy |",
@@ -170,10 +176,11 @@ def main() -> int:
             lines.append(f"| {kind} | {old:,.1f} | {cap:,.1f} | {100 * cap / greedy:.1f}% |")
             print(lines[-1], flush=True)
             emit()
-    if args.spec and not args.tiny:
+    if not args.no_spec and not args.tiny:
         from benchmarks.speculative import part_replay
 
         del model
+        gc.collect()
         torch.cuda.empty_cache()
         lines += [""] + part_replay(args.work, [1], [0.8], new)
         emit()

@@ -360,3 +360,20 @@ def test_dynamic_speculation_captured_path_matches_old_path() -> None:
         assert (g.stepper.graphed is not None and g.stepper.graphed._verifier is not None) == graph
         out.append([res[j]["tokens"] for j in jobs])
     assert out[0] == out[1]
+
+
+def test_streaming_speculation_captured_path_matches_greedy() -> None:
+    from exlpy.generator import ExLlamaV2StreamingGenerator
+    from tests.test_generator_helpers import aidreams_cpu, argmax_tokens
+    from tests.test_generator_streaming import stream_all
+
+    model, tok = aidreams_cpu()
+    sg = ExLlamaV2StreamingGenerator(model, ExLlamaV2Cache(model, max_seq_len=256), tok)
+    sg.graph_sampling = True
+    sg.speculative_ngram = True
+    sg.ngram_preload("Echoes of vectors unfold, a gentle hum of precision")
+    ids = tok.encode("Echoes of", add_bos=True)
+    sg.set_stop_conditions([])
+    sg.begin_stream_ex(ids, Settings.greedy())
+    assert stream_all(sg, 24)[1][:24] == argmax_tokens(model, ids, 24)
+    assert sg.get_sd_stats()[3] > 0 and sg.graphed is not None and sg.graphed._verifier is not None
