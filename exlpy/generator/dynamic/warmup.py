@@ -122,6 +122,11 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
                                              gen_settings=settings, seed=k) for k in range(rows)])
             while gen.num_remaining_jobs():
                 gen.iterate()
+    if plan.jobs:  # the captured sampler's candidate steps (typical, TFS, ...): one more kernel variant, once
+        gen.enqueue(ExLlamaV2DynamicJob(torch.randint(3, vocab, (1, 2)), 3, stop_conditions=[], seed=0,
+                                        gen_settings=ExLlamaV2Sampler.Settings(typical=0.9)))
+        while gen.num_remaining_jobs():
+            gen.iterate()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if log:
