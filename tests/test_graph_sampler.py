@@ -377,3 +377,33 @@ def test_streaming_speculation_captured_path_matches_greedy() -> None:
     sg.begin_stream_ex(ids, Settings.greedy())
     assert stream_all(sg, 24)[1][:24] == argmax_tokens(model, ids, 24)
     assert sg.get_sd_stats()[3] > 0 and sg.graphed is not None and sg.graphed._verifier is not None
+
+
+@requires_cuda
+def test_dynamic_generator_on_gpu_captured_sampler() -> None:
+    """On a GPU the captured sampler is the default: greedy as the old path token for token, sampled rows
+    (penalties, whole-vocabulary top-p, a seeded row) run and stay reproducible."""
+    from tests.test_generator_helpers import PROMPTS, aidreams
+
+    model, tok = aidreams()
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:4]]
+    kws = [{"gen_settings": Settings.greedy()}, {"gen_settings": Settings(), "seed": 1},
+           {"gen_settings": COMBOS["server_top_p"], "seed": 2}, {"gen_settings": EXTENDED["typical"], "seed": 3}]
+
+    def run(graph: bool | None) -> list[list[int]]:
+        g = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=2048), tok)
+        if graph is not None:
+            g.graph_sampling = graph
+        jobs = [ExLlamaV2DynamicJob(i, 24, stop_conditions=[], **kw) for i, kw in zip(ids, kws)]
+        for j in jobs:
+            g.enqueue(j)
+        from tests.test_generator_helpers import drain
+
+        res = drain(g)
+        assert all(res[j]["final"]["eos_reason"] == "max_new_tokens" for j in jobs)
+        assert (g.stepper.graphed is not None) == (graph is not False)
+        return [res[j]["tokens"] for j in jobs]
+
+    default, again, old = run(None), run(None), run(False)
+    assert default == again  # seeded rows repeat
+    assert default[0] == old[0]

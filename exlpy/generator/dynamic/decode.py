@@ -25,6 +25,7 @@ job's LoRA slot.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -203,9 +204,13 @@ class DecodeStepper:
             try:
                 launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits,
                                         step.device, graph)
-            except Exception:
+            except Exception as e:
                 # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
                 # already drawn) and fails only the job at fault
+                if graph:  # the captured sampler failed: the generator goes on without it
+                    warnings.warn(f"captured sampler failed ({type(e).__name__}: {e}); sampling without it from "
+                                  "now on", stacklevel=2)
+                    self.gen.graph_sampling = False
                 logits = premask_jobs(jobs, first, step.logits)
                 host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
         host.logits = logits

@@ -24,6 +24,7 @@ apart, so a plain step does not pay for penalties it does not apply.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -197,7 +198,8 @@ class GraphSampler:
         equal to `speculative.verify.verify_rows`; views of static buffers valid until the next call."""
         if self._verifier is None:
             self._verifier = _Verifier(self)
-        return self._verifier.run(logits, drafts, settings, u, r)
+        with _on(self.device):
+            return self._verifier.run(logits, drafts, settings, u, r)
 
     # --- a step --------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[GraphRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,19 +213,24 @@ class GraphSampler:
         if b is None:
             b = self.buckets[size] = self._bucket(size)
         try:
-            feats = self._write(b, rows)
-            b.x[:n].copy_(logits.float())
-            if not self.capture:
-                self._step(b, feats)
-            else:
-                g = b.graphs.get(feats)
-                if g is None:
-                    g = b.graphs[feats] = self._capture(b, feats)  # its warm-up ran this step already
-                else:
-                    g.replay()
+            with _on(self.device):
+                return self._sample(b, n, logits, rows)
         except Exception:
             b.held.clear()  # the buffers may hold part of this step: upload everything next time
             raise
+
+    def _sample(self, b: _Bucket, n: int, logits: torch.Tensor, rows: list[GraphRow]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        feats = self._write(b, rows)
+        b.x[:n].copy_(logits.float())
+        if not self.capture:
+            self._step(b, feats)
+        else:
+            g = b.graphs.get(feats)
+            if g is None:
+                g = b.graphs[feats] = self._capture(b, feats)  # its warm-up ran this step already
+            else:
+                g.replay()
         self.steps += 1
         return b.tokens[:n], b.probs[:n], b.ok[:n]
 
@@ -522,6 +529,12 @@ class _Verifier:
         vb.m.copy_(saved[0])
         vb.tok.copy_(saved[1])
         return graph
+
+
+def _on(device: torch.device) -> Any:
+    """The device's context (Triton launches and graph captures use the current device: under a layer split the
+    logits are on the last GPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _upload(src: torch.Tensor, dst: torch.Tensor | None,
