@@ -119,6 +119,20 @@ def test_blocked_tokens_bias_mask_and_vocab_limit_match_host() -> None:
         assert [int(tokens[0]), int(tokens[1])] == [int(want0), int(want1)]
 
 
+def test_a_slot_reused_without_bias_has_none() -> None:
+    logits, _ = _case(rows=2, seed=9)
+    gs = GraphSampler(300, logits.device, slots=2)
+    bias = torch.zeros(300)
+    bias[7] = 50.0
+    biased = Settings.greedy(token_bias=bias)
+    assert gs.sample(logits, [GraphRow(biased, slot=0), GraphRow(biased, slot=1)])[0].tolist() == [7, 7]
+    del biased, bias  # the job ends; slot 0 goes to a job without bias while slot 1 keeps one
+    bias = torch.zeros(300)
+    bias[9] = 50.0
+    t = gs.sample(logits, [GraphRow(Settings.greedy(), slot=0), GraphRow(Settings.greedy(token_bias=bias), slot=1)])
+    assert t[0].tolist() == [int(logits[0].argmax()), 9]
+
+
 def _chi2_limit(df: int) -> float:
     """The 0.999 quantile of chi-square with df degrees of freedom (Wilson-Hilferty)."""
     z = 3.0902

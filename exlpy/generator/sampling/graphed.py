@@ -145,7 +145,8 @@ class GraphSampler:
         self.words = (vocab + 31) // 32
         self.counts: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.bias_of: dict[int, int] = {}  # slot -> id of the bias tensor written there
+        self.bias_of: dict[int, int] = {}  # slot -> id of the bias tensor written there (while it lives)
+        self.biased: set[int] = set()  # slots whose bias row holds a bias
         self.buckets: dict[int, _Bucket] = {}
         self._pool: Any = None
         self._word = torch.arange(vocab, device=self.device) // 32
@@ -175,19 +176,22 @@ class GraphSampler:
     def bind_bias(self, slot: int, bias: torch.Tensor | None) -> None:
         """Bias row of `slot` := bias[:V] (zeros past a shorter bias), rewritten only when the tensor changes."""
         if bias is None:
-            if self.bias is not None and self.bias_of.get(slot, 0) != 0:
+            if self.bias is not None and slot in self.biased:
                 self.bias[slot].zero_()
-                self.bias_of[slot] = 0
+                self.biased.discard(slot)
+                self.bias_of.pop(slot, None)
             return
         if self.bias_of.get(slot) == id(bias):
             return
         table = self._table("bias")
+        self.biased.add(slot)  # its row is not zero (until a slot-less or bias-less row zeroes it)
         row = torch.zeros(self.vocab, dtype=torch.float32)
         n = min(bias.numel(), self.vocab)
         row[:n] = bias.reshape(-1)[:n].float().cpu()
         table[slot].copy_(row.to(self.device, non_blocking=True))
         self.bias_of[slot] = id(bias)
-        weakref.finalize(bias, self.bias_of.pop, slot, None)
+        # a later tensor may reuse the id of a freed one: forget the id when its tensor goes
+        weakref.finalize(bias, _forget, self.bias_of, slot, id(bias))
 
     # --- speculative verification ---------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, drafts: torch.Tensor, settings: list[SamplerSettings],
@@ -529,6 +533,11 @@ class _Verifier:
         vb.m.copy_(saved[0])
         vb.tok.copy_(saved[1])
         return graph
+
+
+def _forget(table: dict[int, int], slot: int, key: int) -> None:
+    if table.get(slot) == key:
+        del table[slot]
 
 
 def _on(device: torch.device) -> Any:
