@@ -21,6 +21,12 @@ on the device), reads token n (the one wait on the device) and feeds it to the f
 worker thread computes while the GPU runs that forward pass, and then uploads the mask (pinned, non-blocking)
 and launches the masking kernel and the sampling behind the forward pass on the stream. Each row carries its
 job's LoRA slot.
+
+Where decode steps are CUDA graphs (`gen.graph_sampling`), rows sample through the captured sampler
+(exlpy/generator/sampling/graphed.py): one graph replay for the step's masks, penalties (each job's token counts
+live in a sampler slot on the device and follow its tokens there), truncation and draw. A seeded job's random
+points still come from its generator, in the same order as on the host; an unseeded job's from Philox in the
+kernel. Rows the captured sampler cannot take use `sample_rows` or the host sampler as before.
 """
 
 from __future__ import annotations
