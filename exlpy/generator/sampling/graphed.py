@@ -403,7 +403,8 @@ class GraphSampler:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        # thread_local: a server's other threads (the event loop, grammar workers) may use CUDA meanwhile
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             self._step(b, feats)
         # capture does not run the work: the state after the warm-up step is the state after this step
         b.rng.copy_(saved[0])
@@ -528,7 +529,7 @@ class _Verifier:
             g._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         saved = (vb.m.clone(), vb.tok.clone())
-        with torch.cuda.graph(graph, pool=g._pool):
+        with torch.cuda.graph(graph, pool=g._pool, capture_error_mode="thread_local"):
             self._step(vb, feats)
         vb.m.copy_(saved[0])
         vb.tok.copy_(saved[1])
