@@ -68,15 +68,15 @@ def load(work: str, tiny: bool, exl2: bool, max_batch: int, max_len: int) -> tup
         vocab = SHAPES["llama3-8b"]["vocab_size"]
     if not os.path.exists(os.path.join(d, "tokenizer.json")):
         write_word_tokenizer(Path(d), vocab)
-    cfg = ExLlamaV2Config(d)
-    cfg.max_seq_len = max_len
-    cfg.max_batch_size = max_batch
-    model = ExLlamaV2(cfg)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # every module on GPU 0, as the other decode benchmarks
         from exlpy.cli.bench import load_model
 
         model = load_model(d, max_len, max_batch)
     else:
+        cfg = ExLlamaV2Config(d)
+        cfg.max_seq_len = max_len
+        cfg.max_batch_size = max_batch
+        model = ExLlamaV2(cfg)
         model.load()
     return model, ExLlamaV2Tokenizer(model.config)
 
