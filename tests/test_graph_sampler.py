@@ -224,6 +224,33 @@ def test_kernel_matches_reference(monkeypatch: Any) -> None:
     torch.testing.assert_close(q[:3], ref_q[:3], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.interpreter
+def test_kernel_flat_rows_draw_in_vocabulary_order(monkeypatch: Any) -> None:
+    """Past SORTED_MAX survivors the whole-vocabulary kernel draws in token-id order (one pass): the same
+    distribution as the sorted draw, so the token at point r is the one where the id-ordered running mass of the
+    reference's final distribution passes r."""
+    pytest.importorskip("triton")
+    from exlpy.kernels import sample_top as kernel
+
+    monkeypatch.setattr(kernel, "SORTED_MAX", 16)
+    V, rows = 300, 6
+    x = (torch.randn(V, generator=torch.Generator().manual_seed(4)) * 0.5).expand(rows, V).contiguous()
+    points = [0.02, 0.31, 0.5, 0.77, 0.93, 0.999]
+    params = torch.tensor([[1.0, float(V), 0.9 if i % 2 else 2.0, 0, 0.05 if i % 2 == 0 else 0.0, 1, p]
+                           for i, p in enumerate(points)])
+    rng = torch.zeros(rows, 2, dtype=torch.int64)
+    tok, prob = kernel.sample_top(x, params, rng, 32)
+    _, _, q, ids, _ = reference.sample_top_candidates(x, params, rng, V)
+    for i, p in enumerate(points):
+        final = torch.zeros(V).scatter_(0, ids[i], q[i])
+        assert int((final > 0).sum()) > 16  # the index-order branch
+        cum = final.cumsum(0)
+        want = int((cum <= p * cum[-1]).sum())
+        want = min(want, int((final > 0).nonzero().max()))
+        assert int(tok[i]) == want, i
+        assert float(prob[i]) == pytest.approx(float(final[want] / cum[-1]), rel=1e-4)
+
+
 @requires_cuda
 def test_kernel_matches_reference_on_cuda() -> None:
     from exlpy.kernels.sample_top import sample_top
