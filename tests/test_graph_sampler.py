@@ -31,6 +31,11 @@ COMBOS = {
     "plain_temperature": Settings(temperature=1.3, top_k=100, top_p=1.0, token_repetition_penalty=1.0),
     "server_top_p": Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0),  # whole vocab
     "min_p_only": Settings(temperature=1.2, top_k=0, top_p=1.0, min_p=0.01, token_repetition_penalty=1.05),
+    "penalty_window": Settings(temperature=1.0, top_k=50, top_p=0.95, token_repetition_penalty=1.4,
+                               token_repetition_range=12, token_repetition_decay=8, token_frequency_penalty=0.3,
+                               token_presence_penalty=0.2),
+    "penalty_range_only": Settings(temperature=0.8, top_k=0, top_p=0.9, token_repetition_penalty=1.3,
+                                   token_repetition_range=20),
 }
 DETERMINISTIC = {
     "greedy": Settings.greedy(),
@@ -77,12 +82,13 @@ def test_same_token_as_host_sampler_at_the_same_point(name: str) -> None:
 
 def test_mixed_rows_in_one_step_match_host() -> None:
     """Rows with the candidate steps, whole-vocabulary top-p, greedy and penalties share one step."""
-    logits, context = _case(rows=4, seed=5)
-    kinds = [EXTENDED["typical"], COMBOS["server_top_p"], Settings.greedy(), COMBOS["topk_topp_minp_rep"]]
-    gs = GraphSampler(300, logits.device, slots=4)
-    for i in range(4):
+    kinds = [EXTENDED["typical"], COMBOS["server_top_p"], Settings.greedy(), COMBOS["topk_topp_minp_rep"],
+             COMBOS["penalty_window"]]
+    logits, context = _case(rows=5, seed=5)
+    gs = GraphSampler(300, logits.device, slots=5)
+    for i in range(5):
         gs.bind_counts(i, context[i])
-    points = [0.13, 0.52, 0.7, 0.91]
+    points = [0.13, 0.52, 0.7, 0.91, 0.33]
     tokens, _, ok = gs.sample(logits, [GraphRow(k, slot=i, point=p) for i, (k, p) in enumerate(zip(kinds, points))])
     assert bool(ok.all())
     for i, (k, p) in enumerate(zip(kinds, points)):
@@ -185,7 +191,9 @@ def test_settings_outside_the_graph_are_refused() -> None:
     assert not graph_capable(Settings(typical=0.5, top_k=0), 1000)  # they need every survivor among the candidates
     assert not graph_capable(Settings(mirostat=True), 1000)
     assert not graph_capable(Settings(dry_multiplier=0.8), 1000)
-    assert not graph_capable(Settings(token_repetition_range=64), 1000)
+    assert graph_capable(Settings(token_repetition_range=64, token_repetition_decay=64), 1000)  # the window
+    assert not graph_capable(Settings(token_repetition_range=4000, token_repetition_decay=200), 1000)
+    assert graph_capable(Settings(token_repetition_decay=64), 1000)  # no range: the whole context, decay unused
     assert graph_capable(Settings(token_repetition_range=64, token_repetition_penalty=1.0), 1000)
 
 
@@ -302,16 +310,18 @@ def test_dynamic_generator_captured_path_matches_old_path_and_oracles() -> None:
     from tests.test_generator_helpers import PROMPTS, aidreams_cpu
 
     _, tok = aidreams_cpu()
-    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:4]]
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:5]]
     n = 10
     pen = COMBOS["topk_topp_minp_rep"]
     top_p = COMBOS["server_top_p"]
+    window = COMBOS["penalty_window"]
     kws = [{"gen_settings": Settings.greedy()}, {"gen_settings": Settings.greedy()},
-           {"gen_settings": top_p, "seed": 12}, {"gen_settings": pen, "seed": 13}]
+           {"gen_settings": top_p, "seed": 12}, {"gen_settings": pen, "seed": 13}, {"gen_settings": window, "seed": 14}]
     old, new = _dynamic_tokens(False, kws, ids, n), _dynamic_tokens(True, kws, ids, n)
     assert new[:2] == old[:2]  # greedy: identical
     assert new[2] == sampled_oracle(ids[2], n, top_p, 12)  # seeded: the host's draws (whole-vocabulary top-p)
     assert new[3] == sampled_oracle(ids[3], n, pen, 13)  # penalties from the device counts
+    assert new[4] == sampled_oracle(ids[4], n, window, 14)  # a penalty range and decay: the device window
 
 
 def test_streaming_generator_captured_path_matches_old_path() -> None:

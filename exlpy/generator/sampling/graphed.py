@@ -10,7 +10,8 @@ shape depends on the data, so on CUDA the whole chain is one graph replay per st
   each replay with one pinned, non-blocking copy per kind: changing settings never recaptures anything.
 - Penalties read a token-count table `counts[slot, V]` (one slot per job, `bind_counts` fills it once from the
   context); the graph adds each sampled token to its row's slot, so the counts follow the sequence without the
-  host. Token bias rows live in a table of the same shape, written when a job first uses its slot.
+  host. A penalty range (with decay) reads the slot's newest WINDOW tokens instead, shifted by the graph the
+  same way. Token bias rows live in a table of the same shape, written when a job first uses its slot.
 - The random point of a row is either drawn by the host (a seeded job's torch.Generator: the same numbers the
   host sampler draws, so seeded jobs stay reproducible across both paths) or by the kernel from Philox of the
   row's (seed, counter); the graph advances the counter, so a replay draws fresh numbers.
@@ -43,6 +44,7 @@ from exlpy.kernels import ops
 from exlpy.kernels.sample_top import NPARAM
 
 K_MAX = 128  # candidates per row kept by the fused kernel: top-k up to this runs in the graph
+WINDOW = 4096  # newest tokens kept per slot for penalties with a range (range + decay up to this)
 BLOCKED_LOGIT = -1e30  # as the host sampler's blocked tokens (a fully blocked row stays finite)
 
 
@@ -64,7 +66,8 @@ def graph_capable(s: SamplerSettings, vocab: int) -> bool:
     else:
         k_ok = 0 < k <= K_MAX or k <= 0 or k >= vocab or vocab <= K_MAX
     return (s.cfg_scale is None and not s.mirostat and not s.post_sampling_hooks and s.dry_multiplier == 0.0
-            and (s.token_repetition_range < 0 and s.token_repetition_decay <= 0 or not has_penalties(s))
+            and (not has_penalties(s) or s.token_repetition_range < 0  # the whole context (decay unused)
+                 or s.token_repetition_range + max(s.token_repetition_decay, 0) <= WINDOW)
             and (s.xtc_probability == 0.0 or s.xtc_ignore_tokens is None) and k_ok)
 
 
@@ -116,7 +119,7 @@ class _Bucket:
     rows: int
     x: torch.Tensor  # [R, V] float32 logits in
     params: torch.Tensor  # [R, NPARAM] float32
-    pen: torch.Tensor  # [R, 3] float32: repetition, frequency, presence
+    pen: torch.Tensor  # [R, 5] float32: repetition, frequency, presence, range (< 0: whole context), decay
     rng: torch.Tensor  # [R, 2] int64: seed, counter
     slots: torch.Tensor  # [R] int64 (padding / no slot: the spare slot)
     mask: torch.Tensor  # [R, W] int32 grammar bitmask (all ones: no mask)
@@ -144,6 +147,8 @@ class GraphSampler:
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.words = (vocab + 31) // 32
         self.counts: torch.Tensor | None = None
+        self.window: torch.Tensor | None = None  # [slots + 1, WINDOW] int64, oldest first, -1 = none
+        self._age = torch.arange(WINDOW - 1, -1, -1, device=self.device, dtype=torch.float32)  # 0 = newest
         self.bias: torch.Tensor | None = None
         self.bias_of: dict[int, int] = {}  # slot -> id of the bias tensor written there (while it lives)
         self.biased: set[int] = set()  # slots whose bias row holds a bias
@@ -160,18 +165,25 @@ class GraphSampler:
         if t is None:
             t = torch.zeros(self.slots + 1, self.vocab, dtype=torch.float32, device=self.device)
             setattr(self, name, t)
+            if name == "counts":  # with the counts, the newest WINDOW tokens (penalties with a range)
+                self.window = torch.full((self.slots + 1, WINDOW), -1, dtype=torch.int64, device=self.device)
             for b in self.buckets.values():
                 b.graphs.clear()  # captured graphs do not read a table allocated after them
         return t
 
     def bind_counts(self, slot: int, ids: torch.Tensor) -> None:
-        """Counts of `slot` := occurrences of each token in `ids` (the whole context; ids outside V ignored)."""
+        """Counts of `slot` := occurrences of each token in `ids` (the whole context; ids outside V ignored), and
+        its window := the newest WINDOW of them."""
         counts = self._table("counts")
         ids = ids.reshape(-1).long().to(self.device, non_blocking=True)
         inside = ((ids >= 0) & (ids < self.vocab)).float()  # a weight, not a mask: no host sync on a device
         row = torch.zeros(self.vocab, dtype=torch.float32, device=self.device)
         row.index_add_(0, ids.clamp(0, self.vocab - 1), inside)
         counts[slot].copy_(row)
+        assert self.window is not None
+        tail = ids[-WINDOW:]
+        self.window[slot].fill_(-1)
+        self.window[slot, WINDOW - tail.numel():].copy_(tail)
 
     def bind_bias(self, slot: int, bias: torch.Tensor | None) -> None:
         """Bias row of `slot` := bias[:V] (zeros past a shorter bias), rewritten only when the tensor changes."""
@@ -241,7 +253,7 @@ class GraphSampler:
     def _bucket(self, rows: int) -> _Bucket:
         d = self.device
         return _Bucket(rows, torch.zeros(rows, self.vocab, device=d), torch.ones(rows, NPARAM, device=d),
-                       torch.ones(rows, 3, device=d), torch.zeros(rows, 2, dtype=torch.int64, device=d),
+                       torch.ones(rows, 5, device=d), torch.zeros(rows, 2, dtype=torch.int64, device=d),
                        torch.full((rows,), self.slots, dtype=torch.int64, device=d),
                        torch.full((rows, self.words), -1, dtype=torch.int32, device=d),
                        torch.zeros(rows, self.words, dtype=torch.int32, device=d),
@@ -255,21 +267,24 @@ class GraphSampler:
         pens: list[float] = []
         ints: list[int] = []
         slots: list[int] = []
-        pen = bias = False
+        pen = bias = ranged = False
         for r in rows:
             s = r.settings
             floats += row_params(s, self.vocab, r.point)
             p = has_penalties(s) and r.slot >= 0
             pen |= p
+            windowed = p and s.token_repetition_range >= 0
+            ranged |= windowed
             pens += [float(s.token_repetition_penalty), float(s.token_frequency_penalty),
-                     float(s.token_presence_penalty)] if p else [1.0, 0.0, 0.0]
+                     float(s.token_presence_penalty), float(s.token_repetition_range) if windowed else -1.0,
+                     float(s.token_repetition_decay)] if p else [1.0, 0.0, 0.0, -1.0, 0.0]
             if r.slot >= 0:
                 self.bind_bias(r.slot, s.token_bias)  # a no-op unless the slot's bias changed
                 bias |= s.token_bias is not None
             ints += [r.seed & 0x7FFFFFFFFFFFFFFF, r.counter]
             slots.append(r.slot if r.slot >= 0 else self.slots)
         floats += [1.0, 1.0, 2.0, 0.0, 0.0, 1.0, 0.0] * pad
-        pens += [1.0, 0.0, 0.0] * pad
+        pens += [1.0, 0.0, 0.0, -1.0, 0.0] * pad
         ints += [0, 0] * pad
         slots += [self.slots] * pad
         if b.held.get("params") != floats:
@@ -311,20 +326,22 @@ class GraphSampler:
                     if 0 <= t < self.vocab:
                         bl[i, t // 32] |= 1 << (t % 32)
             _upload(torch.where(bl >= 2**31, bl - 2**32, bl).to(torch.int32), b.block)
-        return (pen, bias, masked, blocked, smooth, cand)
+        return (pen, ranged, bias, masked, blocked, smooth, cand)
 
     def _step(self, b: _Bucket, feats: tuple[bool, ...]) -> None:
         """The captured work: logit stage, fused truncation + draw, count and counter updates."""
-        pen, bias, masked, blocked, smooth, cand = feats
+        pen, ranged, bias, masked, blocked, smooth, cand = feats
         x = b.x
         ok_in = torch.isfinite(x.amax(-1))
         x = torch.where(ok_in[:, None], x, torch.zeros_like(x))
         if pen:
             assert self.counts is not None
-            c = self.counts.index_select(0, b.slots)
-            seen = (c > 0).float()
-            r = 1.0 + (b.pen[:, 0:1] - 1.0) * seen
-            x = torch.where(x > 0, x / r, x * r) - b.pen[:, 2:3] * seen - b.pen[:, 1:2] * c
+            c = self.counts.index_select(0, b.slots)  # the whole context: every occurrence weighs 1
+            wmax, wsum = (c > 0).float(), c
+            if ranged:
+                wmax, wsum = self._windowed(b, wmax, wsum)
+            r = 1.0 + (b.pen[:, 0:1] - 1.0) * wmax
+            x = torch.where(x > 0, x / r, x * r) - b.pen[:, 2:3] * wmax - b.pen[:, 1:2] * wsum
         if blocked:
             hit = ((b.block.index_select(1, self._word) >> self._bit) & 1).bool()
             x = x.masked_fill(hit, BLOCKED_LOGIT)
@@ -350,10 +367,28 @@ class GraphSampler:
         b.probs.copy_(probs)
         b.ok.copy_(ok_in & ok_logits & (probs > 0))
         if pen:
-            assert self.counts is not None
+            assert self.counts is not None and self.window is not None
             flat = b.slots * self.vocab + tokens
             self.counts.view(-1).scatter_add_(0, flat, torch.ones(flat.shape, device=flat.device))
+            shifted = torch.cat([self.window.index_select(0, b.slots)[:, 1:], tokens[:, None]], dim=1)
+            self.window.index_copy_(0, b.slots, shifted)
         b.rng[:, 1] += 1
+
+    def _windowed(self, b: _Bucket, wmax: torch.Tensor, wsum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with a penalty range: weights over their slot's newest tokens (the host chain's
+        penalties.context_weights: the newest `range` count fully, the `decay` before them fade linearly)."""
+        assert self.window is not None
+        win = self.window.index_select(0, b.slots)  # [R, WINDOW]
+        rng, decay = b.pen[:, 3:4], b.pen[:, 4:5]
+        age = self._age[None]
+        fade = (1.0 - (age - rng) / decay.clamp_min(1.0)).clamp(0.0, 1.0)
+        w = torch.where(age < rng, torch.ones_like(fade), torch.where(decay > 0, fade, torch.zeros_like(fade)))
+        w = w * ((win >= 0) & (win < self.vocab))
+        ids = win.clamp(0, self.vocab - 1)
+        wm = torch.zeros_like(wmax).scatter_reduce_(1, ids, w, reduce="amax")
+        ws = torch.zeros_like(wsum).scatter_add_(1, ids, w)
+        use = rng >= 0
+        return torch.where(use, wm, wmax), torch.where(use, ws, wsum)
 
     def _candidate_steps(self, x: torch.Tensor, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The host chain's steps after min-p, on each row's K_MAX candidates (rows that use none keep the fused
@@ -385,34 +420,26 @@ class GraphSampler:
         return self._ignore
 
     def _capture(self, b: _Bucket, feats: tuple[bool, ...]) -> Any:
-        """Warm up (compiles the kernels) on a side stream, then capture. The parameters written for this step
-        are read by the warm-up run, which is this step; the captured graph is replayed from the next one."""
-        snapshot = (b.rng.clone(), None if self.counts is None else self.counts.clone())
+        """Warm up (compiles the kernels) on a side stream, then capture. The warm-up runs this step: the state it
+        changes (counters, counts, windows) is reset before each of its two runs, so it advances once; capturing
+        runs nothing, and the graph is replayed from the next step on."""
+        state = [t for t in (b.rng, self.counts, self.window) if t is not None]
+        snapshot = [t.clone() for t in state]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                b.rng.copy_(snapshot[0])
-                if snapshot[1] is not None:
-                    self.counts.copy_(snapshot[1])  # type: ignore[union-attr]
+                for t, saved in zip(state, snapshot):
+                    t.copy_(saved)
                 self._step(b, feats)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        saved = (b.rng.clone(), b.tokens.clone(), b.probs.clone(), b.ok.clone(),
-                 None if self.counts is None else self.counts.clone())
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # thread_local: a server's other threads (the event loop, grammar workers) may use CUDA meanwhile
         with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             self._step(b, feats)
-        # capture does not run the work: the state after the warm-up step is the state after this step
-        b.rng.copy_(saved[0])
-        b.tokens.copy_(saved[1])
-        b.probs.copy_(saved[2])
-        b.ok.copy_(saved[3])
-        if saved[4] is not None:
-            self.counts.copy_(saved[4])  # type: ignore[union-attr]
         return g
 
 
