@@ -206,14 +206,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
 
 
-def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl("sample_top", logits)(logits, params, rng, k_max)
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+               whole_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("sample_top", logits)(logits, params, rng, k_max, whole_vocab)
 
 
-def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-                          ) -> tuple[torch.Tensor, ...]:
-    return _impl("sample_top_candidates", logits)(logits, params, rng, k_max)
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+                          whole_vocab: bool = True) -> tuple[torch.Tensor, ...]:
+    return _impl("sample_top_candidates", logits)(logits, params, rng, k_max, whole_vocab)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,

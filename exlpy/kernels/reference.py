@@ -475,24 +475,34 @@ def philox_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return (c0 >> 8).float() * (1.0 / 16777216.0)
 
 
-def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-                          ) -> tuple[torch.Tensor, ...]:
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+                          whole_vocab: bool = True) -> tuple[torch.Tensor, ...]:
     """`sample_top`, plus what the later steps of the chain need (exlpy/generator/sampling/graphed.py): the
     distribution after min-p over the K = min(k_max, V) most likely tokens, descending ([B, K] float32, not
     renormalised; exact for rows whose survivors are among them), their ids [B, K] and each row's (skewed)
-    random point [B]. Returns (token, prob, q, ids, r)."""
+    random point [B]. Returns (token, prob, q, ids, r). (`whole_vocab` lets the CUDA kernel leave rows whose
+    survivors pass K unfinished; here every row is exact.)"""
+    r_host, skew_exp = params[:, 6:7], params[:, 5:6]
+    r = torch.where(r_host >= 0, r_host, philox_uniform(rng[:, 0:1], rng[:, 1:2]).to(logits.device))
+    r = torch.where(skew_exp == 1.0, r, torch.exp(skew_exp * torch.log(r)))
+    tok, prob, q, ids = sorted_draw(logits, params, r.view(-1))
+    kc = min(k_max, logits.shape[-1])
+    return tok, prob, q[:, :kc], ids[:, :kc], r.view(-1)
+
+
+def sorted_draw(logits: torch.Tensor, params: torch.Tensor, r: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain of `sample_top` over the whole sorted vocabulary at given (already skewed) points r [B]:
+    (token [B], its probability [B], the final distribution in descending order [B, V], its ids [B, V])."""
     x = logits.float() / params[:, 0:1]
     batch, vocab = x.shape
-    k = vocab
     m = x.amax(-1, keepdim=True)
     z = torch.where(x > float("-inf"), torch.exp(x - m), torch.zeros_like(x)).sum(-1, keepdim=True)
     xs, ids = x.sort(dim=-1, descending=True, stable=True)
-    xs, ids = xs[:, :k], ids[:, :k]
     p = torch.where(xs > float("-inf"), torch.exp(xs - m) / z, torch.zeros_like(xs))
-    j = torch.arange(k, device=x.device)[None]
+    j = torch.arange(vocab, device=x.device)[None]
     first = j == 0
-    col = [params[:, i:i + 1] for i in range(1, 7)]
-    top_k, top_p, top_a, min_p, skew_exp, r_host = col
+    top_k, top_p, top_a, min_p = (params[:, i:i + 1] for i in range(1, 5))
 
     def renorm(v: torch.Tensor) -> torch.Tensor:
         return v / v.sum(-1, keepdim=True)
@@ -506,27 +516,23 @@ def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch
     pmax = q.amax(-1, keepdim=True)
     q = torch.where((min_p > 0) & (min_p < 1),
                     renorm(torch.where((q >= min_p * pmax) | first, q, torch.zeros_like(q))), q)
-
-    r = torch.where(r_host >= 0, r_host, philox_uniform(rng[:, 0:1], rng[:, 1:2]).to(x.device))
-    r = torch.where(skew_exp == 1.0, r, torch.exp(skew_exp * torch.log(r)))
     cum = q.cumsum(-1)
     total = q.sum(-1, keepdim=True)
-    idx = (cum <= r * total).sum(-1, keepdim=True)
+    idx = (cum <= r.view(batch, 1) * total).sum(-1, keepdim=True)
     last = torch.where(q > 0, j, torch.zeros_like(j)).amax(-1, keepdim=True)
     idx = torch.minimum(idx, last)
-    kc = min(k_max, vocab)
-    return (ids.gather(-1, idx).view(batch), (q.gather(-1, idx) / total).view(batch), q[:, :kc], ids[:, :kc],
-            r.view(batch))
+    return ids.gather(-1, idx).view(batch), (q.gather(-1, idx) / total).view(batch), q, ids
 
 
-def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+               whole_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [B, V] (float32): softmax at the row's temperature, then exllamav2's top-k
     (renormalised when it truncates), top-p (running mass <= p, candidates < 1e-6 dropped), top-a, min-p, each
     keeping the most likely token (ties: the lower id first), and the inverse-CDF draw at r (skewed). Returns
     (token [B] int64, its final probability [B] float32; NaN or 0 when the row had no usable distribution).
     The CUDA kernel keeps k_max candidates and finishes rows without top-k whose survivors pass them over the
     whole vocabulary (same result); rows with a top-k between k_max and the vocabulary size are not supported
-    (the callers send them to the host chain)."""
+    (the callers send them to the host chain). With `whole_vocab` False the kernel leaves rows without top-k
+    whose survivors pass k_max as its candidates make them (the caller finishes those: graphed.py)."""
     tok, prob, _, _, _ = sample_top_candidates(logits, params, rng, k_max)
     return tok, prob

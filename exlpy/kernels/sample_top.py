@@ -305,8 +305,8 @@ def _full_kernel(x_ptr, x_stride, params_ptr, info_ptr, idx_ptr, tok_ptr, prob_p
         tl.store(prob_ptr + row, pr)
 
 
-def _launch(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int, cand: bool
-            ) -> tuple[torch.Tensor, ...]:
+def _launch(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int, cand: bool,
+            whole: bool) -> tuple[torch.Tensor, ...]:
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, vocab = x.shape
     ch, nch, kc, k = plan(vocab, k_max)
@@ -325,21 +325,21 @@ def _launch(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max
                                num_warps=8 if ch >= 2048 else 4)
     _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, info, cq, cid, vocab, NCH=nch, KC=kc, K=k,
                             NP=NPARAM, CAND=cand, num_warps=4)
-    if k < vocab:
+    if k < vocab and whole:
         idx = torch.empty(rows, vocab, dtype=torch.int32, device=x.device)
         _full_kernel[(rows,)](x, x.stride(0), params, info, idx, tok, prob, vocab, NP=NPARAM, BLOCK=FULL_BLOCK,
                               SORTED_MAX=SORTED_MAX, num_warps=8)
     return tok, prob, cq, cid, info[:, 2]
 
 
-def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+               whole_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.sample_top`."""
-    tok, prob, _, _, _ = _launch(logits, params, rng, k_max, False)
+    tok, prob, _, _, _ = _launch(logits, params, rng, k_max, False, whole_vocab)
     return tok, prob
 
 
-def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int
-                          ) -> tuple[torch.Tensor, ...]:
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+                          whole_vocab: bool = True) -> tuple[torch.Tensor, ...]:
     """Same contract as `reference.sample_top_candidates`."""
-    return _launch(logits, params, rng, k_max, True)
+    return _launch(logits, params, rng, k_max, True, whole_vocab)

@@ -16,8 +16,10 @@ shape depends on the data, so on CUDA the whole chain is one graph replay per st
   host sampler draws, so seeded jobs stay reproducible across both paths) or by the kernel from Philox of the
   row's (seed, counter); the graph advances the counter, so a replay draws fresh numbers.
 - top-k / top-p / top-a / min-p and the draw are `ops.sample_top` (exlpy/kernels/sample_top.py): the K_MAX most
-  likely tokens per row without sorting the vocabulary, and for rows without top-k whose survivors pass them
-  (a wide top-p nucleus) a whole-vocabulary pass. Rows with K_MAX < top-k < vocabulary take the host chain.
+  likely tokens per row without sorting the vocabulary. Rows without top-k (top-p alone, as the OpenAI server
+  sends) may keep more than K_MAX tokens: steps with such rows also sort the whole vocabulary in the graph
+  (`reference.sorted_draw`, whose cost does not depend on how flat the distribution is) and those rows take
+  its token. Rows with K_MAX < top-k < vocabulary take the host chain.
 
 Variants of the graph by the features the step's rows use (penalties, bias, masks, blocked tokens) are captured
 apart, so a plain step does not pay for penalties it does not apply.
@@ -40,7 +42,7 @@ from exlpy.generator.sampling.draw import draw
 from exlpy.generator.sampling.settings import SamplerSettings
 from exlpy.generator.sampling.temperature import apply_temperature, dynamic_temperature
 from exlpy.generator.sampling.xtc import xtc
-from exlpy.kernels import ops
+from exlpy.kernels import ops, reference
 from exlpy.kernels.sample_top import NPARAM
 
 K_MAX = 128  # candidates per row kept by the fused kernel: top-k up to this runs in the graph
@@ -326,11 +328,13 @@ class GraphSampler:
                     if 0 <= t < self.vocab:
                         bl[i, t // 32] |= 1 << (t % 32)
             _upload(torch.where(bl >= 2**31, bl - 2**32, bl).to(torch.int32), b.block)
-        return (pen, ranged, bias, masked, blocked, smooth, cand)
+        # rows without top-k (and not greedy): their survivors may pass the fused kernel's candidates
+        full = self.vocab > K_MAX and any(floats[i + 1] >= self.vocab for i in range(0, NPARAM * len(rows), NPARAM))
+        return (pen, ranged, bias, masked, blocked, smooth, cand, full)
 
     def _step(self, b: _Bucket, feats: tuple[bool, ...]) -> None:
         """The captured work: logit stage, fused truncation + draw, count and counter updates."""
-        pen, ranged, bias, masked, blocked, smooth, cand = feats
+        pen, ranged, bias, masked, blocked, smooth, cand, full = feats
         x = b.x
         ok_in = torch.isfinite(x.amax(-1))
         x = torch.where(ok_in[:, None], x, torch.zeros_like(x))
@@ -360,9 +364,18 @@ class GraphSampler:
             z = -(x - x.amax(-1, keepdim=True)).square() * sf
             x = torch.where(sf > 0, torch.where(torch.isfinite(x), z, torch.full_like(z, float("-inf"))), x)
         if cand:
-            tokens, probs = self._candidate_steps(x, b)
+            tokens, probs, r = self._candidate_steps(x, b, whole=not full)
+        elif full:
+            tokens, probs, _, _, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX, whole_vocab=False)
         else:
             tokens, probs = ops.sample_top(x, b.params, b.rng, K_MAX)
+        if full:
+            # Rows without top-k: the whole vocabulary sorted (bounded cost; the fused kernel's whole-vocabulary
+            # pass is fast for a narrow nucleus but slow for a flat distribution, which torch's sort is not).
+            sorted_tok, sorted_prob, _, _ = reference.sorted_draw(x, b.params, r)
+            whole = b.params[:, 1] >= float(self.vocab)
+            tokens = torch.where(whole, sorted_tok, tokens)
+            probs = torch.where(whole, sorted_prob, probs)
         b.tokens.copy_(tokens)
         b.probs.copy_(probs)
         b.ok.copy_(ok_in & ok_logits & (probs > 0))
@@ -390,15 +403,18 @@ class GraphSampler:
         use = rng >= 0
         return torch.where(use, wm, wmax), torch.where(use, ws, wsum)
 
-    def _candidate_steps(self, x: torch.Tensor, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidate_steps(self, x: torch.Tensor, b: _Bucket, whole: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The host chain's steps after min-p, on each row's K_MAX candidates (rows that use none keep the fused
-        kernel's draw): TFS, typical, dynamic or last temperature, XTC, then the draw at the kernel's point."""
-        tokens, probs, q, ids, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX)
+        kernel's draw): TFS, typical, dynamic or last temperature, XTC, then the draw at the kernel's point.
+        Returns (tokens, probabilities, the points)."""
+        tokens, probs, q, ids, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX, whole_vocab=whole)
         q, ids = self._chain(q, ids, b.ext)
         idx, prob = draw(q, r.view(-1, 1))
         e = b.ext
         use = (e[:, 0] + e[:, 2] + e[:, 4] + e[:, 8] + e[:, 10]) > 0
-        return torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs)
+        return (torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs),
+                r)
 
     def _chain(self, q: torch.Tensor, ids: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """TFS, typical, dynamic or last temperature and XTC where each row's `ext_params` turn them on; the
