@@ -458,3 +458,23 @@ def test_dynamic_generator_on_gpu_captured_sampler() -> None:
     default, again, old = run(None), run(None), run(False)
     assert default == again  # seeded rows repeat
     assert default[0] == old[0]
+
+
+def test_generators_go_on_without_a_failing_captured_sampler(monkeypatch: Any) -> None:
+    """A step of the captured sampler that fails (on a GPU: a capture the driver refuses) turns it off with a
+    warning; the jobs finish with the old path's tokens."""
+    from tests.test_generator_helpers import PROMPTS, aidreams_cpu
+
+    _, tok = aidreams_cpu()
+    ids = [tok.encode(p, add_bos=True) for p in PROMPTS[:2]]
+    kws = [{"gen_settings": Settings.greedy()}, {"gen_settings": COMBOS["topk_topp_minp_rep"], "seed": 3}]
+    want = _dynamic_tokens(False, kws, ids, 8)
+
+    def broken(self: GraphSampler, *args: Any) -> Any:
+        self.failed = True
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphSampler, "_sample", broken)
+    with pytest.warns(UserWarning, match="captured sampler failed"):
+        got = _dynamic_tokens(True, kws, ids, 8)
+    assert got == want

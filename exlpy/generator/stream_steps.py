@@ -11,6 +11,7 @@ exactly the numbers it would draw without the overlap.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from exlpy.generator.dynamic.decode import read_back, upload_floats
-from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
+from exlpy.generator.sampling.batched import RowSample, device_capable, is_greedy, sample_rows
 from exlpy.generator.sampling.graphed import GraphRow, GraphSampler, graph_capable
 
 
@@ -62,9 +63,18 @@ def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torc
     use = graph(logits) if graph is not None and graph_capable(plan.settings, logits.shape[-1]) else None
     if use is not None:
         sampler, slot = use
-        t, p, k = sampler.sample(logits, [GraphRow(plan.settings, slot=slot, point=point, blocked=plan.blocked)])
-        token, prob, ok = t.clone(), p.clone(), k.clone()
-    else:
+        try:
+            t, p, k = sampler.sample(logits, [GraphRow(plan.settings, slot=slot, point=point,
+                                                       blocked=plan.blocked)])
+        except Exception as e:
+            if not device_capable(plan.settings):
+                raise
+            warnings.warn(f"captured sampler failed ({type(e).__name__}: {e}); sampling without it from now on",
+                          stacklevel=2)
+            use = None
+        else:
+            token, prob, ok = t.clone(), p.clone(), k.clone()
+    if use is None:
         token, prob, ok = sample_rows(logits, [plan], upload_floats([point], logits.device).view(1, 1), tokenizer)
     host, event = read_back(torch.stack([token.double(), prob.double(), ok.double()]).view(3))
     return Pending(token, host, event, state, after, fed_at)

@@ -254,6 +254,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         (`graph_sampling`: None = where decode steps are CUDA graphs; True / False force it)."""
         head = self.model.modules[self.model.head_layer_idx]
         device = torch.device(getattr(head, "device", None) or "cpu")
+        if self.graphed is not None and self.graphed.failed:
+            return None
         return device if graphed.wanted(self.model, device, self.graph_sampling) else None
 
     def _graph_sampler(self, logits: torch.Tensor, inflight: torch.Tensor | None
@@ -261,7 +263,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         """The captured sampler for this stream's logits and the slot of its penalty counts (-1: no penalties),
         or None where the stream samples with `sample_rows`. The counts hold the sequence plus the token still
         in flight (`inflight`, on the device); rebuilt when they do not."""
-        if not graphed.wanted(self.model, logits.device, self.graph_sampling):
+        if not graphed.wanted(self.model, logits.device, self.graph_sampling) or \
+                (self.graphed is not None and self.graphed.failed):
             return None
         g = self.graphed
         if g is None or g.device != logits.device or g.vocab != logits.shape[-1]:

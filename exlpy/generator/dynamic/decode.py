@@ -218,7 +218,8 @@ class DecodeStepper:
                                   "now on", stacklevel=2)
                     self.gen.graph_sampling = False
                 logits = premask_jobs(jobs, first, step.logits)
-                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
+                drawn = {**points, **{k: row.point for k, row in graph.items() if row.point is not None}}
+                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in drawn.items()})
         host.logits = logits
         return launched, host
 
@@ -226,7 +227,8 @@ class DecodeStepper:
     def graph_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
         """The captured sampler for logits like these ([..., V] on their device), or None where the generator
         does not use it (`gen.graph_sampling`)."""
-        if not graphed.wanted(self.gen.model, logits.device, self.gen.graph_sampling):
+        if not graphed.wanted(self.gen.model, logits.device, self.gen.graph_sampling) or \
+                (self.graphed is not None and self.graphed.failed):
             return None
         vocab = logits.shape[-1]
         if self.graphed is None or self.graphed.device != logits.device or self.graphed.vocab != vocab:

@@ -160,6 +160,7 @@ class GraphSampler:
         self._bit = (torch.arange(vocab, device=self.device) % 32).to(torch.int32)
         self.steps = 0
         self._verifier: _Verifier | None = None
+        self.failed = False  # a step failed (e.g. a capture the driver refused): the generators stop using it
 
     # --- per-job state -------------------------------------------------------------------------------------
     def _table(self, name: str) -> torch.Tensor:
@@ -216,8 +217,14 @@ class GraphSampler:
         equal to `speculative.verify.verify_rows`; views of static buffers valid until the next call."""
         if self._verifier is None:
             self._verifier = _Verifier(self)
-        with _on(self.device):
-            return self._verifier.run(logits, drafts, settings, u, r)
+        try:
+            with _on(self.device):
+                return self._verifier.run(logits, drafts, settings, u, r)
+        except Exception:
+            if self.capture:
+                self._pool = None
+                self.failed = True
+            raise
 
     # --- a step --------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[GraphRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,6 +242,11 @@ class GraphSampler:
                 return self._sample(b, n, logits, rows)
         except Exception:
             b.held.clear()  # the buffers may hold part of this step: upload everything next time
+            if self.capture:
+                # A failed capture can leave its pool marked as recording: later captures take a fresh one. The
+                # callers stop using this sampler (`failed`) and sample the old way.
+                self._pool = None
+                self.failed = True
             raise
 
     def _sample(self, b: _Bucket, n: int, logits: torch.Tensor, rows: list[GraphRow]
