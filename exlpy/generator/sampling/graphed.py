@@ -1,10 +1,12 @@
 """The sampler of a decode step as fixed-shape device work, captured in a CUDA graph per row bucket.
 
-Rows whose settings fit (see `graph_capable`) are sampled here by the generators: repetition / frequency /
-presence penalties over the whole context, blocked tokens, token bias, grammar bitmasks, the vocabulary limit,
-temperature, top-k, top-p, top-a, min-p, skew and the draw; other rows keep the host chain
-(exlpy/generator/sampler.py, which stays the reference). Nothing here reads the device from the host, and no
-shape depends on the data, so on CUDA the whole chain is one graph replay per step:
+Rows whose settings fit (`graph_params.graph_capable`) are sampled here by the generators: repetition /
+frequency / presence penalties (whole context, or a range with decay), blocked tokens, token bias, grammar
+bitmasks, the vocabulary limit, temperature and smoothing, top-k, top-p, top-a, min-p, TFS, typical, dynamic or
+last temperature, XTC, skew and the draw; other rows keep the host chain (exlpy/generator/sampler.py, which
+stays the reference). Speculative verification runs on the same kernels (graph_verify.py). Nothing here reads
+the device from the host, and no shape depends on the data, so on CUDA the whole chain is one graph replay per
+step:
 
 - Per-row parameters live in static device tensors of the row bucket (`_Bucket`), written by the host before
   each replay with one pinned, non-blocking copy per kind: changing settings never recaptures anything.
@@ -21,14 +23,14 @@ shape depends on the data, so on CUDA the whole chain is one graph replay per st
   (`reference.sorted_draw`, whose cost does not depend on how flat the distribution is) and those rows take
   its token. Rows with K_MAX < top-k < vocabulary take the host chain.
 
-Variants of the graph by the features the step's rows use (penalties, bias, masks, blocked tokens) are captured
-apart, so a plain step does not pay for penalties it does not apply.
+Variants of the graph by the features the step's rows use (penalties, a penalty range, bias, masks, blocked
+tokens, smoothing, the candidate steps, rows without top-k) are captured apart, so a plain step does not pay
+for what it does not apply.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,70 +39,23 @@ import torch
 
 from exlpy.engine.graphs import BUCKETS, bucket_for
 from exlpy.generator.sampling import truncation
-from exlpy.generator.sampling.chain import GREEDY_BELOW
 from exlpy.generator.sampling.draw import draw
+from exlpy.generator.sampling.graph_params import (  # noqa: F401 - graph_capable, verify_capable: the API
+    BLOCKED_LOGIT,
+    K_MAX,
+    NEXT,
+    WINDOW,
+    ext_params,
+    graph_capable,
+    has_penalties,
+    row_params,
+    verify_capable,
+)
 from exlpy.generator.sampling.settings import SamplerSettings
 from exlpy.generator.sampling.temperature import apply_temperature, dynamic_temperature
 from exlpy.generator.sampling.xtc import xtc
 from exlpy.kernels import ops, reference
 from exlpy.kernels.sample_top import NPARAM
-
-K_MAX = 128  # candidates per row kept by the fused kernel: top-k up to this runs in the graph
-WINDOW = 4096  # newest tokens kept per slot for penalties with a range (range + decay up to this)
-BLOCKED_LOGIT = -1e30  # as the host sampler's blocked tokens (a fully blocked row stays finite)
-
-
-def candidate_steps(s: SamplerSettings) -> bool:
-    """Whether the row uses steps the graph runs in torch on the K_MAX candidates (TFS, typical, dynamic or last
-    temperature, XTC): the host chain applies them only when not greedy."""
-    if s.temperature < GREEDY_BELOW or s.top_k == 1:
-        return False
-    return (0.0 < s.tfs < 1.0 or 0.0 < s.typical < 1.0 or s.max_temp > s.min_temp
-            or (s.temperature_last and s.temperature != 1.0) or s.xtc_probability > 0.0)
-
-
-def graph_capable(s: SamplerSettings, vocab: int) -> bool:
-    """Whether rows with these settings can be sampled by `GraphSampler` with the host chain's distribution."""
-    greedy = s.temperature < GREEDY_BELOW
-    k = 1 if greedy else s.top_k
-    if candidate_steps(s):  # they read the candidates: every survivor must be one
-        k_ok = 0 < k <= K_MAX or vocab <= K_MAX
-    else:
-        k_ok = 0 < k <= K_MAX or k <= 0 or k >= vocab or vocab <= K_MAX
-    return (s.cfg_scale is None and not s.mirostat and not s.post_sampling_hooks and s.dry_multiplier == 0.0
-            and (not has_penalties(s) or s.token_repetition_range < 0  # the whole context (decay unused)
-                 or s.token_repetition_range + max(s.token_repetition_decay, 0) <= WINDOW)
-            and (s.xtc_probability == 0.0 or s.xtc_ignore_tokens is None) and k_ok)
-
-
-def ext_params(s: SamplerSettings) -> list[float]:
-    """The row's parameters of the candidate steps and smoothing (`_Bucket.ext` columns, see `_step`)."""
-    cand = candidate_steps(s)
-    tfs = cand and 0.0 < s.tfs < 1.0
-    typ = cand and 0.0 < s.typical < 1.0
-    dyn = cand and s.max_temp > s.min_temp
-    last = cand and not dyn and s.temperature_last and s.temperature != 1.0
-    xtc_on = cand and s.xtc_probability > 0.0
-    return [float(tfs), float(s.tfs), float(typ), float(s.typical), float(dyn), float(s.min_temp),
-            float(s.max_temp), float(s.temp_exponent), float(last), float(s.temperature), float(xtc_on),
-            float(s.xtc_probability), float(s.xtc_threshold), float(s.smoothing_factor)]
-
-
-NEXT = 14
-def has_penalties(s: SamplerSettings) -> bool:
-    return (s.token_repetition_penalty != 1.0 or s.token_frequency_penalty != 0.0
-            or s.token_presence_penalty != 0.0)
-
-
-def row_params(s: SamplerSettings, vocab: int, point: float | None) -> list[float]:
-    """The row's `ops.sample_top` parameters (kernels/sample_top.py: params columns)."""
-    greedy = s.temperature < GREEDY_BELOW
-    k = 1 if greedy else s.top_k
-    if not 0 < k < vocab:
-        k = vocab
-    temp = 1.0 if greedy or s.temperature_last else float(s.temperature)
-    return [temp, float(k), float(s.top_p), float(s.top_a), float(s.min_p),
-            1.0 if s.skew == 0.0 else math.exp(-float(s.skew)), -1.0 if point is None else float(point)]
 
 
 @dataclass
@@ -159,7 +114,7 @@ class GraphSampler:
         self._word = torch.arange(vocab, device=self.device) // 32
         self._bit = (torch.arange(vocab, device=self.device) % 32).to(torch.int32)
         self.steps = 0
-        self._verifier: _Verifier | None = None
+        self._verifier: Any = None  # graph_verify.Verifier, made on first use
         self.failed = False  # a step failed (e.g. a capture the driver refused): the generators stop using it
 
     # --- per-job state -------------------------------------------------------------------------------------
@@ -216,7 +171,9 @@ class GraphSampler:
         generators as `verify_rows` takes them). Returns (accepted drafts [B], the token the target adds [B]),
         equal to `speculative.verify.verify_rows`; views of static buffers valid until the next call."""
         if self._verifier is None:
-            self._verifier = _Verifier(self)
+            from exlpy.generator.sampling.graph_verify import Verifier
+
+            self._verifier = Verifier(self)
         try:
             with _on(self.device):
                 return self._verifier.run(logits, drafts, settings, u, r)
@@ -302,15 +259,15 @@ class GraphSampler:
         ints += [0, 0] * pad
         slots += [self.slots] * pad
         if b.held.get("params") != floats:
-            _upload(torch.tensor(floats, dtype=torch.float32), b.params.view(-1))
+            upload(torch.tensor(floats, dtype=torch.float32), b.params.view(-1))
             b.held["params"] = floats
         ints += slots
         if b.held.get("ints") != ints:
-            _upload(torch.tensor(ints, dtype=torch.int64), None, (b.rng.view(-1), b.slots))
+            upload(torch.tensor(ints, dtype=torch.int64), None, (b.rng.view(-1), b.slots))
         ints[1:2 * b.rows:2] = [c + 1 for c in ints[1:2 * b.rows:2]]  # the step advances every counter
         b.held["ints"] = ints
         if pen and b.held.get("pen") != pens:
-            _upload(torch.tensor(pens, dtype=torch.float32), b.pen.view(-1))
+            upload(torch.tensor(pens, dtype=torch.float32), b.pen.view(-1))
             b.held["pen"] = pens
         exts = [ext_params(r.settings) for r in rows]
         cand = any(e[0] or e[2] or e[4] or e[8] or e[10] for e in exts)
@@ -318,7 +275,7 @@ class GraphSampler:
         if cand or smooth:
             flat_ext = [v for e in exts for v in e] + [0.0] * (NEXT * pad)
             if b.held.get("ext") != flat_ext:
-                _upload(torch.tensor(flat_ext, dtype=torch.float32), b.ext.view(-1))
+                upload(torch.tensor(flat_ext, dtype=torch.float32), b.ext.view(-1))
                 b.held["ext"] = flat_ext
         masked = any(r.mask is not None for r in rows)
         blocked = any(r.blocked for r in rows)
@@ -330,7 +287,7 @@ class GraphSampler:
                     w = min(src.numel(), self.words)
                     m[i, :w] = src[:w]
                     m[i, w:] = 0  # tokens past the mask's width are excluded (as ops.apply_token_bitmask)
-            _upload(m, b.mask)
+            upload(m, b.mask)
         blocked_now = [(i, tuple(r.blocked)) for i, r in enumerate(rows) if r.blocked]
         if blocked and b.held.get("blocked") != blocked_now:
             b.held["blocked"] = blocked_now
@@ -339,7 +296,7 @@ class GraphSampler:
                 for t in r.blocked or ():
                     if 0 <= t < self.vocab:
                         bl[i, t // 32] |= 1 << (t % 32)
-            _upload(torch.where(bl >= 2**31, bl - 2**32, bl).to(torch.int32), b.block)
+            upload(torch.where(bl >= 2**31, bl - 2**32, bl).to(torch.int32), b.block)
         # rows without top-k (and not greedy): their survivors may pass the fused kernel's candidates
         full = self.vocab > K_MAX and any(floats[i + 1] >= self.vocab for i in range(0, NPARAM * len(rows), NPARAM))
         return (pen, ranged, bias, masked, blocked, smooth, cand, full)
@@ -471,126 +428,6 @@ class GraphSampler:
         return g
 
 
-@dataclass
-class _VerifyBucket:
-    """Static buffers of verification steps of R rows x T positions (rows flattened with their positions)."""
-
-    rows: int
-    T: int
-    x: torch.Tensor  # [R*T, V]
-    params: torch.Tensor  # [R*T, NPARAM]: each row's parameters at each position, r = the position's point
-    rng: torch.Tensor  # [R*T, 2] (unused: the points come from the host)
-    ext: torch.Tensor  # [R*T, NEXT]
-    drafts: torch.Tensor  # [R, T-1] int64
-    u: torch.Tensor  # [R, T-1] acceptance points
-    m: torch.Tensor  # [R] out: accepted drafts
-    tok: torch.Tensor  # [R] out: the token the target adds
-    graphs: dict[tuple[bool, bool], Any]
-    held: dict[str, Any] = field(default_factory=dict)
-
-
-def verify_capable(s: SamplerSettings, vocab: int) -> bool:
-    """Rows whose speculative verification `GraphSampler.verify` runs: their whole distribution is among the
-    K_MAX candidates (greedy, top-k <= K_MAX or a small vocabulary), no penalties, bias or skew (as the host
-    verification: drafts extend the context, skew bends the draw)."""
-    greedy = s.temperature < GREEDY_BELOW or s.top_k == 1
-    return (graph_capable(s, vocab) and not has_penalties(s) and s.token_bias is None and s.skew == 0.0
-            and (greedy or 0 < s.top_k <= K_MAX or vocab <= K_MAX))
-
-
-class _Verifier:
-    """Speculative verification (the rejection rule of exlpy/generator/speculative/verify.py) as fixed-shape
-    device work, one CUDA graph per (row bucket, T, feature set), on a `GraphSampler`'s kernels."""
-
-    def __init__(self, owner: GraphSampler) -> None:
-        self.owner = owner
-        self.buckets: dict[tuple[int, int], _VerifyBucket] = {}
-
-    def run(self, logits: torch.Tensor, drafts: torch.Tensor, settings: list[SamplerSettings],
-            u: list[list[float]], r: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self.owner
-        n, T, _ = logits.shape
-        k = T - 1
-        size = bucket_for(n) or n
-        vb = self.buckets.get((size, T))
-        if vb is None:
-            d, R = g.device, size
-            vb = self.buckets[(size, T)] = _VerifyBucket(
-                R, T, torch.zeros(R * T, g.vocab, device=d), torch.ones(R * T, NPARAM, device=d),
-                torch.zeros(R * T, 2, dtype=torch.int64, device=d), torch.zeros(R * T, NEXT, device=d),
-                torch.zeros(R, max(k, 1), dtype=torch.int64, device=d), torch.zeros(R, max(k, 1), device=d),
-                torch.zeros(R, dtype=torch.int64, device=d), torch.zeros(R, dtype=torch.int64, device=d), {})
-        pad = vb.rows - n
-        floats: list[float] = []
-        row_ext = [ext_params(s) for s in settings]
-        for s, pts in zip(settings, r):
-            for t in range(T):
-                floats += row_params(s, g.vocab, pts[t])
-        floats += [1.0, 1.0, 2.0, 0.0, 0.0, 1.0, 0.0] * (pad * T)
-        exts = [v for e in row_ext for _ in range(T) for v in e] + [0.0] * (NEXT * pad * T)
-        cand = any(e[0] or e[2] or e[4] or e[8] or e[10] for e in row_ext)
-        smooth = any(e[13] > 0.0 for e in row_ext)
-        _upload(torch.tensor(floats, dtype=torch.float32), vb.params.view(-1))
-        if cand or smooth:
-            _upload(torch.tensor(exts, dtype=torch.float32), vb.ext.view(-1))
-        if k:
-            _upload(torch.tensor([x for row in u for x in row] + [0.0] * (pad * k), dtype=torch.float32),
-                    vb.u.view(-1))
-            vb.drafts[:n].copy_(drafts)
-        vb.x.view(vb.rows, T, -1)[:n].copy_(logits.float())
-        feats = (smooth, cand)
-        if not g.capture:
-            self._step(vb, feats)
-        else:
-            graph = vb.graphs.get(feats)
-            if graph is None:
-                graph = vb.graphs[feats] = self._capture(vb, feats)
-            else:
-                graph.replay()
-        return vb.m[:n], vb.tok[:n]
-
-    def _step(self, vb: _VerifyBucket, feats: tuple[bool, bool]) -> None:
-        from exlpy.generator.speculative.verify import verify_group
-
-        smooth, cand = feats
-        x = vb.x
-        x = torch.where(torch.isfinite(x.amax(-1, keepdim=True)), x, torch.zeros_like(x))
-        if smooth:
-            sf = vb.ext[:, 13:14]
-            z = -(x - x.amax(-1, keepdim=True)).square() * sf
-            x = torch.where(sf > 0, torch.where(torch.isfinite(x), z, torch.full_like(z, float("-inf"))), x)
-        if self.owner.limit is not None:
-            x = x.clone()
-            x[:, self.owner.limit:] = float("-inf")
-        _, _, q, ids, r = ops.sample_top_candidates(x, vb.params, vb.rng, K_MAX)
-        if cand:
-            q, ids = self.owner._chain(q, ids, vb.ext)
-        R, T, C = vb.rows, vb.T, q.shape[-1]
-        k = T - 1
-        m, tok = verify_group(q.view(R, T, C), ids.view(R, T, C), vb.drafts[:, :k], vb.u[:, :k], r.view(R, T))
-        vb.m.copy_(m)
-        vb.tok.copy_(tok)
-
-    def _capture(self, vb: _VerifyBucket, feats: tuple[bool, bool]) -> Any:
-        g = self.owner
-        stream = torch.cuda.Stream(g.device)
-        stream.wait_stream(torch.cuda.current_stream(g.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles; the second run leaves this step's results
-                self._step(vb, feats)
-        torch.cuda.current_stream(g.device).wait_stream(stream)
-        torch.cuda.synchronize(g.device)
-        if g._pool is None:
-            g._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        saved = (vb.m.clone(), vb.tok.clone())
-        with torch.cuda.graph(graph, pool=g._pool, capture_error_mode="thread_local"):
-            self._step(vb, feats)
-        vb.m.copy_(saved[0])
-        vb.tok.copy_(saved[1])
-        return graph
-
-
 def _forget(table: dict[int, int], slot: int, key: int) -> None:
     if table.get(slot) == key:
         del table[slot]
@@ -602,7 +439,7 @@ def _on(device: torch.device) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _upload(src: torch.Tensor, dst: torch.Tensor | None,
+def upload(src: torch.Tensor, dst: torch.Tensor | None,
             split: tuple[torch.Tensor, ...] | None = None) -> None:
     """Host tensor -> device buffer(s) through pinned memory, without waiting for the device. With `split`,
     `src` is the concatenation of the flattened buffers in order."""
