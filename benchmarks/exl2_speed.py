@@ -116,6 +116,22 @@ def _fused_error(x: torch.Tensor, qm: Any, group: Any, runs: int = 20) -> float:
     return worst
 
 
+GEMV_VARIANTS = [(128, 8), (144, 16), (168, 8), (192, 8), (232, 16), (255, 16)]  # (register cap, words in flight)
+
+
+def _gemv_error(x: torch.Tensor, qm: Any, runs: int = 10) -> float:
+    """Worst rel_err of the multi-row decode GEMV against dequantize + cuBLAS over `runs` calls."""
+    from exlpy.kernels import exl2_gemv
+    from exlpy.kernels import exl2_matmul as km
+
+    ref = km.dequant_matmul(x, qm).float()
+    worst = 0.0
+    for _ in range(runs):
+        y = exl2_gemv.exl2_gemv(x, qm)
+        worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
 def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, rows: list[int]) -> None:
     from exlpy.kernels import exl2_gemv, exl2_qmm
     from exlpy.kernels import exl2_matmul as km
@@ -138,16 +154,34 @@ def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
             fused = lambda x=x: [g.run(x) for g in groups]  # noqa: E731
         t_f = guarded(f"fused M={m}", _timed, args.reps, len(mats), fused) if fused else None
         err = guarded(f"check M={m}", _fused_error, x, qm, groups[0]) if fused else None
+        t_g = g_err = None
+        if 2 <= m <= exl2_gemv.MAX_ROWS and exl2_gemv.supports(qm):  # the decode GEMV over m rows
+            t_g = guarded(f"gemv M={m}", _timed, args.reps, len(mats),
+                          lambda x=x: [exl2_gemv.exl2_gemv(x, q) for q in mats])
+            g_err = guarded(f"check gemv M={m}", _gemv_error, x, qm)
+            if args.gemv_variants and m in (4, 8):
+                base = exl2_gemv.ROWS_CONFIG[m]
+                for cfg in GEMV_VARIANTS:
+                    exl2_gemv.ROWS_CONFIG[m] = cfg
+                    t_v = guarded(f"gemv M={m} {cfg}", _timed, args.reps, len(mats),
+                                  lambda x=x: [exl2_gemv.exl2_gemv(x, q) for q in mats])
+                    res.setdefault("gemv_variants", {})[f"{key} M{m} {cfg}"] = t_v and t_v * 1e6
+                    log(f"  M={m:3d} gemv maxnreg/words {cfg}: {_us(t_v)}")
+                exl2_gemv.ROWS_CONFIG[m] = base
         t_d = guarded(f"dequant M={m}", _timed, max(3, args.reps // 4), len(mats),
                       lambda x=x: [km.dequant_matmul(x, q) for q in mats])
         t_h = guarded(f"fp16 M={m}", _timed, args.reps, len(w16), lambda x=x: [x @ w for w in w16])
         res.setdefault("micro", {})[f"{key} M{m}"] = {
             "k": k, "n": n, "mix": mix, "m": m, "bytes": nbytes, "fused_us": t_f and t_f * 1e6,
-            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6, "fused_rel_err": err}
+            "dequant_us": t_d and t_d * 1e6, "fp16_us": t_h and t_h * 1e6, "fused_rel_err": err,
+            "gemv_us": t_g and t_g * 1e6, "gemv_rel_err": g_err}
         gbs = f"{nbytes / t_f / 1e9:7.0f} GB/s" if t_f else "      -"
         bad = "  WRONG" if err is not None and err >= 2e-3 else ""
         log(f"  M={m:3d} fused {_us(t_f)} ({gbs})  dequant+cuBLAS {_us(t_d)}  fp16 cuBLAS {_us(t_h)}  "
             f"fused rel_err {err if err is None else f'{err:.1e}'}{bad}")
+        if t_g:
+            e = "-" if g_err is None else f"{g_err:.1e}" + ("  WRONG" if g_err >= 2e-3 else "")
+            log(f"        gemv  {_us(t_g)} ({nbytes / t_g / 1e9:7.0f} GB/s)  rel_err {e}")
     x = torch.randn(2048, k, dtype=torch.float16, device=dev)
     t_p = guarded("prefill", _timed, 5, 1, lambda: km.dequant_matmul(x, qm))
     t_p16 = guarded("prefill fp16", _timed, 5, 1, lambda: x @ w16[0])
@@ -158,7 +192,7 @@ def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
 
 
 def micro(args: argparse.Namespace, res: dict) -> None:
-    mixes = ["4.0"] if args.quick else ["4.0", "mixed", "gptq"]
+    mixes = args.mixes or (["4.0"] if args.quick else ["4.0", "mixed", "gptq"])
     rows = [1, 8, 32, 64] if args.quick else ROWS
     for mix in mixes:
         for k, n in SHAPES:
@@ -341,6 +375,9 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens to time (0: skip)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays per micro timing")
+    ap.add_argument("--gemv-variants", action="store_true", help="micro: also time the multi-row GEMV's "
+                    "register-cap / words-in-flight alternatives at 4 and 8 rows")
+    ap.add_argument("--mixes", nargs="+", default=None, help="micro layouts (default 4.0 mixed gptq)")
     ap.add_argument("--models-dir", default=os.environ.get("EXLPY_BENCH_MODELS", "/tmp/exlpy_bench_models"))
     ap.add_argument("--out", default="benchmarks/results/exl2_speed.md")
     ap.add_argument("--json", default="benchmarks/results/raw/exl2_speed.json")
@@ -367,8 +404,9 @@ def main() -> int:
             state = json.load(f)
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           # EXLPY_QUANT_ROWS decides whether e2e batches of 2-64 rows run exl2_qmm (default 0: dequantize + cuBLAS)
-           "command": f"EXLPY_QUANT_ROWS={options().quant_rows} python " + " ".join(shlex.quote(a) for a in sys.argv)}
+           # EXLPY_GEMV_ROWS / EXLPY_QUANT_ROWS decide which kernel e2e batches of 2-64 rows run
+           "command": f"EXLPY_GEMV_ROWS={options().gemv_rows} EXLPY_QUANT_ROWS={options().quant_rows} python "
+                      + " ".join(shlex.quote(a) for a in sys.argv)}
     state.setdefault("runs", []).append(run)
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()

@@ -14,6 +14,8 @@
 #   mgpu         (2 GPUs) the multi-GPU tests: -m multigpu, tests/test_multi_gpu.py, tests/test_graphs.py
 #   tp2          (2 GPUs) benchmarks/tp.py: TP x2 on the 70B-layer shape vs one GPU (decode b1/b32, prefill 2048)
 #   split        (2 GPUs) benchmarks/multigpu_split.py: 8B fp16 and EXL2 4-bit, layer split and autosplit vs one GPU
+#   ray          (2 GPUs; needs Ray Serve importable) benchmarks/ray_serve.py --quick: 1 vs 2 one-GPU replicas, then
+#                prefix routing vs power of two choices ($RAY_MODEL, default the tiny EXL2 model of .gpu/shared)
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -50,6 +52,8 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
             2>&1 | tail -30 ;;
     convert) timeout "${CONVERT_S:-560}" python benchmarks/convert_8b.py --work /tmp/cv8b --budget "${CONVERT_BUDGET:-540}" \
                --out "$OUT/convert.md" 2>&1 | tail -25 ;;
+    ray) timeout "${RAY_S:-235}" python benchmarks/ray_serve.py --model "${RAY_MODEL:-../shared/models/tiny-llama-exl2-4.0}" \
+           --quick --out "$OUT/ray_serve.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tail -30 ;;
     mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs --timeout=120 \
             --timeout-method=thread ${MGPU_ARGS:-} \
             tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py 2>&1 | tee "$OUT/mgpu.log" \

@@ -1,22 +1,38 @@
-"""Decode speed of mixture-of-experts models on one GPU against the active-weights bandwidth limit.
+"""Mixture-of-experts decode on one GPU: eager vs CUDA graphs, against the active-weights bandwidth limit, and
+the grouped expert kernels' achieved bandwidth.
 
-python benchmarks/moe.py [--work /tmp/exlpy_moe] [--shapes qwen3_moe,mixtral] [--layers 4] [--batches 1,32]
-    [--prompt-len 256] [--gen-len 64]
+GPU:  python benchmarks/moe.py [--shapes mixtral] [--layers 4] [--batches 1,32] [--prompt-len 256]
+          [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
+CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, nothing written unless --out)
 
-Random fp16 checkpoints of real models' shapes (Qwen3-30B-A3B, Mixtral-8x7B), decoder depth cut by --layers
-(the embedding and head keep their size), written with safetensors directly. For each shape and batch size:
-decode tokens/s through model.forward (MoE models run eagerly, without CUDA graphs, for now), the bytes of the
-weights one token reads (everything but the embedding, with each MoE layer's experts counted k / E: the active
-experts), and the fraction of the limit that bytes / measured copy rate gives at batch 1. Prints one line per
-(shape, batch).
+Random fp16 checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B), decoder depth cut by --layers (the
+embedding and head keep their size), written with safetensors once into --work and reused. Per shape:
+
+- decode: for each batch, greedy decode of --gen-len tokens after a random --prompt-len prompt through
+  model.forward, once eagerly (config.no_graphs) and once replaying the captured step (the MoE blocks inside
+  the graph); tokens/s, ms/step, and at batch 1 the fraction of the active-weights limit (copy rate ÷ bytes one
+  token reads: everything but the embedding, each MoE layer's experts counted k / E).
+- kernels: ops.moe_experts (counting sort by expert, grouped gate|up with SiLU, grouped down, combine) over every loaded
+  MoE layer's real weights with a random routing of `batch` tokens per layer, timed as CUDA-graph replays (no
+  launch overhead; the layers together far exceed L2); bytes = the routed experts' weights (each distinct
+  expert once per layer), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are
+  also timed alone.
+- --sweep: the two launches again under other tiles (exlpy/kernels/moe.py TILES, STAGES) for the tile height
+  each batch uses, to choose the defaults from.
+
+Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,23 +40,29 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from exlpy.cli.bench import copy_bandwidth, load_model, time_decode, weight_bytes_read  # noqa: E402
+from exlpy.cli.bench import weight_bytes_read  # noqa: E402
+from exlpy.kernels import ops  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
+    "mixtral": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
+                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
+                    max_position_embeddings=4096, tie_word_embeddings=False),
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
                       intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                       num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
                       max_position_embeddings=4096, tie_word_embeddings=False),
-    "mixtral": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
-                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
-                    max_position_embeddings=4096, tie_word_embeddings=False),
 }
+# --tiny: the same architectures at test-model size (CPU)
+TINY = {"mixtral": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=8),
+        "qwen3_moe": dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16)}
 
 
-def write(path: str, cfg: dict[str, Any], device: str = "cuda") -> None:
-    """A random fp16 checkpoint of `cfg` (canonical Llama names; Mixtral's experts under its own names)."""
+def write(path: str, cfg: dict[str, Any], device: str) -> None:
+    """A random fp16 checkpoint of `cfg` (Mixtral's experts under its own names)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -55,16 +77,17 @@ def write(path: str, cfg: dict[str, Any], device: str = "cuda") -> None:
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, device=device, generator=g) * std).half().cpu()
 
-    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": rnd(h, std=0) + 1, "lm_head.weight": rnd(v, h)}
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float16)
+
+    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": ones(h), "lm_head.weight": rnd(v, h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        t |= {f"{p}.input_layernorm.weight": rnd(h, std=0) + 1,
-              f"{p}.post_attention_layernorm.weight": rnd(h, std=0) + 1,
+        t |= {f"{p}.input_layernorm.weight": ones(h), f"{p}.post_attention_layernorm.weight": ones(h),
               f"{p}.self_attn.q_proj.weight": rnd(hq * d, h), f"{p}.self_attn.k_proj.weight": rnd(hk * d, h),
               f"{p}.self_attn.v_proj.weight": rnd(hk * d, h), f"{p}.self_attn.o_proj.weight": rnd(h, hq * d)}
         if not mixtral:
-            t |= {f"{p}.self_attn.q_norm.weight": rnd(d, std=0) + 1,
-                  f"{p}.self_attn.k_norm.weight": rnd(d, std=0) + 1}
+            t |= {f"{p}.self_attn.q_norm.weight": ones(d), f"{p}.self_attn.k_norm.weight": ones(d)}
         moe = f"{p}.block_sparse_moe" if mixtral else f"{p}.mlp"
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         t[f"{moe}.gate.weight"] = rnd(n, h, std=0.5)  # decisive, spread routing
@@ -76,34 +99,215 @@ def write(path: str, cfg: dict[str, Any], device: str = "cuda") -> None:
         json.dump(cfg, f)
 
 
+def load(path: str, max_seq_len: int, max_batch: int, device: str) -> Any:
+    from exlpy import ExLlamaV2, ExLlamaV2Config
+
+    config = ExLlamaV2Config(path)
+    config.max_seq_len = max_seq_len
+    config.max_batch_size = max_batch
+    model = ExLlamaV2(config)
+    model.load(device=device)  # everything on one device: the case the bandwidth limit describes
+    return model
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_seconds(model: Any, batch: int, prompt_len: int, gen_len: int, device: str, warmup: int = 4) -> float:
+    """Seconds of `gen_len` greedy decode steps of `batch` rows after a random prompt (argmax kept on the
+    device, tokens read back once at the end, so the host runs ahead of the GPU)."""
+    from exlpy import ExLlamaV2Cache
+
+    cache = ExLlamaV2Cache(model, batch_size=batch, max_seq_len=prompt_len + gen_len + warmup)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g)
+    first = model.forward(ids, cache, last_id_only=True)[:, -1].argmax(-1, keepdim=True)
+    tok = first
+    for _ in range(warmup):  # compiles kernels; captures the step's graph when graphs are on
+        tok = model.forward(tok, cache)[:, -1].argmax(-1, keepdim=True)
+    cache.current_seq_len = prompt_len
+    out = torch.empty(batch, gen_len, dtype=torch.long, device=first.device)
+    tok = first
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(gen_len):
+        tok = model.forward(tok, cache)[:, -1].argmax(-1, keepdim=True)
+        out[:, i:i + 1] = tok
+    out.cpu()
+    dt = time.perf_counter() - t0
+    del cache
+    return dt
+
+
+def timed(fn: Callable[[], Any], device: str, reps: int = 20) -> float:
+    """Median seconds of one fn(): CUDA-graph replays on a GPU (launch overhead excluded), plain calls on CPU."""
+    if not device.startswith("cuda"):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def copy_rate(device: str) -> float:
+    """Device-to-device copy rate (bytes read + written per second): the practical ceiling."""
+    n = (1 << 30) if device.startswith("cuda") else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * n / timed(lambda: b.copy_(a), device)
+
+
+def kernel_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
+    """(what, seconds per layer, achieved bytes/s) of the grouped experts over every loaded MoE layer."""
+    from exlpy.model.moe import MoEMLP
+
+    blocks = [m for m in model.modules if isinstance(m, MoEMLP) and m.w_gate_up is not None]
+    E, two_i, H = blocks[0].w_gate_up.shape
+    k = model.config.num_experts_per_token
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for blk in blocks:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(device)
+        h = (torch.randn(tokens, H, generator=g) * 0.1).to(device, blk.w_gate_up.dtype)
+        w = torch.rand(tokens, k, generator=g).to(device, blk.w_gate_up.dtype)
+        order, counts = ops.moe_sort(ids, E)
+        a = ops.moe_gate_up(h, order, counts, blk.w_gate_up, k, "silu")
+        cases.append((blk, ids, h, w, order, counts, a))
+    elem = blocks[0].w_gate_up.element_size()
+    routed = sum(int(c[1].unique().numel()) for c in cases)  # distinct experts read, over all layers
+    gu_bytes, down_bytes = routed * two_i * H * elem, routed * H * (two_i // 2) * elem
+    runs = {
+        "moe_experts (sort + gate|up + down + combine)": (
+            lambda: [ops.moe_experts(h, w, ids, b.w_gate_up, b.w_down, "silu") for b, ids, h, w, *_ in cases],
+            gu_bytes + down_bytes),
+        "gate|up + SiLU launch": (
+            lambda: [ops.moe_gate_up(h, o, c, b.w_gate_up, k, "silu") for b, _, h, _, o, c, _ in cases], gu_bytes),
+        "down launch": (lambda: [ops.moe_down(a, o, c, b.w_down) for b, _, _, _, o, c, a in cases], down_bytes),
+    }
+    rows = []
+    for what, (fn, nbytes) in runs.items():
+        t = timed(fn, device)
+        rows.append((what, t / len(cases), nbytes / t))
+    return rows
+
+
+SWEEP = {16: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 4), (16, 256, 4, 3),
+              (64, 128, 8, 3), (32, 256, 8, 3)],
+         32: [(64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
+         64: [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 4)]}
+
+
+def sweep_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
+    """`kernel_rows`' gate|up and down launches under each alternative tile of this batch's tile height."""
+    from exlpy.kernels import moe
+
+    E = model.config.num_experts
+    bm = moe.plan(tokens * model.config.num_experts_per_token, E)[0]
+    saved, saved_stages, saved_waves = dict(moe.TILES), moe.STAGES, moe.WAVES
+    rows = []
+    try:
+        moe.WAVES = 0  # the tiles exactly as listed
+        for bn, bk, warps, stages in SWEEP[bm]:
+            moe.TILES[bm], moe.STAGES = (bn, bk, warps), stages
+            for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
+                rows.append((f"{what}, tile {bm}x{bn}x{bk} w{warps} s{stages}", t, rate))
+    finally:
+        moe.TILES.clear()
+        moe.TILES.update(saved)
+        moe.STAGES, moe.WAVES = saved_stages, saved_waves
+    return rows
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script end to end)")
     ap.add_argument("--work", default="/tmp/exlpy_moe")
-    ap.add_argument("--shapes", default="qwen3_moe,mixtral")
+    ap.add_argument("--shapes", default="mixtral")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--sweep", action="store_true", help="time the grouped launches under other tiles too")
+    ap.add_argument("--out", default=None, help="markdown file to append to (default: benchmarks/results/moe.md "
+                                                "on a GPU, nothing with --tiny)")
     a = ap.parse_args()
-    bw = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}, copy rate {bw / 1e9:.0f} GB/s")
-    for name in a.shapes.split(","):
-        cfg = {**SHAPES[name], "num_hidden_layers": a.layers}
-        path = os.path.join(a.work, f"{name}_{a.layers}")
+    device = "cpu" if a.tiny else "cuda:0"
+    if not a.tiny and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --tiny for the CPU check")
+    if a.tiny:
+        a.prompt_len, a.gen_len = min(a.prompt_len, 16), min(a.gen_len, 8)
+    out = a.out or (None if a.tiny else os.path.join(ROOT, "benchmarks", "results", "moe.md"))
+    batches = [int(b) for b in a.batches.split(",")]
+    name = "CPU (--tiny)" if a.tiny else torch.cuda.get_device_name()
+    bw = copy_rate(device)
+    lines = [f"## Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {name}", "",
+             f"Command: `python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}`  ",
+             f"torch {torch.__version__}; copy rate {bw / 1e9:,.0f} GB/s; {a.layers} decoder layers; prompt "
+             f"{a.prompt_len} tokens, {a.gen_len} decoded per batch.", ""]
+    print("\n".join(lines))
+    for shape in a.shapes.split(","):
+        cfg = {**SHAPES[shape], "num_hidden_layers": a.layers, **(TINY[shape] if a.tiny else {})}
+        path = os.path.join(a.work, f"{shape}_{a.layers}{'_tiny' if a.tiny else ''}")
         if not os.path.exists(os.path.join(path, "model.safetensors")):
-            write(path, cfg)
-        model = load_model(path, a.prompt_len + a.gen_len + 8, max(int(b) for b in a.batches.split(",")))
-        act = weight_bytes_read(model)  # an MoE layer's experts counted k / E
-        for b in (int(x) for x in a.batches.split(",")):
-            r = time_decode(model, b, a.prompt_len, a.gen_len)
-            tps = b * a.gen_len / r.seconds
-            limit = bw / act
-            print(f"{name} layers={a.layers} batch={b}: {tps:,.1f} tokens/s ({tps / b:,.1f} steps/s), active "
-                  f"weights {act / 2**20:,.0f} MiB/token, batch-1 limit {limit:,.1f} tokens/s, "
-                  f"{100 * tps / b / limit:.0f}% of it per step")
+            write(path, cfg, "cuda" if device.startswith("cuda") else "cpu")
+        model = load(path, a.prompt_len + a.gen_len + 8, max(batches), device)
+        active = weight_bytes_read(model)
+        limit = bw / active
+        table = [f"### {shape} shape, fp16, {a.layers} layers (active weights {active / 2**20:,.1f} MiB/token, "
+                 f"batch-1 limit {limit:,.1f} steps/s)", "",
+                 "| batch | mode | tokens/s | ms/step | batch-1 limit fraction |", "|---|---|---|---|---|"]
+        print("\n".join(table), flush=True)
+        for b in batches:
+            for mode in ("eager", "graphs"):
+                model.config.no_graphs = mode == "eager" or a.tiny
+                if a.tiny and mode == "graphs":
+                    continue  # no CUDA graphs on a CPU
+                dt = decode_seconds(model, b, a.prompt_len, a.gen_len, device)
+                steps = a.gen_len / dt
+                frac = f"{steps / limit:.1%}" if b == 1 and not a.tiny else ""
+                table.append(f"| {b} | {mode} | {b * steps:,.1f} | {1e3 / steps:.3f} | {frac} |")
+                print(table[-1], flush=True)
+        table += ["", "| batch tokens | kernel | µs per layer | GB/s | of copy rate |", "|---|---|---|---|---|"]
+        if a.tiny:
+            table.insert(-3, "\nOn the CPU the kernel rows time the torch references the ops dispatch to.")
+        print("\n".join(table[-4:]), flush=True)
+        for b in batches:
+            for what, t, rate in kernel_rows(model, b, device, bw) + (sweep_rows(model, b, device, bw)
+                                                                        if a.sweep else []):
+                table.append(f"| {b} | {what} | {1e6 * t:,.1f} | {rate / 1e9:,.0f} | {rate / bw:.0%} |")
+                print(table[-1], flush=True)
+        lines += table + [""]
         model.unload()
         del model
-        torch.cuda.empty_cache()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if out:
+        with open(out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"appended to {out}")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ from exlpy.cache import (
     ExLlamaV2CacheBase,
 )
 from exlpy.cache.tp import ExLlamaV2Cache_TP
-from exlpy.compat.unsupported import ExLlamaV2MultimodalProjector, ExLlamaV2VisionTower, Intervention
+from exlpy.compat.unsupported import ExLlamaV2MultimodalProjector, Intervention
 from exlpy.config import ExLlamaV2Config
 from exlpy.engine import ExLlamaV2
 from exlpy.lora import ExLlamaV2Lora
 from exlpy.tokenizer import ExLlamaV2Tokenizer
 from exlpy.util import SeqTensor, Timer
 from exlpy.version import __version__
+from exlpy.vision import ExLlamaV2VisionTower
 
 __all__ = [
     "ExLlamaV2",

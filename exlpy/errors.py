@@ -166,3 +166,12 @@ class JobConflictError(ConvertError):
 
 class ConvertIOError(ConvertError, OSError):
     """Writing the job's files failed (disk full, not writable); the job stays resumable."""
+
+
+class ImageError(InputError):
+    """An image that cannot be used: it does not decode, has no pixels, or exceeds the size limits."""
+
+
+class MultimodalError(InputError):
+    """Multimodal inputs that do not fit together: an embedding alias missing from the prompt, more image tokens
+    than the context holds, images for a model without a vision tower, an embedding of another model."""

@@ -20,7 +20,8 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_FLASH_TMA=1` | `flash_tma=True` | the flash kernel copies interior K/V tiles with TMA (Hopper) |
 | `EXLPY_FLASH_CONFIG=BM,BN,warps,stages` | `flash_config` | override the flash kernel's prefill launch table |
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
-| `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2 to N rows (0-64; default 0, off) run the fused multi-row quant matmul |
+| `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
+| `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -55,11 +56,13 @@ class RuntimeOptions:
     flash_tma: bool = False
     flash_config: tuple[int, int, int, int] | None = None
     api_key: str | None = field(default=None, repr=False)  # EXLPY_API_KEY: a key for `exlpy serve`
-    # EXLPY_QUANT_ROWS: 2 up to this many rows of an EXL2/GPTQ matmul run exl2_qmm (packed weights read once).
-    # Default 0 (dequantize + cuBLAS, the GPU-proven path): the kernel's first GPU run lost split-K sums (a race
-    # in its epilogue, fixed since but not yet re-run on a GPU); raise it to 64 once tests/test_exl2_qmm.py's
-    # GPU tests pass on the target image.
-    quant_rows: int = 0
+    # EXLPY_QUANT_ROWS: 2 up to this many rows of an EXL2/GPTQ matmul run exl2_qmm (packed weights read once);
+    # 0 turns it off (dequantize + cuBLAS). Default 64: its GPU tests pass (H100 x2, 2026-11-26 09:40) and it
+    # beats dequantize + cuBLAS at every row count up to 64 on the 8B shapes (benchmarks/results/exl2_speed.md).
+    quant_rows: int = 64
+    # EXLPY_GEMV_ROWS: 2 up to this many rows take the decode GEMV extended to several rows (exl2_gemv.py), which
+    # beats the tensor-core kernel where the rows' FMAs cost less than that kernel's fixed cost; 0 or 1: off.
+    gemv_rows: int = 4
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -69,6 +72,8 @@ class RuntimeOptions:
             raise ConfigError(f"unknown TP layout '{self.tp_layout}' (EXLPY_TP_MODE): use row or column")
         if self.flash_config is not None and (len(self.flash_config) != 4 or min(self.flash_config) < 1):
             raise ConfigError(f"EXLPY_FLASH_CONFIG {self.flash_config}: four positive ints BM,BN,warps,stages")
+        if not 0 <= self.gemv_rows <= 8:
+            raise ConfigError(f"EXLPY_GEMV_ROWS={self.gemv_rows}: the decode GEMV takes 0 to 8 rows")
         if not 0 <= self.quant_rows <= 64:
             raise ConfigError(f"EXLPY_QUANT_ROWS={self.quant_rows}: the fused quantized matmul takes 0 to 64 rows")
 
@@ -97,7 +102,8 @@ class RuntimeOptions:
             flash_tma=flag("EXLPY_FLASH_TMA"),
             flash_config=_ints(e.get("EXLPY_FLASH_CONFIG", ""), "EXLPY_FLASH_CONFIG"),
             api_key=e.get("EXLPY_API_KEY") or None,
-            quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (0,))[0],
+            quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
+            gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
         )
 
 

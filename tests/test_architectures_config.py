@@ -58,7 +58,7 @@ def test_older_configs_without_layer_types_use_the_architecture_pattern(tmp_path
     ({"attn_logit_softcapping": -1.0}, ConfigError, "attn_logit_softcapping"),
     ({"query_pre_attn_scalar": 0}, ConfigError, "query_pre_attn_scalar"),
     ({"hidden_activation": "xielu", "hidden_act": None}, UnsupportedArchitectureError, "xielu"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, UnsupportedArchitectureError, "vision"),
+    ({"rope_local_base_freq": 10000.0}, UnsupportedArchitectureError, "rope_local_base_freq"),  # Gemma 3 only
     ({"architectures": ["GemmoeForCausalLM"]}, UnsupportedArchitectureError, "mixture of experts"),
     ({"architectures": ["MixtralForCausalLM"], "layer_types": None}, ConfigError, "num_local_experts"),
     ({"architectures": ["MixtralForCausalLM"], "layer_types": None, "num_local_experts": 2,

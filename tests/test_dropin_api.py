@@ -17,6 +17,7 @@ from exlpy.errors import (
     GeneratorError,
     LoraConfigError,
     ModelStateError,
+    MultimodalError,
     NotSupportedError,
     UnknownArgumentError,
 )
@@ -133,7 +134,7 @@ def test_forward_rejects_unknown_keywords_by_name() -> None:
     ids = torch.randint(0, 512, (1, 4))
     with pytest.raises(UnknownArgumentError, match="unexpected keyword argument 'last_ids_only'"):
         model.forward(ids, last_ids_only=True)
-    with pytest.raises(NotSupportedError, match="multimodal"):
+    with pytest.raises(MultimodalError, match="ExLlamaV2MMEmbedding"):
         model.forward(ids, indexed_embeddings=torch.zeros(1))
     with pytest.raises(UnknownArgumentError, match="multiple values for argument 'input_mask'"):
         model.forward(ids, None, None, input_mask=None, foo=1)

@@ -117,7 +117,8 @@ def test_test_inference_imports_resolve(compat: None, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name,why", [("exllamav2.ext", "compiled extension"), ("exllamav2.conversion.adaptivegptq",
-                                      "no module exlpy.convert.adaptivegptq"), ("exllamav2.vlm.vision_tower", "vision"),
+                                      "no module exlpy.convert.adaptivegptq"),
+                                      ("exllamav2.vlm.processor", "no module exlpy.vision.processor"),
                                       ("exllamav2.no_such_module", "no module exlpy.no_such_module")])
 def test_missing_modules_are_typed_errors(compat: None, name: str, why: str) -> None:
     with pytest.raises(CompatImportError, match=why) as e:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import exlpy.compat
-from exlpy.errors import LoraConfigError, NotSupportedError
+from exlpy.errors import ConfigError, LoraConfigError, MultimodalError, NotSupportedError
 
 MODULE_NAMES: dict[str, list[str]] = {
     "exllamav2": [
@@ -128,12 +128,12 @@ def test_unsupported_features_raise_typed_errors(compat: None) -> None:
     assert exllamav2.ExLlamaV2Lora is exllamav2.lora.ExLlamaV2Lora is ExLlamaV2Lora  # the real class
     with pytest.raises(LoraConfigError, match="not a directory"):
         exllamav2.ExLlamaV2Lora.from_directory(None, "/some/lora")
-    with pytest.raises(NotSupportedError, match="vision"):
+    with pytest.raises(ConfigError, match="ExLlamaV2Config"):  # real classes now (tests/test_vision_*.py)
         exllamav2.ExLlamaV2VisionTower(None)
     with pytest.raises(NotSupportedError, match="vision"):
         exllamav2.ExLlamaV2MultimodalProjector()
-    with pytest.raises(NotSupportedError, match="vision"):
-        ExLlamaV2MMEmbedding()
+    with pytest.raises(MultimodalError, match="embeddings must be"):
+        ExLlamaV2MMEmbedding(None, None)
     with pytest.raises(NotSupportedError, match="Intervention"):
         exllamav2.Intervention(None)
     # NotSupportedError is also a NotImplementedError, for code that catches that.

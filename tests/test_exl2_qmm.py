@@ -221,8 +221,8 @@ def test_dispatch_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     shape to dequantize + cuBLAS from its row count on; a bad value is a ConfigError naming the variable."""
     from exlpy.kernels import exl2_qmm_plan as qp
 
-    assert RuntimeOptions.from_env({}).quant_rows == 0  # off by default until GPU-verified (exlpy/runtime.py)
-    with use_options(RuntimeOptions.from_env({})):
+    assert RuntimeOptions.from_env({}).quant_rows == 64  # on by default (GPU-verified, exlpy/runtime.py)
+    with use_options(RuntimeOptions.from_env({"EXLPY_QUANT_ROWS": "0"})):
         assert not qp.rows_kernel_takes(2, 4096, 4096) and not qp.rows_kernel_takes(64, 4096, 4096)
     with use_options(RuntimeOptions.from_env({"EXLPY_QUANT_ROWS": "64"})):
         assert qp.rows_kernel_takes(2, 4096, 4096) and qp.rows_kernel_takes(64, 4096, 4096)

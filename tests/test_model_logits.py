@@ -175,7 +175,7 @@ def test_max_output_len_chunks_the_head(tmp_path: Path, monkeypatch: pytest.Monk
     head = model.modules[model.head_layer_idx]
     widths: list[int] = []
     forward = head._logits  # one pass of the head's projection
-    monkeypatch.setattr(head, "_logits", lambda x: widths.append(x.shape[1]) or forward(x))
+    monkeypatch.setattr(head, "_logits", lambda x, batch: widths.append(x.shape[1]) or forward(x, batch))
     model.config.max_output_len = 8
     chunked = model.forward(ids)
     assert widths == [8, 8, 5]  # no head pass over more than max_output_len positions

@@ -52,29 +52,84 @@ def _naive(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, gu: torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_gathered_and_grouped_experts_equal_a_per_token_loop(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
-    g = torch.Generator().manual_seed(0)
-    E, k, H, inter = 5, 2, 24, 40
+def _case(tokens: int, E: int = 5, k: int = 2, H: int = 24, inter: int = 40, seed: int = 0
+          ) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, H, generator=g)
     gu, down = torch.randn(E, 2 * inter, H, generator=g) / 5, torch.randn(E, H, inter, generator=g) / 6
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
-    w = torch.rand(tokens, k, generator=g)
+    return h, torch.rand(tokens, k, generator=g), ids, gu, down
+
+
+# every formulation of the torch paths: (gather limit of the old reference, host slices, gather bytes)
+_PATHS = {"slices": (0, True, 0), "gather": (10**9, False, 2**62), "masked": (0, False, 0)}
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_every_experts_path_equals_a_per_token_loop(monkeypatch: pytest.MonkeyPatch, tokens: int, path: str
+                                                    ) -> None:
+    """The old whole-op reference (gathered or grouped with host counts) and the sorted formulation the model
+    calls (ops.moe_experts: host slices on CPU, the fixed-shape gather or masked paths elsewhere)."""
+    from exlpy.kernels import ops
+
+    h, w, ids, gu, down = _case(tokens)
     want = _naive(h, w, ids, gu, down)
-    for limit in (0, 10**9):  # every call grouped, every call gathered
-        monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
-        torch.testing.assert_close(reference.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
+    limit, slices, gather_bytes = _PATHS[path]
+    monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
+    monkeypatch.setattr(reference, "MOE_HOST_SLICES", slices)
+    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    torch.testing.assert_close(reference.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
 
 
-def test_unrouted_experts_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sort_groups_pairs_by_expert() -> None:
+    ids = torch.tensor([[2, 0], [0, 3], [2, 1]])
+    order, counts = reference.moe_sort(ids, 5)
+    assert counts.tolist() == [2, 1, 2, 1, 0]
+    assert ids.reshape(-1)[order].tolist() == [0, 0, 1, 2, 2, 3]
+    assert order.tolist() == [1, 2, 5, 0, 4, 3]  # stable: within an expert, pairs in token order
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+def test_unrouted_experts_are_not_read(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """An expert no token chose may hold anything (NaN here): it never enters the result."""
+    from exlpy.kernels import ops
+
     g = torch.Generator().manual_seed(1)
     h, gu, down = torch.randn(20, 8, generator=g), torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g)
     gu[2], down[2] = float("nan"), float("nan")
     ids = torch.randint(0, 2, (20, 1), generator=g)
-    for limit in (0, 10**9):
-        monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
-        assert torch.isfinite(reference.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
+    limit, slices, gather_bytes = _PATHS[path]
+    monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
+    monkeypatch.setattr(reference, "MOE_HOST_SLICES", slices)
+    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    assert torch.isfinite(reference.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
+    assert torch.isfinite(ops.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
+
+
+@pytest.mark.parametrize("gather_bytes", [reference.MOE_GATHER_BYTES, 0])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_moe_block_forward_needs_no_host_sync(moe_models: dict, monkeypatch: pytest.MonkeyPatch, tokens: int,
+                                              gather_bytes: int) -> None:
+    """The whole MoE block (norm, router, top-k, sort, grouped experts, combine) runs on meta tensors, which refuse
+    what a host sync needs (.item(), .tolist(), boolean indexing, data-dependent shapes): the same code a CUDA
+    decode step runs inside its graph, in both fixed-shape formulations of the torch fallback."""
+    from exlpy.model.module import drive
+    from exlpy.model.moe import MoEMLP
+
+    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    for case in ("mixtral", "qwen3_moe", "dbrx"):
+        model = _load(moe_models[case][0], torch.float32, "cpu")
+        block = next(m for m in model.modules if isinstance(m, MoEMLP))
+        assert block.graph_safe
+        for name in ("norm_w", "norm_b", "router", "w_gate_up", "w_down"):
+            t = getattr(block, name)
+            if t is not None:
+                setattr(block, name, t.to("meta"))
+        x = torch.empty(tokens, 1, model.config.hidden_size, device="meta")
+        out = drive(block.forward(x, None))  # type: ignore[arg-type]
+        assert out.shape == x.shape and out.device.type == "meta"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -115,12 +170,65 @@ def test_experts_per_token_override_matches_a_model_trained_so(moe_models: dict,
     assert rel_err(model.forward(ids), want) <= logits_tol(model, 2e-3)
 
 
-def test_moe_models_are_not_graph_captured(moe_models: dict) -> None:
+def test_dense_moe_models_are_graph_captured(moe_models: dict) -> None:
     from exlpy.engine.forward import graph_runner
 
     model = _load(moe_models["mixtral"][0])
     strategy = types.SimpleNamespace(graph_safe=True, graph_cache={})
-    assert graph_runner(model, strategy) is None  # type: ignore[arg-type]
+    assert graph_runner(model, strategy) is not None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_decode_through_the_graph_runner_equals_eager(moe_models: dict, case: str) -> None:
+    """A batch of 3 decoded through the graph runner's static buffers (run eagerly on the CPU; padded to a bucket
+    of 4 rows whose padding routes somewhere and writes nowhere) equals plain eager decode."""
+    from exlpy.engine.graphs import StepGraphs
+
+    model = _load(moe_models[case][0], torch.float32, "cpu")
+    prompt = torch.randint(2, VOCAB, (3, 9), generator=torch.Generator().manual_seed(5))
+    eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=3), ExLlamaV2Cache(model, batch_size=3)
+    model.forward(prompt, eager_cache, preprocess_only=True)
+    model.forward(prompt, graph_cache, preprocess_only=True)
+    ref = [model.forward(prompt[:, -1:], eager_cache)]
+    strategy = model.strategy_for_forward()
+    strategy.graph_safe = True  # as on a CUDA model; the runner runs its body eagerly
+    runner = strategy.graph_cache["runner"] = StepGraphs(strategy, capture=False)
+    out = [model.forward(prompt[:, -1:], graph_cache)]
+    assert len(runner.steps) == 1  # the step went through the runner
+    for _ in range(3):
+        tok = ref[-1][:, -1].argmax(-1, keepdim=True)
+        ref.append(model.forward(tok, eager_cache))
+        out.append(model.forward(tok, graph_cache))
+    assert rel_err(torch.cat(out, 1), torch.cat(ref, 1)) <= 1e-5
+    # the experts per token changed between calls (exllamav2's -ept): graphs of the old top-k are dropped
+    old_step = next(iter(runner.steps.values()))
+    model.config.num_experts_per_token = 3
+    out3 = model.forward(tok, graph_cache)
+    assert len(runner.steps) == 1 and all(s is not old_step for s in runner.steps.values())
+    assert rel_err(out3, model.forward(tok, eager_cache)) <= 1e-5
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe", "dbrx"])
+def test_cuda_graph_decode_equals_eager(moe_models: dict, case: str) -> None:
+    """fp16 on a GPU: token-by-token decode of 2 rows replayed from CUDA graphs equals eager decode (no_graphs)
+    and the fp32 reference; the graphs were captured (the MoE blocks inside them)."""
+    path, ref = moe_models[case]
+    ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = ref(ids).logits  # type: ignore[operator]
+    outs = {}
+    for graphs in (True, False):
+        model = _load(path, torch.float16, "cuda:0")
+        model.config.no_graphs = not graphs
+        cache = ExLlamaV2Cache(model, batch_size=2)
+        parts = [model.forward(ids[:, :20], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(20, 30)]
+        outs[graphs] = torch.cat(parts, dim=1)
+        runner = model.strategy_for_forward().graph_cache.get("runner")
+        assert (runner is not None and any(s.captured for s in runner.steps.values())) == graphs
+        assert rel_err(outs[graphs], want) <= logits_tol(model, 2e-3)
+    assert rel_err(outs[True], outs[False]) <= 2e-3
 
 
 def test_tensor_parallel_refused_by_name(moe_models: dict) -> None:
@@ -276,6 +384,10 @@ def test_exl2_experts_equal_their_dense_equivalent(moe_models: dict, tmp_path: P
     ref = _load(dirs["dense"], torch.float32, "cpu")
     ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(6))
     assert rel_err(model.forward(ids), ref.forward(ids)) < 1e-4
+    # packed experts read their token counts on the host: such a model decodes eagerly
+    from exlpy.engine.forward import graph_runner
+
+    assert graph_runner(model, types.SimpleNamespace(graph_safe=True, graph_cache={})) is None  # type: ignore[arg-type]
 
 
 def test_nan_in_an_expert_is_named(moe_models: dict, tmp_path: Path) -> None:

@@ -55,20 +55,22 @@ def test_exl2_kernels_interpreter(name: str, m: int) -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("name", ["2bit", "3bit", "4bit", "5bit", "6bit", "8bit", "mixed_blocked",
-                                  "partial_last_group", "odd_n_3bit_partial"])
-def test_gemv_interpreter(name: str) -> None:
-    """The decode kernel itself (split-K, the self-resetting workspace), twice in a row."""
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+@pytest.mark.parametrize("name,rows", [("2bit", 1), ("3bit", 1), ("4bit", 1), ("5bit", 1), ("6bit", 1),
+                                       ("8bit", 1), ("mixed_blocked", 1), ("partial_last_group", 1),
+                                       ("odd_n_3bit_partial", 1), ("3bit", 2), ("5bit", 3), ("mixed_blocked", 8),
+                                       ("odd_n_3bit_partial", 7)])
+def test_gemv_interpreter(name: str, rows: int) -> None:
+    """The decode kernel itself (split-K, the self-resetting workspace) for 1-8 rows, twice in a row."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)) + rows)
     qm = _exl2(name, gen)
     assert exl2_gemv.supports(qm)
     plan = plan_for([qm], torch.device("cpu"))
     assert plan.mode == 1 and sum(ln.programs for ln in plan.launches) > 1  # split-K + arrival counters run
     bias = torch.randn(qm.n, generator=gen).half()
     for _ in range(2):  # a second call finds the workspace and counters zero again
-        x = torch.randn(1, qm.k, generator=gen).half()
+        x = torch.randn(rows, qm.k, generator=gen).half()
         y = exl2_gemv.exl2_gemv(x, qm, bias)
-        assert y.shape == (1, qm.n) and y.dtype == torch.float16
+        assert y.shape == (rows, qm.n) and y.dtype == torch.float16
         assert rel_err(y, exl2_matmul_ref(x.float(), qm, bias.float())) < 2e-3
     ws, cnt = exl2_gemv._workspace(torch.device("cpu"))
     assert not ws.any() and not cnt.any()
@@ -108,11 +110,11 @@ def test_gemv_group_interpreter() -> None:
     bias = torch.randn(143, generator=gen).half()
     group = exl2_gemv.GemvGroup(parts, bias)
     assert sorted(ln.bits for ln in group.plan.launches) == [3, 4, 5, 6]
-    for _ in range(2):
-        x = torch.randn(1, 160, generator=gen).half()
+    for rows in (1, 4):
+        x = torch.randn(rows, 160, generator=gen).half()
         y = group.run(act_order(x, parts[0].perm, exl2_gemv.ROW_PAD), torch.float16)
         ref = torch.cat([exl2_matmul_ref(x.float(), p) for p in parts], -1) + bias.float()
-        assert y.shape == (1, 143) and rel_err(y, ref) < 2e-3
+        assert y.shape == (rows, 143) and rel_err(y, ref) < 2e-3
     ws, cnt = exl2_gemv._workspace(torch.device("cpu"))
     assert not ws.any() and not cnt.any()
 
@@ -121,12 +123,13 @@ def test_gemv_group_interpreter() -> None:
 def test_gemv_residual_in_place() -> None:
     gen = torch.Generator().manual_seed(23)
     qm = _exl2("mixed_blocked", gen)
-    res = torch.randn(1, qm.n, generator=gen).half()
-    before = res.clone()
-    x = torch.randn(1, qm.k, generator=gen).half()
-    out = exl2_gemv.exl2_gemv(x, qm, None, residual=res)
-    assert out is res
-    assert rel_err(res, before.float() + exl2_matmul_ref(x.float(), qm)) < 2e-3
+    for rows in (1, 3):
+        res = torch.randn(rows, qm.n, generator=gen).half()
+        before = res.clone()
+        x = torch.randn(rows, qm.k, generator=gen).half()
+        out = exl2_gemv.exl2_gemv(x, qm, None, residual=res)
+        assert out is res
+        assert rel_err(res, before.float() + exl2_matmul_ref(x.float(), qm)) < 2e-3
 
 
 @pytest.mark.interpreter
@@ -203,9 +206,14 @@ def test_act_order_kernels_interpreter(k: int, with_perm: bool) -> None:
     from exlpy.kernels import reference
 
     gen = torch.Generator().manual_seed(k)
-    x = torch.randn(1, 1, k, generator=gen).half() * 3
     w = (1 + 0.1 * torch.randn(k, generator=gen)).half()
     perm = torch.randperm(k, generator=gen).to(torch.int32) if with_perm else None
+    x3 = torch.randn(3, k, generator=gen).half() * torch.tensor([[1.0], [3.0], [10.0]]).half()  # rows of own norms
+    for got, ref in ((ak.act_order(x3, perm, 512), reference.act_order(x3, perm, 512)),
+                     (ak.rms_norm_act_order(x3, w, 1e-5, perm, 512),
+                      reference.rms_norm_act_order(x3, w, 1e-5, perm, 512))):
+        assert got.shape == (3, k + 512) and not got[:, k:].any() and rel_err(got, ref) < 1e-6
+    x = torch.randn(1, 1, k, generator=gen).half() * 3
     for got, ref in ((ak.act_order(x, perm, 512), reference.act_order(x, perm, 512)),
                      (ak.rms_norm_act_order(x, w, 1e-5, perm, 512), reference.rms_norm_act_order(x, w, 1e-5, perm,
                                                                                                   512))):
@@ -242,13 +250,15 @@ def test_fused_quant_matches_parts_interpreter() -> None:
 
 
 @requires_cuda
-def test_gemv_group_cuda() -> None:
-    """The grouped decode GEMV at q|k|v shapes of an 8B model with mixed widths, eager and graph-replayed."""
-    gen = torch.Generator().manual_seed(41)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_gemv_group_cuda(rows: int) -> None:
+    """The grouped decode GEMV at q|k|v shapes of an 8B model with mixed widths, 1-8 rows, eager and
+    graph-replayed."""
+    gen = torch.Generator().manual_seed(41 + rows)
     mixed = [(5, 128)] * 4 + [(4, 128)] * 24 + [(3, 128)] * 4
     parts = _same_perm_parts(gen, 4096, [(4096, mixed), (1024, [(4, 128)] * 32), (1024, [(6, 128)] * 32)])
     group = exl2_gemv.GemvGroup([p.to("cuda") for p in parts], None)
-    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    x = torch.randn(rows, 4096, generator=gen).half().cuda()
     ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
     xp = act_order(x, group.perm, exl2_gemv.ROW_PAD)
     for _ in range(5):  # repeated: a race in the split-K epilogue showed only now and then
@@ -257,7 +267,7 @@ def test_gemv_group_cuda() -> None:
     with torch.cuda.graph(g):
         y = group.run(act_order(x, group.perm, exl2_gemv.ROW_PAD), torch.float16)
     for _ in range(2):
-        x.copy_(torch.randn(1, 4096, generator=gen).half())
+        x.copy_(torch.randn(rows, 4096, generator=gen).half())
         g.replay()
         ref = torch.cat([exl2_matmul_ref(x.cpu().float(), p) for p in parts], -1)
         assert rel_err(y.cpu(), ref) < 2e-3

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -60,7 +61,10 @@ def test_serve_process_answers_http() -> None:
                     raise AssertionError(f"server did not come up: {log}") from None
                 time.sleep(0.2)
         assert health["status"] == "ok" and health["model"] == "aidreams260K"
-        assert health["cache_pages"] == 8  # default cache: at least 2048 tokens
+        if torch.cuda.is_available():  # sized from free GPU memory (tests/test_serving_gpu.py checks how)
+            assert health["cache_pages"] >= 8
+        else:
+            assert health["cache_pages"] == 8  # the CPU default cache: at least 2048 tokens
         req = urllib.request.Request(f"{base}/v1/completions", method="POST",
                                      data=json.dumps({"prompt": "Once", "max_tokens": 8, "temperature": 0}).encode(),
                                      headers={"content-type": "application/json"})

@@ -76,7 +76,9 @@ def test_unknown_roles_are_refused(client: Any) -> None:
 def test_non_text_content_parts_are_refused(client: Any, part: dict[str, Any]) -> None:
     msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
     r = client.post("/v1/chat/completions", json={**CHAT, "messages": msgs})
-    _error(r, "messages[0].content[1]", f"content parts of type {part['type']!r} are not supported")
+    why = ("text-only model" if part["type"] == "image_url"
+           else f"content parts of type {part['type']!r} are not supported")
+    _error(r, "messages[0].content[1]", why)  # images: tests/test_vision_server.py
     _error(client.post("/tokenize", json={"messages": msgs}), "messages[0].content[1]", part["type"])
 
 

@@ -74,4 +74,40 @@ def test_no_compile_while_serving_after_the_warmup(state: Any) -> None:
 
     rs = asyncio.run(main())
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
-    assert KernelCompiles.serving == before, KernelCompiles.last
+    if KernelCompiles.serving != before:
+        pytest.fail("compiled while serving:\n" + "\n".join(_explain(k, KernelCompiles.keys)
+                                                              for k in KernelCompiles.last))
+
+
+def _explain(new: str, seen: list[str]) -> str:
+    """Which arguments of a kernel compiled while serving differ from the nearest variant compiled before (the
+    warm-up's): names and (type, specialization) pairs, so the shape the warm-up missed can be read off."""
+    import ast
+    import sys
+
+    def parse(entry: str) -> tuple[str, list[Any]] | None:
+        if " key=" not in entry:
+            return None
+        head, key = entry.split(" key=", 1)
+        try:
+            return head.split("[", 1)[0], list(ast.literal_eval(key[:key.rindex("]") + 1]))
+        except (ValueError, SyntaxError):
+            return None
+
+    got = parse(new)
+    if got is None:
+        return new
+    name, args = got
+    fn = next((getattr(m, name) for k, m in list(sys.modules.items()) if k.startswith("exlpy.kernels")
+               and hasattr(m, name)), None)
+    names = list(getattr(fn, "arg_names", [])) or [str(i) for i in range(len(args))]
+    best: list[str] | None = None
+    for entry in seen:
+        other = parse(entry)
+        if other is None or other[0] != name or other[1] == args or len(other[1]) != len(args):
+            continue
+        diff = [f"{names[i] if i < len(names) else i}: {other[1][i]} -> {a}" for i, a in enumerate(args)
+                if other[1][i] != a]
+        if best is None or len(diff) < len(best):
+            best = diff
+    return f"{name}: " + ("; ".join(best) if best is not None else "no earlier variant of this kernel")

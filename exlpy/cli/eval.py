@@ -1,11 +1,12 @@
 """`exlpy eval ppl | speed`: exllamav2's test_inference.py workflows (spec §11), with its flag names.
 
-    exlpy eval ppl -m MODEL -ed DATA.parquet [-er 128] [-el 2048] [-et] [-e8] [-eq4] [-eq6] [-eq8]
+    exlpy eval ppl -m MODEL -ed DATA.parquet [-er 128] [-el 2048] [-et] [-e8] [-eq4] [-eq6] [-eq8] [-sl]
     exlpy eval speed -m MODEL [-ps] [-s] [-l MAX_SEQ_LEN]
 
-`ppl` prints the perplexity of one forward per row, then, for each cache flag, the token-by-token perplexity
-through that cache (every position reads the keys and values the cache stored). `speed` runs the prefill sweep
-(-ps) and the decode sweep (-s). HumanEval and MMLU (exllamav2's eval/) run through lm-evaluation-harness
+`ppl` prints the perplexity of one forward per row (with -sl: layer streaming, for models larger than GPU
+memory: each module loaded once for all rows, two rows at a time), then, for each cache flag, the token-by-token
+perplexity through that cache (every position reads the keys and values the cache stored). `speed` runs the
+prefill sweep (-ps) and the decode sweep (-s). HumanEval and MMLU (exllamav2's eval/) run through lm-evaluation-harness
 against `exlpy serve` (benchmarks/lm_eval_server.py; README "Evaluation").
 """
 
@@ -36,6 +37,9 @@ def add_parser(sub: Any) -> None:
     for flag, _, name in CACHE_FLAGS:
         ppl.add_argument(f"-{flag}", dest=flag, action="store_true",
                          help=f"also token-by-token perplexity with the {name} cache")
+    ppl.add_argument("-sl", "--stream_layers", action="store_true",
+                     help="layer streaming: load each module just before it runs (models larger than GPU memory); "
+                     "every row through one module before the next, 2 rows at a time")
     ppl.set_defaults(_run=run_ppl)
     speed = kinds.add_parser("speed", help="prefill (-ps) and decode (-s) speed sweeps")
     _model_args(speed)
@@ -53,7 +57,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-gs", "--gpu_split", default=None, help="GB per GPU, comma-separated (default: autosplit)")
 
 
-def _load(args: argparse.Namespace, need_len: int) -> tuple[Any, Any]:
+def _load(args: argparse.Namespace, need_len: int, lazy: bool = False) -> tuple[Any, Any]:
     from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer
 
     config = ExLlamaV2Config(args.model)
@@ -64,25 +68,29 @@ def _load(args: argparse.Namespace, need_len: int) -> tuple[Any, Any]:
     model = ExLlamaV2(config)
     t0 = time.perf_counter()
     if args.gpu_split:
-        model.load(gpu_split=[float(x) for x in args.gpu_split.split(",")])
+        model.load(gpu_split=[float(x) for x in args.gpu_split.split(",")], lazy=lazy)
     else:
-        model.load()
+        model.load(lazy=lazy)
     print(f" -- Model: {args.model} (loaded in {time.perf_counter() - t0:.1f} s)")
     return model, ExLlamaV2Tokenizer(config)
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from exlpy.eval import dataset_rows, perplexity, perplexity_token_by_token
+    from exlpy.eval import dataset_rows, perplexity, perplexity_streamed, perplexity_token_by_token
 
     if args.rows < 1 or args.length < 2:
         raise ConfigError("-er must be >= 1 and -el >= 2")
-    model, tok = _load(args, args.length)
+    if args.stream_layers and any(getattr(args, flag) for flag, _, _ in CACHE_FLAGS):
+        raise ConfigError("-sl (layer streaming) scores whole rows layer by layer; it does not combine with the "
+                          "token-by-token cache flags (-et/-e8/-eq4/-eq6/-eq8)")
+    model, tok = _load(args, args.length, lazy=args.stream_layers)
     # (exllamav2 prepends BOS only for architectures that need it; none of exlpy's Llama-family ones does)
     ids = dataset_rows(args.dataset, tok, args.rows, args.length)
     print(f" -- Dataset: {args.dataset}, {args.rows} rows of {args.length} tokens")
     t0 = time.perf_counter()
-    r = perplexity(model, ids)
-    print(f" -- Evaluation perplexity: {r.perplexity:.4f}  ({r.tokens} tokens, {time.perf_counter() - t0:.1f} s)")
+    r = perplexity_streamed(model, ids) if args.stream_layers else perplexity(model, ids)
+    what = "Evaluation perplexity (streamed)" if args.stream_layers else "Evaluation perplexity"
+    print(f" -- {what}: {r.perplexity:.4f}  ({r.tokens} tokens, {time.perf_counter() - t0:.1f} s)")
     for flag, kind, name in CACHE_FLAGS:
         if getattr(args, flag):
             t0 = time.perf_counter()

@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    p.add_argument("--image", action="append", default=None, metavar="PATH", help="an image placed before the prompt "
+                   "(vision-language models; repeatable)")
     p.add_argument("--gpu-split", default=None, help="comma-separated GB per GPU (default: automatic)")
     p.add_argument("--draft-model", default=None, metavar="DIR", help="speculative decoding with this draft model "
                    "(same vocabulary as the model, any format)")
@@ -57,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
         model.load_autosplit(cache, progress=sys.stderr.isatty())
     tokenizer = ExLlamaV2Tokenizer(config)
 
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
-    ids = tokenizer.encode(text, add_bos=not args.no_bos and not args.chat, encode_special_tokens=args.chat)
+    embeddings = image_embeddings(config, model, tokenizer, args.image) if args.image else []
+    content = "".join(e.text_alias + "\n" for e in embeddings) + prompt
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}]) if args.chat else content
+    ids = tokenizer.encode(text, add_bos=not args.no_bos and not args.chat, encode_special_tokens=args.chat,
+                           embeddings=embeddings or None)
     budget = config.max_seq_len - ids.shape[-1]
     if budget <= 0:
         raise ConfigError(f"the prompt has {ids.shape[-1]} tokens, the context holds {config.max_seq_len}")
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
     sys.stdout.write(prompt if not args.chat else "")
     sys.stdout.flush()
-    generator.begin_stream_ex(ids, settings)
+    generator.begin_stream_ex(ids, settings, input_embeddings=embeddings or None)
     t0 = time.perf_counter()
     while True:
         # The budget counts sampled tokens (new_tokens), not the tokens whose text was released: text held back
@@ -105,6 +110,16 @@ def run(args: argparse.Namespace) -> int:
         sd = f", {accepted}/{drafted} drafted tokens accepted ({acc:.0%})"
     print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tokens/s on {model.devices()[0]}{sd}]", file=sys.stderr)
     return 0
+
+
+def image_embeddings(config: object, model: object, tokenizer: object, paths: list[str]) -> list[object]:
+    """One ExLlamaV2MMEmbedding per --image file (the model's vision tower loaded for them)."""
+    from exlpy.vision import ExLlamaV2VisionTower
+
+    tower = ExLlamaV2VisionTower(config)  # a text-only model: MultimodalError saying so
+    tower.load()
+    return [tower.get_image_embeddings(model=model, tokenizer=tokenizer, image=p, text_alias=f"<image {i + 1}>")
+            for i, p in enumerate(paths)]
 
 
 def load_draft(path: str, max_seq_len: int) -> tuple[object, object]:

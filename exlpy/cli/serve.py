@@ -67,6 +67,10 @@ def add_loading_args(p: argparse.ArgumentParser) -> None:
                    "drafts from each request's context")
     g.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default: adapted "
                    "to the acceptance rate)")
+    g.add_argument("--no-vision", dest="vision", action="store_false", default=None, help="do not load the "
+                   "vision tower of a vision-language model (requests with images are then refused)")
+    g.add_argument("--allow-local-images", action="store_true", default=None, help="let image_url parts name "
+                   "files on this machine (file:// URLs or paths); data: URLs are always accepted, http(s) never")
     g.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
                    help="serve a PEFT LoRA adapter as model NAME (repeatable); requests for it and for the base model "
                    "share batches")

@@ -22,7 +22,9 @@ TARGET = "exlpy"
 # exllamav2 modules (and their submodules) that live under another name in exlpy.
 RENAMED = {
     "generator.dynamic_async": "generator.dynamic.async_",
-    "generator.dynamic_embeddings": "compat.unsupported",
+    "generator.dynamic_embeddings": "vision.embedding",
+    "vlm.vision_tower": "vision.tower",
+    "vlm": "vision",
     "generator.ngram": "generator.speculative.ngram",  # n-gram drafting
     "mlp": "compat.modules",  # block classes scripts test modules against
     "moe_mlp": "compat.modules",
@@ -37,7 +39,6 @@ MISSING = {
     "server": "exllamav2's websocket server is not part of exlpy; `exlpy serve` is an OpenAI-compatible server",
     "experimental": "exllamav2's experimental modules are not part of exlpy",
     "device": "exllamav2's device contexts do not exist in exlpy (torch's allocator gives scratch per call)",
-    "vlm": "vision models are not supported by exlpy (ExLlamaV2VisionTower exists and says so)",
 }
 
 

@@ -1,6 +1,6 @@
 """exllamav2 classes for features exlpy does not have yet. Each name exists, so `from exllamav2 import
-ExLlamaV2VisionTower` works, and using it raises NotSupportedError saying what is missing (the vision issue
-replaces these with real classes; LoRA adapters are exlpy/lora/)."""
+Intervention` works, and using it raises NotSupportedError saying what is missing (vision models are
+exlpy/vision/, LoRA adapters exlpy/lora/)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,15 @@ from typing import Any
 
 from exlpy.errors import NotSupportedError
 
-VISION = "vision models (image and video embeddings) are not supported by exlpy"
-
-
-class ExLlamaV2VisionTower:
-    """exllamav2's vision encoder (Pixtral, Qwen2-VL, SigLIP): not supported."""
-
-    def __init__(self, config: Any) -> None:
-        raise NotSupportedError(f"ExLlamaV2VisionTower: {VISION}")
+VISION = ("exllamav2's separate multimodal projector class is not part of exlpy: ExLlamaV2VisionTower "
+          "(exlpy.vision) loads the projector with the vision encoder")
 
 
 class ExLlamaV2MultimodalProjector:
-    """exllamav2's vision-to-text projector: not supported."""
+    """exllamav2's vision-to-text projector module: the tower includes it in exlpy."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise NotSupportedError(f"ExLlamaV2MultimodalProjector: {VISION}")
-
-
-class ExLlamaV2MMEmbedding:
-    """exllamav2's multimodal embedding (the result of get_image_embeddings): not supported."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedError(f"ExLlamaV2MMEmbedding: {VISION}")
 
 
 class Intervention:

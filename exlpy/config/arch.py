@@ -68,6 +68,11 @@ class ArchParams:
     moe_renormalize_key: str | None = None  # config key that sets it (Qwen3-MoE: norm_topk_prob)
     moe_dense_layers: bool = False  # config's mlp_only_layers / decoder_sparse_step leave dense layers
     moe_fused_experts: bool = False  # DBRX: experts stored as [E*I, H] tensors w1 / v1 / w2 (exlpy/weights/views.py)
+    # Vision-language models (exlpy/vision/): the vision tower's kind; its tensors live under `visual.` etc.
+    vision: str | None = None
+    image_bidirectional: bool = False  # Gemma 3: an image's tokens attend to each other in both directions
+    rope_local: bool = False  # Gemma 3: sliding-window layers use their own RoPE base (rope_local_base_freq)
+    mrope: bool = False  # Qwen2-VL: rotary frequencies in t / h / w sections (rope_scaling.mrope_section)
 
 
 _GPT2_KEYS = (
@@ -83,6 +88,18 @@ _GEMMA = dict(norm_constant_bias=1.0, default_act="gelu_pytorch_tanh", tied_head
               requires_bos=True)
 _COHERE = dict(norm="layer", norm_eps_keys=("layer_norm_eps",), norms=_PARALLEL, parallel_blocks=True,
                rope_style="gptj", tied_head=True, requires_bos=True)
+
+
+_GEMMA3_KEYS = (("$model.vision_tower.vision_model.", "vision_tower."),
+                ("$vision_tower.vision_model.", "vision_tower."),
+                ("$model.vision_tower.", "vision_tower."), ("$model.multi_modal_projector.", "multi_modal_projector."),
+                ("$model.language_model.", "model."), ("$language_model.model.", "model."),
+                ("$language_model.lm_head.", "lm_head."))
+_LLAVA_KEYS = (("$model.vision_tower.", "vision_tower."), ("$model.multi_modal_projector.", "multi_modal_projector."),
+               ("$model.language_model.", "model."), ("$language_model.model.", "model."),
+               ("$language_model.lm_head.", "lm_head."))
+_QWEN_VL_KEYS = (("$model.visual.", "visual."), ("$model.language_model.", "model."),
+                 ("$language_model.model.", "model."), ("$language_model.lm_head.", "lm_head."))
 
 
 def _arch(name: str, **kw: object) -> tuple[str, ArchParams]:
@@ -136,6 +153,21 @@ ARCHITECTURES: dict[str, ArchParams] = dict([
     _arch("Glm4ForCausalLM", fused_gate_up="mlp.gate_up_proj", rope_style="gptj", supports_tp=True,
           norms=(("attn_pre", "input_layernorm"), ("attn_post", "post_self_attn_layernorm"),
                  ("mlp_pre", "post_attention_layernorm"), ("mlp_post", "post_mlp_layernorm"))),
+    # Gemma 3: Gemma 2's four norms and fp32 residual, q/k norms, every sixth layer global, local layers with their
+    # own RoPE base. The multimodal checkpoint keeps the language model under `language_model.`.
+    _arch("Gemma3ForCausalLM", **_GEMMA, norms=_FOUR, residual_fp32=True, sliding_window=True, swa_pattern=6,
+          qk_norm=True, rope_local=True),
+    _arch("Gemma3ForConditionalGeneration", **_GEMMA, norms=_FOUR, residual_fp32=True, sliding_window=True,
+          swa_pattern=6, qk_norm=True, rope_local=True, vision="gemma3", image_bidirectional=True,
+          remap=_GEMMA3_KEYS),
+    # Mistral 3.1 / Pixtral-12B (Llava): a Mistral language model under `language_model.`, a Pixtral tower.
+    _arch("Mistral3ForConditionalGeneration", ignores_sliding_window=True, vision="pixtral", remap=_LLAVA_KEYS),
+    _arch("LlavaForConditionalGeneration", ignores_sliding_window=True, vision="pixtral", remap=_LLAVA_KEYS),
+    # Qwen2-VL / Qwen2.5-VL: a Qwen2 language model with M-RoPE. Checkpoints name the language model `model.` (or,
+    # as transformers >= 4.52 writes them, `model.language_model.`) and the tower `visual.` (`model.visual.`).
+    _arch("Qwen2VLForConditionalGeneration", qkv_bias=True, vision="qwen2_vl", mrope=True, remap=_QWEN_VL_KEYS),
+    _arch("Qwen2_5_VLForConditionalGeneration", qkv_bias=True, vision="qwen2_5_vl", mrope=True,
+          remap=_QWEN_VL_KEYS),
 ])
 
 FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (exllamav2 does the same)
@@ -143,9 +175,6 @@ FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (ex
 # Architectures exllamav2 runs that exlpy does not yet: refused by name rather than run as Llama.
 NOT_YET: dict[str, str] = {
     "GemmoeForCausalLM": "mixture of experts",
-    "Gemma3ForConditionalGeneration": "vision", "Qwen2VLForConditionalGeneration": "vision",
-    "Qwen2_5_VLForConditionalGeneration": "vision", "LlavaForConditionalGeneration": "vision",
-    "Mistral3ForConditionalGeneration": "vision",
 }
 
 

@@ -23,7 +23,7 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "use_sliding_window": (False, "sliding windows on this architecture"),
     "qk_layernorm": (False, "q/k LayerNorm on this architecture"),
-    "use_bidirectional_attention": (None, "bidirectional attention"),
+    "use_bidirectional_attention": (False, "bidirectional attention"),
     "alibi": (False, "ALiBi position biases"),
     "scale_attn_by_inverse_layer_idx": (False, "attention scaled by the inverse layer index"),
     "scale_attn_weights": (True, "unscaled attention scores"),
@@ -31,7 +31,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "mup_width_multiplier": (None, "muP width scaling"),
     "add_cross_attention": (False, "cross-attention layers"),
     "rotary_pct": (1.0, "partial rotary embeddings given as rotary_pct (GPT-NeoX)"),
-    "rope_local_base_freq": (None, "a separate RoPE base for local layers (Gemma 3)"),
 }
 
 
@@ -119,7 +118,10 @@ def _windows(r: Reader, arch: ArchParams, layers: int, max_pos: int) -> tuple[tu
     return tuple(window if is_local else 0 for is_local in local), rope
 
 
-def _refuse_unimplemented(r: Reader) -> None:
+def _refuse_unimplemented(r: Reader, arch: ArchParams) -> None:
+    if not arch.rope_local and r.get("rope_local_base_freq", object, None) is not None:
+        raise UnsupportedArchitectureError(f"{r.path}: 'rope_local_base_freq' asks for a separate RoPE base for "
+                                           f"local layers (Gemma 3), which {arch.name} does not have")
     for key, (harmless, what) in UNSUPPORTED.items():
         value = r.get(key, object, None)
         if value is not None and value != harmless:
@@ -129,7 +131,7 @@ def _refuse_unimplemented(r: Reader) -> None:
 
 def parse_features(r: Reader, arch: ArchParams, hidden: int, head_dim: int, layers: int, max_pos: int
                    ) -> ModelFeatures:
-    _refuse_unimplemented(r)
+    _refuse_unimplemented(r, arch)
     act_key, act = "hidden_act", r.get(("hidden_act", "hidden_activation", "activation_function",
                                         "ffn_config.ffn_act_fn.name"), str, arch.default_act)
     if act not in ACTIVATIONS:

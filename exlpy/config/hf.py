@@ -60,6 +60,8 @@ class ModelSpec:
     raw_keys: frozenset[str] = field(default_factory=frozenset)
     features: ModelFeatures = field(default_factory=ModelFeatures)
     moe: MoESpec | None = None  # mixture-of-experts settings (None: every layer has the dense MLP)
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of sliding-window layers (default scaling)
+    mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen2-VL): rotary frequencies per t / h / w section
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` has an MoE block in place of the dense MLP."""
@@ -138,11 +140,59 @@ class _Reader:
         return as_int(value, key, self.path, 1, hi)
 
 
+def _rope_dict(r: _Reader) -> dict[str, Any]:
+    # transformers >= 5 writes `rope_parameters` (theta included; per layer type for Gemma 3: the global layers'
+    # set is the model's, the sliding layers' one gives rope_local_theta); older configs write `rope_scaling`.
+    rs = r.get("rope_scaling", dict, None) or r.get("rope_parameters", dict, None) or {}
+    if isinstance(rs.get("full_attention"), dict):
+        rs = rs["full_attention"]
+    return rs
+
+
+def _rope_local_theta(r: _Reader, arch: ArchParams) -> float | None:
+    if not arch.rope_local:
+        return None
+    params = r.get("rope_parameters", dict, None) or {}
+    local = params.get("sliding_attention")
+    if isinstance(local, dict):
+        kind = local.get("rope_type", local.get("type", "default"))
+        if kind not in (None, "default"):
+            raise UnsupportedArchitectureError(f"{r.path}: rope_parameters.sliding_attention type {kind!r} is not "
+                                               "supported (local layers take a plain RoPE base)")
+        theta = local.get("rope_theta", 10000.0)
+    else:
+        theta = r.get("rope_local_base_freq", float, 10000.0)
+    return as_positive_float(theta, "rope_local_base_freq", r.path)
+
+
+def _mrope_section(r: _Reader, arch: ArchParams, head_dim: int) -> tuple[int, ...]:
+    """rope_scaling.mrope_section of an M-RoPE architecture: three section sizes summing to head_dim / 2."""
+    rs = _rope_dict(r)
+    sections = rs.get("mrope_section")
+    if not arch.mrope:
+        if sections is not None or "mrope" in (rs.get("type"), rs.get("rope_type")):
+            raise UnsupportedArchitectureError(f"{r.path}: rope_scaling.mrope_section (M-RoPE) is only supported "
+                                               f"for Qwen2-VL / Qwen2.5-VL, not {arch.name}")
+        return ()
+    if sections is None:
+        sections = [16, 24, 24]  # transformers' default
+    if (not isinstance(sections, list) or len(sections) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sections)
+            or sum(sections) * 2 != head_dim):
+        raise ConfigError(f"{r.path}: rope_scaling.mrope_section must be three non-negative integers summing to "
+                          f"head_dim / 2 = {head_dim // 2}, got {sections!r:.60}")
+    return tuple(sections)
+
+
 def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
-    # transformers >= 5 writes `rope_parameters` (theta included); older configs write `rope_scaling`.
-    rs = r.get("rope_scaling", dict, None) or r.get("rope_parameters", dict, None)
+    rs = dict(_rope_dict(r))
     if not rs:
         return RopeScaling()
+    # M-RoPE is ordinary RoPE in three position streams (exlpy/vision/mm.py): its type names no scaling.
+    for key in ("type", "rope_type"):
+        if rs.get(key) == "mrope":
+            rs.pop(key)
+    rs.pop("mrope_section", None)
     orig = r.get("original_max_position_embeddings", int, max_pos)
     return parse_rope_scaling(rs, r.path, as_int(orig, "original_max_position_embeddings", r.path, 1, MAX_POSITIONS),
                               max_pos)
@@ -151,7 +201,7 @@ def _rope_scaling(r: _Reader, max_pos: int) -> RopeScaling:
 def _rope_theta(r: _Reader) -> float:
     theta = r.get(("rope_theta", "attn_config.rope_theta"), float, None)
     if theta is None:
-        theta = (r.get("rope_parameters", dict, None) or {}).get("rope_theta", 10000.0)
+        theta = _rope_dict(r).get("rope_theta", 10000.0)
     return as_positive_float(theta, "rope_theta", r.path)
 
 
@@ -249,6 +299,8 @@ def load_spec(model_dir: str) -> tuple[ModelSpec, list[int]]:
         raw_keys=frozenset(r.data),
         features=features,
         moe=moe,
+        mrope_section=_mrope_section(r, arch, head_dim),
+        rope_local_theta=_rope_local_theta(r, arch),
     )
     _check_token_ids_in_vocab(spec, gen_eos, path, gen_path)
     return spec, gen_eos

@@ -15,7 +15,7 @@ import torch
 
 from exlpy.errors import NumericalError
 from exlpy.model.attention import Attention
-from exlpy.model.batch import contiguous_batch
+from exlpy.model.batch import ForwardBatch, contiguous_batch
 from exlpy.model.linear import DenseLinear
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module, run_module
@@ -120,24 +120,32 @@ class Hessian:
 
 
 class States:
-    """Hidden states of the calibration rows, in chunks of rows, on the device or in (pinned) host memory."""
+    """Hidden states of the calibration rows, in chunks of rows, on the device or in (pinned) host memory.
 
-    def __init__(self, chunks: list[torch.Tensor]) -> None:
+    `side`: in a parallel block (Cohere), per chunk the normed input the attention computed, which the MLP
+    beside it reads instead of the attention's output (the model hands it over in `batch.block_inputs`)."""
+
+    def __init__(self, chunks: list[torch.Tensor], side: list[torch.Tensor] | None = None) -> None:
         self.chunks = chunks
+        self.side = side
 
     @property
     def rows(self) -> int:
         return sum(c.shape[0] for c in self.chunks)
 
     def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.chunks)
+        return sum(c.numel() * c.element_size() for c in self.chunks + (self.side or []))
 
     def to_dict(self) -> dict[str, torch.Tensor]:
-        return {f"chunk_{i}": c.contiguous().cpu() for i, c in enumerate(self.chunks)}
+        out = {f"chunk_{i}": c.contiguous().cpu() for i, c in enumerate(self.chunks)}
+        out.update({f"side_{i}": c.contiguous().cpu() for i, c in enumerate(self.side or [])})
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, torch.Tensor], store: torch.device) -> States:
-        return States([_store(d[f"chunk_{i}"], store) for i in range(len(d))])
+        n = sum(k.startswith("chunk_") for k in d)
+        side = [_store(d[f"side_{i}"], store) for i in range(n)] if "side_0" in d else None
+        return States([_store(d[f"chunk_{i}"], store) for i in range(n)], side)
 
 
 def _store(x: torch.Tensor, store: torch.device) -> torch.Tensor:
@@ -155,24 +163,48 @@ def check_finite(x: torch.Tensor, where: str) -> None:
                              "or the calibration data overflow this layer)")
 
 
+def _parallel_layer(module: Module, kind: type) -> int | None:
+    """The layer index when `module` is the `kind` half of a parallel block, else None."""
+    return module.layer_idx if isinstance(module, kind) and module.parallel else None  # type: ignore[attr-defined]
+
+
+def _chunk_batch(module: Module, states: States, i: int, xd: torch.Tensor, device: torch.device) -> ForwardBatch:
+    """The batch of chunk i: a parallel block's MLP gets the attention's normed input of that chunk."""
+    batch = contiguous_batch(xd.shape[0], xd.shape[1], 0, None, 0, device)
+    layer = _parallel_layer(module, MLP)
+    if layer is not None:
+        assert states.side is not None, f"{module.key}: the attention beside this MLP left no normed input"
+        batch.block_inputs[layer] = states.side[i].to(device, non_blocking=True)
+    return batch
+
+
+def run_chunk(module: Module, states: States, i: int, device: torch.device) -> torch.Tensor:
+    """`module`'s output on chunk i, on the device."""
+    xd = states.chunks[i].to(device, non_blocking=True)
+    return _run(module, xd, _chunk_batch(module, states, i, xd, device))
+
+
 def forward_chunks(module: Module, states: States, device: torch.device, store: torch.device | None,
                    where: str) -> States | None:
     """Run `module` over every chunk. store=None: outputs are dropped (a recording pass, or one that stops at
-    a tap). Otherwise outputs are kept on `store` and checked for NaN/inf."""
-    outs = []
-    for x in states.chunks:
+    a tap). Otherwise outputs are kept on `store` and checked for NaN/inf; a parallel block's attention also
+    keeps its normed inputs for the MLP beside it (`States.side`)."""
+    outs, side = [], []
+    keep_side = _parallel_layer(module, Attention)
+    for i, x in enumerate(states.chunks):
         xd = x.to(device, non_blocking=True)
-        batch = contiguous_batch(xd.shape[0], xd.shape[1], 0, None, 0, device)
+        batch = _chunk_batch(module, states, i, xd, device)
         with contextlib.suppress(StopForward):
             y = _run(module, xd, batch)
             if store is not None:
                 check_finite(y, where)
                 outs.append(_store(y, store))
-    return States(outs) if store is not None else None
+                if keep_side is not None:
+                    side.append(_store(batch.block_inputs.pop(keep_side), store))
+    return States(outs, side if keep_side is not None else None) if store is not None else None
 
 
 def iter_outputs(module: Module, states: States, device: torch.device) -> Iterator[torch.Tensor]:
     """Outputs chunk by chunk, on the device (for error measurement against a reference)."""
-    for x in states.chunks:
-        xd = x.to(device, non_blocking=True)
-        yield _run(module, xd, contiguous_batch(xd.shape[0], xd.shape[1], 0, None, 0, device))
+    for i in range(len(states.chunks)):
+        yield run_chunk(module, states, i, device)

@@ -83,9 +83,6 @@ class _Converter:
             self.config.scale_alpha_value = float(s.rope_alpha)
         spec = self.config.spec
         assert spec is not None
-        if spec.arch.parallel_blocks:  # the MLP reads the attention's normed input, which runs before it
-            raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
-                                               "parallel attention and MLP blocks); the fp16/bf16 model loads as it is")
         if spec.moe is not None:  # experts need their own measurement, calibration coverage and packing
             raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
                                                "mixture-of-experts layers); the fp16/bf16 model loads as it is")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from exlpy.convert.forward import Hessian, States, _run, forward_chunks, install_taps
+from exlpy.convert.forward import Hessian, States, _run, forward_chunks, install_taps, run_chunk
 from exlpy.convert.gptq import QuantResult, gptq_quantize, prepare_hessian
 from exlpy.convert.layers import check_source, hessian_groups, read_bias, read_weight
 from exlpy.convert.packing import check_packed, pack_exl2
@@ -46,11 +46,10 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
     out = forward_chunks(module, states, device, store, module.key)
     assert out is not None
     # Relative error against the unquantized module on the first chunk: the figure the summary reports.
-    x = states.chunks[0].to(device)
     yq = out.chunks[0].to(device).float()
     for t in taps.values():
         t.set_weight(None, dtype)
-    y = _run(module, x, contiguous_batch(x.shape[0], x.shape[1], 0, None, 0, device)).float()
+    y = run_chunk(module, states, 0, device).float()
     rfn = float(((yq - y).flatten(1).norm(dim=1) / y.flatten(1).norm(dim=1).clamp(min=1e-20)).mean())
     return tensors, out, rfn
 

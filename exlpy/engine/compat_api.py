@@ -25,7 +25,6 @@ FORWARD_ARGS = ("input_mask", "preprocess_only", "last_id_only", "loras", "retur
                 "abort_event", "cpu_logits")
 # Keywords exllamav2's forward passes to its modules, for features exlpy does not have.
 UNSUPPORTED_FORWARD_ARGS = {
-    "indexed_embeddings": "multimodal embeddings (indexed_embeddings) are not supported by exlpy",
     "attn_params": "exllamav2's attention parameter objects (attn_params) are internal to exllamav2; exlpy's "
                    "generators build their own batches (ExLlamaV2.forward_batch)",
     "alt_rope_embedding": "alternative RoPE tables per call (alt_rope_embedding) are not supported by exlpy",
@@ -35,7 +34,7 @@ UNSUPPORTED_FORWARD_ARGS = {
 class ModelCompatMixin:
     """exllamav2 `ExLlamaV2` methods beyond loading and the forward pass itself."""
 
-    FORWARD_KWARGS = frozenset(FORWARD_ARGS)
+    FORWARD_KWARGS = frozenset(FORWARD_ARGS) | {"indexed_embeddings"}  # keyword only, as exllamav2 passes it
 
     config: ExLlamaV2Config
     modules: list[Module]

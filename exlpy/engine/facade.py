@@ -45,6 +45,7 @@ class ExLlamaV2(ModelCompatMixin):
         self.tp_context: Any = None  # the TPContext of a load_tp() model (exllamav2 exposes it)
         self.placement_plan: Any = None  # the exlpy.parallel.plan.Plan the last load() / load_autosplit() followed
         self.strategy: Strategy | None = None
+        self.stream: Any = None  # load(lazy=True): the ModuleLoader of layer streaming (engine/streaming.py)
 
     # --- what caches are built from ---------------------------------------------------------------------------
     def cache_layout(self) -> CacheLayout:
@@ -74,6 +75,8 @@ class ExLlamaV2(ModelCompatMixin):
         """Load by explicit GB budgets per GPU (None: everything on GPU 0, or the CPU without a GPU).
 
         `device` (an exlpy extension) puts every module on that one device, e.g. "cpu" for a reference run.
+        `lazy=True` (layer streaming) only assigns the devices: each module is then loaded just before it runs
+        and freed after, so a model larger than GPU memory runs (engine/streaming.py).
         """
         for _ in self.load_gen(gpu_split, lazy, stats, callback, callback_gen, progress, device):
             pass
@@ -86,8 +89,14 @@ class ExLlamaV2(ModelCompatMixin):
 
         self._check_not_loaded()
         if device is not None:
-            for i in range(len(self.modules)):
-                self.place_module(i, check_load_device(device))
+            dev = check_load_device(device)
+            if lazy:
+                from exlpy.engine.streaming import assign_devices
+
+                assign_devices(self, [dev] * len(self.modules))
+            else:
+                for i in range(len(self.modules)):
+                    self.place_module(i, dev)
             self.finish_load(None)
             return
         yield from load_split_gen(self, gpu_split, callback, callback_gen, progress, lazy=lazy)
@@ -152,6 +161,9 @@ class ExLlamaV2(ModelCompatMixin):
         self.placement_plan = plan
 
     def unload(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
         for i in range(len(self.modules)):
             self.unplace_module(i)
         if self.tp_context is not None:
@@ -166,15 +178,19 @@ class ExLlamaV2(ModelCompatMixin):
         if self.tp_context is not None and self.strategy is not None:
             return self.strategy.devices
         seen: list[torch.device] = []
-        for m in self.modules:
-            if m.device is not None and m.device not in seen:
-                seen.append(m.device)
+        for d in self.stream.devices if self.stream is not None else [m.device for m in self.modules]:
+            if d is not None and d not in seen:
+                seen.append(d)
         return seen
 
     def strategy_for_forward(self) -> Strategy:
         """The loaded strategy (built on first use after modules were placed)."""
         if not self.loaded:
             raise ModelStateError("model is not loaded: call load(), load_autosplit() or load_tp() first")
+        if self.strategy is None and self.stream is not None:
+            from exlpy.engine.streaming import streaming_strategy
+
+            self.strategy = streaming_strategy(self)
         if self.strategy is None:
             if any(m.device is None for m in self.modules):
                 raise ModelStateError("model is marked loaded but some modules are not placed on a device")

@@ -20,13 +20,18 @@ from exlpy.runtime import options
 
 def graph_runner(model: Any, strategy: Strategy) -> StepGraphs | None:
     """The strategy's graph runner, or None where graphs do not apply (CPU, no Triton, config.no_graphs, a
-    module whose step synchronises with the host: MoE blocks)."""
+    module whose step synchronises with the host: MoE blocks with quantized experts)."""
     if model.config.no_graphs or not strategy.graph_safe or not all(getattr(m, "graph_safe", True)
                                                                      for m in model.modules):
         return None
     runner = strategy.graph_cache.get("runner")
     if runner is None:
         runner = strategy.graph_cache["runner"] = StepGraphs(strategy)
+    # MoE blocks' graphs bake in the experts per token (exllamav2's -ept), which may be set between calls
+    k = model.config.num_experts_per_token
+    if strategy.graph_cache.get("experts_per_token", k) != k:
+        runner.clear()
+    strategy.graph_cache["experts_per_token"] = k
     return runner
 
 
@@ -37,7 +42,23 @@ def _logits_mode(preprocess_only: bool, last_id_only: bool) -> str:
 def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: torch.Tensor | None = None,
             preprocess_only: bool = False, last_id_only: bool = False, loras: Any = None,
             return_last_state: bool = False, position_offsets: torch.Tensor | None = None,
-            abort_event: Any = None, cpu_logits: bool = False) -> Any:
+            abort_event: Any = None, cpu_logits: bool = False, indexed_embeddings: Any = None) -> Any:
+    from exlpy.vision.embedding import check_embeddings
+
+    mm = check_embeddings(indexed_embeddings, model, "indexed_embeddings")
+    if mm:
+        if position_offsets is not None:
+            from exlpy.errors import NotSupportedError
+
+            raise NotSupportedError("model.forward(): position_offsets cannot be combined with indexed_embeddings")
+        if loras:
+            from exlpy.lora.slots import adapter_rows
+
+            with adapter_rows(model, loras) as (slot, generation):
+                return _forward(model, input_ids, cache, input_mask, preprocess_only, last_id_only,
+                                return_last_state, None, cpu_logits, slot, generation, mm)
+        return _forward(model, input_ids, cache, input_mask, preprocess_only, last_id_only, return_last_state,
+                        None, cpu_logits, mm=mm)
     if loras:  # every row uses the same adapters: one slot, held for the call (exlpy/lora/slots.py)
         from exlpy.lora.slots import adapter_rows
 
@@ -50,9 +71,10 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, input_mask: 
 
 def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.Tensor | None,
              preprocess_only: bool, last_id_only: bool, return_last_state: bool,
-             position_offsets: torch.Tensor | None, cpu_logits: bool, adapter: int = -1, lora: int = 0) -> Any:
+             position_offsets: torch.Tensor | None, cpu_logits: bool, adapter: int = -1, lora: int = 0,
+             mm: list[Any] | None = None) -> Any:
     strategy = model.strategy_for_forward()
-    input_ids = check_forward(model, input_ids, cache)
+    input_ids = check_forward(model, input_ids, cache, mm)
     B, T = input_ids.shape
     adapters = [adapter] * B if lora else None
     cfg = model.config
@@ -67,7 +89,7 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
                                      f"cached + {T} new tokens > cache max_seq_len {cache.max_seq_len}")
         runner = graph_runner(model, strategy)
         if (runner is not None and T <= MAX_Q_LEN and input_mask is None and position_offsets is None
-                and mode != LOGITS_NONE and not return_last_state):
+                and mode != LOGITS_NONE and not return_last_state and not mm):
             # A captured step: ids go straight into its static input, metadata as host integers.
             logits = runner.run_rows(input_ids, cache, [past] * B, None, cache.max_seq_len, mode, adapters, lora)
             if logits is not None:
@@ -76,17 +98,32 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     ids = upload_ids(input_ids, dev)
     key_mask = _key_mask(input_mask, dev)
     offsets = position_offsets.to(dev).view(-1, 1) if position_offsets is not None else None
+    rows_mm = None
+    if mm:
+        from exlpy.vision.mm import RowsMM
 
-    def run(batch: ForwardBatch, chunk: torch.Tensor, chunk_mode: str) -> Any:
+        # model.forward sees only this call's ids: M-RoPE positions count from the cache's length, as if
+        # everything before were text (the generators keep the whole sequence and its position shift).
+        rows_mm = RowsMM(model.config, input_ids, mm, cache.current_seq_len if cache is not None else 0)
+
+    def prepare(batch: ForwardBatch, chunk_mode: str) -> ForwardBatch:
         batch.logits = chunk_mode
         batch.lora = lora
         batch.keep_last_state = return_last_state
         if offsets is not None:
             batch.rope_positions = (batch.positions + offsets).clamp(min=0)
-        out = execute(strategy, chunk, batch)
+        if rows_mm is not None:
+            start = int(batch.host[0][0]) - rows_mm.past if batch.host is not None else 0
+            rows_mm.attach(batch, start, start + batch.q_len, dev)
+        return batch
+
+    def finish(batch: ForwardBatch, out: torch.Tensor | None) -> Any:
         if out is not None and cpu_logits:
             out = out.cpu()
         return (out, batch.last_state) if return_last_state and out is not None else out
+
+    def run(batch: ForwardBatch, chunk: torch.Tensor, chunk_mode: str) -> Any:
+        return finish(batch, execute(strategy, chunk, prepare(batch, chunk_mode)))
 
     if cache is None:
         limit = cfg.max_input_len * cfg.max_batch_size // B
@@ -102,23 +139,39 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     outputs: list[torch.Tensor] = []
     last_state = None
     pos = 0
+    # Layer streaming runs the chunks layer-major (each module loaded once for all of them), after planning them.
+    streamed = getattr(model, "stream", None) is not None
+    deferred: list[tuple[ForwardBatch, torch.Tensor]] | None = [] if streamed else None
     try:
+        results = []
         while pos < T:
             # Chunks bound activation memory: max_input_len tokens, and past*q within max_attention_size.
             cur = past + pos
             att = int((math.sqrt(cur * cur + 4 * cfg.max_attention_size) - cur) / 2)
             n = max(1, min(T - pos, cfg.max_input_len, cfg.max_input_len if tiled else att))
+            if rows_mm is not None:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+                n = rows_mm.chunk_end(pos, pos + n) - pos
             last = pos + n >= T
             batch = build_batch([cur] * B, n, dev, cache=cache, tables=[[b] for b in range(B)],
                                 page_size=cache.max_seq_len, key_mask=key_mask, adapters=adapters)
             batch.past_len = cur
-            r = run(batch, ids[:, pos:pos + n], mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode)
+            chunk_mode = mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode
+            if deferred is not None:
+                deferred.append((prepare(batch, chunk_mode), ids[:, pos:pos + n]))
+            else:
+                results.append(run(batch, ids[:, pos:pos + n], chunk_mode))
             cache.current_seq_len = cur + n
+            pos += n
+        if deferred:
+            from exlpy.engine.streaming import execute_layer_major
+
+            outs = execute_layer_major(model, [c for _, c in deferred], [b for b, _ in deferred])
+            results = [finish(b, out) for (b, _), out in zip(deferred, outs)]
+        for r in results:
             if return_last_state and r is not None:
                 r, last_state = r
             if r is not None:
                 outputs.append(r)
-            pos += n
     except BaseException:
         cache.current_seq_len = past  # a failed chunk leaves the cache's length where the caller had it
         raise

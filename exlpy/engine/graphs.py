@@ -112,7 +112,7 @@ class StepGraphs:
     def run_batch(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits for a caller-built batch, or None where graphs do not apply."""
         if (batch.cache is None or batch.key_mask is not None or batch.rope_positions is not None
-                or batch.keep_last_state or batch.logits not in (LOGITS_ALL, LOGITS_LAST)
+                or batch.mm is not None or batch.keep_last_state or batch.logits not in (LOGITS_ALL, LOGITS_LAST)
                 or batch.block_table is None):
             return None
         B = ids.shape[0]

@@ -255,9 +255,9 @@ def load_split_gen(
 ) -> Generator[Any, None, None]:
     """`model.load`: explicit GB budgets per device (greedy, in order); None puts everything on GPU 0.
 
-    lazy=True in exllamav2 only assigns devices for layer streaming; exlpy does not stream layers and loads.
+    lazy=True only assigns the devices, as exllamav2's does: layer streaming (engine/streaming.py).
     """
-    yield from split_gen_on(model, gpu_split, callback, callback_gen, progress, cuda_devices())
+    yield from split_gen_on(model, gpu_split, callback, callback_gen, progress, cuda_devices(), lazy)
 
 
 def split_gen_on(
@@ -267,8 +267,12 @@ def split_gen_on(
     callback_gen: CallbackGen,
     progress: bool,
     devices: Sequence[torch.device],
+    lazy: bool = False,
 ) -> Generator[Any, None, None]:
     budgets = parse_gpu_split(gpu_split, len(devices)) if gpu_split is not None else None
+    if lazy and (not devices or budgets is None):  # streaming: everything on GPU 0 (or the CPU)
+        _assign(model, [devices[0] if devices else torch.device("cpu")] * len(model.modules))
+        return
     if not devices:
         yield from _cpu_fallback(model, callback, callback_gen, progress)
         return
@@ -287,7 +291,18 @@ def split_gen_on(
         layer_cache=_layer_cache_bytes(model, caches, devices[0]),
         policy="greedy",
     )
+    if lazy:  # streaming: the plan's devices, nothing loaded (exllamav2's set_device_map)
+        _assign(model, [devices[d] for d in plan.devices])
+        model.placement_plan = plan
+        return
     yield from load_on_devices(model, plan.devices, devices[: len(budgets)], callback, callback_gen, progress, plan)
+
+
+def _assign(model: ExLlamaV2, devices: Sequence[torch.device]) -> None:
+    from exlpy.engine.streaming import assign_devices
+
+    assign_devices(model, devices)
+    model.finish_load(None)
 
 
 # --- load_autosplit

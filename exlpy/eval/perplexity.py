@@ -5,6 +5,8 @@ starts with BOS and drops its last token. The score of a row is the log-probabil
 logits + 1e-10 as exllamav2 adds it) of each next token; perplexity is exp(−mean) over all scored tokens.
 
 - `perplexity`: one forward per row (chunked through a cache when the row is longer than max_input_len).
+- `perplexity_streamed`: a model loaded for layer streaming (load(lazy=True)), scored layer-major as
+  test_inference.py -sl does: every row through one module before the next module is read (2 rows at a time).
 - `perplexity_token_by_token`: the row goes through the cache one token at a time, so every position reads the
   keys and values that the cache stored (quantized for Q4/Q6/Q8/FP8): the cache's own effect on quality
   (test_inference.py -et / -e8 / -eq4 / -eq6 / -eq8).
@@ -71,6 +73,26 @@ def perplexity(model: Any, ids: torch.Tensor, progress: Callable[[int, int], Non
         count += length - 1
         if progress is not None:
             progress(r + 1, rows)
+    return PerplexityResult(math.exp(-total / count), count, rows, length)
+
+
+def perplexity_streamed(model: Any, ids: torch.Tensor, rows_per_pass: int = 2,
+                        progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+    """Layer streaming (test_inference.py -sl): each module is read once for all rows (engine/streaming.py)."""
+    from exlpy.engine.streaming import stream_rows
+
+    rows, length = ids.shape
+    total = 0.0
+
+    def score(first: int, logits: torch.Tensor) -> None:
+        nonlocal total
+        for r in range(logits.shape[0]):
+            total += _row_logprob_sum(logits[r], ids[first + r])
+        if progress is not None:
+            progress(first + logits.shape[0], rows)
+
+    stream_rows(model, ids, rows_per_pass, score)
+    count = rows * (length - 1)
     return PerplexityResult(math.exp(-total / count), count, rows, length)
 
 

@@ -1,6 +1,5 @@
 """Generators (streaming, dynamic, async, base) and the sampler."""
 
-from exlpy.compat.unsupported import ExLlamaV2MMEmbedding
 from exlpy.generator.base import ExLlamaV2BaseGenerator
 from exlpy.generator.dynamic import (
     ExLlamaV2DynamicGenerator,
@@ -12,6 +11,7 @@ from exlpy.generator.hooks import ExLlamaV2PostSamplingHook, ExLlamaV2PostSampli
 from exlpy.generator.sampler import ExLlamaV2Sampler
 from exlpy.generator.streaming import ExLlamaV2StreamingGenerator
 from exlpy.version import __version__
+from exlpy.vision.embedding import ExLlamaV2MMEmbedding
 
 __all__ = ["ExLlamaV2BaseGenerator", "ExLlamaV2DynamicGenerator", "ExLlamaV2DynamicGeneratorAsync",
            "ExLlamaV2DynamicJob", "ExLlamaV2DynamicJobAsync", "ExLlamaV2MMEmbedding", "ExLlamaV2PostSamplingHook",

@@ -77,6 +77,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.active = False
         self.reusable = True
         self.negative = None
+        self.embeddings: list[Any] = []  # this stream's ExLlamaV2MMEmbeddings (input_embeddings)
+        self.rope_delta = 0  # M-RoPE position shift after its images (exlpy/vision/mm.py)
         self.pending: stream_steps.Pending | None = None  # a launched step whose token is not read yet
         self.rng: torch.Generator | None = None
         # Sample through the captured sampler (exlpy/generator/sampling/graphed.py): None = where decode steps
@@ -117,9 +119,12 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         from exlpy.lora.slots import normalize
 
         self.loras = normalize(loras if loras is not None else self.default_loras, self.model)
-        if input_embeddings is not None:
-            raise NotSupportedError("input_embeddings (multimodal inputs) are not supported by exlpy's streaming "
-                                    "generator")
+        from exlpy.vision.embedding import check_embeddings
+
+        embeddings = check_embeddings(input_embeddings, self.model, "input_embeddings")
+        if embeddings and (self.draft_model is not None or self.speculative_ngram):
+            raise NotSupportedError("input_embeddings cannot be combined with speculative decoding (as in "
+                                    "exllamav2)")
         filters = [f for f in (filters or []) if f is not None]  # None entries: no filter
         if filters and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
@@ -135,7 +140,14 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
             raise GeneratorError("token_healing cannot be combined with CFG")
         if cfg and self.cache.batch_size < 2:
             raise GeneratorError(f"CFG needs a cache with batch_size >= 2, got {self.cache.batch_size}")
+        if embeddings and cfg:
+            raise NotSupportedError("input_embeddings cannot be combined with CFG in the streaming generator")
         rows = unpad_rows(input_ids.detach().to("cpu", torch.long), input_mask)
+        if embeddings:
+            from exlpy.vision.mm import check_mm_ids
+
+            check_mm_ids(rows[0], self.model.config.vocab_size, embeddings, "input_ids")
+        self.embeddings = embeddings
         if max(r.numel() for r in rows) >= self.cache.max_seq_len:
             raise GeneratorError(f"prompt of {max(r.numel() for r in rows)} tokens does not fit the cache "
                                  f"(max_seq_len {self.cache.max_seq_len}) with room for a new token")
@@ -182,11 +194,47 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.cache.current_seq_len = reuse
         self.spec.reset_sequence(reuse)
         self._cached_loras = self.loras
-        if ids.shape[1] - 1 > reuse:
+        if self.embeddings:
+            self._prefill_mm(ids, reuse)
+        elif ids.shape[1] - 1 > reuse:
             self.model.forward(ids[:, reuse:-1], self.cache, preprocess_only=True, loras=self.loras)
             self.prefill_tokens += ids.shape[1] - 1 - reuse
         self.sequence_ids = ids
         self.reusable = True
+
+    def _prefill_mm(self, ids: torch.Tensor, reuse: int) -> None:
+        """Prefill a prompt that holds embeddings: chunks with their image rows and M-RoPE angles."""
+        from exlpy.vision.mm import chunk_inputs, extend_to_image_end, rope_delta
+
+        cfg, dev = self.model.config, self.model.strategy_for_forward().first_device
+        self.rope_delta = rope_delta(cfg, ids[0], self.embeddings)
+        pos, end = reuse, ids.shape[1] - 1
+        while pos < end:
+            n = extend_to_image_end(cfg, ids[0], pos + min(end - pos, cfg.max_input_len), end, self.embeddings) - pos
+            with adapter_rows(self.model, self.loras) as (slot, _):
+                batch = cache_rows_batch(self.cache, [0], [pos], n, dev, [slot])
+                batch.mm = chunk_inputs(cfg, ids[0], pos, pos + n, self.embeddings)
+                if batch.mm.rope is not None:
+                    batch.rope_positions = torch.arange(n, device=dev).view(1, -1)
+                self.model.forward_batch(ids[:, pos:pos + n], batch, preprocess_only=True)
+            pos += n
+            self.cache.current_seq_len = pos
+        self.prefill_tokens += max(0, end - reuse)
+
+    def _logits_mm(self, seq: torch.Tensor) -> torch.Tensor:
+        """The next token's logits after a prompt with embeddings (the position shift of M-RoPE applied)."""
+        from exlpy.vision.mm import MMInputs
+
+        dev = self.model.strategy_for_forward().first_device
+        past = seq.shape[1] - 1
+        with adapter_rows(self.model, self.loras) as (slot, _):
+            batch = cache_rows_batch(self.cache, [0], [past], 1, dev, [slot])
+            batch.mm = MMInputs(self.embeddings)
+            if self.rope_delta:
+                batch.rope_positions = (batch.positions + self.rope_delta).clamp(min=0)
+            out = self.model.forward_batch(seq[:, -1:], batch)
+        self.cache.current_seq_len = past + 1
+        return out.float().cpu()
 
     def _prefill_cfg(self, ids: torch.Tensor) -> None:
         """CFG: positive and negative prompt in cache rows 0 and 1, each from position 0."""
@@ -207,6 +255,8 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         """Logits [rows, 1, V] (CPU) for the token after the current sequence (two rows for CFG)."""
         seq = self.sequence_ids
         assert seq is not None
+        if self.negative is None and self.embeddings:
+            return self._logits_mm(seq)
         if self.negative is None:
             out = self.model.forward(seq[:, -1:], self.cache, loras=self.loras)
             self.premask_end = None
@@ -242,8 +292,9 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         s = self.settings
         graph = (self._graph_device() is not None
                  and graphed.graph_capable(s, int(self.model.config.vocab_size)))
-        if (self.negative is not None or self.filters or self.text_stream.banned
-                or not (device_capable(s) or graph) or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
+        if (self.negative is not None or self.embeddings or self.filters or self.text_stream.banned
+                or not (device_capable(s) or graph)
+                or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
                 or (self.prefix_token is not None and self.new_tokens == 0)):
             return None
         blocked = sorted(self.stop_tokens) if self.new_tokens < self.min_new_tokens else None

@@ -1,4 +1,4 @@
-"""The input row of a quantized decode GEMV: fp32, in the matrix's act order, zero-padded (exl2_gemv.py).
+"""The input rows of a quantized decode GEMV: fp32, in the matrix's act order, zero-padded (exl2_gemv.py).
 
 EXL2 (and act-order GPTQ) matrices store rows sorted by importance, so their matmul reads x[perm]. Gathering
 x into that order in the kernel that produces x (the RMSNorm before q|k|v and gate|up) costs nothing extra,
@@ -17,9 +17,13 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _gather(x_ptr, w_ptr, perm_ptr, out_ptr, K, KP, eps, HAS_PERM: tl.constexpr, NORM: tl.constexpr,
+def _gather(x_ptr, w_ptr, perm_ptr, out_ptr, K, KP, xs, eps, HAS_PERM: tl.constexpr, NORM: tl.constexpr,
             BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[r] = x[perm[r]] (* w[perm[r]] * rsqrt(mean(x²) + eps) with NORM) for r < K, 0 for K <= r < KP."""
+    """out[row, r] = x[row, perm[r]] (* w[perm[r]] * rsqrt(mean(x[row]²) + eps) with NORM) for r < K, 0 for
+    K <= r < KP; x row `row` (program axis 1) at x_ptr + row * xs."""
+    row = tl.program_id(1)
+    x_ptr += row * xs
+    out_ptr += row * KP
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < K
     if PDL:  # launched early (exlpy/kernels/pdl.py); x comes from the previous kernel
@@ -39,16 +43,17 @@ def _gather(x_ptr, w_ptr, perm_ptr, out_ptr, K, KP, eps, HAS_PERM: tl.constexpr,
 
 def _launch(x: torch.Tensor, w: torch.Tensor | None, eps: float, perm: torch.Tensor | None, k: int,
             pad: int) -> torch.Tensor:
-    if x.numel() != k:
-        raise ValueError(f"act-order gather takes one row of {k} features, got shape {tuple(x.shape)}")
-    x1 = x.reshape(k)
-    if x1.stride(0) != 1:
-        x1 = x1.contiguous()
-    out = torch.empty(k + pad, dtype=torch.float32, device=x.device)
-    _gather[(triton.cdiv(k + pad, _BLOCK),)](x1, w if w is not None else x1, perm if perm is not None else out,
-                                              out, k, k + pad, eps, HAS_PERM=perm is not None, NORM=w is not None,
-                                              BLOCK=_BLOCK, num_warps=4, PDL=pdl.enabled(x.device),
-                                              **pdl.launch_options(x.device))
+    m = x.numel() // k if k else 0
+    if m < 1 or x.numel() != m * k:
+        raise ValueError(f"act-order gather takes rows of {k} features, got shape {tuple(x.shape)}")
+    x2 = x.reshape(m, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((k + pad,) if m == 1 else (m, k + pad), dtype=torch.float32, device=x.device)
+    _gather[(triton.cdiv(k + pad, _BLOCK), m)](x2, w if w is not None else x2, perm if perm is not None else out,
+                                                out, k, k + pad, x2.stride(0), eps, HAS_PERM=perm is not None,
+                                                NORM=w is not None, BLOCK=_BLOCK, num_warps=4,
+                                                PDL=pdl.enabled(x.device), **pdl.launch_options(x.device))
     return out
 
 

@@ -39,7 +39,31 @@ from exlpy.kernels.act_order import act_order
 from exlpy.kernels.exl2_gemv_plan import CONFIG, FIELDS, ROW_PAD, WS_BLOCKS, WS_COLS, GemvPlan, plan_for, supports
 from exlpy.quant.layout import QuantMatrix
 
-__all__ = ["CONFIG", "ROW_PAD", "GemvGroup", "exl2_gemv", "prepare", "supports"]
+__all__ = ["CONFIG", "MAX_ROWS", "ROW_PAD", "GemvGroup", "exl2_gemv", "gemv_takes", "prepare", "supports"]
+
+# Up to MAX_ROWS activation rows run through this kernel: each decoded code feeds one FMA per row, so a few rows
+# cost little more than one (the code's unpacking and the weight read are shared); past that the FMAs dominate
+# and the tensor-core kernel (exl2_qmm.py) wins. Register caps per row count (more rows hold more accumulators).
+# Per row count (register cap, packed words in flight per thread and step): more rows hold more accumulators.
+# Measured on an H100 (benchmarks/exl2_speed.py --parts micro --gemv-variants, 2026-11-26): 3-4 rows are fastest
+# with few words in flight and 4 programs per SM (128 registers, 8 words: 31.6 us for 4096x14336 against 37-40 us
+# with 16 words); 8 rows with 16 words in flight and no cap that spills (sm_90a compile:
+# benchmarks/gemv_compile_check.py). Up to 4 rows this kernel beats the tensor-core one (exl2_qmm.py) 1.3-2.1x; at
+# 8 rows the two are even (EXLPY_GEMV_ROWS, default 4).
+MAX_ROWS = 8
+ROWS_CONFIG: dict[int, tuple[int, int]] = {2: (128, 16), 3: (128, 8), 4: (128, 8), 5: (232, 16), 6: (232, 16),
+                                           7: (255, 16), 8: (255, 16)}
+
+
+def _rows_nb(nb: int, bits: int, rows: int) -> int:
+    """A launch's blocks per step for `rows` rows: the plan's (made for one row) cut to the row count's words in
+    flight, and still a divisor of it (so a step never crosses a group boundary the plan's step would not)."""
+    if rows == 1:
+        return nb
+    want = max(1, ROWS_CONFIG[rows][1] // bits)
+    while nb > want:
+        nb = max(d for d in range(1, nb) if nb % d == 0)  # a divisor of a divisor divides the plan's nb
+    return nb
 
 # task-table columns (exl2_gemv_plan.FIELDS), as compile-time constants for the kernel
 _CB = tl.constexpr(FIELDS.index("cb"))
@@ -61,22 +85,101 @@ _ARRIVALS = tl.constexpr(FIELDS.index("arrivals"))
 
 
 @triton.jit
-def _code(t, x, magic, oo: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
-    """x * (q - Z) for the BITS-wide field of uint32 t at bit oo (oo + BITS <= 23). `magic` = 0x4B000000 comes
-    in as a run-time value: it then lives in one register and the AND-OR is one LOP3 with the mask as its
-    immediate (with both constants immediate, ptxas re-materializes the mask for every code)."""
+def _deq(t, magic, oo: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
+    """q - Z for the BITS-wide field of uint32 t at bit oo (oo + BITS <= 23). `magic` = 0x4B000000 comes in as a
+    run-time value: it then lives in one register and the AND-OR is one LOP3 with the mask as its immediate
+    (with both constants immediate, ptxas re-materializes the mask for every code)."""
     f = ((t & (((1 << BITS) - 1) << oo)) | magic).to(tl.float32, bitcast=True)
-    return x * (f * (1.0 / (1 << oo)) - ((1 << (23 - oo)) + Z))
+    return f * (1.0 / (1 << oo)) - ((1 << (23 - oo)) + Z)
+
+
+@triton.jit
+def _rows_fma(p0, p1, p2, p3, p4, p5, p6, p7, s0, s1, s2, s3, s4, s5, s6, s7, xb, xs, d,
+              MR: tl.constexpr, GPTQ: tl.constexpr):
+    """p_m += x[m, r] * d for the MR activation rows (row m at xb + m * xs); s_m += x[m, r] for GPTQ's zeros.
+    Eight named accumulators rather than a [MR, BLOCK_N] tile: every value keeps the 1-D layout of the packed
+    words, so the code decoded once feeds MR FMAs with no layout conversion (a 2-D tile broadcast from the
+    words' layout can go through shared memory per code)."""
+    x = tl.load(xb)
+    p0 += x * d
+    if GPTQ:
+        s0 += x
+    if MR > 1:
+        x = tl.load(xb + xs)
+        p1 += x * d
+        if GPTQ:
+            s1 += x
+    if MR > 2:
+        x = tl.load(xb + 2 * xs)
+        p2 += x * d
+        if GPTQ:
+            s2 += x
+    if MR > 3:
+        x = tl.load(xb + 3 * xs)
+        p3 += x * d
+        if GPTQ:
+            s3 += x
+    if MR > 4:
+        x = tl.load(xb + 4 * xs)
+        p4 += x * d
+        if GPTQ:
+            s4 += x
+    if MR > 5:
+        x = tl.load(xb + 5 * xs)
+        p5 += x * d
+        if GPTQ:
+            s5 += x
+    if MR > 6:
+        x = tl.load(xb + 6 * xs)
+        p6 += x * d
+        if GPTQ:
+            s6 += x
+    if MR > 7:
+        x = tl.load(xb + 7 * xs)
+        p7 += x * d
+        if GPTQ:
+            s7 += x
+    return p0, p1, p2, p3, p4, p5, p6, p7, s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _scaled(acc, part, xsum, s, z, GPTQ: tl.constexpr):
+    """acc + one group's partial sum times its per-column scale (GPTQ: zeros folded out as z * sum(x))."""
+    if GPTQ:
+        return acc + (part - xsum * z) * s
+    return acc + part * s
+
+
+@triton.jit
+def _finish(acc, row, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS: tl.constexpr,
+            HAS_RES: tl.constexpr, FROM_WS: tl.constexpr):
+    """Row `row` of y: acc (or, FROM_WS, the workspace's sums) + bias + residual, stored in y's dtype."""
+    if FROM_WS:
+        # Take the sums and zero them in one atomic exchange per element (in L2, where the atomics put
+        # them). Never a load then a store of zeros: compiled, the two may be laid out over different
+        # threads (Triton 3.6 gives atomics their own layout), and with no barrier between them a thread
+        # zeroes a sum before another has read it (the lost sums of the first GPU run).
+        # (as int32 words: the CPU interpreter exchanges no floats)
+        wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + row * wss + cols
+        zero = tl.zeros_like(cols).to(tl.int32)
+        acc = tl.atomic_xchg(wsi, zero, mask=out_mask, sem="relaxed").to(tl.float32, bitcast=True)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(res_ptr + row * ys + cols, mask=out_mask, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # y may be the residual itself: every read of it before any write
+    tl.store(y_ptr + row * ys + cols, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, magic,
-          BITS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+          xs, ys, wss, BITS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
           MODE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-          NF: tl.constexpr, PDL: tl.constexpr):
-    """One program per task row. MODE 0: every column block has one program, which writes y; MODE 1: add into
-    the workspace, and the last program to arrive at a column block writes y and resets workspace and counter.
-    aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]."""
+          NF: tl.constexpr, MR: tl.constexpr, PDL: tl.constexpr):
+    """One program per task row, for MR (1-8) activation rows: x row m at x_ptr + m * xs, y / residual row m at
+    + m * ys, workspace row m at + m * wss. MODE 0: every column block has one program, which writes y; MODE 1:
+    add into the workspace, and the last program to arrive at a column block writes y and resets workspace and
+    counter. aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]."""
     Z: tl.constexpr = 0 if GPTQ else (1 << (BITS - 1))
     t = task_ptr + tl.program_id(0) * NF
     cb = tl.load(t + _CB).to(tl.int32)
@@ -101,12 +204,15 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
     qw = qw_ptr + o_qw
     if PDL:  # launched early (exlpy/kernels/pdl.py): the task row above is static, x and the workspace are not
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    a0 = tl.zeros((BLOCK_N,), tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     for g in range(ga, gb):
         r_lo = tl.load(gr + g)
         r_hi = tl.load(gr + g + 1)
-        part = tl.zeros((BLOCK_N,), tl.float32)
-        xsum = 0.0
+        p0 = tl.zeros((BLOCK_N,), tl.float32)
+        p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
+        s0 = 0.0
+        s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
         for rb in range(r_lo, r_hi, 32 * NB):
             # All packed words of this step are loaded before any is used: NB * BITS loads in flight per thread.
             ws = ()
@@ -127,57 +233,83 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
                     cur_hi = cur >> 16
                     for i in tl.static_range(32):
                         if (i * BITS + BITS - 1) // 32 == wi:  # code i ends in this word
-                            xv = tl.load(xb + i)
-                            if GPTQ:
-                                xsum += xv
                             if (i * BITS) // 32 != wi:  # straddles from the previous word
-                                part += _code((prev >> ((i * BITS) % 32)) | (cur << (32 - (i * BITS) % 32)), xv,
-                                              magic, 0, BITS, Z)
+                                d = _deq((prev >> ((i * BITS) % 32)) | (cur << (32 - (i * BITS) % 32)), magic, 0,
+                                         BITS, Z)
                             elif (i * BITS) % 32 + BITS <= 23:
-                                part += _code(cur, xv, magic, (i * BITS) % 32, BITS, Z)
+                                d = _deq(cur, magic, (i * BITS) % 32, BITS, Z)
                             else:
-                                part += _code(cur_hi, xv, magic, (i * BITS) % 32 - 16, BITS, Z)
+                                d = _deq(cur_hi, magic, (i * BITS) % 32 - 16, BITS, Z)
+                            p0, p1, p2, p3, p4, p5, p6, p7, s0, s1, s2, s3, s4, s5, s6, s7 = _rows_fma(
+                                p0, p1, p2, p3, p4, p5, p6, p7, s0, s1, s2, s3, s4, s5, s6, s7, xb + i, xs, d,
+                                MR, GPTQ)
                     prev = cur
         if GPTQ:
-            s = tl.load(sc_ptr + o_sc + g * s_sc + offs_n, mask=ld_mask, other=0.0).to(tl.float32)
+            sc = tl.load(sc_ptr + o_sc + g * s_sc + offs_n, mask=ld_mask, other=0.0).to(tl.float32)
             z = tl.load(aux_ptr + o_aux + g * s_aux + offs_n, mask=ld_mask, other=0.0).to(tl.float32)
-            acc += (part - xsum * z) * s
         else:
             w = tl.load(sc_ptr + o_sc + g * s_sc + offs_n // 8, mask=ld_mask, other=0)
             c1 = (((w >> ((offs_n % 8) * 4)) & 15) + 1).to(tl.float32)
-            acc += part * (c1 * c1 * tl.load(aux_ptr + o_aux + g))
+            sc = c1 * c1 * tl.load(aux_ptr + o_aux + g)
+            z = sc
+        a0 = _scaled(a0, p0, s0, sc, z, GPTQ)
+        if MR > 1:
+            a1 = _scaled(a1, p1, s1, sc, z, GPTQ)
+        if MR > 2:
+            a2 = _scaled(a2, p2, s2, sc, z, GPTQ)
+        if MR > 3:
+            a3 = _scaled(a3, p3, s3, sc, z, GPTQ)
+        if MR > 4:
+            a4 = _scaled(a4, p4, s4, sc, z, GPTQ)
+        if MR > 5:
+            a5 = _scaled(a5, p5, s5, sc, z, GPTQ)
+        if MR > 6:
+            a6 = _scaled(a6, p6, s6, sc, z, GPTQ)
+        if MR > 7:
+            a7 = _scaled(a7, p7, s7, sc, z, GPTQ)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out_mask = offs_n < n
     cols = tl.load(t + _O_Y) + offs_n  # column in the group's y
-    if MODE == 0:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            acc += tl.load(res_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
-            tl.debug_barrier()  # y may be the residual itself: every read of it before any write
-        tl.store(y_ptr + cols, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.atomic_add(ws_ptr + cols, acc, mask=out_mask, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial is in before the arrival is counted
+    if MODE == 1:
+        tl.atomic_add(ws_ptr + cols, a0, mask=out_mask, sem="relaxed")
+        if MR > 1:
+            tl.atomic_add(ws_ptr + wss + cols, a1, mask=out_mask, sem="relaxed")
+        if MR > 2:
+            tl.atomic_add(ws_ptr + 2 * wss + cols, a2, mask=out_mask, sem="relaxed")
+        if MR > 3:
+            tl.atomic_add(ws_ptr + 3 * wss + cols, a3, mask=out_mask, sem="relaxed")
+        if MR > 4:
+            tl.atomic_add(ws_ptr + 4 * wss + cols, a4, mask=out_mask, sem="relaxed")
+        if MR > 5:
+            tl.atomic_add(ws_ptr + 5 * wss + cols, a5, mask=out_mask, sem="relaxed")
+        if MR > 6:
+            tl.atomic_add(ws_ptr + 6 * wss + cols, a6, mask=out_mask, sem="relaxed")
+        if MR > 7:
+            tl.atomic_add(ws_ptr + 7 * wss + cols, a7, mask=out_mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's partials are in before the arrival is counted
         cnt = cnt_ptr + tl.load(t + _CNT)
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
         if arrived == tl.load(t + _ARRIVALS).to(tl.int32) - 1:
-            # Take the sums and zero them in one atomic exchange per element (in L2, where the atomics put
-            # them). Never a load then a store of zeros: compiled, the two may be laid out over different
-            # threads (Triton 3.6 gives atomics their own layout), and with no barrier between them a thread
-            # zeroes a sum before another has read it (the lost sums of the first GPU run).
-            # (as int32 words: the CPU interpreter exchanges no floats)
-            wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + cols
-            tot = tl.atomic_xchg(wsi, tl.zeros((BLOCK_N,), tl.int32), mask=out_mask, sem="relaxed").to(
-                tl.float32, bitcast=True)
-            if HAS_BIAS:
-                tot += tl.load(bias_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
-            if HAS_RES:
-                tot += tl.load(res_ptr + cols, mask=out_mask, other=0.0).to(tl.float32)
-                tl.debug_barrier()  # y may be the residual itself: every read of it before any write
-            tl.store(y_ptr + cols, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+            for r in tl.static_range(MR):
+                _finish(a0, r, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, True)
             tl.atomic_xchg(cnt, 0)
+    else:
+        _finish(a0, 0, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 1:
+            _finish(a1, 1, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 2:
+            _finish(a2, 2, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 3:
+            _finish(a3, 3, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 4:
+            _finish(a4, 4, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 5:
+            _finish(a5, 5, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 6:
+            _finish(a6, 6, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
+        if MR > 7:
+            _finish(a7, 7, cols, out_mask, y_ptr, res_ptr, bias_ptr, ws_ptr, ys, wss, HAS_BIAS, HAS_RES, False)
 
 
 @functools.cache
@@ -205,34 +337,52 @@ _MAGIC = 0x4B000000  # fp32 2^23: OR-ing a field below bit 23 into its mantissa 
 
 def run_plan(plan: GemvPlan, xp: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None,
              residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """Launch `plan` over `parts` (the tensors its offsets are relative to) with act-order x `xp`; writes and
-    returns `out` [.., N total] (may be `residual` itself: the residual is added in place)."""
+    """Launch `plan` over `parts` (the tensors its offsets are relative to) with act-order x `xp` ([KP] for one
+    row, [m, KP] for m <= MAX_ROWS rows); writes and returns `out` [m, N total] (may be `residual` itself: the
+    residual is added in place)."""
     q0 = parts[0]
     dev = cuda_device(xp.device)
     ws, cnt = _workspace(dev)
     aux = q0.scale_max if q0.kind == "exl2" else q0.zeros
     assert aux is not None
+    rows = 1 if xp.dim() == 1 else xp.shape[0]
+    n = out.shape[-1]
+    if not 1 <= rows <= MAX_ROWS or rows * n > WS_COLS:
+        raise ValueError(f"the decode GEMV takes 1-{MAX_ROWS} rows of at most {WS_COLS // rows} columns")
     launch = {"num_warps": plan.num_warps}
-    if CONFIG["MAXNREG"] and dev.type == "cuda":
-        launch["maxnreg"] = CONFIG["MAXNREG"]
+    maxnreg = CONFIG["MAXNREG"] if rows == 1 else ROWS_CONFIG[rows][0]
+    if maxnreg and dev.type == "cuda":
+        launch["maxnreg"] = maxnreg
     for ln in plan.launches:
         _gemv[(ln.programs,)](
             xp, q0.q_weight, q0.scales, aux, q0.group_rows, bias if bias is not None else out,
-            residual if residual is not None else out, out, ws, cnt, ln.tasks, _MAGIC, BITS=ln.bits,
-            GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None, MODE=plan.mode,
-            ALIGNED=plan.aligned, BLOCK_N=plan.block_n, NB=ln.nb, NF=len(FIELDS), PDL=pdl.enabled(dev),
-            **launch, **pdl.launch_options(dev))
+            residual if residual is not None else out, out, ws, cnt, ln.tasks, _MAGIC, xp.shape[-1], n, n,
+            BITS=ln.bits, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            MODE=plan.mode, ALIGNED=plan.aligned, BLOCK_N=plan.block_n, NB=_rows_nb(ln.nb, ln.bits, rows),
+            NF=len(FIELDS), MR=rows,
+            PDL=pdl.enabled(dev), **launch, **pdl.launch_options(dev))
     return out
+
+
+def gemv_takes(m: int, n: int) -> bool:
+    """Whether m rows of a product with n output columns (all of a group) run here: one row always, 2 up to
+    EXLPY_GEMV_ROWS rows while their workspace rows fit."""
+    from exlpy.runtime import options
+
+    return m == 1 or (2 <= m <= min(options().gemv_rows, MAX_ROWS) and m * n <= WS_COLS)
 
 
 def exl2_gemv(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] (any float dtype) -> y [1, N] in x's dtype (+ bias, + residual in place when given: then the
-    result is `residual`, which must be contiguous with N elements). The caller checks `supports(qm)`."""
+    """x [m, K] (m <= MAX_ROWS, any float dtype) -> y [m, N] in x's dtype (+ bias, + residual in place when
+    given: then the result is `residual`, which must be contiguous with m * N elements). The caller checks
+    `supports(qm)`."""
     plan = plan_for([qm], cuda_device(x.device))
+    m = x.numel() // qm.k
     xp = act_order(x, qm.perm, ROW_PAD)
-    out = residual if residual is not None else torch.empty(1, qm.n, dtype=x.dtype, device=x.device)
-    return run_plan(plan, xp, [qm], bias, residual, out)
+    out = residual if residual is not None else torch.empty(m, qm.n, dtype=x.dtype, device=x.device)
+    run_plan(plan, xp, [qm], bias, None if residual is None else out.view(m, qm.n), out.view(m, qm.n))
+    return out
 
 
 class GemvGroup:
@@ -257,7 +407,9 @@ class GemvGroup:
             self._plan = (cfg, plan_for(self.parts, cuda_device(self.parts[0].device)))
         return self._plan[1]
 
-    def run(self, xp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """xp: act-order fp32 x [K + ROW_PAD] (exlpy/kernels/act_order.py) -> y [1, N total] in dtype."""
-        out = torch.empty(1, self.n, dtype=dtype, device=xp.device)
-        return run_plan(self.plan, xp, self.parts, self.bias, None, out)
+    def run(self, xp: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """xp: act-order fp32 x [K + ROW_PAD] or [m, K + ROW_PAD] (exlpy/kernels/act_order.py) -> y [m, N total]
+        in dtype, or added into `residual` [m, N total] in place and returned."""
+        m = 1 if xp.dim() == 1 else xp.shape[0]
+        out = residual if residual is not None else torch.empty(m, self.n, dtype=dtype, device=xp.device)
+        return run_plan(self.plan, xp, self.parts, self.bias, residual, out)

@@ -310,6 +310,8 @@ def exl2_matmul(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = No
     """y = x @ W (+ bias) for x [..., K] on the packed matrix qm; result [..., N] in x's dtype."""
     lead = x.shape[:-1]
     m = x.numel() // qm.k
+    if USE_GEMV and exl2_gemv.gemv_takes(m, qm.n) and exl2_gemv.supports(qm):
+        return exl2_gemv.exl2_gemv(x.reshape(m, qm.k), qm, bias).to(x.dtype).reshape(*lead, qm.n)
     if m >= 2 and fused_rows(m, qm):
         return exl2_qmm.qmm(x.reshape(m, qm.k), [qm], bias).reshape(*lead, qm.n)
     x2 = x.reshape(-1, qm.k).to(torch.float16).contiguous()
@@ -338,6 +340,17 @@ def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Ten
     m = x.numel() // k
     lead = x.shape[:-1]
     fits = residual is not None and residual.is_contiguous() and residual.dtype == torch.float16
+    if 2 <= m and USE_GEMV and exl2_gemv.gemv_takes(m, n) and all(exl2_gemv.supports(p) for p in parts) \
+            and (residual is None or (residual.is_contiguous() and residual.numel() == m * n)):
+        try:
+            group = _gemv_group(parts, bias)
+        except ValueError:  # more output columns than the decode workspace holds
+            group = None
+        if group is not None:
+            xp = (ops.rms_norm_act_order(x, norm_weight, eps, parts[0].perm, exl2_gemv.ROW_PAD)
+                  if norm_weight is not None else ops.act_order(x, parts[0].perm, exl2_gemv.ROW_PAD))
+            y = group.run(xp, x.dtype, residual.view(m, n) if residual is not None else None)
+            return residual if residual is not None else y.view(*lead, n)
     takes = exl2_qmm_plan.rows_kernel_takes(m, k, n)
     if m >= 2 and takes and all(exl2_qmm_plan.supports(p) for p in parts):
         res = residual.view(m, n) if residual is not None and residual.is_contiguous() else None
@@ -362,6 +375,11 @@ def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Ten
         o += p.n
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     return y if residual is None else residual.add_(y.to(residual.dtype))
+
+
+def _gemv_group(parts: list[QuantMatrix], bias: torch.Tensor | None) -> exl2_gemv.GemvGroup:
+    """The GEMV group of these parts (its plan is cached by their layouts; the group itself is cheap)."""
+    return exl2_gemv.GemvGroup(parts, bias)
 
 
 def exl2_matmul_ref(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:

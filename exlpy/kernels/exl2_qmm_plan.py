@@ -47,15 +47,16 @@ SEG_FIELDS = ("bits", "blk_lo", "blk_hi", "sb0", "o_qw")
 # all bit widths of a plan in one launch (a run-time branch per task) instead of one launch per width.
 # Defaults: chosen offline for Triton 3.6 on sm_90a (benchmarks/qmm_compile_check.py: 5.4-6.3 SASS
 # instructions per 4-bit weight, no spills, 3 programs per SM at 16 and 64 rows, 2 at 32); to be confirmed by
-# the H100 sweep.
+# the H100 sweep (2026-11-26: one stage at 16 and 32 rows, 42.8 against 50.3 us at M = 8 and 48.5 against 64.3 at
+# M = 32 on 4096x14336; benchmarks/results/exl2_speed.md).
 CONFIG: dict[str, int] = {"KB": 4, "WAVES": 6, "ONE_LAUNCH": 1, "STAGES_MIXED": 1,
-                          "BLOCK_N_16": 128, "WARPS_16": 4, "STAGES_16": 2,
-                          "BLOCK_N_32": 128, "WARPS_32": 4, "STAGES_32": 2,
+                          "BLOCK_N_16": 128, "WARPS_16": 4, "STAGES_16": 1,
+                          "BLOCK_N_32": 128, "WARPS_32": 4, "STAGES_32": 1,
                           "BLOCK_N_64": 64, "WARPS_64": 4, "STAGES_64": 1}
 
 # Where dequantize-to-fp16 + cuBLAS starts to win: the fewest rows that take it, per (K, N) of a product (N: all
 # output columns of a fused group); shapes not listed switch above the runtime option `quant_rows`
-# (EXLPY_QUANT_ROWS; default 0, the kernel off until its GPU tests pass, see exlpy/runtime.py).
+# (EXLPY_QUANT_ROWS; default 64, see exlpy/runtime.py).
 # benchmarks/exl2_speed.py times both paths per shape and row count and prints the crossover it measured, in this
 # table's form.
 CROSSOVER: dict[tuple[int, int], int] = {}

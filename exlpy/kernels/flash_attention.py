@@ -151,6 +151,11 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
     if B * T == 0:
         return out
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if bt.data_ptr() % 16:
+        # A row of a larger table (one job's prefill chunk) can start off a 16-byte boundary, and Triton compiles
+        # another variant for a pointer that is not 16-aligned: the serving warm-up cannot foresee which rows
+        # those are (a request's compile stall, tests/test_serving_gpu.py). The copy is a few hundred bytes.
+        bt = bt.clone()
     rows = T * G
     bm, bn, warps, stages = config or _config(D, rows, k.fmt != PLAIN or v.fmt != PLAIN)
     m_tiles = triton.cdiv(rows, bm)

@@ -144,7 +144,12 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
     return acc, m_i, l_i
 
 
-@triton.jit
+# Arguments that change with a request's shape (chunk length, table width, split count, mask width) are not
+# specialized (Triton would compile a variant for "equal to 1" and "divisible by 16" of each): the serving
+# warm-up cannot foresee every combination, and a compile mid-serving stalls every stream for seconds (two such
+# compiles in an 8B serving run, 2026-11-26). Strides that set the vectorization of q, K and V loads stay
+# specialized: they follow from the model's dimensions.
+@triton.jit(do_not_specialize=["pos_bstride", "bt_stride", "T", "m_tiles", "n_splits", "mask_stride", "mask_len"])
 def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
                   part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride,
                   mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size, k_row_stride, v_row_stride,

@@ -233,7 +233,32 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
 
 
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, kind: str) -> torch.Tensor:
-    """Routed experts of an MoE block (reference.moe_experts). No Triton grouped GEMM yet: CUDA runs the
-    torch reference, whose grouped path reads expert counts on the host (MoE models run without CUDA graphs)."""
-    return _impl("moe_experts", h)(h, weights, ids, w_gate_up, w_down, kind)
+                w_down: torch.Tensor, kind: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts of an MoE block (same result as reference.moe_experts; + residual when given): the pairs
+    sorted by expert on the device, one grouped launch for every expert's gate|up with the activation, one for
+    down, the k outputs of each token summed. Nothing is read on the host and no shape depends on the routing
+    (CUDA-graph safe)."""
+    order, counts = moe_sort(ids, w_gate_up.shape[0])
+    a = moe_gate_up(h, order, counts, w_gate_up, ids.shape[1], kind)
+    return moe_combine(moe_down(a, order, counts, w_down), weights, residual)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("moe_route", logits)(logits, top_k, norm_p)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    return _impl("moe_combine", y)(y, weights, residual)
+
+
+def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("moe_sort", ids)(ids, num_experts)
+
+
+def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, top_k: int,
+                kind: str) -> torch.Tensor:
+    return _impl_with("moe_gate_up", x, **{kind: True})(x, order, counts, w_gate_up, top_k, kind)
+
+
+def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return _impl("moe_down", a)(a, order, counts, w_down)

@@ -128,6 +128,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q3 = q.as_strided((B * T, hq, D), (q.stride(1), D, 1))
     pos = positions.reshape(-1).contiguous()
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if bt.data_ptr() % 16:  # a row of a larger table: not another compiled variant (see flash_attention.py)
+        bt = bt.clone()
     out = torch.empty((B, T, hq, D), dtype=q.dtype, device=q.device)
     if B * T == 0:
         return out

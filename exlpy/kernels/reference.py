@@ -119,16 +119,18 @@ def norm_linear_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
 
 
 def act_order(x: torch.Tensor, perm: torch.Tensor | None, pad: int) -> torch.Tensor:
-    """One row x [..., K] as fp32 [K + pad] in a quantized matrix's act order (x[perm]), zero past K."""
-    v = x.reshape(-1).float()
-    return F.pad(v[perm.long()] if perm is not None else v, (0, pad))
+    """Rows x [..., K] as fp32 in a quantized matrix's act order (x[..., perm]), zero past K: [K + pad] for one
+    row, [m, K + pad] for m rows."""
+    v = x.reshape(-1, x.shape[-1]).float()
+    v = F.pad(v[:, perm.long()] if perm is not None else v, (0, pad))
+    return v[0] if v.shape[0] == 1 else v
 
 
 def rms_norm_act_order(x: torch.Tensor, weight: torch.Tensor, eps: float, perm: torch.Tensor | None,
                        pad: int) -> torch.Tensor:
-    """act_order(rms_norm(x)) kept in fp32 (no rounding of the normalized row to x's dtype)."""
-    xf = x.reshape(-1).float()
-    return act_order(xf * torch.rsqrt(xf.pow(2).mean() + eps) * weight.float(), perm, pad)
+    """act_order(rms_norm(x)) kept in fp32 (no rounding of the normalized rows to x's dtype)."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    return act_order(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float(), perm, pad)
 
 
 def quant_matmul(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
@@ -402,9 +404,9 @@ def lora_expand_swiglu(gu: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ranks
     return act, lora_shrink(act, down_a, down_ranks, adapters, q_len)
 
 
-# Above this many (token, expert) pairs, or this many bytes of gathered weights, the experts run grouped by
-# expert; at or below, each pair gathers its expert's weights (fixed shapes, no host synchronisation: what a
-# decode step of a few tokens wants). The byte bound keeps large experts (Mixtral's 350 MB) from being copied.
+# Above this many (token, expert) pairs, or this many bytes of gathered weights, `moe_experts` runs grouped by
+# expert; at or below, each pair gathers its expert's weights. The byte bound keeps large experts (Mixtral's
+# 350 MB) from being copied; `_grouped_matmul` gathers under the same bound.
 MOE_GATHER_MAX = 16
 MOE_GATHER_BYTES = 128 * 2**20
 
@@ -415,9 +417,10 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     mixture-of-experts block. h [T, H]; weights, ids [T, k]; w_gate_up [E, 2I, H] (gate rows, then up rows);
     w_down [E, H, I]. Only the experts some token chose are read; never all experts for all tokens.
 
-    Few pairs (and few bytes): each pair's expert weights gathered into a [T*k, ...] batch (fixed shapes, no host
-    sync). More: pairs sorted by expert, one matmul per expert over its tokens (the expert counts are read on the
-    host)."""
+    The test oracle of the whole block, written independently of the sorted formulation the model runs
+    (ops.moe_experts: moe_sort, moe_gate_up, moe_down, moe_combine below). Few pairs (and few bytes): each pair's
+    expert weights gathered into a [T*k, ...] batch. More: pairs sorted by expert, one matmul per expert over its
+    tokens (the expert counts read on the host)."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_gate_up.element_size()
@@ -536,3 +539,88 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     whose survivors pass k_max as its candidates make them (the caller finishes those: graphed.py)."""
     tok, prob, _, _, _ = sample_top_candidates(logits, params, rng, k_max)
     return tok, prob
+
+
+# --- the grouped (sorted-by-expert) formulation of the routed experts, as the CUDA kernels run it -------------
+# The (token, slot) pairs of a step are sorted by expert on the device (`moe_sort`); `moe_gate_up` and `moe_down`
+# run every expert over its contiguous run of sorted rows. No shape depends on the routing and nothing is read on
+# the host, so a decode step with MoE blocks can be captured in a CUDA graph.
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, expert ids [T, k] int64) of router logits [T, E]: softmax in fp32,
+    the top k, divided by their L_p norm (norm_p 1: their sum; 0: kept as they are)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_p == 1.0:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif norm_p:
+        weights = weights / torch.linalg.vector_norm(weights, ord=norm_p, dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def moe_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [N] int64: the pairs p = t * k + j of ids [T, k] sorted by expert, stable; counts [E] int32: pairs
+    per expert). N = T * k; sorted row r holds pair order[r], and expert e owns rows sum(counts[:e]) onwards."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would read a max on the host
+    return order, counts
+
+
+def _sorted_experts(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The expert of each of the n sorted rows, from the counts alone (fixed shape)."""
+    ends = counts.to(torch.int64).cumsum(0)
+    return torch.searchsorted(ends, torch.arange(n, device=counts.device), right=True)
+
+
+# CPU tensors take the per-expert slices of `_grouped_matmul` (tests turn this off to run the fixed-shape paths).
+MOE_HOST_SLICES = True
+
+
+def _grouped_matmul(xs: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xs [N, K] sorted by expert @ w[e]^T (w [E, Nout, K]) for each row's expert e.
+
+    CPU tensors: one matmul per expert over its rows (the counts live in host memory, so reading them costs no
+    wait). Elsewhere fixed shapes: few rows gather their experts' weights (only the routed experts are read), more
+    rows run every expert over all rows and keep each row's own (the no-Triton fallback; never on a fast path)."""
+    N = xs.shape[0]
+    if counts.device.type == "cpu" and MOE_HOST_SLICES:
+        out = xs.new_empty(N, w.shape[1])
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                out[start:start + c] = xs[start:start + c] @ w[e].t()
+                start += c
+        return out
+    experts = _sorted_experts(counts, N)
+    if N * w[0].numel() * w.element_size() <= MOE_GATHER_BYTES:
+        return torch.bmm(w.index_select(0, experts), xs.unsqueeze(-1)).squeeze(-1)
+    out = xs.new_zeros(N, w.shape[1])
+    for e in range(w.shape[0]):
+        out = torch.where((experts == e).unsqueeze(-1), xs @ w[e].t(), out)
+    return out
+
+
+def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, top_k: int,
+                kind: str) -> torch.Tensor:
+    """act(gate) * up of every sorted row (`moe_sort`): row r is token order[r] // top_k of x [T, H] through its
+    expert's w_gate_up [E, 2I, H] (gate rows, then up rows). Returns [N, I] in sorted order."""
+    gate, up = _grouped_matmul(x.index_select(0, order // top_k), counts, w_gate_up).chunk(2, dim=-1)
+    return act_mul(gate, up, kind)
+
+
+def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """a [N, I] in sorted order through each row's expert's w_down [E, H, I], written back in pair order: row p
+    of the result [N, H] is pair p = t * k + j (unweighted; the caller sums a token's k rows)."""
+    ys = _grouped_matmul(a, counts, w_down)
+    return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * y[t * k + j] in fp32 (half precision would round each partial sum), in y's dtype:
+    [T, H]; with `residual` [T, H], residual + that sum (in the residual's dtype)."""
+    T, k = weights.shape
+    out = (y.view(T, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    return out if residual is None else residual + out.to(residual.dtype)

@@ -20,6 +20,7 @@ from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
+from exlpy.kernels.moe import moe_combine, moe_down, moe_gate_up, moe_route, moe_sort
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
@@ -116,6 +117,12 @@ def register_all() -> None:
     ops.register("lora_shrink", lora_shrink)
     ops.register("lora_expand", lora_expand)
     ops.register("lora_expand_swiglu", lora_expand_swiglu)
+    ops.register("moe_route", moe_route)
+    ops.register("moe_sort", moe_sort)
+    ops.register("moe_gate_up", moe_gate_up)
+    ops.register_features("moe_gate_up", frozenset({"silu", "gelu_tanh"}))
+    ops.register("moe_down", moe_down)
+    ops.register("moe_combine", moe_combine)
 
 
 register_all()

@@ -6,8 +6,16 @@ A PEFT directory holds adapter_config.json and adapter_model.safetensors with, p
 The adapted projection computes y = W x + s · B (A x) with s = lora_scaling · alpha / r (alpha / sqrt(r) with
 use_rslora; r and alpha per module from rank_pattern / alpha_pattern, as PEFT reads them); s is folded into B
 here. adapter_model.bin (a PyTorch pickle) is read with weights_only=True when there is no safetensors file.
-Anything that would change that formula (DoRA, trained biases, replaced heads or embeddings, ...) is
-refused by name rather than silently ignored.
+
+The embedding and the head (`OUTER`) can change too, as exllamav2 and PEFT do it:
+  replaced  (PEFT's modules_to_save, exllamav2's replacement lm_head / embed_tokens): `lm_head.weight` /
+            `model.embed_tokens.weight` [vocab, hidden] used instead of the model's for the adapter's rows; a
+            `base_layer.weight` that PEFT saves beside a LoRA on these modules replaces them too when it differs
+            from the model's own (PEFT loads it over the base weights);
+  low-rank  LoRA on lm_head (`lora_A` [r, hidden], `lora_B` [vocab, r]: logits += s B A x) or on embed_tokens
+            (`lora_embedding_A` [r, vocab], `lora_embedding_B` [hidden, r]: h += s B A[:, id]), as PEFT computes.
+Anything else that would change the formula (DoRA, trained biases, other replaced modules, a resized
+vocabulary, ...) is refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -28,9 +36,15 @@ from exlpy.errors import LoraConfigError, LoraWeightsError, ModelStateError
 BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# The embedding and the head: module key (PEFT's module name) by the short name target_modules use.
+OUTER = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+_OUTER_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\.(?:"
+                        r"(?P<replace>(?:modules_to_save\.)?weight)|(?P<base>base_layer\.weight)|"
+                        r"(?P<original>original_module\.weight)|lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight|"
+                        r"lora_embedding_(?P<eab>[AB])(?:\.[\w-]+)?)$")
 # Config fields whose feature changes the math; any truthy value is refused.
 _REFUSED = {"use_dora": "DoRA (use_dora)", "fan_in_fan_out": "fan_in_fan_out", "lora_bias": "LoRA biases (lora_bias)",
-            "modules_to_save": "replaced modules (modules_to_save)", "layer_replication": "layer_replication",
+            "layer_replication": "layer_replication",
             "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
             "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)", "use_qalora": "QALoRA",
             "target_parameters": "adapted parameters (target_parameters)"}
@@ -63,6 +77,7 @@ class AdapterConfig:
     use_rslora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
+    ensure_weight_tying: bool = False  # PEFT ties a tied model's adapted embedding and head together
 
     def rank(self, module: str) -> int:
         return int(_pattern_value(self.rank_pattern, module, self.r))
@@ -92,6 +107,7 @@ def read_config(path: str) -> AdapterConfig:
     if raw.get("bias", "none") != "none":
         raise LoraConfigError(f"{path}: bias = {raw['bias']!r} (trained biases) is not supported; only 'none'")
     _check_targets(path, raw.get("target_modules"))
+    _check_saved(path, raw.get("modules_to_save"))
 
     def num(key: str, default: float, integer: bool) -> Any:
         v = raw.get(key, default)
@@ -116,7 +132,7 @@ def read_config(path: str) -> AdapterConfig:
     if not isinstance(rslora, bool):
         raise LoraConfigError(f"{path}: use_rslora must be true or false, got {rslora!r}")
     return AdapterConfig(path, num("r", 8, True), float(num("lora_alpha", 8, False)), rslora,
-                         patterns["rank_pattern"], patterns["alpha_pattern"])
+                         patterns["rank_pattern"], patterns["alpha_pattern"], bool(raw.get("ensure_weight_tying")))
 
 
 def _check_targets(path: str, targets: Any) -> None:
@@ -126,10 +142,22 @@ def _check_targets(path: str, targets: Any) -> None:
         return
     if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
         raise LoraConfigError(f"{path}: target_modules must be a list of module names or a pattern, got {targets!r}")
-    bad = [t for t in targets if t.rsplit(".", 1)[-1] not in BLOCK_OF]
+    bad = [t for t in targets if t.rsplit(".", 1)[-1] not in BLOCK_OF and t.rsplit(".", 1)[-1] not in OUTER]
     if bad:
         raise LoraConfigError(f"{path}: target module(s) {', '.join(map(repr, bad))} do not exist in this model: "
-                              f"exlpy adapts {', '.join(BLOCK_OF)}")
+                              f"exlpy adapts {', '.join([*BLOCK_OF, *OUTER])}")
+
+
+def _check_saved(path: str, saved: Any) -> None:
+    """modules_to_save may name the embedding and the head (replaced by the adapter's copies), nothing else."""
+    if not saved:
+        return
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(t, str) for t in saved):
+        raise LoraConfigError(f"{path}: modules_to_save must be a list of module names, got {saved!r}")
+    bad = [t for t in saved if t.rsplit(".", 1)[-1] not in OUTER]
+    if bad:
+        raise LoraConfigError(f"{path}: modules_to_save {', '.join(map(repr, bad))}: replacing these modules "
+                              f"(modules_to_save) is not supported by exlpy's LoRA; only {', '.join(OUTER)}")
 
 
 def read_weights(path: str, spec: Any, cfg: AdapterConfig, lora_scaling: float
@@ -140,11 +168,15 @@ def read_weights(path: str, spec: Any, cfg: AdapterConfig, lora_scaling: float
     shapes = projection_shapes(spec)
     pairs: dict[str, dict[str, str]] = {}
     for name in names:
+        if _OUTER_KEY.match(name):
+            continue  # the embedding's and the head's (read_outer)
         m = _KEY.match(name)
         if m is None:
-            what = ("a replaced or adapted head / embedding" if ("lm_head" in name or "embed_tokens" in name) else
+            what = ("a replaced or adapted module other than lm_head / embed_tokens" if "lora_" not in name and
+                    name.endswith(".weight") and ".layers." not in name else
                     "a DoRA magnitude" if "magnitude" in name else "not a lora_A / lora_B weight of a layer")
-            raise LoraWeightsError(f"unsupported adapter tensor ({what}); exlpy adapts {', '.join(BLOCK_OF)}",
+            raise LoraWeightsError(f"unsupported adapter tensor ({what}); exlpy adapts "
+                                   f"{', '.join([*BLOCK_OF, *OUTER])} and replaces {', '.join(OUTER)}",
                                    tensor=name, file=path)
         layer, block, proj, ab = m.groups()
         if BLOCK_OF.get(proj) != block:
@@ -158,7 +190,7 @@ def read_weights(path: str, spec: Any, cfg: AdapterConfig, lora_scaling: float
             raise LoraWeightsError(f"lora_{ab} of {key} appears twice (also as {pairs[key][ab]})", tensor=name,
                                    file=path)
         pairs[key][ab] = name
-    if not pairs:
+    if not pairs and not any(_OUTER_KEY.match(n) for n in names):
         raise LoraWeightsError("the file holds no LoRA weights", file=path)
     out = {}
     for key, d in sorted(pairs.items()):
@@ -184,6 +216,101 @@ def read_weights(path: str, spec: Any, cfg: AdapterConfig, lora_scaling: float
         scale = lora_scaling * cfg.scaling(key, r)
         out[key] = (a.float().contiguous(), (b.float() * scale).contiguous())
     return out
+
+
+@dataclass
+class OuterWeights:
+    """An adapter's change to the embedding or the head: a replacement table [vocab, hidden] (as stored), a
+    low-rank pair (fp32; head: A [r, hidden], B [vocab, r]; embedding: A [r, vocab], B [hidden, r]; scaling
+    folded into B), or both (the LoRA then adds to the replaced module, as PEFT's base_layer + LoRA does)."""
+
+    table: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.a is None else int(self.a.shape[0])
+
+
+def read_outer(path: str, model: Any, cfg: AdapterConfig, lora_scaling: float) -> dict[str, OuterWeights]:
+    """{"model.embed_tokens" | "lm_head": OuterWeights} of the adapter file (see the module docstring)."""
+    f = _open_tensors(path)
+    spec = model.config.spec
+    vocab, hidden = spec.vocab_size, spec.hidden_size
+    found: dict[str, dict[str, str]] = {}
+    for name in f.keys():
+        m = _OUTER_KEY.match(name)
+        if m is None or m["original"]:
+            continue  # block projections (read_weights); original_module: PEFT's copy of the base, as exllamav2
+        module = m[1]
+        part = ("replace" if m["replace"] else "base" if m["base"] else f"lora_{m['ab']}" if m["ab"] else
+                f"emb_{m['eab']}")
+        if part.startswith("lora_") and module == "model.embed_tokens" or part.startswith("emb_") and \
+                module == "lm_head":
+            raise LoraWeightsError(f"{name.rsplit('.', 2)[-2]} is not a LoRA tensor PEFT writes for {module} (an "
+                                   "embedding uses lora_embedding_A / _B, a linear lora_A / lora_B)", tensor=name,
+                                   file=path)
+        if part in found.setdefault(module, {}) or {part, *found[module]} >= {"replace", "base"}:
+            other = found[module].get(part) or found[module].get("base" if part == "replace" else "replace")
+            raise LoraWeightsError(f"{module} is replaced twice (also by {other})", tensor=name, file=path)
+        found[module][part] = name
+    out: dict[str, OuterWeights] = {}
+    for module, parts in found.items():
+        w = OuterWeights()
+        table_name = parts.get("replace") or parts.get("base")
+        if table_name is not None:
+            t = _float_tensor(f, table_name, path)
+            if tuple(t.shape) != (vocab, hidden):
+                raise LoraWeightsError(f"shape {list(t.shape)}: a replaced {module} must be [{vocab}, {hidden}] "
+                                       "(vocab_size, hidden_size of the base model); adapters for a resized "
+                                       "vocabulary are not supported", tensor=table_name, file=path)
+            if "replace" in parts or not _same_as_base(model, module, t):
+                w.table = t.contiguous()
+        a_name, b_name = (parts.get("lora_A"), parts.get("lora_B")) if module == "lm_head" else \
+            (parts.get("emb_A"), parts.get("emb_B"))
+        if (a_name is None) != (b_name is None):
+            have = a_name or b_name
+            raise LoraWeightsError(f"the other half of {module}'s LoRA pair is missing", tensor=have, file=path)
+        if a_name is not None and b_name is not None:
+            a, b = _float_tensor(f, a_name, path), _float_tensor(f, b_name, path)
+            in_f, out_f = (hidden, vocab) if module == "lm_head" else (vocab, hidden)
+            if a.dim() != 2 or a.shape[1] != in_f or a.shape[0] < 1:
+                raise LoraWeightsError(f"shape {list(a.shape)} does not fit the base model: must be [r, {in_f}]",
+                                       tensor=a_name, file=path)
+            r = a.shape[0]
+            if tuple(b.shape) != (out_f, r):
+                raise LoraWeightsError(f"shape {list(b.shape)} does not fit the base model: must be [{out_f}, {r}]",
+                                       tensor=b_name, file=path)
+            if r != cfg.rank(module):
+                raise LoraWeightsError(f"rank {r}, but {cfg.path} gives rank {cfg.rank(module)} for {module}",
+                                       tensor=a_name, file=path)
+            w.a, w.b = a.float().contiguous(), (b.float() * (lora_scaling * cfg.scaling(module, r))).contiguous()
+        if w.table is not None or w.a is not None:
+            out[module] = w
+    return out
+
+
+def _float_tensor(f: Any, name: str, path: str) -> torch.Tensor:
+    t = f.get_tensor(name)
+    if not t.is_floating_point():
+        raise LoraWeightsError(f"dtype {t.dtype} is not a floating-point type", tensor=name, file=path)
+    if not bool(torch.isfinite(t).all()):
+        raise LoraWeightsError("holds NaN or inf", tensor=name, file=path)
+    return t
+
+
+def _same_as_base(model: Any, module: str, t: torch.Tensor) -> bool:
+    """Whether a saved base layer equals the model's own weights (fp16 rounding allowed). A quantized base's
+    head stands for the saved one (the adapter was trained on the unquantized model)."""
+    index = model.config.index
+    name = f"{module}.weight"
+    if name not in index and module == "lm_head" and model.config.spec.features.tied_head:
+        name = "model.embed_tokens.weight"
+    if name not in index:
+        return True
+    base = index.get(name).float()
+    return bool((t.float() - base).abs().max() <= 1e-3 * base.abs().max().clamp(min=1e-6))
 
 
 def check_architecture(spec: Any) -> None:
@@ -260,10 +387,25 @@ class ExLlamaV2Lora:
         self.name = os.path.basename(self.directory)
         self.lora_r, self.lora_alpha, self.use_rslora = cfg.r, cfg.alpha, cfg.use_rslora
         self.weights = read_weights(lora_path, model.config.spec, cfg, float(lora_scaling))
+        self.outer = read_outer(lora_path, model, cfg, float(lora_scaling))
+        if self.outer and cfg.ensure_weight_tying and model.config.spec.features.tied_head:
+            raise LoraConfigError(f"{lora_config_path}: ensure_weight_tying = true (one shared change of the tied "
+                                  f"embedding and head) is not supported for {' and '.join(self.outer)}; exlpy "
+                                  "applies the embedding's and the head's changes separately")
+        if self.outer and getattr(model, "tp_context", None) is not None:
+            raise LoraConfigError(f"{lora_config_path}: adapters that replace or adapt "
+                                  f"{' and '.join(self.outer)} are not supported under tensor parallelism (the "
+                                  "embedding and the head are split by vocabulary); load the model without TP")
         # exllamav2 stores the effective factor: the user's scale times alpha / r (alpha / sqrt(r) with rsLoRA),
         # from the config's top-level r and lora_alpha (per-module patterns are applied to the weights above).
         self.lora_scaling = float(lora_scaling) * cfg.alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
-        self.target_modules = sorted({k.rsplit(".", 1)[1] for k in self.weights}, key=list(BLOCK_OF).index)
+        order = [*BLOCK_OF, *OUTER]
+        self.target_modules = sorted({k.rsplit(".", 1)[1] for k in self.weights} |
+                                     {k.rsplit(".", 1)[-1] for k, w in self.outer.items() if w.a is not None},
+                                     key=order.index)
+        # exllamav2's attributes: the replacement head and embedding tables (None when the adapter has none).
+        self.lm_head = self.outer["lm_head"].table if "lm_head" in self.outer else None
+        self.embed_tokens = self.outer["model.embed_tokens"].table if "model.embed_tokens" in self.outer else None
         self.uid = uuid.uuid4().bytes  # identity in slot keys and in the generator's prefix-cache hashes
         self.loaded = True
         from exlpy.lora.slots import registry_of
@@ -279,6 +421,8 @@ class ExLlamaV2Lora:
                    os.path.join(directory, "adapter_model.safetensors"), lora_scaling)
 
     def rank(self, module_key: str) -> int:
+        if module_key in self.outer:
+            return self.outer[module_key].rank
         w = self.weights.get(module_key)
         return 0 if w is None else int(w[0].shape[0])
 
@@ -291,7 +435,8 @@ class ExLlamaV2Lora:
 
         registry_of(self.model).remove(self)
         self.loaded = False
-        self.weights = {}
+        self.weights, self.outer = {}, {}
+        self.lm_head = self.embed_tokens = None
 
     def check_usable(self, model: Any) -> None:
         if model is not None and self.model is not model:

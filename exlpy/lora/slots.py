@@ -12,7 +12,10 @@ projection group no adapter used before, or more slots (the count doubles as ada
 recaptures the steps that run adapters (steps without adapters keep theirs). A server configures its count and
 rank once, up front.
 The buffers are attached to the blocks of the model's loaded strategy (every GPU's copy under tensor
-parallelism); a reload (new strategy) gets fresh buffers with the resident slots rewritten.
+parallelism); a reload (new strategy) gets fresh buffers with the resident slots rewritten. Adapters of the
+embedding and the head (replacement tables, LoRA on lm_head / embed_tokens) have their own buffers on those two
+modules (outer.py); replacement tables are as many as resident adapters that replace the module, growing
+(with a new generation) when one more is needed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import torch
 
 from exlpy.errors import LoraCapacityError, LoraConfigError, ModelStateError
 from exlpy.lora.buffers import GROUP_OF
+from exlpy.lora.outer import EMBED, HEAD, OuterLora
 from exlpy.model.attention import Attention
+from exlpy.model.embedding import Embedding
+from exlpy.model.head import Head
 from exlpy.model.mlp import MLP
 from exlpy.model.parallel_linear import RowParallel
 
@@ -73,7 +79,8 @@ class LoraRegistry:
         self.max_slots = DEFAULT_MAX_SLOTS
         self.rank = 0  # rank of the buffers (0: none allocated yet)
         self.min_rank = 0  # set by configure(max_rank=...)
-        self.groups: set[str] = set()  # projection groups with buffers
+        self.groups: set[str] = set()  # projection groups with buffers (and EMBED / HEAD: their low-rank parts)
+        self.tables: dict[str, int] = {EMBED: 0, HEAD: 0}  # replacement tables of the embedding / the head
         self.slots: list[_Slot | None] = [None] * self.num_slots
         self.generation = 0
         self._strategy: Any = None  # weakref to the strategy whose blocks hold the current buffers
@@ -132,9 +139,15 @@ class LoraRegistry:
                     s.last_use = self._clock
                     return i
             need_rank, need_groups = _needs(key)
+            replaced = _replaced(key)
             if need_rank > self.rank or not need_groups <= self.groups:
                 self._reallocate(max(self.rank, self.min_rank, _pow2_rank(need_rank)), self.groups | need_groups)
             i = self._free_slot()
+            used = {m: sum(m in _replaced(s.key) for j, s in enumerate(self.slots) if s is not None and j != i)
+                    for m in replaced}
+            if any(used[m] + 1 > self.tables[m] for m in replaced):
+                self.tables.update({m: max(self.tables[m], used[m] + 1) for m in replaced})
+                self._reallocate(self.rank, self.groups)
             self.slots[i] = _Slot(key, 0, self._clock)
             self._write(i)
             return i
@@ -185,7 +198,7 @@ class LoraRegistry:
         for stage in strategy.stages:
             for lane in stage.lanes:
                 for m in lane.modules:
-                    if isinstance(m, (Attention, MLP)) and m.lora is not None:
+                    if isinstance(m, (Attention, MLP, Embedding, Head)) and m.lora is not None:
                         yield m.lora
 
     # Buffers are created and written in inference mode (forwards run there), whoever calls.
@@ -202,6 +215,16 @@ class LoraRegistry:
                 block.clear(i)
         self.slots[i] = None
 
+    def _outer(self, m: Any, key: str) -> OuterLora | None:
+        """The embedding's or the head's buffers (None while no adapter changes that module)."""
+        low_rank, tables = key in self.groups, self.tables[key]
+        if not low_rank and not tables:
+            return None
+        spec = m.spec
+        assert m.device is not None
+        return OuterLora(key, spec.vocab_size, spec.hidden_size, low_rank, tables, self.num_slots,
+                         max(self.rank, MIN_RANK), m.device, m.dtype(m.device))
+
     def _reallocate(self, rank: int, groups: set[str]) -> None:
         self.rank, self.groups = rank, set(groups)
         model = self._model()
@@ -215,12 +238,21 @@ class LoraRegistry:
 
         model = self._model()
         shares = _lane_shares(model, strategy)
+        if strategy.name == "streaming":
+            raise LoraConfigError("LoRA adapters are not supported on a model loaded for layer streaming "
+                                  "(load(lazy=True)): their buffers live on loaded modules; load the model normally")
+        outer = {m for m in (EMBED, HEAD) if m in self.groups or self.tables[m]}
+        if outer and strategy.name == "tensor_parallel":
+            raise LoraConfigError(f"adapters that replace or adapt {' and '.join(sorted(outer))} are not supported "
+                                  "under tensor parallelism (the embedding and the head are split by vocabulary)")
         with torch.inference_mode():
             for lane, share_of in zip((ln for st in strategy.stages for ln in st.lanes), shares):
                 for m in lane.modules:
                     if isinstance(m, (Attention, MLP)):
                         m.lora = BlockLora(m, share_of(m) if share_of else None, self.groups, self.num_slots,
                                            max(self.rank, MIN_RANK))
+                    elif isinstance(m, (Embedding, Head)):
+                        m.lora = self._outer(m, EMBED if isinstance(m, Embedding) else HEAD)
         self._strategy = weakref.ref(strategy)
         self.generation += 1
         for i, s in enumerate(self.slots):
@@ -229,12 +261,32 @@ class LoraRegistry:
 
 
 def _needs(key: tuple[Any, ...]) -> tuple[int, set[str]]:
-    """Largest summed rank over the projections of `key`'s adapters, and the groups they touch."""
+    """Largest summed rank over the projections of `key`'s adapters, and the groups they touch (EMBED / HEAD
+    for low-rank changes of the embedding / head)."""
     ranks: dict[str, int] = {}
+    groups: set[str] = set()
     for lora in key:
         for mod, (a, _) in lora.weights.items():
             ranks[mod] = ranks.get(mod, 0) + int(a.shape[0])
-    return max(ranks.values(), default=0), {GROUP_OF[m.rsplit(".", 1)[1]] for m in ranks}
+            groups.add(GROUP_OF[mod.rsplit(".", 1)[1]])
+        for mod, w in lora.outer.items():
+            if w.a is not None:
+                ranks[mod] = ranks.get(mod, 0) + w.rank
+                groups.add(mod)
+    return max(ranks.values(), default=0), groups
+
+
+def _replaced(key: tuple[Any, ...]) -> set[str]:
+    """The modules (EMBED, HEAD) that `key`'s adapters replace; two adapters replacing one module clash."""
+    out: dict[str, Any] = {}
+    for lora in key:
+        for mod, w in lora.outer.items():
+            if w.table is not None:
+                if mod in out:
+                    raise LoraConfigError(f"LoRA adapters {out[mod].name!r} and {lora.name!r} both replace {mod}; "
+                                          "they cannot be applied together")
+                out[mod] = lora
+    return set(out)
 
 
 def _lane_shares(model: Any, strategy: Any) -> Sequence[Any]:

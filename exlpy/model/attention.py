@@ -41,6 +41,7 @@ class Attention(Module):
         self.window = f.layer_window[layer_idx] if f.layer_window else 0
         self.softcap = f.attn_softcap
         self.use_rope = f.layer_rope[layer_idx] if f.layer_rope else True
+        self.rope_local = bool(self.window) and s.rope_local_theta is not None  # Gemma 3's local RoPE base
         self.parallel = s.arch.parallel_blocks
         norms = dict(s.arch.norms)
         self.norm_key = f"model.layers.{layer_idx}.{norms['attn_pre']}"
@@ -128,7 +129,10 @@ class Attention(Module):
         perm = self.rotary.permutation(x.device)
         if perm is not None:  # GPT-J or partial rotary: the dimensions NEOX rotates first (rotary.py)
             q, k = q.index_select(-1, perm), k.index_select(-1, perm)
-        rope = self.rotary.get(x.device, q.dtype, self.use_rope)
+        if batch.mm is not None and batch.mm.rope is not None:  # M-RoPE rows of this chunk's tokens
+            rope = batch.mm.table(x.device, self.rotary.get(x.device, q.dtype, self.use_rope)[0].dtype)
+        else:
+            rope = self.rotary.get(x.device, q.dtype, self.use_rope, self.rope_local)
         o = attend(q, k, v, batch, self.layer_idx, self.scale, rope, self.window, self.softcap)
         o = o.reshape(B, T, self.num_heads * self.head_dim)
         closing = lora.closing(batch, "o") if lora is not None else None
@@ -148,6 +152,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
     a query sees only the `window` most recent positions (itself included); `softcap` > 0: scores are
     soft-capped. The cache keeps every position either way (the window is a mask, not a ring buffer).
     """
+    if batch.mm is not None and batch.mm.blocks is not None and bool((batch.mm.blocks >= 0).any()):
+        from exlpy.vision.attention import attend_blocks  # Gemma 3: images attend to themselves both ways
+
+        return attend_blocks(q, k, v, batch, layer_idx, scale, rope, window, softcap)
     cache = batch.cache
     feats = {"window": window, "softcap": softcap}
     if cache is None:

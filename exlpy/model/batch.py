@@ -45,6 +45,9 @@ class ForwardBatch:
     # (then the adapter registry's generation: it keys the CUDA graphs that run the adapter kernels).
     adapters: torch.Tensor | None = None  # [B] int64
     lora: int = 0
+    # Multimodal inputs (exlpy/vision/mm.py MMInputs): embeddings behind ids >= 1e9 and M-RoPE angles; None
+    # for text.
+    mm: Any = None
     logits: str = LOGITS_ALL  # what the head computes: every position, the last one, or nothing (prefill)
     keep_last_state: bool = False  # store the head's input in `last_state` (exllamav2's return_last_state)
     last_state: torch.Tensor | None = field(default=None, compare=False)

@@ -4,6 +4,8 @@ architecture says so. Gemma 2 keeps its residual stream in fp32: the embedding s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -12,6 +14,8 @@ from exlpy.errors import ConfigError
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.module import Module
 from exlpy.model.parallel_linear import Collective
+from exlpy.vision.embedding import EMBEDDING_INDEX
+from exlpy.vision.mm import embed_rows
 from exlpy.weights.checks import landed
 
 
@@ -27,6 +31,7 @@ class Embedding(Module):
         f = self.spec.features
         self.scale = f.embed_scale
         self.residual_fp32 = self.spec.arch.residual_fp32
+        self.lora: Any = None  # adapters that replace or adapt the embedding (exlpy/lora/outer.py)
 
     def load(self, device: torch.device) -> None:
         s = self.spec
@@ -47,14 +52,23 @@ class Embedding(Module):
         return [self.key] + (["model.wpe"] if self.spec.features.learned_positions else [])
 
     def unload(self) -> None:
-        self.weight = self.wpe = None
+        self.weight = self.wpe = self.lora = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mm = batch.mm.embeddings if batch.mm is not None else None
+        ids = x
+        if mm:
+            x = x.masked_fill(x >= EMBEDDING_INDEX, 0)  # embedding ids: looked up below, not in the table
         h = await self._lookup(x, batch)
+        if batch.lora and self.lora is not None:  # rows whose adapters replace or adapt the table (PEFT adds
+            h = self.lora.embed(x, h, batch)       # them inside embed_tokens, before any scaling)
         if self.scale != 1.0:
             # As transformers: the scale rounded to the compute dtype, one multiply.
             h = h * float(torch.tensor(self.scale, dtype=h.dtype))
+        if mm:
+            # Image features enter unscaled, as transformers inserts them after the scaled text embedding.
+            h = embed_rows(ids, h, mm)
         if self.wpe is not None:
             h = h + F.embedding(batch.rope_pos.to(h.device), self.wpe)
         return h.float() if self.residual_fp32 else h

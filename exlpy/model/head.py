@@ -3,6 +3,8 @@ the architecture's logit scale and final soft-capping applied to the float32 log
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from exlpy.config.config import ExLlamaV2Config
@@ -42,6 +44,7 @@ class Head(Module):
     def __init__(self, config: ExLlamaV2Config) -> None:
         super().__init__(config, "lm_head")
         self.linear: Linear | ColumnParallel | None = None
+        self.lora: Any = None  # adapters that replace or adapt the head (exlpy/lora/outer.py)
 
     def tensor_prefixes(self) -> list[str]:
         if any(n.startswith("lm_head.") for n in self.index.tensors):
@@ -60,7 +63,7 @@ class Head(Module):
         self.device = device
 
     def unload(self) -> None:
-        self.linear = None
+        self.linear = self.lora = None
         super().unload()
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
@@ -68,15 +71,17 @@ class Head(Module):
         (exllamav2's bound on the head's working memory); each slice leaves as float32."""
         n = self.config.max_output_len
         if not n or x.shape[1] <= n:
-            return await self._logits(x)
-        parts = [await self._logits(x[:, a:a + n]) for a in range(0, x.shape[1], n)]
+            return await self._logits(x, batch)
+        parts = [await self._logits(x[:, a:a + n], batch) for a in range(0, x.shape[1], n)]
         return None if parts[0] is None else torch.cat(parts, dim=1)  # type: ignore[arg-type]
 
-    async def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
+    async def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         assert self.linear is not None
         y = await self.linear.forward(x) if isinstance(self.linear, ColumnParallel) else self.linear.forward(x)
         if y is None:
             return None
+        if batch.lora and self.lora is not None:  # rows whose adapters replace or adapt lm_head
+            y = self.lora.logits(x, y, batch)
         f = self.spec.features
         y = y.float()
         if f.logit_scale != 1.0:

@@ -3,8 +3,11 @@
 Routing as exlpy/config/moe.py describes it: router logits in the compute dtype, softmax in fp32, the top k
 experts per token, their weights renormalised where the architecture says, cast back to the compute dtype.
 Dense experts are stacked at load into one [E, 2I, H] gate|up and one [E, H, I] down tensor, run by
-`ops.moe_experts` (only the chosen experts' weights are read). Quantized experts (EXL2, GPTQ: exllamav2's
-converted Mixtral) stay one linear each, read packed, and run grouped by expert (`grouped_experts`).
+`ops.moe_experts`: the (token, expert) pairs sorted by expert on the device and two grouped launches (only the
+chosen experts' weights are read, nothing is read on the host), so the block is captured in the decode step's
+CUDA graph like a dense MLP. Quantized experts (EXL2, GPTQ: exllamav2's converted Mixtral) stay one linear each,
+read packed, and run grouped by expert with the counts read on the host (`grouped_experts`): a model with them
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from exlpy.weights.checks import landed
 
 
 class MoEMLP(Module):
-    """Pre-norm MoE block in place of a layer's MLP. Its grouped path synchronises with the host (expert
-    token counts), so a model with one is never captured in a CUDA graph."""
+    """Pre-norm MoE block in place of a layer's MLP. `graph_safe` (set at load): the experts are dense, so the
+    block never synchronises with the host; quantized experts read their token counts there (no CUDA graph)."""
 
     graph_safe = False
 
@@ -81,23 +84,19 @@ class MoEMLP(Module):
                 self.w_down[e] = self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt)
             if scale != 1.0:
                 self.w_down.mul_(scale)
+        self.graph_safe = self.experts is None
         self.device = device
 
     def unload(self) -> None:
         self.norm_w = self.norm_b = self.router = self.w_gate_up = self.w_down = self.experts = None
+        self.graph_safe = False
         super().unload()
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the compute dtype, expert ids [T, k]) of the normed tokens h [T, H]."""
         assert self.router is not None
-        probs = torch.softmax((h @ self.router.t()).float(), dim=-1)
         k = self.config.num_experts_per_token or self.moe.top_k  # the config's, or exllamav2's -ept override
-        weights, ids = torch.topk(probs, k, dim=-1)
-        if self.moe.norm_p == 1.0:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        elif self.moe.norm_p:
-            weights = weights / torch.linalg.vector_norm(weights, ord=self.moe.norm_p, dim=-1, keepdim=True)
-        return weights.to(h.dtype), ids
+        return ops.moe_route(h @ self.router.t(), k, self.moe.norm_p)
 
     async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.norm_w is not None
@@ -105,10 +104,10 @@ class MoEMLP(Module):
         weights, ids = self.route(h)
         if self.experts is not None:
             out = grouped_experts(h, weights, ids, self.experts, self.act)
-        else:
-            assert self.w_gate_up is not None and self.w_down is not None
-            out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act)
-        return x + out.view(x.shape).to(x.dtype)
+            return x + out.view(x.shape).to(x.dtype)
+        assert self.w_gate_up is not None and self.w_down is not None
+        out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act, x.reshape(h.shape))
+        return out.view(x.shape)
 
 
 def grouped_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

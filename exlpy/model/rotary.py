@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from exlpy.config.config import ExLlamaV2Config
-from exlpy.config.rope import cos_sin_table
+from exlpy.config.rope import RopeScaling, cos_sin_table
 
 
 def head_permutation(style: str, head_dim: int, rotary_dim: int) -> list[int] | None:
@@ -35,18 +35,26 @@ def head_permutation(style: str, head_dim: int, rotary_dim: int) -> list[int] | 
 class RotaryTables:
     def __init__(self, config: ExLlamaV2Config) -> None:
         self.config = config
-        self._tables: dict[tuple[str, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[str, torch.dtype, bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._perms: dict[str, torch.Tensor | None] = {}
 
-    def get(self, device: torch.device, dtype: torch.dtype, rotary: bool = True
+    def get(self, device: torch.device, dtype: torch.dtype, rotary: bool = True, local: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (str(device), dtype, rotary)
+        """The table of a layer; `local`: a sliding-window layer of Gemma 3 (its own base, no scaling)."""
+        key = (str(device), dtype, rotary, local)
         if key not in self._tables:
             c, s = self.config, self.config.spec
             assert s is not None
+            theta, scaling, pos_scale = s.rope_theta, s.rope_scaling, c.scale_pos_emb
+            if local and s.rope_local_theta:
+                # Local layers have no scaling: config.json's linear factor (config.scale_pos_emb) is the global
+                # layers' only; a factor the user set beyond it applies to both.
+                theta, scaling = s.rope_local_theta, RopeScaling()
+                if s.rope_scaling.kind == "linear":
+                    pos_scale = pos_scale / s.rope_scaling.factor
             # fp32 tables on the CPU reference path; the compute dtype on GPUs.
-            self._tables[key] = cos_sin_table(s.head_dim, s.rope_theta, s.rope_scaling, c.scale_alpha_value,
-                                              c.scale_pos_emb, c.max_seq_len, device, dtype,
+            self._tables[key] = cos_sin_table(s.head_dim, theta, scaling, c.scale_alpha_value,
+                                              pos_scale, c.max_seq_len, device, dtype,
                                               s.features.rotary_dim if rotary else 0)
         return self._tables[key]
 

@@ -45,11 +45,23 @@ class Transformer:
         when the range ends with the head; None once nothing past the cache is wanted (prefill)."""
         stop = len(self.modules) if stop is None else stop
         for i in range(start, stop):
-            if i > self.last_attn and batch.logits == LOGITS_NONE:
-                return None  # the cache is written: a prefill needs nothing after the last attention
-            if i == self.norm_idx and batch.logits == LOGITS_LAST:
-                x = x[:, -1:]
-            x = await self.modules[i].forward(x, batch)
-            if i == self.norm_idx and batch.keep_last_state:
-                batch.last_state = x
+            out = await self.step(i, x, batch)
+            if out is None:
+                return None
+            x = out
         return x
+
+    async def step(self, i: int, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Module i with what the pass asks around it; None when nothing from module i on is wanted."""
+        if i > self.last_attn and batch.logits == LOGITS_NONE:
+            return None  # the cache is written: a prefill needs nothing after the last attention
+        if i == self.norm_idx and batch.logits == LOGITS_LAST:
+            x = x[:, -1:]
+        x = await self.run(i, x, batch)
+        if i == self.norm_idx and batch.keep_last_state:
+            batch.last_state = x
+        return x
+
+    async def run(self, i: int, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Module i's forward (layer streaming loads the module around it: exlpy/engine/streaming.py)."""
+        return await self.modules[i].forward(x, batch)

@@ -42,11 +42,17 @@ def check_ids(input_ids: Any, vocab_size: int, what: str = "input_ids") -> torch
     return ids
 
 
-def check_forward(model: Any, input_ids: Any, cache: Any) -> torch.Tensor:
-    """The ids of a model.forward call, checked against the vocabulary and the RoPE tables' length
-    (config.max_seq_len); with a cache, counted from the tokens it already holds."""
+def check_forward(model: Any, input_ids: Any, cache: Any, embeddings: list[Any] | None = None) -> torch.Tensor:
+    """The ids of a model.forward call, checked against the vocabulary (or `embeddings`' id ranges) and the
+    RoPE tables' length (config.max_seq_len); with a cache, counted from the tokens it already holds."""
     cfg = model.config
-    ids = check_ids(input_ids, cfg.vocab_size)
+    if embeddings:
+        from exlpy.vision.mm import check_mm_ids
+
+        ids = check_ids(input_ids, 2**62)
+        check_mm_ids(ids, cfg.vocab_size, embeddings, "input_ids")
+    else:
+        ids = check_ids(input_ids, cfg.vocab_size)
     past = cache.current_seq_len if cache is not None else 0
     if cache is not None and cache.max_seq_len <= cfg.max_seq_len:
         return ids  # the cache is the tighter bound, and forward() names it (CacheTooSmallError)

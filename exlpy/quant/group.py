@@ -35,7 +35,10 @@ class FusedQuant:
         self.rows = QmmGroup([p.qm for p in parts], bias)
 
     def _decode_row(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.numel() == self.in_features
+        """Whether x's rows run the decode GEMV (one row, or a few: exl2_gemv.gemv_takes)."""
+        from exlpy.kernels.exl2_gemv import gemv_takes
+
+        return x.is_cuda and gemv_takes(x.numel() // self.in_features, self.out_features)
 
     def _fused_rows(self, x: torch.Tensor) -> int:
         """Rows of x that the multi-row kernel takes in one launch (0: it does not)."""
@@ -58,7 +61,7 @@ class FusedQuant:
         return torch.cat([p.forward(x) for p in self.parts], dim=-1)
 
     def forward_normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """forward(rms_norm(x)); at batch 1 the norm writes the act-order input itself (no extra launch)."""
+        """forward(rms_norm(x)); for the decode GEMV the norm writes the act-order input itself (no extra launch)."""
         if self._decode_row(x):
             from exlpy.kernels.exl2_gemv import ROW_PAD
 

@@ -71,17 +71,19 @@ class QuantLinear:
         """residual + forward(x). On CUDA the sum is made in `residual` itself, in place (the residual stream
         belongs to the forward pass, so nothing else sees it change): up to 64 rows in the kernels' epilogues,
         longer inputs by cuBLAS accumulating into it."""
+        rows = x.numel() // self.in_features
+        if x.is_cuda and residual.is_contiguous() and residual.numel() == rows * self.out_features \
+                and ops.has_cuda_kernels():
+            from exlpy.kernels import exl2_gemv, exl2_matmul
+
+            if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm) and exl2_gemv.gemv_takes(rows, self.qm.n):
+                exl2_gemv.exl2_gemv(x.reshape(rows, -1), self.qm, self.bias, residual=residual.view(rows, -1))
+                return residual
         m = self._fused_rows(x)
         if m and residual.is_contiguous() and residual.numel() == m * self.out_features:
             assert self._rows is not None
             self._rows.run(x.reshape(m, self.in_features), residual=residual.view(m, self.out_features))
             return residual
-        if x.is_cuda and x.numel() == self.in_features and residual.is_contiguous() and ops.has_cuda_kernels():
-            from exlpy.kernels import exl2_gemv, exl2_matmul
-
-            if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm):
-                exl2_gemv.exl2_gemv(x.reshape(1, -1), self.qm, self.bias, residual=residual.view(1, -1))
-                return residual
         if x.is_cuda and x.numel() > self.in_features and residual.is_contiguous() and ops.has_cuda_kernels():
             return ops.quant_matmul(x, [self.qm], self.bias, residual)  # prefill: cuBLAS accumulates into it
         return residual + self.forward(x)

@@ -26,7 +26,8 @@ KEYS: dict[str, dict[str, str]] = {
               "rope_alpha": "rope_alpha", "cache_mode": "cache_mode", "cache_size": "cache_size",
               "chunk_size": "chunk_size", "max_batch_size": "max_batch_size", "prompt_template": "prompt_template",
               # (exlpy)
-              "served_model_name": "served_model_name", "ngram_draft": "ngram_draft",
+              "vision": "vision", "served_model_name": "served_model_name", "ngram_draft": "ngram_draft",
+              "allow_local_images": "allow_local_images",
               "num_draft_tokens": "num_draft_tokens"},
     "draft_model": {"draft_model_dir": "draft_model_dir", "draft_model_name": "draft_model_name",
                     "draft_rope_scale": "draft_rope_scale", "draft_rope_alpha": "draft_rope_alpha",
@@ -43,7 +44,6 @@ NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
     "model": {"inline_model_loading": "load models through POST /v1/model/load", "use_dummy_models": "",
               "dummy_model_names": "", "use_as_default": "", "backend": "exlpy is its own backend",
               "tensor_parallel_backend": "exlpy picks its collective backend (EXLPY_TP_COMM)",
-              "vision": "vision models are not supported yet",
               "num_experts_per_token": "MoE models use their own num_experts_per_tok",
               "override_base_seq_len": "", "fasttensors": "exlpy reads safetensors memory-mapped",
               "max_rope": "", "cuda_malloc_backend": ""},

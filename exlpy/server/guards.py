@@ -128,6 +128,8 @@ def check_prompt_size(req: Any, tokenizer: Any, max_seq_len: int) -> None:
 
 def check_vocab(plan: RequestPlan, vocab: int, field: str) -> None:
     for i, ids in enumerate(plan.prompts):
+        for e in plan.embeddings:  # image ids stand for the request's own embeddings
+            ids = ids[(ids < e.first_index) | (ids >= e.first_index + e.length)]
         if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
             t = next(int(x) for x in ids.view(-1) if not 0 <= int(x) < vocab)
             where = field if len(plan.prompts) == 1 else f"{field}[{i}]"

@@ -125,8 +125,16 @@ def load_generator(opts: ModelOptions, warmup: bool = True) -> tuple[Any, dict[s
     if opts.prompt_template:
         set_prompt_template(tokenizer, opts.prompt_template, model_dir)
     model = ExLlamaV2(config)
-    cache = place(model, cache_tokens, opts.cache_mode, opts.gpu_split, opts.tensor_parallel,
-                  opts.autosplit_reserve)
+    from exlpy.server.vision import attach, detach
+
+    # The vision tower first: the placement and the cache size then see the memory it takes.
+    attach(model, opts.vision, opts.allow_local_images)
+    try:
+        cache = place(model, cache_tokens, opts.cache_mode, opts.gpu_split, opts.tensor_parallel,
+                      opts.autosplit_reserve)
+    except BaseException:
+        detach(model)
+        raise
     try:
         adapters = load_adapters(model, opts.loras, opts.name)
         draft = draft_cache = None
@@ -149,6 +157,7 @@ def load_generator(opts: ModelOptions, warmup: bool = True) -> tuple[Any, dict[s
                                               num_draft_tokens=opts.num_draft_tokens,
                                               use_ngram_draft=opts.ngram_draft)
     except BaseException:
+        detach(model)
         model.unload()
         raise
     if warmup:
@@ -215,9 +224,12 @@ def unload_generator(generator: Any, adapters: dict[str, Any]) -> None:
     """Give back the model's, the draft model's and the adapters' device memory."""
     import gc
 
+    from exlpy.server.vision import detach
+
     for lora in adapters.values():
         lora.unload()
     generator.clear_queue()
+    detach(generator.model)
     for model in (getattr(generator, "draft_model", None), generator.model):
         if model is not None and model.loaded:
             model.unload()

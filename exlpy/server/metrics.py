@@ -6,6 +6,7 @@
 | exlpy:kv_cache_usage_perc (0-1), exlpy:cache_pages_used / exlpy:cache_pages_total | gauge | vllm:kv_cache_usage_perc |
 | exlpy:prompt_tokens_total / exlpy:generation_tokens_total | counter | vllm:prompt_tokens / generation_tokens |
 | exlpy:num_preemptions_total | counter | vllm:num_preemptions |
+| exlpy:prefix_cache_queries_total / _hits_total (prompt tokens looked up / cached) | counter | vllm:prefix_cache_* |
 | exlpy:request_success_total{finished_reason} | counter | vllm:request_success |
 | exlpy:time_to_first_token_seconds | histogram | the same |
 | exlpy:inter_token_latency_seconds, exlpy:e2e_request_latency_seconds | histogram | the same |
@@ -41,6 +42,7 @@ class KernelCompiles:
     serving = 0
     ready = False
     last: list[str] = []
+    keys: list[str] = []  # every compile of this process, startup ones too (what the warm-up covered)
     _installed = False
 
     available = False  # a hook is installed (Triton present, with a hook API this code knows)
@@ -54,7 +56,8 @@ class KernelCompiles:
 
             def counting(previous: Any) -> Any:
                 def hook(*args: Any, **kwargs: Any) -> Any:
-                    cls.count(str(kwargs.get("repr", "?")))
+                    # repr names the kernel and launch options, key the arguments' specializations and constexprs
+                    cls.count(f"{kwargs.get('repr', '?')} key={kwargs.get('key', '?')}")
                     return previous(*args, **kwargs) if previous else None
                 return hook
 
@@ -78,9 +81,10 @@ class KernelCompiles:
     @classmethod
     def count(cls, what: str) -> None:
         with cls._lock:
+            cls.keys = [*cls.keys[-4095:], what]
             if cls.ready:
                 cls.serving += 1
-                cls.last = [*cls.last[-7:], what[:200]]
+                cls.last = [*cls.last[-7:], what[:4000]]  # whole: which argument picked the variant
             else:
                 cls.startup += 1
 
@@ -185,6 +189,12 @@ class _StateCollector:
                                 value=used / total if total else 0.0)
         yield CounterMetricFamily("exlpy:num_preemptions", "Jobs preempted because the cache was full",
                                   value=int(getattr(g, "preemptions", 0)))
+        # Prompt tokens looked up in the prefix cache (run through the model or found cached) and those found.
+        cached = int(getattr(g, "cached_tokens", 0))
+        yield CounterMetricFamily("exlpy:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=cached + int(getattr(g, "prefill_tokens", 0)))
+        yield CounterMetricFamily("exlpy:prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                  value=cached)
         spec = getattr(g, "spec", None)
         if spec is not None:
             _, _, _, drafted, accepted = spec.stats()

@@ -69,6 +69,10 @@ class ModelOptions:
     # decoding requests.
     gpu_memory_utilization: float = 0.9
     max_prefill_per_step: int = 256
+    # Images (exlpy/server/vision.py): the model's vision tower is loaded unless `vision` is false (TabbyAPI's
+    # model.vision); image parts name local files only with allow_local_images (never URLs: no fetching).
+    vision: bool = True
+    allow_local_images: bool = False
 
     @property
     def name(self) -> str:
@@ -300,6 +304,8 @@ def model_options(v: Mapping[str, Any]) -> ModelOptions:
         chunk_size=_positive_int(v.get("chunk_size"), label("chunk_size")), draft=draft, ngram_draft=ngram,
         num_draft_tokens=_positive_int(v.get("num_draft_tokens"), label("num_draft_tokens")),
         loras=lora_specs(v.get("lora"), v.get("loras"), _str(v.get("lora_dir"), "lora.lora_dir")),
+        vision=_bool(v.get("vision"), label("vision"), default=True),
+        allow_local_images=_bool(v.get("allow_local_images"), label("allow_local_images")),
         **capacity(v))
 
 

@@ -49,6 +49,7 @@ class RequestPlan:
     model: Any = None
     tokenizer: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    embeddings: list[Any] = field(default_factory=list)  # images of a chat request (exlpy/server/vision.py)
 
     def needs_logits(self) -> bool:
         """Jobs return their raw logits: raw logprobs were asked for, or best_of ranks the candidates."""
@@ -61,7 +62,8 @@ class RequestPlan:
         return ExLlamaV2DynamicJob(self.prompts[prompt], self.max_new_tokens[prompt], gen_settings=self.settings,
                                    stop_conditions=self.stop, seed=seed, identifier=identifier,
                                    return_probs=processed, return_top_tokens=(self.top_logprobs or 0) if processed
-                                   else 0, return_logits=self.needs_logits(), filters=filters)
+                                   else 0, return_logits=self.needs_logits(), filters=filters,
+                                   embeddings=self.embeddings or None)
 
 
 def logprob_count(value: int | None, param: str) -> int:
@@ -176,10 +178,11 @@ def template_source(tokenizer: Any) -> str:
     return raw if isinstance(raw, str) else str(raw or "")
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: ToolPlan | None) -> torch.Tensor:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: ToolPlan | None, images: Any = None
+                ) -> torch.Tensor:
     if not req.messages:
         raise bad(GeneratorError, "messages", "is empty")
-    messages, texts = chat_messages(req, tools)
+    messages, texts = chat_messages(req, tools, images)
     kwargs = dict(req.chat_template_kwargs or {})
     if tools is not None and tools.native:
         kwargs["tools"] = tools.tools
@@ -195,7 +198,12 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: ToolPlan | No
         text = text[:cut + len(last)] if cut >= 0 else text
     # The template writes BOS itself where the model wants it.
     try:
-        ids = encode_chat(tokenizer, text, texts)
+        if images is not None and images.embeddings:
+            from exlpy.server.vision import encode_with_images
+
+            ids = encode_with_images(lambda t, c: encode_chat(tokenizer, t, c), text, texts, images)
+        else:
+            ids = encode_chat(tokenizer, text, texts)
     except TokenizerError as e:
         e.param = "messages"  # type: ignore[attr-defined]
         raise
@@ -207,7 +215,10 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, model: Any, max_seq_le
     if req.top_logprobs is not None and not req.logprobs:
         raise bad(GeneratorError, "top_logprobs", "needs logprobs: true")
     tools = plan_tools(req, template_source(tokenizer))
-    ids = chat_prompt(req, tokenizer, tools)
+    from exlpy.server.vision import RequestImages, serving
+
+    images = RequestImages(model, tokenizer, serving(model))
+    ids = chat_prompt(req, tokenizer, tools, images)
     top = logprob_count(req.top_logprobs, "top_logprobs") if req.logprobs else None
     requested, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_tokens is None \
         else (req.max_tokens, "max_tokens")
@@ -219,5 +230,6 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Any, model: Any, max_seq_le
         cons = Constraint(tool_grammar(tools), "tool_choice")
     plan = RequestPlan([ids], [None], [budget], params.sampler_settings(req, tokenizer),
                        params.stop_conditions(req.stop, tokenizer), params.check_seed(req.seed), n, best_of, top,
-                       constraint=cons, tools=tools, model=model, tokenizer=tokenizer)
+                       constraint=cons, tools=tools, model=model, tokenizer=tokenizer,
+                       embeddings=images.embeddings)
     return _common(req, plan)

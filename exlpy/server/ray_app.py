@@ -8,10 +8,18 @@ Placement: each replica asks Ray for `gpus_per_replica` whole GPUs (`ray_actor_o
 every replica its own devices (CUDA_VISIBLE_DEVICES) and two replicas never share a GPU; inside a replica the
 usual placement applies (automatic split, `gpu_split`, or `tensor_parallel` over its GPUs).
 
-Routing: Ray Serve's default request router picks two replicas at random and sends the request to the one with
-fewer ongoing requests (power of two choices), so a replica busy with long generations gets fewer new ones than
-round-robin would give it. `max_ongoing_requests` bounds what one replica holds; past it requests wait in the
-proxy. Each response names its replica in the `x-exlpy-replica` header.
+Two deployments: `{name}` holds the engine replicas (exlpy/server/ray_replica.py: each runs `exlpy serve`'s app
+in its process), `{name}-ingress` is what Ray's HTTP proxy calls (ray_ingress.py: a small CPU actor that reads
+the request, routes it, retries it on another replica when its replica stopped before answering, ends a stream
+cut by a dying replica with an error event, and sums the replicas' metrics for `/metrics`).
+
+Routing (ray_router.py, a Ray Serve request router): `router=pow2` (the default) is Ray's power of two choices
+(two random replicas, the one with fewer ongoing requests), so a replica busy with long generations gets fewer
+new ones than round-robin would give it; `router=prefix` sends requests whose prompts start alike (the first
+`prefix_chars` characters) to the same replica, where that prefix's KV pages are cached, unless that replica
+runs more than `prefix_imbalance` requests above the least busy one. A request's `x-exlpy-routing:
+prefix|pow2` header overrides the app's choice. `max_ongoing_requests` bounds what one replica holds; past it
+requests wait in the ingress. Each response names its replica in the `x-exlpy-replica` header.
 
 Health: Ray calls `check_health` every `health_check_period_s`; it fails when the replica's generator thread has
 stopped, and Ray then replaces the replica.
@@ -27,6 +35,7 @@ from typing import Any
 
 from exlpy.errors import ConfigError
 from exlpy.runtime import options as runtime_options
+from exlpy.server.auth import KeyPolicy
 from exlpy.server.options import (
     DEFAULT_MAX_QUEUE,
     AccessOptions,
@@ -41,12 +50,16 @@ try:
 except ImportError as e:  # the error names the extra that brings Ray
     raise ImportError("exlpy.server.ray_app needs Ray Serve: pip install \"exlpy[ray]\" (ray[serve])") from e
 
-MIN_RAY = (2, 60)  # the replica builds its app after loading the model: `@serve.ingress()` + __serve_build_asgi_app__
+MIN_RAY = (2, 60)  # `@serve.ingress()` + __serve_build_asgi_app__, and ray.serve.request_router's public API
 if tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit()) < MIN_RAY:
     raise ImportError(f"exlpy.server.ray_app needs ray[serve] >= {'.'.join(map(str, MIN_RAY))} (found "
                       f"{ray.__version__}): pip install -U \"exlpy[ray]\"")
 
-REPLICA_HEADER = "x-exlpy-replica"
+from exlpy.server.ray_ingress import ATTEMPTS_HEADER, ExlpyIngress, IngressOptions  # noqa: E402
+from exlpy.server.ray_replica import REPLICA_HEADER, ExlpyReplica  # noqa: E402
+from exlpy.server.ray_router import POLICIES, PrefixAffinityRouter  # noqa: E402
+
+__all__ = ["ATTEMPTS_HEADER", "REPLICA_HEADER", "RayServeOptions", "app_builder", "build_app", "parse_args"]
 
 # Arguments that go to the model's load (ModelOptions, the same names as `exlpy serve`'s flags).
 MODEL_ARGS = ("model", "served_model_name", "max_seq_len", "cache_size", "cache_mode", "gpu_split",
@@ -76,6 +89,13 @@ class RayServeOptions:
     # A replica that Ray removes (scaling down, redeploying) stops taking requests and has this long to finish
     # the ones it runs, streams included, before it is killed (exlpy serve's --shutdown-timeout).
     shutdown_timeout_s: float = 30.0
+    # Routing and the ingress (ray_router.py, ray_ingress.py).
+    router: str = "pow2"  # or "prefix"
+    prefix_chars: int = 1024  # the routing key: this many characters of the prompt (about one 256-token page)
+    prefix_imbalance: int = 16  # prefix routing gives way to load past this many more requests than the least
+    retries: int = 1  # a request whose replica stopped before answering is sent again this many times
+    ingress_replicas: int = 1
+    stats_period_s: float = 2.0  # how often Ray polls each replica's metrics (the age bound of /metrics sums)
     name: str = "exlpy"
 
     @property
@@ -115,8 +135,8 @@ def _keys(v: Any, name: str) -> tuple[str, ...]:
 
 def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
     """RayServeOptions from `serve run`'s arguments or build_app's keywords; unknown names are an error."""
-    layout = [f.name for f in fields(RayServeOptions) if f.name not in ("model", "access", "name")]
-    known = set(MODEL_ARGS) | set(layout) | {"api_key", "admin_key", "disable_auth", "name"}
+    layout = [f.name for f in fields(RayServeOptions) if f.name not in ("model", "access", "name", "router")]
+    known = set(MODEL_ARGS) | set(layout) | {"api_key", "admin_key", "disable_auth", "name", "router"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ConfigError(f"ray_app: unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -134,13 +154,19 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
         if args.get(k) is None:
             continue
         kind = float if k in ("target_ongoing_requests", "gpus_per_replica", "cpus_per_replica",
-                              "health_check_period_s", "health_check_timeout_s", "shutdown_timeout_s") else int
+                              "health_check_period_s", "health_check_timeout_s", "shutdown_timeout_s",
+                              "stats_period_s") else int
         v = _parse(k, args[k], kind)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (kind is int and v < 1):
+        low = 0 if k in ("retries", "prefix_imbalance") else 1  # 0 retries / imbalance are meaningful
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (kind is int and v < low) or \
+                (k == "stats_period_s" and v <= 0):
             raise ConfigError(f"ray_app argument {k} must be a {'positive integer' if kind is int else 'number >= 0'}"
                               f", got {args[k]!r}")
         out[k] = v
-    opts = RayServeOptions(model=model, access=access, name=str(args.get("name") or "exlpy"), **out)
+    router = str(args.get("router") or "pow2").strip().lower()
+    if router not in POLICIES:
+        raise ConfigError(f"ray_app argument router must be one of {', '.join(POLICIES)}, got {args['router']!r}")
+    opts = RayServeOptions(model=model, access=access, name=str(args.get("name") or "exlpy"), router=router, **out)
     a = opts.autoscaling
     if a is not None and a["min_replicas"] > a["max_replicas"]:
         raise ConfigError(f"ray_app: min_replicas {a['min_replicas']} > max_replicas {a['max_replicas']}")
@@ -150,85 +176,43 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
     return opts
 
 
-def _replica_id() -> str:
-    try:
-        ctx = serve.get_replica_context()
-        rid = getattr(ctx, "replica_id", None)
-        return str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", None) or rid)
-    except Exception:  # outside a replica (direct use of the class in a test)
-        return "local"
-
-
-class ReplicaHeader:
-    """ASGI middleware naming the replica on every HTTP response (streams included: it edits the start message,
-    never buffers the body)."""
-
-    def __init__(self, app: Any, replica: str) -> None:
-        self.app = app
-        self.header = (REPLICA_HEADER.encode(), replica.encode())
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_header(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
-
-
-@serve.ingress()
-class ExlpyReplica:
-    """One replica: a full exlpy engine (model, paged cache, dynamic generator and its bridge thread) serving
-    `exlpy serve`'s FastAPI app. Ray runs the app's lifespan, which starts and stops the bridge."""
-
-    def __init__(self, opts: RayServeOptions) -> None:
-        from exlpy.server.state import load_state
-
-        self.replica = _replica_id()
-        self.state = load_state(options=opts.model, max_queue=opts.max_queue)
-        self.state.access = opts.access
-
-    def __serve_build_asgi_app__(self) -> Any:
-        from exlpy.server.app import create_app
-
-        app = create_app(self.state)
-        app.add_middleware(ReplicaHeader, replica=self.replica)
-        return app
-
-    def check_health(self) -> None:
-        """Ray replaces the replica when this raises: the generator thread died (or the model was unloaded)."""
-        bridge = self.state.bridge
-        if bridge is None:
-            raise RuntimeError(f"exlpy replica {self.replica}: no model is loaded")
-        if not bridge.alive():
-            raise RuntimeError(f"exlpy replica {self.replica}: the generator loop stopped")
-
-
 def build_app(**kwargs: Any) -> Any:
     """A Ray Serve application (pass it to `serve.run`) from keyword arguments: `model` (a model dir; the bundled
     demo model by default), the load options of `exlpy serve` (max_seq_len, cache_size, cache_mode, gpu_split,
     tensor_parallel, ...), `api_key`/`admin_key` (comma-separated or lists), and the layout: `replicas` or
     `min_replicas`/`max_replicas`/`target_ongoing_requests` (autoscaling), `gpus_per_replica`,
-    `cpus_per_replica`, `max_ongoing_requests`."""
+    `cpus_per_replica`, `max_ongoing_requests`; routing: `router` (pow2 or prefix), `prefix_chars`,
+    `prefix_imbalance`; `retries`, `ingress_replicas`, `stats_period_s`."""
     return bind(parse_args(kwargs))
 
 
 def bind(opts: RayServeOptions) -> Any:
+    from ray.serve.config import RequestRouterConfig
+
     actor: dict[str, Any] = {"num_cpus": opts.cpus_per_replica}
     if opts.gpus_per_replica:
         actor["num_gpus"] = opts.gpus_per_replica
     layout: dict[str, Any] = {"autoscaling_config": opts.autoscaling} if opts.autoscaling else \
         {"num_replicas": opts.replicas}
-    deployment = serve.deployment(ExlpyReplica, name=opts.name, ray_actor_options=actor,
-                                  max_ongoing_requests=opts.max_ongoing_requests,
-                                  health_check_period_s=opts.health_check_period_s,
-                                  health_check_timeout_s=opts.health_check_timeout_s,
-                                  graceful_shutdown_timeout_s=opts.shutdown_timeout_s, **layout)
-    return deployment.bind(opts)
+    routing = RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                                  request_router_kwargs={"imbalance": opts.prefix_imbalance},
+                                  request_routing_stats_period_s=opts.stats_period_s)
+    engine = serve.deployment(ExlpyReplica, name=opts.name, ray_actor_options=actor,
+                              max_ongoing_requests=opts.max_ongoing_requests,
+                              health_check_period_s=opts.health_check_period_s,
+                              health_check_timeout_s=opts.health_check_timeout_s,
+                              graceful_shutdown_timeout_s=opts.shutdown_timeout_s,
+                              request_router_config=routing, **layout).bind(opts)
+    hi = opts.autoscaling["max_replicas"] if opts.autoscaling else opts.replicas
+    ingress = IngressOptions(engine=opts.name, router=opts.router, prefix_chars=opts.prefix_chars,
+                             retries=opts.retries, metrics_require_key=opts.access.metrics_require_key)
+    policy = KeyPolicy(opts.access.api_keys, opts.access.admin_keys, opts.access.disable_auth,
+                       opts.access.metrics_require_key)
+    # The ingress reserves no CPU (it forwards bytes); it holds every request of the replicas and their queues.
+    return serve.deployment(ExlpyIngress, name=f"{opts.name}-ingress", num_replicas=opts.ingress_replicas,
+                            ray_actor_options={"num_cpus": 0},
+                            max_ongoing_requests=max(1024, 2 * hi * opts.max_ongoing_requests),
+                            graceful_shutdown_timeout_s=opts.shutdown_timeout_s).bind(engine, ingress, policy)
 
 
 def app_builder(args: dict[str, str]) -> Any:

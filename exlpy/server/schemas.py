@@ -101,6 +101,7 @@ class CompletionRequest(SamplingFields):
 class ContentPart(Loose):
     type: str = "text"
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."} (exlpy/server/vision.py)
 
 
 class FunctionCall(Loose):

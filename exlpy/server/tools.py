@@ -126,9 +126,10 @@ def _call_text(name: str, args: dict[str, Any]) -> str:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def message_text(m: Any, i: int) -> str:
-    """The text of message i, its role checked. Content parts must be text: images and audio are not dropped
-    silently (the model would answer without having seen them) but refused, naming the part."""
+def message_text(m: Any, i: int, images: Any = None) -> str:
+    """The text of message i, its role checked. Image parts become their alias in the text when `images`
+    (exlpy/server/vision.py RequestImages) takes them; other parts (audio, ...) are not dropped silently (the
+    model would answer without having seen them) but refused, naming the part."""
     if m.role not in CHAT_ROLES:
         raise _bad(f"messages[{i}].role", f"unknown role {m.role!r} (one of {', '.join(CHAT_ROLES)})")
     if isinstance(m.content, str) or m.content is None:
@@ -136,6 +137,9 @@ def message_text(m: Any, i: int) -> str:
     texts = []
     for k, part in enumerate(m.content):
         where = f"messages[{i}].content[{k}]"
+        if part.type == "image_url" and images is not None:
+            texts.append(images.alias(part, where))
+            continue
         if part.type != "text":
             raise _bad(where, f"content parts of type {part.type!r} are not supported: this server's "
                       "models read text only")
@@ -145,13 +149,14 @@ def message_text(m: Any, i: int) -> str:
     return "".join(texts)
 
 
-def chat_messages(req: ChatCompletionRequest, plan: ToolPlan | None) -> tuple[list[dict[str, Any]], list[str]]:
+def chat_messages(req: ChatCompletionRequest, plan: ToolPlan | None, images: Any = None
+                  ) -> tuple[list[dict[str, Any]], list[str]]:
     """Messages for the chat template, and the user-written texts among them (kept as text when encoding)."""
     native = plan is not None and plan.native
     messages: list[dict[str, Any]] = []
     texts: list[str] = []
     for i, m in enumerate(req.messages):
-        content = message_text(m, i)
+        content = message_text(m, i, images)
         texts.append(content)
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name:

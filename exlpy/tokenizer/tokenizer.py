@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from exlpy.errors import TokenizerError
+from exlpy.errors import MultimodalError, TokenizerError
 from exlpy.tokenizer import tables
 from exlpy.tokenizer.backend import AddedToken, TokenizerBackend, read_json_object
 from exlpy.tokenizer.base import BackendTokenizerModel
@@ -173,9 +173,14 @@ class ExLlamaV2Tokenizer:
                encode_special_tokens: bool = False, return_offsets: bool = False,
                embeddings: Sequence[Any] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Ids as LongTensor [1, n], or [b, n] left-padded with pad_token_id for a list (offsets = -padding).
-        Special tokens written in the text become their ids only with encode_special_tokens."""
+        Special tokens written in the text become their ids only with encode_special_tokens. Each alias of
+        `embeddings` (ExLlamaV2MMEmbedding) in the text becomes that embedding's ids; an alias found in none of
+        the texts is an error (the image would silently be left out)."""
+        mm = None
         if embeddings:
-            raise TokenizerError("encode(embeddings=...) (multimodal aliases) is not supported")
+            from exlpy.vision.embedding import check_embeddings
+
+            mm = check_embeddings(embeddings)
         single = isinstance(text, str)
         texts = [text] if single else text
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
@@ -183,8 +188,14 @@ class ExLlamaV2Tokenizer:
         if not texts:
             raise TokenizerError("encode() got an empty list of texts")
         seqs = []
+        if mm:
+            missing = [e.text_alias for e in mm if not any(e.text_alias in t for t in texts)]
+            if missing:
+                raise MultimodalError(f"encode(): the alias {missing[0]!r} of an embedding passed in embeddings= "
+                                      "does not appear in the text; put each image's text_alias in the prompt")
         for t in texts:
-            ids = self._encode_text(t, encode_special_tokens)
+            ids = self._encode_with_aliases(t, encode_special_tokens, mm) if mm else \
+                self._encode_text(t, encode_special_tokens)
             bos = [self.bos_token_id] if add_bos else []
             seqs.append(bos + ids + ([self.eos_token_id] if add_eos else []))
         longest = max(len(s) for s in seqs)
@@ -194,6 +205,22 @@ class ExLlamaV2Tokenizer:
         out = out.view(len(seqs), longest)
         if return_offsets:
             return out, torch.tensor([len(s) - longest for s in seqs], dtype=torch.int)
+        return out
+
+    def _encode_with_aliases(self, text: str, encode_special_tokens: bool, embeddings: list[Any]) -> list[int]:
+        """The text's ids with each embedding alias replaced by its id range (text between aliases encoded
+        on its own, as exllamav2 does)."""
+        by_alias = {e.text_alias: e for e in embeddings}
+        pattern = re.compile("|".join(re.escape(a) for a in sorted(by_alias, key=len, reverse=True)))
+        out: list[int] = []
+        pos = 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                out += self._encode_text(text[pos:m.start()], encode_special_tokens)
+            out += by_alias[m.group()].get_ids()
+            pos = m.end()
+        if pos < len(text):
+            out += self._encode_text(text[pos:], encode_special_tokens)
         return out
 
     def decode(self, ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],

@@ -174,6 +174,8 @@ class DecodeStepper:
         ids = self.input_ids(rows, prev, device)
         batch = paged_batch([(q.page_ids(), j.next_position(q), 1) for j, q in rows], gen.cache, device,
                             gen.page_size, [j.lora_slot for j, _ in rows])
+        if any(j.embeddings for j in jobs):
+            mm_rows(batch, rows, device)
         logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
         # Sampling runs where the logits are: the last stage's device (not the first one under a layer split).
@@ -358,3 +360,16 @@ class DecodeStepper:
             return False
         self.finish(launched, results)
         return True
+
+
+def mm_rows(batch: Any, rows: list[tuple[Any, Any]], device: torch.device) -> None:
+    """A decode step with jobs that hold images: their embeddings (a prompt's last token may be an image's end
+    token) and, for M-RoPE, each row's position shift (these steps run eagerly, outside the CUDA graphs)."""
+    from exlpy.vision.mm import MMInputs
+
+    embeddings = [e for j in dict.fromkeys(j for j, _ in rows) for e in j.embeddings]
+    batch.mm = MMInputs(embeddings)
+    deltas = [q.rope_delta for _, q in rows] + [0] * (batch.batch_size - len(rows))
+    if any(deltas):
+        shift = torch.tensor(deltas, dtype=torch.long).view(-1, 1).to(device)
+        batch.rope_positions = (batch.positions + shift).clamp(min=0)

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from exlpy.arguments import refuse_unknown_arguments
-from exlpy.errors import GeneratorError
+from exlpy.errors import GeneratorError, MultimodalError
 from exlpy.generator.dynamic import adapters, scheduler
 from exlpy.generator.dynamic.decode import DecodeStepper
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
 from exlpy.generator.dynamic.prefill import run_prefill
-from exlpy.generator.dynamic.validate import check_job_vocab
+from exlpy.generator.dynamic.validate import check_job_embeddings, check_job_vocab
 from exlpy.generator.filters.base import drop_background
 from exlpy.generator.speculative.api import SpeculativeAPI
 from exlpy.generator.speculative.dynamic import Speculation
@@ -140,7 +140,10 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         if job.serial is not None:
             raise GeneratorError(f"job was already enqueued (serial {job.serial}); create a new job to run the "
                                  "prompt again")
-        check_job_vocab(job.all_input_ids, self.model_vocab)
+        if job.embeddings:
+            check_job_embeddings(self, job)
+        else:
+            check_job_vocab(job.all_input_ids, self.model_vocab)
         with self._lock:
             serial = self.next_serial
             try:
@@ -150,6 +153,12 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                 raise
             if job.prompt_len >= self.max_seq_len:
                 job.serial = None
+                if job.embeddings:
+                    images = sum(int((job.input_ids >= e.first_index).logical_and(
+                        job.input_ids < e.first_index + e.length).sum()) for e in job.embeddings)
+                    raise MultimodalError(f"prompt of {job.prompt_len} tokens, {images} of them image tokens, does "
+                                          f"not fit the context (max_seq_len {self.max_seq_len}) with room for a "
+                                          "new token; use fewer or smaller images (the tower's max_pixels)")
                 raise GeneratorError(f"prompt of {job.prompt_len} tokens does not fit max_seq_len "
                                      f"{self.max_seq_len} with room for a new token")
             if job.num_pages > self.num_pages:

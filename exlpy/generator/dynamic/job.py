@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.arguments import refuse_unknown_arguments
-from exlpy.errors import GeneratorError, NotSupportedError
+from exlpy.errors import GeneratorError
 from exlpy.generator.dynamic import adapters
 from exlpy.generator.dynamic.pages import PAGE_SIZE, CachePage
 from exlpy.generator.dynamic.sequence import JobSequence, SeqState
@@ -69,8 +69,9 @@ class ExLlamaV2DynamicJob:
             raise GeneratorError("token_healing cannot be combined with CFG")
         check_job_args(max_new_tokens, min_new_tokens, max_skips, seed, return_top_tokens, stop_conditions,
                        banned_strings)
-        if embeddings:
-            raise NotSupportedError("embeddings (multimodal inputs) are not supported by exlpy's dynamic generator")
+        from exlpy.vision.embedding import check_embeddings
+
+        self.embeddings = check_embeddings(embeddings, what="job embeddings")
         if filters and any(f is not None for f in filters) and banned_strings:
             raise GeneratorError("banned_strings cannot be combined with filters")
         self.all_input_ids = [p.detach().to("cpu", torch.long) for p in prompts]
@@ -135,6 +136,11 @@ class ExLlamaV2DynamicJob:
         ids, self.prefix_token, strip = heal_split(self.input_ids[0], generator.pieces, self.token_healing)
         rows = [ids] + [p[0] for p in self.all_input_ids[1:]]
         self.seqs = [SeqState(r.clone(), generator.page_size, self.lora_salt) for r in rows]
+        if self.embeddings:
+            from exlpy.vision.mm import rope_delta
+
+            for q in self.seqs:  # M-RoPE: text after the images continues at cache position + delta
+                q.rope_delta = rope_delta(generator.model.config, q.ids, self.embeddings)
         self.prompt_len = ids.numel()
         conds = self.stop_conditions if self.stop_conditions is not None else generator.default_stop_conditions()
         self.stop_tokens, stop_strings = split_stop_conditions(conds)

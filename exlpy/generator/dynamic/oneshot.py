@@ -31,9 +31,13 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
     settings = gen_settings if isinstance(gen_settings, list) else [gen_settings] * len(prompts)
     per_prompt_filters = _per_prompt_filters(filters, len(prompts), single)
     jobs = []
+    embs = check_aliases(embeddings, [t for p in prompts for t in (p if isinstance(p, tuple) else [p])])
     for i, p in enumerate(prompts):
         texts = list(p) if isinstance(p, tuple) else [p]  # a tuple is a CFG pair (positive, negative)
-        ids = [gen.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+        # Each prompt's ids hold the embeddings whose aliases it contains (every alias is in some prompt).
+        used = [e for e in embs if any(e.text_alias in t for t in texts)]
+        ids = [gen.tokenizer.encode(t, add_bos=add_bos, encode_special_tokens=encode_special_tokens,
+                                    embeddings=[e for e in used if e.text_alias in t] or None)
                for t in texts]
         jobs.append(ExLlamaV2DynamicJob(
             ids if len(ids) > 1 else ids[0], max_new_tokens, min_new_tokens, gen_settings=settings[i],
@@ -41,7 +45,7 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
             stop_conditions=stop_conditions, decode_special_tokens=decode_special_tokens,
             filters=per_prompt_filters[i] if per_prompt_filters is not None else filters,
             filter_prefer_eos=filter_prefer_eos, identifier=i, banned_strings=banned_strings,
-            embeddings=embeddings))
+            embeddings=used or None))
     gen.enqueue(jobs)
     completions = [""] * len(prompts)
     last: list[dict[str, Any] | None] = [None] * len(prompts)
@@ -69,6 +73,19 @@ def run_generate(gen: ExLlamaV2DynamicGenerator, prompt: str | tuple[str, str] |
     if return_last_results:
         return out, (last[0] if single else last)
     return out
+
+
+def check_aliases(embeddings: Any, texts: list[str]) -> list[Any]:
+    """The embeddings of a generate() call, each alias present in at least one prompt (MultimodalError)."""
+    from exlpy.errors import MultimodalError
+    from exlpy.vision.embedding import check_embeddings
+
+    embs = check_embeddings(embeddings)
+    for e in embs:
+        if not any(e.text_alias in t for t in texts):
+            raise MultimodalError(f"generate(): the alias {e.text_alias!r} of an embedding passed in embeddings= "
+                                  "appears in no prompt; put each image's text_alias in the prompt")
+    return embs
 
 
 def _per_prompt_filters(filters: list[Any] | None, n: int, single: bool) -> list[Any] | None:

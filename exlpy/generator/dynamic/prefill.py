@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from exlpy.generator.dynamic import scheduler
 from exlpy.model.batch import paged_batch
 
@@ -40,10 +42,20 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             continue
         progressed = True
         start, end = plan
+        if job.embeddings:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+            from exlpy.vision.mm import extend_to_image_end
+
+            end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
         if end > start:
             ids = q.ids[start:end].unsqueeze(0)
             batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
                                 [job.lora_slot])
+            if job.embeddings:  # image rows, and M-RoPE angles of the chunk's tokens
+                from exlpy.vision.mm import chunk_inputs
+
+                batch.mm = chunk_inputs(gen.model.config, q.ids, start, end, job.embeddings)
+                if batch.mm.rope is not None:
+                    batch.rope_positions = torch.arange(end - start, device=gen.device()).view(1, -1)
             gen.model.forward_batch(ids, batch, preprocess_only=True)
             if gen.spec is not None:
                 gen.spec.on_prefill(q, start, end)

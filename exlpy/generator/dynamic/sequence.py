@@ -22,6 +22,7 @@ class SeqState:
         self.page_size = page_size
         self.salt = salt  # starts the hash chain: pages computed under other LoRA adapters never match
         self.pages: list[CachePage] = []
+        self.rope_delta = 0  # M-RoPE position shift of tokens after the prompt's images (exlpy/vision/mm.py)
         self.restart()
 
     def restart(self) -> None:

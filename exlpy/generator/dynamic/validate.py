@@ -79,3 +79,21 @@ def check_job_vocab(all_input_ids: list[torch.Tensor], vocab_size: int) -> None:
         if lo < 0 or hi >= vocab_size:
             raise GeneratorError(f"job input_ids hold token id {lo if lo < 0 else hi}, outside the model's "
                                  f"vocabulary [0, {vocab_size}) (vocab_size)")
+
+
+def check_job_embeddings(gen: Any, job: Any) -> None:
+    """A job with embeddings (images): ids inside the vocabulary or the embeddings' ranges, a model that takes
+    them (embeddings of its hidden size), and no speculative decoding (as in exllamav2)."""
+    from exlpy.errors import MultimodalError, NotSupportedError
+    from exlpy.vision.mm import check_mm_ids
+
+    hidden = gen.model.config.hidden_size
+    for e in job.embeddings:
+        if e.embeddings.shape[1] != hidden:
+            raise MultimodalError(f"job embeddings: {e!r} has {e.embeddings.shape[1]} columns, the model's hidden "
+                                  f"size is {hidden}")
+    for ids in job.all_input_ids:
+        check_mm_ids(ids, gen.model_vocab, job.embeddings, "job input_ids")
+    if gen.spec is not None:
+        raise NotSupportedError("jobs with embeddings (images) cannot run with speculative decoding (draft model or "
+                                "n-gram drafting), as in exllamav2; use a generator without drafting")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from exlpy.engine.graphs import BUCKETS, bucket_for
+from exlpy.errors import InsufficientVRAMError
 from exlpy.model.batch import paged_batch
 
 if TYPE_CHECKING:
@@ -85,6 +86,13 @@ def plan_shapes(max_batch_size: int, max_seq_len: int, page_size: int, max_chunk
     return plan
 
 
+def _release(device: torch.device) -> None:
+    """Give the allocator's cached free blocks back (between the warm-up's phases)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
     """Run every shape of `plan_shapes` for this generator (an idle one); see the module docstring."""
     from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
@@ -101,18 +109,28 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
             batch = paged_batch([(table, pos, 1)] * rows, gen.cache, device, size)
             try:
                 gen.model.forward_batch(ids, batch, last_id_only=True)
-            except torch.cuda.OutOfMemoryError:
+            except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
                 # Every graph keeps its output rows: a full GPU cannot hold the largest ones. Requests of those
                 # shapes capture their graph when they come (or run eagerly), as without the warm-up.
                 warnings.warn(f"warm-up: out of memory capturing the decode step of {rows} rows x {width} pages; "
                               "larger shapes are captured when first used", stacklevel=2)
-                torch.cuda.empty_cache()
+                _release(device)
                 break
+        # Blocks the allocator cached for the decode steps' activations would otherwise sit beside those of
+        # the prefill chunks below (several GiB reserved and unused on an 8B; the cache was sized without them).
+        _release(device)
         for start, n, width in plan.prefill:
             table = [k % gen.num_pages for k in range(width)]
             ids = torch.randint(3, vocab, (1, n))
-            gen.model.forward_batch(ids, paged_batch([(table, start, n)], gen.cache, device, size),
-                                    preprocess_only=True)
+            try:
+                gen.model.forward_batch(ids, paged_batch([(table, start, n)], gen.cache, device, size),
+                                        preprocess_only=True)
+            except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
+                warnings.warn(f"warm-up: out of memory in a prefill chunk of {n} tokens at depth {start}; the "
+                              "remaining prefill shapes compile when first used", stacklevel=2)
+                _release(device)
+                break
+        _release(device)
     sampled = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0)
     for rows in plan.jobs:
         # greedy; whole-vocabulary top-p; exllamav2's defaults (top-k and the penalty variant of the captured

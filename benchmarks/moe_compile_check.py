@@ -1,0 +1,84 @@
+"""Compile the grouped MoE kernels (exlpy/kernels/moe.py) for an H100 (sm_90a) without a GPU; report registers,
+spills and shared memory for the tiles the wrappers pick at decode and prefill sizes (Mixtral-8x7B, Qwen3-MoE).
+
+python benchmarks/moe_compile_check.py [--json]
+Runs on any machine with Triton's bundled CUDA toolchain (no driver needed); tests/test_moe_compile.py asserts on
+its --json output. Must run without TRITON_INTERPRET (the kernels are compiled here, not interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("run without TRITON_INTERPRET=1: the kernels are compiled here")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
+from exlpy.kernels import moe  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, ptrs: dict[str, str], consts: dict, warps: int, stages: int) -> dict:
+    sig = {name: ptrs.get(name) or ("constexpr" if name in consts else "i32") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                       options={"num_warps": warps, "num_stages": stages})
+    return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"])}
+
+
+def variants() -> dict[str, dict]:
+    """(pairs N, experts E) of decode at batch 1 and 32 and of a prefill chunk; fp16, bf16 and fp32 at decode."""
+    cases = [("fp16", 2, 8), ("fp16", 64, 8), ("fp16", 256, 8), ("fp16", 4096, 8), ("fp16", 8, 128),
+             ("fp16", 256, 128), ("bf16", 2, 8), ("fp32", 2, 8), ("fp32", 4096, 8)]
+    out = {}
+    for dt, n, e in cases:
+        p = "*" + dt
+        # output widths of Mixtral's / Qwen3-MoE's gate|up on an H100 (132 SMs): the narrowest column tiles
+        bm, bn, bk, warps, _ = moe.plan(n, e, 4 if dt == "fp32" else 2, 14336 if e == 8 else 768, 132)
+        common = dict(E_P2=triton.next_power_of_2(e), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=dt == "fp32")
+        tag = f"{dt} N{n} E{e}"
+        out[f"gate_up {tag}"] = compile_kernel(moe._gate_up_kernel, {
+            "x_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "w_ptr": p, "out_ptr": p}, dict(
+            ACT=0, **common), warps, moe.STAGES)
+        out[f"down {tag}"] = compile_kernel(moe._down_kernel, {
+            "a_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "w_ptr": p, "y_ptr": p}, common, warps,
+            moe.STAGES)
+    for e, k in ((8, 2), (128, 8)):
+        e_p2 = triton.next_power_of_2(e)
+        out[f"route E{e} k{k}"] = compile_kernel(moe._route_kernel, {"logits_ptr": "*fp16", "w_ptr": "*fp16",
+                                                                     "ids_ptr": "*i64"},
+                                                 dict(K=k, K_P2=k, E_P2=e_p2, NORM=1), 1, 3)
+        out[f"combine k{k}"] = compile_kernel(moe._combine_kernel, {"y_ptr": "*fp16", "w_ptr": "*fp16",
+                                                                    "res_ptr": "*fp16", "out_ptr": "*fp16"},
+                                              dict(K=k, HAS_RES=True, BLOCK=1024), 4, 3)
+        out[f"sort E{e}"] = compile_kernel(moe._sort_kernel, {"ids_ptr": "*i64", "order_ptr": "*i64",
+                                                              "counts_ptr": "*i32"},
+                                           dict(E_P2=e_p2, CHUNK=max(16, 8192 // e_p2)), 4, 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    res = variants()
+    if args.json:
+        print("JSON " + json.dumps(res))
+    else:
+        for name, r in res.items():
+            print(f"{name:28s} regs {r['regs']:4d}  spills {r['spill_bytes']:5d}  shared {r['shared']:6d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Vision-language models against Hugging Face transformers on one GPU: logits with an image in the prompt, and
+the time to first token for a 1024x1024 image plus 100 text tokens (preprocessing, vision tower, prefill, first
+token).
+
+The model is random, with Qwen2.5-VL-7B's shapes (text: hidden 3584, 28 heads / 4 KV heads, MLP 18944, vocab
+152064, M-RoPE [16, 24, 24]; vision: width 1280, 16 heads, MLP 3420, window 112 px, merge 2), or with `--arch
+gemma3` Gemma-3-4B's (text: hidden 2560, 8 heads / 4 KV heads of 256, MLP 10240, vocab 262208, window 1024, five
+local layers per global one; SigLIP: width 1152, 16 heads, MLP 4304, 896 px, 256 tokens per image), and fewer
+layers (`--layers` of the language model, `--vision-layers` of the tower) so it builds in seconds. It is written
+once with transformers' save_pretrained and loaded by both.
+
+Logits: exlpy fp16 and transformers fp16 are each compared with transformers fp32 (all on the GPU): exlpy's error
+should be of the size of transformers' own fp16 error. Time to first token: median of `--runs`, each with a new
+random image (no cache of an earlier image or prompt helps either side), after a warm-up run.
+
+    python benchmarks/vision.py                      # GPU: writes benchmarks/results/vision.md
+    python benchmarks/vision.py --arch gemma3        # GPU: writes benchmarks/results/vision_gemma3.md
+    python benchmarks/vision.py --tiny [--arch gemma3]   # CPU, tiny shapes, fp32: a correctness smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.vision_models import (  # noqa: E402
+    GEMMA_IDS,
+    GEMMA_SPECIALS,
+    GEMMA_TOKENIZER_CONFIG,
+    IDS,
+    random_image,
+    write_tokenizer,
+)
+
+SEVEN_B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+               vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0)
+SEVEN_B_VISION = dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=112)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0)
+TINY_VISION = dict(hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=56)
+
+
+GEMMA_4B = dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=4,
+                head_dim=256, vocab_size=262208, max_position_embeddings=32768, sliding_window=1024,
+                query_pre_attn_scalar=256, rope_scaling={"rope_type": "linear", "factor": 8.0})
+GEMMA_4B_VISION = dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16, image_size=896, patch_size=14)
+GEMMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=512, max_position_embeddings=4096, sliding_window=16, query_pre_attn_scalar=16,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+GEMMA_TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=112, patch_size=14)
+
+
+def build_gemma3(path: Path, layers: int, vision_layers: int, tiny: bool, device: str) -> None:
+    """A random Gemma 3 written to `path`, with tokenizer and processor config."""
+    import json
+
+    import transformers as tf
+
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    text = dict(GEMMA_TINY if tiny else GEMMA_4B, num_hidden_layers=layers, layer_types=types,
+                bos_token_id=GEMMA_IDS["<bos>"], eos_token_id=GEMMA_IDS["<eos>"], pad_token_id=GEMMA_IDS["<pad>"])
+    vision = dict(GEMMA_TINY_VISION if tiny else GEMMA_4B_VISION, num_hidden_layers=vision_layers)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16 if tiny else 256,
+                          image_token_index=GEMMA_IDS["<image_soft_token>"],
+                          boi_token_index=GEMMA_IDS["<start_of_image>"], eoi_token_index=GEMMA_IDS["<end_of_image>"])
+    _save(tf.Gemma3ForConditionalGeneration, cfg, path, tiny, device)
+    side = vision["image_size"]
+    (path / "preprocessor_config.json").write_text(json.dumps({"size": {"height": side, "width": side}}))
+    write_tokenizer(path, GEMMA_SPECIALS, GEMMA_TOKENIZER_CONFIG)
+
+
+def _save(cls: Any, cfg: Any, path: Path, tiny: bool, device: str) -> None:
+    torch.manual_seed(0)
+    dtype = torch.float32 if tiny else torch.float16
+    with torch.device(device):
+        model = cls(cfg).to(dtype)
+    with torch.no_grad():  # random norms and biases (the default init leaves them at 1 and 0)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("ln_q.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            elif name.endswith("mm_input_projection_weight"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def build(path: Path, layers: int, vision_layers: int, tiny: bool, device: str, max_pixels: int) -> None:
+    """A random Qwen2.5-VL written to `path` (fp16 on a GPU, fp32 for --tiny), with tokenizer and processor."""
+    import json
+
+    import transformers as tf
+
+    text = dict(TINY if tiny else SEVEN_B, num_hidden_layers=layers,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3] if tiny else [16, 24, 24]},
+                bos_token_id=IDS["<|endoftext|>"], eos_token_id=IDS["<|im_end|>"])
+    vision = dict(TINY_VISION if tiny else SEVEN_B_VISION, depth=vision_layers,
+                  fullatt_block_indexes=list(range(3, vision_layers, 4)))
+    cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IDS["<|image_pad|>"],
+                              video_token_id=IDS["<|video_pad|>"], vision_start_token_id=IDS["<|vision_start|>"],
+                              vision_end_token_id=IDS["<|vision_end|>"])
+    _save(tf.Qwen2_5_VLForConditionalGeneration, cfg, path, tiny, device)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        g.update(bos_token_id=IDS["<|endoftext|>"], eos_token_id=IDS["<|im_end|>"])
+        gen.write_text(json.dumps(g))
+    (path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 56 * 56, "max_pixels": max_pixels}))
+    write_tokenizer(path)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def text_ids(n: int) -> list[int]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(32, 127, (n,), generator=g).tolist()  # printable bytes: one token each
+
+
+class HF:
+    def __init__(self, path: Path, device: str, dtype: torch.dtype, max_pixels: int, arch: str) -> None:
+        import transformers as tf
+
+        self.arch = arch
+        cls = tf.Gemma3ForConditionalGeneration if arch == "gemma3" else tf.Qwen2_5_VLForConditionalGeneration
+        self.model = cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+        if arch == "gemma3":
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+            side = self.model.config.vision_config.image_size
+            self.proc = Gemma3ImageProcessorPil(size={"height": side, "width": side})
+        else:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            self.proc = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels)
+        self.device = device
+
+    def logits(self, img: Any, before: list[int], after: list[int], keep: int = 0) -> torch.Tensor:
+        """Logits of every position (keep=0), or of the last `keep` (what a first token needs)."""
+        if self.arch == "gemma3":
+            px = self.proc(images=[img], return_tensors="pt")["pixel_values"].to(self.device)
+            n = self.model.config.mm_tokens_per_image
+            ids = torch.tensor([before + [GEMMA_IDS["<start_of_image>"]] + [GEMMA_IDS["<image_soft_token>"]] * n +
+                                [GEMMA_IDS["<end_of_image>"]] + after], device=self.device)
+            with torch.no_grad():
+                return self.model(input_ids=ids, pixel_values=px.to(self.model.dtype), logits_to_keep=keep,
+                                  token_type_ids=(ids == GEMMA_IDS["<image_soft_token>"]).long()).logits
+        inputs = self.proc(images=[img], return_tensors="pt")
+        n = int(inputs["image_grid_thw"].prod()) // 4
+        ids = torch.tensor([before + [IDS["<|vision_start|>"]] + [IDS["<|image_pad|>"]] * n +
+                            [IDS["<|vision_end|>"]] + after], device=self.device)
+        with torch.no_grad():
+            return self.model(input_ids=ids, pixel_values=inputs["pixel_values"].to(self.device),
+                              image_grid_thw=inputs["image_grid_thw"].to(self.device),
+                              mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int(), logits_to_keep=keep).logits
+
+
+class Exlpy:
+    def __init__(self, path: Path, device: str, dtype: torch.dtype) -> None:
+        from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
+        from exlpy.generator import ExLlamaV2DynamicGenerator
+
+        self.config = ExLlamaV2Config(str(path))
+        self.config.max_seq_len = 4096
+        self.config.dtype = dtype if device == "cpu" else None
+        self.model = ExLlamaV2(self.config)
+        self.model.load(device=device)
+        self.tokenizer = ExLlamaV2Tokenizer(self.config)
+        self.tower = ExLlamaV2VisionTower(self.config)
+        self.tower.load(device=device)
+        self.cache = ExLlamaV2Cache(self.model, max_seq_len=4096)
+        self.generator = ExLlamaV2DynamicGenerator(self.model, self.cache, self.tokenizer)
+
+    def embedding(self, img: Any) -> Any:
+        return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img,
+                                               text_alias="<image>")
+
+    def logits(self, img: Any, before: list[int], after: list[int]) -> torch.Tensor:
+        emb = self.embedding(img)
+        ids = torch.tensor([before + emb.get_ids() + after])
+        return self.model.forward(ids, indexed_embeddings=[emb])
+
+    def first_token(self, img: Any, before: list[int], after: list[int]) -> int:
+        """The whole request: image -> embedding -> prefill through the generator -> first sampled token."""
+        from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        emb = self.embedding(img)
+        ids = torch.tensor([before + emb.get_ids() + after])
+        job = ExLlamaV2DynamicJob(ids, max_new_tokens=1, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                                  embeddings=[emb], stop_conditions=[])
+        self.generator.enqueue(job)
+        token = -1
+        while self.generator.num_remaining_jobs():
+            for r in self.generator.iterate():
+                if r["stage"] == "streaming" and "token_ids" in r and r["token_ids"].numel():
+                    token = int(r["token_ids"][0, 0])
+        return token
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, fp32 on the CPU (a smoke run)")
+    ap.add_argument("--arch", choices=["qwen2_5_vl", "gemma3"], default="qwen2_5_vl")
+    ap.add_argument("--layers", type=int, default=None, help="language-model layers (default 4; Gemma 3: 6, one "
+                    "global; 7B has 28, 4B 34)")
+    ap.add_argument("--vision-layers", type=int, default=8, help="vision-tower blocks (7B has 32, 4B 27)")
+    ap.add_argument("--image-size", type=int, default=None, help="square image side (default 1024; --tiny 112)")
+    ap.add_argument("--text-tokens", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default=None, help="results file (default: benchmarks/results/vision.md on a GPU)")
+    args = ap.parse_args()
+    args.layers = args.layers or (6 if args.arch == "gemma3" else 4)
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0"
+    side = args.image_size or (112 if args.tiny else 1024)
+    max_pixels = 28 * 28 * 1280 * 10  # HF's default for Qwen2.5-VL (12845056): a 1024x1024 image is not shrunk
+    half = torch.float32 if device == "cpu" else torch.float16
+    before, after = text_ids(args.text_tokens // 2), text_ids(args.text_tokens - args.text_tokens // 2)
+    lines = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        t0 = time.perf_counter()
+        if args.arch == "gemma3":
+            build_gemma3(path, args.layers, args.vision_layers, args.tiny, device)
+        else:
+            build(path, args.layers, args.vision_layers, args.tiny, device, max_pixels)
+        say(f"built and saved the random model in {time.perf_counter() - t0:.1f} s")
+        img = random_image(side, side, seed=0)
+        ex = Exlpy(path, device, torch.float32 if device == "cpu" else half)
+        got = ex.logits(img, before, after)
+        hf = HF(path, device, half, max_pixels, args.arch)
+        want_half = hf.logits(img, before, after)
+        if device != "cpu":  # the fp32 reference, then free it
+            ref = HF(path, device, torch.float32, max_pixels, args.arch)
+            want = ref.logits(img, before, after)
+            del ref
+            torch.cuda.empty_cache()
+        else:
+            want = want_half
+        n_tokens = got.shape[1]
+        say(f"prompt: {n_tokens} tokens ({side}x{side} image, {args.text_tokens} text tokens)")
+        say(f"logits rel. error vs transformers fp32: exlpy {rel_err(got, want):.2e}, transformers {half} "
+            f"{rel_err(want_half, want):.2e}; last-position argmax equal: "
+            f"{bool(got[0, -1].argmax() == want[0, -1].argmax())}")
+
+        def timed(fn: Any) -> list[float]:
+            out = []
+            for i in range(args.runs + 1):
+                im = random_image(side, side, seed=100 + i)  # a new image: no cached embedding or prefix
+                sync(device)
+                t = time.perf_counter()
+                fn(im)
+                sync(device)
+                out.append(time.perf_counter() - t)
+            return out[1:]  # the first run warms up
+
+        t_ex = timed(lambda im: ex.first_token(im, before, after))
+        t_hf = timed(lambda im: int(hf.logits(im, before, after, keep=1)[0, -1].argmax()))
+        mx, mh = statistics.median(t_ex), statistics.median(t_hf)
+        say(f"time to first token (median of {args.runs}): exlpy {mx * 1e3:.1f} ms, transformers {mh * 1e3:.1f} ms "
+            f"({mh / mx:.2f}x)")
+
+    dev_name = torch.cuda.get_device_name(0) if device != "cpu" else platform.processor() or "CPU"
+    name = "vision.md" if args.arch == "qwen2_5_vl" else f"vision_{args.arch}.md"
+    out = args.out or (None if device == "cpu" else str(ROOT / "benchmarks" / "results" / name))
+    if out:
+        import transformers
+
+        Path(out).write_text(
+            f"# Vision: {'Gemma 3' if args.arch == 'gemma3' else 'Qwen2.5-VL'} vs transformers\n\n"
+            f"- device: {dev_name}; date: {datetime.date.today()}; torch {torch.__version__}, transformers "
+            f"{transformers.__version__}\n"
+            f"- command: `python benchmarks/vision.py {' '.join(sys.argv[1:])}`\n"
+            f"- model: random, {'Gemma-3-4B' if args.arch == 'gemma3' else 'Qwen2.5-VL-7B'} shapes, {args.layers} "
+            f"language layers, {args.vision_layers} vision "
+            "blocks\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Qwen2-VL and Qwen2.5-VL: image preprocessing as transformers' Qwen2VLImageProcessor, and the vision tower.
+
+Preprocessing: `smart_resize` to sides that are multiples of patch_size x merge_size with the pixel count
+inside [min_pixels, max_pixels] (bicubic, through PIL as the processor does), rescale to [0, 1], normalize
+with the CLIP mean / std, and cut into patches of temporal_patch_size x patch_size x patch_size (an image is
+its own frame repeated), ordered by merge block.
+
+Tower: the Conv3d patch embedding, whose stride equals its kernel, is one linear map of each flattened patch;
+blocks of pre-norm attention (2D RoPE: half of each head's frequencies rotated by the patch row, half by the
+column) and MLP; Qwen2-VL: LayerNorm, quick-GELU MLP, full attention per image; Qwen2.5-VL: RMSNorm, gated
+SiLU MLP, and attention within windows of window_size pixels except in `fullatt_block_indexes` (the patches
+are put in window order once, as transformers does, and back after the merger). The patch merger
+concatenates each merge_size x merge_size block of patches and projects them to the language model's width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from exlpy.errors import ConfigError, ImageError
+from exlpy.vision.layers import act_fn, rms_norm, rope_fp32, segment_attention
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class QwenVisionSpec:
+    kind: str  # qwen2_vl | qwen2_5_vl
+    depth: int
+    embed_dim: int
+    num_heads: int
+    mlp_dim: int
+    out_dim: int  # the language model's hidden size
+    act: str
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    in_channels: int
+    rope_theta: float
+    window_size: int  # Qwen2.5-VL (pixels); 0 for Qwen2-VL
+    fullatt_blocks: tuple[int, ...]
+    tokens_per_second: float  # Qwen2.5-VL video: M-RoPE time steps per second of video
+    min_pixels: int
+    max_pixels: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale: float
+    vision_start: int | None
+    vision_end: int | None
+    image_token: int | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+
+def _int(d: dict[str, Any], key: str, default: Any, where: str) -> int:
+    v = d.get(key, default)
+    if isinstance(v, list) and v and all(x == v[0] for x in v):  # patch sizes given per axis
+        v = v[0]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v > 1 << 20:
+        raise ConfigError(f"{where}: vision_config.{key} must be a positive integer, got {v!r:.60}")
+    return v
+
+
+def parse_spec(kind: str, cfg: dict[str, Any], pre: dict[str, Any], out_default: int, where: str
+               ) -> QwenVisionSpec:
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: 'vision_config' is missing or not an object")
+    q25 = kind == "qwen2_5_vl"
+    embed = _int(v, "hidden_size" if q25 else "embed_dim", 1280, where)
+    heads = _int(v, "num_heads", 16, where)
+    if embed % heads or (embed // heads) % 4:
+        raise ConfigError(f"{where}: vision head dim {embed}/{heads} must be an integer divisible by 4 (2D RoPE)")
+    if q25:
+        mlp = _int(v, "intermediate_size", 3420, where)
+        out = _int(v, "out_hidden_size", out_default, where)
+    else:
+        ratio = v.get("mlp_ratio", 4)
+        if not isinstance(ratio, (int, float)) or ratio <= 0:
+            raise ConfigError(f"{where}: vision_config.mlp_ratio must be a positive number, got {ratio!r:.60}")
+        mlp = int(embed * ratio)
+        out = _int(v, "hidden_size", out_default, where)
+    rp = v.get("rope_parameters") or {}
+    theta = float(rp.get("rope_theta", 10000.0)) if isinstance(rp, dict) else 10000.0
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    min_px = pre.get("min_pixels", size.get("shortest_edge", 56 * 56))
+    max_px = pre.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))
+    for name, val in (("min_pixels", min_px), ("max_pixels", max_px)):
+        if not isinstance(val, int) or val < 1:
+            raise ConfigError(f"{where}: preprocessor_config.json {name} must be a positive integer, got {val!r:.60}")
+    if min_px > max_px:
+        raise ConfigError(f"{where}: preprocessor_config.json min_pixels {min_px} exceeds max_pixels {max_px}")
+    depth = _int(v, "depth", 32, where)
+    full = tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if q25 else ()
+    return QwenVisionSpec(
+        kind=kind, depth=depth, embed_dim=embed, num_heads=heads, mlp_dim=mlp, out_dim=out,
+        act=v.get("hidden_act", "silu" if q25 else "quick_gelu"),
+        patch_size=_int(v, "patch_size", 14, where), temporal_patch_size=_int(v, "temporal_patch_size", 2, where),
+        merge_size=_int(v, "spatial_merge_size", 2, where), in_channels=_int(v, "in_channels", 3, where),
+        rope_theta=theta, window_size=_int(v, "window_size", 112, where) if q25 else 0, fullatt_blocks=full,
+        tokens_per_second=float(v.get("tokens_per_second", 4)) if q25 else 1.0,
+        min_pixels=min_px, max_pixels=max_px,
+        image_mean=tuple(pre.get("image_mean", CLIP_MEAN)), image_std=tuple(pre.get("image_std", CLIP_STD)),
+        rescale=float(pre.get("rescale_factor", 1 / 255)),
+        vision_start=cfg.get("vision_start_token_id"), vision_end=cfg.get("vision_end_token_id"),
+        image_token=cfg.get("image_token_id"),
+    )
+
+
+# --- preprocessing --------------------------------------------------------------------------------------------
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' smart_resize: sides multiples of `factor`, area within [min_pixels, max_pixels]."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds Qwen2-VL's "
+                         "limit of 200:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def preprocess(spec: QwenVisionSpec, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(pixel values [patches, C * tp * p * p] fp32, grid (t, h, w) in patches) of an RGB PIL image."""
+    from PIL import Image
+
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    h, w = smart_resize(image.height, image.width, p * m, spec.min_pixels, spec.max_pixels)
+    if (h, w) != (image.height, image.width):
+        image = image.resize((w, h), resample=Image.BICUBIC)
+    a = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)  # C, H, W
+    x = (a.astype(np.float64) * spec.rescale).astype(np.float32)
+    mean = np.asarray(spec.image_mean, dtype=np.float32).reshape(-1, 1, 1)
+    std = np.asarray(spec.image_std, dtype=np.float32).reshape(-1, 1, 1)
+    x = (x - mean) / std
+    c = x.shape[0]
+    gh, gw = h // p, w // p
+    x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # gh', gw', mh, mw, C, ph, pw
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
+    return torch.from_numpy(np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p))), (1, gh, gw)
+
+
+def preprocess_video(spec: QwenVisionSpec, frames: list[Any]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(pixel values [patches, C * tp * p * p], grid (t, h, w)) of a video given as RGB PIL frames of one size:
+    each frame resized and normalized as an image, the frame count padded to a multiple of temporal_patch_size
+    with the last frame, and patches cut from each group of tp frames (transformers' Qwen2-VL video layout)."""
+    from PIL import Image
+
+    from exlpy.errors import ImageError
+
+    if not frames:
+        raise ImageError("a video needs at least one frame")
+    size = (frames[0].width, frames[0].height)
+    if any((f.width, f.height) != size for f in frames):
+        raise ImageError(f"all video frames must have the same size (first frame {size[0]}x{size[1]})")
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    h, w = smart_resize(size[1], size[0], p * m, spec.min_pixels, spec.max_pixels)
+    mean = np.asarray(spec.image_mean, dtype=np.float32).reshape(-1, 1, 1)
+    std = np.asarray(spec.image_std, dtype=np.float32).reshape(-1, 1, 1)
+    arrays = []
+    for f in frames:
+        if (f.width, f.height) != (w, h):
+            f = f.resize((w, h), resample=Image.BICUBIC)
+        a = np.asarray(f, dtype=np.uint8).transpose(2, 0, 1)
+        arrays.append(((a.astype(np.float64) * spec.rescale).astype(np.float32) - mean) / std)
+    arrays += [arrays[-1]] * (-len(arrays) % tp)
+    x = np.stack(arrays)  # F, C, H, W
+    c, gt, gh, gw = x.shape[1], x.shape[0] // tp, h // p, w // p
+    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return torch.from_numpy(np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p))), (gt, gh, gw)
+
+
+# --- the tower ------------------------------------------------------------------------------------------------
+
+def patch_positions(grid: tuple[int, int, int], m: int) -> torch.Tensor:
+    """(row, column) of each patch [N, 2] in merge-block order (transformers' get_vision_position_ids)."""
+    t, h, w = grid
+    hp, wp = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    shape = (h // m, m, w // m, m)
+    hp = hp.reshape(shape).transpose(1, 2).flatten()
+    wp = wp.reshape(shape).transpose(1, 2).flatten()
+    return torch.stack([hp, wp], dim=-1).repeat(t, 1)
+
+
+def window_index(grid: tuple[int, int, int], m: int, window: int, patch: int) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL: merge blocks in window order, and the window bounds in patches (transformers'
+    get_vision_window_index for one image)."""
+    t, gh, gw = grid
+    size = window // m // patch
+    lh, lw = gh // m, gw // m
+    index = torch.arange(t * lh * lw).reshape(t, lh, lw)
+    pad_h, pad_w = size - lh % size, size - lw % size
+    nh, nw = (lh + pad_h) // size, (lw + pad_w) // size
+    padded = F.pad(index, (0, pad_w, 0, pad_h), "constant", -100)
+    padded = padded.reshape(t, nh, size, nw, size).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, size, size)
+    seqlens = (padded != -100).sum([2, 3]).reshape(-1)
+    flat = padded.reshape(-1)
+    bounds = [0] + (seqlens.cumsum(0) * m * m).tolist()
+    return flat[flat != -100], sorted(set(bounds))
+
+
+class QwenVisionTower:
+    """The weights and forward pass of one Qwen2-VL / Qwen2.5-VL vision encoder with its patch merger."""
+
+    def __init__(self, spec: QwenVisionSpec) -> None:
+        self.spec = spec
+        self.w: dict[str, torch.Tensor] = {}
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.act = act_fn(spec.act, "vision_config.hidden_act")
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        s = self.spec
+        e, p, tp, c = s.embed_dim, s.patch_size, s.temporal_patch_size, s.in_channels
+        merged = e * s.merge_size ** 2
+        shapes: dict[str, tuple[int, ...]] = {"visual.patch_embed.proj.weight": (e, c, tp, p, p)}
+        norms = ("weight",) if s.kind == "qwen2_5_vl" else ("weight", "bias")
+        for i in range(s.depth):
+            b = f"visual.blocks.{i}"
+            for n in ("norm1", "norm2"):
+                for part in norms:
+                    shapes[f"{b}.{n}.{part}"] = (e,)
+            shapes.update({f"{b}.attn.qkv.weight": (3 * e, e), f"{b}.attn.qkv.bias": (3 * e,),
+                           f"{b}.attn.proj.weight": (e, e), f"{b}.attn.proj.bias": (e,)})
+            if s.kind == "qwen2_5_vl":
+                for n, shape in (("gate_proj", (s.mlp_dim, e)), ("up_proj", (s.mlp_dim, e)),
+                                 ("down_proj", (e, s.mlp_dim))):
+                    shapes[f"{b}.mlp.{n}.weight"] = shape
+                    shapes[f"{b}.mlp.{n}.bias"] = (shape[0],)
+            else:
+                shapes.update({f"{b}.mlp.fc1.weight": (s.mlp_dim, e), f"{b}.mlp.fc1.bias": (s.mlp_dim,),
+                               f"{b}.mlp.fc2.weight": (e, s.mlp_dim), f"{b}.mlp.fc2.bias": (e,)})
+        for part in norms:
+            shapes[f"visual.merger.ln_q.{part}"] = (e,)
+        shapes.update({"visual.merger.mlp.0.weight": (merged, merged), "visual.merger.mlp.0.bias": (merged,),
+                       "visual.merger.mlp.2.weight": (s.out_dim, merged), "visual.merger.mlp.2.bias": (s.out_dim,)})
+        return shapes
+
+    def load(self, read: Any, device: torch.device, dtype: torch.dtype) -> None:
+        """`read(name, shape)` gives each checkpoint tensor; kept on `device` in `dtype`."""
+        self.w = {n: read(n, shape).to(device=device, dtype=dtype) for n, shape in self.tensor_shapes().items()}
+        e = self.spec.embed_dim
+        self.w["visual.patch_embed.proj.weight"] = self.w["visual.patch_embed.proj.weight"].reshape(e, -1)
+        self.device, self.dtype = device, dtype
+
+    def unload(self) -> None:
+        self.w = {}
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.spec.kind == "qwen2_5_vl":
+            return rms_norm(x, self.w[f"{name}.weight"], 1e-6)
+        return F.layer_norm(x, (x.shape[-1],), self.w[f"{name}.weight"], self.w[f"{name}.bias"], 1e-6)
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
+
+    def _rope(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        half = s.head_dim // 2
+        inv = 1.0 / (s.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        pos = patch_positions(grid, s.merge_size).float()
+        freqs = (pos[..., None] * inv).flatten(1)  # [N, 2 * half/2]: row frequencies, then column ones
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.device), emb.sin().to(self.device)
+
+    def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """Features [N / merge^2, out_dim] of one image's pixel values [N, C * tp * p * p]."""
+        s = self.spec
+        x = F.linear(pixels.to(device=self.device, dtype=self.dtype), self.w["visual.patch_embed.proj.weight"])
+        n = x.shape[0]
+        cos, sin = self._rope(grid)
+        frame = grid[1] * grid[2]  # full attention is per temporal patch (a frame group of a video)
+        full = list(range(0, n + 1, frame))
+        unit = s.merge_size ** 2
+        order = None
+        if s.kind == "qwen2_5_vl":
+            order, windows = window_index(grid, s.merge_size, s.window_size, s.patch_size)
+            order = order.to(self.device)
+
+            def permute(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(n // unit, unit, -1)[order].reshape(n, -1)
+
+            x, cos, sin = permute(x), permute(cos), permute(sin)
+        for i in range(s.depth):
+            b = f"visual.blocks.{i}"
+            bounds = full if order is None or i in s.fullatt_blocks else windows
+            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, cos, sin, bounds)
+            h = self._norm(x, f"{b}.norm2")
+            if s.kind == "qwen2_5_vl":
+                h = self._lin(self.act(self._lin(h, f"{b}.mlp.gate_proj")) * self._lin(h, f"{b}.mlp.up_proj"),
+                              f"{b}.mlp.down_proj")
+            else:
+                h = self._lin(self.act(self._lin(h, f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
+            x = x + h
+        h = self._norm(x, "visual.merger.ln_q").reshape(-1, s.embed_dim * unit)
+        h = self._lin(F.gelu(self._lin(h, "visual.merger.mlp.0")), "visual.merger.mlp.2")
+        if order is not None:
+            h = h[torch.argsort(order)]
+        return h
+
+    def _attention(self, x: torch.Tensor, b: str, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
+                   ) -> torch.Tensor:
+        s = self.spec
+        n = x.shape[0]
+        q, k, v = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim).unbind(1)
+        q, k = rope_fp32(q, cos, sin), rope_fp32(k, cos, sin)
+        o = segment_attention(q, k, v, bounds, s.head_dim ** -0.5)
+        return self._lin(o.reshape(n, -1), f"{b}.attn.proj")
+
+    def postprocess(self, features: torch.Tensor, text_rows: Any) -> tuple[torch.Tensor, int, int]:
+        """The embedding rows: <|vision_start|> + features + <|vision_end|> (exllamav2's layout); text_rows(ids)
+        gives the language model's embeddings of token ids."""
+        s = self.spec
+        if s.vision_start is None or s.vision_end is None:
+            return features, 0, 0
+        ends = text_rows([s.vision_start, s.vision_end]).to(features)
+        return torch.cat([ends[:1], features, ends[1:]]), 1, 1

@@ -1,0 +1,121 @@
+"""Gemma 3 against transformers in fp32 on the CPU: its language model alone (local / global layers with their
+own RoPE bases, q/k norms), pixel values, SigLIP features after the pooling projector, logits with images in the
+prompt (an image's tokens attend to each other both ways), and greedy continuations through both generators,
+also when an image straddles a prefill chunk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import rel_err
+from tests.vision_models import gemma_hf_inputs, make_gemma3, random_image
+
+pytest.importorskip("PIL")
+
+
+class Loaded:
+    def __init__(self, path: Path) -> None:
+        from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
+
+        self.hf, self.proc = make_gemma3(path)
+        self.config = ExLlamaV2Config(str(path))
+        self.model = ExLlamaV2(self.config)
+        self.model.load()
+        self.tokenizer = ExLlamaV2Tokenizer(self.config)
+        self.tower = ExLlamaV2VisionTower(self.config)
+        self.tower.load()
+
+    def embed(self, img: Any, alias: str) -> Any:
+        return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img, text_alias=alias)
+
+    def hf_logits(self, images: list[Any], ids: torch.Tensor, tt: torch.Tensor | None) -> torch.Tensor:
+        px = self.proc(images=images, return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            return self.hf(input_ids=ids, pixel_values=px, token_type_ids=tt).logits
+
+
+@pytest.fixture(scope="module")
+def g3(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    return Loaded(tmp_path_factory.mktemp("gemma3"))
+
+
+def test_text_logits_match_hf(g3: Loaded) -> None:
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))  # past the window of 8
+    with torch.no_grad():
+        want = g3.hf(input_ids=ids).logits
+    assert rel_err(g3.model.forward(ids), want) < 1e-4
+
+
+@pytest.mark.parametrize("size,mode", [((90, 60), "RGB"), ((56, 56), "RGB"), ((30, 200), "RGBA")])
+def test_pixel_values_match_hf(g3: Loaded, size: tuple[int, int], mode: str) -> None:
+    img = random_image(*size, seed=2, mode=mode)
+    px, _ = g3.tower.preprocess(img)
+    assert (px - g3.proc(images=[img], return_tensors="pt")["pixel_values"][0]).abs().max().item() < 1e-6
+
+
+def test_image_features_match_hf(g3: Loaded) -> None:
+    img = random_image(90, 60, seed=1)
+    px = g3.proc(images=[img], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = g3.hf.model.get_image_features(px).pooler_output[0]
+    assert rel_err(g3.tower.image_features(*g3.tower.preprocess(img)), want) < 1e-4
+
+
+def test_logits_with_images_match_hf(g3: Loaded) -> None:
+    imgs = [random_image(90, 60, seed=1), random_image(40, 70, seed=2)]
+    embs = [g3.embed(im, f"<IMG{i}>") for i, im in enumerate(imgs)]
+    ids = g3.tokenizer.encode("Here: <IMG0> and there<IMG1>, which is which?", embeddings=embs)
+    a, ta = gemma_hf_inputs("Here: ", " and there", 4)
+    b, tb = gemma_hf_inputs("", ", which is which?", 4)
+    hf_ids, tt = torch.cat([a, b], dim=1), torch.cat([ta, tb], dim=1)
+    assert ids.shape == hf_ids.shape
+    want = g3.hf_logits(imgs, hf_ids, tt)
+    got = g3.model.forward(ids, indexed_embeddings=embs)
+    assert rel_err(got, want) < 1e-4
+    # the bidirectional image attention matters: causal-only attention gives other logits
+    assert rel_err(g3.hf_logits(imgs, hf_ids, None), want) > 1e-3
+
+
+def _greedy(gen: Any, ids: torch.Tensor, emb: Any, n: int) -> list[int]:
+    from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    job = ExLlamaV2DynamicJob(ids, max_new_tokens=n, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                              embeddings=[emb], stop_conditions=[])
+    gen.enqueue(job)
+    got: list[int] = []
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            assert "error" not in r, r.get("error_message")
+            if r["stage"] == "streaming" and "token_ids" in r:
+                got += r["token_ids"][0].tolist()
+    return got
+
+
+@pytest.mark.parametrize("before", ["Look at this: ", "z" * 253])  # 253: the image straddles a 256-token chunk
+def test_greedy_continuations_match_hf(g3: Loaded, before: str) -> None:
+    from exlpy import ExLlamaV2Cache
+    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+
+    img = random_image(70, 50, seed=5)
+    emb = g3.embed(img, "<image>")
+    after = " what is it?"
+    ids = g3.tokenizer.encode(before + "<image>" + after, embeddings=[emb])
+    hid, tt = gemma_hf_inputs(before, after, 4)
+    px = g3.proc(images=[img], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = g3.hf.generate(input_ids=hid, pixel_values=px, token_type_ids=tt, max_new_tokens=8,
+                              do_sample=False)[0, hid.shape[1]:].tolist()
+    cache = ExLlamaV2Cache(g3.model, max_seq_len=1024)
+    gen = ExLlamaV2DynamicGenerator(g3.model, cache, g3.tokenizer, max_chunk_size=256)
+    assert _greedy(gen, ids, emb, 8) == want
+    stream = ExLlamaV2StreamingGenerator(g3.model, cache, g3.tokenizer)
+    stream.set_stop_conditions([])
+    stream.begin_stream_ex(ids, ExLlamaV2Sampler.Settings.greedy(), input_embeddings=[emb])
+    got: list[int] = []
+    while len(got) < 8:
+        got += stream.stream_ex()["chunk_token_ids"][0].tolist()
+    assert got[:8] == want

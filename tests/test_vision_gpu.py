@@ -1,0 +1,90 @@
+"""Vision-language models on a GPU (fp16 language model and tower, paged cache, Triton kernels) against
+transformers in fp32 on the CPU: logits with an image in the prompt within the half-precision bound, and the
+dynamic generator's greedy continuation starting as transformers' does. Skipped without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import HALF_PRECISION_TOL, rel_err, requires_cuda
+from tests.vision_models import (
+    gemma_hf_inputs,
+    hf_inputs,
+    make_gemma3,
+    make_mistral3,
+    make_qwen_vl,
+    pixtral_hf_inputs,
+    random_image,
+)
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+pytest.importorskip("PIL")
+
+
+def _load(path: Path) -> tuple[Any, Any, Any]:
+    from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
+
+    config = ExLlamaV2Config(str(path))
+    model = ExLlamaV2(config)
+    model.load(device="cuda:0")
+    tower = ExLlamaV2VisionTower(config)
+    tower.load(device="cuda:0")
+    return model, ExLlamaV2Tokenizer(config), tower
+
+
+def _case(kind: str, path: Path) -> tuple[Any, Any, Any, torch.Tensor, Any]:
+    """(exlpy model, tokenizer, embedding, exlpy ids, HF fp32 logits) of one prompt with one image."""
+    img = random_image(120, 90, seed=4)
+    before, after = "Look at this: ", " what is it?"
+    if kind == "gemma3":
+        hf, proc = make_gemma3(path)
+        hid, tt = gemma_hf_inputs(before, after, 4)
+        with torch.no_grad():
+            want = hf(input_ids=hid, pixel_values=proc(images=[img], return_tensors="pt")["pixel_values"],
+                      token_type_ids=tt).logits
+    elif kind == "mistral3":
+        hf, proc = make_mistral3(path)
+        ref = proc(images=[img], return_tensors="pt")
+        rows, cols = (int(v) // 28 for v in ref["image_sizes"][0])
+        hid = pixtral_hf_inputs(before, after, rows, cols)
+        with torch.no_grad():
+            want = hf(input_ids=hid, pixel_values=ref["pixel_values"], image_sizes=ref["image_sizes"]).logits
+    else:
+        hf, proc = make_qwen_vl(path, kind)
+        ref = proc(images=[img], return_tensors="pt")
+        hid, tt = hf_inputs(before, after, int(ref["image_grid_thw"].prod()) // 4)
+        with torch.no_grad():
+            want = hf(input_ids=hid, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                      mm_token_type_ids=tt).logits
+    model, tok, tower = _load(path)
+    emb = tower.get_image_embeddings(model=model, tokenizer=tok, image=img, text_alias="<image>")
+    ids = tok.encode(before + "<image>" + after, embeddings=[emb])
+    assert ids.shape == hid.shape
+    return model, tok, emb, ids, want
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "gemma3", "mistral3"])
+def test_logits_and_first_tokens_on_gpu(tmp_path: Path, kind: str) -> None:
+    from exlpy import ExLlamaV2Cache
+    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    model, tok, emb, ids, want = _case(kind, tmp_path)
+    tol = HALF_PRECISION_TOL[torch.float16]
+    assert rel_err(model.forward(ids, indexed_embeddings=[emb]), want) < tol
+    # through the paged cache and the generator: the first greedy token is transformers' argmax
+    gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=512), tok)
+    job = ExLlamaV2DynamicJob(ids, max_new_tokens=1, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                              embeddings=[emb], stop_conditions=[], return_logits=True)
+    gen.enqueue(job)
+    logits = None
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            assert "error" not in r, r.get("error_message")
+            if r["stage"] == "streaming" and "logits" in r:
+                logits = r["logits"]
+    assert logits is not None
+    assert rel_err(logits.view(-1)[:want.shape[-1]], want[0, -1]) < tol
