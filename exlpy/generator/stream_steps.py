@@ -11,13 +11,16 @@ exactly the numbers it would draw without the overlap.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from exlpy.generator.dynamic.decode import read_back, upload_floats
-from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
+from exlpy.generator.sampling.batched import RowSample, device_capable, is_greedy, sample_rows
+from exlpy.generator.sampling.graphed import GraphRow, GraphSampler, graph_capable
 
 
 @dataclass
@@ -43,9 +46,12 @@ class Pending:
 
 
 def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torch.Generator | None,
-           tokenizer: Any, loras: Any = None) -> Pending:
+           tokenizer: Any, loras: Any = None,
+           graph: Callable[[torch.Tensor], tuple[GraphSampler, int] | None] | None = None) -> Pending:
     """Feed `ids` [1, 1] (host or device) at `cache.current_seq_len` and sample the next token on the device
-    (`loras`: the stream's LoRA adapters)."""
+    (`loras`: the stream's LoRA adapters). `graph(logits)` gives the captured sampler to sample with and the slot
+    of the stream's penalty counts, when the stream uses one (exlpy/generator/sampling/graphed.py); the random
+    point is drawn from `rng` either way."""
     fed_at = cache.current_seq_len
     logits = model.forward(ids, cache, loras=loras or None)[:, -1].float()
     state = after = None
@@ -54,7 +60,22 @@ def launch(model: Any, cache: Any, ids: torch.Tensor, plan: RowSample, rng: torc
         state = _get_state(rng)
         point = float(torch.rand(1, 1, generator=rng)[0, 0])
         after = _get_state(rng)
-    token, prob, ok = sample_rows(logits, [plan], upload_floats([point], logits.device).view(1, 1), tokenizer)
+    use = graph(logits) if graph is not None and graph_capable(plan.settings, logits.shape[-1]) else None
+    if use is not None:
+        sampler, slot = use
+        try:
+            t, p, k = sampler.sample(logits, [GraphRow(plan.settings, slot=slot, point=point,
+                                                       blocked=plan.blocked)])
+        except Exception as e:
+            if not device_capable(plan.settings):
+                raise
+            warnings.warn(f"captured sampler failed ({type(e).__name__}: {e}); sampling without it from now on",
+                          stacklevel=2)
+            use = None
+        else:
+            token, prob, ok = t.clone(), p.clone(), k.clone()
+    if use is None:
+        token, prob, ok = sample_rows(logits, [plan], upload_floats([point], logits.device).view(1, 1), tokenizer)
     host, event = read_back(torch.stack([token.double(), prob.double(), ok.double()]).view(3))
     return Pending(token, host, event, state, after, fed_at)
 

@@ -34,6 +34,8 @@ from exlpy.generator.dynamic.stops import (
 )
 from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
 from exlpy.generator.filters.device import collect, device_maskable, mask_rows
+from exlpy.generator.sampling import graphed
+from exlpy.generator.sampling.graphed import GraphSampler
 from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.ngram import NgramIndex
 from exlpy.generator.speculative.streaming import StreamSpeculation, speculative_round
@@ -79,6 +81,11 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.rope_delta = 0  # M-RoPE position shift after its images (exlpy/vision/mm.py)
         self.pending: stream_steps.Pending | None = None  # a launched step whose token is not read yet
         self.rng: torch.Generator | None = None
+        # Sample through the captured sampler (exlpy/generator/sampling/graphed.py): None = where decode steps
+        # are CUDA graphs; True / False force it (tests compare both paths on the CPU).
+        self.graph_sampling: bool | None = None
+        self.graphed: GraphSampler | None = None
+        self._counted = -1  # tokens the captured sampler's penalty counts hold (-1: rebuild them)
         self.default_loras: Any = None  # set_loras (exlpy/lora/): adapters of streams begun without loras=
         self.loras: tuple[Any, ...] = ()  # this stream's adapters
         self._cached_loras: tuple[Any, ...] = ()  # the adapters that computed the cached K/V
@@ -164,6 +171,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         self.new_tokens = 0
         self.ban_pos, self.ban_set = -1, set()
         self.rng = None  # global torch RNG (torch.manual_seed) unless set_seed()
+        self._counted = -1  # a new sequence: the captured sampler's penalty counts are rebuilt
         drop_background(self.filters)  # a result left from an earlier stream with the same filter objects
         for f in self.filters:
             if hasattr(f, "begin"):
@@ -272,6 +280,7 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
 
     def _discard(self) -> None:
         """Drop the launched step whose token is not read yet (the cache goes back to the invariant)."""
+        self._counted = -1  # the captured sampler counted that token: its counts are rebuilt on next use
         if self.pending is not None:
             stream_steps.discard(self.pending, self.cache, self.rng)
             self.pending = None
@@ -281,13 +290,52 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         from exlpy.generator.sampling.batched import device_capable
 
         s = self.settings
+        graph = (self._graph_device() is not None
+                 and graphed.graph_capable(s, int(self.model.config.vocab_size)))
         if (self.negative is not None or self.embeddings or self.filters or self.text_stream.banned
-                or not device_capable(s)
+                or not (device_capable(s) or graph)
                 or self.return_top_tokens or self.return_logits or self.ban_pos >= 0
                 or (self.prefix_token is not None and self.new_tokens == 0)):
             return None
         blocked = sorted(self.stop_tokens) if self.new_tokens < self.min_new_tokens else None
         return stream_steps.RowSample(s, blocked)
+
+    def _graph_device(self) -> torch.device | None:
+        """Where the captured sampler would run (the head's device), or None when the stream does not use it
+        (`graph_sampling`: None = where decode steps are CUDA graphs; True / False force it)."""
+        head = self.model.modules[self.model.head_layer_idx]
+        device = torch.device(getattr(head, "device", None) or "cpu")
+        if self.graphed is not None and self.graphed.failed:
+            return None
+        return device if graphed.wanted(self.model, device, self.graph_sampling) else None
+
+    def _graph_sampler(self, logits: torch.Tensor, inflight: torch.Tensor | None
+                       ) -> tuple[GraphSampler, int] | None:
+        """The captured sampler for this stream's logits and the slot of its penalty counts (-1: no penalties),
+        or None where the stream samples with `sample_rows`. The counts hold the sequence plus the token still
+        in flight (`inflight`, on the device); rebuilt when they do not."""
+        if not graphed.wanted(self.model, logits.device, self.graph_sampling) or \
+                (self.graphed is not None and self.graphed.failed):
+            return None
+        g = self.graphed
+        if g is None or g.device != logits.device or g.vocab != logits.shape[-1]:
+            g = self.graphed = graphed.for_logits(logits, 1, self.tokenizer)
+            self._counted = -1
+        if not graphed.has_penalties(self.settings):
+            return g, -1
+        seq = self.sequence_ids
+        assert seq is not None
+        expected = seq.shape[1] + (inflight is not None)
+        if self._counted != expected:
+            ids = seq[0].to(g.device, non_blocking=True)
+            g.bind_counts(0, ids if inflight is None else torch.cat([ids, inflight.view(-1)]))
+        self._counted = expected + 1  # the step counts the token it samples
+        return g, 0
+
+    def _verify_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
+        """The captured sampler that verifies speculative rounds, or None (see `_graph_sampler`)."""
+        use = self._graph_sampler(logits[:, -1], None) if not graphed.has_penalties(self.settings) else None
+        return None if use is None else use[0]
 
     def _stream_device(self, plan: stream_steps.RowSample) -> dict[str, Any]:
         """One token through the overlapped path: launch the step after it, then read it."""
@@ -295,14 +343,15 @@ class ExLlamaV2StreamingGenerator(ExLlamaV2BaseGenerator):
         assert seq is not None
         if self.pending is None:
             self.pending = stream_steps.launch(self.model, self.cache, seq[:, -1:], plan, self.rng, self.tokenizer,
-                                               self.loras)
+                                               self.loras, lambda lg: self._graph_sampler(lg, None))
         current = self.pending
         self.pending = None
         if seq.shape[1] + 1 < self.cache.max_seq_len:
             after = stream_steps.RowSample(plan.settings, sorted(self.stop_tokens)
                                            if self.new_tokens + 1 < self.min_new_tokens else None)
             self.pending = stream_steps.launch(self.model, self.cache, current.token.view(1, 1), after, self.rng,
-                                               self.tokenizer, self.loras)
+                                               self.tokenizer, self.loras,
+                                               lambda lg, t=current.token: self._graph_sampler(lg, t))
         token, prob = current.read()
         r = self._take(token, {"prob": prob}, False)
         if r["eos"]:

@@ -206,6 +206,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
 
 
+def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+               whole_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("sample_top", logits)(logits, params, rng, k_max, whole_vocab)
+
+
+def sample_top_candidates(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max: int,
+                          whole_vocab: bool = True) -> tuple[torch.Tensor, ...]:
+    return _impl("sample_top_candidates", logits)(logits, params, rng, k_max, whole_vocab)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, adapters: torch.Tensor, q_len: int,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     return _impl("lora_shrink", x)(x, a, ranks, adapters, q_len, norm_weight, eps)

@@ -25,6 +25,7 @@ from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
 from exlpy.kernels.rope import apply_rope, rope_store_kv
+from exlpy.kernels.sample_top import sample_top, sample_top_candidates
 from exlpy.kernels.token_bitmask import apply_token_bitmask
 from exlpy.runtime import options
 
@@ -111,6 +112,8 @@ def register_all() -> None:
     ops.register("quant_attention", quant_attention_cuda)
     ops.register("store_kv_quant", store_kv_quant)
     ops.register("apply_token_bitmask", apply_token_bitmask)
+    ops.register("sample_top", sample_top)
+    ops.register("sample_top_candidates", sample_top_candidates)
     ops.register("lora_shrink", lora_shrink)
     ops.register("lora_expand", lora_expand)
     ops.register("lora_expand_swiglu", lora_expand_swiglu)

@@ -21,18 +21,28 @@ on the device), reads token n (the one wait on the device) and feeds it to the f
 worker thread computes while the GPU runs that forward pass, and then uploads the mask (pinned, non-blocking)
 and launches the masking kernel and the sampling behind the forward pass on the stream. Each row carries its
 job's LoRA slot.
+
+Where decode steps are CUDA graphs (`gen.graph_sampling`), rows sample through the captured sampler
+(exlpy/generator/sampling/graphed.py): one graph replay for the step's masks, penalties (each job's token counts
+live in a sampler slot on the device and follow its tokens there), truncation and draw. A seeded job's random
+points still come from its generator, in the same order as on the host; an unseeded job's from Philox in the
+kernel. Rows the captured sampler cannot take use `sample_rows` or the host sampler as before.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exlpy.errors import SamplerError
-from exlpy.generator.filters.device import premask_jobs
+from exlpy.generator.filters.device import collect, premask_jobs
+from exlpy.generator.sampling import graphed
 from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
+from exlpy.generator.sampling.graphed import GraphRow, GraphSampler
 from exlpy.model.batch import paged_batch, upload_ids
 
 if TYPE_CHECKING:
@@ -116,6 +126,8 @@ class DecodeStepper:
     def __init__(self, gen: ExLlamaV2DynamicGenerator) -> None:
         self.gen = gen
         self.inflight: Launched | None = None
+        self.graphed: GraphSampler | None = None  # the captured sampler, made on first use
+        self.slot_of: dict[int, list[Any]] = {}  # id(job) -> [sampler slot, tokens its counts hold, weakref]
 
     def input_ids(self, rows: list[tuple[ExLlamaV2DynamicJob, Any]], prev: Launched | None,
                   device: torch.device) -> torch.Tensor:
@@ -173,12 +185,18 @@ class DecodeStepper:
         """Mask the step's constrained rows on the device (grammar filters: each waits for its mask), sample
         the rows that can be sampled there, and start reading their tokens back. Jobs that ended since the
         forward pass was launched (the host read their previous token meanwhile) are left out: their rows
-        computed one token too many."""
+        computed one token too many.
+
+        Where the generator samples through the captured sampler (`graph_sampling`), its rows (penalties, bias,
+        masks and blocked tokens included) take `GraphSampler`: their masks go into its buffers instead of a
+        masking kernel here; the remaining device rows take `sample_rows`."""
         live = [k for k, (j, e) in enumerate(zip(step.jobs, step.epochs)) if not j.finished and j.epoch == e]
         jobs, first = [step.jobs[k] for k in live], [step.first[k] for k in live]
+        graph = self._graph_rows(jobs, step.logits)
         # Grammar filters: each masks its rows on the device (the mask was computed while the step ran).
-        logits = premask_jobs(jobs, first, step.logits)
-        plans: list[RowSample | None] = [j.device_sampling() for j in jobs]
+        others = [k for k in range(len(jobs)) if k not in graph]
+        logits = premask_jobs([jobs[k] for k in others], [first[k] for k in others], step.logits)
+        plans: list[RowSample | None] = [None if k in graph else j.device_sampling() for k, j in enumerate(jobs)]
         points: dict[int, float] = {}
         for k, p in enumerate(plans):
             if p is not None and not is_greedy(p.settings):
@@ -187,34 +205,122 @@ class DecodeStepper:
                 except Exception:
                     plans[k] = None  # the host sampler will meet the same fault and fail this job alone
         dev = [k for k, p in enumerate(plans) if p is not None]
-        host = HostRows([jobs[k] for k in range(len(jobs)) if plans[k] is None],
-                        [first[k] for k in range(len(jobs)) if plans[k] is None])
+        on_host = [k for k in range(len(jobs)) if plans[k] is None and k not in graph]
+        host = HostRows([jobs[k] for k in on_host], [first[k] for k in on_host])
         launched = None
-        if dev:
+        if dev or graph:
             try:
                 launched = self._sample(jobs, first, plans, dev, [points.get(k, 0.0) for k in dev], logits,
-                                        step.device)
-            except Exception:
+                                        step.device, graph)
+            except Exception as e:
                 # e.g. a malformed token_bias: the host sampler runs these rows one by one (with the points
                 # already drawn) and fails only the job at fault
-                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in points.items()})
+                if graph:  # the captured sampler failed: the generator goes on without it
+                    warnings.warn(f"captured sampler failed ({type(e).__name__}: {e}); sampling without it from "
+                                  "now on", stacklevel=2)
+                    self.gen.graph_sampling = False
+                logits = premask_jobs(jobs, first, step.logits)
+                drawn = {**points, **{k: row.point for k, row in graph.items() if row.point is not None}}
+                host = HostRows(list(jobs), first, points={jobs[k].serial or 0: v for k, v in drawn.items()})
         host.logits = logits
         return launched, host
 
+    # --- the captured sampler (exlpy/generator/sampling/graphed.py) ---------------------------------------------
+    def graph_sampler(self, logits: torch.Tensor) -> GraphSampler | None:
+        """The captured sampler for logits like these ([..., V] on their device), or None where the generator
+        does not use it (`gen.graph_sampling`)."""
+        if not graphed.wanted(self.gen.model, logits.device, self.gen.graph_sampling) or \
+                (self.graphed is not None and self.graphed.failed):
+            return None
+        vocab = logits.shape[-1]
+        if self.graphed is None or self.graphed.device != logits.device or self.graphed.vocab != vocab:
+            self.graphed = graphed.for_logits(logits.view(-1, vocab), self.gen.max_batch_size, self.gen.tokenizer)
+            self.slot_of.clear()
+        return self.graphed
+
+    def _graph_rows(self, jobs: list[ExLlamaV2DynamicJob], logits: torch.Tensor) -> dict[int, GraphRow]:
+        """The jobs (by index) that the captured sampler samples this step, with their rows."""
+        if self.graph_sampler(logits) is None:
+            return {}
+        vocab = logits.shape[-1]
+        rows: dict[int, GraphRow] = {}
+        live = {id(j) for j in jobs}
+        for k, job in enumerate(jobs):
+            if not job.graph_sampling(vocab):
+                continue
+            s = job.settings
+            slot = -1
+            if graphed.has_penalties(s) or s.token_bias is not None:
+                slot = self._slot(job, live)
+                if slot < 0:
+                    continue
+            try:
+                point = job.draw_point() if job.seed is not None and not is_greedy(s) else None
+                seed = job.philox_seed() if point is None else 0
+            except Exception:
+                continue  # the host sampler meets the same fault and fails this job alone
+            row = GraphRow(s, slot, seed, len(job.sequence) + job.inflight, point, job.blocked_tokens())
+            if job.filters and job.device_masked():
+                row.mask, job.premask_end = collect(job.filters)
+            else:
+                job.premask_end = None
+            rows[k] = row
+        return rows
+
+    def _slot(self, job: ExLlamaV2DynamicJob, live: set[int]) -> int:
+        """The job's slot of penalty counts and bias, its counts rebuilt from its context when they do not hold
+        exactly its tokens (a first step, or tokens sampled elsewhere); -1 when they cannot be rebuilt now (a
+        token of it still in flight)."""
+        g = self.graphed
+        assert g is not None
+        entry = self.slot_of.get(id(job))
+        if entry is None or entry[2]() is not job:
+            used = {e[0] for key, e in self.slot_of.items() if key in live and e[2]() is not None
+                    and not e[2]().finished}  # type: ignore[union-attr]
+            free = next((i for i in range(g.slots) if i not in used), None)
+            if free is None:
+                return -1
+            for key in [key for key, e in self.slot_of.items() if e[0] == free]:
+                del self.slot_of[key]
+            entry = self.slot_of[id(job)] = [free, -1, weakref.ref(job)]
+        slot, length = entry[0], entry[1]
+        expected = len(job.sequence) + job.inflight
+        if graphed.has_penalties(job.settings) and length != expected:
+            if job.inflight:
+                return -1
+            g.bind_counts(slot, job.sequence)
+        entry[1] = expected + 1  # the graph counts the token it samples now
+        return slot
+
     def _sample(self, jobs: list[ExLlamaV2DynamicJob], first: list[int], plans: list[RowSample | None],
-                dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device) -> Launched:
-        row_plans = [plans[k] for k in dev]
-        assert all(p is not None for p in row_plans)
-        x = logits
-        if len(dev) != logits.shape[0]:
-            x = x.index_select(0, upload_ids(torch.tensor([first[k] for k in dev]), device))
-        tokens, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
-                                    self.gen.tokenizer)
-        for k in dev:
+                dev: list[int], points: list[float], logits: torch.Tensor, device: torch.device,
+                graph: dict[int, GraphRow] | None = None) -> Launched:
+        graph = graph or {}
+        parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        if graph:
+            gk = list(graph)
+            assert self.graphed is not None
+            x = logits if gk == list(range(logits.shape[0])) and all(len(jobs[k].seqs) == 1 for k in gk) \
+                else logits.index_select(0, upload_ids(torch.tensor([first[k] for k in gk]), device))
+            t, _, ok = self.graphed.sample(x, [graph[k] for k in gk])
+            parts.append((gk, t, ok))
+        if dev:
+            row_plans = [plans[k] for k in dev]
+            assert all(p is not None for p in row_plans)
+            x = logits
+            if len(dev) != logits.shape[0]:
+                x = x.index_select(0, upload_ids(torch.tensor([first[k] for k in dev]), device))
+            t, _, ok = sample_rows(x, row_plans, upload_floats(points, device).view(-1, 1),  # type: ignore[arg-type]
+                                   self.gen.tokenizer)
+            parts.append((dev, t, ok))
+        order = [k for ks, _, _ in parts for k in ks]
+        tokens = torch.cat([t for _, t, _ in parts]) if len(parts) > 1 else parts[0][1].clone()
+        ok = torch.cat([o for _, _, o in parts]) if len(parts) > 1 else parts[0][2]
+        for k in order:
             jobs[k].inflight += 1
         host, event = read_back(torch.cat([tokens, ok.long()]))
-        return Launched([(jobs[k], jobs[k].epoch) for k in dev], tokens, host, event,
-                        [jobs[k].premask_end for k in dev])
+        return Launched([(jobs[k], jobs[k].epoch) for k in order], tokens, host, event,
+                        [jobs[k].premask_end for k in order])
 
     def finish(self, launched: Launched, results: list[dict[str, Any]]) -> None:
         """Read a launched step's tokens (waits for its copy) and hand each to its job."""

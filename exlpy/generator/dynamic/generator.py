@@ -99,6 +99,9 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         self.preemptions = 0
         self.copy_partial_pages = True
         self.stepper = DecodeStepper(self)
+        # Sample through the captured sampler (exlpy/generator/sampling/graphed.py): None = where decode steps
+        # are CUDA graphs; True / False force it (tests compare both paths on the CPU).
+        self.graph_sampling: bool | None = None
         self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
         # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
         # None adapts the draft length to the acceptance rate; a number fixes it.

@@ -25,6 +25,7 @@ from exlpy.generator.dynamic.validate import check_job_args, check_prompt_ids
 from exlpy.generator.filters.base import drop_background, feed_token, schedule_background
 from exlpy.generator.filters.device import device_maskable
 from exlpy.generator.sampling.batched import RowSample, device_capable
+from exlpy.generator.sampling.graphed import graph_capable
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
@@ -120,6 +121,7 @@ class ExLlamaV2DynamicJob:
         self.drafted_tokens = self.accepted_draft_tokens = 0  # speculative decoding
         self.premask_end: set[int] | None = None  # end tokens when the generator masked this step's logits
         self._device_masked: bool | None = None
+        self._philox_seed: int | None = None
 
     # --- setup (called by the generator when the job is enqueued / started) ----------------------------------
     def prepare(self, generator: ExLlamaV2DynamicGenerator, serial: int) -> None:
@@ -232,6 +234,21 @@ class ExLlamaV2DynamicJob:
                 or (self.prefix_token is not None and self.new_tokens + self.inflight == 0)):
             return None
         return RowSample(s, self.blocked_tokens())
+
+    def graph_sampling(self, vocab: int) -> bool:
+        """Whether the generator's captured sampler (exlpy/generator/sampling/graphed.py) can sample this job's
+        next token: like `device_sampling`, and penalties over the context are allowed (device token counts)."""
+        s = self.settings
+        return not ((self.filters and not self.device_masked()) or self.banned_strings or len(self.seqs) > 1
+                    or not graph_capable(s, vocab) or self.return_probs or self.return_top_tokens
+                    or self.return_logits or (self.prefix_token is not None and self.new_tokens + self.inflight == 0))
+
+    def philox_seed(self) -> int:
+        """Key of the in-kernel random numbers of an unseeded job (drawn once from its randomly seeded generator;
+        a seeded job's points come from its torch.Generator instead, as the host sampler draws them)."""
+        if self._philox_seed is None:
+            self._philox_seed = int(torch.randint(0, 2**62, (1,), generator=self.rng))
+        return self._philox_seed
 
     def draw_point(self) -> float:
         """The next random point of this job's generator: what the host sampler would draw for this token."""

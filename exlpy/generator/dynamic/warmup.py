@@ -133,14 +133,21 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
         _release(device)
     sampled = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0)
     for rows in plan.jobs:
-        for settings in (ExLlamaV2Sampler.Settings.greedy(), sampled):
+        # greedy; whole-vocabulary top-p; exllamav2's defaults (top-k and the penalty variant of the captured
+        # sampler, exlpy/generator/sampling/graphed.py)
+        for settings in (ExLlamaV2Sampler.Settings.greedy(), sampled, ExLlamaV2Sampler.Settings()):
             gen.enqueue([ExLlamaV2DynamicJob(torch.randint(3, vocab, (1, 2)), 3, stop_conditions=[],
                                              gen_settings=settings, seed=k) for k in range(rows)])
             while gen.num_remaining_jobs():
                 gen.iterate()
+    if plan.jobs:  # the captured sampler's candidate steps (typical, TFS, ...): one more kernel variant, once
+        gen.enqueue(ExLlamaV2DynamicJob(torch.randint(3, vocab, (1, 2)), 3, stop_conditions=[], seed=0,
+                                        gen_settings=ExLlamaV2Sampler.Settings(typical=0.9)))
+        while gen.num_remaining_jobs():
+            gen.iterate()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if log:
-        print(f"warm-up: {len(plan.decode)} decode shapes, {len(plan.jobs) * 2} sampler batches, "
+        print(f"warm-up: {len(plan.decode)} decode shapes, {len(plan.jobs) * 3} sampler batches, "
               f"{len(plan.prefill)} prefill shapes in {time.perf_counter() - t0:.1f} s", flush=True)
     return plan

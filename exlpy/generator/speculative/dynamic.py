@@ -24,6 +24,7 @@ import torch
 from exlpy.errors import SamplerError
 from exlpy.generator.dynamic.decode import BAD_ROW, HostRows, read_back, upload_floats
 from exlpy.generator.filters.device import premask_jobs
+from exlpy.generator.sampling import graphed
 from exlpy.generator.sampling.batched import RowSample, is_greedy
 from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.draft import ModelDrafter
@@ -163,7 +164,13 @@ class Speculation:
         u_dev = upload_floats([x for row in u for x in row], dev).view(len(spec_rows), k)
         r_dev = upload_floats([x for row in r for x in row], dev).view(len(spec_rows), T)
         spec_logits = logits.index_select(0, index)
-        m, tok = verify_rows(spec_logits, drafts, plans, u_dev, r_dev, gen.tokenizer)
+        sampler = gen.stepper.graph_sampler(logits)
+        if sampler is not None and all(graphed.verify_capable(p.settings, logits.shape[-1]) and not p.blocked
+                                       for p in plans):
+            m, tok = sampler.verify(spec_logits, drafts, [p.settings for p in plans], u, r)  # one graph replay
+            m, tok = m.clone(), tok.clone()
+        else:
+            m, tok = verify_rows(spec_logits, drafts, plans, u_dev, r_dev, gen.tokenizer)
         ok = torch.isfinite(spec_logits.amax(-1)).all(-1)  # NaN / +inf logits: the row fails (sampling/guard.py)
         host, event = read_back(torch.cat([m, tok, ok.long(), drafts.reshape(-1)]))
         if event is not None:

@@ -17,6 +17,7 @@ import torch
 
 from exlpy.generator.dynamic.decode import read_back, upload_floats
 from exlpy.generator.sampling.batched import RowSample, is_greedy
+from exlpy.generator.sampling.graphed import verify_capable
 from exlpy.generator.speculative.draft import weight_bytes
 from exlpy.generator.speculative.length import DraftLength
 from exlpy.generator.speculative.ngram import NgramIndex
@@ -74,9 +75,10 @@ class StreamSpeculation:
         return drafts[:keep]
 
     def verify(self, seq: torch.Tensor, drafts: list[int], plan: RowSample, rng: torch.Generator | None,
-               tokenizer: Any, loras: Any = None) -> tuple[int, list[int]]:
+               tokenizer: Any, loras: Any = None, graph: Any = None) -> tuple[int, list[int]]:
         """Target step over the last token and the drafts (with the stream's LoRA adapters; the draft model
-        has none); returns (accepted drafts m, emitted tokens)."""
+        has none); returns (accepted drafts m, emitted tokens). `graph(logits)`: the stream's captured sampler
+        (exlpy/generator/sampling/graphed.py) that verifies in one graph replay, or None."""
         cache = self.model_cache
         L = seq.shape[1]
         k = len(drafts)
@@ -87,7 +89,12 @@ class StreamSpeculation:
         pts = [0.5] * (2 * k + 1) if is_greedy(plan.settings) else torch.rand(2 * k + 1, generator=rng).tolist()
         u = upload_floats(pts[:k], dev).view(1, k)
         r = upload_floats(pts[k:], dev).view(1, k + 1)
-        m, tok = verify_rows(logits, upload_ids(torch.tensor([drafts]), dev), [plan], u, r, tokenizer)
+        sampler = graph(logits) if graph is not None else None
+        d_dev = upload_ids(torch.tensor([drafts]), dev)
+        if sampler is not None and verify_capable(plan.settings, logits.shape[-1]) and not plan.blocked:
+            m, tok = sampler.verify(logits, d_dev, [plan.settings], [pts[:k]], [pts[k:]])
+        else:
+            m, tok = verify_rows(logits, d_dev, [plan], u, r, tokenizer)
         host, event = read_back(torch.cat([m, tok]))
         if event is not None:
             event.synchronize()
@@ -127,7 +134,7 @@ def speculative_round(gen: Any, plan: RowSample) -> dict[str, Any] | None:
     if not drafts:
         return None
     t1 = time.perf_counter()
-    m, emitted = spec.verify(seq, drafts, plan, gen.rng, gen.tokenizer, gen.loras)
+    m, emitted = spec.verify(seq, drafts, plan, gen.rng, gen.tokenizer, gen.loras, gen._verify_sampler)
     if gen.draft_model is not None:  # the draft model ran k steps, also when fewer drafts were kept
         spec.length.observe(k, t1 - t0, time.perf_counter() - t0)
     gen.total_draft_tokens += len(drafts)
