@@ -142,18 +142,17 @@ def test_config_errors_name_the_key(root: Path) -> None:
 def test_unimplemented_tabbyapi_keys_warn(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     values, warnings = flatten({"model": {"vision": True, "backend": "exllamav3", "use_dummy_models": True},
                                 "developer": {"cuda_malloc_backend": True}, "logging": {"log_prompt": True}})
-    assert values == {}
+    assert values == {"vision": True}  # TabbyAPI's vision switch is honoured (exlpy/vision/)
     text = "\n".join(warnings)
-    for key in ("model.vision", "model.backend", "model.use_dummy_models", "developer.cuda_malloc_backend",
-                "logging.log_prompt"):
+    for key in ("model.backend", "model.use_dummy_models", "developer.cuda_malloc_backend", "logging.log_prompt"):
         assert key in text
-    assert "vision models are not supported yet" in text and len(warnings) == 5
+    assert "model.vision" not in text and len(warnings) == 4
     # The CLI prints them and goes on (here it then fails on a missing model dir, after the warnings).
     cfg = root / "c.yml"
-    cfg.write_text(f"model:\n  vision: true\n  model_dir: {root}\n  model_name: absent\n")
+    cfg.write_text(f"model:\n  backend: exllamav3\n  model_dir: {root}\n  model_name: absent\n")
     assert main(["serve", "--config", str(cfg)]) == 1
     err = capsys.readouterr().err
-    assert "warning:" in err and "model.vision" in err and "absent does not exist" in err
+    assert "warning:" in err and "model.backend" in err and "absent does not exist" in err
 
 
 def _greedy(gen: Any, prompt: str, n: int = 8) -> str:
