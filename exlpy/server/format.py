@@ -18,32 +18,49 @@ class ResultReader:
         self.pieces = pieces
         self.top = top_logprobs
         self.raw = raw
-        self.text = ""
         self.finish_reason: str | None = None
         self.completion_tokens = 0
-        self.tokens: list[int] = []
         self.entries: list[lp.TokenLogprob] = []
         self.cumulative_logprob = 0.0
+        # Text pieces and token-id tensors as they came: joined or turned into ints only when asked for (the
+        # final response, logprobs), not once per token on the event loop.
+        self._texts: list[str] = []
+        self._ids: list[Any] = []
+
+    @property
+    def text(self) -> str:
+        if len(self._texts) > 1:
+            self._texts = ["".join(self._texts)]
+        return self._texts[0] if self._texts else ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for ids in self._ids for t in ids.tolist()]
 
     def add(self, r: dict[str, Any]) -> tuple[str, list[lp.TokenLogprob]]:
         """(text, logprob entries) of one streaming result."""
         text = r.get("text", "")
-        self.text += text
-        ids = r["token_ids"][0].tolist()
+        if text:
+            self._texts.append(text)
+        ids = r["token_ids"][0]
+        n = ids.shape[0]
         entries: list[lp.TokenLogprob] = []
-        if "logits" in r and ids:
-            entries = lp.from_logits(r["logits"][0], ids, len(self.pieces), self.top or 0)
-            self.cumulative_logprob += sum(e.logprob for e in entries)
-        elif "token_probs" in r and ids:
-            probs = r["token_probs"][0].tolist()
-            alts = list(zip(r["top_k_tokens"][0].tolist(), r["top_k_probs"][0].tolist())) \
-                if "top_k_tokens" in r else [([], [])] * len(ids)
-            entries = lp.from_probs(ids, probs, alts, self.top or 0)
-        if r["eos"] and r.get("eos_reason") == "stop_token" and ids:
-            ids, entries = ids[:-1], entries[:-1]  # the stop token is not part of the completion
-        self.tokens += ids
-        self.entries += entries
+        if n and ("logits" in r or "token_probs" in r):
+            id_list = ids.tolist()
+            if "logits" in r:
+                entries = lp.from_logits(r["logits"][0], id_list, len(self.pieces), self.top or 0)
+                self.cumulative_logprob += sum(e.logprob for e in entries)
+            else:
+                probs = r["token_probs"][0].tolist()
+                alts = list(zip(r["top_k_tokens"][0].tolist(), r["top_k_probs"][0].tolist())) \
+                    if "top_k_tokens" in r else [([], [])] * n
+                entries = lp.from_probs(id_list, probs, alts, self.top or 0)
         if r["eos"]:
+            if r.get("eos_reason") == "stop_token" and n:
+                ids, entries = ids[:-1], entries[:-1]  # the stop token is not part of the completion
             self.finish_reason = FINISH.get(r.get("eos_reason", ""), "stop")
             self.completion_tokens = int(r.get("new_tokens", 0))
+        if n:
+            self._ids.append(ids)
+            self.entries += entries
         return text, entries if self.top is not None else []
