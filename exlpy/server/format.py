@@ -35,18 +35,18 @@ class ResultReader:
 
     @property
     def tokens(self) -> list[int]:
-        return [t for ids in self._ids for t in ids.tolist()]
+        return [t for ids in self._ids for t in ids[0].tolist()]
 
     def add(self, r: dict[str, Any]) -> tuple[str, list[lp.TokenLogprob]]:
         """(text, logprob entries) of one streaming result."""
         text = r.get("text", "")
         if text:
             self._texts.append(text)
-        ids = r["token_ids"][0]
-        n = ids.shape[0]
+        ids = r["token_ids"]  # (1, n): indexed only when the ints are needed (a tensor index per token costs)
+        n = ids.shape[-1]
         entries: list[lp.TokenLogprob] = []
         if n and ("logits" in r or "token_probs" in r):
-            id_list = ids.tolist()
+            id_list = ids[0].tolist()
             if "logits" in r:
                 entries = lp.from_logits(r["logits"][0], id_list, len(self.pieces), self.top or 0)
                 self.cumulative_logprob += sum(e.logprob for e in entries)
@@ -57,7 +57,7 @@ class ResultReader:
                 entries = lp.from_probs(id_list, probs, alts, self.top or 0)
         if r["eos"]:
             if r.get("eos_reason") == "stop_token" and n:
-                ids, entries = ids[:-1], entries[:-1]  # the stop token is not part of the completion
+                ids, entries = ids[:, :-1], entries[:-1]  # the stop token is not part of the completion
             self.finish_reason = FINISH.get(r.get("eos_reason", ""), "stop")
             self.completion_tokens = int(r.get("new_tokens", 0))
         if n:

@@ -56,10 +56,11 @@ class BodyLimit:
                     raise BodyTooLarge()
             return message
 
-        async def tracked_send(message: dict[str, Any]) -> None:
+        def tracked_send(message: dict[str, Any]) -> Any:
+            # Returns send's awaitable instead of awaiting it: no coroutine of its own for each streamed event.
             nonlocal started
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, limited_receive, tracked_send)
