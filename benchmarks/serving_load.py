@@ -54,6 +54,7 @@ class Figures:
     gaps: list[float] = field(default_factory=list)
     failed: int = 0
     cpu: float = float("nan")  # CPU seconds the server process (or the generator's process) used meanwhile
+    threads: dict[str, float] = field(default_factory=dict)  # the server's CPU seconds per thread name
     client_cpu: float = float("nan")  # CPU seconds of the client processes
 
     @property
@@ -67,13 +68,37 @@ class Figures:
                 + f"; CPU {self.cpu * 1e3 / max(self.tokens, 1):.2f} ms per token"
                 + (f" (client {self.client_cpu * 1e3 / max(self.tokens, 1):.2f})" if self.client_cpu == self.client_cpu
                    else "")
+                + (f" [{self.thread_split()}]" if self.threads else "")
                 + (f"; {self.failed} failed" if self.failed else ""))
+
+    def thread_split(self) -> str:
+        """CPU ms per token by server thread: the event loop (MainThread, named "python"), the generator's
+        thread (exlpy-generator), the rest (torch, uvicorn's helpers) together."""
+        n = max(self.tokens, 1)
+        loop = sum(v for k, v in self.threads.items() if k.startswith("python"))
+        gen = self.threads.get("exlpy-generator", 0.0)
+        rest = sum(self.threads.values()) - loop - gen
+        return f"event loop {loop * 1e3 / n:.3f}, generator thread {gen * 1e3 / n:.3f}, other {rest * 1e3 / n:.3f}"
 
 
 def process_cpu(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) per thread name of a process (threads of one name summed), from /proc."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def figures_of(label: str, streams: list[Stream], wall: float) -> Figures:
@@ -115,6 +140,7 @@ async def _drive_server(port: int, name: str, prompts: list[list[int]], max_toke
                                     max_retries=0)
         await stream(client, name, prompt(random.Random(1), 32, vocab), 8, Stream())
     cpu0 = process_cpu(pid) if pid else float("nan")
+    threads0 = thread_cpu(pid) if pid else {}
     t0 = time.perf_counter()
     if clients <= 1:
         streams, client_cpu = await _client_streams(port, name, prompts, max_tokens)
@@ -131,6 +157,8 @@ async def _drive_server(port: int, name: str, prompts: list[list[int]], max_toke
     wall = (max(ends) if ends else time.perf_counter()) - t0
     out = figures_of(f"exlpy serve (openai client, {clients} process{'es' if clients > 1 else ''})", streams, wall)
     out.cpu = (process_cpu(pid) if pid else float("nan")) - cpu0
+    if pid:
+        out.threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu(pid).items()}
     out.client_cpu = client_cpu
     return out
 

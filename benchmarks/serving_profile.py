@@ -1,10 +1,13 @@
-"""Where `exlpy serve` spends its CPU under streaming load: CPU seconds per generated token for each thread of
-the server process (from /proc: the event loop's main thread, the `exlpy-generator` bridge thread, torch's
-threads), and optionally a yappi profile of every thread (CPU clock) of the same run.
+"""Where `exlpy serve` spends its CPU under streaming load: CPU milliseconds per generated token for each thread
+of the server process (from /proc: the event loop's main thread, the `exlpy-generator` bridge thread, the
+rest), and optionally a yappi profile of every thread (CPU clock) of the same run.
 
     # per-thread CPU only (no profiler overhead), 3 rounds:
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/serving_profile.py --model exlpy/demo/aidreams260K \\
         --streams 64 --prompts 8,60 --max-tokens 64 --cache-size 16384 --rounds 3
+    # GPU, the issue-29 load on the 8B fp16 model benchmarks/serving.py writes (4 client processes):
+    PYTHONPATH=. python benchmarks/serving_profile.py --model /tmp/exlpy_bench/llama3-8b-fp16 --streams 64 \
+        --prompts 100,2000 --max-tokens 256 --max-seq-len 20480 --clients 4 --rounds 2
     # plus a yappi profile per thread (pip install yappi), top 25 functions by own time:
     ... --yappi /tmp/serve.prof --top 25
 
@@ -31,27 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serving_load import Load, _drive_server  # noqa: E402
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) per thread name of a process; threads of one name are summed."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def start(model: str, port: int, cache: int, log: str, prof: str | None) -> subprocess.Popen:
-    args = ["serve", "--model", model, "--port", str(port), "--cache-size", str(cache), "--max-queue", "1024",
-            "--log-level", "warning"]
+def start(model: str, port: int, cache: int | None, max_seq_len: int | None, log: str, prof: str | None
+          ) -> subprocess.Popen:
+    args = ["serve", "--model", model, "--port", str(port), "--max-queue", "1024", "--log-level", "warning"]
+    args += ["--cache-size", str(cache)] if cache else []  # else the server's default (free GPU memory)
+    args += ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
     cmd = [sys.executable, __file__, "--_serve", prof or "", "--", *args]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     t0 = time.time()
-    while time.time() - t0 < 300:
+    while time.time() - t0 < 900:  # an 8B model's load and warm-up on a GPU take minutes
         if proc.poll() is not None:
             raise RuntimeError(f"server exited; see {log}")
         try:
@@ -69,13 +60,6 @@ def _serve_profiled(prof: str, argv: list[str]) -> int:
     import exlpy.server.bridge as bridge
     from exlpy.cli.main import main
 
-    run = bridge.GeneratorBridge._run
-
-    def named_run(self: bridge.GeneratorBridge) -> None:
-        _name_os_thread(b"exlpy-generator")  # so /proc shows the bridge thread apart from the event loop
-        run(self)
-
-    bridge.GeneratorBridge._run = named_run  # type: ignore[method-assign]
     if not prof:
         return main(argv)
     import yappi
@@ -108,15 +92,6 @@ def _serve_profiled(prof: str, argv: list[str]) -> int:
                     f.write(f"{s.tsub:.4f}\t{s.ttot:.4f}\t{s.ncall}\t{s.module}:{s.lineno} {s.name}\n")
 
 
-def _name_os_thread(name: bytes) -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME (Linux)
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
     if "--_serve" in sys.argv:
         i = sys.argv.index("--_serve")
@@ -126,8 +101,10 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--prompts", default="8,60")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--cache-size", type=int, default=16384)
+    ap.add_argument("--cache-size", type=int, default=None, help="default: the server's own")
+    ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=8767)
+    ap.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
     ap.add_argument("--rounds", type=int, default=1, help="loads per server (the first one after start-up)")
     ap.add_argument("--yappi", default=None, help="write a per-thread yappi profile (CPU clock) to this file")
     ap.add_argument("--top", type=int, default=20, help="functions per thread to print from the profile")
@@ -138,19 +115,16 @@ def main() -> None:
     load = Load(args.streams, (lo, hi), args.max_tokens)
     vocab = ExLlamaV2Config(args.model).vocab_size
     name = os.path.basename(os.path.normpath(args.model))
-    proc = start(args.model, args.port, args.cache_size, "/tmp/exlpy_serve_profile.log", args.yappi)
+    proc = start(args.model, args.port, args.cache_size, args.max_seq_len, "/tmp/exlpy_serve_profile.log",
+                 args.yappi)
     per_token: list[float] = []
     try:
         for k in range(args.rounds):
             load.seed = k
-            before = thread_cpu(proc.pid)
             fig = asyncio.run(_drive_server(args.port, name, load.prompt_ids(vocab), load.max_tokens, vocab,
-                                            proc.pid))
-            after = thread_cpu(proc.pid)
-            ms = {t: (after[t] - before.get(t, 0.0)) * 1e3 / max(fig.tokens, 1) for t in after}
+                                            proc.pid, args.clients))
             per_token.append(fig.cpu * 1e3 / max(fig.tokens, 1))
-            split = ", ".join(f"{t} {v:.3f}" for t, v in sorted(ms.items(), key=lambda x: -x[1]) if v > 0.0005)
-            print(f"round {k}: {fig.line()}\n  CPU ms per token by thread: {split}", flush=True)
+            print(f"round {k}: {fig.line()}", flush=True)
     finally:
         # uvicorn re-raises the signal it stopped on: SIGINT becomes KeyboardInterrupt, so the profile is written.
         proc.send_signal(signal.SIGINT)
