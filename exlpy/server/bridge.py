@@ -85,11 +85,6 @@ class JobHandle:
             if not w.done():
                 w.set_result(None)
 
-    async def _wait(self) -> None:
-        while not self.items:
-            w = self._waiter = self.loop.create_future()
-            await w
-
     def _take(self) -> dict[str, Any] | None:
         item = self.items.popleft()
         if item is _END:
@@ -107,8 +102,9 @@ class JobHandle:
         Raises JobFailedError when the job failed."""
         if self._ended:
             return None
-        if not self.items:
-            await self._wait()
+        while not self.items:
+            w = self._waiter = self.loop.create_future()
+            await w
         return self._take()
 
     async def drain(self) -> list[dict[str, Any]]:
@@ -117,8 +113,9 @@ class JobHandle:
         failed job's response is an error)."""
         if self._ended:
             return []
-        if not self.items:
-            await self._wait()
+        while not self.items:
+            w = self._waiter = self.loop.create_future()
+            await w
         out = []
         while self.items and not self._ended:
             item = self._take()
