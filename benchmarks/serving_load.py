@@ -72,10 +72,10 @@ class Figures:
                 + (f"; {self.failed} failed" if self.failed else ""))
 
     def thread_split(self) -> str:
-        """CPU ms per token by server thread: the event loop (MainThread, named "python"), the generator's
-        thread (exlpy-generator), the rest (torch, uvicorn's helpers) together."""
+        """CPU ms per token by server thread: the event loop (the main thread), the generator's thread
+        (exlpy-generator), the rest (torch's and CUDA's threads, the request handlers' thread pool) together."""
         n = max(self.tokens, 1)
-        loop = sum(v for k, v in self.threads.items() if k.startswith("python"))
+        loop = self.threads.get("main", 0.0)
         gen = self.threads.get("exlpy-generator", 0.0)
         rest = sum(self.threads.values()) - loop - gen
         return f"event loop {loop * 1e3 / n:.3f}, generator thread {gen * 1e3 / n:.3f}, other {rest * 1e3 / n:.3f}"
@@ -88,12 +88,13 @@ def process_cpu(pid: int) -> float:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) per thread name of a process (threads of one name summed), from /proc."""
+    """CPU seconds (user + system) per thread name of a process (threads of one name summed; the main thread,
+    the server's event loop, as "main": threads it starts inherit its OS name), from /proc."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = (task / "comm").read_text().strip()
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # the thread ended meanwhile
