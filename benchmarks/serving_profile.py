@@ -34,11 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serving_load import Load, _drive_server  # noqa: E402
 
 
-def start(model: str, port: int, cache: int | None, max_seq_len: int | None, log: str, prof: str | None
-          ) -> subprocess.Popen:
+def start(model: str, port: int, cache: int | None, max_seq_len: int | None, log: str, prof: str | None,
+          extra: list[str] | None = None) -> subprocess.Popen:
     args = ["serve", "--model", model, "--port", str(port), "--max-queue", "1024", "--log-level", "warning"]
     args += ["--cache-size", str(cache)] if cache else []  # else the server's default (free GPU memory)
     args += ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
+    args += extra or []
     cmd = [sys.executable, __file__, "--_serve", prof or "", "--", *args]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     t0 = time.time()
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--cache-size", type=int, default=None, help="default: the server's own")
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--port", type=int, default=8767)
+    ap.add_argument("--server-args", default="", help="more `exlpy serve` arguments, e.g. "
+                    "\"--max-prefill-per-step 2048\"")
     ap.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
     ap.add_argument("--rounds", type=int, default=1, help="loads per server (the first one after start-up)")
     ap.add_argument("--yappi", default=None, help="write a per-thread yappi profile (CPU clock) to this file")
@@ -116,7 +119,7 @@ def main() -> None:
     vocab = ExLlamaV2Config(args.model).vocab_size
     name = os.path.basename(os.path.normpath(args.model))
     proc = start(args.model, args.port, args.cache_size, args.max_seq_len, "/tmp/exlpy_serve_profile.log",
-                 args.yappi)
+                 args.yappi, args.server_args.split())
     per_token: list[float] = []
     try:
         for k in range(args.rounds):
