@@ -140,13 +140,14 @@ def test_parallel_block_calibration_forward_matches_the_model(tmp_path: Path) ->
     assert back.side is None and len(back.chunks) == 2
 
 
-# Every dense architecture of tests/test_architectures.py the tests above do not convert (Phi-3's RoPE variants
-# convert like phi3_partial; the MoE cases are refused by the converter, see test_convert_errors.py).
+# Every dense case of tests/test_architectures.py the tests above do not convert: the calibration forward runs
+# each with its own RoPE (Phi-3's longrope) and windows. The MoE cases are refused by name (tests/test_moe.py).
 # Gemma 2 at 8 bits: its test model's weights are ten times the usual init (so that the soft-caps act), which
 # makes its logits large and sensitive: at 6 bits its weights err as much as the others' (3-5%) but its KL is
 # 2.6e-3; 4, 6, 8 bits give relative logit errors 0.23, 0.064, 0.020, the 3.5x per 2 bits of a sound conversion.
 CONVERT_CASES = {"gemma": 6.0, "gemma2": 8.0, "granite": 6.0, "starcoder2": 6.0, "gpt_bigcode": 6.0, "glm4": 6.0,
-                 "yi": 6.0, "internlm2": 6.0, "index": 6.0, "minicpm": 6.0, "orion": 6.0}
+                 "phi3": 6.0, "phi3_longrope": 6.0, "phi3_window": 6.0, "yi": 6.0, "internlm2": 6.0, "index": 6.0,
+                 "minicpm": 6.0, "orion": 6.0}
 
 
 def _quantized_linears(model: ExLlamaV2) -> dict[str, object]:
@@ -168,10 +169,10 @@ def test_architecture_converts_loads_and_matches(tmp_path: Path, monkeypatch: py
     """`exlpy convert` on the CPU, for each architecture with its quirks (Gemma's +1 norms and embedding scale,
     Gemma 2's four norms and soft-caps, StarCoder2's LayerNorm and biased non-gated MLP, GPTBigCode's multi-query
     fused c_attn, Granite / MiniCPM multipliers, GLM-4's post-norms and fused gate|up, InternLM2's packed wqkv,
-    Index's normalized head, Orion's LayerNorms): every quantized matrix loads exactly as the quantizer made it,
-    the optimizer spends the bit budget (a quirk the calibration forward misses flattens the measured errors and
-    the cheapest options win), and the logits stay within the bounds of the Cohere test of transformers' fp32
-    logits."""
+    Index's normalized head, Orion's LayerNorms, Phi-3's longrope): every quantized matrix loads exactly as the
+    quantizer made it, the optimizer spends the bit budget (a quirk the calibration forward misses flattens the
+    measured errors and the cheapest options win), and the logits stay within the bounds of the Cohere test of
+    transformers' fp32 logits."""
     bits = CONVERT_CASES[case]
     src = tmp_path / "src"
     ref = make_arch_model(src, case)
