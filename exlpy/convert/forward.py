@@ -26,6 +26,9 @@ LINEARS: dict[type, tuple[str, ...]] = {
 }
 # Fused projections built at load time; the taps need the parts called one by one.
 _FUSED = ("qkv_proj", "gate_up_proj")
+# The projections whose outputs the residual multiplier scales (Granite, MiniCPM): the loader folds it into their
+# weight and bias (exlpy/model/attention.py, mlp.py), so a quantized stand-in must fold it in too.
+_RESIDUAL_SCALED = ("o_proj", "down_proj")
 
 
 def _run(module: Module, x: torch.Tensor, batch: object) -> torch.Tensor:
@@ -40,9 +43,10 @@ class StopForward(Exception):
 class Tap:
     """One linear of a loaded module: records inputs, optionally stops the forward, runs `inner`."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: object, prescale: float = 1.0) -> None:
         self.original = inner
         self.inner = inner
+        self.prescale = prescale  # folded into the loaded weight and bias; the quantizer sees the source weight
         self.record: Callable[[torch.Tensor], None] | None = None
         self.stop = False
 
@@ -70,10 +74,11 @@ class Tap:
         if w_kn is None:
             self.inner = self.original
             return
-        bias = self.bias
-        if bias is not None:
-            bias = bias.to(torch.float16).to(dtype)  # the output stores biases in fp16
-        self.inner = DenseLinear(w_kn.t().to(dtype).contiguous(), bias)
+        p, bias = self.prescale, self.bias
+        if bias is not None:  # the output stores the source bias in fp16; the loader scales it by p
+            bias = ((bias.float() / p).to(torch.float16).float() * p).to(dtype)
+        w = w_kn.t() * p if p != 1.0 else w_kn.t()
+        self.inner = DenseLinear(w.to(dtype).contiguous(), bias)
 
     def reset(self) -> None:
         self.record = None
@@ -86,7 +91,7 @@ def install_taps(module: Module) -> dict[str, Tap]:
     for name in LINEARS[type(module)]:
         if getattr(module, name, None) is None:
             continue  # a projection this architecture lacks (a non-gated MLP has no gate_proj)
-        tap = Tap(getattr(module, name))
+        tap = Tap(getattr(module, name), module.spec.features.residual_scale if name in _RESIDUAL_SCALED else 1.0)
         setattr(module, name, tap)
         taps[name] = tap
     for name in _FUSED:

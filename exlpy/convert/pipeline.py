@@ -314,7 +314,7 @@ class _Converter:
         widest = max(k * n for m in self.decoders for k, n in shapes(m).values())
         cols = max(32, widest // spec.hidden_size // 32 * 32)
         tensors, err = quantize_head(self.config.index, name, h.result(), self.s.head_bits, self.device, cols,
-                                     self.s.damp, self.s.scale_norm, sample)
+                                     self.s.damp, self.s.scale_norm, sample, spec.features.norm_head)
         write_tensors(self.job.path("out_tensor", "lm_head.safetensors"), tensors)
         self.job.data["quant"]["head_error"] = err
 

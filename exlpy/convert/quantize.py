@@ -90,12 +90,19 @@ def head_hessian(norm_module: Module, states: States, device: torch.device) -> H
 
 
 def quantize_head(index: object, weight_name: str, h: torch.Tensor, head_bits: int, device: torch.device,
-                  slice_cols: int, damp: float, norm: float, sample: torch.Tensor | None = None
-                  ) -> tuple[dict[str, torch.Tensor], float]:
+                  slice_cols: int, damp: float, norm: float, sample: torch.Tensor | None = None,
+                  norm_rows: bool = False) -> tuple[dict[str, torch.Tensor], float]:
     """The head in slices of `slice_cols` vocabulary columns (a multiple of 32), so its GPU memory stays that of
     one decoder matrix. The group max scales are shared by every slice, fixed from the whole matrix first.
-    `sample`: normed hidden states [T, K] to report the head's relative output error on."""
+    `sample`: normed hidden states [T, K] to report the head's relative output error on. `norm_rows`: the
+    config's `norm_head` (Index): the head the model computes with has its vocabulary rows L2-normalized, which
+    the loader does only for an unquantized head, so the quantized one is made from the normalized rows."""
     vocab, k = index.info(weight_name).shape  # type: ignore[attr-defined]
+
+    def read(n0: int) -> torch.Tensor:
+        w = read_weight(index, weight_name, device, slice(n0, n0 + slice_cols))  # type: ignore[arg-type]
+        return w / w.norm(dim=0, keepdim=True).clamp_min(1e-12) if norm_rows else w
+
     option = HEAD_OPTIONS[head_bits]
     ph = prepare_hessian(h, damp, "lm_head")
     groups = option.groups(k)
@@ -104,13 +111,13 @@ def quantize_head(index: object, weight_name: str, h: torch.Tensor, head_bits: i
         bounds.append(bounds[-1] + rows)
     smax = [0.0] * len(groups)
     for n0 in range(0, vocab, slice_cols):
-        w = read_weight(index, weight_name, device, slice(n0, n0 + slice_cols))[ph.perm]  # type: ignore[arg-type]
+        w = read(n0)[ph.perm]
         for g, (b, _) in enumerate(groups):
             smax[g] = max(smax[g], float(w[bounds[g]:bounds[g + 1]].abs().max()) / ((2**b - 1) / 2))
     parts: list[dict[str, torch.Tensor]] = []
     num = den = 0.0
     for n0 in range(0, vocab, slice_cols):
-        w = read_weight(index, weight_name, device, slice(n0, n0 + slice_cols))  # type: ignore[arg-type]
+        w = read(n0)
         res: QuantResult = gptq_quantize([w], [option], ph, norm=norm, smax_fixed=[smax])[0]
         packed = pack_exl2(res, "lm_head")
         check_packed(packed, res, "lm_head")

@@ -287,36 +287,12 @@ def _gemv(x_ptr, qw_ptr, sc_ptr, aux_ptr, gr_ptr, bias_ptr, res_ptr, y_ptr, ws_p
         bits = tl.load(t + _BITS).to(tl.int32)
         a0 = tl.zeros((BLOCK_N,), tl.float32)
         a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
-        if (WIDTHS >> 2) & 1:
-            if bits == 2:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _groups(x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux,
-                                                         s_qw, ga, gb, row0, offs_n, ld_mask, magic, xs, 2, GPTQ,
-                                                         (NBS >> 0) & 31, MR, BLOCK_N)
-        if (WIDTHS >> 3) & 1:
-            if bits == 3:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _groups(x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux,
-                                                         s_qw, ga, gb, row0, offs_n, ld_mask, magic, xs, 3, GPTQ,
-                                                         (NBS >> 5) & 31, MR, BLOCK_N)
-        if (WIDTHS >> 4) & 1:
-            if bits == 4:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _groups(x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux,
-                                                         s_qw, ga, gb, row0, offs_n, ld_mask, magic, xs, 4, GPTQ,
-                                                         (NBS >> 10) & 31, MR, BLOCK_N)
-        if (WIDTHS >> 5) & 1:
-            if bits == 5:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _groups(x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux,
-                                                         s_qw, ga, gb, row0, offs_n, ld_mask, magic, xs, 5, GPTQ,
-                                                         (NBS >> 15) & 31, MR, BLOCK_N)
-        if (WIDTHS >> 6) & 1:
-            if bits == 6:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _groups(x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux,
-                                                         s_qw, ga, gb, row0, offs_n, ld_mask, magic, xs, 6, GPTQ,
-                                                         (NBS >> 20) & 31, MR, BLOCK_N)
-        if (WIDTHS >> 8) & 1:
-            if bits == 8:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _groups(x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux,
-                                                         s_qw, ga, gb, row0, offs_n, ld_mask, magic, xs, 8, GPTQ,
-                                                         (NBS >> 25) & 31, MR, BLOCK_N)
+        for b in tl.static_range(2, 9):  # widths 2, 3, 4, 5, 6, 8 (index b - 2, and 5 for 8 bits)
+            if (WIDTHS >> b) & 1:
+                if bits == b:
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _groups(
+                        x_ptr, qw, sc_ptr, aux_ptr, gr, o_sc, s_sc, o_aux, s_aux, s_qw, ga, gb, row0, offs_n, ld_mask,
+                        magic, xs, b, GPTQ, (NBS >> (5 * (b - 2 - b // 8))) & 31, MR, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out_mask = offs_n < n
