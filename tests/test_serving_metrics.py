@@ -75,14 +75,15 @@ def test_kernel_compile_counter_splits_at_ready(monkeypatch: pytest.MonkeyPatch)
 def test_installed_triton_hook_counts_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     knobs = pytest.importorskip("triton.knobs")
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    for k, v in (("startup", 0), ("serving", 0), ("ready", True), ("last", []), ("_installed", False),
+    for k, v in (("startup", 0), ("serving", 0), ("ready", True), ("last", []), ("keys", []), ("_installed", False),
                  ("available", False)):
         monkeypatch.setattr(KernelCompiles, k, v)
     KernelCompiles.install()
     knobs.runtime.jit_post_compile_hook(key="k", repr="_paged_kernel[num_warps=4]()", fn=None, compile={},
                                         is_manual_warmup=False, already_compiled=False)
     assert KernelCompiles.available
-    assert KernelCompiles.serving == 1 and KernelCompiles.last == ["_paged_kernel[num_warps=4]()"]
+    # the variant's key (argument specializations and constexprs) is kept: it names what the warm-up missed
+    assert KernelCompiles.serving == 1 and KernelCompiles.last == ["_paged_kernel[num_warps=4]() key=k"]
 
 
 def test_preemptions_are_counted_and_every_request_completes() -> None:
