@@ -489,8 +489,12 @@ def test_streaming_speculation_captured_path_matches_greedy() -> None:
 
 @requires_cuda
 def test_dynamic_generator_on_gpu_captured_sampler() -> None:
-    """On a GPU the captured sampler is the default: greedy as the old path token for token, sampled rows
-    (penalties, whole-vocabulary top-p, a seeded row) run and stay reproducible."""
+    """On a GPU with EXLPY_GRAPH_SAMPLING=1 the captured sampler is what a generator uses (off by default until
+    these tests pass on a GPU): greedy as the old path token for token, sampled rows (penalties,
+    whole-vocabulary top-p, a seeded row) run and stay reproducible."""
+    from dataclasses import replace
+
+    from exlpy.runtime import options, use_options
     from tests.test_generator_helpers import PROMPTS, aidreams
 
     model, tok = aidreams()
@@ -509,10 +513,12 @@ def test_dynamic_generator_on_gpu_captured_sampler() -> None:
 
         res = drain(g)
         assert all(res[j]["final"]["eos_reason"] == "max_new_tokens" for j in jobs)
-        assert (g.stepper.graphed is not None) == (graph is not False)
+        assert (g.stepper.graphed is not None) == (graph is not False and options().graph_sampling)
         return [res[j]["tokens"] for j in jobs]
 
-    default, again, old = run(None), run(None), run(False)
+    with use_options(replace(options(), graph_sampling=True)):
+        default, again = run(None), run(None)
+    old = run(False)
     assert default == again  # seeded rows repeat
     assert default[0] == old[0]
 
