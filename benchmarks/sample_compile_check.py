@@ -50,7 +50,7 @@ def variants() -> dict[str, dict]:
                 dict(NCH=nch, KC=kc, K=k, NP=st.NPARAM, CAND=cand), 4)
     out["full"] = compile_kernel(st._full_kernel, {
         "x_ptr": "*fp32", "params_ptr": "*fp32", "info_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64",
-        "prob_ptr": "*fp32"}, dict(NP=st.NPARAM, BLOCK=st.FULL_BLOCK, SORTED_MAX=st.SORTED_MAX), 8)
+        "prob_ptr": "*fp32"}, dict(NP=st.NPARAM, BLOCK=st.FULL_BLOCK), 8)
     return out
 
 

@@ -33,7 +33,6 @@ PHILOX_B = tl.constexpr(0xCD9E8D57)
 PHILOX_KA = tl.constexpr(0x9E3779B9)
 PHILOX_KB = tl.constexpr(0xBB67AE85)
 FULL_BLOCK = 2048  # tokens per step of the whole-vocabulary kernel's scans
-SORTED_MAX = 16384  # up to this many surviving tokens the whole-vocabulary draw follows the sorted order
 MAX_CHUNK = 4096  # vocabulary entries per program of the first kernel (tests lower it to cover many chunks)
 
 
@@ -172,10 +171,12 @@ def _key(x, ids):
 
 
 @triton.jit
-def _scan(x_row, idx_row, n, t, thr, big_m, z, temp, BLOCK: tl.constexpr):
-    """Over the n compacted tokens: (mass of those with key >= t and p >= thr, their smallest key)."""
+def _scan(x_row, idx_row, n, t, thr, big_m, z, temp, BLOCK: tl.constexpr, KMIN: tl.constexpr):
+    """Over the n compacted tokens: (mass of those with key >= t and p >= thr, their smallest key (KMIN, else
+    the int64 max: the bisections' scans go without, which keeps the kernel within its registers), their count)."""
     acc = tl.zeros([], tl.float32)
     kmin = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    cnt = tl.zeros([], tl.int32)
     for s0 in range(0, n, BLOCK):
         o = s0 + tl.arange(0, BLOCK)
         inb = o < n
@@ -185,8 +186,10 @@ def _scan(x_row, idx_row, n, t, thr, big_m, z, temp, BLOCK: tl.constexpr):
         key = _key(x, ids)
         sel = inb & (key >= t) & (p >= thr)
         acc += tl.sum(tl.where(sel, p, 0.0), axis=0)
-        kmin = tl.minimum(kmin, tl.min(tl.where(sel, key, 0x7FFFFFFFFFFFFFFF), axis=0))
-    return acc, kmin
+        if KMIN:
+            kmin = tl.minimum(kmin, tl.min(tl.where(sel, key, 0x7FFFFFFFFFFFFFFF), axis=0))
+        cnt += tl.sum(sel.to(tl.int32), axis=0)
+    return acc, kmin, cnt
 
 
 @triton.jit
@@ -196,10 +199,12 @@ def _mid(lo, hi):
 
 @triton.jit
 def _full_kernel(x_ptr, x_stride, params_ptr, info_ptr, idx_ptr, tok_ptr, prob_ptr, vocab,
-                 NP: tl.constexpr, BLOCK: tl.constexpr, SORTED_MAX: tl.constexpr):
+                 NP: tl.constexpr, BLOCK: tl.constexpr):
     """Rows flagged by `_select_kernel`: the same chain over the whole vocabulary. Tokens that can survive are
     compacted first (p >= 1e-6 under top-p, else the min-p / top-a bounds); the top-p cut and the draw are then
-    bisections over the int64 keys (value, then lower id first: the host's sorted order, ties included)."""
+    bisections over the int64 keys (value, then lower id first: the host's sorted order, ties included). A
+    bisection stops as soon as one token is left between its bounds (counted by each scan): about log2 of the
+    survivors' count steps on flat rows instead of the key width's 64."""
     row = tl.program_id(0).to(tl.int64)
     full = tl.load(info_ptr + row * 4 + 3)
     if full != 0.0:
@@ -232,75 +237,59 @@ def _full_kernel(x_ptr, x_stride, params_ptr, info_ptr, idx_ptr, tok_ptr, prob_p
             kmax = tl.maximum(kmax, tl.max(tl.where(keep, _key(x, o), -0x7FFFFFFFFFFFFFFF), axis=0))
         # top-p: the smallest key t with mass(key >= t) <= p + 1e-6 (the most likely token always stays)
         t_p = tl.full([], -0x7FFFFFFFFFFFFFFF, tl.int64)
-        s_all, kmin = _scan(x_row, idx_row, n, t_p, 0.0, big_m, z, temp, BLOCK)
+        s_all, kmin, c_all = _scan(x_row, idx_row, n, t_p, 0.0, big_m, z, temp, BLOCK, True)
         s_p = s_all
         if use_p:
             lim = top_p + 1e-6
             if s_all > lim:
+                # mass(key >= lo) > lim >= mass(key >= hi); c_lo, c_hi: tokens at or above each bound. With one
+                # token k between them, every t in (k, hi] selects what hi does: hi is the cut.
                 lo = kmin
                 hi = kmax + 1
-                while lo + 1 < hi:
+                c_lo = c_all
+                c_hi = tl.zeros([], tl.int32)
+                while (lo + 1 < hi) & (c_lo - c_hi > 1):
                     mid = _mid(lo, hi)
-                    m_mid, _k = _scan(x_row, idx_row, n, mid, 0.0, big_m, z, temp, BLOCK)
+                    m_mid, _k, c_mid = _scan(x_row, idx_row, n, mid, 0.0, big_m, z, temp, BLOCK, False)
                     if m_mid <= lim:
                         hi = mid
+                        c_hi = c_mid
                     else:
                         lo = mid
+                        c_lo = c_mid
                 t_p = tl.minimum(hi, kmax)
-                s_p, _k = _scan(x_row, idx_row, n, t_p, 0.0, big_m, z, temp, BLOCK)
+                s_p, _k, _c = _scan(x_row, idx_row, n, t_p, 0.0, big_m, z, temp, BLOCK, False)
         else:
             s_p = tl.full([], 1.0, tl.float32)  # no top-p: the softmax itself (sums to 1)
         thr = tl.where(use_a, top_a * p0 * p0 / s_p, 0.0)
         thr = tl.maximum(thr, tl.where(use_m, min_p * p0, 0.0))
         thr = tl.minimum(thr, p0)  # the most likely token always stays
-        s_f, kmin = _scan(x_row, idx_row, n, t_p, thr, big_m, z, temp, BLOCK)
+        s_f, kmin, c_f = _scan(x_row, idx_row, n, t_p, thr, big_m, z, temp, BLOCK, True)
         target = r * s_f
-        tok = tl.zeros([], tl.int64)
-        pr = tl.zeros([], tl.float32)
-        if n <= SORTED_MAX:
-            # the draw in descending order: the largest key t with mass(key >= t) > target
-            lo = kmin
-            hi = kmax + 1
-            m_lo, _k = _scan(x_row, idx_row, n, lo, thr, big_m, z, temp, BLOCK)
-            if m_lo > target:
-                while lo + 1 < hi:
-                    mid = _mid(lo, hi)
-                    m_mid, _k = _scan(x_row, idx_row, n, mid, thr, big_m, z, temp, BLOCK)
-                    if m_mid > target:
-                        lo = mid
-                    else:
-                        hi = mid
-            tok = 0xFFFFFFFF - (lo & 0xFFFFFFFF)
-            skey = (lo >> 32).to(tl.int32)
-            xv = tl.where(skey >= 0, skey, skey ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-            pr = tl.exp(xv - big_m) / z / s_f
-        else:
-            # very flat rows: the draw in vocabulary order (the same distribution, one pass)
-            acc = tl.zeros([], tl.float32)
-            found = tl.zeros([], tl.int32)
-            last = tl.zeros([], tl.int64)
-            for s0 in range(0, n, BLOCK):
-                o = s0 + tl.arange(0, BLOCK)
-                inb = o < n
-                ids = tl.load(idx_row + o, mask=inb, other=0)
-                x = tl.load(x_row + ids, mask=inb, other=float("-inf")).to(tl.float32) / temp
-                p = tl.exp(x - big_m) / z
-                sel = inb & (_key(x, ids) >= t_p) & (p >= thr)
-                q = tl.where(sel, p, 0.0)
-                cum = acc + tl.cumsum(q, axis=0)
-                hit = sel & (cum > target) & (found == 0)
-                first_hit = tl.min(tl.where(hit, o, 0x7FFFFFFF), axis=0)
-                take = hit & (o == first_hit)
-                tok = tl.where(first_hit < 0x7FFFFFFF, tl.sum(tl.where(take, ids, 0), axis=0).to(tl.int64), tok)
-                pr = tl.where(first_hit < 0x7FFFFFFF, tl.sum(tl.where(take, q, 0.0), axis=0) / s_f, pr)
-                found = tl.where(first_hit < 0x7FFFFFFF, 1, found)
-                last_sel = tl.max(tl.where(sel, o, -1), axis=0)
-                last = tl.where(last_sel >= 0, tl.sum(tl.where(o == last_sel, ids, 0), axis=0).to(tl.int64), last)
-                acc += tl.sum(q, axis=0)
-            if found == 0:
-                tok = last
-                xl = tl.load(x_row + last).to(tl.float32) / temp
-                pr = tl.exp(xl - big_m) / z / s_f
+        # the draw in descending order: the largest key t with mass(key >= t) > target. Always in this order,
+        # however many tokens survive: drawing flat rows in vocabulary order would keep the distribution but
+        # not the token at a given point, and seeded jobs must draw the host chain's tokens (issue 30).
+        # mass(key >= lo) > target >= mass(key >= hi); once one token is left in [lo, hi) (or hi = lo + 1) the
+        # draw is the smallest key at or above lo. mass(key >= kmin) is s_f itself (the same tokens, same order).
+        lo = kmin
+        hi = kmax + 1
+        c_lo = c_f
+        c_hi = tl.zeros([], tl.int32)
+        if s_f > target:
+            while (lo + 1 < hi) & (c_lo - c_hi > 1):
+                mid = _mid(lo, hi)
+                m_mid, _k, c_mid = _scan(x_row, idx_row, n, mid, thr, big_m, z, temp, BLOCK, False)
+                if m_mid > target:
+                    lo = mid
+                    c_lo = c_mid
+                else:
+                    hi = mid
+                    c_hi = c_mid
+            _m, lo, _c = _scan(x_row, idx_row, n, lo, thr, big_m, z, temp, BLOCK, True)
+        tok = 0xFFFFFFFF - (lo & 0xFFFFFFFF)
+        skey = (lo >> 32).to(tl.int32)
+        xv = tl.where(skey >= 0, skey, skey ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        pr = tl.exp(xv - big_m) / z / s_f
         tl.store(tok_ptr + row, tok)
         tl.store(prob_ptr + row, pr)
 
@@ -328,7 +317,7 @@ def _launch(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max
     if k < vocab and whole:
         idx = torch.empty(rows, vocab, dtype=torch.int32, device=x.device)
         _full_kernel[(rows,)](x, x.stride(0), params, info, idx, tok, prob, vocab, NP=NPARAM, BLOCK=FULL_BLOCK,
-                              SORTED_MAX=SORTED_MAX, num_warps=8)
+                              num_warps=8)
     return tok, prob, cq, cid, info[:, 2]
 
 
