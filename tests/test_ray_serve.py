@@ -201,8 +201,16 @@ def _routing_phase(url: str, routing: str, seed: int) -> tuple[float, dict[int, 
             assert r.status_code == 200, r.text
             replicas[i].add(r.headers[REPLICA_HEADER])
     done = _total(before, "exlpy:request_success_total") + 16
-    after = _wait("the replicas' metrics of the phase", lambda: (lambda m: m if _total(
-        m, "exlpy:request_success_total") >= done else None)(_metrics(url)))
+    q0 = _total(before, "exlpy:prefix_cache_queries_total")
+
+    def complete(m: dict) -> dict | None:
+        # Each replica pushes its counters with its routing stats, so one read can hold a replica's newest successes
+        # and older cache counters (3,564 of 4,096 queries once on a loaded CI machine): wait for both.
+        ok = (_total(m, "exlpy:request_success_total") >= done
+              and _total(m, "exlpy:prefix_cache_queries_total") - q0 >= 16 * 256)
+        return m if ok else None
+
+    after = _wait("the replicas' metrics of the phase", lambda: complete(_metrics(url)))
     hits = _total(after, "exlpy:prefix_cache_hits_total") - _total(before, "exlpy:prefix_cache_hits_total")
     queries = _total(after, "exlpy:prefix_cache_queries_total") - _total(before, "exlpy:prefix_cache_queries_total")
     assert queries >= 16 * 256
