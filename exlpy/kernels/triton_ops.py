@@ -21,6 +21,7 @@ from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.moe import moe_combine, moe_down, moe_gate_up, moe_route, moe_sort
+from exlpy.kernels.moe_exl2 import moe_down_exl2, moe_gate_up_exl2
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
@@ -123,6 +124,9 @@ def register_all() -> None:
     ops.register_features("moe_gate_up", frozenset({"silu", "gelu_tanh"}))
     ops.register("moe_down", moe_down)
     ops.register("moe_combine", moe_combine)
+    ops.register("moe_gate_up_exl2", moe_gate_up_exl2)
+    ops.register_features("moe_gate_up_exl2", frozenset({"silu", "gelu_tanh"}))
+    ops.register("moe_down_exl2", moe_down_exl2)
 
 
 register_all()
