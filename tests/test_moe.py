@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE, DBRX) beyond the fp32 comparisons of test_architectures.py: both
-formulations of the routed experts, half precision, the planner, and the refusals (TP, LoRA, convert)."""
+formulations of the routed experts, half precision, the planner, and the refusals (TP, LoRA). Conversion:
+tests/test_convert_moe.py; EXL2 experts: tests/test_moe_exl2.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
-from exlpy.errors import LoraConfigError, TensorParallelError, UnsupportedArchitectureError
+from exlpy.errors import LoraConfigError, TensorParallelError
 from exlpy.kernels import reference
 from tests.arch_models import VOCAB, make_arch_model
 from tests.conftest import logits_tol, rel_err, requires_cuda
@@ -245,13 +246,6 @@ def test_lora_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
     model = _load(moe_models["mixtral"][0])
     with pytest.raises(LoraConfigError, match="mixture-of-experts"):
         ExLlamaV2Lora.from_directory(model, str(tmp_path))
-
-
-def test_convert_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
-    from exlpy.convert.pipeline import convert
-
-    with pytest.raises(UnsupportedArchitectureError, match="MixtralForCausalLM.*mixture-of-experts"):
-        convert(str(moe_models["mixtral"][0]), str(tmp_path / "out"))
 
 
 def test_dbrx_fused_experts_read_as_canonical_parts(moe_models: dict) -> None:

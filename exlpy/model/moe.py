@@ -110,9 +110,13 @@ class MoEMLP(Module):
         k = self.config.num_experts_per_token or self.moe.top_k  # the config's, or exllamav2's -ept override
         return ops.moe_route(h @ self.router.t(), k, self.moe.norm_p)
 
-    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's normed input h [T, H] in the compute dtype (the router's and the experts' input)."""
         assert self.norm_w is not None
-        h = block_norm(x, self.norm_w, self.norm_b, self.spec).to(self.norm_w.dtype).reshape(-1, x.shape[-1])
+        return block_norm(x, self.norm_w, self.norm_b, self.spec).to(self.norm_w.dtype).reshape(-1, x.shape[-1])
+
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.normed(x)
         weights, ids = self.route(h)
         if self.experts is not None:
             out = grouped_experts(h, weights, ids, self.experts, self.act)
