@@ -24,8 +24,10 @@ from exlpy.quant.experts import ExpertStack, stack_exl2
 from exlpy.quant.pack import random_exl2
 from tests.conftest import requires_cuda
 
-# per-expert (bits, rows) layouts, cycled over the experts; each sums to K = 88 (mixed, cut last group, uniform)
-LAYOUTS_88 = [[(3, 32), (5, 32), (8, 24)], [(4, 88)], [(6, 64), (2, 24)], [(5, 32), (3, 56)]]
+# per-expert (bits, rows) layouts, cycled over the experts; each sums to K = 88 (mixed, cut last group, uniform;
+# the last one has a group boundary off the 32-row grid, so stacks of 5 or more experts take the kernels' general
+# per-row decoding, the others their 32-row block path)
+LAYOUTS_88 = [[(3, 32), (5, 32), (8, 24)], [(4, 88)], [(6, 64), (2, 24)], [(5, 32), (3, 56)], [(4, 40), (6, 48)]]
 
 
 def _layouts(k: int, e: int) -> list[tuple[int, int]]:
@@ -129,9 +131,15 @@ def _check_kernels(T: int, E: int, k: int, H: int, inter: int, seed: int, kind: 
     assert _rel(out, reference.moe_experts(h, w, ids, gu, dn, kind)) < tol
 
 
+def test_block_alignment_is_detected() -> None:
+    g = torch.Generator().manual_seed(2)
+    assert _stack(4, 88, 40, g)[0].aligned and _stack(4, 72, 40, g)[0].aligned
+    assert not _stack(5, 88, 40, g)[0].aligned  # expert 4: a group boundary at row 40
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("T,E,k,H,inter,same_perm,skew", [
-    (1, 8, 2, 88, 72, True, False),     # batch-1 decode; mixed widths, a last group cut at K
+    (1, 8, 2, 88, 72, True, False),     # batch-1 decode; mixed widths, a last group cut at K; gate|up unaligned
     (6, 5, 2, 96, 40, False, False),    # gate and up with their own act orders; E not a power of two
     (37, 4, 3, 64, 56, True, True),     # one expert owns 37 rows (three 16-row tiles); expert 3 never chosen
 ])

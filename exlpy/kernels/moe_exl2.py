@@ -24,7 +24,7 @@ from exlpy.kernels import reference
 from exlpy.kernels.moe import _ACTS, _dot, _sms, _tile, plan
 from exlpy.quant.experts import ExpertStack
 
-BLOCK_K = 32  # sorted rows per K step
+BLOCK_K = 32  # sorted rows per K step: one 32-row block of an aligned stack
 STAGES = 2
 WAVES = 3  # decode: column tiles narrowed while the routed experts' programs fill the SMs less than this often
 
@@ -54,12 +54,36 @@ def _dequant(qw_ptr, sc_ptr, sm_ptr, perm_ptr, word_ptr, info_ptr, e_row, kk, k_
 
 
 @triton.jit
+def _codes32(qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds):
+    """(q - z [32, BLOCK_N] fp32, scale [BLOCK_N] fp32) of the 32-row block of sorted rows from k0, for stacks
+    whose every block lies in one group (`ExpertStack.aligned`): one width, one scale row, starting on a word,
+    all read from the block's first table entry. The scale is applied per column after the dot."""
+    w0 = tl.load(word_ptr + e_row + k0).to(tl.int64)
+    info = tl.load(info_ptr + e_row + k0)
+    bits = (info >> 5) & 15
+    grp = (info >> 9).to(tl.int64)
+    bit = tl.arange(0, 32) * bits
+    off = bit % 32
+    m2 = k_ok[:, None] & col_ok[None, :]
+    at = qw_ptr + (w0 + bit // 32)[:, None] * ldq + cols[None, :]
+    lo = tl.load(at, mask=m2, other=0).to(tl.uint32, bitcast=True)
+    hi = tl.load(at + ldq, mask=m2 & ((off + bits) > 32)[:, None], other=0).to(tl.uint32, bitcast=True)
+    code = ((lo >> off.to(tl.uint32)[:, None]) | (hi << ((32 - off) & 31).to(tl.uint32)[:, None])) & \
+        ((1 << bits) - 1).to(tl.uint32)
+    q = (code.to(tl.int32) - (1 << (bits - 1))).to(tl.float32)
+    sw = tl.load(sc_ptr + grp * lds + cols // 8, mask=col_ok, other=0).to(tl.uint32, bitcast=True)
+    c1 = ((sw >> ((cols % 8) * 4).to(tl.uint32)) & 15).to(tl.float32) + 1.0
+    return q, c1 * c1 * tl.load(sm_ptr + grp)
+
+
+@triton.jit
 def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
                          g_qw, g_sc, g_sm, g_perm, g_word, g_info,
                          u_qw, u_sc, u_sm, u_perm, u_word, u_info,
                          out_ptr, E, H, INTER, g_ldq, g_lds, u_ldq, u_lds, top_k, sx, so,
                          E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ACT: tl.constexpr, IEEE: tl.constexpr, SAME_PERM: tl.constexpr):
+                         ACT: tl.constexpr, IEEE: tl.constexpr, SAME_PERM: tl.constexpr,
+                         ALIGNED: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -75,15 +99,26 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < H
             xm = live[:, None] & k_ok[None, :]
-            pg, wg = _dequant(g_qw, g_sc, g_sm, g_perm, g_word, g_info, e_row, kk, k_ok, cols, col_ok, g_ldq, g_lds)
-            pu, wu = _dequant(u_qw, u_sc, u_sm, u_perm, u_word, u_info, e_row, kk, k_ok, cols, col_ok, u_ldq, u_lds)
+            pg = tl.load(g_perm + e_row + kk, mask=k_ok, other=0)
             xg = tl.load(xrow + pg[None, :], mask=xm, other=0.0)
             if SAME_PERM:
                 xu = xg
             else:
+                pu = tl.load(u_perm + e_row + kk, mask=k_ok, other=0)
                 xu = tl.load(xrow + pu[None, :], mask=xm, other=0.0)
-            acc_g = _dot(xg, wg.to(xg.dtype), acc_g, IEEE)
-            acc_u = _dot(xu, wu.to(xu.dtype), acc_u, IEEE)
+            if ALIGNED:
+                zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                qg, sg = _codes32(g_qw, g_sc, g_sm, g_word, g_info, e_row, k0, k_ok, cols, col_ok, g_ldq, g_lds)
+                acc_g += _dot(xg, qg.to(xg.dtype), zero, IEEE) * sg[None, :]
+                qu, su = _codes32(u_qw, u_sc, u_sm, u_word, u_info, e_row, k0, k_ok, cols, col_ok, u_ldq, u_lds)
+                acc_u += _dot(xu, qu.to(xu.dtype), zero, IEEE) * su[None, :]
+            else:
+                _, wg = _dequant(g_qw, g_sc, g_sm, g_perm, g_word, g_info, e_row, kk, k_ok, cols, col_ok, g_ldq,
+                                 g_lds)
+                _, wu = _dequant(u_qw, u_sc, u_sm, u_perm, u_word, u_info, e_row, kk, k_ok, cols, col_ok, u_ldq,
+                                 u_lds)
+                acc_g = _dot(xg, wg.to(xg.dtype), acc_g, IEEE)
+                acc_u = _dot(xu, wu.to(xu.dtype), acc_u, IEEE)
         if ACT == 0:
             y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
@@ -97,7 +132,7 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
 def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_ptr, info_ptr, y_ptr,
                       E, H, INTER, ldq, lds, sa, sy,
                       E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -111,22 +146,28 @@ def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_p
         for k0 in range(0, INTER, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < INTER
-            p, w = _dequant(qw, sc, sm, perm_ptr, word_ptr, info_ptr, e_row, kk, k_ok, cols, col_ok, ldq, lds)
+            p = tl.load(perm_ptr + e_row + kk, mask=k_ok, other=0)
             at = tl.load(arow + p[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(at, w.to(at.dtype), acc, IEEE)
+            if ALIGNED:
+                q, sc_n = _codes32(qw, sc, sm, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds)
+                acc += _dot(at, q.to(at.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * sc_n[None, :]
+            else:
+                _, w = _dequant(qw, sc, sm, perm_ptr, word_ptr, info_ptr, e_row, kk, k_ok, cols, col_ok, ldq, lds)
+                acc = _dot(at, w.to(at.dtype), acc, IEEE)
         tl.store(y_ptr + pair[:, None] * sy + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
 
-def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, row tiles): the dense kernels' tile height and grid; column tiles of 64,
-    narrowed at decode while the routed experts' programs would fill the device less than WAVES times."""
+def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, row tiles): the dense kernels' tile height and grid; column tiles of 64 (32 for
+    fp32 activations, which would spill), narrowed at decode while the routed experts' programs would fill the
+    device less than WAVES times."""
     block_m, _, _, _, tiles = plan(n_pairs, n_experts)
     routed = max(1, min(n_experts, n_pairs))
-    block_n = 64
+    block_n = 64 if elem_bytes <= 2 else 32
     while block_m == 16 and sms and block_n > 16 and routed * triton.cdiv(n_out, block_n) < WAVES * sms:
         block_n //= 2
-    return block_m, block_n, 4 if block_m <= 32 else 8, tiles
+    return block_m, block_n, 4 if block_m <= 32 and elem_bytes <= 2 else 8, tiles
 
 
 def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack,
@@ -139,14 +180,15 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
         return out
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return reference.moe_gate_up_exl2(x, order, counts, gate, up, top_k, kind)
-    bm, bn, warps, tiles = _tiles(N, E, inter, _sms(x))
+    bm, bn, warps, tiles = _tiles(N, E, inter, _sms(x), x.element_size())
     _gate_up_exl2_kernel[(tiles, triton.cdiv(inter, bn))](
         x, order, counts, gate.q_weight, gate.scales, gate.scale_max, gate.perm, gate.word, gate.info,
         up.q_weight, up.scales, up.scale_max, up.perm, up.word, up.info,
         out, E, H, inter, gate.q_weight.stride(0), gate.scales.stride(0), up.q_weight.stride(0),
         up.scales.stride(0), top_k, x.stride(0), out.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, ACT=_ACTS[kind],
-        IEEE=x.dtype == torch.float32, SAME_PERM=gate.perm_digest == up.perm_digest, num_warps=warps, num_stages=STAGES)
+        IEEE=x.dtype == torch.float32, SAME_PERM=gate.perm_digest == up.perm_digest,
+        ALIGNED=gate.aligned and up.aligned, num_warps=warps, num_stages=STAGES)
     return out
 
 
@@ -159,10 +201,10 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
         return y
     if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return reference.moe_down_exl2(a, order, counts, down)
-    bm, bn, warps, tiles = _tiles(N, E, H, _sms(a))
+    bm, bn, warps, tiles = _tiles(N, E, H, _sms(a), a.element_size())
     _down_exl2_kernel[(tiles, triton.cdiv(H, bn))](
         a, order, counts, down.q_weight, down.scales, down.scale_max, down.perm, down.word, down.info, y,
         E, H, inter, down.q_weight.stride(0), down.scales.stride(0), a.stride(0), y.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, IEEE=a.dtype == torch.float32,
-        num_warps=warps, num_stages=STAGES)
+        ALIGNED=down.aligned, num_warps=warps, num_stages=STAGES)
     return y

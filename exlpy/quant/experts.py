@@ -45,6 +45,7 @@ class ExpertStack:
     n: int
     dtype: torch.dtype  # the compute dtype: the reference's dense copies are kept in it
     perm_digest: str  # of `perm`'s contents: stacks with equal digests share their act order (gate and up)
+    aligned: bool  # every 32-row block of sorted rows lies in one group (converter layouts: groups of 32-128 rows)
     _dense: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -101,8 +102,10 @@ def stack_exl2(mats: list[QuantMatrix], dtype: torch.dtype, name: str) -> Expert
                                    "experts of a layer must share one shape", tensor=name)
     words, groups = 0, 0
     perm, word, info = [], [], []
+    aligned = True
     for qm in mats:
         lay = qm.layout
+        aligned &= all(r % 32 == 0 for r in lay.group_rows[1:-1])
         w, off = lay.row_words()
         word.append(w + words)
         info.append(off | (lay.row_bits() << 5) | ((lay.row_group() + groups) << 9))
@@ -115,7 +118,8 @@ def stack_exl2(mats: list[QuantMatrix], dtype: torch.dtype, name: str) -> Expert
     perms = torch.stack(perm).to(torch.int32)
     digest = hashlib.sha256(perms.numpy().tobytes()).hexdigest()
     return ExpertStack(torch.cat([qm.q_weight for qm in mats]), torch.cat([qm.scales for qm in mats]), smax, perms,
-                       torch.stack(word).to(torch.int32), torch.stack(info).to(torch.int32), k, n, dtype, digest)
+                       torch.stack(word).to(torch.int32), torch.stack(info).to(torch.int32), k, n, dtype, digest,
+                       aligned)
 
 
 def read_exl2_matrix(index: SafetensorsIndex, prefix: str, k: int, n: int, prescale: float = 1.0) -> QuantMatrix:
