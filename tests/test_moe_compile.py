@@ -1,7 +1,7 @@
-"""The grouped MoE kernels (dense and EXL2 experts) compile for an H100 (sm_90a) without a GPU, at the tiles their wrappers pick for decode
-and prefill (Mixtral and Qwen3-MoE shapes, fp16 / bf16 / fp32): no register spills, within the shared-memory
-limit. Numerics are tested under the interpreter and on GPUs (test_moe_kernels_triton.py); this catches what only
-the compiler sees."""
+"""The grouped MoE kernels (dense and EXL2 experts) compile for an H100 (sm_90a) without a GPU, at the tiles their
+wrappers pick for decode and prefill (Mixtral and Qwen3-MoE shapes, fp16 / bf16 / fp32): no register spills,
+within the shared-memory limit. Numerics are tested under the interpreter and on GPUs (test_moe_kernels_triton.py,
+test_moe_exl2.py); this catches what only the compiler sees."""
 
 from __future__ import annotations
 

@@ -369,3 +369,39 @@ def test_cuda_exl2_moe_graph_decode_equals_eager_and_cpu(exl2_moe: dict, case: s
         assert (runner is not None and any(s.captured for s in runner.steps.values())) == graphs
         assert rel_err(outs[graphs], want) <= 5e-3
     assert rel_err(outs[True], outs[False]) <= 2e-3
+
+
+def test_gptq_experts_run_per_expert_and_eagerly(tmp_path: Path) -> None:
+    """GPTQ experts (no stacked kernel) stay one packed linear each, grouped by expert with the counts read on the
+    host: the logits equal the same model with each expert written out as its exact dequantization, and the
+    blocks are not graph-safe (such a model decodes eagerly)."""
+    from safetensors.torch import load_file, save_file
+
+    from exlpy.engine.forward import graph_runner
+    from exlpy.model.moe import MoEMLP
+    from exlpy.quant.pack import quantize_gptq
+    from tests.arch_models import VOCAB, make_arch_model
+    from tests.conftest import rel_err
+
+    src = tmp_path / "src"
+    make_arch_model(src, "qwen3_moe")
+    dense = load_file(str(src / "model.safetensors"))
+    quant = dict(dense)
+    g = torch.Generator().manual_seed(4)
+    for name, w in list(dense.items()):
+        if ".experts." in name:
+            t, dq = quantize_gptq(w.float().t(), 16, g)
+            del quant[name]
+            quant.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in t.items()})
+            dense[name] = dq.t().contiguous()
+    dirs = {"gptq": quant, "dense": dense}
+    for d, tensors in dirs.items():
+        (tmp_path / d).mkdir()
+        shutil.copy(src / "config.json", tmp_path / d / "config.json")
+        save_file(tensors, str(tmp_path / d / "model.safetensors"))
+    model = _load(tmp_path / "gptq")
+    blocks = [m for m in model.modules if isinstance(m, MoEMLP)]
+    assert blocks and all(b.experts is not None and b.packed is None and not b.graph_safe for b in blocks)
+    assert graph_runner(model, types.SimpleNamespace(graph_safe=True, graph_cache={})) is None  # type: ignore[arg-type]
+    ids = torch.randint(2, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    assert rel_err(model.forward(ids), _load(tmp_path / "dense").forward(ids)) < 1e-4
