@@ -21,8 +21,8 @@ Per shape and format:
   L2); bytes = the routed experts' weights (each distinct expert once per layer; EXL2: its packed words, scales
   and row tables), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are also timed
   alone.
-- --sweep (fp16): the two launches again under other tiles (exlpy/kernels/moe.py TILES, STAGES) for the tile
-  height each batch uses, to choose the defaults from.
+- --sweep: the two launches again under other tiles (fp16: exlpy/kernels/moe.py TILES, STAGES for the tile
+  height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES), to choose the defaults from.
 
 Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
@@ -279,6 +279,27 @@ SWEEP = {16: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), 
          64: [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 4)]}
 
 
+# EXL2 experts (exlpy/kernels/moe_exl2.py): (column tile, warps, stages), the decode narrowing off
+SWEEP_EXL2 = [(64, 4, 2), (32, 4, 2), (16, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (32, 4, 3), (32, 2, 2)]
+
+
+def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
+    """`kernel_rows`' EXL2 gate|up and down launches under each alternative of SWEEP_EXL2."""
+    from exlpy.kernels import moe_exl2
+
+    saved = moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.WAVES
+    rows = []
+    try:
+        moe_exl2.WAVES = 0
+        for cols, warps, stages in SWEEP_EXL2:
+            moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES = cols, warps, stages
+            for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
+                rows.append((f"{what}, {cols} columns w{warps} s{stages}", t, rate))
+    finally:
+        moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.WAVES = saved
+    return rows
+
+
 def sweep_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
     """`kernel_rows`' gate|up and down launches under each alternative tile of this batch's tile height."""
     from exlpy.kernels import moe
@@ -355,8 +376,8 @@ def main() -> None:
             table.insert(-3, "\nOn the CPU the kernel rows time the torch references the ops dispatch to.")
         print("\n".join(table[-4:]), flush=True)
         for b in batches:
-            for what, t, rate in kernel_rows(model, b, device, bw) + (sweep_rows(model, b, device, bw)
-                                                                        if a.sweep and fmt == "fp16" else []):
+            sweep = sweep_rows if fmt == "fp16" else sweep_rows_exl2
+            for what, t, rate in kernel_rows(model, b, device, bw) + (sweep(model, b, device, bw) if a.sweep else []):
                 table.append(f"| {b} | {what} | {1e6 * t:,.1f} | {rate / 1e9:,.0f} | {rate / bw:.0%} |")
                 print(table[-1], flush=True)
         lines += table + [""]

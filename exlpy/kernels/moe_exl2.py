@@ -26,6 +26,8 @@ from exlpy.quant.experts import ExpertStack
 
 BLOCK_K = 32  # sorted rows per K step: one 32-row block of an aligned stack
 STAGES = 2
+COLS = 64  # column tile (fp16 / bf16), before the decode narrowing; `benchmarks/moe.py --sweep` times others
+WARPS = 4  # warps per program of 16- and 32-row tiles (64-row tiles and fp32 take 8)
 WAVES = 3  # decode: column tiles narrowed while the routed experts' programs fill the SMs less than this often
 
 
@@ -164,10 +166,10 @@ def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int =
     device less than WAVES times."""
     block_m, _, _, _, tiles = plan(n_pairs, n_experts)
     routed = max(1, min(n_experts, n_pairs))
-    block_n = 64 if elem_bytes <= 2 else 32
+    block_n = COLS if elem_bytes <= 2 else 32
     while block_m == 16 and sms and block_n > 16 and routed * triton.cdiv(n_out, block_n) < WAVES * sms:
         block_n //= 2
-    return block_m, block_n, 4 if block_m <= 32 and elem_bytes <= 2 else 8, tiles
+    return block_m, block_n, WARPS if block_m <= 32 and elem_bytes <= 2 else 8, tiles
 
 
 def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack,
