@@ -70,15 +70,18 @@ class ExpertStack:
     def dequant(self, e: int) -> torch.Tensor:
         """Expert e's W [K, n] fp32 in input-feature order (y = x @ W), decoded from the stacked tables alone
         (exactly what the kernels compute; tests hold it against exl2_ref.dequant_dense of the expert)."""
-        qw = self.q_weight.cpu().to(torch.int64) & 0xFFFFFFFF
-        qw = torch.cat([qw, torch.zeros_like(qw[:1])])  # a straddler of the last word reads a zero word
         word = self.word[e].cpu().to(torch.int64)
         info = self.info[e].cpu().to(torch.int64)
         off, bits, grp = info & 31, (info >> 5) & 15, info >> 9
+        w0, g0 = int(word.min()), int(grp.min())  # only this expert's packed rows and scale rows are read
+        qw = self.q_weight[w0:int(word.max()) + 2].cpu().to(torch.int64) & 0xFFFFFFFF
+        qw = torch.cat([qw, torch.zeros_like(qw[:1])])  # a straddler of the last word reads a zero word
+        word, grp = word - w0, grp - g0
         both = qw[word] | (qw[word + 1] << 32)
         codes = (both >> off[:, None]) & ((1 << bits[:, None]) - 1)
-        nib = (self.scales.cpu().to(torch.int64)[grp] & 0xFFFFFFFF)[:, :, None] >> (4 * torch.arange(8))
-        scale = ((nib & 15).reshape(len(grp), -1) + 1).float() ** 2 * self.scale_max.cpu()[grp, None]
+        g1 = int(grp.max()) + g0 + 1
+        nib = (self.scales[g0:g1].cpu().to(torch.int64)[grp] & 0xFFFFFFFF)[:, :, None] >> (4 * torch.arange(8))
+        scale = ((nib & 15).reshape(len(grp), -1) + 1).float() ** 2 * self.scale_max[g0:g1].cpu()[grp, None]
         ws = ((codes - (1 << (bits[:, None] - 1))).float() * scale)[:, :self.n]
         w = torch.empty_like(ws)
         w[self.perm[e].cpu().long()] = ws
