@@ -30,7 +30,9 @@ from tests.conftest import requires_cuda
 LAYOUTS_88 = [[(3, 32), (5, 32), (8, 24)], [(4, 88)], [(6, 64), (2, 24)], [(5, 32), (3, 56)], [(4, 40), (6, 48)]]
 
 
-def _layouts(k: int, e: int) -> list[tuple[int, int]]:
+def _layouts(k: int, e: int, uniform: int = 0) -> list[tuple[int, int]]:
+    if uniform:  # one width in groups of 64 rows, the last cut at K
+        return [(uniform, min(64, k - r)) for r in range(0, k, 64)]
     if k == 88:
         return LAYOUTS_88[e % len(LAYOUTS_88)]
     widths = (4, 3, 6, 5, 8, 2)
@@ -43,10 +45,10 @@ def _layouts(k: int, e: int) -> list[tuple[int, int]]:
 
 
 def _stack(E: int, k: int, n: int, g: torch.Generator, dtype: torch.dtype = torch.float32,
-           perm: torch.Tensor | None = None) -> tuple[ExpertStack, list]:
+           perm: torch.Tensor | None = None, uniform: int = 0) -> tuple[ExpertStack, list]:
     mats = []
     for e in range(E):
-        t = random_exl2(k, n, _layouts(k, e), g)
+        t = random_exl2(k, n, _layouts(k, e, uniform), g)
         inv = t["q_invperm"] if perm is None else torch.argsort(perm[e]).to(torch.int32)
         mats.append(build_exl2_matrix(t["q_weight"], inv, t["q_scale"], t["q_scale_max"], t["q_groups"], k, n,
                                       f"experts.{e}"))
@@ -77,12 +79,12 @@ def test_stack_refuses_experts_of_other_shapes() -> None:
 
 
 def _case(T: int, E: int, k: int, H: int, inter: int, seed: int, device: str = "cpu",
-          dtype: torch.dtype = torch.float32, same_perm: bool = True) -> tuple:
+          dtype: torch.dtype = torch.float32, same_perm: bool = True, uniform: int = 0) -> tuple:
     g = torch.Generator().manual_seed(seed)
     perm = torch.stack([torch.randperm(H, generator=g) for _ in range(E)]) if same_perm else None
-    gate, gm = _stack(E, H, inter, g, dtype, perm)
-    up, um = _stack(E, H, inter, g, dtype, perm)
-    down, dm = _stack(E, inter, H, g, dtype)
+    gate, gm = _stack(E, H, inter, g, dtype, perm, uniform)
+    up, um = _stack(E, H, inter, g, dtype, perm, uniform)
+    down, dm = _stack(E, inter, H, g, dtype, None, uniform)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     h = (torch.randn(T, H, generator=g) * 4).to(dtype)
     w = torch.rand(T, k, generator=g).to(dtype)
@@ -112,10 +114,11 @@ def _cpu_ok() -> None:
 
 def _check_kernels(T: int, E: int, k: int, H: int, inter: int, seed: int, kind: str = "silu", device: str = "cpu",
                    dtype: torch.dtype = torch.float32, tol: float = 1e-5, same_perm: bool = True,
-                   skew: bool = False) -> None:
-    from exlpy.kernels.moe_exl2 import moe_down_exl2, moe_gate_up_exl2
+                   skew: bool = False, uniform: int = 0) -> None:
+    from exlpy.kernels.moe_exl2 import _width, moe_down_exl2, moe_gate_up_exl2
 
-    h, w, ids, gate, up, down, gu, dn = _case(T, E, k, H, inter, seed, device, dtype, same_perm)
+    h, w, ids, gate, up, down, gu, dn = _case(T, E, k, H, inter, seed, device, dtype, same_perm, uniform)
+    assert _width(gate) == _width(down) == (uniform if uniform in (2, 4, 8) else 0)
     if skew:  # expert 0 in every token, the others never chosen past k
         ids = torch.stack([torch.arange(k) for _ in range(T)]).to(device)
     order, counts = reference.moe_sort(ids, E)
@@ -149,6 +152,15 @@ def test_kernels_match_references(T: int, E: int, k: int, H: int, inter: int, sa
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("width", [4, 8, 2, 3])
+def test_uniform_width_stacks(width: int) -> None:
+    """Stacks of one width: 2, 4 and 8 bits load each block's words once; K = 88 and 72 end in a partial block
+    (the last expert's last words end the stack). 3 bits take the gather path."""
+    _cpu_ok()
+    _check_kernels(3, 4, 2, 88, 72, seed=width, uniform=width)
+
+
+@pytest.mark.interpreter
 def test_gelu_and_half_precision() -> None:
     _cpu_ok()
     _check_kernels(5, 4, 2, 64, 40, seed=3, kind="gelu_tanh")
@@ -172,6 +184,7 @@ def test_kernels_have_their_references_signatures() -> None:
 def test_cuda_qwen3_moe_layer_shapes(T: int) -> None:
     """Qwen3-30B-A3B's expert shapes (H 2048, I 768, 128 experts, top 8) in fp16, mixed widths per expert."""
     _check_kernels(T, 128, 8, 2048, 768, seed=T, device="cuda", dtype=torch.float16, tol=5e-3)
+    _check_kernels(T, 128, 8, 2048, 768, seed=T, device="cuda", dtype=torch.float16, tol=5e-3, uniform=4)
 
 
 @requires_cuda

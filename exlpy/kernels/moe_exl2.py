@@ -56,22 +56,45 @@ def _dequant(qw_ptr, sc_ptr, sm_ptr, perm_ptr, word_ptr, info_ptr, e_row, kk, k_
 
 
 @triton.jit
-def _codes32(qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds):
+def _words_codes(qw_ptr, w0, ldq, cols, col_ok, rows_left, B: tl.constexpr):
+    """Codes [32, BLOCK_N] of a 32-row block of width B dividing 32 (2, 4, 8): its B words per column loaded once
+    (no per-row gather) and split by compile-time shifts; row 32 / B * w + j is field j of word w. Words holding
+    no row below `rows_left` are not read (the last block of the last expert ends the stack). A run-time choice
+    between this and the gather (mixed widths) would stop Triton pipelining the loop's loads: the width is a
+    property of the stack, a compile-time constant."""
+    PER: tl.constexpr = 32 // B
+    wi = tl.arange(0, B)
+    ok = (wi * PER < rows_left)[:, None] & col_ok[None, :]
+    w = tl.load(qw_ptr + (w0 + wi)[:, None] * ldq + cols[None, :], mask=ok, other=0).to(tl.uint32, bitcast=True)
+    sh = (tl.arange(0, PER) * B).to(tl.uint32)
+    codes = (w[:, None, :] >> sh[None, :, None]) & ((1 << B) - 1)
+    return tl.reshape(codes, [32, cols.shape[0]])
+
+
+@triton.jit
+def _codes32(qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds, K,
+             WIDTH: tl.constexpr):
     """(q - z [32, BLOCK_N] fp32, scale [BLOCK_N] fp32) of the 32-row block of sorted rows from k0, for stacks
     whose every block lies in one group (`ExpertStack.aligned`): one width, one scale row, starting on a word,
-    all read from the block's first table entry. The scale is applied per column after the dot."""
+    all read from the block's first table entry. The scale is applied per column after the dot. WIDTH 2, 4 or 8
+    (every group of the stack that wide): the block's words are loaded once and split by compile-time shifts;
+    WIDTH 0 (mixed or 3, 5, 6 bits: codes straddle words): each row's word(s) gathered at the block's width."""
     w0 = tl.load(word_ptr + e_row + k0).to(tl.int64)
     info = tl.load(info_ptr + e_row + k0)
-    bits = (info >> 5) & 15
     grp = (info >> 9).to(tl.int64)
-    bit = tl.arange(0, 32) * bits
-    off = bit % 32
-    m2 = k_ok[:, None] & col_ok[None, :]
-    at = qw_ptr + (w0 + bit // 32)[:, None] * ldq + cols[None, :]
-    lo = tl.load(at, mask=m2, other=0).to(tl.uint32, bitcast=True)
-    hi = tl.load(at + ldq, mask=m2 & ((off + bits) > 32)[:, None], other=0).to(tl.uint32, bitcast=True)
-    code = ((lo >> off.to(tl.uint32)[:, None]) | (hi << ((32 - off) & 31).to(tl.uint32)[:, None])) & \
-        ((1 << bits) - 1).to(tl.uint32)
+    if WIDTH != 0:
+        bits = WIDTH
+        code = _words_codes(qw_ptr, w0, ldq, cols, col_ok, K - k0, WIDTH)
+    else:
+        bits = (info >> 5) & 15
+        bit = tl.arange(0, 32) * bits
+        off = bit % 32
+        m2 = k_ok[:, None] & col_ok[None, :]
+        at = qw_ptr + (w0 + bit // 32)[:, None] * ldq + cols[None, :]
+        lo = tl.load(at, mask=m2, other=0).to(tl.uint32, bitcast=True)
+        hi = tl.load(at + ldq, mask=m2 & ((off + bits) > 32)[:, None], other=0).to(tl.uint32, bitcast=True)
+        code = ((lo >> off.to(tl.uint32)[:, None]) | (hi << ((32 - off) & 31).to(tl.uint32)[:, None])) & \
+            ((1 << bits) - 1).to(tl.uint32)
     q = (code.to(tl.int32) - (1 << (bits - 1))).to(tl.float32)
     sw = tl.load(sc_ptr + grp * lds + cols // 8, mask=col_ok, other=0).to(tl.uint32, bitcast=True)
     c1 = ((sw >> ((cols % 8) * 4).to(tl.uint32)) & 15).to(tl.float32) + 1.0
@@ -85,7 +108,7 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
                          out_ptr, E, H, INTER, g_ldq, g_lds, u_ldq, u_lds, top_k, sx, so,
                          E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          ACT: tl.constexpr, IEEE: tl.constexpr, SAME_PERM: tl.constexpr,
-                         ALIGNED: tl.constexpr):
+                         ALIGNED: tl.constexpr, G_WIDTH: tl.constexpr, U_WIDTH: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -110,9 +133,11 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
                 xu = tl.load(xrow + pu[None, :], mask=xm, other=0.0)
             if ALIGNED:
                 zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                qg, sg = _codes32(g_qw, g_sc, g_sm, g_word, g_info, e_row, k0, k_ok, cols, col_ok, g_ldq, g_lds)
+                qg, sg = _codes32(g_qw, g_sc, g_sm, g_word, g_info, e_row, k0, k_ok, cols, col_ok, g_ldq, g_lds, H,
+                                  G_WIDTH)
                 acc_g += _dot(xg, qg.to(xg.dtype), zero, IEEE) * sg[None, :]
-                qu, su = _codes32(u_qw, u_sc, u_sm, u_word, u_info, e_row, k0, k_ok, cols, col_ok, u_ldq, u_lds)
+                qu, su = _codes32(u_qw, u_sc, u_sm, u_word, u_info, e_row, k0, k_ok, cols, col_ok, u_ldq, u_lds, H,
+                                  U_WIDTH)
                 acc_u += _dot(xu, qu.to(xu.dtype), zero, IEEE) * su[None, :]
             else:
                 _, wg = _dequant(g_qw, g_sc, g_sm, g_perm, g_word, g_info, e_row, kk, k_ok, cols, col_ok, g_ldq,
@@ -134,7 +159,7 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
 def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_ptr, info_ptr, y_ptr,
                       E, H, INTER, ldq, lds, sa, sy,
                       E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr, WIDTH: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -151,7 +176,8 @@ def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_p
             p = tl.load(perm_ptr + e_row + kk, mask=k_ok, other=0)
             at = tl.load(arow + p[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
             if ALIGNED:
-                q, sc_n = _codes32(qw, sc, sm, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds)
+                q, sc_n = _codes32(qw, sc, sm, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds, INTER,
+                                   WIDTH)
                 acc += _dot(at, q.to(at.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * sc_n[None, :]
             else:
                 _, w = _dequant(qw, sc, sm, perm_ptr, word_ptr, info_ptr, e_row, kk, k_ok, cols, col_ok, ldq, lds)
@@ -172,6 +198,11 @@ def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int =
     return block_m, block_n, WARPS if block_m <= 32 and elem_bytes <= 2 else 8, tiles
 
 
+def _width(stack: ExpertStack) -> int:
+    """The one width of an aligned stack's codes when it divides 32 (the words-once path), else 0."""
+    return stack.width if stack.aligned and stack.width in (2, 4, 8) else 0
+
+
 def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack,
                      up: ExpertStack, top_k: int, kind: str) -> torch.Tensor:
     """Same contract as `reference.moe_gate_up_exl2` (activations silu and gelu_tanh; ops sends others there)."""
@@ -190,7 +221,8 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
         up.scales.stride(0), top_k, x.stride(0), out.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, ACT=_ACTS[kind],
         IEEE=x.dtype == torch.float32, SAME_PERM=gate.perm_digest == up.perm_digest,
-        ALIGNED=gate.aligned and up.aligned, num_warps=warps, num_stages=STAGES)
+        ALIGNED=gate.aligned and up.aligned, G_WIDTH=_width(gate), U_WIDTH=_width(up), num_warps=warps,
+        num_stages=STAGES)
     return out
 
 
@@ -208,5 +240,5 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
         a, order, counts, down.q_weight, down.scales, down.scale_max, down.perm, down.word, down.info, y,
         E, H, inter, down.q_weight.stride(0), down.scales.stride(0), a.stride(0), y.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, IEEE=a.dtype == torch.float32,
-        ALIGNED=down.aligned, num_warps=warps, num_stages=STAGES)
+        ALIGNED=down.aligned, WIDTH=_width(down), num_warps=warps, num_stages=STAGES)
     return y

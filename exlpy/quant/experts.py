@@ -46,6 +46,7 @@ class ExpertStack:
     dtype: torch.dtype  # the compute dtype: the reference's dense copies are kept in it
     perm_digest: str  # of `perm`'s contents: stacks with equal digests share their act order (gate and up)
     aligned: bool  # every 32-row block of sorted rows lies in one group (converter layouts: groups of 32-128 rows)
+    width: int  # the bit width of every group of every expert, 0 when they differ
     _dense: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -106,7 +107,9 @@ def stack_exl2(mats: list[QuantMatrix], dtype: torch.dtype, name: str) -> Expert
     words, groups = 0, 0
     perm, word, info = [], [], []
     aligned = True
+    widths: set[int] = set()
     for qm in mats:
+        widths.update(qm.layout.group_bits)
         lay = qm.layout
         aligned &= all(r % 32 == 0 for r in lay.group_rows[1:-1])
         w, off = lay.row_words()
@@ -122,7 +125,7 @@ def stack_exl2(mats: list[QuantMatrix], dtype: torch.dtype, name: str) -> Expert
     digest = hashlib.sha256(perms.numpy().tobytes()).hexdigest()
     return ExpertStack(torch.cat([qm.q_weight for qm in mats]), torch.cat([qm.scales for qm in mats]), smax, perms,
                        torch.stack(word).to(torch.int32), torch.stack(info).to(torch.int32), k, n, dtype, digest,
-                       aligned)
+                       aligned, widths.pop() if len(widths) == 1 else 0)
 
 
 def read_exl2_matrix(index: SafetensorsIndex, prefix: str, k: int, n: int, prescale: float = 1.0) -> QuantMatrix:
