@@ -7,7 +7,8 @@ CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, no
 
 Random checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B: hidden 2048, 128 experts of 768, 8 per
 token, 48 layers), decoder depth cut by --layers (the embedding and head keep their size), in fp16 or EXL2 4.0 bpw
-(--formats exl2: every decoder projection 4-bit, experts included, head 6-bit), written with safetensors once into
+(--formats exl2: every decoder projection 4-bit, experts included, head 6-bit; exl2mix: the converter's option
+layouts nearest 4 bpw, mixed widths as converted models hold them), written with safetensors once into
 --work (a shard per layer) and reused. Full depth needs the disk: Qwen3-30B-A3B is 61 GB in fp16, 17 GB in EXL2.
 Per shape and format:
 
@@ -58,7 +59,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                       num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
                       max_position_embeddings=4096, tie_word_embeddings=False),
 }
-FORMATS = {"fp16": "fp16", "exl2": "EXL2 4.0 bpw (head 6-bit)"}
+FORMATS = {"fp16": "fp16", "exl2": "EXL2 4.0 bpw (head 6-bit)",
+           "exl2mix": "EXL2 ~4 bpw, converter option layouts (mixed widths, head 6-bit)"}
 # --tiny: the same architectures at test-model size (CPU)
 TINY = {"mixtral": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                         num_key_value_heads=2, num_local_experts=8),
@@ -83,7 +85,8 @@ def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16") -> Non
     n = cfg.get("num_experts", cfg.get("num_local_experts"))
     inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     mixtral = cfg["architectures"][0] == "MixtralForCausalLM"
-    exl2 = fmt == "exl2"
+    exl2 = fmt in ("exl2", "exl2mix")
+    layouts = _converter_layouts(h, hq * d, hk * d, inter) if fmt == "exl2mix" else {}
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, device=device, generator=g) * std).half().cpu()
@@ -94,7 +97,9 @@ def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16") -> Non
     def linear(name: str, k: int, n_out: int, bits: int = 4, perm: torch.Tensor | None = None
                ) -> dict[str, torch.Tensor]:
         if exl2:
-            return mm._exl2(name, k, n_out, bits, None if perm is None else perm.clone())
+            groups = layouts.get(name.rsplit(".", 1)[-1].replace("w1", "gate_proj").replace("w3", "up_proj")
+                                 .replace("w2", "down_proj"), bits)
+            return mm._exl2(name, k, n_out, groups, None if perm is None else perm.clone())
         return {f"{name}.weight": rnd(n_out, k)}
 
     weight_map: dict[str, str] = {}
@@ -130,6 +135,24 @@ def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16") -> Non
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     open(os.path.join(path, ".complete"), "w").close()
+
+
+def _converter_layouts(h: int, q: int, kv: int, inter: int, target: float = 4.0) -> dict[str, list]:
+    """Per projection, the (bits, rows) groups of the attention and MLP option (exlpy convert's tables, applied to
+    every expert) whose bits per weight come nearest `target`: the mixed widths a converted model holds."""
+    from exlpy.convert.qparams import ATTN_OPTIONS, MLP_OPTIONS
+
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}
+
+    def bpw(option: dict) -> float:
+        return sum(p.total_bits(*dims[k]) for k, p in option.items()) / sum(dims[k][0] * dims[k][1] for k in option)
+
+    out = {}
+    for table in (ATTN_OPTIONS, MLP_OPTIONS):
+        best = min(table, key=lambda o: abs(bpw(o) - target))
+        out |= {k: p.groups(dims[k][0]) for k, p in best.items()}
+    return out
 
 
 def load(path: str, max_seq_len: int, max_batch: int, device: str) -> Any:
@@ -326,7 +349,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script end to end)")
     ap.add_argument("--work", default="/tmp/exlpy_moe")
     ap.add_argument("--shapes", default="mixtral")
-    ap.add_argument("--formats", default="fp16", help="comma list of fp16, exl2 (EXL2 4.0 bpw, head 6-bit)")
+    ap.add_argument("--formats", default="fp16", help="comma list of fp16, exl2 (EXL2 4.0 bpw, head 6-bit), "
+                                                      "exl2mix (the converter's option layouts nearest 4 bpw)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=256)
