@@ -96,7 +96,9 @@ class MoEMLP(Module):
                 self.w_down[e] = self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt)
             if scale != 1.0:
                 self.w_down.mul_(scale)
-        self.graph_safe = self.experts is None
+        # the EXL2 kernels fuse SiLU and tanh-GELU; another activation takes the torch reference, which reads the
+        # expert counts on the host
+        self.graph_safe = self.experts is None and (self.packed is None or self.act in ("silu", "gelu_tanh"))
         self.device = device
 
     def unload(self) -> None:
