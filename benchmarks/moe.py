@@ -23,7 +23,7 @@ Per shape and format:
   and row tables), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are also timed
   alone.
 - --sweep: the two launches again under other tiles (fp16: exlpy/kernels/moe.py TILES, STAGES for the tile
-  height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES), to choose the defaults from.
+  height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES, UNROLL_DECODE), to choose the defaults from.
 
 Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
@@ -302,24 +302,26 @@ SWEEP = {16: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), 
          64: [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 4)]}
 
 
-# EXL2 experts (exlpy/kernels/moe_exl2.py): (column tile, warps, stages), the decode narrowing off
-SWEEP_EXL2 = [(64, 4, 2), (32, 4, 2), (16, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (32, 4, 3), (32, 2, 2)]
+# EXL2 experts (exlpy/kernels/moe_exl2.py): (column tile, warps, stages, 32-row blocks per trip at decode), the
+# decode narrowing off
+SWEEP_EXL2 = [(64, 4, 2, 4), (32, 4, 2, 4), (16, 4, 2, 4), (16, 4, 2, 1), (16, 4, 2, 2), (32, 4, 2, 1),
+              (128, 4, 2, 4), (64, 8, 2, 4), (64, 4, 3, 4), (32, 4, 3, 2), (32, 2, 2, 4)]
 
 
 def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
     """`kernel_rows`' EXL2 gate|up and down launches under each alternative of SWEEP_EXL2."""
     from exlpy.kernels import moe_exl2
 
-    saved = moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.WAVES
+    saved = moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE, moe_exl2.WAVES
     rows = []
     try:
         moe_exl2.WAVES = 0
-        for cols, warps, stages in SWEEP_EXL2:
-            moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES = cols, warps, stages
+        for cols, warps, stages, unroll in SWEEP_EXL2:
+            moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE = cols, warps, stages, unroll
             for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
-                rows.append((f"{what}, {cols} columns w{warps} s{stages}", t, rate))
+                rows.append((f"{what}, {cols} columns w{warps} s{stages} u{unroll}", t, rate))
     finally:
-        moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.WAVES = saved
+        moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE, moe_exl2.WAVES = saved
     return rows
 
 

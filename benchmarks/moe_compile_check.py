@@ -64,7 +64,7 @@ def variants() -> dict[str, dict]:
         p = "*" + dt
         bm, bn, warps, _ = moe_exl2._tiles(n, e, 14336 if e == 8 else 768, 132, 4 if dt == "fp32" else 2)
         common = dict(E_P2=triton.next_power_of_2(e), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=moe_exl2.BLOCK_K,
-                      IEEE=dt == "fp32", ALIGNED=aligned)
+                      IEEE=dt == "fp32", ALIGNED=aligned, UNROLL=moe_exl2._unroll(bm, width, 4 if dt == "fp32" else 2))
         kind = f" {width}-bit" if width else "" if aligned else " per-row"
         tables = {f"{w}_{t}": typ for w in ("g", "u") for t, typ in (("qw", "*i32"), ("sc", "*i32"), ("sm", "*fp32"),
                                                                     ("perm", "*i32"), ("word", "*i32"),

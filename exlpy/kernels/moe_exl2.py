@@ -28,6 +28,7 @@ BLOCK_K = 32  # sorted rows per K step: one 32-row block of an aligned stack
 STAGES = 2
 COLS = 64  # column tile (fp16 / bf16), before the decode narrowing; `benchmarks/moe.py --sweep` times others
 WARPS = 4  # warps per program of 16- and 32-row tiles (64-row tiles and fp32 take 8)
+UNROLL_DECODE = 4
 WAVES = 3  # decode: column tiles narrowed while the routed experts' programs fill the SMs less than this often
 
 
@@ -79,8 +80,9 @@ def _codes32(qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k0, k_ok, cols, 
     all read from the block's first table entry. The scale is applied per column after the dot. WIDTH 2, 4 or 8
     (every group of the stack that wide): the block's words are loaded once and split by compile-time shifts;
     WIDTH 0 (mixed or 3, 5, 6 bits: codes straddle words): each row's word(s) gathered at the block's width."""
-    w0 = tl.load(word_ptr + e_row + k0).to(tl.int64)
-    info = tl.load(info_ptr + e_row + k0)
+    inside = k0 < K  # an unrolled trip's blocks past K read nothing
+    w0 = tl.load(word_ptr + e_row + k0, mask=inside, other=0).to(tl.int64)
+    info = tl.load(info_ptr + e_row + k0, mask=inside, other=4 << 5)
     grp = (info >> 9).to(tl.int64)
     if WIDTH != 0:
         bits = WIDTH
@@ -108,7 +110,8 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
                          out_ptr, E, H, INTER, g_ldq, g_lds, u_ldq, u_lds, top_k, sx, so,
                          E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          ACT: tl.constexpr, IEEE: tl.constexpr, SAME_PERM: tl.constexpr,
-                         ALIGNED: tl.constexpr, G_WIDTH: tl.constexpr, U_WIDTH: tl.constexpr):
+                         ALIGNED: tl.constexpr, G_WIDTH: tl.constexpr, U_WIDTH: tl.constexpr,
+                         UNROLL: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -120,32 +123,34 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         xrow = x_ptr + tok[:, None].to(tl.int64) * sx
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < H
-            xm = live[:, None] & k_ok[None, :]
-            pg = tl.load(g_perm + e_row + kk, mask=k_ok, other=0)
-            xg = tl.load(xrow + pg[None, :], mask=xm, other=0.0)
-            if SAME_PERM:
-                xu = xg
-            else:
-                pu = tl.load(u_perm + e_row + kk, mask=k_ok, other=0)
-                xu = tl.load(xrow + pu[None, :], mask=xm, other=0.0)
-            if ALIGNED:
-                zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                qg, sg = _codes32(g_qw, g_sc, g_sm, g_word, g_info, e_row, k0, k_ok, cols, col_ok, g_ldq, g_lds, H,
-                                  G_WIDTH)
-                acc_g += _dot(xg, qg.to(xg.dtype), zero, IEEE) * sg[None, :]
-                qu, su = _codes32(u_qw, u_sc, u_sm, u_word, u_info, e_row, k0, k_ok, cols, col_ok, u_ldq, u_lds, H,
-                                  U_WIDTH)
-                acc_u += _dot(xu, qu.to(xu.dtype), zero, IEEE) * su[None, :]
-            else:
-                _, wg = _dequant(g_qw, g_sc, g_sm, g_perm, g_word, g_info, e_row, kk, k_ok, cols, col_ok, g_ldq,
-                                 g_lds)
-                _, wu = _dequant(u_qw, u_sc, u_sm, u_perm, u_word, u_info, e_row, kk, k_ok, cols, col_ok, u_ldq,
-                                 u_lds)
-                acc_g = _dot(xg, wg.to(xg.dtype), acc_g, IEEE)
-                acc_u = _dot(xu, wu.to(xu.dtype), acc_u, IEEE)
+        for kb in range(0, H, BLOCK_K * UNROLL):  # UNROLL blocks per trip: their loads in flight together
+            for j in tl.static_range(UNROLL):
+                k0 = kb + j * BLOCK_K
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < H
+                xm = live[:, None] & k_ok[None, :]
+                pg = tl.load(g_perm + e_row + kk, mask=k_ok, other=0)
+                xg = tl.load(xrow + pg[None, :], mask=xm, other=0.0)
+                if SAME_PERM:
+                    xu = xg
+                else:
+                    pu = tl.load(u_perm + e_row + kk, mask=k_ok, other=0)
+                    xu = tl.load(xrow + pu[None, :], mask=xm, other=0.0)
+                if ALIGNED:
+                    zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    qg, sg = _codes32(g_qw, g_sc, g_sm, g_word, g_info, e_row, k0, k_ok, cols, col_ok, g_ldq, g_lds, H,
+                                      G_WIDTH)
+                    acc_g += _dot(xg, qg.to(xg.dtype), zero, IEEE) * sg[None, :]
+                    qu, su = _codes32(u_qw, u_sc, u_sm, u_word, u_info, e_row, k0, k_ok, cols, col_ok, u_ldq, u_lds, H,
+                                      U_WIDTH)
+                    acc_u += _dot(xu, qu.to(xu.dtype), zero, IEEE) * su[None, :]
+                else:
+                    _, wg = _dequant(g_qw, g_sc, g_sm, g_perm, g_word, g_info, e_row, kk, k_ok, cols, col_ok, g_ldq,
+                                     g_lds)
+                    _, wu = _dequant(u_qw, u_sc, u_sm, u_perm, u_word, u_info, e_row, kk, k_ok, cols, col_ok, u_ldq,
+                                     u_lds)
+                    acc_g = _dot(xg, wg.to(xg.dtype), acc_g, IEEE)
+                    acc_u = _dot(xu, wu.to(xu.dtype), acc_u, IEEE)
         if ACT == 0:
             y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
@@ -159,7 +164,7 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
 def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_ptr, info_ptr, y_ptr,
                       E, H, INTER, ldq, lds, sa, sy,
                       E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IEEE: tl.constexpr, ALIGNED: tl.constexpr, WIDTH: tl.constexpr):
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr, WIDTH: tl.constexpr, UNROLL: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -170,18 +175,20 @@ def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_p
         e_row = expert.to(tl.int64) * INTER
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         arow = a_ptr + rows[:, None].to(tl.int64) * sa
-        for k0 in range(0, INTER, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < INTER
-            p = tl.load(perm_ptr + e_row + kk, mask=k_ok, other=0)
-            at = tl.load(arow + p[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-            if ALIGNED:
-                q, sc_n = _codes32(qw, sc, sm, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds, INTER,
-                                   WIDTH)
-                acc += _dot(at, q.to(at.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * sc_n[None, :]
-            else:
-                _, w = _dequant(qw, sc, sm, perm_ptr, word_ptr, info_ptr, e_row, kk, k_ok, cols, col_ok, ldq, lds)
-                acc = _dot(at, w.to(at.dtype), acc, IEEE)
+        for kb in range(0, INTER, BLOCK_K * UNROLL):  # UNROLL blocks per trip: their loads in flight together
+            for j in tl.static_range(UNROLL):
+                k0 = kb + j * BLOCK_K
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < INTER
+                p = tl.load(perm_ptr + e_row + kk, mask=k_ok, other=0)
+                at = tl.load(arow + p[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+                if ALIGNED:
+                    q, sc_n = _codes32(qw, sc, sm, word_ptr, info_ptr, e_row, k0, k_ok, cols, col_ok, ldq, lds, INTER,
+                                       WIDTH)
+                    acc += _dot(at, q.to(at.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * sc_n[None, :]
+                else:
+                    _, w = _dequant(qw, sc, sm, perm_ptr, word_ptr, info_ptr, e_row, kk, k_ok, cols, col_ok, ldq, lds)
+                    acc = _dot(at, w.to(at.dtype), acc, IEEE)
         tl.store(y_ptr + pair[:, None] * sy + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
@@ -196,6 +203,13 @@ def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int =
     while block_m == 16 and sms and block_n > 16 and routed * triton.cdiv(n_out, block_n) < WAVES * sms:
         block_n //= 2
     return block_m, block_n, WARPS if block_m <= 32 and elem_bytes <= 2 else 8, tiles
+
+
+def _unroll(block_m: int, width: int, elem_bytes: int = 2) -> int:
+    """32-row blocks per loop trip: decode tiles (16 rows) of one-width stacks take UNROLL_DECODE, whose loads
+    are independent, so more bytes are in flight per program (a decode step is a few programs per SM, each
+    walking its expert's K); the gather paths and fp32 activations keep one (their registers are spent)."""
+    return UNROLL_DECODE if block_m == 16 and width and elem_bytes <= 2 else 1
 
 
 def _width(stack: ExpertStack) -> int:
@@ -221,7 +235,8 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
         up.scales.stride(0), top_k, x.stride(0), out.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, ACT=_ACTS[kind],
         IEEE=x.dtype == torch.float32, SAME_PERM=gate.perm_digest == up.perm_digest,
-        ALIGNED=gate.aligned and up.aligned, G_WIDTH=_width(gate), U_WIDTH=_width(up), num_warps=warps,
+        ALIGNED=gate.aligned and up.aligned, G_WIDTH=_width(gate), U_WIDTH=_width(up),
+        UNROLL=_unroll(bm, _width(gate) and _width(up), x.element_size()), num_warps=warps,
         num_stages=STAGES)
     return out
 
@@ -240,5 +255,6 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
         a, order, counts, down.q_weight, down.scales, down.scale_max, down.perm, down.word, down.info, y,
         E, H, inter, down.q_weight.stride(0), down.scales.stride(0), a.stride(0), y.stride(0),
         E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, IEEE=a.dtype == torch.float32,
-        ALIGNED=down.aligned, WIDTH=_width(down), num_warps=warps, num_stages=STAGES)
+        ALIGNED=down.aligned, WIDTH=_width(down), UNROLL=_unroll(bm, _width(down), a.element_size()), num_warps=warps,
+        num_stages=STAGES)
     return y
