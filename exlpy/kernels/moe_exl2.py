@@ -12,6 +12,12 @@ gathers x through the act order, decodes the [BLOCK_K, BLOCK_N] codes (a code's 
 two words, the next one; any width 2-8, any group height: the widths are run-time values, one code path for a
 converter's mixed matrices), scales them by their group's 4-bit scale code and maximum, and feeds a tensor-core
 dot. The words of a step are few (BLOCK_K * bits / 32 rows of q_weight), so the gathers hit L1 after the first.
+
+Faster cases, chosen per stack at compile time: when every group lies on the 32-row grid (`aligned`: the
+converter's and exllamav2's layouts), a step is one 32-row block of one width and one scale row, read from the
+block's first table entry, and the scales multiply the dot's columns afterwards; when moreover the whole stack
+has one width dividing 32 (2, 4, 8 bits), the block's words are loaded once and split by compile-time shifts,
+and decode tiles walk UNROLL_DECODE blocks per trip so that more loads are in flight per program.
 """
 
 from __future__ import annotations
