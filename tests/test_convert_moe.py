@@ -18,7 +18,6 @@ from exlpy.convert import convert
 from exlpy.convert import quantize as quantize_mod
 from exlpy.errors import UnsupportedArchitectureError
 from exlpy.model.moe import MoEMLP
-from exlpy.weights.safetensors_index import SafetensorsIndex
 from tests.arch_models import VOCAB, make_arch_model
 from tests.convert_util import kl
 
@@ -58,8 +57,13 @@ def test_moe_model_converts_loads_and_matches(tmp_path: Path, monkeypatch: pytes
     for key, entries in job["measurement"].items():  # each MoE entry reports the tokens each expert got
         if ".mlp" in key and "expert_tokens" in entries[0]:
             assert len(entries[0]["expert_tokens"]) == 4 and sum(entries[0]["expert_tokens"]) == 2 * 2 * 64
-    idx = SafetensorsIndex(str(out))
-    assert idx.info("model.layers.0.mlp.router.weight").dtype == "F16"  # the router is not quantized
+    idx = ExLlamaV2Config(str(out)).index  # canonical names, read through the architecture's renames
+    # the source's own names (exllamav2 loads them), the router stored in fp16 (not quantized)
+    names = {i.name for i in idx.tensors.values()}
+    want = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.3.w2.q_weight") if case == "mixtral" else \
+        ("mlp.gate.weight", "mlp.experts.3.down_proj.q_weight")
+    assert all(f"model.layers.0.{n}" in names for n in want), sorted(names)[:20]
+    assert idx.info("model.layers.0.mlp.router.weight").dtype == "F16"
     model = ExLlamaV2(ExLlamaV2Config(str(out)))
     model.load(device="cpu")
     blocks = [m for m in model.modules if isinstance(m, MoEMLP)]

@@ -19,7 +19,7 @@ import torch
 
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.convert import caldata
-from exlpy.convert.compile import check_output_dir, compile_output, write_model_dir
+from exlpy.convert.compile import check_output_dir, compile_output, stored_names, write_model_dir
 from exlpy.convert.forward import States, _run, check_finite
 from exlpy.convert.job import Job, write_json, write_tensors, writing
 from exlpy.convert.layers import OPTIONS, is_decoder, module_bits, module_numel, shapes, slots
@@ -337,7 +337,10 @@ class _Converter:
         files = [job.path("out_tensor", f"{m.key}.safetensors") for m in self.decoders]
         files.append(job.path("out_tensor", "lm_head.safetensors"))
         quantized = {f"{m.key}.{k}" for m in self.decoders for k in shapes(m)} | {"lm_head"}
-        names = compile_output(self.config.index, files, quantized, out_dir, s.shard_size)
+        # MoE blocks keep the source's tensor names (Mixtral's block_sparse_moe.*): exllamav2 loads the output too
+        moe = [m.key for m in self.decoders if isinstance(m, MoEMLP)]
+        names = compile_output(self.config.index, files, quantized, out_dir, s.shard_size,
+                               stored_names(self.config.index, moe))
         if s.compile_dir:
             from exlpy import __version__
 
