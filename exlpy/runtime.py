@@ -22,7 +22,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
-| `EXLPY_GRAPH_SAMPLING=1` | `graph_sampling` | the generators sample in a captured graph (off by default) |
+| `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -64,11 +64,11 @@ class RuntimeOptions:
     # EXLPY_GEMV_ROWS: 2 up to this many rows take the decode GEMV extended to several rows (exl2_gemv.py), which
     # beats the tensor-core kernel where the rows' FMAs cost less than that kernel's fixed cost; 0 or 1: off.
     gemv_rows: int = 4
-    # EXLPY_GRAPH_SAMPLING=1: the generators sample in a captured graph (generator/sampling/graphed.py). Off by
-    # default: its fused kernel's whole-vocabulary rows (top_k 0) differed from the reference on an H100
-    # (tests/test_graph_sampler.py::test_kernel_matches_reference_on_cuda, 2026-11-26) and no GPU run has
-    # passed yet; `generator.graph_sampling = True` also turns it on for one generator.
-    graph_sampling: bool = False
+    # EXLPY_GRAPH_SAMPLING=0 turns off the captured sampler (generator/sampling/graphed.py), on by default where
+    # decode steps are CUDA graphs: its GPU tests pass (H100, 2026-11-26 12:17) and it holds exllamav2's default
+    # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
+    # `generator.graph_sampling = False` turns it off for one generator.
+    graph_sampling: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -110,7 +110,7 @@ class RuntimeOptions:
             api_key=e.get("EXLPY_API_KEY") or None,
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
-            graph_sampling=flag("EXLPY_GRAPH_SAMPLING"),
+            graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
         )
 
 
