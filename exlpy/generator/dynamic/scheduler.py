@@ -25,11 +25,7 @@ if TYPE_CHECKING:
 # cost about (1 + L / CONTEXT_COST_TOKENS) times a token at the start of a prompt (8B shapes).
 CONTEXT_COST_TOKENS = 4096
 BURST_CHUNKS = 4  # prompt tokens per iteration at most (chunks), so a burst of arrivals starts streaming in waves
-# Next to decoding jobs the budget grows by (waiting prompts x this) / max(decoding jobs, this). 16, not 4: under 64
-# streams through `exlpy serve` (H100, 8B) a budget of 256 tokens held the server at 49.5% of the generator's
-# throughput with TTFT p99 7.8 s, 2048 at 88.2% and 2.5 s (benchmarks/results/serving.md, 12:26 UTC 2026-11-26);
-# a lone long prompt still gets the base budget, so decoding streams do not stall behind it.
-PREFILL_WEIGHT = 16
+PREFILL_WEIGHT = 4  # next to decoding jobs the budget grows by (waiting prompts x this) / max(decoding jobs, this)
 
 
 def cache_summary(gen: ExLlamaV2DynamicGenerator) -> str:
@@ -101,8 +97,8 @@ def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: in
     """Prompt tokens for this iteration. Without decoding jobs, a whole chunk per job, at most BURST_CHUNKS
     chunks: a burst of arrivals is prefilled in waves, first come first, so the first jobs stream while later
     ones prefill instead of every job waiting for all prompts. Next to decoding jobs, `max_prefill_per_step`,
-    more when many jobs wait for their prompt (each waiting prompt weighs PREFILL_WEIGHT times a decoding job:
-    the decoders lose a little latency, the waiting jobs gain much); a lone long prompt keeps the base budget."""
+    more when many jobs wait for their prompt (PREFILL_WEIGHT waiting prompts weigh as one decoding job: the
+    decoders lose a little latency, the waiting jobs gain much); a lone long prompt keeps the base budget."""
     cap = gen.max_chunk_size * BURST_CHUNKS
     if not decoding:
         return min(gen.max_chunk_size * max(prefilling, 1), cap)
