@@ -390,18 +390,17 @@ def main() -> None:
         for extra in args.server_args or [""]:
             fig, _ = run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
                                 "/tmp/exlpy_serve_load.log", extra=extra.split(), clients=args.clients)
-            out.insert(0, fig)
-            print(f"server args '{extra}':", out[0].line(), flush=True)
+            out.append((extra, fig))
+            print(f"server args '{extra}':", fig.line(), flush=True)
     if "generator" in args.parts:
         cache = args.cache_size or -(-(args.streams * (hi + args.max_tokens)) // 256) * 256
         from exlpy import ExLlamaV2Config
 
         gen = load_generator(args.model, cache, args.max_seq_len, None)
-        out.append(run_generator(gen, load, ExLlamaV2Config(args.model).vocab_size))
-        print(out[-1].line(), flush=True)
-    if "generator" in args.parts:
-        for fig in out[:-1]:
-            print(f"server / generator: {fig.tok_s / out[-1].tok_s:.1%}")
+        direct = run_generator(gen, load, ExLlamaV2Config(args.model).vocab_size)
+        print(direct.line(), flush=True)
+        for extra, fig in out:
+            print(f"server args '{extra}' / generator: {fig.tok_s / direct.tok_s:.1%}")
 
 
 if __name__ == "__main__":
