@@ -50,8 +50,8 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing. Two exlpy
         extensions: `page_size` (tokens per cache page; 256 as in exllamav2) and `max_prefill_per_step` (prompt
         tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
-        prompts; 2048: each prompt chunk is an eager forward, and smaller budgets made the host the limit under
-        many arriving requests, benchmarks/results/serving.md)."""
+        prompts, 256 for a lone prompt: scheduler.prefill_budget; 2048, where 256 made a crowd of arriving
+        requests wait twice as long, benchmarks/results/serving.md)."""
         cfg = model.config
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
