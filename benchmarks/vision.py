@@ -311,9 +311,13 @@ def main() -> None:
                     help="transformers' image processor for its timed runs: its torchvision one (its default, on "
                     "the GPU) when torchvision is installed (auto), or its PIL one")
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown runs")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a shared machine, 1 keeps "
+                    "small host ops from waiting on busy cores)")
     ap.add_argument("--out", default=None, help="results file (default: benchmarks/results/vision.md on a GPU)")
     args = ap.parse_args()
     args.layers = args.layers or (6 if args.arch == "gemma3" else 4)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0"
     side = args.image_size or (112 if args.tiny else 1024)
     max_pixels = 28 * 28 * 1280 * 10  # HF's default for Qwen2.5-VL (12845056): a 1024x1024 image is not shrunk

@@ -43,10 +43,10 @@ def resize_like_pil(x: torch.Tensor, height: int, width: int, mode: str) -> torc
 def normalize(x: torch.Tensor, rescale: float, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """[C, H, W] fp32 of uint8-valued x [C, H, W]: rescaled in float64 and normalized in float32, as transformers'
     processors do (so the CPU result is bit-equal to theirs)."""
-    y = (x.to(torch.float64) * rescale).to(torch.float32)
+    y = x.contiguous().to(torch.float64).mul_(rescale).to(torch.float32)  # contiguous: x is often an HWC view
     m = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1).to(x.device, non_blocking=True)
     s = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1).to(x.device, non_blocking=True)
-    return (y - m) / s
+    return y.sub_(m).div_(s)
 
 
 def resized_pixels(image: Any, height: int, width: int, mode: str, device: torch.device | None) -> torch.Tensor:
