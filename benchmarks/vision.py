@@ -150,35 +150,40 @@ class HF:
         self.arch = arch
         cls = tf.Gemma3ForConditionalGeneration if arch == "gemma3" else tf.Qwen2_5_VLForConditionalGeneration
         self.model = cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-        self.proc_kwargs: dict[str, Any] = {}
         self.processor = "pil" if processor == "auto" and not _has_torchvision() else processor
         if self.processor == "auto":
             self.processor = "torchvision"
-        if arch == "gemma3":
+        self.pil = self._processor("pil", max_pixels)  # bit-equal to exlpy's: for the logits comparison
+        self.proc = self._processor(self.processor, max_pixels)  # for the timed runs
+        # transformers' fast (torchvision) processors resize and normalize on the device they are given
+        self.proc_kwargs: dict[str, Any] = {"device": device} if self.processor == "torchvision" else {}
+        self.device = device
+
+    def _processor(self, kind: str, max_pixels: int) -> Any:
+        if self.arch == "gemma3":
             side = self.model.config.vision_config.image_size
-            if self.processor == "torchvision":
+            if kind == "torchvision":
                 from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as GemmaProc
             else:
                 from transformers.models.gemma3.image_processing_pil_gemma3 import (
                     Gemma3ImageProcessorPil as GemmaProc,
                 )
-            self.proc = GemmaProc(size={"height": side, "width": side})
+            return GemmaProc(size={"height": side, "width": side})
+        if kind == "torchvision":
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as QwenProc
         else:
-            if self.processor == "torchvision":
-                from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as QwenProc
-            else:
-                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-                    Qwen2VLImageProcessorPil as QwenProc,
-                )
-            self.proc = QwenProc(min_pixels=56 * 56, max_pixels=max_pixels)
-        if self.processor == "torchvision":  # transformers' fast processors resize and normalize on the device
-            self.proc_kwargs = {"device": device}
-        self.device = device
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil as QwenProc,
+            )
+        return QwenProc(min_pixels=56 * 56, max_pixels=max_pixels)
 
-    def logits(self, img: Any, before: list[int], after: list[int], keep: int = 0) -> torch.Tensor:
-        """Logits of every position (keep=0), or of the last `keep` (what a first token needs)."""
+    def logits(self, img: Any, before: list[int], after: list[int], keep: int = 0, pil: bool = False
+               ) -> torch.Tensor:
+        """Logits of every position (keep=0), or of the last `keep` (what a first token needs); pil: through the
+        PIL processor whatever the timed one is."""
+        proc, kwargs = (self.pil, {}) if pil else (self.proc, self.proc_kwargs)
         if self.arch == "gemma3":
-            px = self.proc(images=[img], return_tensors="pt", **self.proc_kwargs)["pixel_values"].to(self.device)
+            px = proc(images=[img], return_tensors="pt", **kwargs)["pixel_values"].to(self.device)
             n = self.model.config.mm_tokens_per_image
             ids = torch.tensor([before + [GEMMA_IDS["<start_of_image>"]] + [GEMMA_IDS["<image_soft_token>"]] * n +
                                 [GEMMA_IDS["<end_of_image>"]] + after], device=self.device)
@@ -186,7 +191,7 @@ class HF:
             with torch.no_grad():
                 return self.model(input_ids=ids, pixel_values=px.to(self.model.dtype), logits_to_keep=keep,
                                   token_type_ids=(ids == GEMMA_IDS["<image_soft_token>"]).long()).logits
-        inputs = self.proc(images=[img], return_tensors="pt", **self.proc_kwargs)
+        inputs = proc(images=[img], return_tensors="pt", **kwargs)
         n = int(inputs["image_grid_thw"].prod()) // 4
         ids = torch.tensor([before + [IDS["<|vision_start|>"]] + [IDS["<|image_pad|>"]] * n +
                             [IDS["<|vision_end|>"]] + after], device=self.device)
@@ -342,7 +347,7 @@ def main() -> None:
         ex = Exlpy(path, device, torch.float32 if device == "cpu" else half)
         got = ex.logits(img, before, after)
         hf = HF(path, device, half, max_pixels, args.arch, args.hf_processor)
-        want_half = hf.logits(img, before, after)
+        want_half = hf.logits(img, before, after, pil=True)
         if device != "cpu":  # the fp32 reference, then free it
             ref = HF(path, device, torch.float32, max_pixels, args.arch)
             want = ref.logits(img, before, after)

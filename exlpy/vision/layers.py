@@ -76,8 +76,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     if not isinstance(segments, Segments):
         segments = plan_segments(segments, q.device)
     if len(segments.groups) == 1 and segments.groups[0][2] is None:  # one segment: all rows, no gather
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-        return o.transpose(0, 1)
+        # 4-D [1, H, N, D]: torch's fused (flash / memory-efficient) kernels take only 4-D inputs
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
     out = torch.empty_like(q)
     for count, n, idx in segments.groups:
         assert idx is not None
