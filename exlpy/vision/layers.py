@@ -38,9 +38,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NEOX rotation of x [N, H, D] by cos / sin [N, D], computed in fp32 as transformers' vision towers do."""
+    """NEOX rotation of x [N, ..., D] (q [N, H, D], or q and k together [N, 2, H, D]) by cos / sin [N, D],
+    computed in fp32 as transformers' vision towers do."""
     xf = x.float()
-    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape).float(), sin.view(shape).float()
     return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
 

@@ -351,8 +351,9 @@ class QwenVisionTower:
                    ) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
-        q, k, v = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim).unbind(1)
-        q, k = rope_fp32(q, cos, sin), rope_fp32(k, cos, sin)
+        qkv = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim)
+        q, k = rope_fp32(qkv[:, :2], cos, sin).unbind(1)  # q and k rotated in one pass
+        v = qkv[:, 2]
         o = segment_attention(q, k, v, segments, s.head_dim ** -0.5)
         return self._lin(o.reshape(n, -1), f"{b}.attn.proj")
 
