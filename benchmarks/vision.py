@@ -150,11 +150,14 @@ class HF:
         self.arch = arch
         cls = tf.Gemma3ForConditionalGeneration if arch == "gemma3" else tf.Qwen2_5_VLForConditionalGeneration
         self.model = cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-        self.processor = "pil" if processor == "auto" and not _has_torchvision() else processor
-        if self.processor == "auto":
-            self.processor = "torchvision"
         self.pil = self._processor("pil", max_pixels)  # bit-equal to exlpy's: for the logits comparison
-        self.proc = self._processor(self.processor, max_pixels)  # for the timed runs
+        self.processor, self.proc = "pil", self.pil  # the timed runs': transformers' default where it can
+        if processor == "torchvision" or (processor == "auto" and _has_torchvision()):
+            try:
+                self.processor, self.proc = "torchvision", self._processor("torchvision", max_pixels)
+            except ImportError:
+                if processor == "torchvision":
+                    raise
         # transformers' fast (torchvision) processors resize and normalize on the device they are given
         self.proc_kwargs: dict[str, Any] = {"device": device} if self.processor == "torchvision" else {}
         self.device = device
