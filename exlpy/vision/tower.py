@@ -139,7 +139,8 @@ class ExLlamaV2VisionTower:
 
     def _digest(self, key: tuple[Any, ...], model: Any) -> bytes:
         """What determines an image's rows: the image and preprocessing settings (the cache key), this tower's
-        model, settings, dtype and device kind (a GPU resizes on the device), and the language model."""
+        model, settings, dtype and device kind (GPU and CPU arithmetic differ in the last bits), and the language
+        model (its start / end rows)."""
         h = hashlib.sha256(repr((key[0], key[2:], self.config.model_dir, self.vspec, str(self.tower.dtype),
                                  self.device.type if self.loaded else None,
                                  model.config.model_dir)).encode())
