@@ -16,6 +16,10 @@ random image (no cache of an earlier image or prompt helps either side), after a
     python benchmarks/vision.py                      # GPU: writes benchmarks/results/vision.md
     python benchmarks/vision.py --arch gemma3        # GPU: writes benchmarks/results/vision_gemma3.md
     python benchmarks/vision.py --tiny [--arch gemma3]   # CPU, tiny shapes, fp32: a correctness smoke run
+
+Both sides also get a per-phase breakdown (exlpy's phase marks, exlpy/vision/timing.py; forward hooks on
+transformers' modules): CUDA events at each mark, so a phase's GPU-timeline time includes host stalls, next to its
+host time. The results file's generated block is rewritten; sections after it (`## ` headings) are kept.
 """
 
 from __future__ import annotations
@@ -406,15 +410,21 @@ def main() -> None:
     if out:
         import transformers
 
+        kept = ""  # hand-written sections (## headings) after the generated block survive a new run
+        if Path(out).exists():
+            old = Path(out).read_text()
+            at = old.find("\n## ")
+            kept = old[at:] if at >= 0 else ""
         Path(out).write_text(
             f"# Vision: {'Gemma 3' if args.arch == 'gemma3' else 'Qwen2.5-VL'} vs transformers\n\n"
             f"- device: {dev_name}; date: {datetime.date.today()}; torch {torch.__version__}, transformers "
             f"{transformers.__version__}\n"
             f"- command: `python benchmarks/vision.py {' '.join(sys.argv[1:])}`\n"
-            f"- model: random, {'Gemma-3-4B' if args.arch == 'gemma3' else 'Qwen2.5-VL-7B'} shapes, {args.layers} "
+            f"- model: random, {'tiny' if args.tiny else 'Gemma-3-4B' if args.arch == 'gemma3' else 'Qwen2.5-VL-7B'} "
+            f"shapes, {args.layers} "
             f"language layers, {args.vision_layers} vision "
             "blocks\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" +
-            "".join(f"\n{t}" for t in tables))
+            "".join(f"\n{t}" for t in tables) + kept)
         print(f"wrote {out}")
 
 
