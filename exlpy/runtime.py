@@ -11,7 +11,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLLAMA_NO_FLASH_ATTN` / `_XFORMERS` / `_SDPA` | `no_flash_attn` ... | exllamav2's config defaults (informational) |
 | `EXLPY_NO_TRITON=1` | `triton=False` | CUDA tensors use the torch references instead of Triton kernels |
 | `EXLPY_PDL=0` | `pdl=False` | no programmatic dependent launch on Hopper |
-| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer` | `tp_comm` | TP collective backend (default: fastest that works) |
+| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer\\|hostmem` | `tp_comm` | TP collective backend (default: the fastest) |
 | `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from exlpy.errors import ConfigError
 
-TP_COMMS = ("auto", "local", "host", "nccl", "peer")
+TP_COMMS = ("auto", "local", "host", "nccl", "peer", "hostmem")
 TP_LAYOUTS = ("auto", "row", "column")
 
 

@@ -4,7 +4,8 @@
 per-GPU copies (exlpy/model/sharding.py) and drops the full module. The strategy is one stage whose lanes
 are the GPUs' own Transformers (the ordinary block code; their closing projections meet in all-reduces),
 so eager forwards and CUDA-graph capture treat it like any other strategy. A decode step is captured as one
-graph per GPU with the collectives inside when the backend can be captured (NCCL, peer all-reduce).
+graph per GPU with the collectives inside when the backend can be captured (NCCL, the peer or host-memory
+all-reduce).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
 from exlpy.model.sharding import Share, row_split_possible, shard_attention, shard_embedding, shard_head, shard_mlp
 from exlpy.model.transformer import Transformer
-from exlpy.parallel.tp_comm import NcclComm, PeerComm
+from exlpy.parallel.tp_comm import HostMemComm, NcclComm, PeerComm
 from exlpy.parallel.tp_context import TPContext
 from exlpy.parallel.tp_split import BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, BROADCAST_RS, BROADCAST_VC
 from exlpy.runtime import RuntimeOptions
@@ -149,7 +150,7 @@ def tp_strategy(ctx: TPContext, group: LockstepGroup, per_slot: dict[int, list[M
         lanes.append(Lane(ctx.all_devs[slot], partial(core.forward),
                           cache_part=lambda c, slot=slot: None if c is None else tp_part(c, slot), modules=mods))
     devs = [lane.device for lane in lanes]
-    capturable = isinstance(ctx.comm, (NcclComm, PeerComm)) and len({str(d) for d in devs}) == len(devs)
+    capturable = isinstance(ctx.comm, (NcclComm, PeerComm, HostMemComm)) and len({str(d) for d in devs}) == len(devs)
     graph_safe = opts.tp_graphs and capturable and cuda_graphs_possible(devs)
     return Strategy("tensor_parallel", [Stage(lanes, group)], graph_safe=graph_safe)
 

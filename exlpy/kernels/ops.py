@@ -202,6 +202,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     return _impl_with("sdpa", q, softcap=softcap)(q, k, v, scale, mask, is_causal, **_attn_kw(0, softcap))
 
 
+def host_all_reduce(tensors: list[torch.Tensor], state: Any, spin: int | None = None) -> None:
+    """In-place sum of one tensor per GPU through pinned host memory (tensor parallelism without P2P); see
+    kernels/host_allreduce.py and the reference."""
+    impl = _impl("host_all_reduce", tensors[0])
+    if spin is None:
+        impl(tensors, state)
+    else:
+        impl(tensors, state, spin)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
 

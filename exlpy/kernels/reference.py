@@ -309,6 +309,12 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
         t.copy_(acc.to(t.device, t.dtype))
 
 
+def host_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int = 0) -> None:
+    """The host-memory all-reduce's contract (kernels/host_allreduce.py): `peer_all_reduce`'s in-place sum,
+    accumulated in float32 in rank order, so that every tensor receives the same bits."""
+    peer_all_reduce(tensors, state, spin)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with every token whose bit is 0 set to -inf (a new tensor). bitmask [B, W] int32, bit
     t % 32 of word t // 32 allows token t (llguidance/xgrammar layout); tokens past 32·W are excluded."""

@@ -1,0 +1,164 @@
+"""The host-memory all-reduce (kernels/host_allreduce.py): tensor parallelism's collective for GPUs without P2P.
+
+The interpreter runs one rank's programs after the other's, so a rank that goes first cannot see the second
+arrive: it gives up after `spin` polls (counted), and the rank that goes second sees the first's tile and flag
+and must produce the exact sum. Alternating which rank goes second walks the epochs and both parities through
+the same sequence a GPU pair makes. On a GPU, two streams of one device are two ranks that really wait for
+each other (`gpu`); on two GPUs the TP tests run it inside captured decode steps (tests/test_multi_gpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from exlpy.kernels import ops, reference
+from tests.conftest import requires_cuda
+
+triton = pytest.importorskip("triton")
+
+from exlpy.kernels.host_allreduce import BLOCK, HostState  # noqa: E402
+
+
+def _interp() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+
+
+def _launch(state: HostState, rank: int, t: torch.Tensor, n: int, spin: int) -> None:
+    """One rank's kernel alone (host_all_reduce launches every rank in turn)."""
+    from exlpy.kernels.host_allreduce import MAX_NUMEL, _host_allreduce_kernel
+
+    numel = t.numel()
+    _host_allreduce_kernel[(triton.cdiv(numel, BLOCK),)](
+        t, state.buf_as(t.dtype), state.flags, state.epochs[rank], state.errors[rank], numel, rank, spin, N=n,
+        BLOCK=BLOCK, MAXN=MAX_NUMEL, EVEN=numel % BLOCK == 0, ASM=t.is_cuda, num_warps=4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape,dtype", [((1, 4096), torch.float16), ((3, 1000), torch.float32),
+                                         ((2, 2048), torch.bfloat16)])
+def test_second_rank_sums_exactly(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    _interp()
+    state = HostState([torch.device("cpu")] * 2)
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    programs = triton.cdiv(shape[0] * shape[1], BLOCK)
+    for call in range(5):  # epochs 1..5: both parities, both orders
+        xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+        want = [x.clone() for x in xs]
+        reference.host_all_reduce(want)
+        first, second = (0, 1) if call % 2 == 0 else (1, 0)
+        before = [int(e.item()) for e in state.errors]
+        _launch(state, first, xs[first], 2, spin=3)  # waits for a rank that has not run: gives up
+        _launch(state, second, xs[second], 2, spin=3)
+        if dtype == torch.bfloat16:  # the interpreter rounds float32 -> bf16 its own way (one ulp off at ties)
+            torch.testing.assert_close(xs[second], want[second], atol=0, rtol=2 ** -7)
+        else:  # bit-identical: float32 sum in rank order, one rounding
+            assert torch.equal(xs[second], want[second])
+        assert int(state.errors[first].item()) == before[first] + programs
+        assert int(state.errors[second].item()) == before[second]
+        assert all(bool((e[:programs] == call + 1).all()) for e in state.epochs)
+
+
+@pytest.mark.interpreter
+def test_flag_one_ahead_is_accepted() -> None:
+    """A rank that already finished this call and raised its next flag (e + 1) still releases the waiter."""
+    _interp()
+    state = HostState([torch.device("cpu")] * 2)
+    x0, x1 = torch.ones(BLOCK), torch.full((BLOCK,), 2.0)
+    _launch(state, 1, x1.clone(), 2, spin=2)  # rank 1 at call 1: flag 1, data at parity 1
+    _launch(state, 1, x1.clone(), 2, spin=2)  # rank 1 at call 2: flag 2 (one ahead of rank 0's call 1)
+    _launch(state, 0, x0, 2, spin=2)
+    assert int(state.errors[0].item()) == 0
+    assert bool((x0 == 3.0).all())
+
+
+def test_reference_and_dispatch_on_cpu() -> None:
+    """ops.host_all_reduce on CPU tensors is the reference: every tensor gets the float32 sum."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 33, generator=g).half() for _ in range(3)]
+    want = sum(x.float() for x in xs).half()
+    ops.host_all_reduce(xs, None)
+    for x in xs:
+        assert torch.equal(x, want)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", [(1, 8192), (3, 1000), (32, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_two_streams_equal_reference(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Two ranks on two streams of one GPU wait for each other through pinned host memory (20 calls)."""
+    dev = torch.device("cuda", 0)
+    state = HostState([dev, dev])
+    streams = [torch.cuda.Stream(dev) for _ in range(2)]
+    g = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
+    for _ in range(20):
+        xs = [torch.randn(shape, generator=g).to(dev, dtype) for _ in range(2)]
+        want = [x.clone() for x in xs]
+        reference.host_all_reduce(want)
+        torch.cuda.synchronize(dev)
+        for rank, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                _launch(state, rank, xs[rank], 2, spin=1 << 22)
+        torch.cuda.synchronize(dev)
+        for x, w in zip(xs, want):
+            assert torch.equal(x, w)
+    assert state.error_count() == 0
+
+
+# In a child process without TRITON_INTERPRET (set when the suite runs under it), where kernels compile.
+COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from exlpy.kernels.host_allreduce import BLOCK, MAX_NUMEL, _host_allreduce_kernel
+sig = {"x": "*fp16", "buf": "*fp16", "flags": "*i32", "epochs": "*i32", "errors": "*i32", "numel": "i32",
+       "rank": "i32", "spin": "i32", "N": "constexpr", "BLOCK": "constexpr", "MAXN": "constexpr",
+       "EVEN": "constexpr", "ASM": "constexpr"}
+src = ASTSource(_host_allreduce_kernel, sig, constexprs={"N": 2, "BLOCK": BLOCK, "MAXN": MAX_NUMEL, "EVEN": True,
+                                                         "ASM": True},
+                attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print("PTX " + json.dumps(k.asm["ptx"]))
+"""
+
+
+def test_host_allreduce_compiles_with_plain_release_acquire_flags() -> None:
+    """sm_90 PTX: flags by st.release.sys / ld.acquire.sys (no read-modify-write atomics on host memory, which
+    PCIe links without native host atomics do not make atomic), the others' tiles read uncached in 16-byte
+    vectors, CTA barriers around the flag exchange."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+
+    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
+                       env=child_env(drop=("TRITON_INTERPRET",)), timeout=300)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PTX ")]
+    if not lines and "ptxas" in r.stderr.lower():
+        pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
+    assert lines, r.stderr[-2000:]
+    ptx = json.loads(lines[0][4:])
+    assert re.search(r"st\.release\.sys\.global\.u32", ptx)
+    assert re.search(r"ld\.acquire\.sys\.global\.u32", ptx)
+    assert not re.search(r"atom\.[^\n]*sys", ptx)  # the only atomic is the device-local error counter
+    assert re.search(r"ld\.global\.cv\.v4", ptx)
+    assert ptx.count("bar.sync") >= 2
+
+
+def test_hostmem_backend_refused_on_cpu_devices() -> None:
+    """EXLPY_TP_COMM=hostmem over devices that are not distinct GPUs: a typed error naming the backend."""
+    from exlpy.errors import TensorParallelError
+    from exlpy.parallel.tp_comm import host_mem_comm, make_comm
+    from exlpy.runtime import RuntimeOptions
+
+    assert RuntimeOptions(tp_comm="hostmem").tp_comm == "hostmem"
+    devs = [torch.device("cpu"), torch.device("cpu")]
+    assert host_mem_comm(devs, None) is None  # type: ignore[arg-type]
+    with pytest.raises(TensorParallelError, match="hostmem"):
+        make_comm(devs, "hostmem")
