@@ -39,7 +39,14 @@ from benchmarks.tp_diag import flop_model, single_phases, sync_check, top_kernel
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
 from exlpy.cache.tp import ExLlamaV2Cache_TP  # noqa: E402
 from exlpy.model.parallel_linear import RowParallel  # noqa: E402
-from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable, peer_comm  # noqa: E402
+from exlpy.parallel.tp_comm import (  # noqa: E402
+    HostComm,
+    LocalComm,
+    NcclComm,
+    host_mem_comm,
+    nccl_usable,
+    peer_comm,
+)
 from exlpy.runtime import RuntimeOptions  # noqa: E402
 
 
@@ -83,6 +90,14 @@ def build_model(path: Path, layers: int, vocab: int, hidden: int = 8192, inter: 
     return path
 
 
+def host_mem_comm_ok(devs: list[torch.device]) -> bool:
+    return host_mem_comm(devs, LocalComm()) is not None
+
+
+def peer_comm_ok(devs: list[torch.device]) -> bool:
+    return peer_comm(devs, LocalComm()) is not None
+
+
 def sync_all(n: int) -> None:
     for i in range(n):
         torch.cuda.synchronize(i)
@@ -93,6 +108,8 @@ def time_comm(n: int, results: dict) -> None:
     backends = [LocalComm(), HostComm()] + ([NcclComm()] if nccl_usable(devs) else [])
     peer = peer_comm(devs, NcclComm() if nccl_usable(devs) else LocalComm())
     backends += [peer] if peer is not None else []
+    hostmem = host_mem_comm(devs, NcclComm() if nccl_usable(devs) else LocalComm())
+    backends += [hostmem] if hostmem is not None else []
     for rows, iters in ((1, 300), (2048, 20)):
         for be in backends:
             ts = [torch.randn(rows, 8192, device=d).half() for d in devs]
@@ -208,6 +225,27 @@ def profile_steps(model: ExLlamaV2, cache, prompt: torch.Tensor, n: int, steps: 
     return top_kernels(run, n, rows=16)
 
 
+def ab_summary(res: dict, batch: int) -> dict:
+    """Per collective backend of the TP run (the default one chosen at load, then each reloaded one): decode
+    b1 (read each step / fed), decode b`batch` and prefill 2048 in ms, with the speed-up over one GPU."""
+    tp = res["tp"]
+    keys = {"b1": ("decode_ms_graphs", "decode_ms_{}", "single_decode_ms"),
+            "b1_fed": ("decode_fed_ms", "decode_fed_ms_{}", "single_decode_fed_ms"),
+            f"b{batch}": (f"decode_b{batch}_ms", f"decode_b{batch}_ms_{{}}", f"single_decode_b{batch}_ms"),
+            "prefill2048": ("prefill2048_ms", "prefill2048_ms_{}", "single_prefill2048_ms")}
+    names = [tp["comm"]] + [k[len("decode_ms_"):] for k in tp if k.startswith("decode_ms_")
+                            and k not in ("decode_ms_graphs", "decode_ms_eager")]
+    out: dict = {"default": tp["comm"], "load_timings_us": tp.get("comm_timings_us")}
+    for name in names:
+        row = {}
+        for label, (own, other, single) in keys.items():
+            v = tp.get(own if name == tp["comm"] else other.format(name))
+            if v is not None and res.get(single):
+                row[label] = [v, round(res[single] / v, 2)]
+        out[name] = row
+    return out
+
+
 def ctx_devs(ctx) -> list[torch.device]:  # noqa: ANN001
     return [ctx.all_devs[s] for s in ctx.all_devices()]
 
@@ -233,6 +271,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="top kernels of 10 decode steps, b1 and batched")
     ap.add_argument("--batch", type=int, default=32, help="also time batched decode (0: skip)")
     ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
+    ap.add_argument("--all-comms", action="store_true", help="also reload with the local and host backends")
     args = ap.parse_args()
     n = args.gpus
     assert torch.cuda.device_count() >= n, f"needs {n} GPUs, {torch.cuda.device_count()} visible"
@@ -390,9 +429,14 @@ def main() -> None:
             save()
             res["phase"] = tag
         if full:
+            # A/B in the same process: the same model reloaded with each other backend that works here (the
+            # old default NCCL against the host-memory / peer kernels), decode b1 and batched, and prefill.
             default = ctx.comm.name
-            others = ["nccl"] if default != "nccl" and nccl_usable(ctx_devs(ctx)) else []
-            for name in others + ["local", "host"]:  # each backend: the same model reloaded with it
+            devs = ctx_devs(ctx)
+            others = [x for x, ok in (("nccl", nccl_usable(devs)), ("hostmem", host_mem_comm_ok(devs)),
+                                      ("peer", peer_comm_ok(devs))) if ok and x != default]
+            others += ["local", "host"] if args.all_comms else []
+            for name in others:
                 m2 = None
                 try:
                     del c
@@ -400,8 +444,16 @@ def main() -> None:
                     m2 = load(split, RuntimeOptions(tp_comm=name))
                     c2 = ExLlamaV2Cache_TP(m2, max_seq_len=4096)
                     out[f"decode_ms_{name}"] = round(decode_ms(m2, c2, prompt, args.steps // 2, n), 3)
+                    out[f"decode_fed_ms_{name}"] = round(decode_fed_ms(m2, c2, prompt, args.steps // 2, n), 3)
                     out[f"prefill2048_ms_{name}"] = round(prefill_ms(m2, c2, long_ids, n), 2)
                     del c2
+                    if args.batch:
+                        cb = ExLlamaV2Cache_TP(m2, batch_size=args.batch, max_seq_len=512)
+                        out[f"decode_b{args.batch}_ms_{name}"] = round(
+                            decode_ms(m2, cb, prompt.repeat(args.batch, 1), args.steps // 4, n), 3)
+                        del cb
+                    print(json.dumps({tag: out}), flush=True)
+                    save()
                 finally:
                     if m2 is not None:
                         m2.unload()
@@ -442,6 +494,8 @@ def main() -> None:
     if args.batch and f"decode_fed_b{args.batch}_ms" in res["tp"]:
         res[f"speedup_decode_fed_b{args.batch}"] = round(res[f"single_decode_fed_b{args.batch}_ms"]
                                                          / res["tp"][f"decode_fed_b{args.batch}_ms"], 2)
+    res["ab"] = ab_summary(res, args.batch)
+    print("AB " + json.dumps(res["ab"]), flush=True)
     save()
     if args.column:
         tp_run(None, "tp_column", False, RuntimeOptions(tp_layout="column"))
