@@ -232,14 +232,15 @@ def ab_summary(res: dict, batch: int) -> dict:
     keys = {"b1": ("decode_ms_graphs", "decode_ms_{}", "single_decode_ms"),
             "b1_fed": ("decode_fed_ms", "decode_fed_ms_{}", "single_decode_fed_ms"),
             f"b{batch}": (f"decode_b{batch}_ms", f"decode_b{batch}_ms_{{}}", f"single_decode_b{batch}_ms"),
-            "prefill2048": ("prefill2048_ms", "prefill2048_ms_{}", "single_prefill2048_ms")}
+            "prefill2048": ("prefill2048_ms", "prefill2048_ms_{}", "single_prefill2048_ms"),
+            "prefill2048_pipelined": ("prefill2048_ms_pipelined", "-", "single_prefill2048_ms")}
     names = [tp["comm"]] + [k[len("decode_ms_"):] for k in tp if k.startswith("decode_ms_")
                             and k not in ("decode_ms_graphs", "decode_ms_eager")]
     out: dict = {"default": tp["comm"], "load_timings_us": tp.get("comm_timings_us")}
     for name in names:
         row = {}
         for label, (own, other, single) in keys.items():
-            v = tp.get(own if name == tp["comm"] else other.format(name))
+            v = tp.get(own if name == tp["comm"] else other.format(name) if other != "-" else "-")
             if v is not None and res.get(single):
                 row[label] = [v, round(res[single] / v, 2)]
         out[name] = row
@@ -403,6 +404,25 @@ def main() -> None:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
         m.config.no_graphs = no_graphs
         out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        # A/B: the same model with its prefill chunks as two overlapped micro-batches (EXLPY_TP_PIPELINE),
+        # and the last position's logits of both ways (they differ only by summation order).
+        overlap = m.strategy.overlap_prefill
+        try:
+            c.current_seq_len = 0
+            m.strategy.overlap_prefill = False
+            plain_last = m.forward(long_ids, c, last_id_only=True).float()
+            m.strategy.overlap_prefill = True
+            out["prefill2048_ms_pipelined"] = round(prefill_ms(m, c, long_ids, n), 2)
+            c.current_seq_len = 0
+            piped_last = m.forward(long_ids, c, last_id_only=True).float()
+            out["pipelined_vs_plain_maxdiff"] = round((piped_last - plain_last).abs().max().item(), 4)
+        except Exception:  # noqa: BLE001 - record and go on
+            import traceback
+
+            out["pipeline_error"] = traceback.format_exc()[-1500:]
+            print(out["pipeline_error"], flush=True)
+        finally:
+            m.strategy.overlap_prefill = overlap
         out["decode_fed_ms"] = round(decode_fed_ms(m, c, prompt, args.steps, n), 3)
         if args.profile and full:
             out["b1_kernels"] = profile_steps(m, c, prompt, n)

@@ -152,7 +152,8 @@ def tp_strategy(ctx: TPContext, group: LockstepGroup, per_slot: dict[int, list[M
     devs = [lane.device for lane in lanes]
     capturable = isinstance(ctx.comm, (NcclComm, PeerComm, HostMemComm)) and len({str(d) for d in devs}) == len(devs)
     graph_safe = opts.tp_graphs and capturable and cuda_graphs_possible(devs)
-    return Strategy("tensor_parallel", [Stage(lanes, group)], graph_safe=graph_safe)
+    return Strategy("tensor_parallel", [Stage(lanes, group)], graph_safe=graph_safe,
+                    overlap_prefill=opts.tp_pipeline)
 
 
 def tp_part(cache: Any, slot: int) -> Any:
