@@ -69,12 +69,13 @@ class LaunchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
         if self.where is not None and self.depth == 0:
             if name in _SYNCS:
                 self.syncs[self.where] += 1
-            elif name not in _FREE:
+            elif name not in _FREE and not (name in ("to", "contiguous") and out is args[0]):  # no-op casts
                 self.kernels[self.where] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 class _Labeled:
@@ -141,8 +142,11 @@ def count_launches(model: Any, run: Callable[[], Any]) -> dict[str, Any]:
     run_group = group.run
 
     def counted_run(op_list: list[Any]) -> Any:
-        for k in range(len(op_list)):
-            counter.collectives[(k, counter.lane_at.get(k, "?"))] += 1
+        for k, op in enumerate(op_list):
+            where = (k, counter.lane_at.get(k, "?"))
+            counter.collectives[where] += 1
+            if op.kind == "gather_first" and group.capturing:
+                counter.kernels[where] += 2  # captured: the zero-padded buffer's fill and the slice copy
         counter.depth += 1
         try:
             return run_group(op_list)
@@ -150,6 +154,7 @@ def count_launches(model: Any, run: Callable[[], Any]) -> dict[str, Any]:
             counter.depth -= 1
 
     group.run = counted_run
+    capturing, group.capturing = group.capturing, True  # the head's gather as a captured step makes it
     saved_ops = _patch_ops(counter)
     try:
         with counter:
@@ -160,6 +165,7 @@ def count_launches(model: Any, run: Callable[[], Any]) -> dict[str, Any]:
         for m, fwd in saved_fwd:
             m.forward = fwd
         group.run = run_group
+        group.capturing = capturing
     labels = sorted({lab for _, lab in list(counter.kernels) + list(counter.collectives)},
                     key=lambda s: (s[0] != "e", s.rstrip("0123456789") == "norm", s == "head",
                                    int("".join(c for c in s if c.isdigit()) or 0), s))

@@ -102,3 +102,24 @@ def test_first_slot_without_mlp_share(tmp_path: Path) -> None:
     assert [s for s, _, _ in ctx.id_split] == [1] and [s for s, _, _ in ctx.vc_split] == [1]
     assert [b - a for _, a, b in ctx.kv_split] == [2, 1]
     torch.testing.assert_close(m.forward(ids), ref.forward(ids), atol=2e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_decode_launches_per_layer(model: ExLlamaV2) -> None:
+    """Kernels per GPU of one TP decode step (benchmarks/tp_launches.py's model of the CUDA path): at one row
+    norm + q|k|v GEMV, RoPE + cache write, split-K attention (2), o_proj GEMV (+ residual on the first GPU),
+    all-reduce; norm + gate|up + SwiGLU GEMV, down GEMV, all-reduce. At 32 rows the norms and SwiGLU are
+    kernels of their own. The vocabulary-parallel lookup is one kernel before its all-reduce."""
+    from benchmarks.tp_launches import count_launches, per_layer
+    from exlpy.cache.tp import ExLlamaV2Cache_TP
+
+    for rows, attn, mlp in ((1, 6, 3), (32, 7, 5)):
+        cache = ExLlamaV2Cache_TP(model, batch_size=rows, max_seq_len=32)
+        ids = torch.randint(3, 640, (rows, 6), generator=torch.Generator().manual_seed(rows))
+        model.forward(ids[:, :-1], cache, preprocess_only=True)
+        counts = count_launches(model, lambda c=cache, i=ids: model.forward(i[:, -1:], c))
+        for lane in ("lane0", "lane1"):
+            for layer in (0, 1):
+                assert per_layer(counts, lane, layer) == {"attn": attn, "mlp": mlp, "collectives": 2}
+            assert counts[lane]["embed"] == {"kernels": 2, "collectives": 1, "syncs": 0}
+            assert all(v["syncs"] == 0 for v in counts[lane].values())

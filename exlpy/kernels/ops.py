@@ -202,6 +202,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     return _impl_with("sdpa", q, softcap=softcap)(q, k, v, scale, mask, is_causal, **_attn_kw(0, softcap))
 
 
+def embed_slice(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows [start, start + n) of an embedding table held by one tensor-parallel GPU, zero rows for ids
+    outside them (the vocabulary-parallel lookup before its all-reduce); see reference."""
+    return _impl("embed_slice", weight)(ids, weight, start)
+
+
 def host_all_reduce(tensors: list[torch.Tensor], state: Any, spin: int | None = None) -> None:
     """In-place sum of one tensor per GPU through pinned host memory (tensor parallelism without P2P); see
     kernels/host_allreduce.py and the reference."""

@@ -309,6 +309,18 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
         t.copy_(acc.to(t.device, t.dtype))
 
 
+def embed_slice(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """A vocabulary-parallel embedding lookup: `weight` holds table rows [start, start + n); ids in that range
+    get their row, others a zero row (the all-reduce over GPUs completes them). [*ids.shape, hidden]."""
+    n, hidden = weight.shape
+    local = ids - start
+    mine = (local >= 0) & (local < n)
+    if not n:
+        return weight.new_zeros(*ids.shape, hidden)
+    h = F.embedding(local.clamp(0, n - 1), weight)
+    return h * mine.unsqueeze(-1).to(h.dtype)
+
+
 def host_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int = 0) -> None:
     """The host-memory all-reduce's contract (kernels/host_allreduce.py): `peer_all_reduce`'s in-place sum,
     accumulated in float32 in rank order, so that every tensor receives the same bits."""
