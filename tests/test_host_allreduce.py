@@ -162,3 +162,68 @@ def test_hostmem_backend_refused_on_cpu_devices() -> None:
     assert host_mem_comm(devs, None) is None  # type: ignore[arg-type]
     with pytest.raises(TensorParallelError, match="hostmem"):
         make_comm(devs, "hostmem")
+
+
+def _launch_norm(state: HostState, rank: int, t: torch.Tensor, w: torch.Tensor, h: torch.Tensor, n: int,
+                 spin: int) -> None:
+    from exlpy.kernels.host_allreduce import _host_allreduce_norm_kernel
+
+    hidden = t.shape[-1]
+    _host_allreduce_norm_kernel[(t.numel() // hidden,)](
+        t, h, w, state.buf_as(t.dtype), state.flags, state.epochs[rank], state.errors[rank], hidden, rank, spin,
+        1e-5, N=n, BLOCK_H=triton.next_power_of_2(hidden), MAXN=state.maxn, ASM=t.is_cuda, num_warps=4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows,hidden,dtype", [(3, 96, torch.float32), (2, 128, torch.float16)])
+def test_fused_norm_second_rank_exact(rows: int, hidden: int, dtype: torch.dtype) -> None:
+    """The fused all-reduce + RMSNorm: the rank that goes second gets the reference sum and norm."""
+    _interp()
+    from exlpy.kernels.host_allreduce import NORM_MAXN, NORM_ROWS
+
+    state = HostState([torch.device("cpu")] * 2, NORM_ROWS, NORM_MAXN)
+    g = torch.Generator().manual_seed(rows + hidden)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    for call in range(4):
+        xs = [torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2)]
+        want = [x.clone() for x in xs]
+        want_h = reference.host_all_reduce_norm(want, [w, w], 1e-5)
+        hs = [torch.empty_like(x) for x in xs]
+        first, second = (0, 1) if call % 2 == 0 else (1, 0)
+        before = int(state.errors[second].item())
+        _launch_norm(state, first, xs[first], w, hs[first], 2, spin=3)
+        _launch_norm(state, second, xs[second], w, hs[second], 2, spin=3)
+        assert torch.equal(xs[second], want[second])
+        torch.testing.assert_close(hs[second], want_h[second], atol=2e-3 if dtype == torch.float16 else 1e-6,
+                                   rtol=1e-3 if dtype == torch.float16 else 1e-6)
+        assert int(state.errors[second].item()) == before
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows,hidden", [(2, 8192), (32, 8192), (5, 1000), (64, 4096)])
+def test_fused_norm_two_streams(rows: int, hidden: int) -> None:
+    """Two ranks on two streams of one GPU: sums equal the reference bit for bit, norms equal the RMSNorm
+    kernel's (ops.rms_norm) of the sum bit for bit."""
+    from exlpy.kernels import ops
+    from exlpy.kernels.host_allreduce import NORM_MAXN, NORM_ROWS
+
+    dev = torch.device("cuda", 0)
+    state = HostState([dev, dev], NORM_ROWS, NORM_MAXN)
+    streams = [torch.cuda.Stream(dev) for _ in range(2)]
+    g = torch.Generator().manual_seed(rows * 7 + hidden)
+    w = (torch.rand(hidden, generator=g) + 0.5).half().to(dev)
+    for _ in range(10):
+        xs = [torch.randn(rows, hidden, generator=g).half().to(dev) for _ in range(2)]
+        want = [x.clone() for x in xs]
+        reference.host_all_reduce(want)
+        hs = [torch.empty_like(x) for x in xs]
+        torch.cuda.synchronize(dev)
+        for rank, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                _launch_norm(state, rank, xs[rank], w, hs[rank], 2, spin=1 << 22)
+        torch.cuda.synchronize(dev)
+        for x, h, want_x in zip(xs, hs, want):
+            assert torch.equal(x, want_x)
+            assert torch.equal(h, ops.rms_norm(want_x, w, 1e-5))
+    assert state.error_count() == 0

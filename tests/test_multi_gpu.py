@@ -162,6 +162,30 @@ def test_host_all_reduce_two_gpus(shape: tuple[int, int]) -> None:
     assert state.error_count() == 0
 
 
+@pytest.mark.parametrize("rows", [2, 32])
+def test_host_all_reduce_norm_two_gpus(rows: int) -> None:
+    """The fused all-reduce + RMSNorm between two GPUs: sums equal the reference, norms equal each GPU's RMSNorm
+    kernel of the sum, bit for bit (10 calls)."""
+    from exlpy.kernels import ops, reference
+    from exlpy.kernels.host_allreduce import NORM_MAXN, NORM_ROWS, HostState, host_all_reduce_norm
+
+    devs = [torch.device("cuda", i) for i in range(2)]
+    state = HostState(devs, NORM_ROWS, NORM_MAXN)
+    g = torch.Generator().manual_seed(rows)
+    w = torch.rand(8192, generator=g).half() + 0.5
+    ws = [w.to(d) for d in devs]
+    for _ in range(10):
+        xs = [torch.randn(rows, 8192, generator=g).to(d, torch.float16) for d in devs]
+        want = [x.clone() for x in xs]
+        reference.host_all_reduce(want)
+        hs = host_all_reduce_norm(xs, ws, 1e-5, state)
+        for x, h, wx, wd in zip(xs, hs, want, ws):
+            assert torch.equal(x, wx)
+            with torch.cuda.device(x.device):
+                assert torch.equal(h, ops.rms_norm(wx, wd, 1e-5))
+    assert state.error_count() == 0
+
+
 def test_peer_all_reduce_in_graphs() -> None:
     """Captured once per GPU, replayed many times: fresh inputs each replay, right sums each time."""
     from exlpy.kernels.peer_allreduce import PeerState, peer_all_reduce

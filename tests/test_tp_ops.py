@@ -123,3 +123,45 @@ def test_decode_launches_per_layer(model: ExLlamaV2) -> None:
                 assert per_layer(counts, lane, layer) == {"attn": attn, "mlp": mlp, "collectives": 2}
             assert counts[lane]["embed"] == {"kernels": 2, "collectives": 1, "syncs": 0}
             assert all(v["syncs"] == 0 for v in counts[lane].values())
+
+
+@torch.inference_mode()
+def test_norm_fused_into_the_all_reduce(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that fuses the next block's RMSNorm into the all-reduce (the host-memory kernel; here the
+    CPU backend flagged so, whose group runs all-reduce + norm): every closer but the last MLP's links the
+    next norm, batched decode logits equal the unfused model's bit for bit, one-row steps and prefill keep
+    the plain all-reduce, and a batched layer costs one kernel less per block."""
+    from benchmarks.tp_launches import count_launches, per_layer
+    from exlpy.cache.tp import ExLlamaV2Cache_TP
+    from exlpy.model.parallel_linear import RowParallel
+    from exlpy.parallel.tp_comm import LocalComm
+
+    d = make_model_dir(tmp_path / "m", hidden=256, heads=4, kv_heads=2, vocab=640, intermediate=512, layers=2,
+                       seed=5)
+    plain = ExLlamaV2(ExLlamaV2Config(str(d)))
+    load_tp(plain, [1, 1], devices=["cpu", "cpu"])
+    monkeypatch.setattr(LocalComm, "fuses_norm", True, raising=False)
+    fused = ExLlamaV2(ExLlamaV2Config(str(d)))
+    load_tp(fused, [1, 1], devices=["cpu", "cpu"])
+    for lane in fused.strategy.stages[0].lanes:
+        closers = [m.o_proj if hasattr(m, "o_proj") else m.down_proj for m in lane.modules[1:5]]
+        assert all(isinstance(c, RowParallel) and c.next_norm is not None for c in closers)
+        assert closers[0].next_norm[0] is lane.modules[2].norm_w  # o_proj -> the MLP's norm
+        assert closers[3].next_norm[0] is lane.modules[5].weight  # the last down_proj -> the final norm
+    assert all(m.down_proj.next_norm is None for m in plain.strategy.stages[0].lanes[0].modules[2:5:2])
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 4):
+        ids = torch.randint(3, 640, (rows, 12), generator=g)
+        outs = []
+        for m in (plain, fused):
+            cache = ExLlamaV2Cache_TP(m, batch_size=rows, max_seq_len=32)
+            m.forward(ids[:, :8], cache, preprocess_only=True)
+            outs.append(torch.cat([m.forward(ids[:, k:k + 1], cache) for k in range(8, 12)], 1))
+        assert torch.equal(outs[0], outs[1])
+    cache = ExLlamaV2Cache_TP(fused, batch_size=4, max_seq_len=32)
+    fused.forward(ids[:, :8], cache, preprocess_only=True)
+    counts = count_launches(fused, lambda: fused.forward(ids[:, 8:9], cache))
+    # 7 and 5 unfused; the first attention's input comes from the embedding's all-reduce, which stays plain
+    assert per_layer(counts, "lane0", 1) == {"attn": 6, "mlp": 4, "collectives": 2}
+    assert per_layer(counts, "lane1", 0) == {"attn": 7, "mlp": 4, "collectives": 2}
+    assert "norm" not in counts["lane0"]  # the final norm launched nothing: it came with the last sum

@@ -26,6 +26,7 @@ from exlpy.model.head import Head, RMSNorm
 from exlpy.model.linear import linear_format
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.model.parallel_linear import RowParallel
 from exlpy.model.sharding import Share, row_split_possible, shard_attention, shard_embedding, shard_head, shard_mlp
 from exlpy.model.transformer import Transformer
 from exlpy.parallel.tp_comm import HostMemComm, NcclComm, PeerComm
@@ -139,7 +140,32 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
         yield from callback_gen(n, n)
     if progress:
         print(f"Loading (TP): {n}/{n} modules", flush=True)
+    if group.fuses_norm():
+        for mods_of_slot in per_slot.values():
+            link_next_norms(mods_of_slot, model.config.spec)
     return ctx, tp_strategy(ctx, group, per_slot, opts)
+
+
+def link_next_norms(mods: list[Module], spec: Any) -> None:
+    """Give each row-parallel closing projection the RMSNorm weight of the block after it, so that batched
+    decode steps sum and norm in one collective (RowParallel.next_norm). Only where the next block would
+    apply exactly that norm to the sum: RMSNorm architectures without parallel blocks, a half-precision
+    residual stream, no post-norm before the residual add, no norm bias."""
+    arch = spec.arch
+    if arch.norm != "rms" or arch.parallel_blocks or arch.residual_fp32:
+        return
+    for m, nxt in zip(mods, mods[1:]):
+        closer = m.o_proj if isinstance(m, Attention) else m.down_proj if isinstance(m, MLP) else None
+        if not isinstance(closer, RowParallel) or getattr(m, "post_norm", None) is not None:
+            continue
+        if isinstance(nxt, (Attention, MLP)):
+            weight, bias = nxt.norm_w, nxt.norm_b
+        elif isinstance(nxt, RMSNorm):
+            weight, bias = nxt.weight, nxt.bias
+        else:
+            continue
+        if weight is not None and bias is None and weight.dim() == 1:
+            closer.next_norm = (weight, spec.norm_eps)
 
 
 def tp_strategy(ctx: TPContext, group: LockstepGroup, per_slot: dict[int, list[Module]], opts: RuntimeOptions

@@ -107,27 +107,77 @@ def _host_allreduce_kernel(x, buf, flags, epochs, errors, numel, rank, spin, N: 
     tl.store(epochs + b, e)
 
 
-class HostState:
-    """The shared pinned buffer ([2 parities, N ranks, MAX_NUMEL] elements of 4 bytes, viewed as the dtype
-    of each call: 8 MB for 2 GPUs) and flags ([MAX_PROGRAMS, MAX_SLOTS] int32) in host memory; per-program
-    epochs and an error counter on every GPU."""
+@triton.jit(do_not_specialize=["rank", "spin"])
+def _host_allreduce_norm_kernel(x, h, w, buf, flags, epochs, errors, hidden, rank, spin, eps, N: tl.constexpr,
+                                BLOCK_H: tl.constexpr, MAXN: tl.constexpr, ASM: tl.constexpr):
+    """The all-reduce of [rows, hidden] with the next block's RMSNorm in its epilogue: program b owns row b
+    (the same protocol as above, a row per tile), stores the sum into x and rms_norm(sum) * w into h, rounded
+    exactly as the sum's own kernel and the RMSNorm kernel (kernels/rmsnorm.py) would."""
+    b = tl.program_id(0)
+    e = tl.load(epochs + b) + 1
+    par = e % 2
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < hidden
+    offs = b * hidden + cols
+    mine = tl.load(x + offs, mask=cmask, other=0.0)
+    tl.store(buf + (par * N + rank) * MAXN + offs, mine, mask=cmask)
+    tl.debug_barrier()
+    _store_release(flags + b * _SLOTS + rank, e, ASM)
+    for j in tl.static_range(N):
+        if j != rank:
+            ptr = flags + b * _SLOTS + j
+            seen = _load_acquire(ptr, ASM)
+            n = 0
+            while (seen != e) & (seen != e + 1) & (n < spin):
+                seen = _load_acquire(ptr, ASM)
+                n += 1
+            if (seen != e) & (seen != e + 1):
+                tl.atomic_add(errors, 1)
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(N):
+        if j == rank:
+            acc += mine.to(tl.float32)
+        else:
+            acc += tl.load(buf + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
+                           cache_modifier=".cv").to(tl.float32)
+    y = acc.to(x.dtype.element_ty)
+    tl.store(x + offs, y, mask=cmask)
+    yf = y.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(yf * yf, axis=0) / hidden + eps)
+    wv = tl.load(w + cols, mask=cmask, other=0.0)
+    tl.store(h + offs, ((yf * inv).to(wv.dtype) * wv).to(h.dtype.element_ty), mask=cmask)
+    tl.store(epochs + b, e)
 
-    def __init__(self, devices: list[torch.device]) -> None:
+
+NORM_ROWS = 64  # rows of a fused all-reduce + norm call (decode batches); more go unfused
+NORM_HIDDEN = 16384
+NORM_MAXN = NORM_ROWS * NORM_HIDDEN
+
+
+class HostState:
+    """The shared pinned buffer ([2 parities, N ranks, `maxn`] elements of 4 bytes, viewed as the dtype of
+    each call: 8 MB for 2 GPUs and the defaults) and flags ([`programs`, MAX_SLOTS] int32) in host memory;
+    per-program epochs and an error counter on every GPU. The fused-norm kernel keeps a state of its own
+    (`programs` = NORM_ROWS, `maxn` = NORM_MAXN): a program's tile must be the same region in every call."""
+
+    def __init__(self, devices: list[torch.device], programs: int = MAX_PROGRAMS, maxn: int = MAX_NUMEL) -> None:
         if len(devices) > MAX_SLOTS:
             raise ValueError(f"host-memory all-reduce supports at most {MAX_SLOTS} devices, got {len(devices)}")
         self.devices = devices
+        self.maxn = maxn
         pin = any(d.type == "cuda" for d in devices)
         n = len(devices)
-        self.buf = torch.zeros(2 * n * MAX_NUMEL, dtype=torch.float32, pin_memory=pin)
-        self.flags = torch.zeros(MAX_PROGRAMS * MAX_SLOTS, dtype=torch.int32, pin_memory=pin)
-        self.epochs = [torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=d) for d in devices]
+        self.buf = torch.zeros(2 * n * maxn, dtype=torch.float32, pin_memory=pin)
+        self.flags = torch.zeros(programs * MAX_SLOTS, dtype=torch.int32, pin_memory=pin)
+        self.epochs = [torch.zeros(programs, dtype=torch.int32, device=d) for d in devices]
         self.errors = [torch.zeros(1, dtype=torch.int32, device=d) for d in devices]
         self._views: dict[torch.dtype, torch.Tensor] = {}
 
     def buf_as(self, dtype: torch.dtype) -> torch.Tensor:
         v = self._views.get(dtype)
         if v is None:
-            v = self._views[dtype] = self.buf.view(dtype)[:2 * len(self.devices) * MAX_NUMEL]
+            v = self._views[dtype] = self.buf.view(dtype)[:2 * len(self.devices) * self.maxn]
         return v
 
     def error_count(self) -> int:
@@ -160,3 +210,31 @@ def _device(t: torch.Tensor):  # noqa: ANN202 - a context manager
     import contextlib
 
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def norm_fits(t: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused all-reduce + RMSNorm kernel takes `t` ([rows, hidden], the norm's dtype)."""
+    hidden = t.shape[-1]
+    return (fits(t) and t.dtype == weight.dtype and weight.dim() == 1 and weight.numel() == hidden
+            and weight.is_contiguous() and hidden <= NORM_HIDDEN and t.numel() // hidden <= NORM_ROWS)
+
+
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: HostState,
+                         spin: int = SPIN) -> list[torch.Tensor]:
+    """In-place sum over `tensors` ([..., hidden], one per device of `state`, a NORM_ROWS / NORM_MAXN state)
+    and, per device, rms_norm(sum, weights[k], eps) as a new tensor: one kernel per GPU. Reference:
+    `reference.host_all_reduce_norm`."""
+    n = len(tensors)
+    hidden = tensors[0].shape[-1]
+    rows = tensors[0].numel() // hidden
+    assert all(norm_fits(t, w) for t, w in zip(tensors, weights)), "fused all-reduce + norm: unsupported shape"
+    buf = state.buf_as(tensors[0].dtype)
+    block = triton.next_power_of_2(hidden)
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    outs = [torch.empty_like(t) for t in tensors]
+    for rank, (t, w, h) in enumerate(zip(tensors, weights, outs)):
+        with _device(t):
+            _host_allreduce_norm_kernel[(rows,)](t, h, w, buf, state.flags, state.epochs[rank], state.errors[rank],
+                                                 hidden, rank, spin, eps, N=n, BLOCK_H=block, MAXN=state.maxn,
+                                                 ASM=t.is_cuda, num_warps=warps)
+    return outs

@@ -218,6 +218,14 @@ def host_all_reduce(tensors: list[torch.Tensor], state: Any, spin: int | None = 
         impl(tensors, state, spin)
 
 
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: Any,
+                         spin: int | None = None) -> list[torch.Tensor]:
+    """`host_all_reduce` with the next block's RMSNorm of the sum in the same kernel: returns the normed
+    tensors; see kernels/host_allreduce.py and the reference."""
+    impl = _impl("host_all_reduce_norm", tensors[0])
+    return impl(tensors, weights, eps, state) if spin is None else impl(tensors, weights, eps, state, spin)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
 

@@ -327,6 +327,14 @@ def host_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
     peer_all_reduce(tensors, state, spin)
 
 
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: object = None,
+                         spin: int = 0) -> list[torch.Tensor]:
+    """`host_all_reduce`, then every device's RMSNorm of the sum with its copy of the next block's norm weight
+    (the fused kernel's epilogue): the normed tensors, one per device."""
+    host_all_reduce(tensors, state, spin)
+    return [rms_norm(t, w, eps) for t, w in zip(tensors, weights)]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with every token whose bit is 0 set to -inf (a new tensor). bitmask [B, W] int32, bit
     t % 32 of word t // 32 allows token t (llguidance/xgrammar layout); tokens past 32·W are excluded."""

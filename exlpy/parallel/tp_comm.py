@@ -122,11 +122,27 @@ class HostMemComm:
     timings: dict[str, float] | None = None
 
     def __init__(self, devices: list[torch.device], fallback: NcclComm | LocalComm) -> None:
-        from exlpy.kernels.host_allreduce import MAX_NUMEL, HostState
+        from exlpy.kernels.host_allreduce import MAX_NUMEL, NORM_MAXN, NORM_ROWS, HostState
 
         self.state = HostState(devices)
+        self.norm_state = HostState(devices, NORM_ROWS, NORM_MAXN)  # the fused all-reduce + norm's own
         self.fallback = fallback
         self.max_numel = MAX_NUMEL  # lowered at load where NCCL was timed faster for larger messages
+        # Closing projections hand the next block's norm to the collective (model/parallel_linear.py) when the
+        # backend fuses it; the probe turns this off if the fused kernel failed it.
+        self.fuses_norm = True
+
+    def all_reduce_norm(self, tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float
+                        ) -> list[torch.Tensor]:
+        """In-place sum, and every device's RMSNorm of it (one kernel per GPU where the shape fits)."""
+        from exlpy.kernels import ops
+        from exlpy.kernels.host_allreduce import norm_fits
+
+        if (self.fuses_norm and tensors[0].numel() <= self.max_numel
+                and all(norm_fits(t, w) for t, w in zip(tensors, weights))):
+            return ops.host_all_reduce_norm(tensors, weights, eps, self.norm_state)
+        self.all_reduce(tensors)
+        return [_normed(t, w, eps) for t, w in zip(tensors, weights)]
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
         from exlpy.kernels import ops
@@ -138,6 +154,19 @@ class HostMemComm:
             ops.host_all_reduce(tensors, self.state)
         else:
             self.fallback.all_reduce(tensors)
+
+
+def _normed(t: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    from exlpy.kernels import ops
+
+    with torch.cuda.device(t.device) if t.is_cuda else _nullcontext():
+        return ops.rms_norm(t, w, eps)
+
+
+def _nullcontext():  # noqa: ANN202 - a context manager
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def host_mem_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -> HostMemComm | None:
@@ -160,9 +189,34 @@ def host_mem_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -
                 torch.cuda.synchronize(d)
             if comm.state.error_count() or not all(bool((p == want).all()) for p in probe):
                 return None
+        comm.fuses_norm = _norm_probe(comm, devices)
         return comm
     except Exception:  # noqa: BLE001 - any failure means "use another backend"
         return None
+
+
+def _norm_probe(comm: HostMemComm, devices: list[torch.device]) -> bool:
+    """Whether the fused all-reduce + RMSNorm kernel gives the reference's sums and norms (two calls)."""
+    from exlpy.kernels import reference
+    from exlpy.kernels.host_allreduce import host_all_reduce_norm
+
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.rand(1000, generator=g).half() + 0.5
+        for _ in range(2):
+            xs = [torch.randn(3, 1000, generator=g).half().to(d) for d in devices]
+            want = [x.cpu() for x in xs]
+            want_h = reference.host_all_reduce_norm(want, [w] * len(want), 1e-5)
+            hs = host_all_reduce_norm(xs, [w.to(d) for d in devices], 1e-5, comm.norm_state, spin=1 << 20)
+            for d in devices:
+                torch.cuda.synchronize(d)
+            if comm.norm_state.error_count() or not all(
+                    torch.equal(x.cpu(), want[0]) and (h.cpu().float() - want_h[0].float()).abs().max() <= 1e-2
+                    for x, h in zip(xs, hs)):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "do not fuse"
+        return False
 
 
 def peer_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -> PeerComm | None:
