@@ -435,6 +435,23 @@ def main() -> None:
             if args.profile and full:
                 out[f"b{args.batch}_kernels"] = profile_steps(m, cb, prompt.repeat(args.batch, 1), n)
             del cb
+            # A/B of the next norm fused into the all-reduce (host-memory backend): unlinked, graphs recaptured
+            closers = [c for lane in m.strategy.stages[0].lanes for mod in lane.modules
+                       for c in (getattr(mod, "o_proj", None), getattr(mod, "down_proj", None))
+                       if isinstance(c, RowParallel) and c.next_norm is not None]
+            out["fused_norm_closers"] = len(closers)
+            if closers:
+                links = [c.next_norm for c in closers]
+                for cl in closers:
+                    cl.next_norm = None
+                try:
+                    cb = ExLlamaV2Cache_TP(m, batch_size=args.batch, max_seq_len=512)
+                    out[f"decode_b{args.batch}_ms_unfused_norm"] = round(
+                        decode_ms(m, cb, prompt.repeat(args.batch, 1), args.steps // 4, n), 3)
+                    del cb
+                finally:
+                    for cl, link in zip(closers, links):
+                        cl.next_norm = link
         out["comm_timings_us"] = {k: round(v * 1e6, 1) for k, v in (ctx.comm.timings or {}).items()}
         print(json.dumps({tag: out}), flush=True)
         save()
