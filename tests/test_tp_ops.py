@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from exlpy import ExLlamaV2, ExLlamaV2Config
 from exlpy.model.batch import build_batch, contiguous_batch
+from exlpy.runtime import RuntimeOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_util import make_model_dir  # noqa: E402
@@ -149,6 +150,9 @@ def test_norm_fused_into_the_all_reduce(tmp_path: Path, monkeypatch: pytest.Monk
         assert closers[0].next_norm[0] is lane.modules[2].norm_w  # o_proj -> the MLP's norm
         assert closers[3].next_norm[0] is lane.modules[5].weight  # the last down_proj -> the final norm
     assert all(m.down_proj.next_norm is None for m in plain.strategy.stages[0].lanes[0].modules[2:5:2])
+    off = ExLlamaV2(ExLlamaV2Config(str(d)))
+    load_tp(off, [1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_fuse_norm=False))  # the A/B switch
+    assert all(m.o_proj.next_norm is None for m in off.strategy.stages[0].lanes[0].modules[1:5:2])
     g = torch.Generator().manual_seed(4)
     for rows in (1, 4):
         ids = torch.randint(3, 640, (rows, 12), generator=g)

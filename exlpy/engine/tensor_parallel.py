@@ -140,7 +140,7 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
         yield from callback_gen(n, n)
     if progress:
         print(f"Loading (TP): {n}/{n} modules", flush=True)
-    if group.fuses_norm():
+    if opts.tp_fuse_norm and group.fuses_norm():
         for mods_of_slot in per_slot.values():
             link_next_norms(mods_of_slot, model.config.spec)
     return ctx, tp_strategy(ctx, group, per_slot, opts)
