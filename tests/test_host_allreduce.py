@@ -227,3 +227,74 @@ def test_fused_norm_two_streams(rows: int, hidden: int) -> None:
             assert torch.equal(x, want_x)
             assert torch.equal(h, ops.rms_norm(want_x, w, 1e-5))
     assert state.error_count() == 0
+
+
+# The peer-memory twin of the fused kernel (kernels/peer_allreduce.py, GPUs with P2P): same checks.
+def _launch_peer_norm(state: object, rank: int, t: torch.Tensor, w: torch.Tensor, h: torch.Tensor, spin: int
+                      ) -> None:
+    from exlpy.kernels.peer_allreduce import MAX_SLOTS, _allreduce_norm_kernel
+
+    recv = state.recv_as(t.dtype)  # type: ignore[attr-defined]
+    flags = state.flags  # type: ignore[attr-defined]
+    n = len(recv)
+    hidden = t.shape[-1]
+    _allreduce_norm_kernel[(t.numel() // hidden,)](
+        t, h, w, *recv, *([recv[0]] * (MAX_SLOTS - n)), *flags, *([flags[0]] * (MAX_SLOTS - n)), recv[rank],
+        flags[rank], state.epochs[rank], state.errors[rank], hidden, rank, spin, 1e-5, N=n,  # type: ignore[attr-defined]
+        BLOCK_H=triton.next_power_of_2(hidden), MAXN=state.maxn, num_warps=4)  # type: ignore[attr-defined]
+
+
+@pytest.mark.interpreter
+def test_peer_fused_norm_second_rank_exact() -> None:
+    _interp()
+    from exlpy.kernels.peer_allreduce import NORM_MAXN, NORM_ROWS, PeerState
+
+    state = PeerState([torch.device("cpu")] * 2, NORM_ROWS, NORM_MAXN)
+    g = torch.Generator().manual_seed(11)
+    w = torch.rand(96, generator=g) + 0.5
+    for call in range(4):
+        xs = [torch.randn(3, 96, generator=g) for _ in range(2)]
+        want = [x.clone() for x in xs]
+        want_h = reference.host_all_reduce_norm(want, [w, w], 1e-5)
+        hs = [torch.empty_like(x) for x in xs]
+        first, second = (0, 1) if call % 2 == 0 else (1, 0)
+        before = int(state.errors[second].item())
+        _launch_peer_norm(state, first, xs[first], w, hs[first], spin=3)
+        _launch_peer_norm(state, second, xs[second], w, hs[second], spin=3)
+        assert torch.equal(xs[second], want[second])
+        torch.testing.assert_close(hs[second], want_h[second], atol=1e-6, rtol=1e-6)
+        assert int(state.errors[second].item()) == before
+
+
+PEER_COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from exlpy.kernels.peer_allreduce import NORM_MAXN, _allreduce_norm_kernel
+sig = {n: "*fp16" for n in ["x", "h", "w"] + [f"r{i}" for i in range(8)] + ["recv_mine"]}
+sig |= {n: "*i32" for n in [f"f{i}" for i in range(8)] + ["flags_mine", "epochs", "errors"]}
+sig |= {"hidden": "i32", "rank": "i32", "spin": "i32", "eps": "fp32", "N": "constexpr", "BLOCK_H": "constexpr",
+        "MAXN": "constexpr"}
+src = ASTSource(_allreduce_norm_kernel, sig, constexprs={"N": 2, "BLOCK_H": 8192, "MAXN": NORM_MAXN})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+print("PTX " + json.dumps(k.asm["ptx"]))
+"""
+
+
+def test_peer_fused_norm_compiles() -> None:
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+
+    r = subprocess.run([sys.executable, "-c", PEER_COMPILE], capture_output=True, text=True,
+                       env=child_env(drop=("TRITON_INTERPRET",)), timeout=300)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PTX ")]
+    if not lines and "ptxas" in r.stderr.lower():
+        pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
+    assert lines, r.stderr[-2000:]
+    ptx = json.loads(lines[0][4:])
+    assert re.search(r"atom\.global\.sys\.release\.exch", ptx) and re.search(r"\.sys\.acquire", ptx)
+    assert ptx.count("bar.sync") >= 2

@@ -162,15 +162,22 @@ def test_host_all_reduce_two_gpus(shape: tuple[int, int]) -> None:
     assert state.error_count() == 0
 
 
+@pytest.mark.parametrize("kernel", ["host", "peer"])
 @pytest.mark.parametrize("rows", [2, 32])
-def test_host_all_reduce_norm_two_gpus(rows: int) -> None:
-    """The fused all-reduce + RMSNorm between two GPUs: sums equal the reference, norms equal each GPU's RMSNorm
-    kernel of the sum, bit for bit (10 calls)."""
+def test_all_reduce_norm_two_gpus(rows: int, kernel: str) -> None:
+    """The fused all-reduce + RMSNorm between two GPUs (through host memory, or peer memory where P2P works):
+    sums equal the reference, norms equal each GPU's RMSNorm kernel of the sum, bit for bit (10 calls)."""
     from exlpy.kernels import ops, reference
     from exlpy.kernels.host_allreduce import NORM_MAXN, NORM_ROWS, HostState, host_all_reduce_norm
+    from exlpy.kernels.peer_allreduce import PeerState, peer_all_reduce_norm
+    from exlpy.parallel.tp_comm import peer_comm
 
     devs = [torch.device("cuda", i) for i in range(2)]
-    state = HostState(devs, NORM_ROWS, NORM_MAXN)
+    if kernel == "peer":
+        if peer_comm(devs, LocalComm()) is None:
+            pytest.skip("no P2P access between the two GPUs")
+    state = PeerState(devs, NORM_ROWS, NORM_MAXN) if kernel == "peer" else HostState(devs, NORM_ROWS, NORM_MAXN)
+    fused = peer_all_reduce_norm if kernel == "peer" else host_all_reduce_norm  # the same contract
     g = torch.Generator().manual_seed(rows)
     w = torch.rand(8192, generator=g).half() + 0.5
     ws = [w.to(d) for d in devs]
@@ -178,7 +185,7 @@ def test_host_all_reduce_norm_two_gpus(rows: int) -> None:
         xs = [torch.randn(rows, 8192, generator=g).to(d, torch.float16) for d in devs]
         want = [x.clone() for x in xs]
         reference.host_all_reduce(want)
-        hs = host_all_reduce_norm(xs, ws, 1e-5, state)
+        hs = fused(xs, ws, 1e-5, state)  # type: ignore[arg-type]
         for x, h, wx, wd in zip(xs, hs, want, ws):
             assert torch.equal(x, wx)
             with torch.cuda.device(x.device):

@@ -26,6 +26,8 @@ multigpu.md record how they compare.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from exlpy.errors import TensorParallelError
@@ -99,10 +101,22 @@ class PeerComm:
     timings: dict[str, float] | None = None
 
     def __init__(self, devices: list[torch.device], fallback: NcclComm | LocalComm) -> None:
-        from exlpy.kernels.peer_allreduce import PeerState
+        from exlpy.kernels.peer_allreduce import NORM_MAXN, NORM_ROWS, PeerState
 
         self.state = PeerState(devices)
+        self.norm_state = PeerState(devices, NORM_ROWS, NORM_MAXN)  # the fused all-reduce + norm's own
         self.fallback = fallback
+        self.fuses_norm = True  # see HostMemComm; the probe turns it off if the fused kernel failed it
+
+    def all_reduce_norm(self, tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float
+                        ) -> list[torch.Tensor]:
+        """In-place sum, and every device's RMSNorm of it (one kernel per GPU where the shape fits)."""
+        from exlpy.kernels.peer_allreduce import norm_fits, peer_all_reduce_norm
+
+        if self.fuses_norm and all(norm_fits(t, w) for t, w in zip(tensors, weights)):
+            return peer_all_reduce_norm(tensors, weights, eps, self.norm_state)
+        self.all_reduce(tensors)
+        return [_normed(t, w, eps) for t, w in zip(tensors, weights)]
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
         from exlpy.kernels.peer_allreduce import fits, peer_all_reduce
@@ -175,7 +189,7 @@ def host_mem_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -
     if len({str(d) for d in devices}) != len(devices) or any(d.type != "cuda" for d in devices):
         return None
     try:
-        from exlpy.kernels.host_allreduce import MAX_SLOTS, host_all_reduce
+        from exlpy.kernels.host_allreduce import MAX_SLOTS, host_all_reduce, host_all_reduce_norm
 
         if len(devices) > MAX_SLOTS:
             return None
@@ -189,16 +203,18 @@ def host_mem_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -
                 torch.cuda.synchronize(d)
             if comm.state.error_count() or not all(bool((p == want).all()) for p in probe):
                 return None
-        comm.fuses_norm = _norm_probe(comm, devices)
+        comm.fuses_norm = _norm_probe(
+            lambda xs, ws, spin: host_all_reduce_norm(xs, ws, 1e-5, comm.norm_state, spin=spin),
+            comm.norm_state.error_count, devices)
         return comm
     except Exception:  # noqa: BLE001 - any failure means "use another backend"
         return None
 
 
-def _norm_probe(comm: HostMemComm, devices: list[torch.device]) -> bool:
-    """Whether the fused all-reduce + RMSNorm kernel gives the reference's sums and norms (two calls)."""
+def _norm_probe(run: Any, errors: Any, devices: list[torch.device]) -> bool:
+    """Whether a fused all-reduce + RMSNorm kernel (`run(tensors, weights, spin)` -> normed tensors; `errors()`
+    its state's give-ups) gives the reference's sums and norms (two calls)."""
     from exlpy.kernels import reference
-    from exlpy.kernels.host_allreduce import host_all_reduce_norm
 
     try:
         g = torch.Generator().manual_seed(0)
@@ -207,10 +223,10 @@ def _norm_probe(comm: HostMemComm, devices: list[torch.device]) -> bool:
             xs = [torch.randn(3, 1000, generator=g).half().to(d) for d in devices]
             want = [x.cpu() for x in xs]
             want_h = reference.host_all_reduce_norm(want, [w] * len(want), 1e-5)
-            hs = host_all_reduce_norm(xs, [w.to(d) for d in devices], 1e-5, comm.norm_state, spin=1 << 20)
+            hs = run(xs, [w.to(d) for d in devices], 1 << 20)
             for d in devices:
                 torch.cuda.synchronize(d)
-            if comm.norm_state.error_count() or not all(
+            if errors() or not all(
                     torch.equal(x.cpu(), want[0]) and (h.cpu().float() - want_h[0].float()).abs().max() <= 1e-2
                     for x, h in zip(xs, hs)):
                 return False
@@ -241,7 +257,14 @@ def peer_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -> Pe
             torch.cuda.synchronize(d)
         want = float(sum(range(1, len(devices) + 1)) * len(devices))  # the second call sums the first's sums
         ok = comm.state.error_count() == 0 and all(bool((p == want).all()) for p in probe)
-        return comm if ok else None
+        if not ok:
+            return None
+        from exlpy.kernels.peer_allreduce import peer_all_reduce_norm
+
+        comm.fuses_norm = _norm_probe(
+            lambda xs, ws, spin: peer_all_reduce_norm(xs, ws, 1e-5, comm.norm_state, spin=spin),
+            comm.norm_state.error_count, devices)
+        return comm
     except Exception:  # noqa: BLE001 - any failure means "use another backend"
         return None
 
