@@ -185,8 +185,13 @@ def _nullcontext():  # noqa: ANN202 - a context manager
 
 def host_mem_comm(devices: list[torch.device], fallback: NcclComm | LocalComm) -> HostMemComm | None:
     """A HostMemComm over distinct CUDA `devices` if a probe sums correctly (two calls, every size class of
-    the kernel: masked and whole tiles), else None."""
+    the kernel: masked and whole tiles), else None. Never without the Triton kernels (EXLPY_NO_TRITON): the
+    reference's cross-device copies could not be captured in the decode graphs."""
+    from exlpy.kernels import ops
+
     if len({str(d) for d in devices}) != len(devices) or any(d.type != "cuda" for d in devices):
+        return None
+    if not ops.has_cuda_kernels():
         return None
     try:
         from exlpy.kernels.host_allreduce import MAX_SLOTS, host_all_reduce, host_all_reduce_norm
