@@ -143,7 +143,7 @@ def test_norm_fused_into_the_all_reduce(tmp_path: Path, monkeypatch: pytest.Monk
     load_tp(plain, [1, 1], devices=["cpu", "cpu"])
     monkeypatch.setattr(LocalComm, "fuses_norm", True, raising=False)
     fused = ExLlamaV2(ExLlamaV2Config(str(d)))
-    load_tp(fused, [1, 1], devices=["cpu", "cpu"])
+    load_tp(fused, [1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_fuse_norm=True))
     for lane in fused.strategy.stages[0].lanes:
         closers = [m.o_proj if hasattr(m, "o_proj") else m.down_proj for m in lane.modules[1:5]]
         assert all(isinstance(c, RowParallel) and c.next_norm is not None for c in closers)
@@ -151,7 +151,7 @@ def test_norm_fused_into_the_all_reduce(tmp_path: Path, monkeypatch: pytest.Monk
         assert closers[3].next_norm[0] is lane.modules[5].weight  # the last down_proj -> the final norm
     assert all(m.down_proj.next_norm is None for m in plain.strategy.stages[0].lanes[0].modules[2:5:2])
     off = ExLlamaV2(ExLlamaV2Config(str(d)))
-    load_tp(off, [1, 1], devices=["cpu", "cpu"], options=RuntimeOptions(tp_fuse_norm=False))  # the A/B switch
+    load_tp(off, [1, 1], devices=["cpu", "cpu"])  # the default until the fused norm has run on two GPUs
     assert all(m.o_proj.next_norm is None for m in off.strategy.stages[0].lanes[0].modules[1:5:2])
     g = torch.Generator().manual_seed(4)
     for rows in (1, 4):

@@ -15,8 +15,9 @@ latency-bound anyway). Backends:
   faster than NCCL go to NCCL.
 
 Select with `EXLPY_TP_COMM=local|host|nccl|peer|hostmem` (read once into exlpy.runtime.RuntimeOptions). By
-default, when every slot is a distinct CUDA device, the candidates that work (the peer and host-memory kernels
-passing their probes, NCCL answering) are *timed at load* as a decode step uses them, a run of one-row
+default, when every slot is a distinct CUDA device, the candidates that work (the peer kernel passing its
+probe, NCCL answering; the host-memory kernel only when named, until it has run on a GPU pair) are *timed at
+load* as a decode step uses them, a run of one-row
 all-reduces captured in one CUDA graph per GPU, and the fastest is chosen (`comm.timings` keeps the figures):
 which one wins depends on the machine (NVLink generation or none, driver, NCCL version), and a host-timed eager
 call measures the launch, not what a captured step pays. The host-memory kernel is also timed against NCCL at
@@ -324,8 +325,9 @@ def make_comm(devices: list[torch.device], name: str | None = None, numel: int =
     if not (all_cuda and len(devices) > 1):
         return LocalComm()
     fallback: NcclComm | LocalComm = NcclComm() if nccl_usable(devices) else LocalComm()
-    candidates: list[NcclComm | PeerComm | HostMemComm] = [c for c in (peer_comm(devices, fallback),
-                                                                        host_mem_comm(devices, fallback))
+    # The host-memory kernel is opt-in (EXLPY_TP_COMM=hostmem) until it has run on two real GPUs: written and
+    # tested on CPU (interpreter) and one GPU (two streams) on 2026-11-26, not yet timed or checked on a GPU pair.
+    candidates: list[NcclComm | PeerComm | HostMemComm] = [c for c in (peer_comm(devices, fallback),)
                                                            if c is not None]
     if not isinstance(fallback, NcclComm):
         return candidates[0] if candidates else fallback
