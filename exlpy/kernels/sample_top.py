@@ -13,9 +13,14 @@ sorted distribution, so:
    (renormalised), top-p, top-a and min-p, then draws at the row's point r by inverse CDF over the survivors.
 
 The result equals sorting the whole distribution whenever top-k is at most K (the caller only sends such
-rows, or a vocabulary of at most K tokens). The random point is either given by the host (`params` column
-R_HOST >= 0, e.g. drawn from a seeded job's torch.Generator) or drawn in the kernel from Philox-4x32-10 of
-(seed, counter): counter-based, so a replayed CUDA graph draws fresh numbers as the counter advances.
+rows, or a vocabulary of at most K tokens). Rows without top-k whose survivors pass the K candidates (or whose
+top-p cut does, under top-a) are flagged and finished by kernels/sample_whole.py over the whole vocabulary: the
+same survivors and probabilities, drawn in vocabulary order, so their token follows the reference's distribution
+but not, at a given point, the reference's token (ties of more than its CAP tokens in the last top-p interval go
+to `_full_kernel` here, a bisection that draws the reference's token).
+
+The random point is either given by the host (`params` column R_HOST >= 0, e.g. drawn from a seeded job's
+torch.Generator) or drawn in the kernel from Philox-4x32-10 of (seed, counter): counter-based, so a replayed CUDA graph draws fresh numbers as the counter advances.
 `reference.sample_top` is the same computation in torch.
 """
 

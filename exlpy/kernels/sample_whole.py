@@ -75,7 +75,6 @@ def _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, q, rows, lim, FIRST: tl.con
     interval's token count, its per-chunk counts [NC]). done: every eligible token survives top-p (decided by
     the first pass, whose interval holds them all); then mass(x >= hi) holds their mass."""
     base = q * rows + row
-    lo = tl.load(st_ptr + base * 4 + 0)
     hi = tl.load(st_ptr + base * 4 + 1)
     m_hi = tl.load(st_ptr + base * 4 + 2)
     done = tl.load(st_ptr + base * 4 + 3)
@@ -267,9 +266,10 @@ def _draw_kernel(x_ptr, x_stride, params_ptr, info_ptr, cut_ptr, thr_ptr, cm_ptr
 
 
 def finish(x: torch.Tensor, params: torch.Tensor, info: torch.Tensor, tok: torch.Tensor, prob: torch.Tensor,
-           np_cols: int) -> None:
+           np_cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows flagged by `_select_kernel` (info[:, 3] == 1): their token and probability into tok / prob; rows
-    this leaves to the bisection kernel get info[:, 3] = 2."""
+    this leaves to the bisection kernel get info[:, 3] = 2. Returns what the draw read: the top-p cut (an int64
+    key) and the top-a / min-p bound on p per row, and the survivors' mass per chunk [rows, chunks]."""
     rows, vocab = x.shape
     ch, nch = plan(vocab)
     sb = min(SUB, ch)
@@ -292,3 +292,4 @@ def finish(x: torch.Tensor, params: torch.Tensor, info: torch.Tensor, tok: torch
                               SB=min(DRAW_BLOCK, ch), NP=np_cols, num_warps=4)
     _draw_kernel[(rows,)](x, x.stride(0), params, info, cut, thr, cm, tok, prob, vocab, NC=nch, CH=ch,
                           SB=min(DRAW_BLOCK, ch), NP=np_cols, num_warps=8)
+    return cut, thr, cm
