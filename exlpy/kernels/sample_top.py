@@ -20,8 +20,8 @@ but not, at a given point, the reference's token (ties of more than its CAP toke
 to `_full_kernel` here, a bisection that draws the reference's token).
 
 The random point is either given by the host (`params` column R_HOST >= 0, e.g. drawn from a seeded job's
-torch.Generator) or drawn in the kernel from Philox-4x32-10 of (seed, counter): counter-based, so a replayed CUDA graph draws fresh numbers as the counter advances.
-`reference.sample_top` is the same computation in torch.
+torch.Generator) or drawn in the kernel from Philox-4x32-10 of (seed, counter): counter-based, so a replayed
+CUDA graph draws fresh numbers as the counter advances. `reference.sample_top` is the same computation in torch.
 """
 
 from __future__ import annotations
