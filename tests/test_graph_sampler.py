@@ -308,9 +308,9 @@ def test_kernel_whole_vocabulary_draws_follow_the_reference_distribution(monkeyp
     infos[:, 2] = points
     toks, probs = torch.zeros(n, dtype=torch.int64), torch.zeros(n)
     ch, nch = sample_whole.plan(V)
-    sample_whole._draw_kernel[(n,)](x.expand(n, V), 0, params.expand(n, -1).contiguous(), infos, cut.expand(n),
-                                    thr.expand(n), cm.expand(n, -1).contiguous(), toks, probs, V, NC=nch, CH=ch,
-                                    SB=ch, NP=7)
+    shared = [t.expand(n, *t.shape[1:]).contiguous() for t in (params, cut, thr, cm)]
+    sample_whole._draw_kernel[(n,)](x.expand(n, V), 0, shared[0], infos, *shared[1:], toks, probs, V, NC=nch,
+                                    CH=ch, SB=ch, NP=7)
     final, _ = _id_order(x, params, torch.zeros(1))
     assert bool((final[0, toks] > 0).all()), "drew a token the reference excludes"
     torch.testing.assert_close(probs, final[0, toks], rtol=1e-5, atol=1e-7)
