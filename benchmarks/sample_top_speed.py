@@ -11,7 +11,8 @@ launched eagerly, the reference's (torch's sort of the whole vocabulary, eager),
 after 3 warm-up calls; then how the kernel's tokens compare: rows past the candidates draw the reference
 distribution in vocabulary order (kernels/sample_whole.py), so "same dist" counts tokens equal to that draw at
 the row's point, or to the reference's own token for rows within the K_MAX candidates (all, except where a
-point lies within fp32 error of a boundary), and "survivors" is the reference's survivors per row (mean). Targets (issue 30, H100, flat rows): graph <= 0.15 ms at batch 1, <= 0.6 ms at 64.
+point lies within fp32 error of a boundary), and "survivors" is the reference's survivors per row (mean).
+Targets (issue 30, H100, flat rows): graph <= 0.15 ms at batch 1, <= 0.6 ms at 64.
 """
 
 from __future__ import annotations
