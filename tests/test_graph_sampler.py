@@ -535,7 +535,8 @@ def test_sampling_kernels_compile_for_sm90() -> None:
     from tests.conftest import run_compile_check
 
     res = run_compile_check("sample_compile_check.py")
-    assert {"chunk V128256", "select V128256", "full"} <= set(res)
+    assert {"chunk V128256", "select V128256", "full", "whole pass 0", "whole resolve", "whole mass",
+            "whole draw"} <= set(res)
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)
 

@@ -8,8 +8,8 @@ sync, a fixed launch sequence (one CUDA graph), several programs per row:
    program 0 stores it), then writes, for its chunk and each of the interval's EDGES edges e_k, the mass and the
    count of its eligible tokens (p >= 1e-6, the top-p rule's floor) with lo <= x < hi and x >= e_k. The
    interval keeps mass(x >= lo) > top_p + 1e-6 >= mass(x >= hi). The first interval spans every eligible token
-   (width <= ln(1e6) ~ 13.8, since p >= 1e-6 means x >= max + ln(1e-6 * Z)): three passes of 64 edges leave
-   ~5e-5, a few tokens of a 128k vocabulary.
+   (width <= ln(1e6) ~ 13.8, since p >= 1e-6 means x >= max + ln(1e-6 * Z)): four passes of 16 edges leave
+   ~2e-4, a few tokens of a 128k vocabulary. Only the last pass counts tokens (the resolve step needs counts).
 2. `_resolve_kernel`, grid (rows,): the last interval's tokens (at most CAP, gathered from the chunks that hold
    them) sorted by key (value, then lower id first: the host chain's order, ties included) give the exact cut
    and the top-p mass; rows whose interval holds more (ties of CAP+ tokens) are left to the bisection kernel
@@ -32,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-EDGES = 64  # edges of the interval per pass
-PASSES = 3  # 64^3: a 13.8-wide first interval ends ~5e-5 wide
+EDGES = 16  # edges of the interval per pass: a pass costs ~3 EDGES operations per token
+PASSES = 4  # 16^4: a 13.8-wide first interval ends ~2e-4 wide (~10 tokens of a flat 128k row)
 CHUNK = 4096  # tokens per program of the chunked kernels (tests lower it to cover many chunks)
-SUB = 128  # tokens per step of a pass program: its edge matrix is [SUB, EDGES]
+SUB = 256  # tokens per step of a pass program: its edge matrix is [SUB, EDGES]
 CAP = 1024  # tokens of the last interval one program sorts; rows with more go to the bisection kernel
 DRAW_BLOCK = 1024
-KEY_MIN = -0x7FFFFFFFFFFFFFFF
+KEY_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF)
 
 
 def plan(vocab: int) -> tuple[int, int]:
@@ -69,11 +69,11 @@ def _row_setup(info_ptr, params_ptr, row, NP: tl.constexpr):
 
 
 @triton.jit
-def _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, q, rows, lim, FIRST: tl.constexpr,
+def _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, q, rows, lim, FIRST: tl.constexpr, COUNTS: tl.constexpr,
              NC: tl.constexpr, T: tl.constexpr):
     """The interval after pass q from its stored interval and per-chunk sums: (lo, hi, mass(x >= hi), done, the
-    interval's token count, its per-chunk counts [NC]). done: every eligible token survives top-p (decided by
-    the first pass, whose interval holds them all); then mass(x >= hi) holds their mass."""
+    interval's token count, its per-chunk counts [NC]; zeros unless COUNTS). done: every eligible token survives
+    top-p (decided by the first pass, whose interval holds them all); then mass(x >= hi) holds their mass."""
     base = q * rows + row
     hi = tl.load(st_ptr + base * 4 + 1)
     m_hi = tl.load(st_ptr + base * 4 + 2)
@@ -81,7 +81,10 @@ def _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, q, rows, lim, FIRST: tl.con
     c = tl.arange(0, NC)[:, None]
     kk = tl.arange(0, T)
     pm = tl.load(pm_ptr + (base * NC + c) * T + kk[None, :])
-    pc = tl.load(pc_ptr + (base * NC + c) * T + kk[None, :])
+    if COUNTS:
+        pc = tl.load(pc_ptr + (base * NC + c) * T + kk[None, :])
+    else:
+        pc = tl.zeros([NC, T], tl.int32)
     above = m_hi + tl.sum(pm, axis=0)  # mass(x >= e_k), non-increasing in k
     cnt = tl.sum(pc, axis=0)  # tokens in [e_k, hi)
     j = tl.maximum(tl.sum((above > lim).to(tl.int32), axis=0) - 1, 0)  # the last edge with mass above > lim
@@ -105,8 +108,8 @@ def _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, q, rows, lim, FIRST: tl.con
 
 @triton.jit
 def _pass_kernel(x_ptr, x_stride, params_ptr, info_ptr, st_ptr, edges_ptr, pm_ptr, pc_ptr, vocab, rows,
-                 P: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr, T: tl.constexpr,
-                 NP: tl.constexpr):
+                 P: tl.constexpr, LAST: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, SB: tl.constexpr,
+                 T: tl.constexpr, NP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     mine, big_m, z, temp, lim, use_p = _row_setup(info_ptr, params_ptr, row, NP)
@@ -119,7 +122,7 @@ def _pass_kernel(x_ptr, x_stride, params_ptr, info_ptr, st_ptr, edges_ptr, pm_pt
             done = lo > hi  # never: a typed False
         else:
             lo, hi, m_hi, done, _n, _pc = _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, P - 1, rows, lim,
-                                                   P == 1, NC, T)
+                                                   P == 1, False, NC, T)
         kk = tl.arange(0, T)
         w = (hi - lo) / T
         e = lo + w * kk.to(tl.float32)
@@ -140,9 +143,11 @@ def _pass_kernel(x_ptr, x_stride, params_ptr, info_ptr, st_ptr, edges_ptr, pm_pt
                 p = tl.exp(x - big_m) / z
                 inside = (p >= 1e-6) & (x >= lo) & (x < hi)
                 if tl.sum(inside.to(tl.int32), axis=0) > 0:
-                    ge = (x[:, None] >= e[None, :]) & inside[:, None]
+                    x = tl.where(inside, x, float("-inf"))  # below every edge
+                    ge = x[:, None] >= e[None, :]
                     pm += tl.sum(tl.where(ge, p[:, None], 0.0), axis=0)
-                    pc += tl.sum(ge.to(tl.int32), axis=0)
+                    if P == LAST:
+                        pc += tl.sum(ge.to(tl.int32), axis=0)
         tl.store(pm_ptr + (base * NC + c) * T + kk, pm)
         tl.store(pc_ptr + (base * NC + c) * T + kk, pc)
 
@@ -159,7 +164,7 @@ def _resolve_kernel(x_ptr, x_stride, params_ptr, info_ptr, st_ptr, edges_ptr, pm
         fallback = cut > 0  # a typed False
         if use_p:
             lo, hi, m_hi, done, n_in, per_chunk = _combine(st_ptr, edges_ptr, pm_ptr, pc_ptr, row, P - 1, rows,
-                                                           lim, P == 1, NC, T)
+                                                           lim, P == 1, True, NC, T)
             s_p = m_hi
             if not done:
                 fallback = n_in > cap
@@ -284,8 +289,8 @@ def finish(x: torch.Tensor, params: torch.Tensor, info: torch.Tensor, tok: torch
     thr = torch.empty(rows, dtype=torch.float32, device=dev)
     cm = torch.empty(rows, nch, dtype=torch.float32, device=dev)
     for p in range(PASSES):
-        _pass_kernel[(rows, nch)](x, x.stride(0), params, info, st, edges, pm, pc, vocab, rows, P=p, NC=nch,
-                                  CH=ch, SB=sb, T=EDGES, NP=np_cols, num_warps=4)
+        _pass_kernel[(rows, nch)](x, x.stride(0), params, info, st, edges, pm, pc, vocab, rows, P=p,
+                                  LAST=PASSES - 1, NC=nch, CH=ch, SB=sb, T=EDGES, NP=np_cols, num_warps=4)
     _resolve_kernel[(rows,)](x, x.stride(0), params, info, st, edges, pm, pc, keys, cut, thr, vocab, rows,
                              CAP, P=PASSES, NC=nch, CH=ch, T=EDGES, CAPN=capn, NP=np_cols, num_warps=8)
     _mass_kernel[(rows, nch)](x, x.stride(0), params, info, cut, thr, cm, vocab, NC=nch, CH=ch,
