@@ -1,5 +1,5 @@
-"""Compile the sampling kernels (exlpy/kernels/sample_top.py, sample_whole.py) for an H100 (sm_90a) without a GPU; report
-registers, spills and shared memory at the launch settings the wrapper picks for a Llama-3 vocabulary.
+"""Compile the sampling kernels (exlpy/kernels/sample_top.py, sample_whole.py) for an H100 (sm_90a) without a
+GPU; report registers, spills and shared memory at the launch settings the wrapper picks for a Llama-3 vocabulary.
 
 python benchmarks/sample_compile_check.py [--json]
 Runs on any machine with Triton's bundled CUDA toolchain (no driver needed); tests/test_graph_sampler.py asserts
