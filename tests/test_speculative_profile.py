@@ -1,0 +1,30 @@
+"""The per-round time breakdown of speculative decoding (exlpy/generator/speculative/profile.py)."""
+
+from __future__ import annotations
+
+from exlpy.generator.speculative.profile import RoundProfile
+from tests.test_generator_helpers import PROMPTS, aidreams, argmax_tokens, drain
+from tests.test_speculative import job, spec_gen
+
+
+def test_round_profile_records_every_round_and_changes_nothing() -> None:
+    model, tok = aidreams()
+    ids = tok.encode(PROMPTS[0], add_bos=True)
+    g = spec_gen(use_ngram_draft=True, num_draft_tokens=3)
+    g.ngram_preload(tok.decode(ids[0]))  # drafts from the prompt: some rounds accept
+    assert g.spec is not None
+    prof = g.spec.profile = RoundProfile()
+    j = job(ids, 24)
+    g.enqueue(j)
+    res = drain(g)
+    assert res[j]["tokens"] == argmax_tokens(model, ids, 24)
+    assert len(prof.rounds) == g.spec.rounds > 2
+    s = prof.summary(skip=0)
+    assert s["rounds"] == len(prof.rounds) and 1 <= s["k"] <= 3
+    phases = ("before", "prep", "launch", "wait", "after")
+    assert all(s[p] >= 0.0 for p in phases) and s["launch"] > 0.0  # the target's forward runs there on a CPU
+    assert abs(s["wall"] - sum(s[p] for p in phases)) < 1e-9
+    assert "device draft" not in s  # CUDA events only on a GPU
+    assert prof.describe(1.0).startswith(f"{len(prof.rounds) - 2} rounds")  # the first two: graph captures
+    prof.reset()
+    assert prof.summary() == {"rounds": 0.0}
