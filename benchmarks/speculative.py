@@ -133,6 +133,7 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
     from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
     from exlpy.cli.bench import load_model
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.generator.speculative.profile import RoundProfile
 
     prompt_len = 512
     target = load_model(model_dir(work, "8b"), prompt_len + new_tokens + 16, max(batches))
@@ -149,6 +150,7 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
              "",
              "| batch | plain tok/s | " + " | ".join(f"a={a} tok/s (x plain, acceptance, k, c)" for a in rates) + " |",
              "|---|---|" + "---|" * len(rates)]
+    breakdown: list[str] = []
     for b in batches:
         pages = -(-(prompt_len + new_tokens + 8) // 256)
         rng = torch.Generator().manual_seed(b)
@@ -181,19 +183,43 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
                 for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
                     gen.enqueue(js := jobs(n))
                     gen.reset_sd_stats()
+                    gen.spec.profile = RoundProfile() if n == new_tokens else None
                     speed, _ = drive(gen, js)
                 acc, _, k_mean = spec_figures(gen)
                 cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
                 print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
+                breakdown.append(f"- batch {b}, a={a}: " + round_breakdown(gen.spec.profile, 1000.0 * b / base))
+                print(breakdown[-1], flush=True)
+                gen.spec.profile = None
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
         if progress is not None:
-            progress(lines + [""])
+            progress(lines + [""] + breakdown_lines(breakdown))
         del gen, cache, dcache
         gc.collect()
         torch.cuda.empty_cache()
     target.unload()
     draft.unload()
-    return lines + [""]
+    return lines + [""] + breakdown_lines(breakdown)
+
+
+def round_breakdown(prof: Any, plain_step_ms: float) -> str:
+    """A profiled run's mean round (exlpy/generator/speculative/profile.py) against its ideal: the draft steps plus
+    one verification forward, each as the device ran them."""
+    s = prof.summary()
+    text = prof.describe(plain_step_ms)
+    if "device draft" in s:
+        ideal = s["device draft"] + s["device forward"]
+        text += (f"; draft + forward {ideal:.3f} ms = {100 * ideal / s['wall']:.0f}% of the round; forward / plain "
+                 f"step {s['device forward'] / plain_step_ms:.2f}; a draft step {s['device draft'] / s['k']:.3f} ms")
+    return text
+
+
+def breakdown_lines(items: list[str]) -> list[str]:
+    if not items:
+        return []
+    return ["Mean round of each timed run (`RoundProfile`: device = CUDA events between a round's launches, idle "
+            "time included; host = before (between rounds), prep, launch, wait (the read-back), after "
+            "(accepting tokens)):", "", *items, ""]
 
 
 def passage_text(tok: Any, path: str, n_tokens: int) -> str:
