@@ -28,3 +28,26 @@ def test_round_profile_records_every_round_and_changes_nothing() -> None:
     assert prof.describe(1.0).startswith(f"{len(prof.rounds) - 2} rounds")  # the first two: graph captures
     prof.reset()
     assert prof.summary() == {"rounds": 0.0}
+
+
+def test_scripted_workload_is_followed_by_plain_and_ngram_decoding() -> None:
+    """benchmarks/ngram_workloads.py: a random model's greedy text becomes the script (the answer quotes the
+    prompt), with and without n-gram drafting; the drafts are accepted where they follow it."""
+    import torch
+
+    from benchmarks.ngram_workloads import Script, workloads
+
+    model, tok = aidreams()
+    prompt, answer = workloads(model.config.vocab_size, prompt_words=120, answer_words=40)["code edit"]
+    script = Script(model, prompt, answer)
+    out = {}
+    with script.active():
+        for name, kw in (("plain", {}), ("ngram", {"use_ngram_draft": True})):
+            g = spec_gen(**kw)
+            j = job(torch.tensor([prompt]), len(answer))
+            g.enqueue(j)
+            out[name] = drain(g)[j]["tokens"]
+            if g.spec is not None:
+                assert g.spec.accepted > 0.5 * len(answer)  # the edit copies most of the prompt
+    assert out["plain"] == out["ngram"] == answer
+    assert "forward_batch" not in vars(model)  # the model's own method again
