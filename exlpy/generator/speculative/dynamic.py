@@ -109,6 +109,7 @@ class Speculation:
 
     def plan(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[int, dict[Any, tuple[RowSample, list[int]]]] | None:
         """(k, {job: (sampling, n-gram drafts)}) for this round, or None to decode without speculation."""
+        self.length.tick()
         k = self.length.choose()
         room = min(self.gen.max_seq_len - j.sequence.numel() for j in jobs)  # positions past the last token
         k = min(k, room)
