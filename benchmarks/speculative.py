@@ -206,7 +206,8 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
                 acc, _, k_mean = spec_figures(gen)
                 cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
                 print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
-                breakdown.append(f"- batch {b}, a={a}: " + round_breakdown(gen.spec.profile, 1000.0 * b / base))
+                breakdown.append(f"- batch {b}, a={a}, verification {verify_path(gen)}: "
+                                 + round_breakdown(gen.spec.profile, 1000.0 * b / base))
                 print(breakdown[-1], flush=True)
                 gen.spec.profile = None
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
@@ -230,6 +231,15 @@ def round_breakdown(prof: Any, plain_step_ms: float) -> str:
         text += (f"; draft + forward {ideal:.3f} ms = {100 * ideal / s['wall']:.0f}% of the round; forward / plain "
                  f"step {s['device forward'] / plain_step_ms:.2f}; a draft step {s['device draft'] / s['k']:.3f} ms")
     return text
+
+
+def verify_path(gen: Any) -> str:
+    """Which verification the rounds used: the captured sampler's graph, or the host's `verify_rows` (also where
+    the captured sampler failed and turned itself off)."""
+    sampler = gen.stepper.graphed
+    if sampler is None or getattr(sampler, "_verifier", None) is None:
+        return "on the host (verify_rows)"
+    return "captured, then failed: on the host" if sampler.failed else "captured (one graph per draft length)"
 
 
 def breakdown_lines(items: list[str]) -> list[str]:
