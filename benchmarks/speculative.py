@@ -317,7 +317,8 @@ def part_ngram8b(work: str, new_tokens: int) -> list[str]:
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
     from exlpy.generator.speculative.profile import RoundProfile
 
-    target = load_model(model_dir(work, "8b"), 2048 + new_tokens, 1)
+    seq = 256 * (-(-(1300 + new_tokens + 64) // 256))  # the prompts' ~1,210 tokens and the answer, in pages
+    target = load_model(model_dir(work, "8b"), seq, 1)
     tok = ExLlamaV2Tokenizer(target.config)
     greedy = ExLlamaV2Sampler.Settings.greedy()
     lines = ["## (c) n-gram drafting on the 8B shape (random fp16 weights), scripted repetitive texts, batch 1", "",
@@ -328,7 +329,7 @@ def part_ngram8b(work: str, new_tokens: int) -> list[str]:
              "| workload | prompt / new tokens | plain tok/s | n-gram tok/s | speedup | acceptance | draft length | "
              "script followed |", "|---|---|---|---|---|---|---|---|"]
     breakdown: list[str] = []
-    cache = ExLlamaV2Cache(target, max_seq_len=2048 + new_tokens + 256)
+    cache = ExLlamaV2Cache(target, max_seq_len=seq)
     for name, (prompt, answer) in workloads(target.config.vocab_size, answer_words=new_tokens).items():
         script = Script(target, prompt, answer)
         ids = torch.tensor([prompt], dtype=torch.long)
