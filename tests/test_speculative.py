@@ -462,19 +462,3 @@ def test_benchmark_replay_draft_holds_its_rate_when_verification_rounds_differen
     from exlpy.generator.speculative import dynamic
 
     assert dynamic.verify_rows is verify_rows  # patched() put the library's verification back
-
-
-def test_draft_length_measures_the_round_overhead() -> None:
-    """Timed plannings replace ROUND_OVERHEAD: rounds whose fixed part is 1.5x a plain step turn drafting off at
-    a rate where the default overhead keeps it on, and rounds as cheap as a plain step keep it on."""
-    from exlpy.generator.speculative.length import ROUND_OVERHEAD, DraftLength
-
-    for fixed, on in ((1.5, False), (1.0, True)):
-        d = DraftLength(None, 7, 0.0)
-        d.accepted, d.rejected = 3.0, 7.0  # a = 0.3
-        assert d.overhead == ROUND_OVERHEAD and d.choose() >= 1
-        for _ in range(5):
-            d.interval(0, 0.01)  # plain steps of 10 ms
-            d.interval(2, fixed * 0.01 * (1 + 0.02 * 2))  # rounds of 2 drafts (no draft cost: n-grams)
-        assert abs(d.overhead - (fixed - 1.0)) < 1e-9
-        assert (d.choose() >= 1) == on

@@ -55,7 +55,6 @@ class Speculation:
         cost = self.drafter.cost(gen.model) if self.drafter else 0.0
         self.length = DraftLength(num_draft_tokens, max_k, cost)
         self.profile: RoundProfile | None = None  # set to time each round's phases (benchmarks)
-        self._planned: tuple[float, int] | None = None  # the last planning: (when, draft length; 0 = plain step)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -110,14 +109,6 @@ class Speculation:
 
     def plan(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[int, dict[Any, tuple[RowSample, list[int]]]] | None:
         """(k, {job: (sampling, n-gram drafts)}) for this round, or None to decode without speculation."""
-        out = self._plan(jobs)
-        now = time.perf_counter()
-        if self._planned is not None:  # the length's round overhead: the step since the last planning, timed
-            self.length.interval(self._planned[1], now - self._planned[0])
-        self._planned = (now, out[0] if out is not None else 0)
-        return out
-
-    def _plan(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[int, dict[Any, tuple[RowSample, list[int]]]] | None:
         self.length.tick()
         k = self.length.choose()
         room = min(self.gen.max_seq_len - j.sequence.numel() for j in jobs)  # positions past the last token

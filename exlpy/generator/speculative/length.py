@@ -14,11 +14,8 @@ Every round updates it, a round of one draft too, so an early low estimate canno
 
 Drafting turns itself off (length 0: the generator decodes one token at a time, overlapped) when no length is
 expected to beat plain decoding: a round is synchronous (its read-back decides the next input), so its fixed
-part costs more than an overlapped plain step, which a low acceptance rate does not pay back. That overhead is
-measured where the generator times its plannings (`interval`: the wall time from one planning to the next, after
-a plain step or a round of k drafts; the dynamic generator does) and both kinds were seen MIN_TIMED times,
-else ROUND_OVERHEAD. While off, every PROBE_EVERY-th planning (`tick`) drafts one token, so the estimate can
-see the rate recover (and the probes time rounds).
+part costs ROUND_OVERHEAD more than an overlapped plain step, which a low acceptance rate does not pay back.
+While off, every PROBE_EVERY-th planning (`tick`) drafts one token, so the estimate can see the rate recover.
 
 The cost starts from a static guess (a draft model's weight bytes over the target's, near zero for n-grams)
 and, once rounds were timed (`observe`), is the median of the recent measurements: the time of the draft
@@ -46,16 +43,16 @@ def expected_tokens(rate: float, k: int) -> float:
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
-def gain(rate: float, cost: float, k: int, overhead: float = ROUND_OVERHEAD) -> float:
+def gain(rate: float, cost: float, k: int) -> float:
     """Expected tokens per round of k drafts over the plain steps its time would take."""
-    return expected_tokens(rate, k) / ((1.0 + overhead) * (1.0 + (cost + VERIFY_COST_PER_TOKEN) * k))
+    return expected_tokens(rate, k) / ((1.0 + ROUND_OVERHEAD) * (1.0 + (cost + VERIFY_COST_PER_TOKEN) * k))
 
 
-def best_length(rate: float, cost: float, max_k: int, overhead: float = ROUND_OVERHEAD) -> int:
+def best_length(rate: float, cost: float, max_k: int) -> int:
     """The k in 1..max_k with the most expected tokens per unit of time, or 0 when none beats plain decoding."""
     best, best_k = 0.0, 1
     for k in range(1, max_k + 1):
-        value = gain(rate, cost, k, overhead)
+        value = gain(rate, cost, k)
         if value > best:
             best, best_k = value, k
     return best_k if best > 1.0 else 0
@@ -68,8 +65,6 @@ class DraftLength:
         self.rejected = (1.0 - START_RATE) * PRIOR_ROUNDS
         self.costs: deque[float] = deque(maxlen=COST_WINDOW)
         self.idle = 0  # plannings since the last round
-        self.plain: deque[float] = deque(maxlen=COST_WINDOW)  # seconds of a plain step (planning to planning)
-        self.fixed_part: deque[float] = deque(maxlen=COST_WINDOW)  # a round's seconds less its k-dependent part
 
     @property
     def rate(self) -> float:
@@ -95,22 +90,6 @@ class DraftLength:
         base = rest / (1.0 + VERIFY_COST_PER_TOKEN * k)  # the fixed part, less the verification's growth
         self.costs.append(min(draft_seconds / k / base, 4.0))
 
-    def interval(self, k: int, seconds: float) -> None:
-        """The wall time from one planning to the next, which ran a plain step (k = 0) or a round of k drafts."""
-        if seconds <= 0.0:
-            return
-        if k == 0:
-            self.plain.append(seconds)
-        else:
-            self.fixed_part.append(seconds / (1.0 + (self.step_cost + VERIFY_COST_PER_TOKEN) * k))
-
-    @property
-    def overhead(self) -> float:
-        """A round's fixed part over a plain step, less one: measured, else ROUND_OVERHEAD."""
-        if len(self.plain) < MIN_TIMED or len(self.fixed_part) < MIN_TIMED:
-            return ROUND_OVERHEAD
-        return max(0.0, median(self.fixed_part) / median(self.plain) - 1.0)
-
     def tick(self) -> None:
         """A planning (the generators call it before `choose` when they may draft)."""
         self.idle += 1
@@ -119,5 +98,5 @@ class DraftLength:
         """The draft length for the next round; 0 = off (plain decoding), except on a probe."""
         if self.fixed is not None:
             return self.fixed
-        k = best_length(self.rate, self.step_cost, self.max_k, self.overhead)
+        k = best_length(self.rate, self.step_cost, self.max_k)
         return 1 if k == 0 and self.idle >= PROBE_EVERY else k
