@@ -227,6 +227,24 @@ def _id_order(x: torch.Tensor, params: torch.Tensor, r: torch.Tensor) -> tuple[t
     return final, torch.minimum(tok, last)
 
 
+def _rank_groups(final: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [V] of one final distribution in `groups` groups of about equal mass by descending probability (a
+    cut that keeps too many or too few tail tokens moves mass between the first and the last groups), and each
+    group's mass."""
+    p, order = final.double().sort(descending=True, stable=True)
+    at = torch.bucketize((p.cumsum(0) - p / 2).clamp(0, 1), torch.arange(1, groups, dtype=torch.float64) / groups)
+    group = torch.empty_like(at).scatter_(0, order, at)
+    return group, torch.zeros(groups, dtype=torch.float64).index_add_(0, group, final.double())
+
+
+def _chi2_groups(toks: torch.Tensor, final: torch.Tensor, groups: int) -> float:
+    group, mass = _rank_groups(final, groups)
+    exp = mass * toks.numel()
+    obs = torch.bincount(group[toks], minlength=groups).double()
+    assert bool((exp > 0).all()), "a token holds more than a group's mass: fewer groups"
+    return float(((obs - exp) ** 2 / exp).sum())
+
+
 @pytest.mark.interpreter
 def test_kernel_matches_reference(monkeypatch: Any) -> None:
     """Rows 0-2 (top-k: the candidates decide) draw the reference's token; rows 4-6 (no top-k, survivors past the
@@ -288,7 +306,7 @@ def test_kernel_flat_rows(monkeypatch: Any) -> None:
 def test_kernel_whole_vocabulary_draws_follow_the_reference_distribution(monkeypatch: Any) -> None:
     """Chi-square: 320 seeded points drawn by the whole-vocabulary draw kernel for one flat top-p row (its cut
     found once by the interval kernels, then shared by every point) against the reference's final distribution,
-    in 8 groups of consecutive ids of equal expected mass."""
+    in 8 groups of equal expected mass by descending probability."""
     pytest.importorskip("triton")
     from exlpy.kernels import sample_whole
 
@@ -314,12 +332,8 @@ def test_kernel_whole_vocabulary_draws_follow_the_reference_distribution(monkeyp
     final, _ = _id_order(x, params, torch.zeros(1))
     assert bool((final[0, toks] > 0).all()), "drew a token the reference excludes"
     torch.testing.assert_close(probs, final[0, toks], rtol=1e-5, atol=1e-7)
-    edges = torch.searchsorted(final[0].double().cumsum(0), torch.arange(1, 8, dtype=torch.float64) / 8)
-    exp = torch.zeros(8, dtype=torch.float64).index_add_(
-        0, torch.bucketize(torch.arange(V), edges, right=True), final[0].double()) * n
-    obs = torch.bincount(torch.bucketize(toks, edges, right=True), minlength=8).double()
-    chi2 = float(((obs - exp) ** 2 / exp).sum())
-    assert chi2 < _chi2_limit(7), f"chi2 {chi2:.1f} over 7 dof: {obs.tolist()} vs {exp.tolist()}"
+    chi2 = _chi2_groups(toks, final[0], 8)
+    assert chi2 < _chi2_limit(7), f"chi2 {chi2:.1f} over 7 dof"
 
 
 @pytest.mark.slow
@@ -409,7 +423,8 @@ def test_kernel_matches_reference_on_cuda() -> None:
 @requires_cuda
 def test_whole_vocabulary_philox_draws_follow_the_reference_on_cuda() -> None:
     """Chi-square on a GPU: 64 rows x 100 Philox steps of one flat 128k-token row under top-p 0.9 (and one under
-    min-p), 16 groups of consecutive ids of equal expected mass, against the torch reference's distribution."""
+    min-p), 16 groups of equal expected mass by descending probability, against the torch reference's
+    distribution."""
     from exlpy.kernels.sample_top import sample_top
 
     V = 128256
@@ -425,14 +440,8 @@ def test_whole_vocabulary_philox_draws_follow_the_reference_on_cuda() -> None:
             toks.append(sample_top(xs, ps, rng, K_MAX)[0].cpu())
         t = torch.cat(toks)
         assert bool((final[0, t] > 0).all())
-        cum = final[0].double().cumsum(0)
-        edges = torch.searchsorted(cum, torch.arange(1, 16, dtype=torch.float64) / 16)
-        group = torch.bucketize(t, edges, right=True)
-        exp = torch.zeros(16, dtype=torch.float64).index_add_(
-            0, torch.bucketize(torch.arange(V), edges, right=True), final[0].double()) * t.numel()
-        obs = torch.bincount(group, minlength=16).double()
-        chi2 = float(((obs - exp) ** 2 / exp).sum())
-        assert chi2 < _chi2_limit(15), (top_p, chi2, obs.tolist())
+        chi2 = _chi2_groups(t, final[0], 16)
+        assert chi2 < _chi2_limit(15), (top_p, chi2)
 
 
 @pytest.mark.slow
