@@ -11,9 +11,11 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLLAMA_NO_FLASH_ATTN` / `_XFORMERS` / `_SDPA` | `no_flash_attn` ... | exllamav2's config defaults (informational) |
 | `EXLPY_NO_TRITON=1` | `triton=False` | CUDA tensors use the torch references instead of Triton kernels |
 | `EXLPY_PDL=0` | `pdl=False` | no programmatic dependent launch on Hopper |
-| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer` | `tp_comm` | TP collective backend (default: fastest that works) |
+| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer\\|hostmem` | `tp_comm` | TP collective backend (default: the fastest) |
 | `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
+| `EXLPY_TP_PIPELINE=1` | `tp_pipeline=True` | TP prefill in two micro-batches, all-reduces overlapping compute |
+| `EXLPY_TP_FUSE_NORM=1` | `tp_fuse_norm=True` | TP batched decode: the next RMSNorm inside the all-reduce |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
 | `EXLPY_SKIP_WEIGHT_CHECKS=1` | `weight_checks=False` | no NaN/inf check of the weights at load |
 | `EXLPY_FLASH_ATTN=0` | `flash_attn=False` | query blocks over the cache by gather + torch SDPA (no flash kernel) |
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 
 from exlpy.errors import ConfigError
 
-TP_COMMS = ("auto", "local", "host", "nccl", "peer")
+TP_COMMS = ("auto", "local", "host", "nccl", "peer", "hostmem")
 TP_LAYOUTS = ("auto", "row", "column")
 
 
@@ -50,6 +52,10 @@ class RuntimeOptions:
     tp_comm: str = "auto"
     tp_layout: str = "auto"
     tp_graphs: bool = True
+    tp_pipeline: bool = False  # off until a GPU run records its gain (benchmarks/tp.py times both)
+    # The next block's RMSNorm in the all-reduce where the backend fuses it (peer, hostmem). Off by default until
+    # it has run on two real GPUs (written 2026-11-26; CPU interpreter tests and logits bit-equal there).
+    tp_fuse_norm: bool = False
     cpu_warning: bool = True
     weight_checks: bool = True  # EXLPY_SKIP_WEIGHT_CHECKS=1: no NaN/inf check of weights at load
     triton_interpret: bool = False  # Triton's own TRITON_INTERPRET (kernels run on CPU tensors): no PDL then
@@ -101,6 +107,8 @@ class RuntimeOptions:
             tp_comm=e.get("EXLPY_TP_COMM") or "auto",
             tp_layout=e.get("EXLPY_TP_MODE") or "auto",
             tp_graphs=not flag("EXLPY_TP_NO_GRAPHS"),
+            tp_pipeline=flag("EXLPY_TP_PIPELINE"),
+            tp_fuse_norm=flag("EXLPY_TP_FUSE_NORM"),
             cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
             weight_checks=not flag("EXLPY_SKIP_WEIGHT_CHECKS"),
             triton_interpret=flag("TRITON_INTERPRET"),
