@@ -10,7 +10,7 @@ oldest job can always finish, because a job that could never fit is refused at e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from exlpy.generator.dynamic import adapters
@@ -120,6 +120,27 @@ def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, 
         return gen.max_chunk_size
     scale = CONTEXT_COST_TOKENS / (CONTEXT_COST_TOKENS + seq.prefill_pos)
     return max(0, min(gen.max_chunk_size, int((budget - spent) * scale)))
+
+
+def captured_tokens(limit: int, left: int, buckets: Sequence[int]) -> int:
+    """Prompt tokens a sequence runs this iteration in captured chunks (`buckets`: their sizes, ascending), given
+    `limit` (prefill_limit) and the `left` tokens of its prompt still to prefill. The limit is rounded up to fill
+    the bucket of its last chunk: a captured chunk costs about its bucket whatever it holds (on an 8B at most
+    256 tokens cost little more than reading the weights), so padding might as well be real tokens. Never past
+    the prompt's end; 0 when the budget is spent."""
+    if limit <= 0 or left <= 0 or not buckets:
+        return 0
+    top = buckets[-1]
+    last = limit - (limit - 1) // top * top  # the last chunk's share, 1..top
+    filled = limit - last + next(b for b in buckets if b >= last)
+    return min(left, filled)
+
+
+def chunk_pieces(n: int, buckets: Sequence[int]) -> list[int]:
+    """Lengths of the captured chunks that run `n` prompt tokens: as few as possible (each forward pass reads all
+    the weights), the largest bucket each, the last one what is left (padded to its bucket by the runner)."""
+    top = buckets[-1]
+    return [min(top, n - k) for k in range(0, n, top)]
 
 
 def decode_pages(gen: ExLlamaV2DynamicGenerator, jobs: list[ExLlamaV2DynamicJob], tokens: int,
