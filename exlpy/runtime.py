@@ -25,7 +25,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
-| `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs` | prompt chunks next to decoding jobs run eagerly, not as captured chunks |
+| `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs` | prompt chunks next to decoding jobs run eagerly, not captured |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
