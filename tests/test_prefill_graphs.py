@@ -14,7 +14,7 @@ from exlpy.engine.graphs import CHUNK_BUCKETS, StepGraphs, chunk_bucket
 from exlpy.engine.split import layer_split
 from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
 from exlpy.generator.dynamic import scheduler
-from exlpy.generator.dynamic.warmup import plan_shapes
+from exlpy.generator.dynamic.warmup import plan_shapes, warm_chunks
 from exlpy.model import Transformer
 from exlpy.model.batch import pack, paged_batch
 from exlpy.runtime import RuntimeOptions, use_options
@@ -138,12 +138,12 @@ def _graph_model_cpu() -> tuple[ExLlamaV2, object]:
 
 def _decode_next_to_long_prompt(gen: ExLlamaV2DynamicGenerator) -> tuple[ExLlamaV2DynamicJob, list[int]]:
     greedy = ExLlamaV2Sampler.Settings.greedy()
-    decoders = [ExLlamaV2DynamicJob(torch.tensor([[1, 7 + k, 9]]), 40, gen_settings=greedy, stop_conditions=[])
+    decoders = [ExLlamaV2DynamicJob(torch.tensor([[1, 7 + k, 9]]), 16, gen_settings=greedy, stop_conditions=[])
                 for k in range(3)]
     gen.enqueue(decoders)
     while not all(j.new_tokens for j in decoders):
         gen.iterate()
-    long = ExLlamaV2DynamicJob(torch.randint(3, 500, (1, 700), generator=torch.Generator().manual_seed(3)), 6,
+    long = ExLlamaV2DynamicJob(torch.randint(3, 500, (1, 400), generator=torch.Generator().manual_seed(3)), 6,
                                gen_settings=greedy, stop_conditions=[])
     gen.enqueue(long)
     chunks: list[int] = []
@@ -177,13 +177,13 @@ def test_generator_prefills_in_captured_chunks_next_to_decoding_jobs() -> None:
             long, chunks = _decode_next_to_long_prompt(gen)
         finally:
             del runner.run_chunk
-        rows = torch.cat([torch.arange(p * 256, (p + 1) * 256) for p in long.seqs[0].page_ids()])[:699]
+        rows = torch.cat([torch.arange(p * 256, (p + 1) * 256) for p in long.seqs[0].page_ids()])[:399]
         kv = [t.view(-1, *t.shape[2:])[rows].clone() for t in cache.all_tensors()]
         while gen.num_remaining_jobs():
             gen.iterate()
         runs[graphs] = (kv, torch.as_tensor(long.sequence).view(-1)[-6:].tolist(), chunks, seen)
     (kv0, toks0, chunks0, seen0), (kv1, toks1, chunks1, seen1) = runs[False], runs[True]
-    assert not seen0 and seen1 and sum(chunks1) == 699
+    assert not seen0 and seen1 and sum(chunks1) == 399
     assert all(n <= 256 for n in seen1) and set(chunks1[:-1]) <= {32, 64, 128, 256}
     assert max(chunks0) <= 100 and max(chunks1) <= 128  # 100 rounded up to fill its bucket
     assert toks0 == toks1
@@ -236,3 +236,22 @@ def test_captured_chunk_equals_eager_cuda(model_dir: Path) -> None:
     out = model.forward_batch(tok, paged_batch([(table, 62, 1)], graphed, dev, PAGE))
     model.config.no_graphs = False
     assert rel_err(out, ref) <= 2e-2
+
+
+def test_warmup_runs_every_captured_chunk_shape() -> None:
+    """The serving warm-up's chunk phase runs each planned (bucket, width) chunk through the runner (its body on
+    the CPU here; captured on a GPU) over scratch pages; the generator works normally afterwards."""
+    model, tok = _graph_model_cpu()
+    gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=2 * 256), tok, max_batch_size=2,
+                                    max_chunk_size=256)
+    plan = plan_shapes(gen.max_batch_size, gen.max_seq_len, gen.page_size, gen.max_chunk_size, gen.num_pages)
+    warm_chunks(gen, plan.chunks)
+    runner = model.strategy_for_forward().graph_cache["runner"]
+    assert {(k[2], k[3]) for k in runner.steps if k[5]} == {(n, w) for n in CHUNK_BUCKETS for w in (1, 2)}
+    gen.page_table.reset()
+    job = ExLlamaV2DynamicJob(torch.tensor([[1, 5, 9, 13]]), 6, stop_conditions=[],
+                              gen_settings=ExLlamaV2Sampler.Settings.greedy())
+    gen.enqueue(job)
+    while gen.num_remaining_jobs():
+        gen.iterate()
+    assert job.new_tokens == 6

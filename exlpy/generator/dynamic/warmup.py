@@ -102,6 +102,24 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def warm_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[tuple[int, int, int]]) -> None:
+    """Run (capture) every planned prompt chunk (start, bucket, table width) as the generator runs them next to
+    decoding jobs. Out of memory stops here with a warning (later shapes are captured when first used); a failed
+    capture warns in the runner and leaves prompt chunks eager."""
+    device, size = gen.device(), gen.page_size
+    with torch.inference_mode():
+        for start, n, width in chunks:
+            table = [k % gen.num_pages for k in range(width)]
+            ids = torch.randint(3, gen.model_vocab, (1, n))
+            try:
+                gen.model.forward_chunk(ids, paged_batch([(table, start, n)], gen.cache, device, size))
+            except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
+                warnings.warn(f"warm-up: out of memory capturing a prompt chunk of {n} tokens x {width} pages; "
+                              "larger shapes are captured when first used", stacklevel=2)
+                _release(device)
+                break
+
+
 def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
     """Run every shape of `plan_shapes` for this generator (an idle one); see the module docstring."""
     from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
@@ -141,16 +159,7 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
                 break
         _release(device)
         if gen.chunk_buckets():
-            for start, n, width in plan.chunks:
-                table = [k % gen.num_pages for k in range(width)]
-                ids = torch.randint(3, vocab, (1, n))
-                try:
-                    gen.model.forward_chunk(ids, paged_batch([(table, start, n)], gen.cache, device, size))
-                except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
-                    warnings.warn(f"warm-up: out of memory capturing a prompt chunk of {n} tokens x {width} pages; "
-                                  "larger shapes are captured when first used", stacklevel=2)
-                    _release(device)
-                    break
+            warm_chunks(gen, plan.chunks)
             _release(device)
     sampled = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0)
     for rows in plan.jobs:
