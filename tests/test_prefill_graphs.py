@@ -205,7 +205,8 @@ def test_capture_failure_warns_and_runs_chunks_eagerly(model_dir: Path) -> None:
     assert runner.chunks_failed and model.chunk_buckets() == () and not any(k[5] for k in runner.steps)
     for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
         assert rel_err(b, a) <= TOL
-    with use_options(RuntimeOptions(prefill_graphs=False)):  # EXLPY_PREFILL_GRAPHS=0
+    assert RuntimeOptions.from_env({}).prefill_graphs
+    with use_options(RuntimeOptions.from_env({"EXLPY_PREFILL_GRAPHS": "0"})):
         runner.chunks_failed = False
         assert model.chunk_buckets() == ()
 
