@@ -60,14 +60,17 @@ def test_chunk_buckets_and_scheduler_sizes() -> None:
     assert CHUNK_BUCKETS == (32, 64, 128, 256)
     assert [chunk_bucket(n) for n in (0, 1, 32, 33, 200, 256, 257)] == [None, 32, 32, 64, 256, 256, None]
     b = CHUNK_BUCKETS
-    # the limit rounded up to fill its last chunk's bucket, never past the prompt's end
+    # chunks of 256, the last share rounded to the nearest size by ratio, never past the prompt's end
     assert scheduler.captured_tokens(256, 16000, b) == 256
+    assert scheduler.captured_tokens(255, 16000, b) == 256
+    assert scheduler.captured_tokens(129, 16000, b) == 128
+    assert scheduler.captured_tokens(100, 16000, b) == 128
+    assert scheduler.captured_tokens(85, 16000, b) == 64
     assert scheduler.captured_tokens(51, 16000, b) == 64  # deep into a long prompt: one 64-token chunk
-    assert scheduler.captured_tokens(85, 16000, b) == 128
-    assert scheduler.captured_tokens(300, 16000, b) == 320  # 256 + 44 -> 256 + 64
+    assert scheduler.captured_tokens(300, 16000, b) == 288  # 256 + 44 -> 256 + 32
     assert scheduler.captured_tokens(2048, 16000, b) == 2048  # a crowd's budget: eight full chunks
     assert scheduler.captured_tokens(256, 37, b) == 37  # the prompt's last tokens, padded by the runner
-    assert scheduler.captured_tokens(5, 37, b) == 32
+    assert scheduler.captured_tokens(5, 37, b) == 32  # a small budget still moves the prompt on
     assert scheduler.captured_tokens(0, 500, b) == 0 and scheduler.captured_tokens(100, 0, b) == 0
     assert scheduler.captured_tokens(100, 500, ()) == 0
     # as few chunks as possible, each at most the largest bucket
@@ -185,7 +188,7 @@ def test_generator_prefills_in_captured_chunks_next_to_decoding_jobs() -> None:
     (kv0, toks0, chunks0, seen0), (kv1, toks1, chunks1, seen1) = runs[False], runs[True]
     assert not seen0 and seen1 and sum(chunks1) == 399
     assert all(n <= 256 for n in seen1) and set(chunks1[:-1]) <= {32, 64, 128, 256}
-    assert max(chunks0) <= 100 and max(chunks1) <= 128  # 100 rounded up to fill its bucket
+    assert max(chunks0) <= 100 and max(chunks1) <= 128  # 100 rounded to the nearest size
     assert toks0 == toks1
     for a, b in zip(kv0, kv1):
         assert rel_err(b, a) <= TOL

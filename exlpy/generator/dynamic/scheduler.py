@@ -10,6 +10,7 @@ oldest job can always finish, because a job that could never fit is refused at e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -124,16 +125,17 @@ def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, 
 
 def captured_tokens(limit: int, left: int, buckets: Sequence[int]) -> int:
     """Prompt tokens a sequence runs this iteration in captured chunks (`buckets`: their sizes, ascending), given
-    `limit` (prefill_limit) and the `left` tokens of its prompt still to prefill. The limit is rounded up to fill
-    the bucket of its last chunk: a captured chunk costs about its bucket whatever it holds (on an 8B at most
-    256 tokens cost little more than reading the weights), so padding might as well be real tokens. Never past
-    the prompt's end; 0 when the budget is spent."""
+    `limit` (prefill_limit) and the `left` tokens of its prompt still to prefill: chunks of the largest size, the
+    last one's share rounded to the nearest size (by ratio: within a factor sqrt(2)). A captured chunk costs its
+    size whatever it holds, so a chunk is filled with real tokens where the prompt has them; never past the
+    prompt's end; 0 when the budget is spent."""
     if limit <= 0 or left <= 0 or not buckets:
         return 0
     top = buckets[-1]
-    last = limit - (limit - 1) // top * top  # the last chunk's share, 1..top
-    filled = limit - last + next(b for b in buckets if b >= last)
-    return min(left, filled)
+    full = (limit - 1) // top
+    share = limit - full * top  # the last chunk's share, 1..top
+    size = min(buckets, key=lambda b: (abs(math.log(b / share)), -b))
+    return min(left, full * top + size)
 
 
 def chunk_pieces(n: int, buckets: Sequence[int]) -> list[int]:
