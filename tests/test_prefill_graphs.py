@@ -4,6 +4,7 @@ generator's prompt prefilled that way equals the eager one; a capture that fails
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,39 @@ def test_warmup_runs_every_captured_chunk_shape() -> None:
     while gen.num_remaining_jobs():
         gen.iterate()
     assert job.new_tokens == 6
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("quant", [False, True])
+def test_padded_chunk_with_triton_kernels(monkeypatch: pytest.MonkeyPatch, quant: bool) -> None:
+    """The attention kernels themselves (Triton's interpreter on CPU tensors) on a padded chunk: the flash kernel
+    bounds each query by its own position and the row's length, the quantized store skips slot -1, and the
+    quantized attention reads the chunk's own K/V only up to the row's length."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+    pytest.importorskip("triton")
+    from exlpy.cache import ExLlamaV2Cache_Q4
+    from tests.test_attend_flash import _with_kernels
+
+    config = ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16")))
+    config.max_seq_len = 64
+    model = ExLlamaV2(config)
+    model.load(device="cpu")
+    _with_kernels(monkeypatch)
+    runner = StepGraphs(model.strategy_for_forward(), capture=False)
+    cls = ExLlamaV2Cache_Q4 if quant else ExLlamaV2Cache
+    eager, graphed = cls(model, batch_size=4), cls(model, batch_size=4)
+    g = torch.Generator().manual_seed(7)
+    for start, n, table in ((0, 20, [3, 7]), (20, 37, [3, 7, 12, 9])):
+        ids = torch.randint(3, 500, (1, n), generator=g)
+        model.forward_batch(ids, paged_batch([(table, start, n)], eager, CPU, PAGE), preprocess_only=True)
+        batch = paged_batch([(table, start, n)], graphed, CPU, PAGE)
+        batch.logits = "none"
+        assert runner.run_chunk(ids, batch)
+        for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
+            assert torch.equal(a, b) if not a.is_floating_point() else rel_err(b, a) <= 1e-4
+    tok = torch.tensor([[7]])
+    ref = model.forward_batch(tok, paged_batch([([3, 7, 12, 9], 57, 1)], eager, CPU, PAGE))
+    out = model.forward_batch(tok, paged_batch([([3, 7, 12, 9], 57, 1)], graphed, CPU, PAGE))
+    assert rel_err(out, ref) <= 1e-4
+    model.unload()
