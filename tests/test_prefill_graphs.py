@@ -74,6 +74,10 @@ def test_chunk_buckets_and_scheduler_sizes() -> None:
     assert scheduler.captured_tokens(5, 37, b) == 32  # a small budget still moves the prompt on
     assert scheduler.captured_tokens(0, 500, b) == 0 and scheduler.captured_tokens(100, 0, b) == 0
     assert scheduler.captured_tokens(100, 500, ()) == 0
+    # up to CAPTURED_MAX tokens of a sequence per iteration run captured; a crowd's larger budget eagerly
+    assert scheduler.captured_sizes(256, b) == b and scheduler.captured_sizes(scheduler.CAPTURED_MAX, b) == b
+    assert scheduler.captured_sizes(scheduler.CAPTURED_MAX + 1, b) == () and scheduler.captured_sizes(0, b) == ()
+    assert scheduler.captured_sizes(256, ()) == ()
     # as few chunks as possible, each at most the largest bucket
     assert scheduler.chunk_pieces(320, b) == [256, 64]
     assert scheduler.chunk_pieces(2048, b) == [256] * 8

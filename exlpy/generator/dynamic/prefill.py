@@ -33,9 +33,9 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             progressed = True
             continue
         limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
-        # Next to decoding jobs a chunk runs captured where it can: an eager one costs the host its kernel
-        # launches (~20 ms on an 8B), and the decode step launched after it waits for them.
-        buckets = gen.chunk_buckets() if decoding and not job.embeddings else ()
+        # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
+        # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them.
+        buckets = scheduler.captured_sizes(limit, gen.chunk_buckets()) if decoding and not job.embeddings else ()
         if buckets:
             limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
         if limit == 0:
