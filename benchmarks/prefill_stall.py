@@ -54,6 +54,8 @@ def run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[
     kv: list[torch.Tensor] | None = None
     first_token = None
     window = False
+    runner = gen.model.strategy_for_forward().graph_cache.get("runner")
+    replays0 = runner.chunks_run if runner is not None else 0
     while gen.num_remaining_jobs():
         if long_job is None and long_prompt is not None and min(counts.values()) >= 32:
             long_job = ExLlamaV2DynamicJob(torch.tensor([long_prompt]), 2, stop_conditions=[], gen_settings=greedy)
@@ -88,7 +90,8 @@ def run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[
                 gaps.append(now - last[j])
             last[j] = now
             counts[j] += int(r["token_ids"].shape[-1])
-    out = {"gaps": gaps, "chunks": chunks, "cpu_ms_per_iter": 1e3 * cpu / max(iters, 1), "iters": iters}
+    out = {"gaps": gaps, "chunks": chunks, "cpu_ms_per_iter": 1e3 * cpu / max(iters, 1), "iters": iters,
+           "captured": (runner.chunks_run if runner is not None else 0) - replays0}
     if long_job is not None:
         out.update(ttft=(t_first or float("nan")) - (t_sent or 0.0), kv=kv, first=first_token)
     return out
@@ -137,7 +140,7 @@ def main() -> None:
             extra = f", TTFT {r['ttft']:.2f} s" if "ttft" in r else ""
             print(f"round {k} {label}: {len(g)} gaps, median {statistics.median(g) * 1e3:.1f} ms, p99 "
                   f"{pct(g, 0.99) * 1e3:.1f} ms; generator thread {r['cpu_ms_per_iter']:.2f} ms CPU per iteration "
-                  f"({r['iters']} iterations){extra}; prompt tokens per iteration: "
+                  f"({r['iters']} iterations){extra}; {r['captured']} captured chunks; prompt tokens per iteration: "
                   f"{sorted(set(r['chunks']))[:8]}", flush=True)
     base = [g for r in runs["alone"] for g in r["gaps"]]
     print(f"\n{args.decoders} decoding streams ({shape[0]}-token prompts) on {torch.cuda.get_device_name()}, a "

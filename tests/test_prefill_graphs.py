@@ -122,6 +122,7 @@ def test_padded_chunk_matches_eager_chunk(model_dir: Path, cuts: tuple[int, ...]
         for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
             assert rel_err(b, a) <= TOL  # the same rows written; the padding wrote nowhere
     assert {(k[2], k[3]) for k in runner.steps} == {(32, 2), (64, 4)}  # (bucket, width bucket)
+    assert runner.chunks_run == 3
     # a decode step over what the chunks wrote: the same logits
     tok = torch.tensor([[7]])
     table = [3, 7, 12, 9]

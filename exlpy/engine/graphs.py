@@ -105,6 +105,7 @@ class StepGraphs:
         self.steps: dict[tuple[Any, ...], _Step] = {}
         self._pools: dict[str, Any] = {}
         self.chunks_failed = False  # a chunk graph failed to capture: chunks run eagerly from then on
+        self.chunks_run = 0  # prompt chunks run through `run_chunk` (benchmarks count them)
 
     def clear(self) -> None:
         self.steps.clear()
@@ -194,6 +195,7 @@ class StepGraphs:
             for key in [k for k, st in self.steps.items() if st.chunk]:
                 del self.steps[key]
             return False
+        self.chunks_run += 1
         return True
 
     # --- shapes -----------------------------------------------------------------------------------------------
