@@ -157,9 +157,11 @@ def _decode_next_to_long_prompt(gen: ExLlamaV2DynamicGenerator) -> tuple[ExLlama
     gen.enqueue(long)
     chunks: list[int] = []
     while not long.is_prefilled():
+        before = {j: j.new_tokens for j in decoders}
         p0 = gen.prefill_tokens
         gen.iterate()
         chunks.append(gen.prefill_tokens - p0)
+        assert all(j.new_tokens > before[j] for j in decoders)  # every decoding job advanced in this step
     return long, chunks
 
 
