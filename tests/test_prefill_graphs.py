@@ -212,7 +212,7 @@ def test_capture_failure_warns_and_runs_chunks_eagerly(model_dir: Path) -> None:
     model.forward_batch(ids, paged_batch([([3, 7], 5, 20)], eager, CPU, PAGE), preprocess_only=True)
     assert model.chunk_buckets() == CHUNK_BUCKETS
     with pytest.warns(UserWarning, match="prompt chunks run eagerly"):
-        model.forward_chunk(ids, paged_batch([([3, 7], 5, 20)], graphed, CPU, PAGE))
+        model.prefill_chunk(ids, paged_batch([([3, 7], 5, 20)], graphed, CPU, PAGE))
     assert runner.chunks_failed and model.chunk_buckets() == () and not any(k[5] for k in runner.steps)
     for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
         assert rel_err(b, a) <= TOL
@@ -234,7 +234,7 @@ def test_captured_chunk_equals_eager_cuda(model_dir: Path) -> None:
     for start, n, table in ((5, 20, [3, 7]), (25, 37, [3, 7, 12, 9]), (0, 63, [14, 2, 5, 6]), (30, 20, [14, 2, 5])):
         ids = torch.randint(3, 320, (1, n), generator=g)
         model.forward_batch(ids, paged_batch([(table, start, n)], eager, dev, PAGE), preprocess_only=True)
-        model.forward_chunk(ids, paged_batch([(table, start, n)], graphed, dev, PAGE))
+        model.prefill_chunk(ids, paged_batch([(table, start, n)], graphed, dev, PAGE))
         for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
             assert rel_err(b.float(), a.float()) <= 2e-2
     runner = model.strategy.graph_cache["runner"]

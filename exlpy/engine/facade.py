@@ -218,11 +218,11 @@ class ExLlamaV2(ModelCompatMixin):
             return fwd.forward_batch(self, input_ids, batch, last_id_only, preprocess_only)
 
     def chunk_buckets(self) -> tuple[int, ...]:
-        """Token counts of the prompt chunks `forward_chunk` runs captured (empty: none; see engine/graphs.py)."""
+        """Token counts of the prompt chunks `prefill_chunk` runs captured (empty: none; see engine/graphs.py)."""
         return fwd.chunk_buckets(self)
 
-    def forward_chunk(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
+    def prefill_chunk(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
         """A prompt chunk of one sequence (no logits) as a captured chunk where one applies, else eagerly."""
         with oom_guard("the forward pass"), torch.inference_mode():
-            if not fwd.forward_chunk(self, input_ids, batch):
+            if not fwd.prefill_chunk(self, input_ids, batch):
                 fwd.forward_batch(self, input_ids, batch, preprocess_only=True)

@@ -228,7 +228,7 @@ def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last
 
 
 def chunk_buckets(model: Any) -> tuple[int, ...]:
-    """Sizes of the captured prompt chunks this model runs (`forward_chunk`); empty where graphs do not apply,
+    """Sizes of the captured prompt chunks this model runs (`prefill_chunk`); empty where graphs do not apply,
     EXLPY_PREFILL_GRAPHS=0, or a chunk capture failed."""
     if not options().prefill_graphs:
         return ()
@@ -236,7 +236,7 @@ def chunk_buckets(model: Any) -> tuple[int, ...]:
     return () if runner is None or runner.chunks_failed else CHUNK_BUCKETS
 
 
-def forward_chunk(model: Any, input_ids: torch.Tensor, batch: ForwardBatch) -> bool:
+def prefill_chunk(model: Any, input_ids: torch.Tensor, batch: ForwardBatch) -> bool:
     """Run a prompt chunk ([1, n] host ids, `batch` of one row over a cache) as the captured chunk of the
     smallest bucket >= n (exlpy/engine/graphs.py `run_chunk`); False when none applies (the caller runs it
     eagerly)."""

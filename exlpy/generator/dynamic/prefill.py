@@ -56,7 +56,7 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             for n in scheduler.chunk_pieces(end - start, buckets):
                 batch = paged_batch([(q.page_ids(), a, n)], gen.cache, gen.device(), gen.page_size,
                                     [job.lora_slot])
-                gen.model.forward_chunk(q.ids[a:a + n].unsqueeze(0), batch)
+                gen.model.prefill_chunk(q.ids[a:a + n].unsqueeze(0), batch)
                 a += n
         elif end > start:
             ids = q.ids[start:end].unsqueeze(0)

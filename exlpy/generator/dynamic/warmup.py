@@ -112,7 +112,7 @@ def warm_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[tuple[int, int, int
             table = [k % gen.num_pages for k in range(width)]
             ids = torch.randint(3, gen.model_vocab, (1, n))
             try:
-                gen.model.forward_chunk(ids, paged_batch([(table, start, n)], gen.cache, device, size))
+                gen.model.prefill_chunk(ids, paged_batch([(table, start, n)], gen.cache, device, size))
             except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
                 warnings.warn(f"warm-up: out of memory capturing a prompt chunk of {n} tokens x {width} pages; "
                               "larger shapes are captured when first used", stacklevel=2)
