@@ -251,9 +251,10 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
 
     def chunk_buckets(self) -> tuple[int, ...]:
         """Sizes of the captured prompt chunks this generator runs next to decoding jobs (empty: eager chunks)."""
-        if not self.prefill_graphs or not getattr(self.cache, "graph_safe", False):
+        sizes = getattr(self.model, "chunk_buckets", None)  # a model without CUDA graphs (a stand-in) has none
+        if not self.prefill_graphs or sizes is None or not getattr(self.cache, "graph_safe", False):
             return ()
-        return tuple(self.model.chunk_buckets())
+        return tuple(sizes())
 
     def release_pages(self, job: ExLlamaV2DynamicJob) -> None:
         """Give back a job's pages (full ones stay cached under its LoRA salt) and its adapter slot."""
