@@ -25,6 +25,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
+| `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs` | prompt chunks next to decoding jobs run eagerly, not captured |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -75,6 +76,10 @@ class RuntimeOptions:
     # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
     # `generator.graph_sampling = False` turns it off for one generator.
     graph_sampling: bool = True
+    # EXLPY_PREFILL_GRAPHS=0: the dynamic generator runs prompt chunks next to decoding jobs as eager forward passes
+    # (~20 ms of kernel launches from Python per chunk on an 8B) instead of captured chunks of 32-256 tokens
+    # (exlpy/engine/graphs.py CHUNK_BUCKETS); for A/B runs of benchmarks/serving.py.
+    prefill_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -119,6 +124,7 @@ class RuntimeOptions:
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
+            prefill_graphs=e.get("EXLPY_PREFILL_GRAPHS", "1") != "0",
         )
 
 

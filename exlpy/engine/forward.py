@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
+from exlpy.engine.graphs import CHUNK_BUCKETS, MAX_Q_LEN, StepGraphs
 from exlpy.engine.pipeline import execute_pipelined, pipeline_applies
 from exlpy.engine.strategy import Strategy, execute
 from exlpy.errors import CacheTooSmallError, SequenceLengthError
@@ -225,6 +225,31 @@ def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last
         if logits is not None:
             return logits
     return execute(strategy, upload_ids(input_ids, strategy.first_device), batch)
+
+
+def chunk_buckets(model: Any) -> tuple[int, ...]:
+    """Sizes of the captured prompt chunks this model runs (`prefill_chunk`); empty where graphs do not apply,
+    EXLPY_PREFILL_GRAPHS=0, or a chunk capture failed."""
+    if not options().prefill_graphs:
+        return ()
+    runner = graph_runner(model, model.strategy_for_forward())
+    return () if runner is None or runner.chunks_failed else CHUNK_BUCKETS
+
+
+def prefill_chunk(model: Any, input_ids: torch.Tensor, batch: ForwardBatch) -> bool:
+    """Run a prompt chunk ([1, n] host ids, `batch` of one row over a cache) as the captured chunk of the
+    smallest bucket >= n (exlpy/engine/graphs.py `run_chunk`); False when none applies (the caller runs it
+    eagerly)."""
+    if not chunk_buckets(model) or input_ids.device.type != "cpu":
+        return False
+    runner = graph_runner(model, model.strategy_for_forward())
+    assert runner is not None
+    batch = replace(batch, logits=LOGITS_NONE)
+    if batch.lora:
+        from exlpy.lora.slots import registry_of
+
+        batch = replace(batch, lora=registry_of(model).ensure(model.strategy_for_forward()))
+    return runner.run_chunk(input_ids, batch)
 
 
 def _key_mask(input_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -102,25 +102,36 @@ class ForwardBatch:
 
 
 def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | None, page_size: int,
-         rows: int, width: int, adapters: Sequence[int] | None = None) -> list[int]:
+         rows: int, width: int, adapters: Sequence[int] | None = None,
+         lengths: Sequence[int] | None = None) -> list[int]:
     """Host integers of the packed layout for `rows` rows (live rows first, then padding) and block tables
     `width` pages wide: positions [rows*T] | slots [rows*T] | seqlens [rows] | block table [rows*width] |
-    adapter slots [rows] (-1: no adapter, as for padding rows)."""
+    adapter slots [rows] (-1: no adapter, as for padding rows).
+
+    `lengths`: row b holds lengths[b] real tokens (1..q_len) followed by padding tokens (a prompt chunk padded
+    to a captured size): those write nowhere (slot -1), sit at the row's last real position (inside the RoPE
+    tables, and every query sees at least one key), and the row's length counts only its real tokens, so no
+    real query reads them (attention is causal by position and bounded by the length)."""
     n = len(starts)
     assert adapters is None or len(adapters) == n, "one adapter slot per row"
+    assert lengths is None or (len(lengths) == n and all(1 <= k <= q_len for k in lengths)), "1..q_len per row"
     positions: list[int] = []
     slots: list[int] = []
     for b, s in enumerate(starts):
-        positions.extend(range(s, s + q_len))
+        real = q_len if lengths is None else lengths[b]
+        positions.extend(range(s, s + real))
         if tables is None:
-            slots.extend([-1] * q_len)
+            slots.extend([-1] * real)
         else:
             t = tables[b]
-            slots.extend(t[p // page_size] * page_size + p % page_size for p in range(s, s + q_len))
+            slots.extend(t[p // page_size] * page_size + p % page_size for p in range(s, s + real))
+        positions.extend([s + real - 1] * (q_len - real))
+        slots.extend([-1] * (q_len - real))
     pad = rows - n
     positions.extend([0] * (pad * q_len))
     slots.extend([-1] * (pad * q_len))  # padding rows write nowhere...
-    seqlens = [s + q_len for s in starts] + [0] * pad  # ...and read nothing
+    ends = [q_len] * n if lengths is None else list(lengths)
+    seqlens = [s + k for s, k in zip(starts, ends)] + [0] * pad  # ...and read nothing
     table: list[int] = []
     if width:
         assert tables is not None
