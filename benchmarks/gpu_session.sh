@@ -15,6 +15,8 @@
 #                kernels' and pipeline's tests (host-memory all-reduce, embedding slice, prefill micro-batches)
 #   tp2          (2 GPUs) benchmarks/tp.py: TP x2 on the 70B-layer shape vs one GPU (decode b1/b32, prefill 2048)
 #   split        (2 GPUs) benchmarks/multigpu_split.py: 8B fp16 and EXL2 4-bit, layer split and autosplit vs one GPU
+#   sampletop    benchmarks/sample_top_speed.py: the fused sampling kernels vs torch's sort, 128k vocabulary
+#   stall        benchmarks/prefill_stall.py --model 8b: decode gaps next to a 16k prompt, captured vs eager chunks
 #   vision       benchmarks/vision.py: Qwen2.5-VL-7B shape TTFT with a 1024x1024 image vs transformers, by phase
 #   ray          (2 GPUs; needs Ray Serve importable) benchmarks/ray_serve.py --quick: 1 vs 2 one-GPU replicas, then
 #                prefix routing vs power of two choices ($RAY_MODEL, default the tiny EXL2 model of .gpu/shared)
@@ -72,6 +74,9 @@ print(json.dumps({k: v for k, v in r.items() if k != 'flops'}, indent=0)[:3000])
              --dir /tmp/llama3-8b-random 2>&1 | tail -12
            timeout "${SPLIT_S:-300}" python benchmarks/multigpu_split.py --exl2 4 --split-gb 2.5 \
              --out "$OUT/split_exl2.md" --steps 128 --dir /tmp/llama3-8b-exl2 2>&1 | tail -12 ;;
+    sampletop) timeout "${SAMPLETOP_S:-90}" python benchmarks/sample_top_speed.py 2>&1 | tee "$OUT/sample_top.txt" | tail -20 ;;
+    stall) timeout "${STALL_S:-200}" python benchmarks/prefill_stall.py --model 8b 2>&1 | tee "$OUT/prefill_stall.txt" \
+             | tail -25 ;;
     vision) timeout "${VISION_S:-150}" python benchmarks/vision.py --out "$OUT/vision.md" 2>&1 | tail -40 ;;
     *) echo "unknown part $part" ;;
   esac
