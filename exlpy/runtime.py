@@ -25,7 +25,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
-| `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs` | prompt chunks next to decoding jobs run eagerly, not captured |
+| `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -76,10 +76,12 @@ class RuntimeOptions:
     # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
     # `generator.graph_sampling = False` turns it off for one generator.
     graph_sampling: bool = True
-    # EXLPY_PREFILL_GRAPHS=0: the dynamic generator runs prompt chunks next to decoding jobs as eager forward passes
-    # (~20 ms of kernel launches from Python per chunk on an 8B) instead of captured chunks of 32-256 tokens
-    # (exlpy/engine/graphs.py CHUNK_BUCKETS); for A/B runs of benchmarks/serving.py.
-    prefill_graphs: bool = True
+    # EXLPY_PREFILL_GRAPHS=1: the dynamic generator runs prompt chunks next to decoding jobs as captured chunks of
+    # 32-256 tokens (exlpy/engine/graphs.py CHUNK_BUCKETS) instead of eager forward passes (~20 ms of kernel
+    # launches from Python per chunk on an 8B). Opt-in: written 2026-11-26 and not yet timed on a GPU; in the first
+    # GPU suite run with it on, graph captures at first use failed next to other GPU work in the same process
+    # ("operation not permitted when stream is capturing") and jobs came back empty.
+    prefill_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -124,7 +126,7 @@ class RuntimeOptions:
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
-            prefill_graphs=e.get("EXLPY_PREFILL_GRAPHS", "1") != "0",
+            prefill_graphs=flag("EXLPY_PREFILL_GRAPHS"),
         )
 
 

@@ -111,16 +111,24 @@ def test_cancel_frees_pages_and_waiting_jobs_get_them() -> None:
         g.cancel(a)
 
 
-def test_same_seed_same_text_batched_or_alone() -> None:
-    _, tok = aidreams()
+@pytest.mark.parametrize("where", ["cpu", "default"])
+def test_same_seed_same_text_batched_or_alone(where: str) -> None:
+    """A seed gives the same text run again, and batched with other prompts where the logits do not depend on
+    the batch (the fp32 CPU model; in fp16 on a GPU a batched step's logits differ from a lone one's in the last
+    bits, which moves a whole-vocabulary draw now and then: there, the same text run again)."""
+    from tests.test_generator_helpers import aidreams_cpu
+
+    model, tok = aidreams_cpu() if where == "cpu" else aidreams()
     s = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=1.0, token_repetition_penalty=1.0)
-    g = make_gen()
+    g = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=8 * 256), tok)
     one = g.generate(PROMPTS[0], 16, seed=7, gen_settings=s, stop_conditions=[], add_bos=True)
     again = g.generate(PROMPTS[0], 16, seed=7, gen_settings=s, stop_conditions=[], add_bos=True)
     batch = g.generate(PROMPTS[:3], 16, seed=7, gen_settings=s, stop_conditions=[], add_bos=True)
     other = [g.generate(PROMPTS[0], 16, seed=k, gen_settings=s, stop_conditions=[], add_bos=True)
              for k in (8, 9, 10)]
-    assert one == again == batch[0]
+    assert one == again
+    if where == "cpu" or not torch.cuda.is_available():
+        assert one == batch[0]
     assert any(o != one for o in other)
 
 

@@ -202,11 +202,16 @@ def test_generator_prefills_in_captured_chunks_next_to_decoding_jobs() -> None:
         assert rel_err(b, a) <= TOL
 
 
-def test_capture_failure_warns_and_runs_chunks_eagerly(model_dir: Path) -> None:
+def test_capture_failure_warns_and_runs_chunks_eagerly(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _load(model_dir)
     strategy = model.strategy_for_forward()
     strategy.graph_safe = True
-    runner = strategy.graph_cache["runner"] = StepGraphs(strategy, capture=True)  # no CUDA: capture fails
+    runner = strategy.graph_cache["runner"] = StepGraphs(strategy, capture=True)
+
+    def refuse(self: StepGraphs, step: object) -> None:  # a failing capture on any machine, GPU or not
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepGraphs, "_capture", refuse)
     eager, graphed = _random_cache(model, 2)
     ids = torch.randint(3, 320, (1, 20), generator=torch.Generator().manual_seed(4))
     model.forward_batch(ids, paged_batch([([3, 7], 5, 20)], eager, CPU, PAGE), preprocess_only=True)
@@ -216,7 +221,8 @@ def test_capture_failure_warns_and_runs_chunks_eagerly(model_dir: Path) -> None:
     assert runner.chunks_failed and model.chunk_buckets() == () and not any(k[5] for k in runner.steps)
     for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
         assert rel_err(b, a) <= TOL
-    assert RuntimeOptions.from_env({}).prefill_graphs
+    assert not RuntimeOptions.from_env({}).prefill_graphs  # opt-in until timed on a GPU
+    assert RuntimeOptions.from_env({"EXLPY_PREFILL_GRAPHS": "1"}).prefill_graphs
     with use_options(RuntimeOptions.from_env({"EXLPY_PREFILL_GRAPHS": "0"})):
         runner.chunks_failed = False
         assert model.chunk_buckets() == ()
@@ -231,7 +237,7 @@ def test_captured_chunk_equals_eager_cuda(model_dir: Path) -> None:
     eager, graphed = _random_cache(model, 5)
     dev = torch.device("cuda:0")
     g = torch.Generator().manual_seed(6)
-    for start, n, table in ((5, 20, [3, 7]), (25, 37, [3, 7, 12, 9]), (0, 63, [14, 2, 5, 6]), (30, 20, [14, 2, 5])):
+    for start, n, table in ((5, 20, [3, 7]), (25, 37, [3, 7, 12, 9]), (0, 63, [14, 2, 5, 6]), (30, 18, [14, 2, 5])):
         ids = torch.randint(3, 320, (1, n), generator=g)
         model.forward_batch(ids, paged_batch([(table, start, n)], eager, dev, PAGE), preprocess_only=True)
         model.prefill_chunk(ids, paged_batch([(table, start, n)], graphed, dev, PAGE))
