@@ -259,6 +259,142 @@ def sweep(args: argparse.Namespace, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+# --- tc: the tensor-core dequant GEMM against exl2_qmm, with its launch-parameter sweep -----------------------
+
+TC_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # q|k|v, o, gate|up, down of the 8B model
+TC_ROWS = [1, 2, 4, 8, 16, 32, 64]
+# launch-table alternatives per BLOCK_M class (overrides of exl2_tc_plan.CONFIG[bm]); the first is the default
+TC_SWEEP: dict[int, list[dict[str, int]]] = {
+    16: [{}, {"PREFETCH": 0}, {"SWAP": 0}, {"KB": 2}, {"BLOCK_N": 64}, {"WAVES": 2}, {"WAVES": 8},
+         {"MAXNREG": 168}, {"STAGES": 2, "PREFETCH": 0}, {"WARPS": 8}],
+    32: [{}, {"PREFETCH": 0}, {"SWAP": 0}, {"BLOCK_N": 64, "KB": 4}, {"WAVES": 2}, {"WAVES": 8}, {"MAXNREG": 168}],
+    64: [{}, {"PREFETCH": 0}, {"SWAP": 0}, {"BLOCK_N": 128}, {"WAVES": 2}, {"WAVES": 8}],
+}
+
+
+def _tc_error(x: torch.Tensor, ref: torch.Tensor, run: Callable[[], torch.Tensor], runs: int = 10) -> float:
+    worst = 0.0
+    for _ in range(runs):  # repeated: a split-K epilogue race shows only now and then
+        worst = max(worst, ((run().float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def _tc_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str) -> None:
+    from exlpy.kernels import exl2_gemv, exl2_qmm, exl2_tc, exl2_tc_plan
+    from exlpy.kernels import exl2_matmul as km
+    from exlpy.runtime import options, use_options
+
+    dev = torch.device("cuda")
+    key = f"{k}x{n} {mix}"
+    log(f"tc {key}")
+    qm = guarded("build", random_matrix, k, n, mix, dev, mix == "gptq")
+    if qm is None:
+        return
+    mats = _copies(qm, 300 << 20)
+    nbytes = qm.nbytes()
+    qmm_opts = replace(options(), qmm_kernel="qmm")
+    with use_options(qmm_opts):
+        qgroups = [exl2_qmm.QmmGroup([m], None) for m in mats]
+    tgroups = [exl2_tc.TcGroup([m], None) for m in mats]
+    for m in args.tc_rows:
+        x = torch.randn(m, k, dtype=torch.float16, device=dev)
+        ref = km.dequant_matmul(x, qm).float()
+        row: dict[str, Any] = {"k": k, "n": n, "mix": mix, "m": m, "bytes": nbytes}
+        if m >= 2:
+            with use_options(qmm_opts):
+                row["qmm_us"] = _us_or_none(guarded(f"qmm M={m}", _timed, args.reps, len(mats),
+                                                    lambda x=x: [g.run(x) for g in qgroups]))
+                row["qmm_err"] = guarded(f"check qmm M={m}", _tc_error, x, ref, lambda x=x: qgroups[0].run(x))
+        if m <= 4 and exl2_gemv.supports(qm):
+            row["gemv_us"] = _us_or_none(guarded(f"gemv M={m}", _timed, args.reps, len(mats),
+                                                 lambda x=x: [exl2_gemv.exl2_gemv(x, q) for q in mats]))
+        row["tc_us"] = _us_or_none(guarded(f"tc M={m}", _timed, args.reps, len(mats),
+                                           lambda x=x: [g.run(x) for g in tgroups]))
+        row["tc_err"] = guarded(f"check tc M={m}", _tc_error, x, ref, lambda x=x: tgroups[0].run(x))
+        res.setdefault("tc", {})[f"{key} M{m}"] = row
+        cells = "  ".join(f"{name} {row[f'{name}_us']:7.1f} us ({nbytes / row[f'{name}_us'] / 1e3:5.0f} GB/s)"
+                          for name in ("gemv", "qmm", "tc") if row.get(f"{name}_us"))
+        errs = "  ".join(f"{name} err {row[f'{name}_err']:.1e}" + ("  WRONG" if row[f"{name}_err"] >= 2e-3 else "")
+                         for name in ("qmm", "tc") if row.get(f"{name}_err") is not None)
+        log(f"  M={m:3d}  {cells}  {errs}")
+        bm = exl2_tc_plan.block_m(m)
+        if args.tc_sweep and m in args.tc_sweep_rows and (k, n, mix) in _sweep_cases(args):
+            base = exl2_tc_plan.SHAPE_CONFIG.get((k, n, bm))
+            try:
+                for over in TC_SWEEP[bm][1:]:
+                    exl2_tc_plan.SHAPE_CONFIG[(k, n, bm)] = dict(over)
+                    groups = [exl2_tc.TcGroup([q], None) for q in mats]
+                    t = guarded(f"tc {over}", _timed, args.reps, len(mats), lambda x=x, g=groups: [a.run(x) for a in g])
+                    err = guarded("check", _tc_error, x, ref, lambda x=x, g=groups: g[0].run(x), 3) if t else None
+                    name = ",".join(f"{a}={b}" for a, b in over.items())
+                    res.setdefault("tc_sweep", {})[f"{key} M{m} {name}"] = {
+                        "k": k, "n": n, "mix": mix, "m": m, "bm": bm, "over": over, "us": _us_or_none(t), "err": err}
+                    log(f"    sweep M={m} {name:28s} {_us(t)}" + (f" {nbytes / t / 1e9:6.0f} GB/s" if t else "")
+                        + (f"  err {err:.1e}" + ("  WRONG" if err >= 2e-3 else "") if err is not None else ""))
+            finally:
+                if base is None:
+                    exl2_tc_plan.SHAPE_CONFIG.pop((k, n, bm), None)
+                else:
+                    exl2_tc_plan.SHAPE_CONFIG[(k, n, bm)] = base
+
+
+def _us_or_none(t: float | None) -> float | None:
+    return t * 1e6 if t else None
+
+
+def _sweep_cases(args: argparse.Namespace) -> set[tuple[int, int, str]]:
+    if args.tc_sweep == "full":
+        return {(k, n, mix) for mix in args.mixes or ["4.0", "mixed"] for k, n in _tc_shapes(args)}
+    return {(4096, 28672, "4.0"), (14336, 4096, "mixed")}
+
+
+def _tc_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else TC_SHAPES  # type: ignore
+
+
+def tc(args: argparse.Namespace, res: dict) -> None:
+    for mix in args.mixes or ["4.0", "mixed"]:
+        for k, n in _tc_shapes(args):
+            _tc_shape(args, res, k, n, mix)
+            gc.collect()
+            torch.cuda.empty_cache()
+    log("tc table (per shape and row count, the faster of tc and qmm; TC_ROWS / SHAPE_CONFIG suggestions):")
+    for line in tc_summary(res):
+        log("  " + line)
+
+
+def tc_summary(res: dict) -> list[str]:
+    """Per (shape, mix): rows where tc beat qmm (and the GEMV at 1-4 rows), and the sweep's best config per
+    BLOCK_M class where it beat the default by more than 3%."""
+    out = []
+    by: dict[tuple[int, int, str], list[dict]] = {}
+    for r in res.get("tc", {}).values():
+        by.setdefault((r["k"], r["n"], r["mix"]), []).append(r)
+    for (k, n, mix), rows in sorted(by.items()):
+        wins = []
+        for r in sorted(rows, key=lambda r: r["m"]):
+            other = [v for v in (r.get("qmm_us"), r.get("gemv_us")) if v]
+            if r.get("tc_us") and other and r["tc_us"] < min(other) and (r.get("tc_err") or 1) < 2e-3:
+                wins.append(r["m"])
+        out.append(f"{k}x{n} {mix}: tc faster at rows {wins}")
+    best: dict[tuple[int, int, str, int], tuple[float, dict]] = {}
+    for r in res.get("tc_sweep", {}).values():
+        if r["us"] and (r["err"] or 1) < 2e-3:
+            key = (r["k"], r["n"], r["mix"], r["bm"])
+            if key not in best or r["us"] < best[key][0]:
+                best[key] = (r["us"], r["over"])
+    for (k, n, mix, bm), (us, over) in sorted(best.items()):
+        base = [r["tc_us"] for r in res.get("tc", {}).values()
+                if (r["k"], r["n"], r["mix"]) == (k, n, mix) and r.get("tc_us") and _bm(r["m"]) == bm]
+        if base and us < 0.97 * min(base):
+            out.append(f"SHAPE_CONFIG[({k}, {n}, {bm})] = {over}  # {mix}: {us:.1f} us against {min(base):.1f}")
+    return out
+
+
+def _bm(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 # --- e2e ------------------------------------------------------------------------------------------------------
 
 def model_dir(args: argparse.Namespace, variant: str) -> str:
@@ -287,12 +423,19 @@ def _e2e_variant(args: argparse.Namespace, res: dict, variant: str) -> None:
         return
     out = res.setdefault("e2e", {}).setdefault(variant, {})
     out["weights_gb"] = sum(m.weight_bytes() for m in model.modules[1:]) / 1e9
-    for b in args.batches:
-        r = guarded(f"decode batch {b}", time_decode, model, b, args.prompt_len, args.gen_len)
-        if r is not None:
-            out[f"b{b}"] = r.tokens_per_s
-            log(f"  batch {b:3d}: {r.tokens_per_s:9.1f} tok/s  ({1e3 * r.seconds / r.gen_len:.2f} ms/step, "
-                f"{r.bandwidth() / 1e12:.2f} TB/s)")
+    from exlpy.runtime import options, use_options
+
+    for kern in args.qmm_kernels or [None]:
+        opts = options() if kern is None else replace(options(), qmm_kernel=kern)
+        tag = "" if kern is None else f" [{kern}]"
+        slot = out if kern is None else out.setdefault(kern, {})
+        with use_options(opts):
+            for b in args.batches:
+                r = guarded(f"decode batch {b}{tag}", time_decode, model, b, args.prompt_len, args.gen_len)
+                if r is not None:
+                    slot[f"b{b}"] = r.tokens_per_s
+                    log(f"  batch {b:3d}{tag}: {r.tokens_per_s:9.1f} tok/s  ({1e3 * r.seconds / r.gen_len:.2f} "
+                        f"ms/step, {r.bandwidth() / 1e12:.2f} TB/s)")
     if args.prefill:
         t = guarded("prefill", time_prefill, model, args.prefill)
         if t is not None:
@@ -318,7 +461,8 @@ def write_md(state: dict, path: str) -> None:
     lines.append("")
     e2e_res = state.get("e2e", {})
     if e2e_res:
-        batches = sorted({int(k[1:]) for v in e2e_res.values() for k in v if k.startswith("b")})
+        runs = [r for v in e2e_res.values() for r in (v, *(x for x in v.values() if isinstance(x, dict)))]
+        batches = sorted({int(k[1:]) for r in runs for k in r if k.startswith("b")})
         lines += ["## Decode and prefill, 8B (Llama-3 shape, random weights), tok/s total", "",
                   "| model | weights GB | " + " | ".join(f"batch {b}" for b in batches) + " | prefill 2048 |",
                   "|---|---|" + "---|" * len(batches) + "---|"]
@@ -326,6 +470,10 @@ def write_md(state: dict, path: str) -> None:
             cells = [f"{r[f'b{b}']:,.0f}" if f"b{b}" in r else "-" for b in batches]
             pre = f"{r['prefill']:,.0f}" if "prefill" in r else "-"
             lines.append(f"| {v} | {r.get('weights_gb', 0):.2f} | " + " | ".join(cells) + f" | {pre} |")
+            for kern in ("qmm", "tc", "auto"):  # --qmm-kernels runs: one row per kernel
+                if isinstance(r.get(kern), dict):
+                    cells = [f"{r[kern][f'b{b}']:,.0f}" if f"b{b}" in r[kern] else "-" for b in batches]
+                    lines.append(f"| {v} (EXLPY_QMM_KERNEL={kern}) | | " + " | ".join(cells) + " | |")
         lines.append("| target (EXL2 4.0 bpw) | | " + " | ".join(f"{TARGETS.get(b, 0):,}" for b in batches)
                      + f" | {PREFILL_TARGET:,} |")
         lines.append("")
@@ -345,6 +493,22 @@ def write_md(state: dict, path: str) -> None:
                          f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} | "
                          f"{'-' if err is None else f'{err:.1e}'} |")
         lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
+    tc_res = state.get("tc", {})
+    if tc_res:
+        lines += ["## Tensor-core dequant GEMM (exl2_tc) against exl2_qmm and the GEMV (us per call, CUDA-graph "
+                  "replays)", "", "| K x N | layout | M | GEMV us | qmm us | tc us | tc GB/s | qmm err | tc err |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in tc_res.values():
+            t = r.get("tc_us")
+            lines.append(f"| {r['k']}x{r['n']} | {r['mix']} | {r['m']} | {_f(r.get('gemv_us'))} | "
+                         f"{_f(r.get('qmm_us'))} | {_f(t)} | {_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
+                         f"{_e(r.get('qmm_err'))} | {_e(r.get('tc_err'))} |")
+        lines += ["", *[f"- {x}" for x in tc_summary(state)], ""]
+    tsw = state.get("tc_sweep", {})
+    if tsw:
+        lines += ["## exl2_tc launch-parameter sweep (us per call)", "", "| case | us | err |", "|---|---|---|"]
+        lines += [f"| {k} | {_f(v['us'])} | {_e(v['err'])} |" for k, v in tsw.items()]
+        lines.append("")
     sw = state.get("sweep", {})
     if sw:
         lines += ["## exl2_qmm launch-parameter sweep (us per call)", "", "| case | us |", "|---|---|"]
@@ -360,13 +524,17 @@ def write_md(state: dict, path: str) -> None:
         f.write("\n".join(lines).rstrip("\n") + "\n" + kept)
 
 
+def _e(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
 def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, e2e (default micro,e2e)")
+    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, tc, e2e (default micro,e2e)")
     ap.add_argument("--quick", action="store_true", help="~2 minutes: 4-bit micro at M 1/8/32/64, EXL2 4-bit and "
                     "fp16 models at batch 1 and 8")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e2e models, of {', '.join(VARIANTS)}")
@@ -377,7 +545,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="graph replays per micro timing")
     ap.add_argument("--gemv-variants", action="store_true", help="micro: also time the multi-row GEMV's "
                     "register-cap / words-in-flight alternatives at 4 and 8 rows")
-    ap.add_argument("--mixes", nargs="+", default=None, help="micro layouts (default 4.0 mixed gptq)")
+    ap.add_argument("--mixes", nargs="+", default=None, help="micro layouts (default 4.0 mixed gptq; tc: 4.0 mixed)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="tc part: KxN shapes (default the 8B model's fused "
+                    "q|k|v, o, gate|up, down)")
+    ap.add_argument("--tc-rows", type=int, nargs="+", default=TC_ROWS, help="tc part: row counts")
+    ap.add_argument("--tc-sweep", choices=("small", "full"), default=None, help="tc part: also time the launch-table "
+                    "alternatives (small: 4-bit gate|up and mixed down; full: every shape)")
+    ap.add_argument("--tc-sweep-rows", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--qmm-kernels", nargs="+", choices=("qmm", "tc", "auto"), default=None,
+                    help="e2e: decode once per EXLPY_QMM_KERNEL value (same loaded model)")
     ap.add_argument("--models-dir", default=os.environ.get("EXLPY_BENCH_MODELS", "/tmp/exlpy_bench_models"))
     ap.add_argument("--out", default="benchmarks/results/exl2_speed.md")
     ap.add_argument("--json", default="benchmarks/results/raw/exl2_speed.json")
@@ -405,13 +581,14 @@ def main() -> int:
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            # EXLPY_GEMV_ROWS / EXLPY_QUANT_ROWS decide which kernel e2e batches of 2-64 rows run
-           "command": f"EXLPY_GEMV_ROWS={options().gemv_rows} EXLPY_QUANT_ROWS={options().quant_rows} python "
+           "command": f"EXLPY_GEMV_ROWS={options().gemv_rows} EXLPY_QUANT_ROWS={options().quant_rows} "
+                      f"EXLPY_QMM_KERNEL={options().qmm_kernel} python "
                       + " ".join(shlex.quote(a) for a in sys.argv)}
     state.setdefault("runs", []).append(run)
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()
     for part in parts:
-        fn = {"micro": micro, "sweep": sweep, "e2e": e2e}.get(part)
+        fn = {"micro": micro, "sweep": sweep, "e2e": e2e, "tc": tc}.get(part)
         if fn is None:
             log(f"unknown part {part!r}")
             continue

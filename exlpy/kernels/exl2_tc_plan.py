@@ -1,0 +1,268 @@
+"""Work split and launch table of the tensor-core dequant GEMM (exl2_tc.py) for 1-64 activation rows.
+
+A plan is made once per set of matrices that read the same x (one matrix, q|k|v, gate|up) and per BLOCK_M class
+(16, 32, 64 rows), and lives on the device as an int64 task table, one row per program: a column block of one
+matrix over a run of whole groups of one bit width. Unlike exl2_qmm_plan.py there is no block -> group table:
+within a task every group has the same number of rows (`gsz`; a converter's width has one group size, only
+the matrix's last group is cut at K, and it ends the task), so the kernel finds the group of a K step by one
+division, and loads each group's scales once per step of that group. K is split over whole groups so that the
+grid fills the device about WAVES times over, in proportion to the packed bytes of each (matrix, run).
+
+The launch table: CONFIG per BLOCK_M class, SHAPE_CONFIG overriding it per (K, N total, BLOCK_M) where a sweep
+(benchmarks/exl2_speed.py --parts micro --tc-sweep) found better parameters on a GPU. Whether 2-64 rows of a
+product take this kernel or exl2_qmm is `takes` (EXLPY_QMM_KERNEL, then the TC_ROWS table).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from exlpy.kernels.exl2_gemv_plan import element_offset, num_sms, supports
+from exlpy.quant.layout import QuantLayout, QuantMatrix
+from exlpy.runtime import options
+
+__all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "SHAPE_CONFIG", "TC_ROWS", "TcPlan", "launch_config", "plan_for",
+           "supports", "takes"]
+
+MAX_ROWS = 64
+WS_ELEMS = 1 << 23  # fp32 split-K workspace per device (32 MiB): 64 rows of up to 131,072 output columns
+WS_BLOCKS = 1 << 14  # arrival counters per device
+
+# Columns of a task row. o_qw: element offset (from the plan's first q_weight) of the segment's first word row;
+# w_end: the segment's word rows (loads past it are masked); o_sc / o_aux: offsets of the matrix's scales and
+# scale_max (GPTQ: scales and zeros); g0: the group of row r0; gsz: rows per group in this task; r0 / r1: the
+# task's sorted rows relative to the segment's first row xr0 (r0 on a group boundary); o_y: first output column
+# of the matrix; cnt / arrivals: the column block's arrival counter and how many programs add into it.
+FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "s_aux", "g0", "gsz", "r0", "r1",
+          "xr0", "o_y", "cnt", "arrivals", "bits")
+
+# Launch parameters per BLOCK_M class. BLOCK_N: output columns per program; WARPS: warps per program; KB:
+# 32-row blocks per K step (one tl.dot over 32 KB rows; cut per width to divide its group size); WAVES: programs
+# per SM the K split aims for; SWAP: 1 computes y^T = W^T x^T (the dequantized tile is the dot's first operand,
+# the rows the narrow one, which suits wgmma's 64-row minimum), 0 computes x W; PREFETCH: the next K step's
+# packed words are loaded into registers before this step's dequantization (a software pipeline without
+# shared memory); STAGES: Triton's own pipelining depth (num_stages) on top; MAXNREG: register cap (0: none).
+# Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py: 4.9 SASS instructions
+# per 4-bit weight in the K loop at 16 rows, 6.9 at 32, no spills; BLOCK_N 128 at 64 rows spills); to be replaced
+# by the GPU sweep.
+CONFIG: dict[int, dict[str, int]] = {
+    16: {"BLOCK_N": 128, "WARPS": 4, "KB": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "STAGES": 1, "MAXNREG": 0},
+    32: {"BLOCK_N": 128, "WARPS": 4, "KB": 2, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "STAGES": 1, "MAXNREG": 0},
+    64: {"BLOCK_N": 64, "WARPS": 4, "KB": 2, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "STAGES": 1, "MAXNREG": 0},
+}
+# (K, N total, BLOCK_M) -> overrides of CONFIG[BLOCK_M] (measured per shape; empty until a GPU sweep fills it)
+SHAPE_CONFIG: dict[tuple[int, int, int], dict[str, int]] = {}
+
+# Row counts that take this kernel under EXLPY_QMM_KERNEL=auto (the default): (K, N total) -> (first, last) row
+# count, or the key None for every shape not listed. Empty: exl2_qmm keeps every product until GPU figures
+# show this kernel faster (benchmarks/results/exl2_speed.md).
+TC_ROWS: dict[tuple[int, int] | None, tuple[int, int]] = {}
+
+
+def block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def launch_config(k: int, n: int, bm: int) -> dict[str, int]:
+    """CONFIG[bm] with the shape's measured overrides."""
+    return {**CONFIG[bm], **SHAPE_CONFIG.get((k, n, bm), {})}
+
+
+def takes(m: int, k: int, n: int) -> bool:
+    """Whether m rows of a [k, n] product (n: all columns of a fused group) run this kernel rather than
+    exl2_qmm: EXLPY_QMM_KERNEL=tc always (1-64 rows), =qmm never, =auto by TC_ROWS."""
+    kind = options().qmm_kernel
+    if not 1 <= m <= MAX_ROWS or kind == "qmm":
+        return False
+    if kind == "tc":
+        return True
+    lo, hi = TC_ROWS.get((k, n), TC_ROWS.get(None, (0, -1)))
+    return lo <= m <= hi
+
+
+@dataclass(frozen=True)
+class Launch:
+    widths: int  # bit b set: some task of this launch is b-bit
+    kbs: int  # blocks per K step of each width, 5 bits at 5 * (b - 2)
+    programs: int
+    tasks: torch.Tensor  # int64 [programs, len(FIELDS)]
+
+
+@dataclass(frozen=True)
+class TcPlan:
+    k: int
+    n: int  # output columns of all matrices together
+    bm: int
+    cfg: tuple[tuple[str, int], ...]  # the launch parameters the plan was made for
+    split: bool  # several programs add into one column block (workspace + arrival counters)
+    aligned: bool  # every q_weight offset and stride keeps 16-byte loads
+    launches: tuple[Launch, ...]
+    src: torch.Tensor  # int32 [K]: input column of every act-order row (the x gather)
+
+    @property
+    def config(self) -> dict[str, int]:
+        return dict(self.cfg)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What the plan needs of one matrix: hashable, so equal sets of matrices share a cached plan."""
+
+    layout: QuantLayout
+    n: int
+    ld_n: int
+    s_qw: int
+    s_sc: int
+    s_aux: int
+    o_qw: int
+    o_sc: int
+    o_aux: int
+
+
+def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
+    q0 = parts[0]
+    aux0 = q0.scale_max if q0.kind == "exl2" else q0.zeros
+    out = []
+    for p in parts:
+        if p.kind != q0.kind or p.device != q0.device or p.k != q0.k:
+            raise ValueError("a tensor-core group needs matrices of one kind, device and K")
+        if not supports(p):
+            raise ValueError("the tensor-core kernel needs groups of whole 32-row blocks")
+        aux = p.scale_max if p.kind == "exl2" else p.zeros
+        assert aux is not None and aux0 is not None
+        out.append(_Part(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
+                         aux.stride(0) if aux.dim() > 1 else 0, element_offset(p.q_weight, q0.q_weight),
+                         element_offset(p.scales, q0.scales), element_offset(aux, aux0)))
+    return tuple(out)
+
+
+def plan_for(parts: list[QuantMatrix], bm: int) -> TcPlan:
+    """The plan for x @ [parts side by side] at BLOCK_M `bm`, cached by the matrices' layouts and relative
+    placement, the permutation's identity and the launch parameters. Made outside CUDA-graph capture (its tables
+    are copied to the device)."""
+    dev = parts[0].device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = launch_config(parts[0].k, sum(p.n for p in parts), bm)
+    return _plan_cached(_describe(parts), dev, num_sms(dev), bm, tuple(sorted(cfg.items())), _PermKey(parts[0].perm))
+
+
+class _PermKey:
+    """Hashes a permutation tensor by identity (plans hold device tables derived from it)."""
+
+    def __init__(self, perm: torch.Tensor | None) -> None:
+        self.perm = perm
+
+    def __hash__(self) -> int:
+        return id(self.perm)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _PermKey) and other.perm is self.perm
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Groups [g_lo, g_hi) of one segment with gsz rows each (the last may be shorter: the matrix's end)."""
+
+    bits: int
+    g_lo: int
+    g_hi: int
+    gsz: int
+    seg_row0: int
+    seg_word0: int
+    seg_words: int
+
+
+def _runs(lay: QuantLayout) -> list[_Run]:
+    """The layout's groups cut into runs of one width and one group size."""
+    gr = lay.group_rows
+    out = []
+    for s in lay.segments:
+        words = -(-(gr[s.g_hi] - s.row0) * s.bits // 32)
+        g = s.g_lo
+        while g < s.g_hi:
+            size = gr[g + 1] - gr[g]
+            h = g + 1
+            while h < s.g_hi and gr[h + 1] - gr[h] == size:
+                h += 1
+            if h == s.g_hi - 1 and s.g_hi == lay.num_groups and gr[h + 1] - gr[h] < size:
+                h += 1  # the matrix's last group, cut at K, ends this run
+            out.append(_Run(s.bits, g, h, size, s.row0, s.word0, words))
+            g = h
+    return out
+
+
+def _kb(target: int, sizes: list[int]) -> int:
+    """Blocks per K step: at most `target`, dividing every group's block count (a step never spans groups)."""
+    kb = max(1, target)
+    while any((sz // 32) % kb for sz in sizes):
+        kb -= 1
+    return kb
+
+
+def _src(k: int, perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    src = perm.to("cpu", torch.int64) if perm is not None else torch.arange(k)
+    return src.to(device=device, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, bm: int, cfg: tuple[tuple[str, int], ...],
+                 perm: _PermKey) -> TcPlan:
+    c = dict(cfg)
+    bn = c["BLOCK_N"]
+    k = parts[0].layout.k
+    n_total = sum(p.n for p in parts)
+    want = max(1, c["WAVES"]) * sms
+    cols = sum(triton.cdiv(p.n, bn) for p in parts)
+    # split-K only where the workspace holds MAX_ROWS rows of every output column
+    may_split = c["WAVES"] > 0 and n_total * MAX_ROWS <= WS_ELEMS and cols <= WS_BLOCKS
+    runs = [(m, r) for m, p in enumerate(parts) for r in _runs(p.layout)]
+
+    def rows_of(m: int, r: _Run) -> int:
+        gr = parts[m].layout.group_rows
+        return gr[r.g_hi] - gr[r.g_lo]
+
+    cost = {(m, r): rows_of(m, r) * r.bits * parts[m].n for m, r in runs}
+    total = sum(cost.values())
+    tasks: list[tuple[list[int], int]] = []  # (task row, packed words read per column: the sort key)
+    sizes: dict[int, list[int]] = {}
+    o_y = cnt0 = 0
+    for m, p in enumerate(parts):
+        pn = triton.cdiv(p.n, bn)
+        gr = p.layout.group_rows
+        for mm, r in runs:
+            if mm != m:
+                continue
+            if r.g_hi - r.g_lo > 1:  # a K step must not cross a boundary between two groups of a task
+                sizes.setdefault(r.bits, []).append(r.gsz)
+            groups = r.g_hi - r.g_lo
+            nk = max(1, min(groups, round(want * cost[(m, r)] / total / pn))) if may_split else 1
+            gpp = -(-groups // nk)
+            o_qw = p.o_qw + r.seg_word0 * p.s_qw
+            for cb in range(pn):
+                for ga in range(r.g_lo, r.g_hi, gpp):
+                    gb = min(ga + gpp, r.g_hi)
+                    tasks.append(([cb, p.n, p.ld_n, p.s_qw, o_qw, r.seg_words, p.o_sc, p.s_sc, p.o_aux, p.s_aux, ga,
+                                   r.gsz, gr[ga] - r.seg_row0, gr[gb] - r.seg_row0, r.seg_row0, o_y, cnt0 + cb, 0,
+                                   r.bits], (gr[gb] - gr[ga]) * r.bits))
+        o_y += p.n
+        cnt0 += pn
+    arrivals = [0] * cnt0
+    ci, ai = FIELDS.index("cnt"), FIELDS.index("arrivals")
+    for t, _ in tasks:
+        arrivals[t[ci]] += 1
+    for t, _ in tasks:
+        t[ai] = arrivals[t[ci]]
+    if max(arrivals) > 1 and not may_split:  # several runs (widths, group sizes) of a column block must add up
+        raise ValueError(f"{n_total} output columns of mixed layout exceed the tensor-core kernel's workspace")
+    tasks.sort(key=lambda t: -t[1])  # longest first: the grid's tail is made of short programs
+    widths = {t[0][FIELDS.index("bits")] for t in tasks}
+    kbs = sum(_kb(c["KB"], sizes.get(b, [])) << (5 * (b - 2)) for b in widths)
+    rows = torch.tensor([t for t, _ in tasks], dtype=torch.int64, device=device)
+    launch = Launch(sum(1 << b for b in widths), kbs, len(tasks), rows)
+    aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
+    return TcPlan(k, n_total, bm, cfg, max(arrivals) > 1, aligned, (launch,), _src(k, perm.perm, device))
