@@ -167,11 +167,12 @@ def test_gptq_interpreter(act_order: bool, small_tiles: None) -> None:
 
 @pytest.mark.interpreter
 def test_dispatch_interpreter(monkeypatch: pytest.MonkeyPatch, small_tiles: None) -> None:
-    """EXLPY_QMM_KERNEL=tc sends the multi-row path (QmmGroup.run, exl2_qmm.qmm, ops.quant_matmul) to this kernel,
-    =qmm keeps exl2_qmm; auto follows the TC_ROWS table."""
+    """EXLPY_QMM_KERNEL=tc sends the multi-row path (QmmGroup.run, exl2_qmm.qmm, ops.quant_matmul) and single rows
+    (instead of the decode GEMV) to this kernel, =qmm keeps exl2_qmm and the GEMV; auto follows TC_ROWS."""
     tc = _tc()
     from exlpy.kernels import exl2_qmm, exl2_tc_plan
-    from exlpy.kernels.exl2_matmul import quant_matmul_cuda
+    from exlpy.kernels.exl2_gemv import gemv_takes
+    from exlpy.kernels.exl2_matmul import exl2_matmul, quant_matmul_cuda
 
     calls: list[int] = []
     real = tc.run_plan
@@ -185,15 +186,20 @@ def test_dispatch_interpreter(monkeypatch: pytest.MonkeyPatch, small_tiles: None
         assert rel_err(exl2_qmm.QmmGroup([qm], None).run(x), ref) < TOL
         assert rel_err(exl2_qmm.qmm(x, [qm]), ref) < TOL
         assert rel_err(quant_matmul_cuda(x, [qm]), ref) < TOL
-    assert calls == [6, 6, 6]
+        # one row too: the decode GEMV steps aside
+        assert not gemv_takes(1, qm.n, qm.k) and gemv_takes(1, qm.n)
+        assert rel_err(quant_matmul_cuda(x[:1], [qm]), ref[:1]) < TOL
+        assert rel_err(exl2_matmul(x[:1], qm), ref[:1]) < TOL
+    assert calls == [6, 6, 6, 1, 1]
     with use_options(dataclasses.replace(opts, qmm_kernel="qmm")):
         assert rel_err(exl2_qmm.QmmGroup([qm], None).run(x), ref) < TOL
-    assert calls == [6, 6, 6]
+        assert gemv_takes(1, qm.n, qm.k)
+    assert calls == [6, 6, 6, 1, 1]
     monkeypatch.setitem(exl2_tc_plan.TC_ROWS, (qm.k, qm.n), (4, 8))
     with use_options(dataclasses.replace(opts, qmm_kernel="auto")):
         group = exl2_qmm.QmmGroup([qm], None)
-        assert rel_err(group.run(x), ref) < TOL and calls == [6, 6, 6, 6]
-        assert rel_err(group.run(x[:3]), ref[:3]) < TOL and calls == [6, 6, 6, 6]
+        assert rel_err(group.run(x), ref) < TOL and calls == [6, 6, 6, 1, 1, 6]
+        assert rel_err(group.run(x[:3]), ref[:3]) < TOL and calls == [6, 6, 6, 1, 1, 6]
 
 
 def test_kernel_option() -> None:
