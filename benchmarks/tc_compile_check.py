@@ -78,7 +78,8 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     ws = bits if isinstance(bits, tuple) else (bits,)
     consts = dict(WIDTHS=sum(1 << b for b in ws), KBS=sum(c["KB"] << (5 * (b - 2)) for b in ws), GPTQ=gptq,
                   HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True, BLOCK_M=bm, BLOCK_N=c["BLOCK_N"],
-                  NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]), PDL=True, ASM=True)
+                  NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]), FOLD=bool(c["FOLD"]),
+                  PERSIST=bool(c["GRID"]), PDL=True, ASM=True)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}
@@ -116,12 +117,15 @@ def _table(every: bool) -> dict[str, tuple[tuple, dict]]:
     out["exl2 4-bit M16 whole"] = ((4, 16), {"split": False})
     out["exl2 4-bit M32"] = ((4, 32), {})
     out["exl2 4-bit M64"] = ((4, 64), {})
+    out["exl2 4-bit M16 persistent"] = ((4, 16), {"GRID": 2})
     out["gptq 4-bit M16"] = ((4, 16), {"gptq": True})
     if every:
         for bm in (32, 64):
             for bn in (64, 128):
                 for kb in (2, 4):
-                    out[f"exl2 4-bit M{bm} BN{bn} KB{kb}"] = ((4, bm), {"BLOCK_N": bn, "KB": kb})
+                    for fold in (0, 1):
+                        out[f"exl2 4-bit M{bm} BN{bn} KB{kb} FOLD{fold}"] = ((4, bm), {"BLOCK_N": bn, "KB": kb,
+                                                                                      "FOLD": fold})
         for swap in (0, 1):
             for pre in (0, 1):
                 for bn in (64, 128):

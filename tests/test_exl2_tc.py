@@ -93,18 +93,20 @@ def test_bit_widths_interpreter(bits: int, small_tiles: None) -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("swap,prefetch", [(0, 0), (0, 1), (1, 0)])
-def test_launch_variants_interpreter(swap: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The other orientation (x @ W) and the unprefetched loop give the same products, with KB 1 and 4 (split-K
-    over a mixed matrix), and with no K split (y written directly; a mixed layout then cannot be planned)."""
+@pytest.mark.parametrize("swap,prefetch,fold", [(0, 0, 1), (0, 1, 0), (1, 0, 1)])
+def test_launch_variants_interpreter(swap: int, prefetch: int, fold: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other orientation (x @ W), the unprefetched loop and scales folded into the weights give the same
+    products, with KB 1 and 4 (split-K over a mixed matrix), a persistent grid (one program per SM walking the task
+    rows), and with no K split (y written directly; a mixed layout then cannot be planned)."""
     from exlpy.kernels import exl2_tc_plan
 
     gen = torch.Generator().manual_seed(10 + swap + 2 * prefetch)
     mixed = _exl2(*MIXED, gen)
     plain = _exl2(256, 64, [(4, 128), (4, 128)], gen)
-    for qm, kb, waves in ((mixed, 1, 4), (mixed, 4, 4), (plain, 4, 0)):
+    for qm, kb, waves, grid in ((mixed, 1, 4, 0), (mixed, 4, 4, 1), (plain, 4, 0, 0)):
         monkeypatch.setitem(exl2_tc_plan.CONFIG, 32, {**exl2_tc_plan.CONFIG[32], "BLOCK_N": 32, "SWAP": swap,
-                                                      "PREFETCH": prefetch, "KB": kb, "WAVES": waves})
+                                                      "PREFETCH": prefetch, "KB": kb, "WAVES": waves, "GRID": grid,
+                                                      "FOLD": fold})
         plan = exl2_tc_plan.plan_for([qm], 32)
         assert plan.split == bool(waves)
         x = torch.randn(20, qm.k, generator=gen).half()
@@ -153,9 +155,14 @@ def test_column_slice_and_fp32_interpreter(small_tiles: None) -> None:
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_interpreter(act_order: bool, small_tiles: None) -> None:
-    """GPTQ 4-bit: per-column zero points folded out as z * sum(x) per group."""
+def test_gptq_interpreter(act_order: bool, small_tiles: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPTQ 4-bit: per-column zero points folded out as z * sum(x) per step, or (FOLD, with act order here)
+    subtracted from every code before its scale."""
     tc = _tc()
+    from exlpy.kernels import exl2_tc_plan
+
+    for bm in (16, 32, 64):
+        monkeypatch.setitem(exl2_tc_plan.CONFIG, bm, {**exl2_tc_plan.CONFIG[bm], "FOLD": int(act_order)})
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(256, 48, generator=gen)
     t, dq = quantize_gptq(w, 64, gen, act_order)

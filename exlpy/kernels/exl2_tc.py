@@ -35,6 +35,7 @@ import triton.language as tl
 
 from exlpy.kernels import pdl
 from exlpy.kernels.exl2_gemv import cuda_device as _device
+from exlpy.kernels.exl2_gemv_plan import num_sms
 from exlpy.kernels.exl2_qmm import _gather
 from exlpy.kernels.exl2_tc_plan import FIELDS, MAX_ROWS, WS_BLOCKS, WS_ELEMS, TcPlan, block_m, plan_for
 from exlpy.quant.layout import QuantMatrix
@@ -71,10 +72,11 @@ def _deq(t, magic, oo: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
 
 
 @triton.jit
-def _code(ws, magic, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
-    """Code i = bitrev5(j) of every block in the step, q - Z as fp16 [KB, BLOCK_N]. Codes are produced in
-    bit-reversed order because the join tree in _tile reverses the order again: the tile comes out in natural
-    K order, so x needs only the act-order gather."""
+def _code(ws, magic, s, z, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr, FOLD: tl.constexpr,
+          GPTQ: tl.constexpr):
+    """Code i = bitrev5(j) of every block in the step as fp16 [KB, BLOCK_N]: q - Z, or with FOLD the weight
+    itself, (q - z) s. Codes are produced in bit-reversed order because the join tree in _tile reverses the
+    order again: the tile comes out in natural K order, so x needs only the act-order gather."""
     i: tl.constexpr = ((j & 1) << 4) | ((j & 2) << 2) | (j & 4) | ((j & 8) >> 2) | ((j & 16) >> 4)
     wi: tl.constexpr = (i * BITS) // 32
     off: tl.constexpr = (i * BITS) % 32
@@ -84,6 +86,11 @@ def _code(ws, magic, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
         d = _deq(ws[wi], magic, off, BITS, Z)
     else:  # fields reaching past bit 22 come from the upper half word
         d = _deq(ws[wi] >> 16, magic, off - 16, BITS, Z)
+    if FOLD:
+        if GPTQ:
+            d = (d - z[None, :]) * s[None, :]
+        else:
+            d = d * s[None, :]
     return d.to(tl.float16)
 
 
@@ -107,12 +114,13 @@ def _opaque(t, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile(ws, magic, BITS: tl.constexpr, Z: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
-          SWAP: tl.constexpr, ASM: tl.constexpr):
-    """The step's codes as the dot's weight operand: [BLOCK_N, 32 KB] (SWAP) or [32 KB, BLOCK_N], K in order."""
+def _tile(ws, magic, s, z, BITS: tl.constexpr, Z: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
+          SWAP: tl.constexpr, FOLD: tl.constexpr, GPTQ: tl.constexpr, ASM: tl.constexpr):
+    """The step's codes (FOLD: weights) as the dot's weight operand: [BLOCK_N, 32 KB] (SWAP) or [32 KB, BLOCK_N],
+    K in order."""
     cs = ()
     for j in tl.static_range(32):
-        cs = cs + (_code(ws, magic, j, BITS, Z),)
+        cs = cs + (_code(ws, magic, s, z, j, BITS, Z, FOLD, GPTQ),)
     t = tl.reshape(_pairs(_pairs(_pairs(_pairs(_pairs(cs, 32), 16), 8), 4), 2)[0], (KB, BLOCK_N, 32))
     if SWAP:
         w = tl.reshape(tl.permute(t, (1, 0, 2)), (BLOCK_N, KB * 32))
@@ -153,8 +161,11 @@ def _scale(sc, s_sc, aux, s_aux, g, offs_n, ld_mask, GPTQ: tl.constexpr):
 @triton.jit
 def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, r1, xr0, offs_n, ld_mask, magic,
          BITS: tl.constexpr, KB: tl.constexpr, GPTQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-         SWAP: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
-    """acc += x[:, xr0 + r0 : xr0 + r1] @ W[those rows, this program's columns] for one BITS-wide run."""
+         SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr):
+    """acc += x[:, xr0 + r0 : xr0 + r1] @ W[those rows, this program's columns] for one BITS-wide run. FOLD: the
+    scales are applied to every weight before the dot, which then accumulates into acc (one accumulator, one
+    FMUL per weight); else the dot takes exact codes and each step's product is scaled once (two accumulators,
+    BLOCK_M / (32 KB) FMAs per weight)."""
     Z: tl.constexpr = 0 if GPTQ else (1 << (BITS - 1))
     STEP: tl.constexpr = KB * 32
     offs_b = tl.arange(0, KB)
@@ -170,12 +181,19 @@ def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, 
         else:
             cur = _words(qw, s_qw, w_end, rb, r1, offs_b, offs_n, ld_mask, BITS)
         s, z = _scale(sc, s_sc, aux, s_aux, g0 + (rb - r0) // gsz, offs_n, ld_mask, GPTQ)
-        w = _tile(cur, magic, BITS, Z, KB, BLOCK_N, SWAP, ASM)
-        k_ok = (rb + offs_k < r1).to(tl.int32)
+        w = _tile(cur, magic, s, z, BITS, Z, KB, BLOCK_N, SWAP, FOLD, GPTQ, ASM)
+        # rows at or past r1 read as zero, by whole blocks (the mask is then constant over 32 rows, which keeps the
+        # loads 16 bytes wide; x is zero-padded to whole blocks)
+        k_ok = ((rb + offs_k) // 32 * 32 < r1).to(tl.int32)
         # x [BLOCK_M, STEP], loaded along K (16-byte loads), transposed in the dot's shared-memory operand
         xm = (m_ok[:, None] & k_ok[None, :]) != 0
         xv = tl.load(x_ptr + offs_m[:, None] * xs + (xr0 + rb + offs_k)[None, :], mask=xm, other=0.0)
-        if SWAP:
+        if FOLD:
+            if SWAP:
+                acc = tl.dot(w, tl.trans(xv), acc)
+            else:
+                acc = tl.dot(xv, w, acc)
+        elif SWAP:
             part = tl.dot(w, tl.trans(xv))
             if GPTQ:
                 part -= tl.sum(xv.to(tl.float32), axis=1)[None, :] * z[:, None]
@@ -188,17 +206,18 @@ def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, 
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled variant per BLOCK_M, whatever the row count
-def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total, xs, ys, rs,
-        magic, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-        ASM: tl.constexpr):
-    """One program per task row. SPLIT 0: each column block has one program, which writes y; SPLIT 1: programs
-    add into the workspace [M, n_total] and the last to arrive at a column block writes y and resets its part
-    of the workspace and its counter. aux: EXL2 scale_max [G] / GPTQ zeros [G, Np]. WIDTHS: bit b set for
-    each width among the task rows (each names its own), KBS their K steps, 5 bits at 5 (b - 2)."""
-    t = task_ptr + tl.program_id(0) * NF
+@triton.jit
+def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total, xs, ys,
+          rs, magic, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+          HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr,
+          ASM: tl.constexpr):
+    """Task row ti: its column block over its run of groups, then the epilogue. SPLIT 0: each column block has
+    one task, which writes y; SPLIT 1: tasks add into the workspace [M, n_total] and the last to arrive at a
+    column block writes y and resets its part of the workspace and its counter. aux: EXL2 scale_max [G] / GPTQ
+    zeros [G, Np]. WIDTHS: bit b set for each width among the task rows (each names its own), KBS their K steps,
+    5 bits at 5 (b - 2)."""
+    t = task_ptr + ti * NF
     cb = tl.load(t + _CB).to(tl.int32)
     n = tl.load(t + _N).to(tl.int32)
     ld_n = tl.load(t + _LD_N).to(tl.int32)
@@ -222,8 +241,6 @@ def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_pt
     offs_n = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     ld_mask = offs_n < ld_n  # q_weight holds a multiple of 32 columns: keeps 16-byte loads possible
     qw = qw_ptr + o_qw
-    if PDL:  # launched early (exlpy/kernels/pdl.py): the task row above is static; x, y, workspace are not
-        tl.extra.cuda.gdc_wait()
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
@@ -233,9 +250,7 @@ def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_pt
             if bits == b:
                 acc = _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, r1, xr0, offs_n,
                            ld_mask, magic, b, (KBS >> (5 * (b - 2))) & 31, GPTQ, BLOCK_M, BLOCK_N, SWAP, PREFETCH,
-                           ASM)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+                           FOLD, ASM)
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.load(t + _O_Y) + offs_n  # columns in the plan's y
     if SWAP:  # element (i, j) of acc is row j, column cols[i]
@@ -264,6 +279,30 @@ def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_pt
         _store(acc, row2, col2, cols, out_mask, offs_n < n, bias_ptr, res_ptr, y_ptr, ys, rs, HAS_BIAS, HAS_RES, SWAP)
 
 
+@triton.jit(do_not_specialize=["M", "n_tasks"])  # one compiled variant per BLOCK_M, whatever the row count
+def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total, xs, ys, rs,
+        magic, n_tasks, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr,
+        PERSIST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+    """One program per task row, or (PERSIST) a grid of a few programs per SM, each taking task rows pid,
+    pid + grid, ... (rows are sorted longest first, so the round robin evens the programs out and no partial last
+    wave of short programs is left)."""
+    if PDL:  # launched early (exlpy/kernels/pdl.py): x, y and the workspace come from earlier kernels
+        tl.extra.cuda.gdc_wait()
+    if PERSIST:
+        for ti in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total,
+                  xs, ys, rs, magic, WIDTHS, KBS, GPTQ, HAS_BIAS, HAS_RES, SPLIT, ALIGNED, BLOCK_M, BLOCK_N, NF, SWAP,
+                  PREFETCH, FOLD, ASM)
+    else:
+        _task(tl.program_id(0), x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr,
+              M, n_total, xs, ys, rs, magic, WIDTHS, KBS, GPTQ, HAS_BIAS, HAS_RES, SPLIT, ALIGNED, BLOCK_M, BLOCK_N,
+              NF, SWAP, PREFETCH, FOLD, ASM)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit
 def _store(acc, row2, col2, cols, out_mask, n_mask, bias_ptr, res_ptr, y_ptr, ys, rs, HAS_BIAS: tl.constexpr,
            HAS_RES: tl.constexpr, SWAP: tl.constexpr):
@@ -285,13 +324,15 @@ _GATHER_BLOCK = 1024
 
 def gather_x(x: torch.Tensor, plan: TcPlan, norm_weight: torch.Tensor | None = None, eps: float = 0.0
              ) -> torch.Tensor:
-    """x [M, K] -> fp16 [M, K] in the plan's act order (rms_norm'd first with norm_weight)."""
+    """x [M, K] -> fp16 [M, K rounded up to 32] in the plan's act order (rms_norm'd first with norm_weight), zero
+    past K."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, k, dtype=torch.float16, device=x.device)
-    _gather[(triton.cdiv(k, _GATHER_BLOCK), m)](x, norm_weight if norm_weight is not None else x, plan.src, out, k,
-                                                k, x.stride(0), out.stride(0), eps, NORM=norm_weight is not None,
+    p = plan.src.numel()
+    out = torch.empty(m, p, dtype=torch.float16, device=x.device)
+    _gather[(triton.cdiv(p, _GATHER_BLOCK), m)](x, norm_weight if norm_weight is not None else x, plan.src, out, k,
+                                                p, x.stride(0), out.stride(0), eps, NORM=norm_weight is not None,
                                                 BLOCK=_GATHER_BLOCK, num_warps=4, PDL=pdl.enabled(x.device),
                                                 **pdl.launch_options(x.device))
     return out
@@ -331,13 +372,14 @@ def run_plan(plan: TcPlan, xg: torch.Tensor, parts: list[QuantMatrix], bias: tor
     if c["MAXNREG"] and dev.type == "cuda":
         launch["maxnreg"] = c["MAXNREG"]
     for ln in plan.launches:
-        _tc[(ln.programs,)](
+        grid = min(ln.programs, c["GRID"] * num_sms(dev)) if c["GRID"] else ln.programs
+        _tc[(grid,)](
             xg, q0.q_weight, q0.scales, aux, bias if bias is not None else out, res, out, ws, cnt, ln.tasks, m,
-            plan.n, xg.stride(0), out.stride(0), res.stride(0), _MAGIC, WIDTHS=ln.widths, KBS=ln.kbs,
+            plan.n, xg.stride(0), out.stride(0), res.stride(0), _MAGIC, ln.programs, WIDTHS=ln.widths, KBS=ln.kbs,
             GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT=plan.split,
             ALIGNED=plan.aligned, BLOCK_M=plan.bm, BLOCK_N=c["BLOCK_N"], NF=len(FIELDS), SWAP=bool(c["SWAP"]),
-            PREFETCH=bool(c["PREFETCH"]), PDL=pdl.enabled(dev), ASM=dev.type == "cuda", **launch,
-            **pdl.launch_options(dev))
+            PREFETCH=bool(c["PREFETCH"]), FOLD=bool(c["FOLD"]), PERSIST=grid < ln.programs, PDL=pdl.enabled(dev),
+            ASM=dev.type == "cuda", **launch, **pdl.launch_options(dev))
     return out
 
 

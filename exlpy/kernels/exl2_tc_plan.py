@@ -45,14 +45,18 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 # per SM the K split aims for; SWAP: 1 computes y^T = W^T x^T (the dequantized tile is the dot's first operand,
 # the rows the narrow one, which suits wgmma's 64-row minimum), 0 computes x W; PREFETCH: the next K step's
 # packed words are loaded into registers before this step's dequantization (a software pipeline without
-# shared memory); STAGES: Triton's own pipelining depth (num_stages) on top; MAXNREG: register cap (0: none).
-# Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py: 4.9 SASS instructions
-# per 4-bit weight in the K loop at 16 rows, 6.9 at 32, no spills; BLOCK_N 128 at 64 rows spills); to be replaced
-# by the GPU sweep.
+# shared memory); STAGES: Triton's own pipelining depth (num_stages) on top; MAXNREG: register cap (0: none);
+# GRID: programs per SM of a persistent launch that walks the task rows round robin (0: one program per row);
+# FOLD: scales applied per weight before the dot (one accumulator; pays at 64 rows, where scaling each step's
+# product costs an FMA per weight and a second accumulator).
+# Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py, SASS of the K loop per
+# 4-bit weight): 16 rows 4.3 (168 registers), 32 rows 5.8 (167; KB 4: 4.6 at 255), 64 rows 6.5 (216; BLOCK_N 128
+# spills); FOLD costs 0.3-0.6 more at every size. To be replaced by the GPU sweep.
+_BASE = {"WARPS": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "FOLD": 0, "STAGES": 1, "MAXNREG": 0, "GRID": 0}
 CONFIG: dict[int, dict[str, int]] = {
-    16: {"BLOCK_N": 128, "WARPS": 4, "KB": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "STAGES": 1, "MAXNREG": 0},
-    32: {"BLOCK_N": 128, "WARPS": 4, "KB": 2, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "STAGES": 1, "MAXNREG": 0},
-    64: {"BLOCK_N": 64, "WARPS": 4, "KB": 2, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "STAGES": 1, "MAXNREG": 0},
+    16: {**_BASE, "BLOCK_N": 128, "KB": 4},
+    32: {**_BASE, "BLOCK_N": 128, "KB": 2},
+    64: {**_BASE, "BLOCK_N": 64, "KB": 4},
 }
 # (K, N total, BLOCK_M) -> overrides of CONFIG[BLOCK_M] (measured per shape; empty until a GPU sweep fills it)
 SHAPE_CONFIG: dict[tuple[int, int, int], dict[str, int]] = {}
@@ -101,7 +105,7 @@ class TcPlan:
     split: bool  # several programs add into one column block (workspace + arrival counters)
     aligned: bool  # every q_weight offset and stride keeps 16-byte loads
     launches: tuple[Launch, ...]
-    src: torch.Tensor  # int32 [K]: input column of every act-order row (the x gather)
+    src: torch.Tensor  # int32 [K rounded up to 32]: input column of every act-order row, -1 past K (the x gather)
 
     @property
     def config(self) -> dict[str, int]:
@@ -205,8 +209,10 @@ def _kb(target: int, sizes: list[int]) -> int:
 
 
 def _src(k: int, perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Input column of every act-order row, -1 (zero) up to the next multiple of 32."""
     src = perm.to("cpu", torch.int64) if perm is not None else torch.arange(k)
-    return src.to(device=device, dtype=torch.int32)
+    pad = torch.full((-k % 32,), -1, dtype=torch.int64)
+    return torch.cat([src, pad]).to(device=device, dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=4096)
