@@ -174,13 +174,18 @@ def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, 
     m_ok = (offs_m < M).to(tl.int32)
     if PREFETCH:
         ws = _words(qw, s_qw, w_end, r0, r1, offs_b, offs_n, ld_mask, BITS)
+    g = g0  # the step's group, counted along (a division per step costs ~20 instructions)
+    left = gsz  # rows of group g from this step on
     for rb in range(r0, r1, STEP):
         if PREFETCH:
             cur = ws
             ws = _words(qw, s_qw, w_end, rb + STEP, r1, offs_b, offs_n, ld_mask, BITS)
         else:
             cur = _words(qw, s_qw, w_end, rb, r1, offs_b, offs_n, ld_mask, BITS)
-        s, z = _scale(sc, s_sc, aux, s_aux, g0 + (rb - r0) // gsz, offs_n, ld_mask, GPTQ)
+        s, z = _scale(sc, s_sc, aux, s_aux, g, offs_n, ld_mask, GPTQ)
+        left -= STEP
+        g += (left <= 0).to(tl.int32)
+        left = tl.where(left <= 0, gsz, left)
         w = _tile(cur, magic, s, z, BITS, Z, KB, BLOCK_N, SWAP, FOLD, GPTQ, ASM)
         # rows at or past r1 read as zero, by whole blocks (the mask is then constant over 32 rows, which keeps the
         # loads 16 bytes wide; x is zero-padded to whole blocks)
