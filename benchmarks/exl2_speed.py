@@ -7,6 +7,8 @@ Run on a CUDA machine from the repo root (each part prints as it goes and fits o
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts micro    # kernel vs cuBLAS, crossover
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts sweep    # launch-parameter sweep
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts e2e      # the four 8B models
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts quick    # old vs exl2_tc, ~1 min
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts tc --tc-sweep small  # exl2_tc in full
 
 Parts:
 - micro: for K x N in 4096x4096, 4096x14336, 14336x4096 and M in 1..64 rows: the fused kernel (M = 1: the decode
@@ -398,6 +400,86 @@ def _bm(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+# --- quick: old against new in about a minute ----------------------------------------------------------------
+
+QUICK_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+QUICK_ROWS = [1, 2, 4, 8, 16, 32]
+
+
+def fast_matrix(k: int, n: int, dev: torch.device, gen: torch.Generator) -> Any:
+    """A uniform 4-bit g128 EXL2 matrix of random packed words (every word is valid codes; no bit packing, so an
+    8B-sized matrix takes milliseconds), moved to `dev`."""
+    from exlpy.quant.exl2_ref import build_exl2_matrix
+
+    g = k // 128
+    rnd = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
+    groups = torch.tensor([v for i in range(g) for v in (4, 16 * i)], dtype=torch.int16)
+    qm = build_exl2_matrix(rnd(k // 8, n), torch.randperm(k, generator=gen).to(torch.int32), rnd(g, n // 8),
+                           (0.01 * (0.5 + torch.rand(g, generator=gen))).half(), groups, k, n, "quick")
+    return qm.to(dev)
+
+
+def quick(args: argparse.Namespace, res: dict) -> None:
+    """4-bit 8B shapes at 1-32 rows: today's default kernel (the GEMV up to EXLPY_GEMV_ROWS rows, exl2_qmm past
+    them) against exl2_tc, one table; each tc output checked against the default's (rel_err under 2e-3). Starts
+    no new case after --budget seconds (compiles included)."""
+    from exlpy.runtime import options
+
+    t0 = time.time()
+    gen = torch.Generator().manual_seed(0)
+    rows = args.tc_rows if args.tc_rows != TC_ROWS else QUICK_ROWS
+    log(f"{'K x N':>11} {'M':>3} {'old kernel':>10} {'old us':>8} {'tc us':>8} {'speed-up':>8} {'tc GB/s':>8} "
+        f"{'rel_err':>8}")
+    for k, n in _tc_shapes(args) if args.shapes else QUICK_SHAPES:
+        _quick_shape(args, res, k, n, rows, gen, t0)
+        gc.collect()
+        torch.cuda.empty_cache()
+    log(f"[{time.time() - t0:.0f} s] old = today's default (GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} rows, "
+        "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc)")
+
+
+def _quick_shape(args: argparse.Namespace, res: dict, k: int, n: int, rows: list[int], gen: torch.Generator,
+                 t0: float) -> None:
+    from exlpy.kernels import exl2_gemv, exl2_qmm, exl2_tc
+    from exlpy.runtime import options, use_options
+
+    qm = fast_matrix(k, n, torch.device("cuda"), gen)
+    mats = _copies(qm, 256 << 20)
+    old_opts = replace(options(), qmm_kernel="qmm")
+    with use_options(old_opts):
+        qgroups = [exl2_qmm.QmmGroup([q], None) for q in mats]
+    tgroups = [exl2_tc.TcGroup([q], None) for q in mats]
+
+    def gemv(x: torch.Tensor) -> list[torch.Tensor]:
+        return [exl2_gemv.exl2_gemv(x, q) for q in mats]
+
+    def old_qmm(x: torch.Tensor) -> list[torch.Tensor]:
+        return [g.run(x) for g in qgroups]
+
+    def tc(x: torch.Tensor) -> list[torch.Tensor]:
+        return [g.run(x) for g in tgroups]
+
+    for m in rows:
+        if time.time() - t0 > args.budget:
+            log(f"  (budget of {args.budget:.0f} s spent: stopped before {k}x{n} M={m})")
+            return
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        with use_options(old_opts):
+            name, old = ("gemv", gemv) if exl2_gemv.gemv_takes(m, n) else ("qmm", old_qmm)
+            t_old = guarded(f"{name} M={m}", _timed, args.reps, len(mats), lambda old=old, x=x: old(x))
+            y_old = old(x)[0].float()
+        t_tc = guarded(f"tc M={m}", _timed, args.reps, len(mats), lambda x=x: tc(x))
+        err = guarded("check", lambda x=x, y=y_old: ((tc(x)[0].float() - y).abs().max() / y.abs().max()).item())
+        res.setdefault("quick", {})[f"{k}x{n} M{m}"] = {
+            "k": k, "n": n, "m": m, "old": name, "old_us": _us_or_none(t_old), "tc_us": _us_or_none(t_tc),
+            "rel_err": err, "bytes": qm.nbytes()}
+        up = f"{t_old / t_tc:7.2f}x" if t_old and t_tc else "       -"
+        gbs = f"{qm.nbytes() / t_tc / 1e9:8.0f}" if t_tc else "       -"
+        bad = "  WRONG" if err is not None and err >= 2e-3 else ""
+        log(f"{k:>5}x{n:<5} {m:>3} {name:>10} {_us(t_old)[:-3]:>8} {_us(t_tc)[:-3]:>8} {up:>8} {gbs:>8} "
+            f"{'-' if err is None else f'{err:.1e}':>8}{bad}")
+
+
 # --- e2e ------------------------------------------------------------------------------------------------------
 
 def model_dir(args: argparse.Namespace, variant: str) -> str:
@@ -496,6 +578,17 @@ def write_md(state: dict, path: str) -> None:
                          f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} | "
                          f"{'-' if err is None else f'{err:.1e}'} |")
         lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
+    q = state.get("quick", {})
+    if q:
+        lines += ["## Quick: today's default kernel against exl2_tc, 4-bit (us per call, CUDA-graph replays)", "",
+                  "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in q.values():
+            o, t = r.get("old_us"), r.get("tc_us")
+            lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['old']} | {_f(o)} | {_f(t)} | "
+                         f"{f'{o / t:.2f}x' if o and t else '-'} | {_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
+                         f"{_e(r.get('rel_err'))} |")
+        lines.append("")
     tc_res = state.get("tc", {})
     if tc_res:
         lines += ["## Tensor-core dequant GEMM (exl2_tc) against exl2_qmm and the GEMV (us per call, CUDA-graph "
@@ -537,7 +630,9 @@ def _f(v: float | None, digits: int = 1) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, tc, e2e (default micro,e2e)")
+    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, tc, quick, e2e (default "
+                    "micro,e2e)")
+    ap.add_argument("--budget", type=float, default=45.0, help="quick: seconds after which no new case starts")
     ap.add_argument("--quick", action="store_true", help="~2 minutes: 4-bit micro at M 1/8/32/64, EXL2 4-bit and "
                     "fp16 models at batch 1 and 8")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e2e models, of {', '.join(VARIANTS)}")
@@ -591,7 +686,7 @@ def main() -> int:
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()
     for part in parts:
-        fn = {"micro": micro, "sweep": sweep, "e2e": e2e, "tc": tc}.get(part)
+        fn = {"micro": micro, "sweep": sweep, "e2e": e2e, "tc": tc, "quick": quick}.get(part)
         if fn is None:
             log(f"unknown part {part!r}")
             continue
