@@ -33,7 +33,8 @@ from exlpy.kernels.exl2_tc_plan import CONFIG, FIELDS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTRS = {"x_ptr": "*fp16", "qw_ptr": "*i32", "sc_ptr": "*i32", "aux_ptr": "*fp32", "bias_ptr": "*fp16",
-        "res_ptr": "*fp16", "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "task_ptr": "*i64"}
+        "res_ptr": "*fp16", "y_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "task_ptr": "*i64",
+        "range_ptr": "*i32"}
 GPTQ_PTRS = {**PTRS, "sc_ptr": "*fp16", "aux_ptr": "*fp16"}
 DIV16 = ("xs", "ys", "rs", "n_total")  # row strides (multiples of 16 at run time: Triton specializes those)
 

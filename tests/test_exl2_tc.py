@@ -223,9 +223,11 @@ def test_kernel_option() -> None:
         assert not tp.takes(8, 4096, 4096)
 
 
-def test_plan_runs_and_steps() -> None:
-    """The plan's tasks: whole groups of one width and size per task, K steps that never cross a group boundary,
-    every (column block, row) covered exactly once, the split arrival counts right."""
+@pytest.mark.parametrize("grid", [0, 3])
+def test_plan_runs_and_steps(grid: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's tasks (one program per task of whole groups, or stream-K: `grid` programs per SM with equal
+    shares of K steps): every (column block, row) covered exactly once, tasks starting on a K step with the right
+    group and rows left in it, steps that never cross a group boundary, arrival counts right, shares balanced."""
     pytest.importorskip("triton")
     from exlpy.kernels import exl2_tc_plan as tp
 
@@ -234,6 +236,7 @@ def test_plan_runs_and_steps() -> None:
     groups = [(8, 32)] * 3 + [(4, 128)] * 5 + [(3, 128)] * 2 + [(3, 96)]
     qm = _exl2(sum(r for _, r in groups), 96, groups, gen)
     for bm in (16, 32, 64):
+        monkeypatch.setitem(tp.CONFIG, bm, {**tp.CONFIG[bm], "BLOCK_N": 32, "GRID": grid})
         plan = tp.plan_for([qm], bm)
         (ln,) = plan.launches
         rows = ln.tasks.tolist()
@@ -245,13 +248,27 @@ def test_plan_runs_and_steps() -> None:
         gr = qm.layout.group_rows
         for r in rows:
             lo, hi = r[f["xr0"]] + r[f["r0"]], r[f["xr0"]] + r[f["r1"]]
-            assert gr[r[f["g0"]]] == lo  # a task starts on its first group
+            g = r[f["g0"]]
+            assert gr[g] <= lo < gr[g + 1] and r[f["left0"]] == gr[g + 1] - lo
+            assert (lo - gr[g]) % (32 * kb[r[f["bits"]]]) == 0  # on a K step of its group
             assert r[f["arrivals"]] == sum(1 for q in rows if q[f["cnt"]] == r[f["cnt"]])
             cover.setdefault(r[f["cb"]], []).append((lo, hi))
+        assert sorted(cover) == [0, 1, 2]
         for spans in cover.values():
             spans.sort()
             assert spans[0][0] == 0 and spans[-1][1] == qm.k
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        if grid:
+            ranges = ln.ranges.tolist()
+            assert ln.grid == grid * 2 and ranges[0] == 0 and ranges[-1] == len(rows)  # 2 "SMs" on the CPU
+            assert all(a <= b for a, b in zip(ranges, ranges[1:]))
+
+            cost = [-(-(r[f["r1"]] - r[f["r0"]]) // (32 * kb[r[f["bits"]]])) * (kb[r[f["bits"]]] * r[f["bits"]]
+                                                                                  + tp.STEP_COST) for r in rows]
+            shares = [sum(cost[a:b]) for a, b in zip(ranges, ranges[1:])]
+            assert max(shares) - min(shares) <= 2 * max(kb[b] * b + tp.STEP_COST for b in kb), shares
+        else:
+            assert ln.ranges is None and ln.grid == len(rows)
 
 
 def test_runs_of_group_sizes() -> None:

@@ -35,7 +35,6 @@ import triton.language as tl
 
 from exlpy.kernels import pdl
 from exlpy.kernels.exl2_gemv import cuda_device as _device
-from exlpy.kernels.exl2_gemv_plan import num_sms
 from exlpy.kernels.exl2_qmm import _gather
 from exlpy.kernels.exl2_tc_plan import FIELDS, MAX_ROWS, WS_BLOCKS, WS_ELEMS, TcPlan, block_m, plan_for
 from exlpy.quant.layout import QuantMatrix
@@ -61,6 +60,7 @@ _O_Y = tl.constexpr(FIELDS.index("o_y"))
 _CNT = tl.constexpr(FIELDS.index("cnt"))
 _ARRIVALS = tl.constexpr(FIELDS.index("arrivals"))
 _BITS = tl.constexpr(FIELDS.index("bits"))
+_LEFT0 = tl.constexpr(FIELDS.index("left0"))
 
 
 @triton.jit
@@ -159,7 +159,8 @@ def _scale(sc, s_sc, aux, s_aux, g, offs_n, ld_mask, GPTQ: tl.constexpr):
 
 
 @triton.jit
-def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, r1, xr0, offs_n, ld_mask, magic,
+def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, left0, r0, r1, xr0, offs_n, ld_mask,
+         magic,
          BITS: tl.constexpr, KB: tl.constexpr, GPTQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
          SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr):
     """acc += x[:, xr0 + r0 : xr0 + r1] @ W[those rows, this program's columns] for one BITS-wide run. FOLD: the
@@ -175,7 +176,7 @@ def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, 
     if PREFETCH:
         ws = _words(qw, s_qw, w_end, r0, r1, offs_b, offs_n, ld_mask, BITS)
     g = g0  # the step's group, counted along (a division per step costs ~20 instructions)
-    left = gsz  # rows of group g from this step on
+    left = left0  # rows of group g from this step on
     for rb in range(r0, r1, STEP):
         if PREFETCH:
             cur = ws
@@ -239,6 +240,7 @@ def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, 
     s_aux = tl.load(t + _S_AUX)
     g0 = tl.load(t + _G0).to(tl.int32)
     gsz = tl.load(t + _GSZ).to(tl.int32)
+    left0 = tl.load(t + _LEFT0).to(tl.int32)
     r0 = tl.multiple_of(tl.load(t + _R0).to(tl.int32), 32)  # groups (but a matrix's last) are whole blocks
     r1 = tl.load(t + _R1).to(tl.int32)
     xr0 = tl.multiple_of(tl.load(t + _XR0).to(tl.int32), 32)
@@ -253,9 +255,9 @@ def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, 
     for b in tl.static_range(2, 9):  # one branch per width the launch holds, chosen by the task row at run time
         if (WIDTHS >> b) & 1:
             if bits == b:
-                acc = _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, r0, r1, xr0, offs_n,
-                           ld_mask, magic, b, (KBS >> (5 * (b - 2))) & 31, GPTQ, BLOCK_M, BLOCK_N, SWAP, PREFETCH,
-                           FOLD, ASM)
+                acc = _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, left0, r0, r1, xr0,
+                           offs_n, ld_mask, magic, b, (KBS >> (5 * (b - 2))) & 31, GPTQ, BLOCK_M, BLOCK_N, SWAP,
+                           PREFETCH, FOLD, ASM)
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.load(t + _O_Y) + offs_n  # columns in the plan's y
     if SWAP:  # element (i, j) of acc is row j, column cols[i]
@@ -284,19 +286,18 @@ def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, 
         _store(acc, row2, col2, cols, out_mask, offs_n < n, bias_ptr, res_ptr, y_ptr, ys, rs, HAS_BIAS, HAS_RES, SWAP)
 
 
-@triton.jit(do_not_specialize=["M", "n_tasks"])  # one compiled variant per BLOCK_M, whatever the row count
-def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total, xs, ys, rs,
-        magic, n_tasks, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+@triton.jit(do_not_specialize=["M"])  # one compiled variant per BLOCK_M, whatever the row count
+def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, range_ptr, M, n_total, xs,
+        ys, rs, magic, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr,
         PERSIST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
-    """One program per task row, or (PERSIST) a grid of a few programs per SM, each taking task rows pid,
-    pid + grid, ... (rows are sorted longest first, so the round robin evens the programs out and no partial last
-    wave of short programs is left)."""
+    """One program per task row, or (PERSIST, stream-K) a grid of a few programs per SM, program p running task
+    rows range[p] .. range[p + 1] (an equal share of all K steps, exl2_tc_plan._stream)."""
     if PDL:  # launched early (exlpy/kernels/pdl.py): x, y and the workspace come from earlier kernels
         tl.extra.cuda.gdc_wait()
     if PERSIST:
-        for ti in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        for ti in range(tl.load(range_ptr + tl.program_id(0)), tl.load(range_ptr + tl.program_id(0) + 1)):
             _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total,
                   xs, ys, rs, magic, WIDTHS, KBS, GPTQ, HAS_BIAS, HAS_RES, SPLIT, ALIGNED, BLOCK_M, BLOCK_N, NF, SWAP,
                   PREFETCH, FOLD, ASM)
@@ -377,14 +378,14 @@ def run_plan(plan: TcPlan, xg: torch.Tensor, parts: list[QuantMatrix], bias: tor
     if c["MAXNREG"] and dev.type == "cuda":
         launch["maxnreg"] = c["MAXNREG"]
     for ln in plan.launches:
-        grid = min(ln.programs, c["GRID"] * num_sms(dev)) if c["GRID"] else ln.programs
-        _tc[(grid,)](
-            xg, q0.q_weight, q0.scales, aux, bias if bias is not None else out, res, out, ws, cnt, ln.tasks, m,
-            plan.n, xg.stride(0), out.stride(0), res.stride(0), _MAGIC, ln.programs, WIDTHS=ln.widths, KBS=ln.kbs,
-            GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None, HAS_RES=residual is not None, SPLIT=plan.split,
-            ALIGNED=plan.aligned, BLOCK_M=plan.bm, BLOCK_N=c["BLOCK_N"], NF=len(FIELDS), SWAP=bool(c["SWAP"]),
-            PREFETCH=bool(c["PREFETCH"]), FOLD=bool(c["FOLD"]), PERSIST=grid < ln.programs, PDL=pdl.enabled(dev),
-            ASM=dev.type == "cuda", **launch, **pdl.launch_options(dev))
+        _tc[(ln.grid,)](
+            xg, q0.q_weight, q0.scales, aux, bias if bias is not None else out, res, out, ws, cnt, ln.tasks,
+            ln.ranges if ln.ranges is not None else ln.tasks, m, plan.n, xg.stride(0), out.stride(0), res.stride(0),
+            _MAGIC, WIDTHS=ln.widths, KBS=ln.kbs, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=plan.bm,
+            BLOCK_N=c["BLOCK_N"], NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]),
+            FOLD=bool(c["FOLD"]), PERSIST=ln.ranges is not None, PDL=pdl.enabled(dev), ASM=dev.type == "cuda",
+            **launch, **pdl.launch_options(dev))
     return out
 
 

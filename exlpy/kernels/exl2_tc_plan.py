@@ -35,10 +35,11 @@ WS_BLOCKS = 1 << 14  # arrival counters per device
 # Columns of a task row. o_qw: element offset (from the plan's first q_weight) of the segment's first word row;
 # w_end: the segment's word rows (loads past it are masked); o_sc / o_aux: offsets of the matrix's scales and
 # scale_max (GPTQ: scales and zeros); g0: the group of row r0; gsz: rows per group in this task; r0 / r1: the
-# task's sorted rows relative to the segment's first row xr0 (r0 on a group boundary); o_y: first output column
-# of the matrix; cnt / arrivals: the column block's arrival counter and how many programs add into it.
+# task's sorted rows relative to the segment's first row xr0 (r0 on a K step of its run); o_y: first output column
+# of the matrix; cnt / arrivals: the column block's arrival counter and how many tasks add into it; left0: rows
+# of group g0 from r0 on.
 FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "s_aux", "g0", "gsz", "r0", "r1",
-          "xr0", "o_y", "cnt", "arrivals", "bits")
+          "xr0", "o_y", "cnt", "arrivals", "bits", "left0")
 
 # Launch parameters per BLOCK_M class. BLOCK_N: output columns per program; WARPS: warps per program; KB:
 # 32-row blocks per K step (one tl.dot over 32 KB rows; cut per width to divide its group size); WAVES: programs
@@ -46,7 +47,8 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 # the rows the narrow one, which suits wgmma's 64-row minimum), 0 computes x W; PREFETCH: the next K step's
 # packed words are loaded into registers before this step's dequantization (a software pipeline without
 # shared memory); STAGES: Triton's own pipelining depth (num_stages) on top; MAXNREG: register cap (0: none);
-# GRID: programs per SM of a persistent launch that walks the task rows round robin (0: one program per row);
+# GRID: programs per SM of a persistent stream-K launch, each taking an equal share of all K steps (0: one
+# program per task of whole groups, WAVES per SM);
 # FOLD: scales applied per weight before the dot (one accumulator; pays at 64 rows, where scaling each step's
 # product costs an FMA per weight and a second accumulator).
 # Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py, SASS of the K loop per
@@ -92,8 +94,13 @@ def takes(m: int, k: int, n: int) -> bool:
 class Launch:
     widths: int  # bit b set: some task of this launch is b-bit
     kbs: int  # blocks per K step of each width, 5 bits at 5 * (b - 2)
-    programs: int
+    programs: int  # task rows
     tasks: torch.Tensor  # int64 [programs, len(FIELDS)]
+    ranges: torch.Tensor | None = None  # int32 [grid + 1]: a persistent (stream-K) launch's rows per program
+
+    @property
+    def grid(self) -> int:
+        return self.programs if self.ranges is None else self.ranges.numel() - 1
 
 
 @dataclass(frozen=True)
@@ -222,53 +229,108 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, bm: i
     bn = c["BLOCK_N"]
     k = parts[0].layout.k
     n_total = sum(p.n for p in parts)
-    want = max(1, c["WAVES"]) * sms
     cols = sum(triton.cdiv(p.n, bn) for p in parts)
     # split-K only where the workspace holds MAX_ROWS rows of every output column
     may_split = c["WAVES"] > 0 and n_total * MAX_ROWS <= WS_ELEMS and cols <= WS_BLOCKS
     runs = [(m, r) for m, p in enumerate(parts) for r in _runs(p.layout)]
-
-    def rows_of(m: int, r: _Run) -> int:
-        gr = parts[m].layout.group_rows
-        return gr[r.g_hi] - gr[r.g_lo]
-
-    cost = {(m, r): rows_of(m, r) * r.bits * parts[m].n for m, r in runs}
-    total = sum(cost.values())
-    tasks: list[tuple[list[int], int]] = []  # (task row, packed words read per column: the sort key)
     sizes: dict[int, list[int]] = {}
+    for _, r in runs:
+        if r.g_hi - r.g_lo > 1:  # a K step must not cross a boundary between two groups of a run
+            sizes.setdefault(r.bits, []).append(r.gsz)
+    kb = {b: _kb(c["KB"], sizes.get(b, [])) for b in {r.bits for _, r in runs}}
+    heads = []  # per matrix: (first column block's counter, first output column)
     o_y = cnt0 = 0
-    for m, p in enumerate(parts):
-        pn = triton.cdiv(p.n, bn)
-        gr = p.layout.group_rows
-        for mm, r in runs:
-            if mm != m:
-                continue
-            if r.g_hi - r.g_lo > 1:  # a K step must not cross a boundary between two groups of a task
-                sizes.setdefault(r.bits, []).append(r.gsz)
-            groups = r.g_hi - r.g_lo
-            nk = max(1, min(groups, round(want * cost[(m, r)] / total / pn))) if may_split else 1
-            gpp = -(-groups // nk)
-            o_qw = p.o_qw + r.seg_word0 * p.s_qw
-            for cb in range(pn):
-                for ga in range(r.g_lo, r.g_hi, gpp):
-                    gb = min(ga + gpp, r.g_hi)
-                    tasks.append(([cb, p.n, p.ld_n, p.s_qw, o_qw, r.seg_words, p.o_sc, p.s_sc, p.o_aux, p.s_aux, ga,
-                                   r.gsz, gr[ga] - r.seg_row0, gr[gb] - r.seg_row0, r.seg_row0, o_y, cnt0 + cb, 0,
-                                   r.bits], (gr[gb] - gr[ga]) * r.bits))
+    for p in parts:
+        heads.append((cnt0, o_y))
         o_y += p.n
-        cnt0 += pn
+        cnt0 += triton.cdiv(p.n, bn)
+
+    def row(m: int, r: _Run, cb: int, lo: int, hi: int) -> list[int]:
+        """The task row of column block cb over sorted rows [lo, hi) of run r (lo on a K step of the run)."""
+        p, gr = parts[m], parts[m].layout.group_rows
+        g = next(g for g in range(r.g_lo, r.g_hi) if gr[g + 1] > lo)
+        return [cb, p.n, p.ld_n, p.s_qw, p.o_qw + r.seg_word0 * p.s_qw, r.seg_words, p.o_sc, p.s_sc, p.o_aux, p.s_aux,
+                g, r.gsz, lo - r.seg_row0, hi - r.seg_row0, r.seg_row0, heads[m][1], heads[m][0] + cb, 0, r.bits,
+                gr[g + 1] - lo]
+
+    if may_split and c["GRID"] > 0:
+        tasks, ranges = _stream(parts, runs, kb, bn, c["GRID"] * sms, row)
+    else:
+        tasks, ranges = _split(parts, runs, bn, max(1, c["WAVES"]) * sms, may_split, row), None
     arrivals = [0] * cnt0
     ci, ai = FIELDS.index("cnt"), FIELDS.index("arrivals")
-    for t, _ in tasks:
+    for t in tasks:
         arrivals[t[ci]] += 1
-    for t, _ in tasks:
+    for t in tasks:
         t[ai] = arrivals[t[ci]]
     if max(arrivals) > 1 and not may_split:  # several runs (widths, group sizes) of a column block must add up
         raise ValueError(f"{n_total} output columns of mixed layout exceed the tensor-core kernel's workspace")
-    tasks.sort(key=lambda t: -t[1])  # longest first: the grid's tail is made of short programs
-    widths = {t[0][FIELDS.index("bits")] for t in tasks}
-    kbs = sum(_kb(c["KB"], sizes.get(b, [])) << (5 * (b - 2)) for b in widths)
-    rows = torch.tensor([t for t, _ in tasks], dtype=torch.int64, device=device)
-    launch = Launch(sum(1 << b for b in widths), kbs, len(tasks), rows)
+    widths = {t[FIELDS.index("bits")] for t in tasks}
+    kbs = sum(kb[b] << (5 * (b - 2)) for b in widths)
+    launch = Launch(sum(1 << b for b in widths), kbs, len(tasks), torch.tensor(tasks, dtype=torch.int64,
+                                                                                device=device),
+                    None if ranges is None else torch.tensor(ranges, dtype=torch.int32, device=device))
     aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
     return TcPlan(k, n_total, bm, cfg, max(arrivals) > 1, aligned, (launch,), _src(k, perm.perm, device))
+
+
+def _split(parts: tuple[_Part, ...], runs: list[tuple[int, _Run]], bn: int, want: int, may_split: bool,
+           row: object) -> list[list[int]]:
+    """One program per task: every run of every column block cut into pieces of whole groups, about `want` in
+    all in proportion to the packed bytes; longest first (the grid's tail is then made of short programs)."""
+    cost = {(m, r): (parts[m].layout.group_rows[r.g_hi] - parts[m].layout.group_rows[r.g_lo]) * r.bits * parts[m].n
+            for m, r in runs}
+    total = sum(cost.values())
+    tasks: list[tuple[list[int], int]] = []
+    for m, r in runs:
+        p, gr = parts[m], parts[m].layout.group_rows
+        pn = triton.cdiv(p.n, bn)
+        groups = r.g_hi - r.g_lo
+        nk = max(1, min(groups, round(want * cost[(m, r)] / total / pn))) if may_split else 1
+        gpp = -(-groups // nk)
+        for cb in range(pn):
+            for ga in range(r.g_lo, r.g_hi, gpp):
+                gb = min(ga + gpp, r.g_hi)
+                tasks.append((row(m, r, cb, gr[ga], gr[gb]), (gr[gb] - gr[ga]) * r.bits))  # type: ignore[operator]
+    tasks.sort(key=lambda t: -t[1])
+    return [t for t, _ in tasks]
+
+
+STEP_COST = 4  # a K step's fixed work (scales, x tile, dot, loop), in packed words per column, for _stream
+
+
+def _stream(parts: tuple[_Part, ...], runs: list[tuple[int, _Run]], kb: dict[int, int], bn: int, slots: int,
+            row: object) -> tuple[list[list[int]], list[int]]:
+    """Stream-K: the K steps of every (column block, run), in column-block order, cut into `slots` contiguous
+    shares of equal cost (packed words per column plus STEP_COST per step), one per program of a persistent
+    launch: no partial last wave, whatever the shape. A share is a list of task rows (a piece of a run of one
+    column block each; pieces of one column block meet in the workspace). ranges[p]..ranges[p + 1] are program
+    p's rows."""
+    units = []  # (matrix, run, column block, steps, rows per step, cost per step)
+    for m, p in enumerate(parts):
+        for cb in range(triton.cdiv(p.n, bn)):
+            for mm, r in runs:
+                if mm == m:
+                    gr = p.layout.group_rows
+                    step = 32 * kb[r.bits]
+                    steps = -(-(gr[r.g_hi] - gr[r.g_lo]) // step)
+                    units.append((m, r, cb, steps, step, kb[r.bits] * r.bits + STEP_COST))
+    total = sum(u[3] * u[5] for u in units)
+    tasks: list[list[int]] = []
+    ranges = [0]
+    done = 0.0  # cost handed out so far
+    ui, si = 0, 0  # the next unit and its first step not yet handed out
+    for prog in range(slots):
+        goal = total * (prog + 1) / slots
+        while ui < len(units) and done < goal - 1e-9:
+            m, r, cb, steps, step, cost = units[ui]
+            take = min(steps - si, max(1, round((goal - done) / cost)))
+            lo = parts[m].layout.group_rows[r.g_lo] + si * step
+            hi = min(lo + take * step, parts[m].layout.group_rows[r.g_hi])
+            tasks.append(row(m, r, cb, lo, hi))  # type: ignore[operator]
+            done += take * cost
+            si += take
+            if si == steps:
+                ui, si = ui + 1, 0
+        ranges.append(len(tasks))
+    return tasks, ranges
