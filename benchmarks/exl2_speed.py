@@ -421,63 +421,93 @@ def fast_matrix(k: int, n: int, dev: torch.device, gen: torch.Generator) -> Any:
 
 def quick(args: argparse.Namespace, res: dict) -> None:
     """4-bit 8B shapes at 1-32 rows: today's default kernel (the GEMV up to EXLPY_GEMV_ROWS rows, exl2_qmm past
-    them) against exl2_tc, one table; each tc output checked against the default's (rel_err under 2e-3). Starts
-    no new case after --budget seconds (compiles included)."""
+    them) against exl2_tc's default launch table, then, with the time left, exl2_tc as stream-K (GRID 2); one
+    table. Each tc output is checked against the default's (rel_err under 2e-3). No new case starts after
+    --budget seconds (compiles included)."""
+    from exlpy.kernels import exl2_tc_plan
     from exlpy.runtime import options
 
     t0 = time.time()
     gen = torch.Generator().manual_seed(0)
     rows = args.tc_rows if args.tc_rows != TC_ROWS else QUICK_ROWS
+    shapes = _tc_shapes(args) if args.shapes else QUICK_SHAPES
+    cases = [_QuickShape(k, n, gen) for k, n in shapes]
+    out = res.setdefault("quick", {})
+    for c in cases:  # first: the old kernel against exl2_tc's defaults, every case
+        for m in rows:
+            if time.time() - t0 > args.budget:
+                break
+            r = out[f"{c.k}x{c.n} M{m}"] = c.compare(args, m)
+            log(f"  [{time.time() - t0:3.0f} s] {c.k}x{c.n} M={m}: {r['old']} {_f(r['old_us'])} us, tc "
+                f"{_f(r.get('tc_us'))} us")
+    for c in cases:  # then, while time is left: exl2_tc as stream-K
+        for m in rows:
+            key = f"{c.k}x{c.n} M{m}"
+            if time.time() - t0 > args.budget or key not in out:
+                break
+            bm = exl2_tc_plan.block_m(m)
+            exl2_tc_plan.SHAPE_CONFIG[(c.k, c.n, bm)] = {"GRID": 2}
+            try:
+                out[key].update(c.variant(args, m, "sk"))
+            finally:
+                exl2_tc_plan.SHAPE_CONFIG.pop((c.k, c.n, bm), None)
     log(f"{'K x N':>11} {'M':>3} {'old kernel':>10} {'old us':>8} {'tc us':>8} {'speed-up':>8} {'tc GB/s':>8} "
-        f"{'rel_err':>8}")
-    for k, n in _tc_shapes(args) if args.shapes else QUICK_SHAPES:
-        _quick_shape(args, res, k, n, rows, gen, t0)
-        gc.collect()
-        torch.cuda.empty_cache()
+        f"{'rel_err':>8} {'tc-sk us':>8}")
+    for r in out.values():
+        o, t = r.get("old_us"), r.get("tc_us")
+        up = f"{o / t:7.2f}x" if o and t else "       -"
+        gbs = f"{r['bytes'] / t / 1e3:8.0f}" if t else "       -"
+        err = r.get("rel_err")
+        bad = "  WRONG" if err is not None and err >= 2e-3 or (r.get("sk_err") or 0) >= 2e-3 else ""
+        log(f"{r['k']:>5}x{r['n']:<5} {r['m']:>3} {r['old']:>10} {_f(o):>8} {_f(t):>8} {up:>8} {gbs:>8} "
+            f"{_e(err):>8} {_f(r.get('sk_us')):>8}{bad}")
     log(f"[{time.time() - t0:.0f} s] old = today's default (GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} rows, "
-        "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc)")
+        "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc); tc-sk = exl2_tc with GRID 2 (stream-K)")
 
 
-def _quick_shape(args: argparse.Namespace, res: dict, k: int, n: int, rows: list[int], gen: torch.Generator,
-                 t0: float) -> None:
-    from exlpy.kernels import exl2_gemv, exl2_qmm, exl2_tc
-    from exlpy.runtime import options, use_options
+class _QuickShape:
+    """One shape of the quick comparison: rotating copies of a random 4-bit matrix and both kernels' groups."""
 
-    qm = fast_matrix(k, n, torch.device("cuda"), gen)
-    mats = _copies(qm, 256 << 20)
-    old_opts = replace(options(), qmm_kernel="qmm")
-    with use_options(old_opts):
-        qgroups = [exl2_qmm.QmmGroup([q], None) for q in mats]
-    tgroups = [exl2_tc.TcGroup([q], None) for q in mats]
+    def __init__(self, k: int, n: int, gen: torch.Generator) -> None:
+        from exlpy.kernels import exl2_qmm, exl2_tc
+        from exlpy.runtime import options, use_options
 
-    def gemv(x: torch.Tensor) -> list[torch.Tensor]:
-        return [exl2_gemv.exl2_gemv(x, q) for q in mats]
+        self.k, self.n = k, n
+        self.qm = fast_matrix(k, n, torch.device("cuda"), gen)
+        self.mats = _copies(self.qm, 256 << 20)
+        self.old_opts = replace(options(), qmm_kernel="qmm")
+        with use_options(self.old_opts):
+            self.qgroups = [exl2_qmm.QmmGroup([q], None) for q in self.mats]
+        self.tgroups = [exl2_tc.TcGroup([q], None) for q in self.mats]
+        self.y_old: dict[int, torch.Tensor] = {}
+        self.x: dict[int, torch.Tensor] = {}
 
-    def old_qmm(x: torch.Tensor) -> list[torch.Tensor]:
-        return [g.run(x) for g in qgroups]
+    def compare(self, args: argparse.Namespace, m: int) -> dict[str, Any]:
+        from exlpy.kernels import exl2_gemv
+        from exlpy.runtime import use_options
 
-    def tc(x: torch.Tensor) -> list[torch.Tensor]:
-        return [g.run(x) for g in tgroups]
+        x = self.x[m] = torch.randn(m, self.k, dtype=torch.float16, device="cuda")
+        with use_options(self.old_opts):
+            if exl2_gemv.gemv_takes(m, self.n):
+                name, old = "gemv", lambda: [exl2_gemv.exl2_gemv(x, q) for q in self.mats]
+            else:
+                name, old = "qmm", lambda: [g.run(x) for g in self.qgroups]
+            t_old = guarded(f"{name} M={m}", _timed, args.reps, len(self.mats), old)
+            self.y_old[m] = old()[0].float()
+        row = {"k": self.k, "n": self.n, "m": m, "old": name, "old_us": _us_or_none(t_old), "bytes": self.qm.nbytes()}
+        for key, v in self.variant(args, m, "tc", self.tgroups).items():
+            row[key.replace("tc_err", "rel_err")] = v
+        return row
 
-    for m in rows:
-        if time.time() - t0 > args.budget:
-            log(f"  (budget of {args.budget:.0f} s spent: stopped before {k}x{n} M={m})")
-            return
-        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-        with use_options(old_opts):
-            name, old = ("gemv", gemv) if exl2_gemv.gemv_takes(m, n) else ("qmm", old_qmm)
-            t_old = guarded(f"{name} M={m}", _timed, args.reps, len(mats), lambda old=old, x=x: old(x))
-            y_old = old(x)[0].float()
-        t_tc = guarded(f"tc M={m}", _timed, args.reps, len(mats), lambda x=x: tc(x))
-        err = guarded("check", lambda x=x, y=y_old: ((tc(x)[0].float() - y).abs().max() / y.abs().max()).item())
-        res.setdefault("quick", {})[f"{k}x{n} M{m}"] = {
-            "k": k, "n": n, "m": m, "old": name, "old_us": _us_or_none(t_old), "tc_us": _us_or_none(t_tc),
-            "rel_err": err, "bytes": qm.nbytes()}
-        up = f"{t_old / t_tc:7.2f}x" if t_old and t_tc else "       -"
-        gbs = f"{qm.nbytes() / t_tc / 1e9:8.0f}" if t_tc else "       -"
-        bad = "  WRONG" if err is not None and err >= 2e-3 else ""
-        log(f"{k:>5}x{n:<5} {m:>3} {name:>10} {_us(t_old)[:-3]:>8} {_us(t_tc)[:-3]:>8} {up:>8} {gbs:>8} "
-            f"{'-' if err is None else f'{err:.1e}':>8}{bad}")
+    def variant(self, args: argparse.Namespace, m: int, tag: str, groups: list | None = None) -> dict[str, Any]:
+        """exl2_tc under the launch table in force: {tag}_us and {tag}_err against the old kernel's output."""
+        from exlpy.kernels import exl2_tc
+
+        groups = groups or [exl2_tc.TcGroup([q], None) for q in self.mats]
+        x, y = self.x[m], self.y_old[m]
+        t = guarded(f"{tag} M={m}", _timed, args.reps, len(self.mats), lambda: [g.run(x) for g in groups])
+        err = guarded("check", lambda: ((groups[0].run(x).float() - y).abs().max() / y.abs().max()).item())
+        return {f"{tag}_us": _us_or_none(t), f"{tag}_err": err}
 
 
 # --- e2e ------------------------------------------------------------------------------------------------------
@@ -581,13 +611,14 @@ def write_md(state: dict, path: str) -> None:
     q = state.get("quick", {})
     if q:
         lines += ["## Quick: today's default kernel against exl2_tc, 4-bit (us per call, CUDA-graph replays)", "",
-                  "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old | tc stream-K "
+                  "us |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in q.values():
             o, t = r.get("old_us"), r.get("tc_us")
             lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['old']} | {_f(o)} | {_f(t)} | "
                          f"{f'{o / t:.2f}x' if o and t else '-'} | {_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
-                         f"{_e(r.get('rel_err'))} |")
+                         f"{_e(r.get('rel_err'))} | {_f(r.get('sk_us'))} |")
         lines.append("")
     tc_res = state.get("tc", {})
     if tc_res:
