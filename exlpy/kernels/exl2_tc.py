@@ -19,15 +19,14 @@ every step waited for its own loads, and a block -> group -> scale chain of depe
   beyond the 16-row minimum of a dot.
 - x is gathered once per call into act order as fp16 (RMSNorm fused for q|k|v and gate|up); rows past a task's
   end read as zero, so partial blocks and partial groups need no special path.
-- Split-K partial sums meet in a per-device fp32 workspace by atomics; the last program to arrive at a column
-  block (a self-resetting counter) takes the sums with atomic exchanges (never a load and a store: Triton lays
-  those out over different threads), adds bias and residual and writes y: no memset, no host sync, CUDA-graph
-  safe. As with the other packed kernels, two of these must not run concurrently on one device's streams.
+- Split-K partial sums meet in a per-device fp32 workspace (exl2_qmm's, shared) by atomics; the last program to
+  arrive at a column block (a self-resetting counter) takes the sums with atomic exchanges (never a load and a
+  store: Triton lays those out over different threads), adds bias and residual and writes y: no memset, no host
+  sync, CUDA-graph safe. As with the other packed kernels, two of them must not run concurrently on one device's
+  streams.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -35,8 +34,9 @@ import triton.language as tl
 
 from exlpy.kernels import pdl
 from exlpy.kernels.exl2_gemv import cuda_device as _device
-from exlpy.kernels.exl2_qmm import _gather
-from exlpy.kernels.exl2_tc_plan import FIELDS, MAX_ROWS, WS_BLOCKS, WS_ELEMS, TcPlan, block_m, plan_for
+from exlpy.kernels.exl2_qmm import _gather, _workspace
+from exlpy.kernels.exl2_qmm import prepare as _qmm_prepare
+from exlpy.kernels.exl2_tc_plan import FIELDS, MAX_ROWS, TcPlan, block_m, plan_for
 from exlpy.quant.layout import QuantMatrix
 
 __all__ = ["TcGroup", "gather_x", "prepare", "run_plan", "tc_matmul"]
@@ -344,17 +344,9 @@ def gather_x(x: torch.Tensor, plan: TcPlan, norm_weight: torch.Tensor | None = N
     return out
 
 
-@functools.cache
-def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-device zeroed (fp32 partial sums, int32 arrival counters); fixed size, kept zero by the kernel."""
-    return (torch.zeros(WS_ELEMS, dtype=torch.float32, device=device),
-            torch.zeros(WS_BLOCKS, dtype=torch.int32, device=device))
-
-
 def prepare(device: torch.device) -> None:
-    """Allocate the device's workspace now (outside any CUDA-graph capture)."""
-    if device.type == "cuda":
-        _workspace(_device(device))
+    """Allocate the device's workspace (exl2_qmm's, shared) now, outside any CUDA-graph capture."""
+    _qmm_prepare(device)
 
 
 _MAGIC = 0x4B000000  # fp32 2^23
@@ -369,7 +361,7 @@ def run_plan(plan: TcPlan, xg: torch.Tensor, parts: list[QuantMatrix], bias: tor
         raise ValueError(f"a BLOCK_M {plan.bm} plan takes up to {plan.bm} rows (at most {MAX_ROWS}), got {m}")
     q0 = parts[0]
     dev = _device(xg.device)
-    ws, cnt = _workspace(dev)
+    ws, cnt = _workspace(dev)  # exl2_qmm's: both kernels leave it zeroed
     aux = q0.scale_max if q0.kind == "exl2" else q0.zeros
     assert aux is not None
     c = plan.config

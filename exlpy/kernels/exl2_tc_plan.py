@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from exlpy.kernels import exl2_qmm_plan as _qmm_plan
 from exlpy.kernels.exl2_gemv_plan import element_offset, num_sms, supports
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
@@ -29,8 +30,11 @@ __all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "SHAPE_CONFIG", "TC_ROWS", "TcPlan", 
            "supports", "takes"]
 
 MAX_ROWS = 64
-WS_ELEMS = 1 << 23  # fp32 split-K workspace per device (32 MiB): 64 rows of up to 131,072 output columns
-WS_BLOCKS = 1 << 14  # arrival counters per device
+# The split-K workspace is exl2_qmm's (fp32 sums and arrival counters per device, kept zero by both kernels, which
+# run one at a time on a device's stream): 64 rows of up to 32,768 output columns (gate|up of an 8B model); wider
+# products (a vocabulary head) run one program per column block over the whole K.
+WS_ELEMS = _qmm_plan.WS_ELEMS
+WS_BLOCKS = _qmm_plan.WS_BLOCKS
 
 # Columns of a task row. o_qw: element offset (from the plan's first q_weight) of the segment's first word row;
 # w_end: the segment's word rows (loads past it are masked); o_sc / o_aux: offsets of the matrix's scales and
