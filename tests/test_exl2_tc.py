@@ -334,9 +334,11 @@ def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) 
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap,prefetch", [(0, 1), (1, 0), (0, 0)])
-def test_launch_variants_cuda(swap: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launch-table alternatives a sweep may pick give the same products on the GPU."""
+@pytest.mark.parametrize("swap,prefetch,grid,fold", [(0, 1, 0, 0), (1, 0, 0, 0), (0, 0, 0, 1), (1, 1, 2, 0),
+                                                     (1, 1, 3, 1)])
+def test_launch_variants_cuda(swap: int, prefetch: int, grid: int, fold: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch-table alternatives a sweep may pick (orientation, prefetch, stream-K grid, folded scales) give
+    the same products on the GPU, repeatedly (the split-K epilogue)."""
     tc = _tc()
     from exlpy.kernels import exl2_tc_plan
     from exlpy.quant.exl2_ref import dequant_dense
@@ -345,11 +347,13 @@ def test_launch_variants_cuda(swap: int, prefetch: int, monkeypatch: pytest.Monk
     qm = _exl2_big(4096, 4096, _groups(4096, [(5, 0.1), (4, 0.7), (3, 0.2)]), gen)
     w = dequant_dense(qm).cuda().float()
     for bm in (16, 32, 64):
-        monkeypatch.setitem(exl2_tc_plan.CONFIG, bm, {**exl2_tc_plan.CONFIG[bm], "SWAP": swap, "PREFETCH": prefetch})
+        monkeypatch.setitem(exl2_tc_plan.CONFIG, bm, {**exl2_tc_plan.CONFIG[bm], "SWAP": swap, "PREFETCH": prefetch,
+                                                      "GRID": grid, "FOLD": fold})
     group = tc.TcGroup([qm.to("cuda")], None)
-    for m in (3, 24, 64):
+    for m in (1, 3, 24, 64):
         x = torch.randn(m, 4096, generator=gen).half().cuda()
-        assert rel_err(group.run(x), x.float() @ w) < TOL, m
+        for _ in range(3):
+            assert rel_err(group.run(x), x.float() @ w) < TOL, m
 
 
 @requires_cuda
