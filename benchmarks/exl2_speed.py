@@ -663,7 +663,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, tc, quick, e2e (default "
                     "micro,e2e)")
-    ap.add_argument("--budget", type=float, default=45.0, help="quick: seconds after which no new case starts")
+    ap.add_argument("--budget", type=float, default=40.0, help="quick: seconds after which no new case starts")
     ap.add_argument("--quick", action="store_true", help="~2 minutes: 4-bit micro at M 1/8/32/64, EXL2 4-bit and "
                     "fp16 models at batch 1 and 8")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e2e models, of {', '.join(VARIANTS)}")
