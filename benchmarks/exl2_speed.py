@@ -404,6 +404,8 @@ def _bm(m: int) -> int:
 
 QUICK_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 QUICK_ROWS = [1, 2, 4, 8, 16, 32]
+# exl2_tc's launch-table alternatives the quick part times with the time left, in this order
+QUICK_VARIANTS = [("half", {"HALF": 1}), ("sk", {"GRID": 2, "HALF": 1})]
 
 
 def fast_matrix(k: int, n: int, dev: torch.device, gen: torch.Generator) -> Any:
@@ -440,29 +442,33 @@ def quick(args: argparse.Namespace, res: dict) -> None:
             r = out[f"{c.k}x{c.n} M{m}"] = c.compare(args, m)
             log(f"  [{time.time() - t0:3.0f} s] {c.k}x{c.n} M={m}: {r['old']} {_f(r['old_us'])} us, tc "
                 f"{_f(r.get('tc_us'))} us")
-    for c in cases:  # then, while time is left: exl2_tc as stream-K
-        for m in rows:
-            key = f"{c.k}x{c.n} M{m}"
-            if time.time() - t0 > args.budget or key not in out:
-                break
-            bm = exl2_tc_plan.block_m(m)
-            exl2_tc_plan.SHAPE_CONFIG[(c.k, c.n, bm)] = {"GRID": 2}
-            try:
-                out[key].update(c.variant(args, m, "sk"))
-            finally:
-                exl2_tc_plan.SHAPE_CONFIG.pop((c.k, c.n, bm), None)
+    for tag, over in QUICK_VARIANTS:  # then, while time is left: exl2_tc's alternatives
+        for c in cases:
+            for m in rows:
+                key = f"{c.k}x{c.n} M{m}"
+                if time.time() - t0 > args.budget or key not in out:
+                    break
+                bm = exl2_tc_plan.block_m(m)
+                exl2_tc_plan.SHAPE_CONFIG[(c.k, c.n, bm)] = dict(over)
+                try:
+                    out[key].update(c.variant(args, m, tag))
+                finally:
+                    exl2_tc_plan.SHAPE_CONFIG.pop((c.k, c.n, bm), None)
     log(f"{'K x N':>11} {'M':>3} {'old kernel':>10} {'old us':>8} {'tc us':>8} {'speed-up':>8} {'tc GB/s':>8} "
-        f"{'rel_err':>8} {'tc-sk us':>8}")
+        f"{'rel_err':>8}" + "".join(f" {'tc-' + tag + ' us':>11}" for tag, _ in QUICK_VARIANTS))
     for r in out.values():
         o, t = r.get("old_us"), r.get("tc_us")
         up = f"{o / t:7.2f}x" if o and t else "       -"
         gbs = f"{r['bytes'] / t / 1e3:8.0f}" if t else "       -"
         err = r.get("rel_err")
-        bad = "  WRONG" if err is not None and err >= 2e-3 or (r.get("sk_err") or 0) >= 2e-3 else ""
+        bad = "".join(f"  WRONG ({name})" for name, e in (("tc", err), *((tag, r.get(f"{tag}_err"))
+                                                                         for tag, _ in QUICK_VARIANTS))
+                      if e is not None and e >= 2e-3)
         log(f"{r['k']:>5}x{r['n']:<5} {r['m']:>3} {r['old']:>10} {_f(o):>8} {_f(t):>8} {up:>8} {gbs:>8} "
-            f"{_e(err):>8} {_f(r.get('sk_us')):>8}{bad}")
+            f"{_e(err):>8}" + "".join(f" {_f(r.get(f'{tag}_us')):>11}" for tag, _ in QUICK_VARIANTS) + bad)
     log(f"[{time.time() - t0:.0f} s] old = today's default (GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} rows, "
-        "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc); tc-sk = exl2_tc with GRID 2 (stream-K)")
+        "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc); "
+        + "; ".join(f"tc-{tag} = exl2_tc with {over}" for tag, over in QUICK_VARIANTS))
 
 
 class _QuickShape:
@@ -611,14 +617,16 @@ def write_md(state: dict, path: str) -> None:
     q = state.get("quick", {})
     if q:
         lines += ["## Quick: today's default kernel against exl2_tc, 4-bit (us per call, CUDA-graph replays)", "",
-                  "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old | tc stream-K "
-                  "us |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old | "
+                  + " | ".join(f"tc {over} us (rel_err)" for _, over in QUICK_VARIANTS) + " |",
+                  "|---|---|---|---|---|---|---|---|" + "---|" * len(QUICK_VARIANTS)]
         for r in q.values():
             o, t = r.get("old_us"), r.get("tc_us")
             lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['old']} | {_f(o)} | {_f(t)} | "
                          f"{f'{o / t:.2f}x' if o and t else '-'} | {_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
-                         f"{_e(r.get('rel_err'))} | {_f(r.get('sk_us'))} |")
+                         f"{_e(r.get('rel_err'))} | " + " | ".join(
+                             f"{_f(r.get(f'{tag}_us'))} ({_e(r.get(f'{tag}_err'))})" for tag, _ in QUICK_VARIANTS)
+                         + " |")
         lines.append("")
     tc_res = state.get("tc", {})
     if tc_res:

@@ -80,7 +80,7 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     consts = dict(WIDTHS=sum(1 << b for b in ws), KBS=sum(c["KB"] << (5 * (b - 2)) for b in ws), GPTQ=gptq,
                   HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True, BLOCK_M=bm, BLOCK_N=c["BLOCK_N"],
                   NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]), FOLD=bool(c["FOLD"]),
-                  PERSIST=bool(c["GRID"]), PDL=True, ASM=True)
+                  HALF=bool(c["HALF"]), PERSIST=bool(c["GRID"]), PDL=True, ASM=True)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}
@@ -119,6 +119,10 @@ def _table(every: bool) -> dict[str, tuple[tuple, dict]]:
     out["exl2 4-bit M32"] = ((4, 32), {})
     out["exl2 4-bit M64"] = ((4, 64), {})
     out["exl2 4-bit M16 persistent"] = ((4, 16), {"GRID": 2})
+    for bm in (16, 32, 64):
+        out[f"exl2 4-bit M{bm} half"] = ((4, bm), {"HALF": 1})
+    out["exl2 8+4+3-bit M16 half"] = (((8, 4, 3), 16), {"HALF": 1})
+    out["gptq 4-bit M16 half"] = ((4, 16), {"gptq": True, "HALF": 1})
     out["gptq 4-bit M16"] = ((4, 16), {"gptq": True})
     if every:
         for bm in (32, 64):

@@ -93,11 +93,13 @@ def test_bit_widths_interpreter(bits: int, small_tiles: None) -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("swap,prefetch,fold", [(0, 0, 1), (0, 1, 0), (1, 0, 1)])
-def test_launch_variants_interpreter(swap: int, prefetch: int, fold: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The other orientation (x @ W), the unprefetched loop and scales folded into the weights give the same
-    products, with KB 1 and 4 (split-K over a mixed matrix), a persistent grid (one program per SM walking the task
-    rows), and with no K split (y written directly; a mixed layout then cannot be planned)."""
+@pytest.mark.parametrize("swap,prefetch,fold,half", [(0, 0, 1, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 0, 1)])
+def test_launch_variants_interpreter(swap: int, prefetch: int, fold: int, half: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other orientation (x @ W), the unprefetched loop, scales folded into the weights and HALF's code order
+    (here decoded one code at a time: the pairs' PTX runs on GPUs only) give the same products, with KB 1 and 4
+    (split-K over a mixed matrix), a stream-K grid, and with no K split (y written directly; a mixed layout then
+    cannot be planned)."""
     from exlpy.kernels import exl2_tc_plan
 
     gen = torch.Generator().manual_seed(10 + swap + 2 * prefetch)
@@ -106,7 +108,7 @@ def test_launch_variants_interpreter(swap: int, prefetch: int, fold: int, monkey
     for qm, kb, waves, grid in ((mixed, 1, 4, 0), (mixed, 4, 4, 1), (plain, 1, 0, 0)):
         monkeypatch.setitem(exl2_tc_plan.CONFIG, 32, {**exl2_tc_plan.CONFIG[32], "BLOCK_N": 32, "SWAP": swap,
                                                       "PREFETCH": prefetch, "KB": kb, "WAVES": waves, "GRID": grid,
-                                                      "FOLD": fold})
+                                                      "FOLD": fold, "HALF": half})
         plan = exl2_tc_plan.plan_for([qm], 32)
         assert plan.split == bool(waves)
         x = torch.randn(20, qm.k, generator=gen).half()
@@ -334,11 +336,13 @@ def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) 
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap,prefetch,grid,fold", [(0, 1, 0, 0), (1, 0, 0, 0), (0, 0, 0, 1), (1, 1, 2, 0),
-                                                     (1, 1, 3, 1)])
-def test_launch_variants_cuda(swap: int, prefetch: int, grid: int, fold: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launch-table alternatives a sweep may pick (orientation, prefetch, stream-K grid, folded scales) give
-    the same products on the GPU, repeatedly (the split-K epilogue)."""
+@pytest.mark.parametrize("swap,prefetch,grid,fold,half", [(0, 1, 0, 0, 0), (1, 0, 0, 0, 0), (0, 0, 0, 1, 0),
+                                                          (1, 1, 2, 0, 0), (1, 1, 3, 1, 0), (1, 1, 0, 0, 1),
+                                                          (0, 1, 2, 0, 1)])
+def test_launch_variants_cuda(swap: int, prefetch: int, grid: int, fold: int, half: int,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch-table alternatives a sweep may pick (orientation, prefetch, stream-K grid, folded scales, 4-bit
+    pairs decoded by f16x2 PTX) give the same products on the GPU, repeatedly (the split-K epilogue)."""
     tc = _tc()
     from exlpy.kernels import exl2_tc_plan
     from exlpy.quant.exl2_ref import dequant_dense
@@ -348,7 +352,7 @@ def test_launch_variants_cuda(swap: int, prefetch: int, grid: int, fold: int, mo
     w = dequant_dense(qm).cuda().float()
     for bm in (16, 32, 64):
         monkeypatch.setitem(exl2_tc_plan.CONFIG, bm, {**exl2_tc_plan.CONFIG[bm], "SWAP": swap, "PREFETCH": prefetch,
-                                                      "GRID": grid, "FOLD": fold})
+                                                      "GRID": grid, "FOLD": fold, "HALF": half})
     group = tc.TcGroup([qm.to("cuda")], None)
     for m in (1, 3, 24, 64):
         x = torch.randn(m, 4096, generator=gen).half().cuda()

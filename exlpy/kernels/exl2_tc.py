@@ -71,13 +71,51 @@ def _deq(t, magic, oo: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr):
     return f * (1.0 / (1 << oo)) - ((1 << (23 - oo)) + Z)
 
 
+# f16x2 decode of two 4-bit codes 16 bits apart (fields at bits SH and SH + 16 of word $2): both moved to bits 0
+# and 16, OR-ed into the fp16 pattern of 1024 (0x6400) in each half by one LOP3 (lut 0xEA: a & b | c), and 1024 + Z
+# (register $3) subtracted from both halves at once: 1.5 instructions per code against 2.5 in fp32.
+_PAIR_TAIL = "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }"
+_PAIR4_0 = tl.constexpr("{ .reg .b32 t; mov.b32 t, $2; " + _PAIR_TAIL)
+_PAIR4_4 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $2, 4; " + _PAIR_TAIL)
+_PAIR4_8 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $2, 8; " + _PAIR_TAIL)
+_PAIR4_12 = tl.constexpr("{ .reg .b32 t; shr.b32 t, $2, 12; " + _PAIR_TAIL)
+
+
+@triton.jit
+def _pair4(w, Z: tl.constexpr, SH: tl.constexpr, H: tl.constexpr):
+    """Half H (0: the field at bit SH, 1: at SH + 16) of word w's 4-bit code pair, q - Z as fp16 (inline PTX)."""
+    zz = tl.full(w.shape, (0x6400 + Z) * 0x10001, tl.uint32)
+    if SH == 0:
+        pair = tl.inline_asm_elementwise(_PAIR4_0, "=h,=h,r,r", [w, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    elif SH == 4:
+        pair = tl.inline_asm_elementwise(_PAIR4_4, "=h,=h,r,r", [w, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    elif SH == 8:
+        pair = tl.inline_asm_elementwise(_PAIR4_8, "=h,=h,r,r", [w, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    else:
+        pair = tl.inline_asm_elementwise(_PAIR4_12, "=h,=h,r,r", [w, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    return pair[H]
+
+
 @triton.jit
 def _code(ws, magic, s, z, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr, FOLD: tl.constexpr,
-          GPTQ: tl.constexpr):
-    """Code i = bitrev5(j) of every block in the step as fp16 [KB, BLOCK_N]: q - Z, or with FOLD the weight
-    itself, (q - z) s. Codes are produced in bit-reversed order because the join tree in _tile reverses the
-    order again: the tile comes out in natural K order, so x needs only the act-order gather."""
-    i: tl.constexpr = ((j & 1) << 4) | ((j & 2) << 2) | (j & 4) | ((j & 8) >> 2) | ((j & 16) >> 4)
+          GPTQ: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+    """The code at the tile's block position bitrev5(j), of every block in the step, as fp16 [KB, BLOCK_N]: q - Z,
+    or with FOLD the weight itself, (q - z) s. The join tree in _tile puts what is made for j at position
+    bitrev5(j), so feeding code bitrev5(j) gives natural K order (x then needs only the act-order gather). HALF:
+    positions 2 q and 2 q + 1 hold the codes 16 bits apart in one 4-bit word, 8 (q // 4) + q % 4 and that + 4
+    (exl2_tc_plan.half_order: x is gathered in that order), which 4-bit codes decode in pairs (_pair4, compiled
+    GPUs only); other widths and the interpreter decode the same order one code at a time."""
+    p: tl.constexpr = ((j & 1) << 4) | ((j & 2) << 2) | (j & 4) | ((j & 8) >> 2) | ((j & 16) >> 4)
+    if HALF:
+        i: tl.constexpr = 8 * (p // 8) + (p // 2) % 4 + 4 * (p % 2)
+    else:
+        i: tl.constexpr = p
+    if HALF and ASM and BITS == 4 and not FOLD:
+        return _pair4(ws[i // 8], Z, (i % 4) * 4, (i % 8) // 4)
     wi: tl.constexpr = (i * BITS) // 32
     off: tl.constexpr = (i * BITS) % 32
     if off + BITS > 32:  # straddles into the next word: funnel the two
@@ -115,12 +153,12 @@ def _opaque(t, ASM: tl.constexpr):
 
 @triton.jit
 def _tile(ws, magic, s, z, BITS: tl.constexpr, Z: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
-          SWAP: tl.constexpr, FOLD: tl.constexpr, GPTQ: tl.constexpr, ASM: tl.constexpr):
+          SWAP: tl.constexpr, FOLD: tl.constexpr, GPTQ: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """The step's codes (FOLD: weights) as the dot's weight operand: [BLOCK_N, 32 KB] (SWAP) or [32 KB, BLOCK_N],
     K in order."""
     cs = ()
     for j in tl.static_range(32):
-        cs = cs + (_code(ws, magic, s, z, j, BITS, Z, FOLD, GPTQ),)
+        cs = cs + (_code(ws, magic, s, z, j, BITS, Z, FOLD, GPTQ, HALF, ASM),)
     t = tl.reshape(_pairs(_pairs(_pairs(_pairs(_pairs(cs, 32), 16), 8), 4), 2)[0], (KB, BLOCK_N, 32))
     if SWAP:
         w = tl.reshape(tl.permute(t, (1, 0, 2)), (BLOCK_N, KB * 32))
@@ -162,7 +200,7 @@ def _scale(sc, s_sc, aux, s_aux, g, offs_n, ld_mask, GPTQ: tl.constexpr):
 def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, left0, r0, r1, xr0, offs_n, ld_mask,
          magic,
          BITS: tl.constexpr, KB: tl.constexpr, GPTQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-         SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr):
+         SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """acc += x[:, xr0 + r0 : xr0 + r1] @ W[those rows, this program's columns] for one BITS-wide run. FOLD: the
     scales are applied to every weight before the dot, which then accumulates into acc (one accumulator, one
     FMUL per weight); else the dot takes exact codes and each step's product is scaled once (two accumulators,
@@ -187,7 +225,7 @@ def _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, left
         left -= STEP
         g += (left <= 0).to(tl.int32)
         left = tl.where(left <= 0, gsz, left)
-        w = _tile(cur, magic, s, z, BITS, Z, KB, BLOCK_N, SWAP, FOLD, GPTQ, ASM)
+        w = _tile(cur, magic, s, z, BITS, Z, KB, BLOCK_N, SWAP, FOLD, GPTQ, HALF, ASM)
         # rows at or past r1 read as zero, by whole blocks (the mask is then constant over 32 rows, which keeps the
         # loads 16 bytes wide; x is zero-padded to whole blocks)
         k_ok = ((rb + offs_k) // 32 * 32 < r1).to(tl.int32)
@@ -217,7 +255,7 @@ def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, 
           rs, magic, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
           HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr,
-          ASM: tl.constexpr):
+          HALF: tl.constexpr, ASM: tl.constexpr):
     """Task row ti: its column block over its run of groups, then the epilogue. SPLIT 0: each column block has
     one task, which writes y; SPLIT 1: tasks add into the workspace [M, n_total] and the last to arrive at a
     column block writes y and resets its part of the workspace and its counter. aux: EXL2 scale_max [G] / GPTQ
@@ -257,7 +295,7 @@ def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, 
             if bits == b:
                 acc = _run(acc, x_ptr, xs, M, qw, s_qw, w_end, sc, s_sc, aux, s_aux, g0, gsz, left0, r0, r1, xr0,
                            offs_n, ld_mask, magic, b, (KBS >> (5 * (b - 2))) & 31, GPTQ, BLOCK_M, BLOCK_N, SWAP,
-                           PREFETCH, FOLD, ASM)
+                           PREFETCH, FOLD, HALF, ASM)
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.load(t + _O_Y) + offs_n  # columns in the plan's y
     if SWAP:  # element (i, j) of acc is row j, column cols[i]
@@ -291,7 +329,7 @@ def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_pt
         ys, rs, magic, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr,
-        PERSIST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+        HALF: tl.constexpr, PERSIST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
     """One program per task row, or (PERSIST, stream-K) a grid of a few programs per SM, program p running task
     rows range[p] .. range[p + 1] (an equal share of all K steps, exl2_tc_plan._stream)."""
     if PDL:  # launched early (exlpy/kernels/pdl.py): x, y and the workspace come from earlier kernels
@@ -300,11 +338,11 @@ def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_pt
         for ti in range(tl.load(range_ptr + tl.program_id(0)), tl.load(range_ptr + tl.program_id(0) + 1)):
             _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total,
                   xs, ys, rs, magic, WIDTHS, KBS, GPTQ, HAS_BIAS, HAS_RES, SPLIT, ALIGNED, BLOCK_M, BLOCK_N, NF, SWAP,
-                  PREFETCH, FOLD, ASM)
+                  PREFETCH, FOLD, HALF, ASM)
     else:
         _task(tl.program_id(0), x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr,
               M, n_total, xs, ys, rs, magic, WIDTHS, KBS, GPTQ, HAS_BIAS, HAS_RES, SPLIT, ALIGNED, BLOCK_M, BLOCK_N,
-              NF, SWAP, PREFETCH, FOLD, ASM)
+              NF, SWAP, PREFETCH, FOLD, HALF, ASM)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -376,8 +414,8 @@ def run_plan(plan: TcPlan, xg: torch.Tensor, parts: list[QuantMatrix], bias: tor
             _MAGIC, WIDTHS=ln.widths, KBS=ln.kbs, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None,
             HAS_RES=residual is not None, SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=plan.bm,
             BLOCK_N=c["BLOCK_N"], NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]),
-            FOLD=bool(c["FOLD"]), PERSIST=ln.ranges is not None, PDL=pdl.enabled(dev), ASM=dev.type == "cuda",
-            **launch, **pdl.launch_options(dev))
+            FOLD=bool(c["FOLD"]), HALF=bool(c["HALF"]), PERSIST=ln.ranges is not None, PDL=pdl.enabled(dev),
+            ASM=dev.type == "cuda", **launch, **pdl.launch_options(dev))
     return out
 
 

@@ -54,11 +54,13 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 # GRID: programs per SM of a persistent stream-K launch, each taking an equal share of all K steps (0: one
 # program per task of whole groups, WAVES per SM);
 # FOLD: scales applied per weight before the dot (one accumulator; pays at 64 rows, where scaling each step's
-# product costs an FMA per weight and a second accumulator).
+# product costs an FMA per weight and a second accumulator); HALF: 4-bit codes decoded two at a time by f16x2
+# arithmetic (inline PTX; x gathered in the pairs' order, half_order).
 # Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py, SASS of the K loop per
 # 4-bit weight): 16 rows 4.3 (168 registers), 32 rows 5.8 (167; KB 4: 4.6 at 255), 64 rows 6.5 (216; BLOCK_N 128
 # spills); FOLD costs 0.3-0.6 more at every size. To be replaced by the GPU sweep.
-_BASE = {"WARPS": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "FOLD": 0, "STAGES": 1, "MAXNREG": 0, "GRID": 0}
+_BASE = {"WARPS": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "FOLD": 0, "HALF": 0, "STAGES": 1, "MAXNREG": 0,
+         "GRID": 0}
 CONFIG: dict[int, dict[str, int]] = {
     16: {**_BASE, "BLOCK_N": 128, "KB": 4},
     32: {**_BASE, "BLOCK_N": 128, "KB": 2},
@@ -219,11 +221,22 @@ def _kb(target: int, sizes: list[int]) -> int:
     return kb
 
 
-def _src(k: int, perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Input column of every act-order row, -1 (zero) up to the next multiple of 32."""
-    src = perm.to("cpu", torch.int64) if perm is not None else torch.arange(k)
-    pad = torch.full((-k % 32,), -1, dtype=torch.int64)
-    return torch.cat([src, pad]).to(device=device, dtype=torch.int32)
+def half_order() -> list[int]:
+    """HALF's order of a 32-row block: position 2 q + h holds row 8 (q // 4) + q % 4 + 4 h (a 4-bit word's codes
+    16 bits apart side by side)."""
+    return [8 * (p // 8) + (p // 2) % 4 + 4 * (p % 2) for p in range(32)]
+
+
+def _src(k: int, perm: torch.Tensor | None, device: torch.device, half: bool = False) -> torch.Tensor:
+    """Input column of every position of the kernel's x: act order (in HALF's order within each block), -1 (zero)
+    up to the next multiple of 32."""
+    kp = k + (-k % 32)
+    rows = torch.arange(kp)
+    if half:
+        rows = (rows.view(-1, 32)[:, half_order()]).reshape(-1)
+    src = perm.to("cpu", torch.int64)[rows.clamp(max=k - 1)] if perm is not None else rows.clone()
+    src[rows >= k] = -1
+    return src.to(device=device, dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -275,7 +288,8 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, bm: i
                                                                                 device=device),
                     None if ranges is None else torch.tensor(ranges, dtype=torch.int32, device=device))
     aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
-    return TcPlan(k, n_total, bm, cfg, max(arrivals) > 1, aligned, (launch,), _src(k, perm.perm, device))
+    return TcPlan(k, n_total, bm, cfg, max(arrivals) > 1, aligned, (launch,),
+                  _src(k, perm.perm, device, bool(c.get("HALF"))))
 
 
 def _split(parts: tuple[_Part, ...], runs: list[tuple[int, _Run]], bn: int, want: int, may_split: bool,
