@@ -469,6 +469,27 @@ def quick(args: argparse.Namespace, res: dict) -> None:
     log(f"[{time.time() - t0:.0f} s] old = today's default (GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} rows, "
         "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc); "
         + "; ".join(f"tc-{tag} = exl2_tc with {over}" for tag, over in QUICK_VARIANTS))
+    for line in quick_summary(out):
+        log(line)
+
+
+def quick_summary(out: dict) -> list[str]:
+    """Where exl2_tc (its fastest correct variant per case) beat the old kernel, as exl2_tc_plan tables."""
+    best: dict[int, dict[str, int]] = {}  # row count -> wins per variant
+    rows: dict[tuple[int, int], list[int]] = {}
+    for r in out.values():
+        cands = [("tc", r.get("tc_us"), r.get("rel_err"))] + [(tag, r.get(f"{tag}_us"), r.get(f"{tag}_err"))
+                                                             for tag, _ in QUICK_VARIANTS]
+        ok = [(us, tag) for tag, us, err in cands if us and err is not None and err < 2e-3]
+        if ok and r.get("old_us") and min(ok)[0] < r["old_us"]:
+            rows.setdefault((r["k"], r["n"]), []).append(r["m"])
+            tag = min(ok)[1]
+            best.setdefault(r["m"], {}).setdefault(tag, 0)
+            best[r["m"]][tag] += 1
+    lines = [f"exl2_tc faster at: {json.dumps({f'{k}x{n}': ms for (k, n), ms in sorted(rows.items())})}"]
+    for m, wins in sorted(best.items()):
+        lines.append(f"  M={m}: fastest variant (cases won) {wins}")
+    return lines
 
 
 class _QuickShape:
