@@ -202,6 +202,30 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     return _impl_with("sdpa", q, softcap=softcap)(q, k, v, scale, mask, is_causal, **_attn_kw(0, softcap))
 
 
+def embed_slice(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows [start, start + n) of an embedding table held by one tensor-parallel GPU, zero rows for ids
+    outside them (the vocabulary-parallel lookup before its all-reduce); see reference."""
+    return _impl("embed_slice", weight)(ids, weight, start)
+
+
+def host_all_reduce(tensors: list[torch.Tensor], state: Any, spin: int | None = None) -> None:
+    """In-place sum of one tensor per GPU through pinned host memory (tensor parallelism without P2P); see
+    kernels/host_allreduce.py and the reference."""
+    impl = _impl("host_all_reduce", tensors[0])
+    if spin is None:
+        impl(tensors, state)
+    else:
+        impl(tensors, state, spin)
+
+
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: Any,
+                         spin: int | None = None) -> list[torch.Tensor]:
+    """`host_all_reduce` with the next block's RMSNorm of the sum in the same kernel: returns the normed
+    tensors; see kernels/host_allreduce.py and the reference."""
+    impl = _impl("host_all_reduce_norm", tensors[0])
+    return impl(tensors, weights, eps, state) if spin is None else impl(tensors, weights, eps, state, spin)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
 

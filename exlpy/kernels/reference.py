@@ -309,6 +309,32 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
         t.copy_(acc.to(t.device, t.dtype))
 
 
+def embed_slice(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """A vocabulary-parallel embedding lookup: `weight` holds table rows [start, start + n); ids in that range
+    get their row, others a zero row (the all-reduce over GPUs completes them). [*ids.shape, hidden]."""
+    n, hidden = weight.shape
+    local = ids - start
+    mine = (local >= 0) & (local < n)
+    if not n:
+        return weight.new_zeros(*ids.shape, hidden)
+    h = F.embedding(local.clamp(0, n - 1), weight)
+    return h * mine.unsqueeze(-1).to(h.dtype)
+
+
+def host_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int = 0) -> None:
+    """The host-memory all-reduce's contract (kernels/host_allreduce.py): `peer_all_reduce`'s in-place sum,
+    accumulated in float32 in rank order, so that every tensor receives the same bits."""
+    peer_all_reduce(tensors, state, spin)
+
+
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: object = None,
+                         spin: int = 0) -> list[torch.Tensor]:
+    """`host_all_reduce`, then every device's RMSNorm of the sum with its copy of the next block's norm weight
+    (the fused kernel's epilogue): the normed tensors, one per device."""
+    host_all_reduce(tensors, state, spin)
+    return [rms_norm(t, w, eps) for t, w in zip(tensors, weights)]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with every token whose bit is 0 set to -inf (a new tensor). bitmask [B, W] int32, bit
     t % 32 of word t // 32 allows token t (llguidance/xgrammar layout); tokens past 32·W are excluded."""
