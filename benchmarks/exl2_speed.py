@@ -554,19 +554,22 @@ def model_dir(args: argparse.Namespace, variant: str) -> str:
 
 def _e2e_variant(args: argparse.Namespace, res: dict, variant: str) -> None:
     from exlpy.cli.bench import load_model, time_decode, time_prefill
+    from exlpy.runtime import options, use_options
 
     log(f"e2e {variant}")
     path = guarded("write model", model_dir, args, variant)
     if path is None:
         return
     seq = max(args.prompt_len + args.gen_len + 16, args.prefill)
-    model = guarded("load", load_model, path, seq, max(args.batches))
+    # loaded under EXLPY_QMM_KERNEL=tc when any run wants it: the groups then make exl2_tc's plans too (the option
+    # in force at each decode picks the kernel)
+    kern = "tc" if "tc" in (args.qmm_kernels or []) else options().qmm_kernel
+    with use_options(replace(options(), qmm_kernel=kern)):
+        model = guarded("load", load_model, path, seq, max(args.batches))
     if model is None:
         return
     out = res.setdefault("e2e", {}).setdefault(variant, {})
     out["weights_gb"] = sum(m.weight_bytes() for m in model.modules[1:]) / 1e9
-    from exlpy.runtime import options, use_options
-
     for kern in args.qmm_kernels or [None]:
         opts = options() if kern is None else replace(options(), qmm_kernel=kern)
         tag = "" if kern is None else f" [{kern}]"

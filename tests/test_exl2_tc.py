@@ -212,7 +212,8 @@ def test_dispatch_interpreter(monkeypatch: pytest.MonkeyPatch, small_tiles: None
 
 
 def test_kernel_option() -> None:
-    """EXLPY_QMM_KERNEL: auto by default; a bad value is a ConfigError naming the variable and the choices."""
+    """EXLPY_QMM_KERNEL: auto by default (off while TC_ROWS is empty); a bad value is a ConfigError naming the
+    variable and the choices."""
     from exlpy.kernels import exl2_tc_plan as tp
 
     assert RuntimeOptions.from_env({}).qmm_kernel == "auto"
@@ -223,6 +224,14 @@ def test_kernel_option() -> None:
         assert tp.takes(1, 4096, 4096) and tp.takes(64, 4096, 4096) and not tp.takes(65, 4096, 4096)
     with use_options(RuntimeOptions.from_env({"EXLPY_QMM_KERNEL": "qmm"})):
         assert not tp.takes(8, 4096, 4096)
+    # groups build the kernel's plans only where it may run
+    with use_options(RuntimeOptions.from_env({})):
+        assert not tp.wanted()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(tp.TC_ROWS, None, (5, 32))
+            assert tp.wanted() and tp.takes(8, 4096, 4096) and not tp.takes(4, 4096, 4096)
+    with use_options(RuntimeOptions.from_env({"EXLPY_QMM_KERNEL": "tc"})):
+        assert tp.wanted()
 
 
 @pytest.mark.parametrize("grid", [0, 3])

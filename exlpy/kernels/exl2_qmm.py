@@ -53,6 +53,7 @@ from exlpy.kernels.exl2_qmm_plan import (
     plan_for,
 )
 from exlpy.kernels.exl2_tc_plan import takes as tc_takes
+from exlpy.kernels.exl2_tc_plan import wanted as tc_wanted
 from exlpy.quant.layout import QuantMatrix
 
 __all__ = ["QmmGroup", "gather_rows", "prepare", "qmm", "run_plan"]
@@ -402,7 +403,9 @@ class QmmGroup:
         for bm in (16, 32, 64):
             self.plan(bm)
         prepare(parts[0].device)
-        self.tc = _tc_group(parts, bias)  # the tensor-core kernel, where EXLPY_QMM_KERNEL / its table choose it
+        # the tensor-core kernel, where EXLPY_QMM_KERNEL or its table may choose it (its plans are made now, at
+        # load time; none are made while it is off, to keep their device tables out of every model's memory)
+        self.tc = _tc_group(parts, bias) if tc_wanted() else None
 
     def plan(self, bm: int) -> QmmPlan:
         """The plan for BLOCK_M `bm`: made at load time for every class, and again after CONFIG changes

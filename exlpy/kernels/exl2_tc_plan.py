@@ -27,7 +27,7 @@ from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
 __all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "SHAPE_CONFIG", "TC_ROWS", "TcPlan", "launch_config", "plan_for",
-           "supports", "takes"]
+           "supports", "takes", "wanted"]
 
 MAX_ROWS = 64
 # The split-K workspace is exl2_qmm's (fp32 sums and arrival counters per device, kept zero by both kernels, which
@@ -94,6 +94,13 @@ def takes(m: int, k: int, n: int) -> bool:
         return True
     lo, hi = TC_ROWS.get((k, n), TC_ROWS.get(None, (0, -1)))
     return lo <= m <= hi
+
+
+def wanted() -> bool:
+    """Whether this kernel may take any product under the options in force (EXLPY_QMM_KERNEL=tc, or auto with a
+    TC_ROWS table): groups made now build its plans."""
+    kind = options().qmm_kernel
+    return kind == "tc" or (kind == "auto" and bool(TC_ROWS))
 
 
 @dataclass(frozen=True)
