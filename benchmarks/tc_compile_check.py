@@ -122,6 +122,7 @@ def _table(every: bool) -> dict[str, tuple[tuple, dict]]:
     for bm in (16, 32, 64):
         out[f"exl2 4-bit M{bm} half"] = ((4, bm), {"HALF": 1})
     out["exl2 8+4+3-bit M16 half"] = (((8, 4, 3), 16), {"HALF": 1})
+    out["exl2 8-bit M16 half"] = ((8, 16), {"HALF": 1})
     out["gptq 4-bit M16 half"] = ((4, 16), {"gptq": True, "HALF": 1})
     out["gptq 4-bit M16"] = ((4, 16), {"gptq": True})
     if every:

@@ -350,14 +350,14 @@ def test_real_shapes_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) 
                                                           (0, 1, 2, 0, 1)])
 def test_launch_variants_cuda(swap: int, prefetch: int, grid: int, fold: int, half: int,
                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launch-table alternatives a sweep may pick (orientation, prefetch, stream-K grid, folded scales, 4-bit
-    pairs decoded by f16x2 PTX) give the same products on the GPU, repeatedly (the split-K epilogue)."""
+    """The launch-table alternatives a sweep may pick (orientation, prefetch, stream-K grid, folded scales, 4- and
+    8-bit pairs decoded by f16x2 PTX) give the same products on the GPU, repeatedly (the split-K epilogue)."""
     tc = _tc()
     from exlpy.kernels import exl2_tc_plan
     from exlpy.quant.exl2_ref import dequant_dense
 
     gen = torch.Generator().manual_seed(99)
-    qm = _exl2_big(4096, 4096, _groups(4096, [(5, 0.1), (4, 0.7), (3, 0.2)]), gen)
+    qm = _exl2_big(4096, 4096, _groups(4096, [(8, 0.1), (5, 0.1), (4, 0.6), (3, 0.2)]), gen)
     w = dequant_dense(qm).cuda().float()
     for bm in (16, 32, 64):
         monkeypatch.setitem(exl2_tc_plan.CONFIG, bm, {**exl2_tc_plan.CONFIG[bm], "SWAP": swap, "PREFETCH": prefetch,

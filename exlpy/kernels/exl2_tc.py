@@ -100,6 +100,34 @@ def _pair4(w, Z: tl.constexpr, SH: tl.constexpr, H: tl.constexpr):
     return pair[H]
 
 
+# 8-bit: byte B of two consecutive words (codes 4 apart) moved to bits 0 and 16 by one PRMT (selector: byte B of
+# $2 into bytes 0-1, byte B of $3 into bytes 2-3; the upper copies are masked off), then as above with 0x00FF00FF.
+_PAIR8_TAIL = "lop3.b32 t, t, 0x00FF00FF, 0x64006400, 0xEA; sub.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }"
+_PAIR8_0 = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $2, $3, 0x4400; " + _PAIR8_TAIL)
+_PAIR8_1 = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $2, $3, 0x5511; " + _PAIR8_TAIL)
+_PAIR8_2 = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $2, $3, 0x6622; " + _PAIR8_TAIL)
+_PAIR8_3 = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $2, $3, 0x7733; " + _PAIR8_TAIL)
+
+
+@triton.jit
+def _pair8(wa, wb, Z: tl.constexpr, B: tl.constexpr, H: tl.constexpr):
+    """Half H of the 8-bit code pair (byte B of wa, byte B of wb), q - Z as fp16 (inline PTX)."""
+    zz = tl.full(wa.shape, (0x6400 + Z) * 0x10001, tl.uint32)
+    if B == 0:
+        pair = tl.inline_asm_elementwise(_PAIR8_0, "=h,=h,r,r,r", [wa, wb, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    elif B == 1:
+        pair = tl.inline_asm_elementwise(_PAIR8_1, "=h,=h,r,r,r", [wa, wb, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    elif B == 2:
+        pair = tl.inline_asm_elementwise(_PAIR8_2, "=h,=h,r,r,r", [wa, wb, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    else:
+        pair = tl.inline_asm_elementwise(_PAIR8_3, "=h,=h,r,r,r", [wa, wb, zz], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=1)
+    return pair[H]
+
+
 @triton.jit
 def _code(ws, magic, s, z, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr, FOLD: tl.constexpr,
           GPTQ: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
@@ -107,8 +135,8 @@ def _code(ws, magic, s, z, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr,
     or with FOLD the weight itself, (q - z) s. The join tree in _tile puts what is made for j at position
     bitrev5(j), so feeding code bitrev5(j) gives natural K order (x then needs only the act-order gather). HALF:
     positions 2 q and 2 q + 1 hold the codes 16 bits apart in one 4-bit word, 8 (q // 4) + q % 4 and that + 4
-    (exl2_tc_plan.half_order: x is gathered in that order), which 4-bit codes decode in pairs (_pair4, compiled
-    GPUs only); other widths and the interpreter decode the same order one code at a time."""
+    (exl2_tc_plan.half_order: x is gathered in that order), which 4- and 8-bit codes decode in pairs (_pair4,
+    _pair8: compiled GPUs only); other widths and the interpreter decode the same order one code at a time."""
     p: tl.constexpr = ((j & 1) << 4) | ((j & 2) << 2) | (j & 4) | ((j & 8) >> 2) | ((j & 16) >> 4)
     if HALF:
         i: tl.constexpr = 8 * (p // 8) + (p // 2) % 4 + 4 * (p % 2)
@@ -116,6 +144,8 @@ def _code(ws, magic, s, z, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr,
         i: tl.constexpr = p
     if HALF and ASM and BITS == 4 and not FOLD:
         return _pair4(ws[i // 8], Z, (i % 4) * 4, (i % 8) // 4)
+    if HALF and ASM and BITS == 8 and not FOLD:  # the pair (i, i + 4) sits in words 2 (i // 8) and the next
+        return _pair8(ws[2 * (i // 8)], ws[2 * (i // 8) + 1], Z, i % 4, (i % 8) // 4)
     wi: tl.constexpr = (i * BITS) // 32
     off: tl.constexpr = (i * BITS) % 32
     if off + BITS > 32:  # straddles into the next word: funnel the two

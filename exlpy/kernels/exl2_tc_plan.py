@@ -54,8 +54,8 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 # GRID: programs per SM of a persistent stream-K launch, each taking an equal share of all K steps (0: one
 # program per task of whole groups, WAVES per SM);
 # FOLD: scales applied per weight before the dot (one accumulator; pays at 64 rows, where scaling each step's
-# product costs an FMA per weight and a second accumulator); HALF: 4-bit codes decoded two at a time by f16x2
-# arithmetic (inline PTX; x gathered in the pairs' order, half_order).
+# product costs an FMA per weight and a second accumulator); HALF: 4- and 8-bit codes decoded two at a time by
+# f16x2 arithmetic (inline PTX; x gathered in the pairs' order, half_order).
 # Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py, SASS of the K loop per
 # 4-bit weight): 16 rows 4.3 (168 registers), 32 rows 5.8 (167; KB 4: 4.6 at 255), 64 rows 6.5 (216; BLOCK_N 128
 # spills); FOLD costs 0.3-0.6 more at every size. To be replaced by the GPU sweep.
