@@ -74,7 +74,8 @@ class RuntimeOptions:
     gemv_rows: int = 4
     # EXLPY_QMM_KERNEL: which kernel multiplies the 2-64 rows that reach the multi-row path (EXLPY_QUANT_ROWS,
     # past EXLPY_GEMV_ROWS) by packed weights: qmm (exl2_qmm.py), tc (exl2_tc.py, the tensor-core dequant GEMM)
-    # or auto (tc where its launch table, exl2_tc_plan.TC_ROWS, says it was measured faster; qmm elsewhere).
+    # or auto (tc where its launch table, exl2_tc_plan.TC_ROWS, says it was measured faster: 5-32 rows on an H100;
+    # qmm elsewhere).
     qmm_kernel: str = "auto"
     # EXLPY_GRAPH_SAMPLING=0 turns off the captured sampler (generator/sampling/graphed.py), on by default where
     # decode steps are CUDA graphs: its GPU tests pass (H100, 2026-11-26 12:17) and it holds exllamav2's default

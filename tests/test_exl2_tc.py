@@ -212,8 +212,8 @@ def test_dispatch_interpreter(monkeypatch: pytest.MonkeyPatch, small_tiles: None
 
 
 def test_kernel_option() -> None:
-    """EXLPY_QMM_KERNEL: auto by default (off while TC_ROWS is empty); a bad value is a ConfigError naming the
-    variable and the choices."""
+    """EXLPY_QMM_KERNEL: auto by default (exl2_tc for the rows TC_ROWS names); a bad value is a ConfigError naming
+    the variable and the choices."""
     from exlpy.kernels import exl2_tc_plan as tp
 
     assert RuntimeOptions.from_env({}).qmm_kernel == "auto"
@@ -224,12 +224,15 @@ def test_kernel_option() -> None:
         assert tp.takes(1, 4096, 4096) and tp.takes(64, 4096, 4096) and not tp.takes(65, 4096, 4096)
     with use_options(RuntimeOptions.from_env({"EXLPY_QMM_KERNEL": "qmm"})):
         assert not tp.takes(8, 4096, 4096)
-    # groups build the kernel's plans only where it may run
+    # auto: the measured rows (5-32 on every shape); groups build the kernel's plans only where it may run
     with use_options(RuntimeOptions.from_env({})):
-        assert not tp.wanted()
+        assert tp.wanted() and tp.takes(5, 4096, 4096) and tp.takes(32, 4096, 14336)
+        assert not tp.takes(4, 4096, 4096) and not tp.takes(33, 4096, 4096) and not tp.takes(1, 4096, 4096)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(tp.TC_ROWS, None, (5, 32))
-            assert tp.wanted() and tp.takes(8, 4096, 4096) and not tp.takes(4, 4096, 4096)
+            mp.setattr(tp, "TC_ROWS", {})
+            assert not tp.wanted() and not tp.takes(8, 4096, 4096)
+    with use_options(RuntimeOptions.from_env({"EXLPY_QMM_KERNEL": "qmm"})):
+        assert not tp.wanted()
     with use_options(RuntimeOptions.from_env({"EXLPY_QMM_KERNEL": "tc"})):
         assert tp.wanted()
 

@@ -56,23 +56,31 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 # FOLD: scales applied per weight before the dot (one accumulator; pays at 64 rows, where scaling each step's
 # product costs an FMA per weight and a second accumulator); HALF: 4- and 8-bit codes decoded two at a time by
 # f16x2 arithmetic (inline PTX; x gathered in the pairs' order, half_order).
-# Starting values from the sm_90a compile with Triton 3.6 (benchmarks/tc_compile_check.py, SASS of the K loop per
-# 4-bit weight): 16 rows 4.3 (168 registers), 32 rows 5.8 (167; KB 4: 4.6 at 255), 64 rows 6.5 (216; BLOCK_N 128
-# spills); FOLD costs 0.3-0.6 more at every size. To be replaced by the GPU sweep.
+# Defaults from the H100 sweep (2026-11-26 12:58, commit f8eba49, benchmarks/results/exl2_speed.md: one parameter
+# changed at a time on 4-bit gate|up 4096x28672 and converter-mixed down 14336x4096): 16 rows KB 2 (72.6 -> 60.9 us
+# and 39.4 -> 32.5 us; BLOCK_N 64 was faster still on gate|up, 56.6, but 44% slower on down), 32 rows WAVES 8
+# (84.2 -> 69.9 and 47.5 -> 43.8; BLOCK_N 64 + KB 4: 64.9 on gate|up, 71.7 on down). PREFETCH 0, STAGES 2, the
+# round-robin persistent grid, MAXNREG 168 and WARPS 8 were all slower there. 64 rows: FOLD 1 took gate|up from
+# 109.5 to 82.5 but down from 74.7 to 91.8; 33-64 rows stay on exl2_qmm (TC_ROWS). sm_90a compile with Triton 3.6
+# (benchmarks/tc_compile_check.py, SASS of the K loop per 4-bit weight): 16 rows 4.1, 32 rows 5.5, 64 rows 6.1;
+# HALF 2.9 / 4.1 / 5.1 (not yet on a GPU, so off).
 _BASE = {"WARPS": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "FOLD": 0, "HALF": 0, "STAGES": 1, "MAXNREG": 0,
          "GRID": 0}
 CONFIG: dict[int, dict[str, int]] = {
-    16: {**_BASE, "BLOCK_N": 128, "KB": 4},
-    32: {**_BASE, "BLOCK_N": 128, "KB": 2},
+    16: {**_BASE, "BLOCK_N": 128, "KB": 2},
+    32: {**_BASE, "BLOCK_N": 128, "KB": 2, "WAVES": 8},
     64: {**_BASE, "BLOCK_N": 64, "KB": 4},
 }
 # (K, N total, BLOCK_M) -> overrides of CONFIG[BLOCK_M] (measured per shape; empty until a GPU sweep fills it)
 SHAPE_CONFIG: dict[tuple[int, int, int], dict[str, int]] = {}
 
 # Row counts that take this kernel under EXLPY_QMM_KERNEL=auto (the default): (K, N total) -> (first, last) row
-# count, or the key None for every shape not listed. Empty: exl2_qmm keeps every product until GPU figures
-# show this kernel faster (benchmarks/results/exl2_speed.md).
-TC_ROWS: dict[tuple[int, int] | None, tuple[int, int]] = {}
+# count, or the key None for every shape not listed. From the H100 run (2026-11-26 12:58, commit f8eba49): at 8,
+# 16 and 32 rows it beat exl2_qmm on all four 8B shapes (q|k|v, o, gate|up, down), 4-bit and converter-mixed alike
+# (by 5-30% with the launch table then in force; the defaults above are faster still), 5-7 rows run the same
+# compiled variant as 8; the decode GEMV stays faster at 1-4 rows (1.6-1.9 TB/s against 0.8 at one row on
+# gate|up), and at 64 rows mixed layouts ran slower than on exl2_qmm (100.5 against 92.7 us on gate|up).
+TC_ROWS: dict[tuple[int, int] | None, tuple[int, int]] = {None: (5, 32)}
 
 
 def block_m(m: int) -> int:
@@ -98,9 +106,9 @@ def takes(m: int, k: int, n: int) -> bool:
 
 def wanted() -> bool:
     """Whether this kernel may take any product under the options in force (EXLPY_QMM_KERNEL=tc, or auto with a
-    TC_ROWS table): groups made now build its plans."""
+    non-empty TC_ROWS table): groups made now build its plans."""
     kind = options().qmm_kernel
-    return kind == "tc" or (kind == "auto" and bool(TC_ROWS))
+    return kind == "tc" or (kind == "auto" and any(lo <= hi for lo, hi in TC_ROWS.values()))
 
 
 @dataclass(frozen=True)
