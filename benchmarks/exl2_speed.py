@@ -267,13 +267,11 @@ TC_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # q|k|v,
 TC_ROWS = [1, 2, 4, 8, 16, 32, 64]
 # launch-table alternatives per BLOCK_M class (overrides of exl2_tc_plan.CONFIG[bm]); the first is the default
 TC_SWEEP: dict[int, list[dict[str, int]]] = {
-    16: [{}, {"PREFETCH": 0}, {"SWAP": 0}, {"KB": 2}, {"BLOCK_N": 64}, {"WAVES": 2}, {"WAVES": 8},
-         {"MAXNREG": 168}, {"MAXNREG": 168, "GRID": 3, "WAVES": 12}, {"GRID": 2, "WAVES": 8},
-         {"STAGES": 2, "PREFETCH": 0}, {"WARPS": 8}],
-    32: [{}, {"PREFETCH": 0}, {"SWAP": 0}, {"KB": 4}, {"BLOCK_N": 64, "KB": 4}, {"WAVES": 2}, {"WAVES": 8},
-         {"GRID": 3, "WAVES": 12}, {"FOLD": 1}],
-    64: [{}, {"PREFETCH": 0}, {"SWAP": 0}, {"KB": 2}, {"WAVES": 2}, {"WAVES": 8}, {"GRID": 2, "WAVES": 8},
+    16: [{}, {"HALF": 1}, {"KB": 4}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "KB": 4}, {"WAVES": 8}, {"SWAP": 0},
+         {"GRID": 2}, {"GRID": 3, "MAXNREG": 168}, {"WARPS": 8}],
+    32: [{}, {"HALF": 1}, {"WAVES": 4}, {"WAVES": 12}, {"BLOCK_N": 64, "KB": 4}, {"KB": 4}, {"SWAP": 0}, {"GRID": 2},
          {"FOLD": 1}],
+    64: [{}, {"HALF": 1}, {"FOLD": 1}, {"WAVES": 2}, {"WAVES": 8}, {"SWAP": 0}, {"GRID": 2}],
 }
 
 
