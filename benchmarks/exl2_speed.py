@@ -420,8 +420,8 @@ def fast_matrix(k: int, n: int, dev: torch.device, gen: torch.Generator) -> Any:
 
 
 def quick(args: argparse.Namespace, res: dict) -> None:
-    """4-bit 8B shapes at 1-32 rows: today's default kernel (the GEMV up to EXLPY_GEMV_ROWS rows, exl2_qmm past
-    them) against exl2_tc's default launch table, then, with the time left, exl2_tc as stream-K (GRID 2); one
+    """4-bit 8B shapes at 1-32 rows: the kernels before exl2_tc (EXLPY_QMM_KERNEL=qmm: the GEMV up to
+    EXLPY_GEMV_ROWS rows, exl2_qmm past them) against exl2_tc's default launch table, then, with the time left, exl2_tc as stream-K (GRID 2); one
     table. Each tc output is checked against the default's (rel_err under 2e-3). No new case starts after
     --budget seconds (compiles included)."""
     from exlpy.kernels import exl2_tc_plan
@@ -464,8 +464,8 @@ def quick(args: argparse.Namespace, res: dict) -> None:
                       if e is not None and e >= 2e-3)
         log(f"{r['k']:>5}x{r['n']:<5} {r['m']:>3} {r['old']:>10} {_f(o):>8} {_f(t):>8} {up:>8} {gbs:>8} "
             f"{_e(err):>8}" + "".join(f" {_f(r.get(f'{tag}_us')):>11}" for tag, _ in QUICK_VARIANTS) + bad)
-    log(f"[{time.time() - t0:.0f} s] old = today's default (GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} rows, "
-        "exl2_qmm past them); tc = exl2_tc (EXLPY_QMM_KERNEL=tc); "
+    log(f"[{time.time() - t0:.0f} s] old = EXLPY_QMM_KERNEL=qmm (the GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} "
+        "rows, exl2_qmm past them); tc = exl2_tc's default launch table (EXLPY_QMM_KERNEL=tc); "
         + "; ".join(f"tc-{tag} = exl2_tc with {over}" for tag, over in QUICK_VARIANTS))
     for line in quick_summary(out):
         log(line)
@@ -638,7 +638,8 @@ def write_md(state: dict, path: str) -> None:
         lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
     q = state.get("quick", {})
     if q:
-        lines += ["## Quick: today's default kernel against exl2_tc, 4-bit (us per call, CUDA-graph replays)", "",
+        lines += ["## Quick: EXLPY_QMM_KERNEL=qmm (GEMV, exl2_qmm) against exl2_tc, 4-bit (us per call, CUDA-graph "
+                  "replays)", "",
                   "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old | "
                   + " | ".join(f"tc {over} us (rel_err)" for _, over in QUICK_VARIANTS) + " |",
                   "|---|---|---|---|---|---|---|---|" + "---|" * len(QUICK_VARIANTS)]
