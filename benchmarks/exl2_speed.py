@@ -421,9 +421,9 @@ def fast_matrix(k: int, n: int, dev: torch.device, gen: torch.Generator) -> Any:
 
 def quick(args: argparse.Namespace, res: dict) -> None:
     """4-bit 8B shapes at 1-32 rows: the kernels before exl2_tc (EXLPY_QMM_KERNEL=qmm: the GEMV up to
-    EXLPY_GEMV_ROWS rows, exl2_qmm past them) against exl2_tc's default launch table, then, with the time left, exl2_tc as stream-K (GRID 2); one
-    table. Each tc output is checked against the default's (rel_err under 2e-3). No new case starts after
-    --budget seconds (compiles included)."""
+    EXLPY_GEMV_ROWS rows, exl2_qmm past them) against exl2_tc's default launch table, then, with the time left,
+    exl2_tc's QUICK_VARIANTS; one table. Each tc output is checked against the old kernel's (rel_err under 2e-3).
+    No new case starts after --budget seconds (compiles included)."""
     from exlpy.kernels import exl2_tc_plan
     from exlpy.runtime import options
 
