@@ -7,6 +7,8 @@ Run on a CUDA machine from the repo root (each part prints as it goes and fits o
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts micro    # kernel vs cuBLAS, crossover
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts sweep    # launch-parameter sweep
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts e2e      # the four 8B models
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts quick    # old vs exl2_tc, ~1 min
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts tc --tc-sweep small  # exl2_tc in full
 
 Parts:
 - micro: for K x N in 4096x4096, 4096x14336, 14336x4096 and M in 1..64 rows: the fused kernel (M = 1: the decode
@@ -259,6 +261,280 @@ def sweep(args: argparse.Namespace, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
+# --- tc: the tensor-core dequant GEMM against exl2_qmm, with its launch-parameter sweep -----------------------
+
+TC_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # q|k|v, o, gate|up, down of the 8B model
+TC_ROWS = [1, 2, 4, 8, 16, 32, 64]
+# launch-table alternatives per BLOCK_M class (overrides of exl2_tc_plan.CONFIG[bm]); the first is the default
+TC_SWEEP: dict[int, list[dict[str, int]]] = {
+    16: [{}, {"HALF": 1}, {"KB": 4}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "KB": 4}, {"WAVES": 8}, {"SWAP": 0},
+         {"GRID": 2}, {"GRID": 3, "MAXNREG": 168}, {"WARPS": 8}],
+    32: [{}, {"HALF": 1}, {"WAVES": 4}, {"WAVES": 12}, {"BLOCK_N": 64, "KB": 4}, {"KB": 4}, {"SWAP": 0}, {"GRID": 2},
+         {"FOLD": 1}],
+    64: [{}, {"HALF": 1}, {"FOLD": 1}, {"WAVES": 2}, {"WAVES": 8}, {"SWAP": 0}, {"GRID": 2}],
+}
+
+
+def _tc_error(x: torch.Tensor, ref: torch.Tensor, run: Callable[[], torch.Tensor], runs: int = 10) -> float:
+    worst = 0.0
+    for _ in range(runs):  # repeated: a split-K epilogue race shows only now and then
+        worst = max(worst, ((run().float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def _tc_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str) -> None:
+    from exlpy.kernels import exl2_gemv, exl2_qmm, exl2_tc, exl2_tc_plan
+    from exlpy.kernels import exl2_matmul as km
+    from exlpy.runtime import options, use_options
+
+    dev = torch.device("cuda")
+    key = f"{k}x{n} {mix}"
+    log(f"tc {key}")
+    qm = guarded("build", random_matrix, k, n, mix, dev, mix == "gptq")
+    if qm is None:
+        return
+    mats = _copies(qm, 300 << 20)
+    nbytes = qm.nbytes()
+    qmm_opts = replace(options(), qmm_kernel="qmm")
+    with use_options(qmm_opts):
+        qgroups = [exl2_qmm.QmmGroup([m], None) for m in mats]
+    tgroups = [exl2_tc.TcGroup([m], None) for m in mats]
+    for m in args.tc_rows:
+        x = torch.randn(m, k, dtype=torch.float16, device=dev)
+        ref = km.dequant_matmul(x, qm).float()
+        row: dict[str, Any] = {"k": k, "n": n, "mix": mix, "m": m, "bytes": nbytes}
+        if m >= 2:
+            with use_options(qmm_opts):
+                row["qmm_us"] = _us_or_none(guarded(f"qmm M={m}", _timed, args.reps, len(mats),
+                                                    lambda x=x: [g.run(x) for g in qgroups]))
+                row["qmm_err"] = guarded(f"check qmm M={m}", _tc_error, x, ref, lambda x=x: qgroups[0].run(x))
+        if m <= 4 and exl2_gemv.supports(qm):
+            row["gemv_us"] = _us_or_none(guarded(f"gemv M={m}", _timed, args.reps, len(mats),
+                                                 lambda x=x: [exl2_gemv.exl2_gemv(x, q) for q in mats]))
+        row["tc_us"] = _us_or_none(guarded(f"tc M={m}", _timed, args.reps, len(mats),
+                                           lambda x=x: [g.run(x) for g in tgroups]))
+        row["tc_err"] = guarded(f"check tc M={m}", _tc_error, x, ref, lambda x=x: tgroups[0].run(x))
+        res.setdefault("tc", {})[f"{key} M{m}"] = row
+        cells = "  ".join(f"{name} {row[f'{name}_us']:7.1f} us ({nbytes / row[f'{name}_us'] / 1e3:5.0f} GB/s)"
+                          for name in ("gemv", "qmm", "tc") if row.get(f"{name}_us"))
+        errs = "  ".join(f"{name} err {row[f'{name}_err']:.1e}" + ("  WRONG" if row[f"{name}_err"] >= 2e-3 else "")
+                         for name in ("qmm", "tc") if row.get(f"{name}_err") is not None)
+        log(f"  M={m:3d}  {cells}  {errs}")
+        bm = exl2_tc_plan.block_m(m)
+        if args.tc_sweep and m in args.tc_sweep_rows and (k, n, mix) in _sweep_cases(args):
+            base = exl2_tc_plan.SHAPE_CONFIG.get((k, n, bm))
+            try:
+                for over in TC_SWEEP[bm][1:]:
+                    exl2_tc_plan.SHAPE_CONFIG[(k, n, bm)] = dict(over)
+                    groups = [exl2_tc.TcGroup([q], None) for q in mats]
+                    t = guarded(f"tc {over}", _timed, args.reps, len(mats), lambda x=x, g=groups: [a.run(x) for a in g])
+                    err = guarded("check", _tc_error, x, ref, lambda x=x, g=groups: g[0].run(x), 3) if t else None
+                    name = ",".join(f"{a}={b}" for a, b in over.items())
+                    res.setdefault("tc_sweep", {})[f"{key} M{m} {name}"] = {
+                        "k": k, "n": n, "mix": mix, "m": m, "bm": bm, "over": over, "us": _us_or_none(t), "err": err}
+                    log(f"    sweep M={m} {name:28s} {_us(t)}" + (f" {nbytes / t / 1e9:6.0f} GB/s" if t else "")
+                        + (f"  err {err:.1e}" + ("  WRONG" if err >= 2e-3 else "") if err is not None else ""))
+            finally:
+                if base is None:
+                    exl2_tc_plan.SHAPE_CONFIG.pop((k, n, bm), None)
+                else:
+                    exl2_tc_plan.SHAPE_CONFIG[(k, n, bm)] = base
+
+
+def _us_or_none(t: float | None) -> float | None:
+    return t * 1e6 if t else None
+
+
+def _sweep_cases(args: argparse.Namespace) -> set[tuple[int, int, str]]:
+    if args.tc_sweep == "full":
+        return {(k, n, mix) for mix in args.mixes or ["4.0", "mixed"] for k, n in _tc_shapes(args)}
+    return {(4096, 28672, "4.0"), (14336, 4096, "mixed")}
+
+
+def _tc_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else TC_SHAPES  # type: ignore
+
+
+def tc(args: argparse.Namespace, res: dict) -> None:
+    for mix in args.mixes or ["4.0", "mixed"]:
+        for k, n in _tc_shapes(args):
+            _tc_shape(args, res, k, n, mix)
+            gc.collect()
+            torch.cuda.empty_cache()
+    log("tc table (per shape and row count, the faster of tc and qmm; TC_ROWS / SHAPE_CONFIG suggestions):")
+    for line in tc_summary(res):
+        log("  " + line)
+
+
+def tc_summary(res: dict) -> list[str]:
+    """Per (shape, mix): rows where tc beat qmm (and the GEMV at 1-4 rows), and the sweep's best config per
+    BLOCK_M class where it beat the default by more than 3%."""
+    out = []
+    by: dict[tuple[int, int, str], list[dict]] = {}
+    for r in res.get("tc", {}).values():
+        by.setdefault((r["k"], r["n"], r["mix"]), []).append(r)
+    for (k, n, mix), rows in sorted(by.items()):
+        wins = []
+        for r in sorted(rows, key=lambda r: r["m"]):
+            other = [v for v in (r.get("qmm_us"), r.get("gemv_us")) if v]
+            if r.get("tc_us") and other and r["tc_us"] < min(other) and (r.get("tc_err") or 1) < 2e-3:
+                wins.append(r["m"])
+        out.append(f"{k}x{n} {mix}: tc faster at rows {wins}")
+    best: dict[tuple[int, int, str, int], tuple[float, dict]] = {}
+    for r in res.get("tc_sweep", {}).values():
+        if r["us"] and (r["err"] or 1) < 2e-3:
+            key = (r["k"], r["n"], r["mix"], r["bm"])
+            if key not in best or r["us"] < best[key][0]:
+                best[key] = (r["us"], r["over"])
+    for (k, n, mix, bm), (us, over) in sorted(best.items()):
+        base = [r["tc_us"] for r in res.get("tc", {}).values()
+                if (r["k"], r["n"], r["mix"]) == (k, n, mix) and r.get("tc_us") and _bm(r["m"]) == bm]
+        if base and us < 0.97 * min(base):
+            out.append(f"SHAPE_CONFIG[({k}, {n}, {bm})] = {over}  # {mix}: {us:.1f} us against {min(base):.1f}")
+    return out
+
+
+def _bm(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+# --- quick: old against new in about a minute ----------------------------------------------------------------
+
+QUICK_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+QUICK_ROWS = [1, 2, 4, 8, 16, 32]
+# exl2_tc's launch-table alternatives the quick part times with the time left, in this order
+QUICK_VARIANTS = [("half", {"HALF": 1}), ("sk", {"GRID": 2, "HALF": 1})]
+
+
+def fast_matrix(k: int, n: int, dev: torch.device, gen: torch.Generator) -> Any:
+    """A uniform 4-bit g128 EXL2 matrix of random packed words (every word is valid codes; no bit packing, so an
+    8B-sized matrix takes milliseconds), moved to `dev`."""
+    from exlpy.quant.exl2_ref import build_exl2_matrix
+
+    g = k // 128
+    rnd = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
+    groups = torch.tensor([v for i in range(g) for v in (4, 16 * i)], dtype=torch.int16)
+    qm = build_exl2_matrix(rnd(k // 8, n), torch.randperm(k, generator=gen).to(torch.int32), rnd(g, n // 8),
+                           (0.01 * (0.5 + torch.rand(g, generator=gen))).half(), groups, k, n, "quick")
+    return qm.to(dev)
+
+
+def quick(args: argparse.Namespace, res: dict) -> None:
+    """4-bit 8B shapes at 1-32 rows: the kernels before exl2_tc (EXLPY_QMM_KERNEL=qmm: the GEMV up to
+    EXLPY_GEMV_ROWS rows, exl2_qmm past them) against exl2_tc's default launch table, then, with the time left,
+    exl2_tc's QUICK_VARIANTS; one table. Each tc output is checked against the old kernel's (rel_err under 2e-3).
+    No new case starts after --budget seconds (compiles included)."""
+    from exlpy.kernels import exl2_tc_plan
+    from exlpy.runtime import options
+
+    t0 = time.time()
+    gen = torch.Generator().manual_seed(0)
+    rows = args.tc_rows if args.tc_rows != TC_ROWS else QUICK_ROWS
+    shapes = _tc_shapes(args) if args.shapes else QUICK_SHAPES
+    cases = [_QuickShape(k, n, gen) for k, n in shapes]
+    out = res.setdefault("quick", {})
+    for c in cases:  # first: the old kernel against exl2_tc's defaults, every case
+        for m in rows:
+            if time.time() - t0 > args.budget:
+                break
+            r = out[f"{c.k}x{c.n} M{m}"] = c.compare(args, m)
+            log(f"  [{time.time() - t0:3.0f} s] {c.k}x{c.n} M={m}: {r['old']} {_f(r['old_us'])} us, tc "
+                f"{_f(r.get('tc_us'))} us")
+    for tag, over in QUICK_VARIANTS:  # then, while time is left: exl2_tc's alternatives
+        for c in cases:
+            for m in rows:
+                key = f"{c.k}x{c.n} M{m}"
+                if time.time() - t0 > args.budget or key not in out:
+                    break
+                bm = exl2_tc_plan.block_m(m)
+                exl2_tc_plan.SHAPE_CONFIG[(c.k, c.n, bm)] = dict(over)
+                try:
+                    out[key].update(c.variant(args, m, tag))
+                finally:
+                    exl2_tc_plan.SHAPE_CONFIG.pop((c.k, c.n, bm), None)
+    log(f"{'K x N':>11} {'M':>3} {'old kernel':>10} {'old us':>8} {'tc us':>8} {'speed-up':>8} {'tc GB/s':>8} "
+        f"{'rel_err':>8}" + "".join(f" {'tc-' + tag + ' us':>11}" for tag, _ in QUICK_VARIANTS))
+    for r in out.values():
+        o, t = r.get("old_us"), r.get("tc_us")
+        up = f"{o / t:7.2f}x" if o and t else "       -"
+        gbs = f"{r['bytes'] / t / 1e3:8.0f}" if t else "       -"
+        err = r.get("rel_err")
+        bad = "".join(f"  WRONG ({name})" for name, e in (("tc", err), *((tag, r.get(f"{tag}_err"))
+                                                                         for tag, _ in QUICK_VARIANTS))
+                      if e is not None and e >= 2e-3)
+        log(f"{r['k']:>5}x{r['n']:<5} {r['m']:>3} {r['old']:>10} {_f(o):>8} {_f(t):>8} {up:>8} {gbs:>8} "
+            f"{_e(err):>8}" + "".join(f" {_f(r.get(f'{tag}_us')):>11}" for tag, _ in QUICK_VARIANTS) + bad)
+    log(f"[{time.time() - t0:.0f} s] old = EXLPY_QMM_KERNEL=qmm (the GEMV up to EXLPY_GEMV_ROWS={options().gemv_rows} "
+        "rows, exl2_qmm past them); tc = exl2_tc's default launch table (EXLPY_QMM_KERNEL=tc); "
+        + "; ".join(f"tc-{tag} = exl2_tc with {over}" for tag, over in QUICK_VARIANTS))
+    for line in quick_summary(out):
+        log(line)
+
+
+def quick_summary(out: dict) -> list[str]:
+    """Where exl2_tc (its fastest correct variant per case) beat the old kernel, as exl2_tc_plan tables."""
+    best: dict[int, dict[str, int]] = {}  # row count -> wins per variant
+    rows: dict[tuple[int, int], list[int]] = {}
+    for r in out.values():
+        cands = [("tc", r.get("tc_us"), r.get("rel_err"))] + [(tag, r.get(f"{tag}_us"), r.get(f"{tag}_err"))
+                                                             for tag, _ in QUICK_VARIANTS]
+        ok = [(us, tag) for tag, us, err in cands if us and err is not None and err < 2e-3]
+        if ok and r.get("old_us") and min(ok)[0] < r["old_us"]:
+            rows.setdefault((r["k"], r["n"]), []).append(r["m"])
+            tag = min(ok)[1]
+            best.setdefault(r["m"], {}).setdefault(tag, 0)
+            best[r["m"]][tag] += 1
+    lines = [f"exl2_tc faster at: {json.dumps({f'{k}x{n}': ms for (k, n), ms in sorted(rows.items())})}"]
+    for m, wins in sorted(best.items()):
+        lines.append(f"  M={m}: fastest variant (cases won) {wins}")
+    return lines
+
+
+class _QuickShape:
+    """One shape of the quick comparison: rotating copies of a random 4-bit matrix and both kernels' groups."""
+
+    def __init__(self, k: int, n: int, gen: torch.Generator) -> None:
+        from exlpy.kernels import exl2_qmm, exl2_tc
+        from exlpy.runtime import options, use_options
+
+        self.k, self.n = k, n
+        self.qm = fast_matrix(k, n, torch.device("cuda"), gen)
+        self.mats = _copies(self.qm, 256 << 20)
+        self.old_opts = replace(options(), qmm_kernel="qmm")
+        with use_options(self.old_opts):
+            self.qgroups = [exl2_qmm.QmmGroup([q], None) for q in self.mats]
+        self.tgroups = [exl2_tc.TcGroup([q], None) for q in self.mats]
+        self.y_old: dict[int, torch.Tensor] = {}
+        self.x: dict[int, torch.Tensor] = {}
+
+    def compare(self, args: argparse.Namespace, m: int) -> dict[str, Any]:
+        from exlpy.kernels import exl2_gemv
+        from exlpy.runtime import use_options
+
+        x = self.x[m] = torch.randn(m, self.k, dtype=torch.float16, device="cuda")
+        with use_options(self.old_opts):
+            if exl2_gemv.gemv_takes(m, self.n):
+                name, old = "gemv", lambda: [exl2_gemv.exl2_gemv(x, q) for q in self.mats]
+            else:
+                name, old = "qmm", lambda: [g.run(x) for g in self.qgroups]
+            t_old = guarded(f"{name} M={m}", _timed, args.reps, len(self.mats), old)
+            self.y_old[m] = old()[0].float()
+        row = {"k": self.k, "n": self.n, "m": m, "old": name, "old_us": _us_or_none(t_old), "bytes": self.qm.nbytes()}
+        for key, v in self.variant(args, m, "tc", self.tgroups).items():
+            row[key.replace("tc_err", "rel_err")] = v
+        return row
+
+    def variant(self, args: argparse.Namespace, m: int, tag: str, groups: list | None = None) -> dict[str, Any]:
+        """exl2_tc under the launch table in force: {tag}_us and {tag}_err against the old kernel's output."""
+        from exlpy.kernels import exl2_tc
+
+        groups = groups or [exl2_tc.TcGroup([q], None) for q in self.mats]
+        x, y = self.x[m], self.y_old[m]
+        t = guarded(f"{tag} M={m}", _timed, args.reps, len(self.mats), lambda: [g.run(x) for g in groups])
+        err = guarded("check", lambda: ((groups[0].run(x).float() - y).abs().max() / y.abs().max()).item())
+        return {f"{tag}_us": _us_or_none(t), f"{tag}_err": err}
+
+
 # --- e2e ------------------------------------------------------------------------------------------------------
 
 def model_dir(args: argparse.Namespace, variant: str) -> str:
@@ -276,23 +552,33 @@ def model_dir(args: argparse.Namespace, variant: str) -> str:
 
 def _e2e_variant(args: argparse.Namespace, res: dict, variant: str) -> None:
     from exlpy.cli.bench import load_model, time_decode, time_prefill
+    from exlpy.runtime import options, use_options
 
     log(f"e2e {variant}")
     path = guarded("write model", model_dir, args, variant)
     if path is None:
         return
     seq = max(args.prompt_len + args.gen_len + 16, args.prefill)
-    model = guarded("load", load_model, path, seq, max(args.batches))
+    # loaded under EXLPY_QMM_KERNEL=tc when any run wants it: the groups then make exl2_tc's plans too (the option
+    # in force at each decode picks the kernel)
+    kern = "tc" if "tc" in (args.qmm_kernels or []) else options().qmm_kernel
+    with use_options(replace(options(), qmm_kernel=kern)):
+        model = guarded("load", load_model, path, seq, max(args.batches))
     if model is None:
         return
     out = res.setdefault("e2e", {}).setdefault(variant, {})
     out["weights_gb"] = sum(m.weight_bytes() for m in model.modules[1:]) / 1e9
-    for b in args.batches:
-        r = guarded(f"decode batch {b}", time_decode, model, b, args.prompt_len, args.gen_len)
-        if r is not None:
-            out[f"b{b}"] = r.tokens_per_s
-            log(f"  batch {b:3d}: {r.tokens_per_s:9.1f} tok/s  ({1e3 * r.seconds / r.gen_len:.2f} ms/step, "
-                f"{r.bandwidth() / 1e12:.2f} TB/s)")
+    for kern in args.qmm_kernels or [None]:
+        opts = options() if kern is None else replace(options(), qmm_kernel=kern)
+        tag = "" if kern is None else f" [{kern}]"
+        slot = out if kern is None else out.setdefault(kern, {})
+        with use_options(opts):
+            for b in args.batches:
+                r = guarded(f"decode batch {b}{tag}", time_decode, model, b, args.prompt_len, args.gen_len)
+                if r is not None:
+                    slot[f"b{b}"] = r.tokens_per_s
+                    log(f"  batch {b:3d}{tag}: {r.tokens_per_s:9.1f} tok/s  ({1e3 * r.seconds / r.gen_len:.2f} "
+                        f"ms/step, {r.bandwidth() / 1e12:.2f} TB/s)")
     if args.prefill:
         t = guarded("prefill", time_prefill, model, args.prefill)
         if t is not None:
@@ -318,7 +604,8 @@ def write_md(state: dict, path: str) -> None:
     lines.append("")
     e2e_res = state.get("e2e", {})
     if e2e_res:
-        batches = sorted({int(k[1:]) for v in e2e_res.values() for k in v if k.startswith("b")})
+        runs = [r for v in e2e_res.values() for r in (v, *(x for x in v.values() if isinstance(x, dict)))]
+        batches = sorted({int(k[1:]) for r in runs for k in r if k.startswith("b")})
         lines += ["## Decode and prefill, 8B (Llama-3 shape, random weights), tok/s total", "",
                   "| model | weights GB | " + " | ".join(f"batch {b}" for b in batches) + " | prefill 2048 |",
                   "|---|---|" + "---|" * len(batches) + "---|"]
@@ -326,6 +613,10 @@ def write_md(state: dict, path: str) -> None:
             cells = [f"{r[f'b{b}']:,.0f}" if f"b{b}" in r else "-" for b in batches]
             pre = f"{r['prefill']:,.0f}" if "prefill" in r else "-"
             lines.append(f"| {v} | {r.get('weights_gb', 0):.2f} | " + " | ".join(cells) + f" | {pre} |")
+            for kern in ("qmm", "tc", "auto"):  # --qmm-kernels runs: one row per kernel
+                if isinstance(r.get(kern), dict):
+                    cells = [f"{r[kern][f'b{b}']:,.0f}" if f"b{b}" in r[kern] else "-" for b in batches]
+                    lines.append(f"| {v} (EXLPY_QMM_KERNEL={kern}) | | " + " | ".join(cells) + " | |")
         lines.append("| target (EXL2 4.0 bpw) | | " + " | ".join(f"{TARGETS.get(b, 0):,}" for b in batches)
                      + f" | {PREFILL_TARGET:,} |")
         lines.append("")
@@ -345,6 +636,37 @@ def write_md(state: dict, path: str) -> None:
                          f"{_f(r['bytes'] / f / 1e3 if f else None, 0)} | {_f(r['dequant_us'])} | {_f(r['fp16_us'])} | "
                          f"{'-' if err is None else f'{err:.1e}'} |")
         lines += ["", f"Crossover (first M where dequantize + cuBLAS wins): `{json.dumps(crossover(state))}`", ""]
+    q = state.get("quick", {})
+    if q:
+        lines += ["## Quick: EXLPY_QMM_KERNEL=qmm (GEMV, exl2_qmm) against exl2_tc, 4-bit (us per call, CUDA-graph "
+                  "replays)", "",
+                  "| K x N | M | old kernel | old us | tc us | speed-up | tc GB/s | rel_err tc vs old | "
+                  + " | ".join(f"tc {over} us (rel_err)" for _, over in QUICK_VARIANTS) + " |",
+                  "|---|---|---|---|---|---|---|---|" + "---|" * len(QUICK_VARIANTS)]
+        for r in q.values():
+            o, t = r.get("old_us"), r.get("tc_us")
+            lines.append(f"| {r['k']}x{r['n']} | {r['m']} | {r['old']} | {_f(o)} | {_f(t)} | "
+                         f"{f'{o / t:.2f}x' if o and t else '-'} | {_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
+                         f"{_e(r.get('rel_err'))} | " + " | ".join(
+                             f"{_f(r.get(f'{tag}_us'))} ({_e(r.get(f'{tag}_err'))})" for tag, _ in QUICK_VARIANTS)
+                         + " |")
+        lines.append("")
+    tc_res = state.get("tc", {})
+    if tc_res:
+        lines += ["## Tensor-core dequant GEMM (exl2_tc) against exl2_qmm and the GEMV (us per call, CUDA-graph "
+                  "replays)", "", "| K x N | layout | M | GEMV us | qmm us | tc us | tc GB/s | qmm err | tc err |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in tc_res.values():
+            t = r.get("tc_us")
+            lines.append(f"| {r['k']}x{r['n']} | {r['mix']} | {r['m']} | {_f(r.get('gemv_us'))} | "
+                         f"{_f(r.get('qmm_us'))} | {_f(t)} | {_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
+                         f"{_e(r.get('qmm_err'))} | {_e(r.get('tc_err'))} |")
+        lines += ["", *[f"- {x}" for x in tc_summary(state)], ""]
+    tsw = state.get("tc_sweep", {})
+    if tsw:
+        lines += ["## exl2_tc launch-parameter sweep (us per call)", "", "| case | us | err |", "|---|---|---|"]
+        lines += [f"| {k} | {_f(v['us'])} | {_e(v['err'])} |" for k, v in tsw.items()]
+        lines.append("")
     sw = state.get("sweep", {})
     if sw:
         lines += ["## exl2_qmm launch-parameter sweep (us per call)", "", "| case | us |", "|---|---|"]
@@ -360,13 +682,19 @@ def write_md(state: dict, path: str) -> None:
         f.write("\n".join(lines).rstrip("\n") + "\n" + kept)
 
 
+def _e(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
 def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, e2e (default micro,e2e)")
+    ap.add_argument("--parts", default="micro,e2e", help="comma list of micro, sweep, tc, quick, e2e (default "
+                    "micro,e2e)")
+    ap.add_argument("--budget", type=float, default=40.0, help="quick: seconds after which no new case starts")
     ap.add_argument("--quick", action="store_true", help="~2 minutes: 4-bit micro at M 1/8/32/64, EXL2 4-bit and "
                     "fp16 models at batch 1 and 8")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e2e models, of {', '.join(VARIANTS)}")
@@ -377,7 +705,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="graph replays per micro timing")
     ap.add_argument("--gemv-variants", action="store_true", help="micro: also time the multi-row GEMV's "
                     "register-cap / words-in-flight alternatives at 4 and 8 rows")
-    ap.add_argument("--mixes", nargs="+", default=None, help="micro layouts (default 4.0 mixed gptq)")
+    ap.add_argument("--mixes", nargs="+", default=None, help="micro layouts (default 4.0 mixed gptq; tc: 4.0 mixed)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="tc part: KxN shapes (default the 8B model's fused "
+                    "q|k|v, o, gate|up, down)")
+    ap.add_argument("--tc-rows", type=int, nargs="+", default=TC_ROWS, help="tc part: row counts")
+    ap.add_argument("--tc-sweep", choices=("small", "full"), default=None, help="tc part: also time the launch-table "
+                    "alternatives (small: 4-bit gate|up and mixed down; full: every shape)")
+    ap.add_argument("--tc-sweep-rows", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--qmm-kernels", nargs="+", choices=("qmm", "tc", "auto"), default=None,
+                    help="e2e: decode once per EXLPY_QMM_KERNEL value (same loaded model)")
     ap.add_argument("--models-dir", default=os.environ.get("EXLPY_BENCH_MODELS", "/tmp/exlpy_bench_models"))
     ap.add_argument("--out", default="benchmarks/results/exl2_speed.md")
     ap.add_argument("--json", default="benchmarks/results/raw/exl2_speed.json")
@@ -405,13 +741,14 @@ def main() -> int:
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            # EXLPY_GEMV_ROWS / EXLPY_QUANT_ROWS decide which kernel e2e batches of 2-64 rows run
-           "command": f"EXLPY_GEMV_ROWS={options().gemv_rows} EXLPY_QUANT_ROWS={options().quant_rows} python "
+           "command": f"EXLPY_GEMV_ROWS={options().gemv_rows} EXLPY_QUANT_ROWS={options().quant_rows} "
+                      f"EXLPY_QMM_KERNEL={options().qmm_kernel} python "
                       + " ".join(shlex.quote(a) for a in sys.argv)}
     state.setdefault("runs", []).append(run)
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()
     for part in parts:
-        fn = {"micro": micro, "sweep": sweep, "e2e": e2e}.get(part)
+        fn = {"micro": micro, "sweep": sweep, "e2e": e2e, "tc": tc, "quick": quick}.get(part)
         if fn is None:
             log(f"unknown part {part!r}")
             continue

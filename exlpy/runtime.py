@@ -24,6 +24,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
+| `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm`, `tc` (tensor-core dequant GEMM) or `auto` (measured) |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
@@ -40,6 +41,7 @@ from exlpy.errors import ConfigError
 
 TP_COMMS = ("auto", "local", "host", "nccl", "peer", "hostmem")
 TP_LAYOUTS = ("auto", "row", "column")
+QMM_KERNELS = ("auto", "qmm", "tc")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,11 @@ class RuntimeOptions:
     # EXLPY_GEMV_ROWS: 2 up to this many rows take the decode GEMV extended to several rows (exl2_gemv.py), which
     # beats the tensor-core kernel where the rows' FMAs cost less than that kernel's fixed cost; 0 or 1: off.
     gemv_rows: int = 4
+    # EXLPY_QMM_KERNEL: which kernel multiplies the 2-64 rows that reach the multi-row path (EXLPY_QUANT_ROWS,
+    # past EXLPY_GEMV_ROWS) by packed weights: qmm (exl2_qmm.py), tc (exl2_tc.py, the tensor-core dequant GEMM)
+    # or auto (tc where its launch table, exl2_tc_plan.TC_ROWS, says it was measured faster: 5-32 rows on an H100;
+    # qmm elsewhere).
+    qmm_kernel: str = "auto"
     # EXLPY_GRAPH_SAMPLING=0 turns off the captured sampler (generator/sampling/graphed.py), on by default where
     # decode steps are CUDA graphs: its GPU tests pass (H100, 2026-11-26 12:17) and it holds exllamav2's default
     # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
@@ -93,6 +100,8 @@ class RuntimeOptions:
             raise ConfigError(f"EXLPY_FLASH_CONFIG {self.flash_config}: four positive ints BM,BN,warps,stages")
         if not 0 <= self.gemv_rows <= 8:
             raise ConfigError(f"EXLPY_GEMV_ROWS={self.gemv_rows}: the decode GEMV takes 0 to 8 rows")
+        if self.qmm_kernel not in QMM_KERNELS:
+            raise ConfigError(f"EXLPY_QMM_KERNEL={self.qmm_kernel!r}: use one of {', '.join(QMM_KERNELS)}")
         if not 0 <= self.quant_rows <= 64:
             raise ConfigError(f"EXLPY_QUANT_ROWS={self.quant_rows}: the fused quantized matmul takes 0 to 64 rows")
 
@@ -125,6 +134,7 @@ class RuntimeOptions:
             api_key=e.get("EXLPY_API_KEY") or None,
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
+            qmm_kernel=e.get("EXLPY_QMM_KERNEL") or "auto",
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=flag("EXLPY_PREFILL_GRAPHS"),
         )

@@ -26,6 +26,14 @@ from tests.conftest import rel_err, requires_cuda, shared_path
 TOL = 2e-3  # fp16 weights and x in the dots, fp32 accumulation (rel_err: max |diff| / max |ref|)
 
 
+@pytest.fixture(autouse=True)
+def _qmm_kernel():
+    """These tests are exl2_qmm's: EXLPY_QMM_KERNEL=qmm keeps the rows exl2_tc would take by default (5-32,
+    exl2_tc_plan.TC_ROWS) on it (exl2_tc has its own tests, tests/test_exl2_tc.py)."""
+    with use_options(dataclasses.replace(options(), qmm_kernel="qmm")):
+        yield
+
+
 def _fused_rows() -> RuntimeOptions:
     """This session's options with the multi-row kernel taking 2-64 rows (EXLPY_QUANT_ROWS=64; the default 0 keeps
     it off until its GPU tests pass): for tests that reach the kernel through the model's dispatch."""

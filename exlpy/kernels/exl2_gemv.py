@@ -404,11 +404,15 @@ def run_plan(plan: GemvPlan, xp: torch.Tensor, parts: list[QuantMatrix], bias: t
     return out
 
 
-def gemv_takes(m: int, n: int) -> bool:
-    """Whether m rows of a product with n output columns (all of a group) run here: one row always, 2 up to
-    EXLPY_GEMV_ROWS rows while their workspace rows fit."""
+def gemv_takes(m: int, n: int, k: int = 0) -> bool:
+    """Whether m rows of a [k, n] product (n: all output columns of a group) run here: one row, 2 up to
+    EXLPY_GEMV_ROWS rows while their workspace rows fit; not where the tensor-core kernel takes them
+    (exl2_tc_plan.takes: EXLPY_QMM_KERNEL=tc, or its table; k = 0: not asked)."""
+    from exlpy.kernels.exl2_tc_plan import takes
     from exlpy.runtime import options
 
+    if k and takes(m, k, n):
+        return False
     return m == 1 or (2 <= m <= min(options().gemv_rows, MAX_ROWS) and m * n <= WS_COLS)
 
 

@@ -302,7 +302,8 @@ def dequant_matmul(x: torch.Tensor, qm: QuantMatrix | list[QuantMatrix], residua
 
 
 def fused_rows(m: int, qm: QuantMatrix) -> bool:
-    """Whether m >= 2 rows of qm run exl2_qmm (packed weights read once), by shape and layout."""
+    """Whether m rows of qm run the multi-row path (exl2_qmm / exl2_tc, packed weights read once), by shape and
+    layout."""
     return exl2_qmm_plan.rows_kernel_takes(m, qm.k, qm.n) and exl2_qmm_plan.supports(qm)
 
 
@@ -310,9 +311,9 @@ def exl2_matmul(x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None = No
     """y = x @ W (+ bias) for x [..., K] on the packed matrix qm; result [..., N] in x's dtype."""
     lead = x.shape[:-1]
     m = x.numel() // qm.k
-    if USE_GEMV and exl2_gemv.gemv_takes(m, qm.n) and exl2_gemv.supports(qm):
+    if USE_GEMV and exl2_gemv.gemv_takes(m, qm.n, qm.k) and exl2_gemv.supports(qm):
         return exl2_gemv.exl2_gemv(x.reshape(m, qm.k), qm, bias).to(x.dtype).reshape(*lead, qm.n)
-    if m >= 2 and fused_rows(m, qm):
+    if fused_rows(m, qm):  # 2-64 rows, or one row the tensor-core kernel takes
         return exl2_qmm.qmm(x.reshape(m, qm.k), [qm], bias).reshape(*lead, qm.n)
     x2 = x.reshape(-1, qm.k).to(torch.float16).contiguous()
     if x2.shape[0] == 1 and USE_GEMV and exl2_gemv.supports(qm):
@@ -340,7 +341,7 @@ def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Ten
     m = x.numel() // k
     lead = x.shape[:-1]
     fits = residual is not None and residual.is_contiguous() and residual.dtype == torch.float16
-    if 2 <= m and USE_GEMV and exl2_gemv.gemv_takes(m, n) and all(exl2_gemv.supports(p) for p in parts) \
+    if 2 <= m and USE_GEMV and exl2_gemv.gemv_takes(m, n, k) and all(exl2_gemv.supports(p) for p in parts) \
             and (residual is None or (residual.is_contiguous() and residual.numel() == m * n)):
         try:
             group = _gemv_group(parts, bias)
@@ -352,7 +353,7 @@ def quant_matmul_cuda(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Ten
             y = group.run(xp, x.dtype, residual.view(m, n) if residual is not None else None)
             return residual if residual is not None else y.view(*lead, n)
     takes = exl2_qmm_plan.rows_kernel_takes(m, k, n)
-    if m >= 2 and takes and all(exl2_qmm_plan.supports(p) for p in parts):
+    if takes and all(exl2_qmm_plan.supports(p) for p in parts):  # 2-64 rows, or one the tc kernel takes
         res = residual.view(m, n) if residual is not None and residual.is_contiguous() else None
         y = exl2_qmm.qmm(x.reshape(m, k), parts, bias, res, norm_weight, eps)
         if residual is not None and res is None:

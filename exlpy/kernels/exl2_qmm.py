@@ -52,6 +52,8 @@ from exlpy.kernels.exl2_qmm_plan import (
     block_m,
     plan_for,
 )
+from exlpy.kernels.exl2_tc_plan import takes as tc_takes
+from exlpy.kernels.exl2_tc_plan import wanted as tc_wanted
 from exlpy.quant.layout import QuantMatrix
 
 __all__ = ["QmmGroup", "gather_rows", "prepare", "qmm", "run_plan"]
@@ -374,6 +376,13 @@ def qmm(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = N
     """x [M, K] (rms_norm'd with norm_weight when given) @ [parts side by side] (+ bias) -> [M, N total] in x's
     dtype, or added into `residual` [M, N total] (contiguous) in place and returned. The parts share K and
     act order; the caller checks exl2_qmm_plan.supports for each."""
+    if tc_takes(x.shape[0], parts[0].k, sum(p.n for p in parts)):
+        from exlpy.kernels.exl2_tc import tc_matmul
+
+        try:
+            return tc_matmul(x, parts, bias, residual, norm_weight, eps)
+        except ValueError:  # a layout the tensor-core kernel cannot plan (checked before any launch)
+            pass
     plan = plan_for(parts, parts[0].perm, block_m(x.shape[0]))
     xb = gather_rows(x, plan, norm_weight, eps)
     out = residual if residual is not None else torch.empty(x.shape[0], plan.n, dtype=x.dtype, device=x.device)
@@ -394,6 +403,9 @@ class QmmGroup:
         for bm in (16, 32, 64):
             self.plan(bm)
         prepare(parts[0].device)
+        # the tensor-core kernel, where EXLPY_QMM_KERNEL or its table may choose it (its plans are made now, at
+        # load time; none are made while it is off, to keep their device tables out of every model's memory)
+        self.tc = _tc_group(parts, bias) if tc_wanted() else None
 
     def plan(self, bm: int) -> QmmPlan:
         """The plan for BLOCK_M `bm`: made at load time for every class, and again after CONFIG changes
@@ -408,8 +420,20 @@ class QmmGroup:
             eps: float = 0.0) -> torch.Tensor:
         """x [M, K] (rms_norm'd with norm_weight first when given) -> y [M, N total] in x's dtype, or added
         into `residual` [M, N total] (contiguous) in place and returned."""
+        if self.tc is not None and tc_takes(x.shape[0], self.parts[0].k, self.n):
+            return self.tc.run(x, residual, norm_weight, eps)
         plan = self.plan(block_m(x.shape[0]))
         xb = gather_rows(x, plan, norm_weight, eps)
         out = residual if residual is not None else torch.empty(x.shape[0], plan.n, dtype=x.dtype,
                                                                 device=x.device)
         return run_plan(plan, xb, self.parts, self.bias, residual, out)
+
+
+def _tc_group(parts: list[QuantMatrix], bias: torch.Tensor | None) -> object | None:
+    """exl2_tc.TcGroup of the parts, or None where that kernel cannot take them."""
+    from exlpy.kernels.exl2_tc import TcGroup
+
+    try:
+        return TcGroup(parts, bias)
+    except ValueError:
+        return None

@@ -63,7 +63,13 @@ CROSSOVER: dict[tuple[int, int], int] = {}
 
 
 def rows_kernel_takes(m: int, k: int, n: int) -> bool:
-    """Whether m >= 2 rows of a [k, n] product run fused (the multi-row kernel), not dequantize + cuBLAS."""
+    """Whether m rows of a [k, n] product run the multi-row path (exl2_qmm, or exl2_tc where
+    exl2_tc_plan.takes says so), not dequantize + cuBLAS or the decode GEMV: 2 up to EXLPY_QUANT_ROWS rows below
+    the shape's crossover, and one row only where the tensor-core kernel takes it."""
+    from exlpy.kernels.exl2_tc_plan import takes
+
+    if m == 1:
+        return takes(1, k, n)
     return 2 <= m <= options().quant_rows and m < CROSSOVER.get((k, n), MAX_ROWS + 1)
 
 

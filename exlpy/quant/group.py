@@ -38,14 +38,14 @@ class FusedQuant:
         """Whether x's rows run the decode GEMV (one row, or a few: exl2_gemv.gemv_takes)."""
         from exlpy.kernels.exl2_gemv import gemv_takes
 
-        return x.is_cuda and gemv_takes(x.numel() // self.in_features, self.out_features)
+        return x.is_cuda and gemv_takes(x.numel() // self.in_features, self.out_features, self.in_features)
 
     def _fused_rows(self, x: torch.Tensor) -> int:
         """Rows of x that the multi-row kernel takes in one launch (0: it does not)."""
         from exlpy.kernels.exl2_qmm_plan import rows_kernel_takes
 
         m = x.numel() // self.in_features
-        return m if x.is_cuda and m >= 2 and rows_kernel_takes(m, self.in_features, self.out_features) else 0
+        return m if x.is_cuda and m >= 1 and rows_kernel_takes(m, self.in_features, self.out_features) else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._decode_row(x):

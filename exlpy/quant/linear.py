@@ -46,7 +46,7 @@ class QuantLinear:
     def _fused_rows(self, x: torch.Tensor) -> int:
         """Rows of x that the multi-row kernel takes in one launch (0: it does not)."""
         m = x.numel() // self.in_features
-        if self._rows is None or not x.is_cuda or m < 2:
+        if self._rows is None or not x.is_cuda or m < 1:
             return 0
         from exlpy.kernels.exl2_qmm_plan import rows_kernel_takes
 
@@ -76,7 +76,8 @@ class QuantLinear:
                 and ops.has_cuda_kernels():
             from exlpy.kernels import exl2_gemv, exl2_matmul
 
-            if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm) and exl2_gemv.gemv_takes(rows, self.qm.n):
+            if exl2_matmul.USE_GEMV and exl2_gemv.supports(self.qm) and exl2_gemv.gemv_takes(rows, self.qm.n,
+                                                                                            self.qm.k):
                 exl2_gemv.exl2_gemv(x.reshape(rows, -1), self.qm, self.bias, residual=residual.view(rows, -1))
                 return residual
         m = self._fused_rows(x)
