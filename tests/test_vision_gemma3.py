@@ -24,10 +24,10 @@ class Loaded:
         self.hf, self.proc = make_gemma3(path)
         self.config = ExLlamaV2Config(str(path))
         self.model = ExLlamaV2(self.config)
-        self.model.load()
+        self.model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
         self.tokenizer = ExLlamaV2Tokenizer(self.config)
         self.tower = ExLlamaV2VisionTower(self.config)
-        self.tower.load()
+        self.tower.load(device="cpu")
 
     def embed(self, img: Any, alias: str) -> Any:
         return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img, text_alias=alias)

@@ -23,10 +23,10 @@ class Loaded:
         self.hf, self.proc = make_mistral3(path)
         self.config = ExLlamaV2Config(str(path))
         self.model = ExLlamaV2(self.config)
-        self.model.load()
+        self.model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
         self.tokenizer = ExLlamaV2Tokenizer(self.config)
         self.tower = ExLlamaV2VisionTower(self.config)
-        self.tower.load()
+        self.tower.load(device="cpu")
 
     def embed(self, img: Any, alias: str) -> Any:
         return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img, text_alias=alias)
@@ -126,10 +126,10 @@ def test_pixtral_12b_llava_logits_match_hf(tmp_path: Path) -> None:
     hf, proc = make_llava_pixtral(tmp_path)
     config = ExLlamaV2Config(str(tmp_path))
     model = ExLlamaV2(config)
-    model.load()
+    model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
     tok = ExLlamaV2Tokenizer(config)
     tower = ExLlamaV2VisionTower(config)
-    tower.load()
+    tower.load(device="cpu")
     img = random_image(90, 60, seed=1)
     px, grid = tower.preprocess(img)
     ref = proc(images=[img], return_tensors="pt")

@@ -24,10 +24,10 @@ class Loaded:
         self.hf, self.proc = make_qwen_vl(path, kind)
         self.config = ExLlamaV2Config(str(path))
         self.model = ExLlamaV2(self.config)
-        self.model.load()
+        self.model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
         self.tokenizer = ExLlamaV2Tokenizer(self.config)
         self.tower = ExLlamaV2VisionTower(self.config)
-        self.tower.load()
+        self.tower.load(device="cpu")
 
     def hf_logits(self, images: list[Any], ids: torch.Tensor) -> torch.Tensor:
         ref = self.proc(images=images, return_tensors="pt")
@@ -239,10 +239,10 @@ def test_video_matches_hf(tmp_path: Path, kind: str) -> None:
     hf, _ = make_qwen_vl(tmp_path, kind)
     config = ExLlamaV2Config(str(tmp_path))
     model = ExLlamaV2(config)
-    model.load()
+    model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
     tok = ExLlamaV2Tokenizer(config)
     tower = ExLlamaV2VisionTower(config)
-    tower.load()
+    tower.load(device="cpu")
     frames = [random_image(90, 60, seed=40 + i) for i in range(5)]
     from exlpy.vision import qwen2
 
