@@ -214,8 +214,12 @@ def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int =
 def _unroll(block_m: int, width: int, elem_bytes: int = 2) -> int:
     """32-row blocks per loop trip: decode tiles (16 rows) of one-width stacks take UNROLL_DECODE, whose loads
     are independent, so more bytes are in flight per program (a decode step is a few programs per SM, each
-    walking its expert's K); the gather paths and fp32 activations keep one (their registers are spent)."""
-    return UNROLL_DECODE if block_m == 16 and width and elem_bytes <= 2 else 1
+    walking its expert's K); the gather paths and fp32 activations keep one (their registers are spent). 8-bit
+    stacks take half: their gate|up tile at 4 blocks per trip spilled 44 bytes under Triton 3.6 (the GPU image;
+    benchmarks/moe_compile_check.py), none at 2."""
+    if not (block_m == 16 and width and elem_bytes <= 2):
+        return 1
+    return UNROLL_DECODE // 2 if width == 8 else UNROLL_DECODE
 
 
 def _width(stack: ExpertStack) -> int:
