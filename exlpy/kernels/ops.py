@@ -262,3 +262,9 @@ def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_ga
 
 def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return _impl("moe_down", a)(a, order, counts, w_down)
+
+
+def gptq_block(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
+               codes: torch.Tensor, err: torch.Tensor, rtn: bool = False) -> None:
+    """One block of GPTQ rows (the converter's inner loop), in place; see `reference.gptq_block`."""
+    _impl("gptq_block", w)(w, u, scale, zero, maxq, codes, err, rtn)

@@ -17,6 +17,7 @@ from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import act_mul, silu_mul
 from exlpy.kernels.exl2_matmul import quant_matmul_cuda
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
+from exlpy.kernels.gptq_block import gptq_block
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
@@ -123,6 +124,7 @@ def register_all() -> None:
     ops.register_features("moe_gate_up", frozenset({"silu", "gelu_tanh"}))
     ops.register("moe_down", moe_down)
     ops.register("moe_combine", moe_combine)
+    ops.register("gptq_block", gptq_block)
 
 
 register_all()
