@@ -55,6 +55,7 @@ class Phases:
         self.syncs: dict[str, int] = defaultdict(int)
         self.stack: list[str] = []
         self.t_last = 0.0
+        self.fused = False  # inside a fused op: its torch reference's operations are one launch on a GPU
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -87,6 +88,21 @@ class Phases:
 
         setattr(mod, attr, wrapped)
 
+    def fuse(self, mod: Any, attr: str) -> None:
+        """Count `mod.attr` as one op: on CPU its torch reference runs, on a GPU its one kernel."""
+        fn = getattr(mod, attr)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if self.count_ops and not self.fused:
+                self.ops[self.stack[-1] if self.stack else "other"] += 1
+            self.fused = True
+            try:
+                return fn(*a, **k)
+            finally:
+                self.fused = False
+
+        setattr(mod, attr, wrapped)
+
 
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts aten operations (on CUDA: kernel launches, roughly) and host syncs (.item(), bool(), .cpu())."""
@@ -98,6 +114,8 @@ class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.phases = phases
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.phases.fused:
+            return func(*args, **(kwargs or {}))
         name = self.phases.stack[-1] if self.phases.stack else "other"
         self.phases.ops[name] += 1
         fname = func.__name__
@@ -134,6 +152,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="append the table to this markdown file")
     a = ap.parse_args()
 
+    from exlpy.config.config import ExLlamaV2Config
     from exlpy.convert import measure as measure_mod
     from exlpy.convert import quantize as quantize_mod
     from exlpy.convert.forward import Hessian, States
@@ -141,7 +160,7 @@ def main() -> None:
     from exlpy.convert.layers import OPTIONS, is_decoder
     from exlpy.convert.settings import ConvertSettings
     from exlpy.engine import ExLlamaV2
-    from exlpy.config.config import ExLlamaV2Config
+    from exlpy.kernels import ops
 
     device = torch.device(a.device)
     shape = dict(make_models.SHAPES[a.shape])
@@ -168,6 +187,8 @@ def main() -> None:
     ph.wrap(quantize_mod, "read_weight", "weight read")
     ph.wrap(quantize_mod, "pack_exl2", "pack + check")
     ph.wrap(quantize_mod, "run_chunk", "forward (error of chunk 0)")
+    if hasattr(ops, "gptq_block"):
+        ph.fuse(ops, "gptq_block")
     add = Hessian.add
 
     def hadd(self: Hessian, x: torch.Tensor) -> None:
@@ -189,10 +210,11 @@ def main() -> None:
         return States([torch.randn(min(step, rows - r), a.length, h, generator=gen).half().to(device)
                        for r in range(0, rows, step)])
 
-    m_states, q_states = states(a.mrows), states(a.rows)
+    inputs = {"measure": states(a.mrows), "quantize": states(a.rows)}
+    outputs: dict[str, States] = {}
     counter = _OpCounter(ph) if a.count_ops else contextlib.nullcontext()
     results = []
-    for rep in range(a.repeat):
+    for _ in range(a.repeat):
         ph.time.clear(), ph.ops.clear(), ph.syncs.clear()
         stage_t: dict[str, float] = {}
         with torch.inference_mode(), counter:
@@ -203,17 +225,14 @@ def main() -> None:
                     with ph.phase(f"{key}: other"):
                         with ph.phase("module load"):
                             m.load(device)
+                        x = inputs[stage] if m is attn else outputs[stage]
                         if stage == "measure":
-                            _, out = measure_mod.measure_module(m, m_states if m is attn else m_out, device, store,
-                                                                s.damp, s.scale_norm)
-                            if m is attn:
-                                m_out = out
+                            _, out = measure_mod.measure_module(m, x, device, store, s.damp, s.scale_norm)
                         else:
                             opt = pick_option(OPTIONS[type(m)], m, a.bits)
-                            _, out, _ = quantize_mod.quantize_module(m, q_states if m is attn else q_out, device,
-                                                                     store, opt, s.damp, s.scale_norm, s.act_order)
-                            if m is attn:
-                                q_out = out
+                            _, out, _ = quantize_mod.quantize_module(m, x, device, store, opt, s.damp, s.scale_norm,
+                                                                     s.act_order)
+                        outputs[stage] = out
                         m.unload()
                         if m is mlp:
                             with ph.phase(f"{stage}: states checkpoint write"):
@@ -223,7 +242,7 @@ def main() -> None:
     times, ops, syncs, stage_t = results[-1]
     head_t = None
     if a.head:
-        head_t = time_head(model, q_out, device, s)
+        head_t = time_head(model, outputs["quantize"], device, s)
 
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU ({torch.get_num_threads()} threads)"

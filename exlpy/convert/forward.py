@@ -141,10 +141,11 @@ class States:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks + (self.side or []))
 
-    def to_dict(self) -> dict[str, torch.Tensor]:
-        out = {f"chunk_{i}": c.contiguous().cpu() for i, c in enumerate(self.chunks)}
-        out.update({f"side_{i}": c.contiguous().cpu() for i, c in enumerate(self.side or [])})
-        return out
+    def to_dict(self, host: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors by name, in host memory (`host=False`: where they are, for `Job.checkpoint_async`)."""
+        out = {f"chunk_{i}": c for i, c in enumerate(self.chunks)}
+        out.update({f"side_{i}": c for i, c in enumerate(self.side or [])})
+        return {k: v.contiguous().cpu() for k, v in out.items()} if host else out
 
     @staticmethod
     def from_dict(d: dict[str, torch.Tensor], store: torch.device) -> States:

@@ -162,21 +162,28 @@ class _Converter:
         if resumed:
             self.prog.print(f"Resuming job in {s.out_dir} at stage '{self.job.stage}'")
         self.tokenizer = caldata.open_tokenizer(s.in_dir)
-        with torch.inference_mode():
-            if "measurement" not in self.job.data:
-                self.job.data["measurement"] = self._load_measurement() if s.measurement else self._measure()
-                self.job.save()
-            if s.output_measurement:
-                path = self.job.path("measurement.json")
-                write_json(path, {"measurement": self.job.data["measurement"],
-                                  "last_module_idx": len(self.model.modules) - 1})
-                self.prog.print(f"Measurement written to {path}")
-                return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
-            if "strategy" not in self.job.data:
-                self._optimize()
-            if not self.job.data.get("quant", {}).get("head_done"):
-                self._quantize()
-            result = self._compile()
+        try:
+            with torch.inference_mode():
+                return self._stages()
+        finally:
+            self.job.close()  # a failing job's background writes end before the caller retries
+
+    def _stages(self) -> dict[str, Any]:
+        s = self.s
+        if "measurement" not in self.job.data:
+            self.job.data["measurement"] = self._load_measurement() if s.measurement else self._measure()
+            self.job.save()
+        if s.output_measurement:
+            path = self.job.path("measurement.json")
+            write_json(path, {"measurement": self.job.data["measurement"],
+                              "last_module_idx": len(self.model.modules) - 1})
+            self.prog.print(f"Measurement written to {path}")
+            return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
+        if "strategy" not in self.job.data:
+            self._optimize()
+        if not self.job.data.get("quant", {}).get("head_done"):
+            self._quantize()
+        result = self._compile()
         self.prog.print(summary_table(result))
         return result
 
@@ -203,10 +210,10 @@ class _Converter:
             best = max(e["accuracy"] for e in entries)
             self.prog.advance(f"{m.key}  best accuracy {best:.5f}")
             if isinstance(m, MLP) or idx == len(self.decoders) - 1:
-                name = job.save_states("measure", idx, states.to_dict())
-                self._timed("measure", t0)
-                t0 = time.perf_counter()
-                job.checkpoint("measure", idx, name)
+                # Written while the next layer runs; recorded in job.json once on disk (job.py).
+                job.checkpoint_async("measure", idx, states.to_dict(host=False))
+            job.poll()
+        job.flush()
         self._timed("measure", t0)
         self.prog.finish()
         job.drop_states(md.get("states"))
@@ -281,18 +288,17 @@ class _Converter:
             tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp, s.scale_norm,
                                                    s.act_order)
             m.unload()
-            write_tensors(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
+            job.write_async(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn
             qd["module_times"][m.key] = time.perf_counter() - t1
             self.prog.advance(f"{m.key}  rel. error {rfn:.5f}")
             if isinstance(m, MLP) or idx == len(self.decoders) - 1:
-                name = job.save_states("quant", idx, states.to_dict())
-                self._timed("quantize", t0)
-                t0 = time.perf_counter()
-                job.checkpoint("quant", idx, name)
+                job.checkpoint_async("quant", idx, states.to_dict(host=False))
+            job.poll()
         t1 = time.perf_counter()
         self.prog.note("lm_head")
         self._quantize_head(states)
+        job.flush()  # the last layers' files are on disk before the stage is marked done
         qd["module_times"]["lm_head"] = time.perf_counter() - t1
         qd["head_done"] = True
         self._timed("quantize", t0)

@@ -63,6 +63,6 @@ def gptq_block(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, zero: torc
     if r > R_PAD or w.dtype != torch.float32:
         return reference.gptq_block(w, u, scale, zero, maxq, codes, err, rtn)
     grid = (o, triton.cdiv(n, BLOCK_N))
-    _gptq_block_kernel[grid](w, u, scale, zero, maxq, codes, err, r, n, _MAGIC, *w.stride(), *u.stride(), *scale.stride(),
-                             zero.stride(0), maxq.stride(0), *codes.stride(), *err.stride(), RTN=rtn, R_PAD=R_PAD,
-                             BLOCK_N=BLOCK_N, enable_fp_fusion=False)
+    _gptq_block_kernel[grid](w, u, scale, zero, maxq, codes, err, r, n, _MAGIC, *w.stride(), *u.stride(),
+                             *scale.stride(), zero.stride(0), maxq.stride(0), *codes.stride(), *err.stride(),
+                             RTN=rtn, R_PAD=R_PAD, BLOCK_N=BLOCK_N, enable_fp_fusion=False)

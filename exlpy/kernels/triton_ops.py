@@ -17,8 +17,8 @@ from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import act_mul, silu_mul
 from exlpy.kernels.exl2_matmul import quant_matmul_cuda
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
-from exlpy.kernels.gptq_block import gptq_block
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
+from exlpy.kernels.gptq_block import gptq_block
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.moe import moe_combine, moe_down, moe_gate_up, moe_route, moe_sort
