@@ -22,7 +22,7 @@ from exlpy.convert import caldata
 from exlpy.convert.compile import check_output_dir, compile_output, write_model_dir
 from exlpy.convert.forward import States, _run, check_finite
 from exlpy.convert.job import Job, write_json, write_tensors, writing
-from exlpy.convert.layers import OPTIONS, is_decoder, module_bits, module_numel, shapes
+from exlpy.convert.layers import OPTIONS, SourcePrefetch, is_decoder, module_bits, module_numel, shapes
 from exlpy.convert.measure import measure_module
 from exlpy.convert.optimize import choose, reachable, slot_error
 from exlpy.convert.progress import StageProgress, peak_memory, summary_table
@@ -162,10 +162,12 @@ class _Converter:
         if resumed:
             self.prog.print(f"Resuming job in {s.out_dir} at stage '{self.job.stage}'")
         self.tokenizer = caldata.open_tokenizer(s.in_dir)
+        self.prefetch = SourcePrefetch()
         try:
             with torch.inference_mode():
                 return self._stages()
         finally:
+            self.prefetch.close()
             self.job.close()  # a failing job's background writes end before the caller retries
 
     def _stages(self) -> dict[str, Any]:
@@ -187,6 +189,12 @@ class _Converter:
         self.prog.print(summary_table(result))
         return result
 
+    def _prefetch(self, idx: int) -> None:
+        """Decoder idx's source check done (or waited for), the next one's started in the background."""
+        self.prefetch.ready(self.decoders[idx])
+        if idx + 1 < len(self.decoders):
+            self.prefetch.start(self.decoders[idx + 1])
+
     def _timed(self, stage: str, t0: float) -> None:
         self.job.add_time(stage, time.perf_counter() - t0)
 
@@ -202,6 +210,7 @@ class _Converter:
         for idx in range(md["next"], len(self.decoders)):
             m = self.decoders[idx]
             t1 = time.perf_counter()
+            self._prefetch(idx)
             m.load(self.device)
             entries, states = measure_module(m, states, self.device, store, s.damp, s.scale_norm)
             m.unload()
@@ -284,6 +293,7 @@ class _Converter:
             t1 = time.perf_counter()
             option = {k: QParams.from_dict(v) for k, v in job.data["strategy"][m.key].items()
                       if isinstance(v, dict)}
+            self._prefetch(idx)
             m.load(self.device)
             tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp, s.scale_norm,
                                                    s.act_order)
