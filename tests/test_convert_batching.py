@@ -83,3 +83,16 @@ def test_block_kernel_in_gptq_equals_torch_loop(monkeypatch: pytest.MonkeyPatch)
     slow = gptq.gptq_quantize(ws, opts, ph)
     for i, (a, b) in enumerate(zip(fast, slow)):
         _same(a, b, f"item {i}")
+
+
+@pytest.mark.slow
+def test_block_kernel_compiles_exact_for_sm90() -> None:
+    """What the kernel's bit-identity rests on, from its sm_90a PTX: no FMA, IEEE division, no spills."""
+    pytest.importorskip("triton")
+    from tests.conftest import run_compile_check
+
+    res = run_compile_check("gptq_block_compile_check.py")
+    assert set(res) == {"gptq_block", "gptq_block rtn"}
+    for name, v in res.items():
+        assert v["fma"] == 0 and v["div_approx"] == 0 and v["div_rn"] >= 1, (name, v)
+        assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0, (name, v)
