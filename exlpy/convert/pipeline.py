@@ -219,6 +219,9 @@ class _Converter:
             best = max(e["accuracy"] for e in entries)
             self.prog.advance(f"{m.key}  best accuracy {best:.5f}")
             if isinstance(m, MLP) or idx == len(self.decoders) - 1:
+                job.flush()  # the previous checkpoint first, so each is saved with the time spent up to it
+                self._timed("measure", t0)
+                t0 = time.perf_counter()
                 # Written while the next layer runs; recorded in job.json once on disk (job.py).
                 job.checkpoint_async("measure", idx, states.to_dict(host=False))
             job.poll()
@@ -303,6 +306,9 @@ class _Converter:
             qd["module_times"][m.key] = time.perf_counter() - t1
             self.prog.advance(f"{m.key}  rel. error {rfn:.5f}")
             if isinstance(m, MLP) or idx == len(self.decoders) - 1:
+                job.flush()
+                self._timed("quantize", t0)
+                t0 = time.perf_counter()
                 job.checkpoint_async("quant", idx, states.to_dict(host=False))
             job.poll()
         t1 = time.perf_counter()
