@@ -4,15 +4,18 @@ Runs what the job runs for one layer (`measure_module` on the attention and the 
 then `quantize_module` on both with a ~4 bpw option over the quantization rows, then the states checkpoint
 write), on random hidden states, and reports each phase's wall time (the device synchronized at phase ends),
 how many torch operations each phase issued (on a GPU each is one kernel launch or more: with `--count-ops`),
-and the projected whole conversion: layers x (measure + quantize + checkpoint) + head.
+and the projected whole conversion: layers x (measure + quantize) + head. The source check and the checkpoint
+write are timed too but left out of the sums: the pipeline runs them beside the device's work.
 
-    python benchmarks/convert_layer.py --shape llama3-70b            # GPU: per-layer times, 70B projection
+    python benchmarks/convert_layer.py --shape llama3-70b --head     # GPU: per-layer times, 70B projection
     python benchmarks/convert_layer.py --shape llama3-8b --head      # also time the head's quantization
     OMP_NUM_THREADS=1 python benchmarks/convert_layer.py --shape tiny-8b --count-ops --rows 2 --mrows 1 \
         --length 256 --device cpu                                    # CPU profile of the same structure
 
-Shapes: make_models' (llama3-8b, llama3.2-1b, smollm2-135m), llama3-70b, and `tiny-8b` (the 8B's head
-structure at 1/8 of its widths: same rows-per-block bookkeeping, CPU-sized). The model is written once
+`--count-gptq-ops`: only the op counts of one layer's GPTQ calls, on meta tensors (no compute; any machine).
+
+Shapes: make_models' (llama3-8b, llama3.2-1b, smollm2-135m), llama3-70b, and `tiny-8b` (the 8B's
+proportions at 1/8 of its widths: the same option tables and group layouts per row, CPU-sized). The model is written once
 under --work with one layer (and the shape's full vocabulary only with --head).
 """
 
@@ -155,7 +158,14 @@ def main() -> None:
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--repeat", type=int, default=1, help="time the layer this many times (first run warms up)")
     ap.add_argument("--out", default="", help="append the table to this markdown file")
+    ap.add_argument("--count-gptq-ops", action="store_true",
+                    help="only count the torch ops of one layer's GPTQ passes at this shape, on meta tensors (no "
+                         "compute, no model): measurement (every option) and quantization (a ~4 bpw option, both "
+                         "act orders)")
     a = ap.parse_args()
+    if a.count_gptq_ops:
+        count_gptq_ops(make_models.SHAPES[a.shape])
+        return
 
     from exlpy.config.config import ExLlamaV2Config
     from exlpy.convert import measure as measure_mod
@@ -279,6 +289,44 @@ def main() -> None:
     if a.out:
         with open(a.out, "a") as f:
             f.write(text)
+
+
+def count_gptq_ops(shape: dict) -> None:
+    """Torch ops (on a GPU: launches) of one layer's GPTQ calls, counted on meta tensors."""
+    from exlpy.convert import gptq
+    from exlpy.convert.qparams import ATTN_KEYS, ATTN_OPTIONS, MLP_OPTIONS, distinct
+    from exlpy.kernels import ops
+
+    ph = Phases(torch.device("meta"), True)
+    if hasattr(ops, "gptq_block"):
+        ph.fuse(ops, "gptq_block")
+    h, im = shape["hidden_size"], shape["intermediate_size"]
+    hq, hk = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    groups = [(("q_proj", "k_proj", "v_proj"), h, (hq, hk, hk)), (("o_proj",), hq, (h,)),
+              (("gate_proj", "up_proj"), h, (im, im)), (("down_proj",), im, (h,))]
+    meta = torch.device("meta")
+
+    def count(k: int, ns: list[int], opts: list) -> int:
+        p = gptq.PreparedHessian(torch.arange(k), torch.empty(k, k, device=meta), torch.empty(k, device=meta))
+        ph.ops.clear()
+        with _OpCounter(ph):
+            gptq.gptq_quantize([torch.empty(k, n, device=meta) for n in ns], opts, p)
+        return ph.ops["other"]
+
+    total = {"measure": 0, "quantize": 0}
+    for keys, k, ns in groups:
+        table = ATTN_OPTIONS if keys[0] in ATTN_KEYS else MLP_OPTIONS
+        opts, widths = [], []
+        for key, n in zip(keys, ns):
+            d = distinct(table, key)
+            opts += d
+            widths += [n] * len(d)
+        m = count(k, widths, opts)
+        q = 2 * count(k, list(ns), [table[7][key] for key in keys])
+        total["measure"] += m
+        total["quantize"] += q
+        print(f"{'/'.join(keys):24s} K {k:6d}: measurement {m:9,d} ops, quantization {q:9,d} ops")
+    print(f"one layer: measurement {total['measure']:,d} ops, quantization {total['quantize']:,d} ops")
 
 
 def time_head(model: Any, states: Any, device: torch.device, s: Any) -> float:
