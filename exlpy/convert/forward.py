@@ -195,7 +195,7 @@ def forward_chunks(module: Module, states: States, device: torch.device, store: 
     """Run `module` over every chunk. store=None: outputs are dropped (a recording pass, or one that stops at
     a tap). Otherwise outputs are kept on `store` and checked for NaN/inf; a parallel block's attention also
     keeps its normed inputs for the MLP beside it (`States.side`)."""
-    outs, side = [], []
+    outs, side, finite = [], [], []
     keep_side = _parallel_layer(module, Attention)
     for i, x in enumerate(states.chunks):
         xd = x.to(device, non_blocking=True)
@@ -203,10 +203,13 @@ def forward_chunks(module: Module, states: States, device: torch.device, store: 
         with contextlib.suppress(StopForward):
             y = _run(module, xd, batch)
             if store is not None:
-                check_finite(y, where)
+                finite.append(torch.isfinite(y).all())  # read once after the loop: no host sync per chunk
                 outs.append(_store(y, store))
                 if keep_side is not None:
                     side.append(_store(batch.block_inputs.pop(keep_side), store))
+    if finite and not bool(torch.stack(finite).all()):
+        for y in outs:
+            check_finite(y.to(device), where)  # raises for the first bad chunk, naming NaN or inf
     return States(outs, side if keep_side is not None else None) if store is not None else None
 
 
