@@ -3,8 +3,9 @@
 Items that read the same input share its Hessian and so its act order (q/k/v, gate/up, every option of one
 matrix during measurement): they are quantized together as one [items, K, N] tensor, one pass over the rows.
 Rows are processed in blocks of 32 (every group boundary of the option tables lies on one): inside a block the
-error of each row is fed to the rows below it (standard GPTQ), after the block all later rows get the block's
-correction at once (one batched GEMM), so each group's scales are chosen on fully corrected weights.
+error of each row is fed to the rows below it (standard GPTQ; the whole block in one launch, `ops.gptq_block`),
+after the block all later rows get the block's correction at once (one batched GEMM), so each group's scales are
+chosen on fully corrected weights.
 
 The dequantized values are computed exactly as exlpy's EXL2 reader computes them (fp32, scale = code^2 *
 fp16(q_scale_max) / 256), so the error fed back is the error the model will see.
@@ -212,9 +213,10 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
     smax_fixed[i][g]: fixed per-group max scales (head slices). rtn: no error feedback (round-to-nearest);
     plain_scales: no scale search (the round-to-nearest baseline).
 
-    Everything stays on the device: per block of rows one scale search per (width, height) of the groups
-    starting there, one launch for the block's rows (`ops.gptq_block`), one batched GEMM for the later rows;
-    nothing is read back on the host.
+    Everything stays on the device: per block of rows one scale search per height of the groups starting
+    there (all widths at once), one launch for the block's rows (`ops.gptq_block`), one batched GEMM for the
+    later rows; nothing is read back on the host. Each item's result is what quantizing it alone gives (bit for
+    bit on the CPU; a GPU may order a reduction's sums differently for another batch).
     """
     dev = ph.u.device
     k = ph.u.shape[0]
