@@ -15,8 +15,8 @@ write are timed too but left out of the sums: the pipeline runs them beside the 
 `--count-gptq-ops`: only the op counts of one layer's GPTQ calls, on meta tensors (no compute; any machine).
 
 Shapes: make_models' (llama3-8b, llama3.2-1b, smollm2-135m), llama3-70b, and `tiny-8b` (the 8B's
-proportions at 1/8 of its widths: the same option tables and group layouts per row, CPU-sized). The model is written once
-under --work with one layer (and the shape's full vocabulary only with --head).
+proportions at 1/8 of its widths: the same option tables and group layouts per row, CPU-sized). The model is
+written once under --work with one layer (and the shape's full vocabulary only with --head).
 """
 
 from __future__ import annotations
