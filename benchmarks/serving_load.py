@@ -378,24 +378,29 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--parts", default="server,generator")
     ap.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
+    ap.add_argument("--server-args", action="append", default=[],
+                    help="more `exlpy serve` arguments as one string; repeat the option to run the server part once "
+                         "per string (A/B in one session), e.g. --server-args '' --server-args "
+                         "'--max-prefill-per-step 2048'")
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.prompts.split(","))
     load = Load(args.streams, (lo, hi), args.max_tokens)
     out = []
     if "server" in args.parts:
-        fig, _ = run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
-                            "/tmp/exlpy_serve_load.log", clients=args.clients)
-        out.append(fig)
-        print(out[-1].line(), flush=True)
+        for extra in args.server_args or [""]:
+            fig, _ = run_server(args.model, load, args.port, args.cache_size, args.max_seq_len,
+                                "/tmp/exlpy_serve_load.log", extra=extra.split(), clients=args.clients)
+            out.append((extra, fig))
+            print(f"server args '{extra}':", fig.line(), flush=True)
     if "generator" in args.parts:
         cache = args.cache_size or -(-(args.streams * (hi + args.max_tokens)) // 256) * 256
         from exlpy import ExLlamaV2Config
 
         gen = load_generator(args.model, cache, args.max_seq_len, None)
-        out.append(run_generator(gen, load, ExLlamaV2Config(args.model).vocab_size))
-        print(out[-1].line(), flush=True)
-    if len(out) == 2:
-        print(f"server / generator: {out[0].tok_s / out[1].tok_s:.1%}")
+        direct = run_generator(gen, load, ExLlamaV2Config(args.model).vocab_size)
+        print(direct.line(), flush=True)
+        for extra, fig in out:
+            print(f"server args '{extra}' / generator: {fig.tok_s / direct.tok_s:.1%}")
 
 
 if __name__ == "__main__":

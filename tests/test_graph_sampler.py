@@ -489,8 +489,8 @@ def test_streaming_speculation_captured_path_matches_greedy() -> None:
 
 @requires_cuda
 def test_dynamic_generator_on_gpu_captured_sampler() -> None:
-    """On a GPU with EXLPY_GRAPH_SAMPLING=1 the captured sampler is what a generator uses (off by default until
-    these tests pass on a GPU): greedy as the old path token for token, sampled rows (penalties,
+    """On a GPU the captured sampler is what a generator uses by default (EXLPY_GRAPH_SAMPLING=0 turns it off):
+    greedy as the old path token for token, sampled rows (penalties,
     whole-vocabulary top-p, a seeded row) run and stay reproducible."""
     from dataclasses import replace
 

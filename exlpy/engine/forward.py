@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
+from exlpy.engine.pipeline import execute_pipelined, pipeline_applies
 from exlpy.engine.strategy import Strategy, execute
 from exlpy.errors import CacheTooSmallError, SequenceLengthError
 from exlpy.kernels import ops
@@ -142,6 +143,9 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     # Layer streaming runs the chunks layer-major (each module loaded once for all of them), after planning them.
     streamed = getattr(model, "stream", None) is not None
     deferred: list[tuple[ForwardBatch, torch.Tensor]] | None = [] if streamed else None
+    # Tensor parallelism: long chunks as two overlapped micro-batches (plain fp16 prefill rows only).
+    overlap = (strategy.overlap_prefill and key_mask is None and offsets is None and rows_mm is None and not lora
+               and not return_last_state and getattr(cache, "layer_codes", None) is None)
     try:
         results = []
         while pos < T:
@@ -158,6 +162,9 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
             chunk_mode = mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode
             if deferred is not None:
                 deferred.append((prepare(batch, chunk_mode), ids[:, pos:pos + n]))
+            elif overlap and pipeline_applies(strategy, n, True):
+                results.append(finish(batch, _run_halves(strategy, ids[:, pos:pos + n], cur, B, dev, cache,
+                                                         chunk_mode)))
             else:
                 results.append(run(batch, ids[:, pos:pos + n], chunk_mode))
             cache.current_seq_len = cur + n
@@ -179,6 +186,26 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
         return None
     logits = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
     return (logits, last_state) if return_last_state else logits
+
+
+def _run_halves(strategy: Strategy, ids: torch.Tensor, cur: int, B: int, dev: torch.device, cache: Any,
+                chunk_mode: str) -> torch.Tensor | None:
+    """One chunk as two micro-batches (exlpy/engine/pipeline.py): the first wants logits only when every
+    position's are asked for, the second as the chunk."""
+    n = ids.shape[1]
+    h = n // 2
+    batches = []
+    for start, length, mode in ((cur, h, LOGITS_ALL if chunk_mode == LOGITS_ALL else LOGITS_NONE),
+                                (cur + h, n - h, chunk_mode)):
+        b = build_batch([start] * B, length, dev, cache=cache, tables=[[r] for r in range(B)],
+                        page_size=cache.max_seq_len)
+        b.past_len = start
+        b.logits = mode
+        batches.append(b)
+    a, b = execute_pipelined(strategy, [ids[:, :h], ids[:, h:]], batches)
+    if chunk_mode == LOGITS_ALL and a is not None and b is not None:
+        return torch.cat([a, b], dim=1)
+    return b
 
 
 def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last_id_only: bool = False,

@@ -105,9 +105,12 @@ class StepGraphs:
         if tables is None:  # contiguous cache: row b is page b
             tables = [[b] for b in range(B)]
         values = pack(starts, T, tables, page_size, step.rows, step.width, adapters)
+        host_ids = ids.device.type == "cpu"
+        if host_ids:  # the token ids ride in the same upload, into the static input behind the metadata
+            values += ids.reshape(-1).tolist()
         for meta in step.meta.values():
             staging.upload(values, meta)
-        return self._finish(step, ids, B, logits)
+        return self._finish(step, ids, B, logits, ids_uploaded=host_ids)
 
     def run_batch(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits for a caller-built batch, or None where graphs do not apply."""
@@ -161,8 +164,10 @@ class StepGraphs:
 
     def _build(self, cache: Any, rows: int, T: int, width: int, page_size: int, lora: int = 0) -> _Step:
         meta: dict[str, torch.Tensor] = {}
+        size = packed_size(rows, T, width)
         for dev in self.strategy.devices:
-            meta[str(dev)] = torch.zeros(packed_size(rows, T, width), dtype=torch.int64, device=dev)
+            # the packed metadata, then the step's token ids (the first stage's static input): one upload a step
+            meta[str(dev)] = torch.zeros(size + rows * T, dtype=torch.int64, device=dev)
         step = _Step(rows, T, width, page_size, weakref.ref(cache), cache_signature(cache), meta)
         for k, stage in enumerate(self.strategy.stages):
             lanes = []
@@ -171,16 +176,19 @@ class StepGraphs:
                 batch = ForwardBatch(rows, T, pos, cache=lane.cache_part(cache), slots=slots, block_table=table,
                                      page_size=page_size, seqlens=seqlens, max_seqlen=width * page_size, meta=m,
                                      adapters=adapter, lora=lora)
-                ids = torch.zeros(rows, T, dtype=torch.long, device=lane.device) if k == 0 else None
+                ids = meta[str(lane.device)][size:].view(rows, T) if k == 0 else None
                 lanes.append(_LaneStep(lane, batch, ids))
             step.stages.append((stage, lanes))
         return step
 
     # --- running --------------------------------------------------------------------------------------------
-    def _finish(self, step: _Step, ids: torch.Tensor, B: int, logits: str) -> torch.Tensor:
-        host_ids = ids.reshape(-1).tolist() if ids.device.type == "cpu" else None
+    def _finish(self, step: _Step, ids: torch.Tensor, B: int, logits: str, ids_uploaded: bool = False
+                ) -> torch.Tensor:
+        host_ids = ids.reshape(-1).tolist() if ids.device.type == "cpu" and not ids_uploaded else None
         for ls in step.stages[0][1]:
             assert ls.x_in is not None
+            if ids_uploaded:
+                continue  # came with the metadata (run_rows)
             if host_ids is not None:  # through pinned memory: no wait for the device
                 staging.upload(host_ids, ls.x_in.view(-1))
             else:  # ids already on a device (a sampled token fed straight back): a device copy

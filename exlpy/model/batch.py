@@ -60,6 +60,9 @@ class ForwardBatch:
     host: tuple[list[int], list[list[int]] | None, list[int] | None] | None = field(default=None, repr=False,
                                                                                     compare=False)
     _per_device: dict[str, ForwardBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Tensor parallelism: (residual, its RMSNorm) when the closing all-reduce also normed the sum for the next
+    # block (model/parallel_linear.py RowParallel.next_norm); taken once, by the block whose input it is.
+    prenormed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rope_pos(self) -> torch.Tensor:
@@ -84,6 +87,14 @@ class ForwardBatch:
             self._per_device[key] = replace(self, key_mask=mv(self.key_mask), rope_positions=mv(self.rope_positions),
                                             **fields)
         return self._per_device[key]
+
+    def take_prenormed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The normed form of `x` if the collective that produced x left it (see `prenormed`), else None."""
+        pre = self.prenormed
+        if pre is None:
+            return None
+        self.prenormed = None
+        return pre[1] if pre[0] is x else None
 
     def with_cache(self, cache: Any) -> ForwardBatch:
         """The same batch reading and writing another cache object (a tensor-parallel slot's part)."""

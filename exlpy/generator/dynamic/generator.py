@@ -45,12 +45,13 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int | None = None,
                  use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
                  min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True,
-                 page_size: int = PAGE_SIZE, max_prefill_per_step: int = 256) -> None:
+                 page_size: int = PAGE_SIZE, max_prefill_per_step: int = 2048) -> None:
         """exllamav2's arguments. max_sampling_threads / min_sampling_threads / filter_background_eval tune
         exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing. Two exlpy
         extensions: `page_size` (tokens per cache page; 256 as in exllamav2) and `max_prefill_per_step` (prompt
         tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
-        prompts)."""
+        prompts, 256 for a lone prompt: scheduler.prefill_budget; 2048, where 256 made a crowd of arriving
+        requests wait twice as long, benchmarks/results/serving.md)."""
         cfg = model.config
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 CONTEXT_COST_TOKENS = 4096
 BURST_CHUNKS = 4  # prompt tokens per iteration at most (chunks), so a burst of arrivals starts streaming in waves
 PREFILL_WEIGHT = 4  # next to decoding jobs the budget grows by (waiting prompts x this) / max(decoding jobs, this)
+# Next to decoding jobs, each waiting prompt adds this many tokens to the budget, up to `max_prefill_per_step`: a lone
+# long prompt runs in small pieces (a 16k prompt next to 32 streams: their inter-token p99 1.6x its value alone with
+# 256 tokens per step, 11x with 2048), while a crowd of arrivals gets the whole budget (under 64 streams, H100, 8B:
+# 256 tokens per step held the server at 49.5% of the generator, 2048 at 84-88%; benchmarks/results/serving.md).
+PROMPT_TOKENS = 256
 
 
 def cache_summary(gen: ExLlamaV2DynamicGenerator) -> str:
@@ -97,13 +102,15 @@ def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: in
     """Prompt tokens for this iteration. Without decoding jobs, a whole chunk per job, at most BURST_CHUNKS
     chunks: a burst of arrivals is prefilled in waves, first come first, so the first jobs stream while later
     ones prefill instead of every job waiting for all prompts. Next to decoding jobs, `max_prefill_per_step`,
-    more when many jobs wait for their prompt (PREFILL_WEIGHT waiting prompts weigh as one decoding job: the
-    decoders lose a little latency, the waiting jobs gain much); a lone long prompt keeps the base budget."""
+    PROMPT_TOKENS per waiting prompt up to `max_prefill_per_step`, more when many more jobs wait for their prompt
+    than decode (PREFILL_WEIGHT waiting prompts weigh as one decoding job: the decoders lose a little latency, the
+    waiting jobs gain much); a lone long prompt runs PROMPT_TOKENS at a time."""
     cap = gen.max_chunk_size * BURST_CHUNKS
     if not decoding:
         return min(gen.max_chunk_size * max(prefilling, 1), cap)
+    base = min(gen.max_prefill_per_step, PROMPT_TOKENS * max(prefilling, 1))
     scale = max(1, prefilling * PREFILL_WEIGHT // max(decoding, PREFILL_WEIGHT))
-    return min(gen.max_prefill_per_step * scale, max(cap, gen.max_prefill_per_step))
+    return min(base * scale, max(cap, base))
 
 
 def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:

@@ -457,9 +457,9 @@ def upload(src: torch.Tensor, dst: torch.Tensor | None,
 
 
 def wanted(model: Any, device: torch.device, flag: bool | None) -> bool:
-    """Whether a generator samples through `GraphSampler`: `flag` when set (tests compare both paths), else with
-    EXLPY_GRAPH_SAMPLING=1 (off by default until its GPU tests pass, exlpy/runtime.py) where decode steps run as
-    CUDA graphs (a CUDA device, graphs not turned off, the Triton kernels present)."""
+    """Whether a generator samples through `GraphSampler`: `flag` when set (tests compare both paths), else
+    (unless EXLPY_GRAPH_SAMPLING=0, exlpy/runtime.py) where decode steps run as CUDA graphs (a CUDA device, graphs
+    not turned off, the Triton kernels present)."""
     from exlpy.runtime import options
 
     if flag is not None:
