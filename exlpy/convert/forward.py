@@ -141,10 +141,11 @@ class States:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks + (self.side or []))
 
-    def to_dict(self) -> dict[str, torch.Tensor]:
-        out = {f"chunk_{i}": c.contiguous().cpu() for i, c in enumerate(self.chunks)}
-        out.update({f"side_{i}": c.contiguous().cpu() for i, c in enumerate(self.side or [])})
-        return out
+    def to_dict(self, host: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors by name, in host memory (`host=False`: where they are, for `Job.checkpoint_async`)."""
+        out = {f"chunk_{i}": c for i, c in enumerate(self.chunks)}
+        out.update({f"side_{i}": c for i, c in enumerate(self.side or [])})
+        return {k: v.contiguous().cpu() for k, v in out.items()} if host else out
 
     @staticmethod
     def from_dict(d: dict[str, torch.Tensor], store: torch.device) -> States:
@@ -194,7 +195,7 @@ def forward_chunks(module: Module, states: States, device: torch.device, store: 
     """Run `module` over every chunk. store=None: outputs are dropped (a recording pass, or one that stops at
     a tap). Otherwise outputs are kept on `store` and checked for NaN/inf; a parallel block's attention also
     keeps its normed inputs for the MLP beside it (`States.side`)."""
-    outs, side = [], []
+    outs, side, finite = [], [], []
     keep_side = _parallel_layer(module, Attention)
     for i, x in enumerate(states.chunks):
         xd = x.to(device, non_blocking=True)
@@ -202,10 +203,13 @@ def forward_chunks(module: Module, states: States, device: torch.device, store: 
         with contextlib.suppress(StopForward):
             y = _run(module, xd, batch)
             if store is not None:
-                check_finite(y, where)
+                finite.append(torch.isfinite(y).all())  # read once after the loop: no host sync per chunk
                 outs.append(_store(y, store))
                 if keep_side is not None:
                     side.append(_store(batch.block_inputs.pop(keep_side), store))
+    if finite and not bool(torch.stack(finite).all()):
+        for y in outs:
+            check_finite(y.to(device), where)  # raises for the first bad chunk, naming NaN or inf
     return States(outs, side if keep_side is not None else None) if store is not None else None
 
 

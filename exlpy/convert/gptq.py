@@ -3,8 +3,9 @@
 Items that read the same input share its Hessian and so its act order (q/k/v, gate/up, every option of one
 matrix during measurement): they are quantized together as one [items, K, N] tensor, one pass over the rows.
 Rows are processed in blocks of 32 (every group boundary of the option tables lies on one): inside a block the
-error of each row is fed to the rows below it (standard GPTQ), after the block all later rows get the block's
-correction at once (one batched GEMM), so each group's scales are chosen on fully corrected weights.
+error of each row is fed to the rows below it (standard GPTQ; the whole block in one launch, `ops.gptq_block`),
+after the block all later rows get the block's correction at once (one batched GEMM), so each group's scales are
+chosen on fully corrected weights.
 
 The dequantized values are computed exactly as exlpy's EXL2 reader computes them (fp32, scale = code^2 *
 fp16(q_scale_max) / 256), so the error fed back is the error the model will see.
@@ -18,6 +19,7 @@ import torch
 
 from exlpy.convert.qparams import QParams
 from exlpy.errors import NumericalError
+from exlpy.kernels import ops
 
 BLOCK = 32
 # p grid of the per-group max-scale search (spec §4.6: 0.70 to 1.20), searched coarse then fine.
@@ -92,10 +94,11 @@ def _fp16_round(x: torch.Tensor) -> torch.Tensor:
     return x.half().float()
 
 
-def _quant_err(w: torch.Tensor, s: torch.Tensor, maxq: int, norm: float, weight: torch.Tensor | None
-               ) -> torch.Tensor:
-    """Σ over rows of weight * |dequant(quant(w)) - w|^norm for scales s broadcast over w [..., R, N] -> [..., N]."""
-    z = float((maxq + 1) // 2)
+def _quant_err(w: torch.Tensor, s: torch.Tensor, maxq: int | torch.Tensor, norm: float,
+               weight: torch.Tensor | None) -> torch.Tensor:
+    """Σ over rows of weight * |dequant(quant(w)) - w|^norm for scales s broadcast over w [..., R, N] -> [..., N].
+    maxq: one width's, or per item [I, 1, 1, 1] (w [I, P, R, N])."""
+    z = (maxq + 1) // 2 if isinstance(maxq, torch.Tensor) else float((maxq + 1) // 2)
     e = torch.round(w / s).clamp_(-z, maxq - z).mul_(s).sub_(w)
     e = e.square_() if norm == 2 else e.abs_().pow_(norm)
     if weight is not None:
@@ -103,18 +106,22 @@ def _quant_err(w: torch.Tensor, s: torch.Tensor, maxq: int, norm: float, weight:
     return e.sum(-2)
 
 
-def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor | None = None,
+def search_scales(w: torch.Tensor, bits: int | torch.Tensor, norm: float, weight: torch.Tensor | None = None,
                   smax_fixed: torch.Tensor | None = None, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales of groups w [I, R, N] (I items, one group each): (codes 1..16 [I, N] int64, q_scale_max fp16 [I]).
+    `bits`: the groups' width, or each item's ([I] int64 tensor: groups of several widths searched at once).
 
     exllamav2's search (spec §4.6 step 4) picks one factor p for the group's max scale; here it is searched
     coarse-to-fine, then each column's own 4-bit code is refined by +-1, both minimizing the (row-weighted)
     error^norm. With `smax_fixed` [I] (vocabulary slices of the head share the group maximum) only codes are
     searched. `plain`: the nominal codes, no search (the round-to-nearest baseline).
     """
-    maxq = 2**bits - 1
+    if isinstance(bits, torch.Tensor):  # exact integers, then fp32 [I, 1, 1, 1]: broadcast over [I, P, R, N]
+        maxq = maxq4 = (torch.bitwise_left_shift(torch.ones_like(bits), bits) - 1).float().view(-1, 1, 1, 1)
+    else:
+        maxq = maxq4 = 2**bits - 1
     dev = w.device
-    base = w.abs().amax(1) / (maxq / 2)  # [I, N]
+    base = w.abs().amax(1) / (maxq4[:, :, 0, 0] / 2 if isinstance(maxq4, torch.Tensor) else maxq / 2)  # [I, N]
     smax = base.amax(1) if smax_fixed is None else smax_fixed.to(dev, torch.float32)
     smax = torch.where(smax > 0, smax, torch.full_like(smax, 1e-6))
     qs = torch.clamp(torch.round(torch.sqrt(base / smax[:, None]) * 16), 1, 16)
@@ -137,7 +144,7 @@ def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor 
             grid = lo[:, None] + (hi - lo)[:, None] * t  # [I, P]
             sm = _fp16_round(smax[:, None] * grid)
             s = scales(qss[:, None, :], sm[:, :, None])[:, :, None, :]  # [I, P, 1, N]
-            err = _quant_err(ws[:, None], s, maxq, norm, weight).sum(-1)  # [I, P]
+            err = _quant_err(ws[:, None], s, maxq4, norm, weight).sum(-1)  # [I, P]
             best = torch.gather(grid, 1, torch.argmin(err, 1, keepdim=True)).squeeze(1)
             step = (hi - lo) / (points - 1)
             lo, hi = best - step, best + step
@@ -146,19 +153,56 @@ def search_scales(w: torch.Tensor, bits: int, norm: float, weight: torch.Tensor 
         smax16 = _fp16_round(smax)
     smax16 = torch.where(smax16 > 0, smax16, torch.full_like(smax16, 2.0**-24))
     cand = torch.stack([(qs - 1).clamp(min=1), qs, (qs + 1).clamp(max=16)], 1)  # [I, 3, N]
-    err = _quant_err(w[:, None], scales(cand, smax16[:, None, None])[:, :, None, :], maxq, norm, weight)
+    err = _quant_err(w[:, None], scales(cand, smax16[:, None, None])[:, :, None, :], maxq4, norm, weight)
     pick = torch.argmin(err, 1, keepdim=True)  # [I, 1, N]
     return torch.gather(cand, 1, pick).squeeze(1).long(), smax16.half()
 
 
-def _boundaries(k: int, layouts: list[list[tuple[int, int]]]) -> list[int]:
-    cuts = set(range(0, k, BLOCK))
-    for groups in layouts:
+@dataclass
+class _GroupStart:
+    """Items whose groups of one height start at one row: one batched scale search over all their widths."""
+
+    bits: int | torch.Tensor  # the width, or per item [I] (int64) when they differ
+    rows: int
+    items: torch.Tensor  # [I] int64 on the device
+    groups: torch.Tensor  # [I] int64: each item's group index
+    zero: torch.Tensor  # [I, 1] fp32: 2^(bits-1)
+    maxq: torch.Tensor  # [I, 1] fp32: 2^bits - 1
+
+
+def _schedule(k: int, layouts: list[list[tuple[int, int]]], dev: torch.device
+              ) -> list[tuple[int, int, list[_GroupStart]]]:
+    """(first row, end row, groups starting there) per block of rows. Every block boundary is a multiple of
+    BLOCK or a group boundary of some item, so each item's group starts at a block's first row. Groups of one
+    height starting together are searched together whatever their widths (every candidate configuration of a
+    matrix in one search). The index tensors of all blocks go to the device in one copy (one per block would
+    synchronize the host each time)."""
+    starts: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
+    for i, groups in enumerate(layouts):
         r = 0
-        for _, rows in groups:
-            cuts.add(r)
+        for g, (bits, rows) in enumerate(groups):
+            starts.setdefault(r, {}).setdefault(rows, []).append((i, g, bits))
             r += rows
-    return sorted(c for c in cuts if c < k) + [k]
+    cuts = sorted(set(range(0, k, BLOCK)) | {r for r in starts if r < k}) + [k]
+    todo = [(r, rows, ig) for r in cuts[:-1] for rows, ig in starts.get(r, {}).items()]
+    idx = torch.tensor([x for _, _, ig in todo for col in (0, 1) for x in (t[col] for t in ig)],
+                       dtype=torch.int64).to(dev)
+    widths = [t[2] for _, _, ig in todo for t in ig]
+    bits = torch.tensor(widths, dtype=torch.int64).to(dev)
+    zero = torch.tensor([2.0 ** (b - 1) for b in widths], dtype=torch.float32).to(dev)
+    maxq = torch.tensor([2.0**b - 1 for b in widths], dtype=torch.float32).to(dev)
+    plan: list[tuple[int, int, list[_GroupStart]]] = [(b0, b1, []) for b0, b1 in zip(cuts[:-1], cuts[1:])]
+    row_of = {b0: j for j, (b0, _, _) in enumerate(plan)}
+    pos = bpos = 0
+    for r, rows, ig in todo:
+        n = len(ig)
+        kinds = {t[2] for t in ig}
+        b = kinds.pop() if len(kinds) == 1 else bits[bpos:bpos + n]
+        plan[row_of[r]][2].append(_GroupStart(b, rows, idx[pos:pos + n], idx[pos + n:pos + 2 * n],
+                                              zero[bpos:bpos + n, None], maxq[bpos:bpos + n, None]))
+        pos += 2 * n
+        bpos += n
+    return plan
 
 
 def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHessian, norm: float = 2.4,
@@ -168,6 +212,11 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
 
     smax_fixed[i][g]: fixed per-group max scales (head slices). rtn: no error feedback (round-to-nearest);
     plain_scales: no scale search (the round-to-nearest baseline).
+
+    Everything stays on the device: per block of rows one scale search per height of the groups starting
+    there (all widths at once), one launch for the block's rows (`ops.gptq_block`), one batched GEMM for the
+    later rows; nothing is read back on the host. Each item's result is what quantizing it alone gives (bit for
+    bit on the CPU; a GPU may order a reduction's sums differently for another batch).
     """
     dev = ph.u.device
     k = ph.u.shape[0]
@@ -178,57 +227,30 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
         wq[i, :, :w.shape[1]] = w.to(dev, torch.float32)[ph.perm]
     codes = torch.zeros(o, k, n_max, dtype=torch.uint8, device=dev)
     layouts = [opt.groups(k) for opt in options]
-    starts = []  # per item: {row: (group index, bits, rows)}
-    for groups in layouts:
-        d, r = {}, 0
-        for g, (b, rows) in enumerate(groups):
-            d[r] = (g, b, rows)
-            r += rows
-        starts.append(d)
-    qscale = [torch.zeros(len(g), n_max, dtype=torch.int64, device=dev) for g in layouts]
-    smaxs = [torch.zeros(len(g), dtype=torch.float16, device=dev) for g in layouts]
+    g_max = max(len(g) for g in layouts)
+    # Per item and group: scale codes (columns past an item's width are never read) and max scales.
+    qscale = torch.ones(o, g_max, n_max, dtype=torch.int64, device=dev)
+    smaxs = torch.zeros(o, g_max, dtype=torch.float16, device=dev)
+    fixed = None
+    if smax_fixed is not None:
+        fixed = torch.tensor([list(f) + [0.0] * (g_max - len(f)) for f in smax_fixed], dtype=torch.float32).to(dev)
     s_cur = torch.ones(o, n_max, device=dev)
     z_cur = torch.zeros(o, 1, device=dev)
     maxq_cur = torch.zeros(o, 1, device=dev)
     u = ph.u
     weight = ph.hdiag
-    cuts = _boundaries(k, layouts)
-    for b0, b1 in zip(cuts[:-1], cuts[1:]):
-        todo: dict[tuple[int, int], list[int]] = {}  # items starting a group here, by (bits, rows)
-        for i in range(o):
-            g = starts[i].get(b0)
-            if g is not None:
-                todo.setdefault((g[1], g[2]), []).append(i)
-        for (bits, rows), items in todo.items():
-            idx = torch.tensor(items, device=dev)
-            gis = [starts[i][b0][0] for i in items]
-            fixed = None if smax_fixed is None else torch.tensor([smax_fixed[i][g] for i, g in zip(items, gis)])
-            qs, sm = search_scales(wq[idx, b0:b0 + rows], bits, norm, weight[b0:b0 + rows], fixed, plain_scales)
-            for j, (i, gi) in enumerate(zip(items, gis)):
-                n_i = ws[i].shape[1]
-                qscale[i][gi, :n_i] = qs[j, :n_i]
-                qscale[i][gi, n_i:] = 1
-                smaxs[i][gi] = sm[j]
-            s_cur[idx] = torch.stack([qscale[i][g].float() for i, g in zip(items, gis)]) ** 2 * (
-                sm.float()[:, None] / 256)
-            z_cur[idx] = float(2 ** (bits - 1))
-            maxq_cur[idx] = float(2**bits - 1)
-        wb = wq[:, b0:b1]
+    for b0, b1, todo in _schedule(k, layouts, dev):
+        for st in todo:
+            sm_fixed = None if fixed is None else fixed[st.items, st.groups]
+            qs, sm = search_scales(wq[st.items, b0:b0 + st.rows], st.bits, norm, weight[b0:b0 + st.rows], sm_fixed,
+                                   plain_scales)
+            qscale[st.items, st.groups] = qs
+            smaxs[st.items, st.groups] = sm
+            s_cur[st.items] = qs.float() ** 2 * (sm.float()[:, None] / 256)
+            z_cur[st.items] = st.zero
+            maxq_cur[st.items] = st.maxq
         err = torch.empty(o, b1 - b0, n_max, device=dev)
-        for j in range(b1 - b0):
-            c = b0 + j
-            w = wb[:, j]
-            q = torch.clamp(torch.round(w / s_cur) + z_cur, min=torch.zeros_like(z_cur), max=maxq_cur)
-            dq = (q - z_cur) * s_cur
-            codes[:, c] = q.to(torch.uint8)
-            if rtn:
-                wb[:, j] = dq
-                continue
-            e = (w - dq) / u[c, c]
-            err[:, j] = e
-            if j + 1 < b1 - b0:
-                wb[:, j + 1:] -= u[c, c + 1:b1].view(1, -1, 1) * e.unsqueeze(1)
-            wb[:, j] = dq
+        ops.gptq_block(wq[:, b0:b1], u[b0:b1, b0:b1], s_cur, z_cur, maxq_cur, codes[:, b0:b1], err, rtn)
         if not rtn and b1 < k:
             # All later rows get this block's correction; in row slices so the temporary stays small.
             for r0 in range(b1, k, LAZY_ROWS):
@@ -236,8 +258,8 @@ def gptq_quantize(ws: list[torch.Tensor], options: list[QParams], ph: PreparedHe
                 wq[:, r0:r1] -= torch.matmul(u[b0:b1, r0:r1].t(), err)
     out = []
     for i, w in enumerate(ws):
-        n = w.shape[1]
+        n, g = w.shape[1], len(layouts[i])
         # Views, not copies: the caller keeps what it needs (measurement keeps only dense fp16 weights).
-        out.append(QuantResult(options[i], ph.perm, layouts[i], codes[i, :, :n], qscale[i][:, :n], smaxs[i],
+        out.append(QuantResult(options[i], ph.perm, layouts[i], codes[i, :, :n], qscale[i, :g, :n], smaxs[i, :g],
                                wq[i, :, :n]))
     return out

@@ -3,6 +3,12 @@
 A checkpoint first writes its tensors under a new name, then job.json (replaced in one rename), then removes
 what the previous checkpoint pointed at; so whenever the process dies, job.json names files that exist and the
 job resumes from the last finished layer with exactly the state it had.
+
+The pipeline's per-layer files (hidden-state checkpoints, quantized tensors) are written by one background
+thread, in order, while the device works on the next layer: the tensors are copied to pinned host memory on the
+device's stream (no wait), the thread writes them once the copy is done, and the checkpoint that needs them is
+recorded in job.json only after every write before it has finished (`poll` between modules, `flush` at the end
+of a stage). A write error is raised in the main thread, typed as before.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -93,12 +100,40 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
     atomic_write(path, lambda tmp: save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp))
 
 
+def _to_host(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+    """Host copies of `tensors` queued on the current stream (pinned memory, no wait), and an event that is done
+    when they are complete; host tensors are taken as they are (the pipeline never writes into them)."""
+    out: dict[str, torch.Tensor] = {}
+    event = None
+    for k, v in tensors.items():
+        if v.is_cuda:
+            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            host.copy_(v, non_blocking=True)
+            out[k] = host
+            if event is None:
+                event = torch.cuda.Event()
+        else:
+            out[k] = v.contiguous()
+    if event is not None:
+        event.record()
+    return out, event
+
+
+def _write_when_ready(path: str, tensors: dict[str, torch.Tensor], event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        event.synchronize()
+    write_tensors(path, tensors)
+
+
 class Job:
     """State of one conversion, persisted in `work_dir`."""
 
     def __init__(self, work_dir: str, data: dict[str, Any]) -> None:
         self.work_dir = work_dir
         self.data = data
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[Future[None]] = []
+        self._pending: tuple[str, int, str] | None = None  # a checkpoint waiting for its writes
 
     @staticmethod
     def open(work_dir: str, settings: dict[str, Any], no_resume: bool, keep: str | None = None
@@ -172,6 +207,45 @@ class Job:
     def drop_states(self, name: str | None) -> None:
         if name and os.path.exists(self.path("states", name)):
             os.remove(self.path("states", name))
+
+    def write_async(self, path: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write `tensors` to `path` in the background (after the writes submitted before it)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="exlpy-convert-writer")
+        host, event = _to_host(tensors)
+        self._writes.append(self._writer.submit(_write_when_ready, path, host, event))
+
+    def checkpoint_async(self, stage: str, idx: int, tensors: dict[str, torch.Tensor]) -> None:
+        """`save_states` + `checkpoint`, the file written in the background; the checkpoint is recorded once it
+        and every earlier write are on disk. One checkpoint in flight at a time (bounds host memory)."""
+        self.flush()
+        os.makedirs(self.path("states"), exist_ok=True)
+        name = f"{stage}_{idx:04d}.safetensors"
+        self.write_async(self.path("states", name), tensors)
+        self._pending = (stage, idx, name)
+
+    def poll(self) -> None:
+        """Record a pending checkpoint whose writes have finished, without waiting."""
+        if self._pending is not None and all(f.done() for f in self._writes):
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for every background write, raise the first error, then record the pending checkpoint."""
+        writes, self._writes = self._writes, []
+        wait(writes)
+        pending, self._pending = self._pending, None
+        for f in writes:
+            f.result()
+        if pending is not None:
+            self.checkpoint(*pending)
+
+    def close(self) -> None:
+        """Wait for the writes (errors ignored: the caller is already failing) and stop the writer thread."""
+        wait(self._writes)
+        self._writes, self._pending = [], None
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
     def checkpoint(self, stage: str, idx: int, states_name: str) -> None:
         """Record that module `idx` of `stage` is done and its outputs are in `states_name`."""

@@ -3,6 +3,8 @@ and reading the source weights (fp32, checked for NaN/inf)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
 import torch
 
 from exlpy.convert.forward import LINEARS
@@ -108,7 +110,10 @@ def module_numel(module: Module) -> int:
 
 
 def check_source(module: Module) -> None:
-    """Every source tensor of the module must be finite; the error names the tensor and its file."""
+    """Every source tensor of the module must be finite; the error names the tensor and its file. Once per
+    module and process: the pipeline runs it a module ahead in a background thread (`SourcePrefetch`)."""
+    if getattr(module, "_convert_source_checked", False):
+        return
     for prefix in module.tensor_prefixes():
         for name in module.index.names_with_prefix(prefix + "."):
             stored_as_float(module.index, name)
@@ -116,3 +121,29 @@ def check_source(module: Module) -> None:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise NumericalError(f"source tensor {name} holds NaN or inf ({module.index.info(name).file}); "
                                      "the model cannot be quantized from these weights")
+    module._convert_source_checked = True  # type: ignore[attr-defined]
+
+
+class SourcePrefetch:
+    """Checks (and so reads into the page cache) the next module's source tensors in a background thread while
+    the device works on the current one; `ready` waits for a module's check and raises its error, if any, at
+    the point where the module is about to run, as a check done there would."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="exlpy-convert-prefetch")
+        self._jobs: dict[int, Future[None]] = {}
+
+    def start(self, module: Module) -> None:
+        if id(module) not in self._jobs:
+            self._jobs[id(module)] = self._pool.submit(check_source, module)
+
+    def ready(self, module: Module) -> None:
+        job = self._jobs.pop(id(module), None)
+        if job is not None:
+            job.result()
+        check_source(module)
+
+    def close(self) -> None:
+        wait(list(self._jobs.values()))
+        self._jobs.clear()
+        self._pool.shutdown()

@@ -22,7 +22,7 @@ from exlpy.convert import caldata
 from exlpy.convert.compile import check_output_dir, compile_output, stored_names, write_model_dir
 from exlpy.convert.forward import States, _run, check_finite
 from exlpy.convert.job import Job, write_json, write_tensors, writing
-from exlpy.convert.layers import OPTIONS, is_decoder, module_bits, module_numel, shapes, slots
+from exlpy.convert.layers import OPTIONS, SourcePrefetch, is_decoder, module_bits, module_numel, shapes, slots
 from exlpy.convert.measure import measure_module
 from exlpy.convert.moe import measure_moe, quantize_moe
 from exlpy.convert.optimize import choose, reachable, slot_error
@@ -165,23 +165,38 @@ class _Converter:
         if resumed:
             self.prog.print(f"Resuming job in {s.out_dir} at stage '{self.job.stage}'")
         self.tokenizer = caldata.open_tokenizer(s.in_dir)
-        with torch.inference_mode():
-            if "measurement" not in self.job.data:
-                self.job.data["measurement"] = self._load_measurement() if s.measurement else self._measure()
-                self.job.save()
-            if s.output_measurement:
-                path = self.job.path("measurement.json")
-                write_json(path, {"measurement": self.job.data["measurement"],
-                                  "last_module_idx": len(self.model.modules) - 1})
-                self.prog.print(f"Measurement written to {path}")
-                return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
-            if "strategy" not in self.job.data:
-                self._optimize()
-            if not self.job.data.get("quant", {}).get("head_done"):
-                self._quantize()
-            result = self._compile()
+        self.prefetch = SourcePrefetch()
+        try:
+            with torch.inference_mode():
+                return self._stages()
+        finally:
+            self.prefetch.close()
+            self.job.close()  # a failing job's background writes end before the caller retries
+
+    def _stages(self) -> dict[str, Any]:
+        s = self.s
+        if "measurement" not in self.job.data:
+            self.job.data["measurement"] = self._load_measurement() if s.measurement else self._measure()
+            self.job.save()
+        if s.output_measurement:
+            path = self.job.path("measurement.json")
+            write_json(path, {"measurement": self.job.data["measurement"],
+                              "last_module_idx": len(self.model.modules) - 1})
+            self.prog.print(f"Measurement written to {path}")
+            return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
+        if "strategy" not in self.job.data:
+            self._optimize()
+        if not self.job.data.get("quant", {}).get("head_done"):
+            self._quantize()
+        result = self._compile()
         self.prog.print(summary_table(result))
         return result
+
+    def _prefetch(self, idx: int) -> None:
+        """Decoder idx's source check done (or waited for), the next one's started in the background."""
+        self.prefetch.ready(self.decoders[idx])
+        if idx + 1 < len(self.decoders):
+            self.prefetch.start(self.decoders[idx + 1])
 
     def _timed(self, stage: str, t0: float) -> None:
         self.job.add_time(stage, time.perf_counter() - t0)
@@ -198,6 +213,7 @@ class _Converter:
         for idx in range(md["next"], len(self.decoders)):
             m = self.decoders[idx]
             t1 = time.perf_counter()
+            self._prefetch(idx)
             m.load(self.device)
             measure = measure_moe if isinstance(m, MoEMLP) else measure_module
             entries, states = measure(m, states, self.device, store, s.damp, s.scale_norm)  # type: ignore[arg-type]
@@ -207,10 +223,13 @@ class _Converter:
             best = max(e["accuracy"] for e in entries)
             self.prog.advance(f"{m.key}  best accuracy {best:.5f}{_experts_note(entries[0])}")
             if isinstance(m, (MLP, MoEMLP)) or idx == len(self.decoders) - 1:
-                name = job.save_states("measure", idx, states.to_dict())
+                job.flush()  # the previous checkpoint first, so each is saved with the time spent up to it
                 self._timed("measure", t0)
                 t0 = time.perf_counter()
-                job.checkpoint("measure", idx, name)
+                # Written while the next layer runs; recorded in job.json once on disk (job.py).
+                job.checkpoint_async("measure", idx, states.to_dict(host=False))
+            job.poll()
+        job.flush()
         self._timed("measure", t0)
         self.prog.finish()
         job.drop_states(md.get("states"))
@@ -280,6 +299,7 @@ class _Converter:
             t1 = time.perf_counter()
             option = {k: QParams.from_dict(v) for k, v in job.data["strategy"][m.key].items()
                       if isinstance(v, dict)}
+            self._prefetch(idx)
             m.load(self.device)
             note = ""
             if isinstance(m, MoEMLP):
@@ -291,18 +311,20 @@ class _Converter:
                 tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp,
                                                        s.scale_norm, s.act_order)
             m.unload()
-            write_tensors(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
+            job.write_async(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn
             qd["module_times"][m.key] = time.perf_counter() - t1
             self.prog.advance(f"{m.key}  rel. error {rfn:.5f}{note}")
             if isinstance(m, (MLP, MoEMLP)) or idx == len(self.decoders) - 1:
-                name = job.save_states("quant", idx, states.to_dict())
+                job.flush()
                 self._timed("quantize", t0)
                 t0 = time.perf_counter()
-                job.checkpoint("quant", idx, name)
+                job.checkpoint_async("quant", idx, states.to_dict(host=False))
+            job.poll()
         t1 = time.perf_counter()
         self.prog.note("lm_head")
         self._quantize_head(states)
+        job.flush()  # the last layers' files are on disk before the stage is marked done
         qd["module_times"]["lm_head"] = time.perf_counter() - t1
         qd["head_done"] = True
         self._timed("quantize", t0)

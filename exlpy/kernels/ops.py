@@ -308,3 +308,9 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
 
 def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: ExpertStack) -> torch.Tensor:
     return _impl("moe_down_exl2", a)(a, order, counts, down)
+
+
+def gptq_block(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
+               codes: torch.Tensor, err: torch.Tensor, rtn: bool = False) -> None:
+    """One block of GPTQ rows (the converter's inner loop), in place; see `reference.gptq_block`."""
+    _impl("gptq_block", w)(w, u, scale, zero, maxq, codes, err, rtn)

@@ -597,3 +597,29 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
     """`moe_down` with the experts' down projections read from an EXL2 stack ([K=I] -> [n=H])."""
     ys = _grouped_exl2(a, counts, down)
     return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
+def gptq_block(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
+               codes: torch.Tensor, err: torch.Tensor, rtn: bool = False) -> None:
+    """One block of GPTQ rows of O items at once, in place (the converter's inner loop, exlpy/convert/gptq.py).
+
+    w [O, R, N] fp32: the block's rows in act order, already corrected for every earlier block; on return each
+    row holds its dequantized values. u [R, R]: the block's square of the upper Cholesky factor of H^-1.
+    scale [O, N], zero and maxq [O, 1] fp32: each item's current group. codes [O, R, N] uint8 and err [O, R, N]
+    fp32 are written: the stored codes, and each row's scaled error (w - dq) / u[r, r] that the caller feeds to
+    the rows after the block. Inside the block the error of each row goes to the rows below it. rtn: no error
+    feedback (round to nearest; err is not written)."""
+    r_rows = w.shape[1]
+    for j in range(r_rows):
+        x = w[:, j]
+        q = torch.clamp(torch.round(x / scale) + zero, min=torch.zeros_like(zero), max=maxq)
+        dq = (q - zero) * scale
+        codes[:, j] = q.to(torch.uint8)
+        if rtn:
+            w[:, j] = dq
+            continue
+        e = (x - dq) / u[j, j]
+        err[:, j] = e
+        if j + 1 < r_rows:
+            w[:, j + 1:] -= u[j, j + 1:].view(1, -1, 1) * e.unsqueeze(1)
+        w[:, j] = dq

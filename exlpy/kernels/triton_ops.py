@@ -19,6 +19,7 @@ from exlpy.kernels.embed_slice import embed_slice
 from exlpy.kernels.exl2_matmul import quant_matmul_cuda
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
+from exlpy.kernels.gptq_block import gptq_block
 from exlpy.kernels.host_allreduce import host_all_reduce, host_all_reduce_norm
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
@@ -132,6 +133,7 @@ def register_all() -> None:
     ops.register("moe_gate_up_exl2", moe_gate_up_exl2)
     ops.register_features("moe_gate_up_exl2", frozenset({"silu", "gelu_tanh"}))
     ops.register("moe_down_exl2", moe_down_exl2)
+    ops.register("gptq_block", gptq_block)
 
 
 register_all()
