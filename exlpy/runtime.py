@@ -24,7 +24,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
-| `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm`, `tc` (tensor-core dequant GEMM) or `auto` (measured) |
+| `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm` (default), `tc` (tensor-core GEMM) or `auto` |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
@@ -76,8 +76,9 @@ class RuntimeOptions:
     # EXLPY_QMM_KERNEL: which kernel multiplies the 2-64 rows that reach the multi-row path (EXLPY_QUANT_ROWS,
     # past EXLPY_GEMV_ROWS) by packed weights: qmm (exl2_qmm.py), tc (exl2_tc.py, the tensor-core dequant GEMM)
     # or auto (tc where its launch table, exl2_tc_plan.TC_ROWS, says it was measured faster: 5-32 rows on an H100;
-    # qmm elsewhere).
-    qmm_kernel: str = "auto"
+    # qmm elsewhere). qmm by default: exl2_tc's code changed after its GPU run (a shared split-K workspace, a
+    # per-task group offset) and has not run on a GPU since; auto once it has.
+    qmm_kernel: str = "qmm"
     # EXLPY_GRAPH_SAMPLING=0 turns off the captured sampler (generator/sampling/graphed.py), on by default where
     # decode steps are CUDA graphs: its GPU tests pass (H100, 2026-11-26 12:17) and it holds exllamav2's default
     # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
@@ -134,7 +135,7 @@ class RuntimeOptions:
             api_key=e.get("EXLPY_API_KEY") or None,
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
-            qmm_kernel=e.get("EXLPY_QMM_KERNEL") or "auto",
+            qmm_kernel=e.get("EXLPY_QMM_KERNEL") or "qmm",
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=flag("EXLPY_PREFILL_GRAPHS"),
         )
