@@ -24,6 +24,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
+| `EXLPY_GPTQ_KERNEL=1` | `gptq_kernel=True` | the converter's GPTQ blocks through the Triton kernel |
 | `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm` (default), `tc` (tensor-core GEMM) or `auto` |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
@@ -79,6 +80,9 @@ class RuntimeOptions:
     # qmm elsewhere). qmm by default: exl2_tc's code changed after its GPU run (a shared split-K workspace, a
     # per-task group offset) and has not run on a GPU since; auto once it has.
     qmm_kernel: str = "qmm"
+    # EXLPY_GPTQ_KERNEL=1: the converter's GPTQ rows through the Triton kernel (kernels/gptq_block.py), one launch per
+    # block, instead of its torch reference; opt-in until it has run on a GPU.
+    gptq_kernel: bool = False
     # EXLPY_GRAPH_SAMPLING=0 turns off the captured sampler (generator/sampling/graphed.py), on by default where
     # decode steps are CUDA graphs: its GPU tests pass (H100, 2026-11-26 12:17) and it holds exllamav2's default
     # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
@@ -136,6 +140,7 @@ class RuntimeOptions:
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
             qmm_kernel=e.get("EXLPY_QMM_KERNEL") or "qmm",
+            gptq_kernel=flag("EXLPY_GPTQ_KERNEL"),
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=flag("EXLPY_PREFILL_GRAPHS"),
         )

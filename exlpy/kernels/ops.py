@@ -312,5 +312,10 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
 
 def gptq_block(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
                codes: torch.Tensor, err: torch.Tensor, rtn: bool = False) -> None:
-    """One block of GPTQ rows (the converter's inner loop), in place; see `reference.gptq_block`."""
+    """One block of GPTQ rows (the converter's inner loop), in place; see `reference.gptq_block`. The Triton kernel
+    only with EXLPY_GPTQ_KERNEL=1 until it has run on a GPU (bit-identical to the reference under the interpreter
+    and compiled without FMAs for sm_90a, 2026-11-26); the reference otherwise, on every device."""
+    if not options().gptq_kernel:
+        reference.gptq_block(w, u, scale, zero, maxq, codes, err, rtn)
+        return
     _impl("gptq_block", w)(w, u, scale, zero, maxq, codes, err, rtn)
