@@ -101,7 +101,7 @@ class QmmPlan:
 
 
 @dataclass(frozen=True)
-class _Part:
+class MatrixPart:
     """What the plan needs of one matrix: hashable, so equal sets of matrices share a cached plan."""
 
     layout: QuantLayout
@@ -115,18 +115,20 @@ class _Part:
     o_aux: int
 
 
-def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
+def describe_parts(parts: list[QuantMatrix], what: str = "multi-row") -> tuple[MatrixPart, ...]:
+    """The plan's view of a group's matrices (checked to share kind, device and K and whole 32-row blocks); also
+    exl2_tc_plan's (`what` names the kernel in the errors)."""
     q0 = parts[0]
     aux0 = q0.scale_max if q0.kind == "exl2" else q0.zeros
     out = []
     for p in parts:
         if p.kind != q0.kind or p.device != q0.device or p.k != q0.k:
-            raise ValueError("a multi-row group needs matrices of one kind, device and K")
+            raise ValueError(f"a {what} group needs matrices of one kind, device and K")
         if not supports(p):
-            raise ValueError("the multi-row kernel needs groups of whole 32-row blocks")
+            raise ValueError(f"the {what} kernel needs groups of whole 32-row blocks")
         aux = p.scale_max if p.kind == "exl2" else p.zeros
         assert aux is not None and aux0 is not None
-        out.append(_Part(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
+        out.append(MatrixPart(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
                          aux.stride(0) if aux.dim() > 1 else 0, element_offset(p.q_weight, q0.q_weight),
                          element_offset(p.scales, q0.scales), element_offset(aux, aux0)))
     return tuple(out)
@@ -140,7 +142,7 @@ def plan_for(parts: list[QuantMatrix], perm: torch.Tensor | None, bm: int = 16) 
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     cfg = (CONFIG["KB"], CONFIG["WAVES"], CONFIG["ONE_LAUNCH"], CONFIG[f"BLOCK_N_{bm}"])
-    return _plan_cached(_describe(parts), dev, num_sms(dev), cfg, _PermKey(perm))
+    return _plan_cached(describe_parts(parts), dev, num_sms(dev), cfg, _PermKey(perm))
 
 
 class _PermKey:
@@ -187,7 +189,7 @@ def _block_groups(lay: QuantLayout) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, cfg: tuple[int, int, int, int],
+def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, cfg: tuple[int, int, int, int],
                  perm: _PermKey) -> QmmPlan:
     kb, waves, one_launch, bn = cfg
     k = parts[0].layout.k

@@ -22,7 +22,8 @@ import torch
 import triton
 
 from exlpy.kernels import exl2_qmm_plan as _qmm_plan
-from exlpy.kernels.exl2_gemv_plan import element_offset, num_sms, supports
+from exlpy.kernels.exl2_gemv_plan import num_sms, supports
+from exlpy.kernels.exl2_qmm_plan import MatrixPart, describe_parts
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
@@ -140,38 +141,6 @@ class TcPlan:
         return dict(self.cfg)
 
 
-@dataclass(frozen=True)
-class _Part:
-    """What the plan needs of one matrix: hashable, so equal sets of matrices share a cached plan."""
-
-    layout: QuantLayout
-    n: int
-    ld_n: int
-    s_qw: int
-    s_sc: int
-    s_aux: int
-    o_qw: int
-    o_sc: int
-    o_aux: int
-
-
-def _describe(parts: list[QuantMatrix]) -> tuple[_Part, ...]:
-    q0 = parts[0]
-    aux0 = q0.scale_max if q0.kind == "exl2" else q0.zeros
-    out = []
-    for p in parts:
-        if p.kind != q0.kind or p.device != q0.device or p.k != q0.k:
-            raise ValueError("a tensor-core group needs matrices of one kind, device and K")
-        if not supports(p):
-            raise ValueError("the tensor-core kernel needs groups of whole 32-row blocks")
-        aux = p.scale_max if p.kind == "exl2" else p.zeros
-        assert aux is not None and aux0 is not None
-        out.append(_Part(p.layout, p.n, p.q_weight.shape[1], p.q_weight.stride(0), p.scales.stride(0),
-                         aux.stride(0) if aux.dim() > 1 else 0, element_offset(p.q_weight, q0.q_weight),
-                         element_offset(p.scales, q0.scales), element_offset(aux, aux0)))
-    return tuple(out)
-
-
 def plan_for(parts: list[QuantMatrix], bm: int) -> TcPlan:
     """The plan for x @ [parts side by side] at BLOCK_M `bm`, cached by the matrices' layouts and relative
     placement, the permutation's identity and the launch parameters. Made outside CUDA-graph capture (its tables
@@ -180,7 +149,8 @@ def plan_for(parts: list[QuantMatrix], bm: int) -> TcPlan:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     cfg = launch_config(parts[0].k, sum(p.n for p in parts), bm)
-    return _plan_cached(_describe(parts), dev, num_sms(dev), bm, tuple(sorted(cfg.items())), _PermKey(parts[0].perm))
+    return _plan_cached(describe_parts(parts, "tensor-core"), dev, num_sms(dev), bm, tuple(sorted(cfg.items())),
+                        _PermKey(parts[0].perm))
 
 
 class _PermKey:
@@ -255,8 +225,8 @@ def _src(k: int, perm: torch.Tensor | None, device: torch.device, half: bool = F
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, bm: int, cfg: tuple[tuple[str, int], ...],
-                 perm: _PermKey) -> TcPlan:
+def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, bm: int,
+                 cfg: tuple[tuple[str, int], ...], perm: _PermKey) -> TcPlan:
     c = dict(cfg)
     bn = c["BLOCK_N"]
     k = parts[0].layout.k
@@ -307,7 +277,7 @@ def _plan_cached(parts: tuple[_Part, ...], device: torch.device, sms: int, bm: i
                   _src(k, perm.perm, device, bool(c.get("HALF"))))
 
 
-def _split(parts: tuple[_Part, ...], runs: list[tuple[int, _Run]], bn: int, want: int, may_split: bool,
+def _split(parts: tuple[MatrixPart, ...], runs: list[tuple[int, _Run]], bn: int, want: int, may_split: bool,
            row: object) -> list[list[int]]:
     """One program per task: every run of every column block cut into pieces of whole groups, about `want` in
     all in proportion to the packed bytes; longest first (the grid's tail is then made of short programs)."""
@@ -332,7 +302,7 @@ def _split(parts: tuple[_Part, ...], runs: list[tuple[int, _Run]], bn: int, want
 STEP_COST = 4  # a K step's fixed work (scales, x tile, dot, loop), in packed words per column, for _stream
 
 
-def _stream(parts: tuple[_Part, ...], runs: list[tuple[int, _Run]], kb: dict[int, int], bn: int, slots: int,
+def _stream(parts: tuple[MatrixPart, ...], runs: list[tuple[int, _Run]], kb: dict[int, int], bn: int, slots: int,
             row: object) -> tuple[list[list[int]], list[int]]:
     """Stream-K: the K steps of every (column block, run), in column-block order, cut into `slots` contiguous
     shares of equal cost (packed words per column plus STEP_COST per step), one per program of a persistent
