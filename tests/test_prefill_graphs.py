@@ -4,7 +4,9 @@ generator's prompt prefilled that way equals the eager one; a capture that fails
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from exlpy.generator.dynamic import scheduler
 from exlpy.generator.dynamic.warmup import plan_shapes, warm_chunks
 from exlpy.model import Transformer
 from exlpy.model.batch import pack, paged_batch
-from exlpy.runtime import RuntimeOptions, use_options
+from exlpy.runtime import RuntimeOptions, options, use_options
 from tests.conftest import rel_err, requires_cuda, shared_path
 from tests.hf_models import make_hf_model
 from tests.test_generator_helpers import _load as _load_aidreams
@@ -26,6 +28,13 @@ from tests.test_generator_helpers import _load as _load_aidreams
 TOL = 1e-5
 PAGE = 16  # the test cache [4, 64, H, D] addressed as 16 pages of 16 rows
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _chunk_graphs_on() -> Iterator[None]:
+    """These tests are about captured prompt chunks, opt-in (EXLPY_PREFILL_GRAPHS=1) until timed on a GPU."""
+    with use_options(dataclasses.replace(options(), prefill_graphs=True)):
+        yield
 
 
 @pytest.fixture(scope="module")
