@@ -271,6 +271,11 @@ class _Converter:
         os.makedirs(job.path("out_tensor"), exist_ok=True)
         t0 = time.perf_counter()
         states = self._states(qd, ids, store)
+        # The source model's states beside the quantized ones: the target of asymmetric calibration.
+        ref = None
+        if s.target == "source":
+            ref = (States.from_dict(self.job.load_states(qd["states"]), store, "ref_") if qd.get("states")
+                   else States(list(states.chunks), states.side))
         self.prog.start("quantize", len(self.decoders) + 1, qd["next"])
         for idx in range(qd["next"], len(self.decoders)):
             m = self.decoders[idx]
@@ -278,21 +283,22 @@ class _Converter:
             option = {k: QParams.from_dict(v) for k, v in job.data["strategy"][m.key].items()
                       if isinstance(v, dict)}
             m.load(self.device)
-            tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp, s.scale_norm,
-                                                   s.act_order)
+            tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
+                                                        s.scale_norm, s.act_order, ref)
             m.unload()
             write_tensors(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn
             qd["module_times"][m.key] = time.perf_counter() - t1
             self.prog.advance(f"{m.key}  rel. error {rfn:.5f}")
             if isinstance(m, MLP) or idx == len(self.decoders) - 1:
-                name = job.save_states("quant", idx, states.to_dict())
+                keep = states.to_dict() | (ref.to_dict("ref_") if ref is not None else {})
+                name = job.save_states("quant", idx, keep)
                 self._timed("quantize", t0)
                 t0 = time.perf_counter()
                 job.checkpoint("quant", idx, name)
         t1 = time.perf_counter()
         self.prog.note("lm_head")
-        self._quantize_head(states)
+        self._quantize_head(states, ref)
         qd["module_times"]["lm_head"] = time.perf_counter() - t1
         qd["head_done"] = True
         self._timed("quantize", t0)
@@ -301,10 +307,10 @@ class _Converter:
         self.prog.advance("lm_head")
         self.prog.finish()
 
-    def _quantize_head(self, states: States) -> None:
+    def _quantize_head(self, states: States, ref: States | None) -> None:
         norm = self.model.modules[-2]
         norm.load(self.device)
-        h = head_hessian(norm, states, self.device)
+        h, cross = head_hessian(norm, states, self.device, ref)
         x = states.chunks[0][:1].to(self.device)
         sample = _run(norm, x, contiguous_batch(1, x.shape[1], 0, None, 0, self.device))[0]
         norm.unload()
@@ -313,8 +319,8 @@ class _Converter:
         name = "lm_head.weight" if "lm_head.weight" in self.config.index else "model.embed_tokens.weight"
         widest = max(k * n for m in self.decoders for k, n in shapes(m).values())
         cols = max(32, widest // spec.hidden_size // 32 * 32)
-        tensors, err = quantize_head(self.config.index, name, h.result(), self.s.head_bits, self.device, cols,
-                                     self.s.damp, self.s.scale_norm, sample, spec.features.norm_head)
+        tensors, err = quantize_head(self.config.index, name, h, self.s.head_bits, self.device, cols,
+                                     self.s.damp, self.s.scale_norm, sample, spec.features.norm_head, cross)
         write_tensors(self.job.path("out_tensor", "lm_head.safetensors"), tensors)
         self.job.data["quant"]["head_error"] = err
 

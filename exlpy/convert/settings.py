@@ -32,6 +32,10 @@ class ConvertSettings:
     damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
     scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
     act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
+    # What each linear's quantization aims at (exlpy/convert/quantize.py): "source", the unquantized model's
+    # output (asymmetric calibration, GPTAQ), or "quantized", the output of the source weights on the quantized
+    # model's inputs (plain GPTQ, exllamav2)
+    target: str = "source"
     progress: bool = True
     rope_scale: float | None = None  # -rs: linear RoPE scale for the calibration forward (config.scale_pos_emb)
     rope_alpha: float | None = None  # -ra: NTK alpha for the calibration forward (config.scale_alpha_value)
@@ -63,6 +67,8 @@ class ConvertSettings:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
                 raise ConvertSettingsError(f"{flag} must be a positive number, got {v}")
+        if self.target not in ("source", "quantized"):
+            raise ConvertSettingsError(f"target must be 'source' or 'quantized', got {self.target!r}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
@@ -76,7 +82,7 @@ class ConvertSettings:
 
         d = asdict(self)
         keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
-                "act_order", "rope_scale", "rope_alpha")
+                "act_order", "target", "rope_scale", "rope_alpha")
         out = {k: d[k] for k in keep}
         out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
                    measurement=ident(self.measurement))
