@@ -28,6 +28,7 @@ from exlpy.convert.optimize import choose, reachable, slot_error
 from exlpy.convert.progress import StageProgress, peak_memory, summary_table
 from exlpy.convert.qparams import QParams, bpw
 from exlpy.convert.quantize import head_hessian, quantize_head, quantize_module
+from exlpy.convert.sensitivity import module_sensitivity
 from exlpy.convert.settings import MAX_BPW, ConvertSettings
 from exlpy.engine import ExLlamaV2
 from exlpy.errors import ConvertSettingsError, MeasurementFileError, UnsupportedArchitectureError
@@ -166,10 +167,14 @@ class _Converter:
             if "measurement" not in self.job.data:
                 self.job.data["measurement"] = self._load_measurement() if s.measurement else self._measure()
                 self.job.save()
+            if s.objective == "sensitivity" and "sensitivity" not in self.job.data:
+                self.job.data["sensitivity"] = self._sensitivity()
+                self.job.save()
             if s.output_measurement:
                 path = self.job.path("measurement.json")
+                extra = {"sensitivity": self.job.data["sensitivity"]} if "sensitivity" in self.job.data else {}
                 write_json(path, {"measurement": self.job.data["measurement"],
-                                  "last_module_idx": len(self.model.modules) - 1})
+                                  "last_module_idx": len(self.model.modules) - 1} | extra)
                 self.prog.print(f"Measurement written to {path}")
                 return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
             if "strategy" not in self.job.data:
@@ -212,6 +217,26 @@ class _Converter:
         job.drop_states(md.get("states"))
         return md["measurement"]
 
+    def _sensitivity(self) -> dict[str, float]:
+        """Per-module weights of the objective (exlpy/convert/sensitivity.py): from the measurement file when it
+        has them (one made by `exlpy convert -om`), else measured on the first `sensitivity_tokens` calibration
+        tokens."""
+        if self.s.measurement:
+            with open(self.s.measurement, encoding="utf-8") as f:
+                saved = json.load(f).get("sensitivity")
+            if isinstance(saved, dict) and all(isinstance(saved.get(m.key), (int, float)) for m in self.decoders):
+                return {m.key: float(saved[m.key]) for m in self.decoders}
+        t0 = time.perf_counter()
+        self.prog.note("sensitivity")
+        ids = self._cal("cal_measure.safetensors", self.s.measurement_rows, self.s.measurement_length)
+        n = self.s.sensitivity_tokens
+        length = min(ids.shape[1], n)
+        ids = ids[:max(1, n // length), :length]
+        sens = module_sensitivity(self.model.modules, self._embed(ids, self.device), self.device)
+        self.prog.step("sensitivity")
+        self._timed("sensitivity", t0)
+        return sens
+
     def _load_measurement(self) -> dict[str, list[dict[str, Any]]]:
         path = self.s.measurement
         assert path is not None
@@ -246,7 +271,8 @@ class _Converter:
         t0 = time.perf_counter()
         meas = self.job.data["measurement"]
         costs = [[int(e["total_bits"]) for e in meas[m.key]] for m in self.decoders]
-        errors = [[slot_error(e) for e in meas[m.key]] for m in self.decoders]
+        sens = self.job.data.get("sensitivity") if self.s.objective == "sensitivity" else None
+        errors = [[slot_error(e) * (sens[m.key] if sens else 1.0) for e in meas[m.key]] for m in self.decoders]
         budget = int(self.numel * self.s.bits)
         lo, _ = reachable(costs, self.numel)
         if budget < sum(min(c) for c in costs):
@@ -284,7 +310,7 @@ class _Converter:
                       if isinstance(v, dict)}
             m.load(self.device)
             tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
-                                                        s.scale_norm, s.act_order, ref)
+                                                        s.scale_norm, s.act_order, ref, s.learned_rounding)
             m.unload()
             write_tensors(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn

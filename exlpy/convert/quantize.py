@@ -29,7 +29,7 @@ from exlpy.convert.forward import (
     install_taps,
     run_chunk,
 )
-from exlpy.convert.gptq import QuantResult, gptq_quantize, prepare_hessian
+from exlpy.convert.gptq import QuantResult, gptq_quantize, prepare_hessian, refine_rounding
 from exlpy.convert.layers import check_source, hessian_groups, read_bias, read_weight
 from exlpy.convert.packing import check_packed, pack_exl2
 from exlpy.convert.qparams import HEAD_OPTIONS, QParams
@@ -39,10 +39,12 @@ from exlpy.model.module import Module
 
 def quantize_module(module: Module, states: States, device: torch.device, store: torch.device,
                     option: dict[str, QParams], damp: float, norm: float, act_order: str = "auto",
-                    ref: States | None = None) -> tuple[dict[str, torch.Tensor], States, States | None, float]:
+                    ref: States | None = None, rounding_passes: int = 0
+                    ) -> tuple[dict[str, torch.Tensor], States, States | None, float]:
     """(packed tensors, quantized outputs, source outputs, relative error of the first chunk's output) of a
     loaded module. `states`: the quantized model's inputs; `ref`: the source model's inputs of the same rows
-    (then every linear targets the source output, see the module docstring; None: GPTQ of the source weights)."""
+    (then every linear targets the source output, see the module docstring; None: GPTQ of the source weights).
+    `rounding_passes`: passes of learned rounding after GPTQ (gptq.refine_rounding; 0: GPTQ's own rounding)."""
     check_source(module)
     taps = install_taps(module)
     dtype = module.dtype(device)
@@ -53,7 +55,7 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
         ws = [read_weight(module.index, f"{module.key}.{k}.weight", device) for k in keys]
         targets = ws if cross is None else asymmetric_targets(ws, hm, cross, damp)
         results = quantize_best_order(targets, [option[k] for k in keys], hm, damp, norm, f"{module.key}.{rec}",
-                                      act_order)
+                                      act_order, rounding_passes)
         del hm, cross
         for k, res in zip(keys, results):
             prefix = f"{module.key}.{k}"
@@ -148,7 +150,7 @@ def proxy_error(ws: list[torch.Tensor], results: list[QuantResult], h: torch.Ten
 
 
 def quantize_best_order(ws: list[torch.Tensor], options: list[QParams], h: torch.Tensor, damp: float, norm: float,
-                        key: str, act_order: str = "auto") -> list[QuantResult]:
+                        key: str, act_order: str = "auto", rounding_passes: int = 0) -> list[QuantResult]:
     """GPTQ in act order ("on"), in the natural row order ("off"), or both, keeping the order whose output
     error on the calibration inputs is lower ("auto"). Act order usually wins; the natural order wins where the
     weights still carry the block structure of an earlier quantization (models distilled from GGUF files)."""
@@ -160,7 +162,7 @@ def quantize_best_order(ws: list[torch.Tensor], options: list[QParams], h: torch
         if err < best_err:
             best, best_err = res, err
     assert best is not None
-    return best
+    return refine_rounding(ws, best, h, damp, rounding_passes)
 
 
 def head_hessian(norm_module: Module, states: States, device: torch.device, ref: States | None = None

@@ -36,6 +36,14 @@ class ConvertSettings:
     # output (asymmetric calibration, GPTAQ), or "quantized", the output of the source weights on the quantized
     # model's inputs (plain GPTQ, exllamav2)
     target: str = "source"
+    # What the bit allocation minimizes (exlpy/convert/optimize.py): "sensitivity", each module's measured error
+    # weighted by how much the final distribution reacts to error there (exlpy/convert/sensitivity.py), or
+    # "error", the plain sum of the modules' errors
+    objective: str = "sensitivity"
+    sensitivity_tokens: int = 2048  # calibration tokens of the sensitivity pass (from the measurement rows)
+    # Passes of learned rounding after GPTQ: codes and scales re-chosen by coordinate descent on each linear's
+    # output error (exlpy/convert/gptq.py refine_rounding); 0 = GPTQ's rounding
+    learned_rounding: int = 0
     progress: bool = True
     rope_scale: float | None = None  # -rs: linear RoPE scale for the calibration forward (config.scale_pos_emb)
     rope_alpha: float | None = None  # -ra: NTK alpha for the calibration forward (config.scale_alpha_value)
@@ -48,7 +56,7 @@ class ConvertSettings:
         if not self.bits > 0 or self.bits > MAX_BPW:
             raise ConvertSettingsError(f"-b/--bits {self.bits} is outside the reachable range: EXL2 targets go "
                                        f"up to {MAX_BPW:g} bits per weight")
-        for name in ("rows", "length", "measurement_rows", "measurement_length"):
+        for name in ("rows", "length", "measurement_rows", "measurement_length", "sensitivity_tokens"):
             if getattr(self, name) < 1:
                 raise ConvertSettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.shard_size < 0:
@@ -69,6 +77,10 @@ class ConvertSettings:
                 raise ConvertSettingsError(f"{flag} must be a positive number, got {v}")
         if self.target not in ("source", "quantized"):
             raise ConvertSettingsError(f"target must be 'source' or 'quantized', got {self.target!r}")
+        if not isinstance(self.learned_rounding, int) or not 0 <= self.learned_rounding <= 100:
+            raise ConvertSettingsError(f"--learned_rounding takes 0 to 100 passes, got {self.learned_rounding!r}")
+        if self.objective not in ("sensitivity", "error"):
+            raise ConvertSettingsError(f"objective must be 'sensitivity' or 'error', got {self.objective!r}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
@@ -82,7 +94,8 @@ class ConvertSettings:
 
         d = asdict(self)
         keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
-                "act_order", "target", "rope_scale", "rope_alpha")
+                "act_order", "target", "objective",
+                "sensitivity_tokens", "learned_rounding", "rope_scale", "rope_alpha")
         out = {k: d[k] for k in keep}
         out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
                    measurement=ident(self.measurement))
