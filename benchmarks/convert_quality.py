@@ -117,6 +117,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_xlabel("bits per weight (decoder, as stored)")
     ax.set_ylabel("perplexity")
     ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -145,7 +149,13 @@ def main() -> None:
                     "learned_rounding=0; values are parsed as JSON, else kept as text")
     ap.add_argument("--measurement", help="reuse this measurement.json instead of measuring in WORK/measure")
     ap.add_argument("--no-refs", action="store_true", help="skip the exllamav2 and RTN rows")
+    ap.add_argument("--replot", action="store_true", help="only draw the PNG from the .json beside --out (e.g. "
+                    "on a machine with matplotlib, after a run on one without)")
     a = ap.parse_args()
+    if a.replot:
+        data = json.load(open(os.path.splitext(a.out)[0] + ".json"))
+        plot(data["rows"], os.path.splitext(a.out)[0] + ".png", data.get("title", "SmolLM2-135M-Instruct"))
+        return
     extra = dict(_setting(kv) for kv in a.set)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -173,9 +183,17 @@ def main() -> None:
             "| model | bpw (decoder, as stored) | head bits | perplexity | vs source | mean KL to source "
             "| time to make |",
             "|---|---|---|---|---|---|---|"]
+    title = f"SmolLM2-135M-Instruct, {windows} windows of {WINDOW} tokens"
     rows: list[dict] = []
     cache_path = os.path.join(a.work, "rows.json")
     cache: dict = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+    prev = os.path.splitext(a.out)[0] + ".json"
+    if not cache and os.path.exists(prev):
+        # A fresh work dir (another machine): carry on with the rows an earlier call wrote beside --out, when
+        # they were made with this calibration.
+        old = json.load(open(prev))
+        if old.get("calibration") == head[5] and isinstance(old.get("cache"), dict):
+            cache = old["cache"]
 
     def table() -> list[dict]:
         """The source, then every row this work dir has evaluated with this protocol: exlpy by bpw, then the
@@ -195,10 +213,11 @@ def main() -> None:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump({"header": head[:7], "rows": out}, f, indent=1)
+            json.dump({"header": head[:8], "rows": out, "calibration": head[5], "cache": cache, "title": title}, f,
+                      indent=1)
         with open(cache_path, "w") as f:
             json.dump(cache, f, indent=1)
-        plot(out, os.path.splitext(a.out)[0] + ".png", f"SmolLM2-135M-Instruct, {windows} windows of {WINDOW} tokens")
+        plot(out, os.path.splitext(a.out)[0] + ".png", title)
 
     ppl, _, ref_lp = eval_model(a.source, ids, windows, kl_w, None, a.batch)
     rows.append({"name": "source (fp16)", "bpw": "16", "hb": "-", "ppl": ppl, "kl": 0.0, "time": "-"})
