@@ -39,6 +39,7 @@ SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 EXL2_REF = os.path.join(SHARED, "models", "smollm2-135m-exl2-4.0")
 WINDOW = 512
 PREFIX = " (a prefix of the ANCHORS.md windows)"
+KEEP = "<!-- notes: kept when the table above is regenerated -->"
 
 
 def eval_model(path: str, ids: torch.Tensor, windows: int, kl_windows: int, ref_lp: list[torch.Tensor] | None,
@@ -210,8 +211,13 @@ def main() -> None:
             kl = f"{r['kl']:.4f}" if r["kl"] is not None else "-"
             lines.append(f"| {r['name']} | {r['bpw']} | {r['hb']} | {r['ppl']:.3f} | {rel} | {kl} | {r['time']} |")
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        kept = ""
+        if os.path.exists(a.out):  # notes below the marker (the A/B record) survive a regenerated table
+            text = open(a.out, encoding="utf-8").read()
+            if KEEP in text:
+                kept = "\n" + text[text.index(KEEP):]
         with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write("\n".join(lines) + "\n" + kept)
         with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
             json.dump({"header": head[:8], "rows": out, "calibration": head[5], "cache": cache, "title": title}, f,
                       indent=1)

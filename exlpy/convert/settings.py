@@ -32,10 +32,11 @@ class ConvertSettings:
     damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
     scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
     act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
-    # What each linear's quantization aims at (exlpy/convert/quantize.py): "source", the unquantized model's
-    # output (asymmetric calibration, GPTAQ), or "quantized", the output of the source weights on the quantized
-    # model's inputs (plain GPTQ, exllamav2)
-    target: str = "source"
+    # What each linear's quantization aims at (exlpy/convert/quantize.py): "quantized", the output of the source
+    # weights on the quantized model's inputs (GPTQ, exllamav2), or "source", the unquantized model's output
+    # (asymmetric calibration, GPTAQ; it lost on SmolLM2 with 8k calibration tokens: benchmarks/results/
+    # convert_quality.md)
+    target: str = "quantized"
     # What the bit allocation minimizes (exlpy/convert/optimize.py): "sensitivity", each module's measured error
     # weighted by how much the final distribution reacts to error there (exlpy/convert/sensitivity.py), or
     # "error", the plain sum of the modules' errors
