@@ -78,12 +78,13 @@ def test_sensitivity_is_measured_and_reused(tmp_path) -> None:
     import json
 
     src = str(shared_path("models", "tiny-llama-fp16"))
-    convert(src, str(tmp_path / "m"), output_measurement=True, **CAL)
+    convert(src, str(tmp_path / "m"), output_measurement=True, objective="sensitivity", **CAL)
     meas = tmp_path / "m" / "measurement.json"
     sens = json.load(open(meas))["sensitivity"]
     assert set(sens) == set(json.load(open(meas))["measurement"])
     assert all(0 < v < float("inf") for v in sens.values())
-    convert(src, str(tmp_path / "w"), str(tmp_path / "q"), bits=4.0, measurement=str(meas), **CAL)
+    convert(src, str(tmp_path / "w"), str(tmp_path / "q"), bits=4.0, measurement=str(meas), objective="sensitivity",
+            **CAL)
     job = json.load(open(tmp_path / "w" / "job.json"))
     assert job["sensitivity"] == sens and "sensitivity" not in job["times"]
 
@@ -97,9 +98,11 @@ def _files(d: str) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_learned_rounding_resumes_bit_identical(tmp_path, monkeypatch) -> None:
+def test_learned_rounding_and_source_target_resume_bit_identical(tmp_path, monkeypatch) -> None:
+    """The three options at once (one conversion is the slow part): the source model's states are checkpointed
+    beside the quantized ones, the sensitivity pass and learned rounding are deterministic."""
     src = str(shared_path("models", "tiny-llama-fp16"))
-    kw = dict(bits=3.0, learned_rounding=1, **CAL)
+    kw = dict(bits=3.0, learned_rounding=1, target="source", objective="sensitivity", **CAL)
     convert(src, str(tmp_path / "wa"), str(tmp_path / "a"), **kw)
     real = job_mod.Job.checkpoint
     calls = {"n": 0}

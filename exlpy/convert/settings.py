@@ -37,10 +37,10 @@ class ConvertSettings:
     # (asymmetric calibration, GPTAQ; it lost on SmolLM2 with 8k calibration tokens: benchmarks/results/
     # convert_quality.md)
     target: str = "quantized"
-    # What the bit allocation minimizes (exlpy/convert/optimize.py): "sensitivity", each module's measured error
-    # weighted by how much the final distribution reacts to error there (exlpy/convert/sensitivity.py), or
-    # "error", the plain sum of the modules' errors
-    objective: str = "sensitivity"
+    # What the bit allocation minimizes (exlpy/convert/optimize.py): "error", the plain sum of the modules'
+    # per-token errors, or "sensitivity", each weighted by how much the final distribution reacts to error at
+    # that module (exlpy/convert/sensitivity.py; on SmolLM2 it won at 4.0 bpw and lost at 3.0, so it is no default)
+    objective: str = "error"
     sensitivity_tokens: int = 2048  # calibration tokens of the sensitivity pass (from the measurement rows)
     # Passes of learned rounding after GPTQ: codes and scales re-chosen by coordinate descent on each linear's
     # output error (exlpy/convert/gptq.py refine_rounding); 0 = GPTQ's rounding
