@@ -65,6 +65,23 @@ def test_asymmetric_target_reaches_the_source_output() -> None:
     assert float((xq @ asym - ref).square().sum()) < 0.9 * float((xq @ plain - ref).square().sum())
 
 
+def test_quality_flags_reach_the_settings() -> None:
+    import argparse
+
+    from exlpy.convert.args import add_arguments, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--learned_rounding", "2", "--target", "source",
+                                          "--objective", "sensitivity"]))
+    assert (kw["learned_rounding"], kw["target"], kw["objective"]) == (2, "source", "sensitivity")
+    d = ConvertSettings()
+    # each decides the output, so a job resumed with another value is refused
+    for change in (dict(learned_rounding=2), dict(target="source"), dict(objective="sensitivity"),
+                   dict(sensitivity_tokens=512)):
+        assert ConvertSettings(**change).fingerprint() != d.fingerprint()  # type: ignore[arg-type]
+
+
 def test_settings_of_the_quality_methods_are_checked() -> None:
     for kw, match in ((dict(target="fp16"), "target"), (dict(objective="kl"), "objective"),
                       (dict(learned_rounding=-1), "learned_rounding"), (dict(sensitivity_tokens=0), "sensitivity")):
