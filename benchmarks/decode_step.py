@@ -12,7 +12,8 @@ sampler (exlpy/generator/sampling/graphed.py); JSON-schema constrained decoding 
 against the same jobs unconstrained; with `--exl2` the EXL2 4.0 bpw 8B at batch 1 (writing its weights the first
 time adds minutes). Then the speculative replay draft at acceptance 0.8 vs plain at batch 1 (benchmarks/
 speculative.py's part `replay`, a 1B-shape draft; verification through the captured sampler; `--no-spec` skips
-it). Results: a markdown table with device, date and command.
+it; `--spec-only` runs it alone), with the mean round's time by phase (exlpy/generator/speculative/profile.py).
+Results: a markdown table with device, date and command.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on whatever device (CPU check)")
     ap.add_argument("--exl2", action="store_true", help="also the EXL2 4.0 bpw 8B at batch 1")
     ap.add_argument("--no-spec", action="store_true", help="skip speculative replay draft a=0.8 vs plain")
+    ap.add_argument("--spec-only", action="store_true", help="only the speculative replay draft (with its per-round "
+                    "time breakdown)")
     ap.add_argument("--work", default="/tmp/exlpy_bench_models")
     ap.add_argument("--new-tokens", type=int, default=0, help="tokens per timed job (default 128; tiny 12)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.md")
@@ -125,7 +128,7 @@ def main() -> int:
     batches = (1, 4) if args.tiny else (1, 64)
     json_batches = (1, 2) if args.tiny else (1, 16)
     max_b = max(batches)
-    model, tok = load(args.work, args.tiny, False, max_b, prompt_len + new + 256)
+    model, tok = (None, None) if args.spec_only else load(args.work, args.tiny, False, max_b, prompt_len + new + 256)
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     lines = [f"# Decode step: sampling, masks and speculation vs greedy ({'tiny model' if args.tiny else '8B fp16'})",
              "", f"- device: {dev}", f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
@@ -140,7 +143,7 @@ def main() -> int:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
     t0 = time.time()
-    for b in batches:
+    for b in () if args.spec_only else batches:
         greedy = None
         for kind in KINDS:
             old = run(model, tok, b, kind, False, prompt_len, new)
@@ -152,7 +155,7 @@ def main() -> int:
     lines += ["", "JSON-schema constrained (llguidance, an array of 64 objects) vs the same jobs unconstrained, "
               "greedy, captured sampler:", "", "| batch | unconstrained tok/s | constrained tok/s | % |",
               "|---|---|---|---|"]
-    for b in json_batches:
+    for b in () if args.spec_only else json_batches:
         try:
             free = run(model, tok, b, "greedy", True, prompt_len, new)
             con = run(model, tok, b, "greedy", True, prompt_len, new, json_filters)

@@ -11,9 +11,13 @@
 #   serving      benchmarks/serving.py $SERVING_ARGS (default --models 8b: 8B fp16, generator and server parts)
 #   spec         benchmarks/speculative.py --parts replay
 #   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
-#   mgpu         (2 GPUs) the multi-GPU tests: -m multigpu, tests/test_multi_gpu.py, tests/test_graphs.py
+#   mgpu         (2 GPUs) the multi-GPU tests: -m multigpu, tests/test_multi_gpu.py, tests/test_graphs.py, the TP
+#                kernels' and pipeline's tests (host-memory all-reduce, embedding slice, prefill micro-batches)
 #   tp2          (2 GPUs) benchmarks/tp.py: TP x2 on the 70B-layer shape vs one GPU (decode b1/b32, prefill 2048)
 #   split        (2 GPUs) benchmarks/multigpu_split.py: 8B fp16 and EXL2 4-bit, layer split and autosplit vs one GPU
+#   sampletop    benchmarks/sample_top_speed.py: the fused sampling kernels vs torch's sort, 128k vocabulary
+#   stall        benchmarks/prefill_stall.py --model 8b: decode gaps next to a 16k prompt, captured vs eager chunks
+#   vision       benchmarks/vision.py: Qwen2.5-VL-7B shape TTFT with a 1024x1024 image vs transformers, by phase
 #   ray          (2 GPUs; needs Ray Serve importable) benchmarks/ray_serve.py --quick: 1 vs 2 one-GPU replicas, then
 #                prefix routing vs power of two choices ($RAY_MODEL, default the tiny EXL2 model of .gpu/shared)
 set -u
@@ -56,7 +60,11 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
            --quick --out "$OUT/ray_serve.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tail -30 ;;
     mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs --timeout=120 \
             --timeout-method=thread ${MGPU_ARGS:-} \
-            tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py 2>&1 | tee "$OUT/mgpu.log" \
+            tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py \
+            tests/test_tp_pipeline.py::test_pipelined_prefill_two_gpus \
+            tests/test_host_allreduce.py::test_two_streams_equal_reference \
+            tests/test_host_allreduce.py::test_fused_norm_two_streams \
+            tests/test_embed_slice.py::test_kernel_equals_reference_cuda 2>&1 | tee "$OUT/mgpu.log" \
             | grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" | cut -c1-400 | tail -40 ;;
     tp2) CUDA_VISIBLE_DEVICES=0,1 timeout "${TP_S:-330}" python benchmarks/tp.py --gpus 2 --timeout "${TP_WD:-320}" \
            --no-dist --no-diag --mem-steps "${TP_MEM:-0}" --steps "${TP_STEPS:-200}" ${TP_ARGS:-} --out "$OUT/tp2.json" 2>&1 \
@@ -66,6 +74,10 @@ print(json.dumps({k: v for k, v in r.items() if k != 'flops'}, indent=0)[:3000])
              --dir /tmp/llama3-8b-random 2>&1 | tail -12
            timeout "${SPLIT_S:-300}" python benchmarks/multigpu_split.py --exl2 4 --split-gb 2.5 \
              --out "$OUT/split_exl2.md" --steps 128 --dir /tmp/llama3-8b-exl2 2>&1 | tail -12 ;;
+    sampletop) timeout "${SAMPLETOP_S:-90}" python benchmarks/sample_top_speed.py 2>&1 | tee "$OUT/sample_top.txt" | tail -20 ;;
+    stall) timeout "${STALL_S:-200}" python benchmarks/prefill_stall.py --model 8b 2>&1 | tee "$OUT/prefill_stall.txt" \
+             | tail -25 ;;
+    vision) timeout "${VISION_S:-150}" python benchmarks/vision.py --out "$OUT/vision.md" 2>&1 | tail -40 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -1,24 +1,29 @@
 """Mixture-of-experts decode on one GPU: eager vs CUDA graphs, against the active-weights bandwidth limit, and
 the grouped expert kernels' achieved bandwidth.
 
-GPU:  python benchmarks/moe.py [--shapes mixtral] [--layers 4] [--batches 1,32] [--prompt-len 256]
-          [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
+GPU:  python benchmarks/moe.py [--shapes mixtral,qwen3_moe] [--formats fp16,exl2] [--layers 4] [--batches 1,32]
+          [--prompt-len 256] [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
 CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, nothing written unless --out)
 
-Random fp16 checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B), decoder depth cut by --layers (the
-embedding and head keep their size), written with safetensors once into --work and reused. Per shape:
+Random checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B: hidden 2048, 128 experts of 768, 8 per
+token, 48 layers), decoder depth cut by --layers (the embedding and head keep their size), in fp16 or EXL2 4.0 bpw
+(--formats exl2: every decoder projection 4-bit, experts included, head 6-bit; exl2mix: the converter's option
+layouts nearest 4 bpw, mixed widths as converted models hold them), written with safetensors once into
+--work (a shard per layer) and reused. Full depth needs the disk: Qwen3-30B-A3B is 61 GB in fp16, 17 GB in EXL2.
+Per shape and format:
 
 - decode: for each batch, greedy decode of --gen-len tokens after a random --prompt-len prompt through
   model.forward, once eagerly (config.no_graphs) and once replaying the captured step (the MoE blocks inside
   the graph); tokens/s, ms/step, and at batch 1 the fraction of the active-weights limit (copy rate ÷ bytes one
   token reads: everything but the embedding, each MoE layer's experts counted k / E).
-- kernels: ops.moe_experts (counting sort by expert, grouped gate|up with SiLU, grouped down, combine) over every loaded
-  MoE layer's real weights with a random routing of `batch` tokens per layer, timed as CUDA-graph replays (no
-  launch overhead; the layers together far exceed L2); bytes = the routed experts' weights (each distinct
-  expert once per layer), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are
-  also timed alone.
-- --sweep: the two launches again under other tiles (exlpy/kernels/moe.py TILES, STAGES) for the tile height
-  each batch uses, to choose the defaults from.
+- kernels: ops.moe_experts (counting sort by expert, grouped gate|up with SiLU, grouped down, combine; EXL2:
+  ops.moe_experts_exl2 over the packed stacks) over every loaded MoE layer's real weights with a random routing
+  of `batch` tokens per layer, timed as CUDA-graph replays (no launch overhead; the layers together far exceed
+  L2); bytes = the routed experts' weights (each distinct expert once per layer; EXL2: its packed words, scales
+  and row tables), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are also timed
+  alone.
+- --sweep: the two launches again under other tiles (fp16: exlpy/kernels/moe.py TILES, STAGES for the tile
+  height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES, UNROLL_DECODE), to choose the defaults from.
 
 Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
@@ -54,6 +59,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                       num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
                       max_position_embeddings=4096, tie_word_embeddings=False),
 }
+FORMATS = {"fp16": "fp16", "exl2": "EXL2 4.0 bpw (head 6-bit)",
+           "exl2mix": "EXL2 ~4 bpw, converter option layouts (mixed widths, head 6-bit)"}
 # --tiny: the same architectures at test-model size (CPU)
 TINY = {"mixtral": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                         num_key_value_heads=2, num_local_experts=8),
@@ -61,9 +68,14 @@ TINY = {"mixtral": dict(vocab_size=512, hidden_size=64, intermediate_size=96, nu
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16)}
 
 
-def write(path: str, cfg: dict[str, Any], device: str) -> None:
-    """A random fp16 checkpoint of `cfg` (Mixtral's experts under its own names)."""
+def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16") -> None:
+    """A random checkpoint of `cfg` (Mixtral's experts under its own names), one safetensors shard per layer so
+    that host memory holds one layer at a time. fmt "exl2": every decoder projection (attention and experts) EXL2
+    4-bit in 128-row groups, the head 6-bit, as benchmarks/make_models.py writes dense models (random packed
+    words; each expert's gate and up share one act order); router, norms and embedding fp16."""
     from safetensors.torch import save_file
+
+    import benchmarks.make_models as mm  # random EXL2 tensors (drawn on the GPU when there is one)
 
     os.makedirs(path, exist_ok=True)
     g = torch.Generator(device=device).manual_seed(0)
@@ -73,6 +85,8 @@ def write(path: str, cfg: dict[str, Any], device: str) -> None:
     n = cfg.get("num_experts", cfg.get("num_local_experts"))
     inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     mixtral = cfg["architectures"][0] == "MixtralForCausalLM"
+    exl2 = fmt in ("exl2", "exl2mix")
+    layouts = _converter_layouts(h, hq * d, hk * d, inter) if fmt == "exl2mix" else {}
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, device=device, generator=g) * std).half().cpu()
@@ -80,23 +94,65 @@ def write(path: str, cfg: dict[str, Any], device: str) -> None:
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch.float16)
 
-    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": ones(h), "lm_head.weight": rnd(v, h)}
+    def linear(name: str, k: int, n_out: int, bits: int = 4, perm: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
+        if exl2:
+            groups = layouts.get(name.rsplit(".", 1)[-1].replace("w1", "gate_proj").replace("w3", "up_proj")
+                                 .replace("w2", "down_proj"), bits)
+            return mm._exl2(name, k, n_out, groups, None if perm is None else perm.clone())
+        return {f"{name}.weight": rnd(n_out, k)}
+
+    weight_map: dict[str, str] = {}
+
+    def shard(name: str, t: dict[str, torch.Tensor]) -> None:
+        save_file(t, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in t})
+
+    shard("outer.safetensors", {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": ones(h),
+                                **linear("lm_head", h, v, bits=6)})
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        t |= {f"{p}.input_layernorm.weight": ones(h), f"{p}.post_attention_layernorm.weight": ones(h),
-              f"{p}.self_attn.q_proj.weight": rnd(hq * d, h), f"{p}.self_attn.k_proj.weight": rnd(hk * d, h),
-              f"{p}.self_attn.v_proj.weight": rnd(hk * d, h), f"{p}.self_attn.o_proj.weight": rnd(h, hq * d)}
+        t = {f"{p}.input_layernorm.weight": ones(h), f"{p}.post_attention_layernorm.weight": ones(h)}
+        qkv_perm = torch.randperm(h).to(torch.int32)
+        for proj, n_out in (("q_proj", hq * d), ("k_proj", hk * d), ("v_proj", hk * d)):
+            t |= linear(f"{p}.self_attn.{proj}", h, n_out, perm=qkv_perm)
+        t |= linear(f"{p}.self_attn.o_proj", hq * d, h)
         if not mixtral:
             t |= {f"{p}.self_attn.q_norm.weight": ones(d), f"{p}.self_attn.k_norm.weight": ones(d)}
         moe = f"{p}.block_sparse_moe" if mixtral else f"{p}.mlp"
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         t[f"{moe}.gate.weight"] = rnd(n, h, std=0.5)  # decisive, spread routing
         for e in range(n):
-            t |= {f"{moe}.experts.{e}.{names[0]}.weight": rnd(inter, h), f"{moe}.experts.{e}.{names[1]}.weight":
-                  rnd(inter, h), f"{moe}.experts.{e}.{names[2]}.weight": rnd(h, inter)}
-    save_file(t, os.path.join(path, "model.safetensors"))
+            gu_perm = torch.randperm(h).to(torch.int32)
+            t |= linear(f"{moe}.experts.{e}.{names[0]}", h, inter, perm=gu_perm)
+            t |= linear(f"{moe}.experts.{e}.{names[1]}", h, inter, perm=gu_perm)
+            t |= linear(f"{moe}.experts.{e}.{names[2]}", inter, h)
+        shard(f"layer-{i:03d}.safetensors", t)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    if exl2:
+        cfg = {**cfg, "quantization_config": {"quant_method": "exl2", "bits": 4.0, "head_bits": 6}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+    open(os.path.join(path, ".complete"), "w").close()
+
+
+def _converter_layouts(h: int, q: int, kv: int, inter: int, target: float = 4.0) -> dict[str, list]:
+    """Per projection, the (bits, rows) groups of the attention and MLP option (exlpy convert's tables, applied to
+    every expert) whose bits per weight come nearest `target`: the mixed widths a converted model holds."""
+    from exlpy.convert.qparams import ATTN_OPTIONS, MLP_OPTIONS
+
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}
+
+    def bpw(option: dict) -> float:
+        return sum(p.total_bits(*dims[k]) for k, p in option.items()) / sum(dims[k][0] * dims[k][1] for k in option)
+
+    out = {}
+    for table in (ATTN_OPTIONS, MLP_OPTIONS):
+        best = min(table, key=lambda o: abs(bpw(o) - target))
+        out |= {k: p.groups(dims[k][0]) for k, p in best.items()}
+    return out
 
 
 def load(path: str, max_seq_len: int, max_batch: int, device: str) -> Any:
@@ -181,32 +237,58 @@ def copy_rate(device: str) -> float:
 
 
 def kernel_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
-    """(what, seconds per layer, achieved bytes/s) of the grouped experts over every loaded MoE layer."""
+    """(what, seconds per layer, achieved bytes/s) of the grouped experts over every loaded MoE layer (dense
+    stacks, or EXL2 stacks read packed)."""
     from exlpy.model.moe import MoEMLP
 
-    blocks = [m for m in model.modules if isinstance(m, MoEMLP) and m.w_gate_up is not None]
-    E, two_i, H = blocks[0].w_gate_up.shape
+    blocks = [m for m in model.modules if isinstance(m, MoEMLP) and (m.w_gate_up is not None or
+                                                                       m.packed is not None)]
+    packed = blocks[0].packed is not None
+    if packed:
+        E, H, inter = blocks[0].packed[0].num_experts, blocks[0].packed[0].k, blocks[0].packed[0].n
+        dtype = blocks[0].norm_w.dtype
+    else:
+        E, two_i, H = blocks[0].w_gate_up.shape
+        inter, dtype = two_i // 2, blocks[0].w_gate_up.dtype
     k = model.config.num_experts_per_token
     g = torch.Generator().manual_seed(1)
     cases = []
     for blk in blocks:
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(device)
-        h = (torch.randn(tokens, H, generator=g) * 0.1).to(device, blk.w_gate_up.dtype)
-        w = torch.rand(tokens, k, generator=g).to(device, blk.w_gate_up.dtype)
+        h = (torch.randn(tokens, H, generator=g) * 0.1).to(device, dtype)
+        w = torch.rand(tokens, k, generator=g).to(device, dtype)
         order, counts = ops.moe_sort(ids, E)
-        a = ops.moe_gate_up(h, order, counts, blk.w_gate_up, k, "silu")
+        if packed:
+            a = ops.moe_gate_up_exl2(h, order, counts, blk.packed[0], blk.packed[1], k, "silu")
+        else:
+            a = ops.moe_gate_up(h, order, counts, blk.w_gate_up, k, "silu")
         cases.append((blk, ids, h, w, order, counts, a))
-    elem = blocks[0].w_gate_up.element_size()
     routed = sum(int(c[1].unique().numel()) for c in cases)  # distinct experts read, over all layers
-    gu_bytes, down_bytes = routed * two_i * H * elem, routed * H * (two_i // 2) * elem
-    runs = {
-        "moe_experts (sort + gate|up + down + combine)": (
-            lambda: [ops.moe_experts(h, w, ids, b.w_gate_up, b.w_down, "silu") for b, ids, h, w, *_ in cases],
-            gu_bytes + down_bytes),
-        "gate|up + SiLU launch": (
-            lambda: [ops.moe_gate_up(h, o, c, b.w_gate_up, k, "silu") for b, _, h, _, o, c, _ in cases], gu_bytes),
-        "down launch": (lambda: [ops.moe_down(a, o, c, b.w_down) for b, _, _, _, o, c, a in cases], down_bytes),
-    }
+    if packed:  # the stacks' bytes (packed words, scales, row tables) per expert
+        gu_bytes = routed * (blocks[0].packed[0].nbytes() + blocks[0].packed[1].nbytes()) // E
+        down_bytes = routed * blocks[0].packed[2].nbytes() // E
+        runs = {
+            "moe_experts_exl2 (sort + gate|up + down + combine)": (
+                lambda: [ops.moe_experts_exl2(h, w, ids, *b.packed, "silu") for b, ids, h, w, *_ in cases],
+                gu_bytes + down_bytes),
+            "EXL2 gate|up + SiLU launch": (
+                lambda: [ops.moe_gate_up_exl2(h, o, c, b.packed[0], b.packed[1], k, "silu")
+                         for b, _, h, _, o, c, _ in cases], gu_bytes),
+            "EXL2 down launch": (lambda: [ops.moe_down_exl2(a, o, c, b.packed[2]) for b, _, _, _, o, c, a in cases],
+                                 down_bytes),
+        }
+    else:
+        elem = blocks[0].w_gate_up.element_size()
+        gu_bytes, down_bytes = routed * 2 * inter * H * elem, routed * H * inter * elem
+        runs = {
+            "moe_experts (sort + gate|up + down + combine)": (
+                lambda: [ops.moe_experts(h, w, ids, b.w_gate_up, b.w_down, "silu") for b, ids, h, w, *_ in cases],
+                gu_bytes + down_bytes),
+            "gate|up + SiLU launch": (
+                lambda: [ops.moe_gate_up(h, o, c, b.w_gate_up, k, "silu") for b, _, h, _, o, c, _ in cases],
+                gu_bytes),
+            "down launch": (lambda: [ops.moe_down(a, o, c, b.w_down) for b, _, _, _, o, c, a in cases], down_bytes),
+        }
     rows = []
     for what, (fn, nbytes) in runs.items():
         t = timed(fn, device)
@@ -218,6 +300,29 @@ SWEEP = {16: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), 
               (64, 128, 8, 3), (32, 256, 8, 3)],
          32: [(64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)],
          64: [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 8, 4)]}
+
+
+# EXL2 experts (exlpy/kernels/moe_exl2.py): (column tile, warps, stages, 32-row blocks per trip at decode), the
+# decode narrowing off
+SWEEP_EXL2 = [(64, 4, 2, 4), (32, 4, 2, 4), (16, 4, 2, 4), (16, 4, 2, 1), (16, 4, 2, 2), (32, 4, 2, 1),
+              (128, 4, 2, 4), (64, 8, 2, 4), (64, 4, 3, 4), (32, 4, 3, 2), (32, 2, 2, 4)]
+
+
+def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
+    """`kernel_rows`' EXL2 gate|up and down launches under each alternative of SWEEP_EXL2."""
+    from exlpy.kernels import moe_exl2
+
+    saved = moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE, moe_exl2.WAVES
+    rows = []
+    try:
+        moe_exl2.WAVES = 0
+        for cols, warps, stages, unroll in SWEEP_EXL2:
+            moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE = cols, warps, stages, unroll
+            for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
+                rows.append((f"{what}, {cols} columns w{warps} s{stages} u{unroll}", t, rate))
+    finally:
+        moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE, moe_exl2.WAVES = saved
+    return rows
 
 
 def sweep_rows(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
@@ -246,6 +351,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script end to end)")
     ap.add_argument("--work", default="/tmp/exlpy_moe")
     ap.add_argument("--shapes", default="mixtral")
+    ap.add_argument("--formats", default="fp16", help="comma list of fp16, exl2 (EXL2 4.0 bpw, head 6-bit), "
+                                                      "exl2mix (the converter's option layouts nearest 4 bpw)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -268,16 +375,16 @@ def main() -> None:
              f"torch {torch.__version__}; copy rate {bw / 1e9:,.0f} GB/s; {a.layers} decoder layers; prompt "
              f"{a.prompt_len} tokens, {a.gen_len} decoded per batch.", ""]
     print("\n".join(lines))
-    for shape in a.shapes.split(","):
+    for shape, fmt in [(s, f) for s in a.shapes.split(",") for f in a.formats.split(",")]:
         cfg = {**SHAPES[shape], "num_hidden_layers": a.layers, **(TINY[shape] if a.tiny else {})}
-        path = os.path.join(a.work, f"{shape}_{a.layers}{'_tiny' if a.tiny else ''}")
-        if not os.path.exists(os.path.join(path, "model.safetensors")):
-            write(path, cfg, "cuda" if device.startswith("cuda") else "cpu")
+        path = os.path.join(a.work, f"{shape}_{fmt}_{a.layers}{'_tiny' if a.tiny else ''}")
+        if not os.path.exists(os.path.join(path, ".complete")):
+            write(path, cfg, "cuda" if device.startswith("cuda") else "cpu", fmt)
         model = load(path, a.prompt_len + a.gen_len + 8, max(batches), device)
         active = weight_bytes_read(model)
         limit = bw / active
-        table = [f"### {shape} shape, fp16, {a.layers} layers (active weights {active / 2**20:,.1f} MiB/token, "
-                 f"batch-1 limit {limit:,.1f} steps/s)", "",
+        table = [f"### {shape} shape, {FORMATS[fmt]}, {a.layers} layers (active weights {active / 2**20:,.1f} "
+                 f"MiB/token, batch-1 limit {limit:,.1f} steps/s)", "",
                  "| batch | mode | tokens/s | ms/step | batch-1 limit fraction |", "|---|---|---|---|---|"]
         print("\n".join(table), flush=True)
         for b in batches:
@@ -295,8 +402,8 @@ def main() -> None:
             table.insert(-3, "\nOn the CPU the kernel rows time the torch references the ops dispatch to.")
         print("\n".join(table[-4:]), flush=True)
         for b in batches:
-            for what, t, rate in kernel_rows(model, b, device, bw) + (sweep_rows(model, b, device, bw)
-                                                                        if a.sweep else []):
+            sweep = sweep_rows if fmt == "fp16" else sweep_rows_exl2
+            for what, t, rate in kernel_rows(model, b, device, bw) + (sweep(model, b, device, bw) if a.sweep else []):
                 table.append(f"| {b} | {what} | {1e6 * t:,.1f} | {rate / 1e9:,.0f} | {rate / bw:.0%} |")
                 print(table[-1], flush=True)
         lines += table + [""]

@@ -1,5 +1,6 @@
-"""Compile the grouped MoE kernels (exlpy/kernels/moe.py) for an H100 (sm_90a) without a GPU; report registers,
-spills and shared memory for the tiles the wrappers pick at decode and prefill sizes (Mixtral-8x7B, Qwen3-MoE).
+"""Compile the grouped MoE kernels (exlpy/kernels/moe.py, and moe_exl2.py for EXL2 experts) for an H100 (sm_90a)
+without a GPU; report registers, spills and shared memory for the tiles the wrappers pick at decode and prefill
+sizes (Mixtral-8x7B, Qwen3-MoE).
 
 python benchmarks/moe_compile_check.py [--json]
 Runs on any machine with Triton's bundled CUDA toolchain (no driver needed); tests/test_moe_compile.py asserts on
@@ -23,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
-from exlpy.kernels import moe  # noqa: E402
+from exlpy.kernels import moe, moe_exl2  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -53,6 +54,29 @@ def variants() -> dict[str, dict]:
         out[f"down {tag}"] = compile_kernel(moe._down_kernel, {
             "a_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "w_ptr": p, "y_ptr": p}, common, warps,
             moe.STAGES)
+    # aligned: the 32-row block path (width 0: mixed, gathered per row; 4 / 8: one width, words loaded once)
+    for dt, n, e, aligned, width in [("fp16", 2, 8, True, 0), ("fp16", 64, 8, True, 0), ("fp16", 4096, 8, True, 0),
+                                     ("fp16", 8, 128, True, 0), ("fp16", 256, 128, True, 0),
+                                     ("bf16", 8, 128, True, 0), ("fp32", 2, 8, True, 0), ("fp16", 2, 8, True, 4),
+                                     ("fp16", 4096, 8, True, 4), ("fp16", 8, 128, True, 4), ("fp16", 256, 128, True, 4),
+                                     ("fp16", 8, 128, True, 8), ("fp32", 2, 8, True, 4), ("fp16", 2, 8, False, 0),
+                                     ("fp16", 256, 128, False, 0), ("fp32", 2, 8, False, 0)]:
+        p = "*" + dt
+        bm, bn, warps, _ = moe_exl2._tiles(n, e, 14336 if e == 8 else 768, 132, 4 if dt == "fp32" else 2)
+        common = dict(E_P2=triton.next_power_of_2(e), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=moe_exl2.BLOCK_K,
+                      IEEE=dt == "fp32", ALIGNED=aligned, UNROLL=moe_exl2._unroll(bm, width, 4 if dt == "fp32" else 2))
+        kind = f" {width}-bit" if width else "" if aligned else " per-row"
+        tables = {f"{w}_{t}": typ for w in ("g", "u") for t, typ in (("qw", "*i32"), ("sc", "*i32"), ("sm", "*fp32"),
+                                                                    ("perm", "*i32"), ("word", "*i32"),
+                                                                    ("info", "*i32"))}
+        tag = f"{dt} N{n} E{e}{kind}"
+        out[f"exl2 gate_up {tag}"] = compile_kernel(moe_exl2._gate_up_exl2_kernel, {
+            "x_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "out_ptr": p, **tables}, dict(
+            ACT=0, SAME_PERM=True, G_WIDTH=width, U_WIDTH=width, **common), warps, moe_exl2.STAGES)
+        out[f"exl2 down {tag}"] = compile_kernel(moe_exl2._down_exl2_kernel, {
+            "a_ptr": p, "order_ptr": "*i64", "counts_ptr": "*i32", "qw": "*i32", "sc": "*i32", "sm": "*fp32",
+            "perm_ptr": "*i32", "word_ptr": "*i32", "info_ptr": "*i32", "y_ptr": p}, dict(WIDTH=width, **common),
+            warps, moe_exl2.STAGES)
     for e, k in ((8, 2), (128, 8)):
         e_p2 = triton.next_power_of_2(e)
         out[f"route E{e} k{k}"] = compile_kernel(moe._route_kernel, {"logits_ptr": "*fp16", "w_ptr": "*fp16",

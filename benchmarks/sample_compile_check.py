@@ -1,5 +1,5 @@
-"""Compile the sampling kernels (exlpy/kernels/sample_top.py) for an H100 (sm_90a) without a GPU; report
-registers, spills and shared memory at the launch settings the wrapper picks for a Llama-3 vocabulary.
+"""Compile the sampling kernels (exlpy/kernels/sample_top.py, sample_whole.py) for an H100 (sm_90a) without a
+GPU; report registers, spills and shared memory at the launch settings the wrapper picks for a Llama-3 vocabulary.
 
 python benchmarks/sample_compile_check.py [--json]
 Runs on any machine with Triton's bundled CUDA toolchain (no driver needed); tests/test_graph_sampler.py asserts
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.generator.sampling.graphed import K_MAX  # noqa: E402
 from exlpy.kernels import sample_top as st  # noqa: E402
+from exlpy.kernels import sample_whole as sw  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -51,6 +52,29 @@ def variants() -> dict[str, dict]:
     out["full"] = compile_kernel(st._full_kernel, {
         "x_ptr": "*fp32", "params_ptr": "*fp32", "info_ptr": "*fp32", "idx_ptr": "*i32", "tok_ptr": "*i64",
         "prob_ptr": "*fp32"}, dict(NP=st.NPARAM, BLOCK=st.FULL_BLOCK), 8)
+    out.update(whole_variants(128256))
+    return out
+
+
+def whole_variants(vocab: int) -> dict[str, dict]:
+    """sample_whole.py's kernels at the launch settings `finish` picks."""
+    ch, nch = sw.plan(vocab)
+    state = {"params_ptr": "*fp32", "info_ptr": "*fp32", "st_ptr": "*fp32", "edges_ptr": "*fp32", "pm_ptr": "*fp32",
+             "pc_ptr": "*i32"}
+    out = {}
+    for p in range(sw.PASSES):
+        out[f"whole pass {p}"] = compile_kernel(sw._pass_kernel, {"x_ptr": "*fp32", **state}, dict(
+            P=p, LAST=sw.PASSES - 1, NC=nch, CH=ch, SB=min(sw.SUB, ch), T=sw.EDGES, NP=st.NPARAM), 4)
+    capn = triton.next_power_of_2(max(sw.CAP, 1))
+    out["whole resolve"] = compile_kernel(sw._resolve_kernel, {
+        "x_ptr": "*fp32", **state, "keys_ptr": "*i64", "cut_ptr": "*i64", "thr_ptr": "*fp32"},
+        dict(P=sw.PASSES, NC=nch, CH=ch, T=sw.EDGES, CAPN=capn, NP=st.NPARAM), 8)
+    draw = {"x_ptr": "*fp32", "params_ptr": "*fp32", "info_ptr": "*fp32", "cut_ptr": "*i64", "thr_ptr": "*fp32",
+            "cm_ptr": "*fp32"}
+    sb = min(sw.DRAW_BLOCK, ch)
+    out["whole mass"] = compile_kernel(sw._mass_kernel, draw, dict(NC=nch, CH=ch, SB=sb, NP=st.NPARAM), 4)
+    out["whole draw"] = compile_kernel(sw._draw_kernel, {**draw, "tok_ptr": "*i64", "prob_ptr": "*fp32"},
+                                       dict(NC=nch, CH=ch, SB=sb, NP=st.NPARAM), 8)
     return out
 
 

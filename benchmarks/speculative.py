@@ -13,10 +13,18 @@ greedy token is read from the verification step: see `ReplayDrafter`). Tokens/s 
 prompts, 256 new tokens, the dynamic generator, draft length adapted). Target: >= 1.8x plain at batch 1 and
 a = 0.8.
 
-Part `ngram`: the real SmolLM2-135M-Instruct (EXL2 4.0, `--smol`, default /tmp/smol, else ../shared) asked to
-repeat, and to lightly edit, a 1,000-token passage (`--passage`, default ../shared/eval/licenses.txt); n-gram
-drafting from the prompt vs plain greedy decoding at batch 1. Reports acceptance, speedup and whether the text
-is identical. Target: >= 1.5x.
+Part `ngram`: the real SmolLM2-135M-Instruct (fp16 from `--smollm2 DIR`, the directory that
+../shared/tools/smollm2_fp16.py builds; else EXL2 4.0, `--smol`, default /tmp/smol, else ../shared) asked to
+repeat, to lightly edit and to summarise quoting a 1,000-token passage (`--passage`, default
+../shared/eval/licenses.txt, else this repository's README.md), and to rename a variable in a Python file of this
+repository; n-gram drafting from the prompt vs plain greedy decoding at batch 1. Reports per-token acceptance,
+mean draft length, speedup, whether the text is identical, and each run's mean round (`RoundProfile`).
+Target: >= 1.5x.
+
+Part `ngram8b`: n-gram drafting on the 8B shape (random fp16 weights) whose greedy text is scripted to repetitive
+workloads (benchmarks/ngram_workloads.py: a code edit, a summary quoting its input, and shuffled words where
+acceptance is low), batch 1, vs plain decoding under the same script. Targets: >= 1.5x on the repetitive ones,
+never below 0.97x.
 
 Results: a markdown file with device, date and command.
 """
@@ -41,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.serving import model_dir  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
 
 
 def drive(gen: Any, jobs: list[Any]) -> tuple[float, dict[Any, list[int]]]:
@@ -111,14 +120,23 @@ class ReplayDrafter:
 
     @contextmanager
     def patched(self) -> Iterator[None]:
+        """Both verification paths: the host's `verify_rows` and the captured sampler's (a GPU's default)."""
+        from exlpy.generator.sampling.graphed import GraphSampler
         from exlpy.generator.speculative import dynamic
 
         original = dynamic.verify_rows
+        captured = GraphSampler.verify
         dynamic.verify_rows = lambda *a: self.verify(original, *a)
+
+        def verify_captured(sampler: Any, logits: torch.Tensor, drafts: torch.Tensor, *a: Any) -> Any:
+            return self.verify(lambda *b: captured(sampler, *b), logits, drafts, *a)
+
+        GraphSampler.verify = verify_captured  # type: ignore[method-assign]
         try:
             yield
         finally:
             dynamic.verify_rows = original
+            GraphSampler.verify = captured  # type: ignore[method-assign]
 
 
 def spec_figures(gen: Any) -> tuple[float, float, float]:
@@ -133,6 +151,7 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
     from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
     from exlpy.cli.bench import load_model
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.generator.speculative.profile import RoundProfile
 
     prompt_len = 512
     target = load_model(model_dir(work, "8b"), prompt_len + new_tokens + 16, max(batches))
@@ -149,6 +168,7 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
              "",
              "| batch | plain tok/s | " + " | ".join(f"a={a} tok/s (x plain, acceptance, k, c)" for a in rates) + " |",
              "|---|---|" + "---|" * len(rates)]
+    breakdown: list[str] = []
     for b in batches:
         pages = -(-(prompt_len + new_tokens + 8) // 256)
         rng = torch.Generator().manual_seed(b)
@@ -181,19 +201,53 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
                 for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
                     gen.enqueue(js := jobs(n))
                     gen.reset_sd_stats()
+                    gen.spec.profile = RoundProfile() if n == new_tokens else None
                     speed, _ = drive(gen, js)
                 acc, _, k_mean = spec_figures(gen)
                 cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
                 print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
+                breakdown.append(f"- batch {b}, a={a}, verification {verify_path(gen)}: "
+                                 + round_breakdown(gen.spec.profile, 1000.0 * b / base))
+                print(breakdown[-1], flush=True)
+                gen.spec.profile = None
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
         if progress is not None:
-            progress(lines + [""])
+            progress(lines + [""] + breakdown_lines(breakdown))
         del gen, cache, dcache
         gc.collect()
         torch.cuda.empty_cache()
     target.unload()
     draft.unload()
-    return lines + [""]
+    return lines + [""] + breakdown_lines(breakdown)
+
+
+def round_breakdown(prof: Any, plain_step_ms: float) -> str:
+    """A profiled run's mean round (exlpy/generator/speculative/profile.py) against its ideal: the draft steps plus
+    one verification forward, each as the device ran them."""
+    s = prof.summary()
+    text = prof.describe(plain_step_ms)
+    if "device draft" in s:
+        ideal = s["device draft"] + s["device forward"]
+        text += (f"; draft + forward {ideal:.3f} ms = {100 * ideal / s['wall']:.0f}% of the round; forward / plain "
+                 f"step {s['device forward'] / plain_step_ms:.2f}; a draft step {s['device draft'] / s['k']:.3f} ms")
+    return text
+
+
+def verify_path(gen: Any) -> str:
+    """Which verification the rounds used: the captured sampler's graph, or the host's `verify_rows` (also where
+    the captured sampler failed and turned itself off)."""
+    sampler = gen.stepper.graphed
+    if sampler is None or getattr(sampler, "_verifier", None) is None:
+        return "on the host (verify_rows)"
+    return "captured, then failed: on the host" if sampler.failed else "captured (one graph per draft length)"
+
+
+def breakdown_lines(items: list[str]) -> list[str]:
+    if not items:
+        return []
+    return ["Mean round of each timed run (`RoundProfile`: device = CUDA events between a round's launches, idle "
+            "time included; host = before (between rounds), prep, launch, wait (the read-back), after "
+            "(accepting tokens)):", "", *items, ""]
 
 
 def passage_text(tok: Any, path: str, n_tokens: int) -> str:
@@ -202,9 +256,10 @@ def passage_text(tok: Any, path: str, n_tokens: int) -> str:
     return tok.decode(ids)
 
 
-def part_ngram(smol: str, passage_file: str, passage_tokens: int) -> list[str]:
+def part_ngram(smol: str, passage_file: str, passage_tokens: int, label: str = "EXL2 4.0") -> list[str]:
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.generator.speculative.profile import RoundProfile
 
     config = ExLlamaV2Config(smol)
     config.max_seq_len = 4096
@@ -213,15 +268,21 @@ def part_ngram(smol: str, passage_file: str, passage_tokens: int) -> list[str]:
     model.load_autosplit(cache)
     tok = ExLlamaV2Tokenizer(config)
     passage = passage_text(tok, passage_file, passage_tokens)
+    code = passage_text(tok, str(ROOT / "exlpy" / "generator" / "speculative" / "length.py"), passage_tokens)
     tasks = {"repeat": f"Repeat the following text exactly, word for word:\n\n{passage}",
              "light edit": "Copy the following text, but write the word \"Software\" in capital letters (SOFTWARE) "
-                           f"every time it appears. Change nothing else:\n\n{passage}"}
+                           f"every time it appears. Change nothing else:\n\n{passage}",
+             "code edit": "Rewrite this Python code with the variable `rate` renamed to `acceptance`. Output the "
+                          f"whole file:\n\n```python\n{code}\n```",
+             "summary quoting": "Summarise the following text in a few paragraphs, quoting its key sentences "
+                                f"word for word:\n\n{passage}"}
     greedy = ExLlamaV2Sampler.Settings.greedy()
-    lines = ["## (b) n-gram drafting, real SmolLM2-135M-Instruct EXL2 4.0, batch 1", "",
+    lines = [f"## (b) n-gram drafting, real SmolLM2-135M-Instruct {label}, batch 1", "",
              f"`{smol}`; a {passage_tokens}-token passage of `{passage_file}` in the prompt; greedy; up to "
              f"{passage_tokens + 100} new tokens. Plain = the same generator without drafting.", "",
              "| task | tokens | plain tok/s | n-gram tok/s | speedup | acceptance | draft length | same text |",
              "|---|---|---|---|---|---|---|---|"]
+    breakdown: list[str] = []
     for task, instruction in tasks.items():
         text = tok.apply_chat_template([{"role": "user", "content": instruction}], add_generation_prompt=True)
         ids = tok.encode(text, add_bos=False, encode_special_tokens=True)
@@ -231,29 +292,90 @@ def part_ngram(smol: str, passage_file: str, passage_tokens: int) -> list[str]:
             for n in (16, passage_tokens + 100):  # warm-up (graphs), then the timed run
                 gen.enqueue(js := [ExLlamaV2DynamicJob(ids, n, gen_settings=greedy)])
                 gen.reset_sd_stats()
+                if gen.spec is not None:
+                    gen.spec.profile = RoundProfile()
                 speed, out = drive(gen, js)
-            runs[name] = (speed, out[js[0]], gen.get_sd_stats()[1], gen.spec.length.choose() if gen.spec else 0)
+            runs[name] = (speed, out[js[0]], gen.spec.acceptance_per_token() if gen.spec else 0.0,
+                          gen.spec.mean_draft_length() if gen.spec else 0.0)
+            if gen.spec is not None and gen.spec.profile is not None:
+                breakdown.append(f"- {task}: " + gen.spec.profile.describe(1000.0 / runs["plain"][0]))
         (ps, pt, _, _), (ns, nt, acc, k) = runs["plain"], runs["ngram"]
         target = "met" if ns >= 1.5 * ps else "**missed**"
         lines.append(f"| {task} | {len(nt)} | {ps:,.1f} | {ns:,.1f} | {ns / ps:.2f}x (target >= 1.5x: {target}) | "
-                     f"{acc:.2f} | {k} | {'yes' if nt == pt else 'no'} |")
+                     f"{acc:.2f} | {k:.1f} | {'yes' if nt == pt else 'no'} |")
         print(lines[-1], flush=True)
     model.unload()
-    return lines + [""]
+    return lines + [""] + breakdown_lines(breakdown)
+
+
+def part_ngram8b(work: str, new_tokens: int) -> list[str]:
+    """n-gram drafting on the 8B shape (random fp16 weights) under scripted repetitive texts
+    (benchmarks/ngram_workloads.py), batch 1, against plain decoding under the same script."""
+    from benchmarks.ngram_workloads import Script, workloads
+    from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
+    from exlpy.cli.bench import load_model
+    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.generator.speculative.profile import RoundProfile
+
+    seq = 256 * (-(-(1300 + new_tokens + 64) // 256))  # the prompts' ~1,210 tokens and the answer, in pages
+    target = load_model(model_dir(work, "8b"), seq, 1)
+    tok = ExLlamaV2Tokenizer(target.config)
+    greedy = ExLlamaV2Sampler.Settings.greedy()
+    lines = ["## (c) n-gram drafting on the 8B shape (random fp16 weights), scripted repetitive texts, batch 1", "",
+             "The target's greedy text is scripted (benchmarks/ngram_workloads.py: a large logit on the script's "
+             "token after every real forward pass, in plain decoding too), so the drafts meet a real repetitive "
+             f"text and every cost is the real one. Up to {new_tokens} new tokens. Targets: >= 1.5x plain on the "
+             "repetitive texts, >= 0.97x where acceptance is low.", "",
+             "| workload | prompt / new tokens | plain tok/s | n-gram tok/s | speedup | acceptance | draft length | "
+             "script followed |", "|---|---|---|---|---|---|---|---|"]
+    breakdown: list[str] = []
+    cache = ExLlamaV2Cache(target, max_seq_len=seq)
+    for name, (prompt, answer) in workloads(target.config.vocab_size, answer_words=new_tokens).items():
+        script = Script(target, prompt, answer)
+        ids = torch.tensor([prompt], dtype=torch.long)
+        runs = {}
+        with script.active():
+            for kind, kw in (("plain", {}), ("ngram", {"use_ngram_draft": True})):
+                gen = ExLlamaV2DynamicGenerator(target, cache, tok, max_batch_size=1, **kw)
+                for n in (24, len(answer)):  # warm-up (graphs of every draft length come as they are met), timed
+                    gen.enqueue(js := [ExLlamaV2DynamicJob(ids, n, gen_settings=greedy, stop_conditions=[])])
+                    gen.reset_sd_stats()
+                    if gen.spec is not None:
+                        gen.spec.profile = RoundProfile()
+                    speed, out = drive(gen, js)
+                runs[kind] = (speed, out[js[0]], gen.spec.acceptance_per_token() if gen.spec else 0.0,
+                              gen.spec.mean_draft_length() if gen.spec else 0.0)
+                if gen.spec is not None and gen.spec.profile is not None:
+                    breakdown.append(f"- {name}: " + gen.spec.profile.describe(1000.0 / runs["plain"][0]))
+                del gen
+        (ps, pt, _, _), (ns, nt, acc, k) = runs["plain"], runs["ngram"]
+        low = name.startswith("shuffled")
+        goal = 0.97 if low else 1.5
+        met = "met" if ns >= goal * ps else "**missed**"
+        followed = "yes" if pt == nt == answer else f"no ({sum(a == b for a, b in zip(nt, answer))}/{len(answer)})"
+        lines.append(f"| {name} | {len(prompt)} / {len(answer)} | {ps:,.1f} | {ns:,.1f} | {ns / ps:.2f}x (target >= "
+                     f"{goal}x: {met}) | {acc:.2f} | {k:.1f} | {followed} |")
+        print(lines[-1], flush=True)
+    target.unload()
+    return lines + [""] + breakdown_lines(breakdown)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="markdown results file")
-    ap.add_argument("--parts", default="replay,ngram", help="comma list of: replay, ngram")
+    ap.add_argument("--parts", default="replay,ngram,ngram8b", help="comma list of: replay, ngram, ngram8b")
     ap.add_argument("--work", default="/tmp/exlpy_bench", help="where the random-weight models are written")
     ap.add_argument("--smol", default=None, help="SmolLM2-135M EXL2 dir (default: /tmp/smol, else ../shared)")
-    ap.add_argument("--passage", default=str(SHARED / "eval" / "licenses.txt"), help="text file for part ngram")
+    ap.add_argument("--smollm2", default=None, help="part ngram: the real SmolLM2-135M-Instruct fp16 directory that "
+                    "../shared/tools/smollm2_fp16.py builds (used instead of --smol)")
+    ap.add_argument("--passage", default=None, help="text file for part ngram (default ../shared/eval/licenses.txt, "
+                    "else this repository's README.md)")
     ap.add_argument("--quick", action="store_true", help="batch 1, acceptance 0.8, shorter runs")
     ap.add_argument("--batches", default=None, help="part replay: comma list of batch sizes (default 1,4,16)")
     ap.add_argument("--rates", default=None, help="part replay: comma list of acceptance rates a (default "
                     "0.5,0.7,0.8,0.9)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="part replay: new tokens per job (default 256)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="parts replay and ngram8b: new tokens per job "
+                    "(default 256; ngram8b 512)")
     ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -277,7 +399,13 @@ def main() -> None:
                             lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"))
         Path(args.out).write_text("\n".join(header + body) + "\n")
     if "ngram" in parts:
-        body += part_ngram(smol, args.passage, 300 if args.quick else 1000)
+        passage = args.passage or next(p for p in (str(SHARED / "eval" / "licenses.txt"), str(ROOT / "README.md"))
+                                       if os.path.exists(p))
+        model, label = (args.smollm2, "fp16") if args.smollm2 else (smol, "EXL2 4.0")
+        body += part_ngram(model, passage, 300 if args.quick else 1000, label)
+        Path(args.out).write_text("\n".join(header + body) + "\n")
+    if "ngram8b" in parts:
+        body += part_ngram8b(args.work, args.new_tokens or (128 if args.quick else 512))
     text = "\n".join(header + body) + "\n"
     Path(args.out).write_text(text)
     print(text)

@@ -39,7 +39,14 @@ from benchmarks.tp_diag import flop_model, single_phases, sync_check, top_kernel
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config  # noqa: E402
 from exlpy.cache.tp import ExLlamaV2Cache_TP  # noqa: E402
 from exlpy.model.parallel_linear import RowParallel  # noqa: E402
-from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, nccl_usable, peer_comm  # noqa: E402
+from exlpy.parallel.tp_comm import (  # noqa: E402
+    HostComm,
+    LocalComm,
+    NcclComm,
+    host_mem_comm,
+    nccl_usable,
+    peer_comm,
+)
 from exlpy.runtime import RuntimeOptions  # noqa: E402
 
 
@@ -83,6 +90,14 @@ def build_model(path: Path, layers: int, vocab: int, hidden: int = 8192, inter: 
     return path
 
 
+def host_mem_comm_ok(devs: list[torch.device]) -> bool:
+    return host_mem_comm(devs, LocalComm()) is not None
+
+
+def peer_comm_ok(devs: list[torch.device]) -> bool:
+    return peer_comm(devs, LocalComm()) is not None
+
+
 def sync_all(n: int) -> None:
     for i in range(n):
         torch.cuda.synchronize(i)
@@ -93,6 +108,8 @@ def time_comm(n: int, results: dict) -> None:
     backends = [LocalComm(), HostComm()] + ([NcclComm()] if nccl_usable(devs) else [])
     peer = peer_comm(devs, NcclComm() if nccl_usable(devs) else LocalComm())
     backends += [peer] if peer is not None else []
+    hostmem = host_mem_comm(devs, NcclComm() if nccl_usable(devs) else LocalComm())
+    backends += [hostmem] if hostmem is not None else []
     for rows, iters in ((1, 300), (2048, 20)):
         for be in backends:
             ts = [torch.randn(rows, 8192, device=d).half() for d in devs]
@@ -125,6 +142,40 @@ for rows, iters in ((1, 300), (2048, 20)):
 if rank == 0: print("DIST " + json.dumps(out), flush=True)
 dist.destroy_process_group()
 """
+
+
+def gemm_shapes(results: dict, rows: int = 32) -> None:
+    """cuBLAS at batched decode: GB/s of the 70B layer's GEMMs at `rows` rows, whole (one GPU) and as one TP x2
+    rank holds them (q|k|v and gate|up with N halved, o_proj and down_proj with K halved), each timed over
+    50 calls in a CUDA graph; the one-row GEMV kernel (ops.linear_add) beside them. Says whether the halved
+    shapes lose efficiency (a TP rank's share of the step's matmul time then exceeds half)."""
+    from exlpy.kernels import ops
+
+    shapes = {"qkv": (10240, 8192), "gate_up": (57344, 8192), "o": (8192, 8192), "down": (8192, 28672)}
+    out: dict = {}
+    dev = torch.device("cuda", 0)
+    for name, (N, K) in shapes.items():
+        for tag, (n, k) in (("full", (N, K)), ("rank", (N // 2, K) if name in ("qkv", "gate_up") else (N, K // 2))):
+            w = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.01
+            for r in (rows, 1):
+                x = torch.randn(r, k, device=dev, dtype=torch.float16)
+                fn = (lambda x=x, w=w: torch.nn.functional.linear(x, w)) if r > 1 else \
+                    (lambda x=x, w=w: ops.linear_add(x, w))
+                fn()
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(50):
+                        fn()
+                g.replay()
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                g.replay()
+                torch.cuda.synchronize(dev)
+                us = (time.perf_counter() - t0) / 50 * 1e6
+                out[f"{name}_{tag}_m{r}"] = {"us": round(us, 1), "GBps": round(w.nbytes / us / 1e3, 0)}
+            del w
+    results["gemm_shapes"] = out
 
 
 def time_dist(n: int, results: dict) -> None:
@@ -208,6 +259,28 @@ def profile_steps(model: ExLlamaV2, cache, prompt: torch.Tensor, n: int, steps: 
     return top_kernels(run, n, rows=16)
 
 
+def ab_summary(res: dict, batch: int) -> dict:
+    """Per collective backend of the TP run (the default one chosen at load, then each reloaded one): decode
+    b1 (read each step / fed), decode b`batch` and prefill 2048 in ms, with the speed-up over one GPU."""
+    tp = res["tp"]
+    keys = {"b1": ("decode_ms_graphs", "decode_ms_{}", "single_decode_ms"),
+            "b1_fed": ("decode_fed_ms", "decode_fed_ms_{}", "single_decode_fed_ms"),
+            f"b{batch}": (f"decode_b{batch}_ms", f"decode_b{batch}_ms_{{}}", f"single_decode_b{batch}_ms"),
+            "prefill2048": ("prefill2048_ms", "prefill2048_ms_{}", "single_prefill2048_ms"),
+            "prefill2048_pipelined": ("prefill2048_ms_pipelined", "-", "single_prefill2048_ms")}
+    names = [tp["comm"]] + [k[len("decode_ms_"):] for k in tp if k.startswith("decode_ms_")
+                            and k not in ("decode_ms_graphs", "decode_ms_eager")]
+    out: dict = {"default": tp["comm"], "load_timings_us": tp.get("comm_timings_us")}
+    for name in names:
+        row = {}
+        for label, (own, other, single) in keys.items():
+            v = tp.get(own if name == tp["comm"] else other.format(name) if other != "-" else "-")
+            if v is not None and res.get(single):
+                row[label] = [v, round(res[single] / v, 2)]
+        out[name] = row
+    return out
+
+
 def ctx_devs(ctx) -> list[torch.device]:  # noqa: ANN001
     return [ctx.all_devs[s] for s in ctx.all_devices()]
 
@@ -233,6 +306,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="top kernels of 10 decode steps, b1 and batched")
     ap.add_argument("--batch", type=int, default=32, help="also time batched decode (0: skip)")
     ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
+    ap.add_argument("--all-comms", action="store_true", help="also reload with the local and host backends")
     args = ap.parse_args()
     n = args.gpus
     assert torch.cuda.device_count() >= n, f"needs {n} GPUs, {torch.cuda.device_count()} visible"
@@ -261,6 +335,11 @@ def main() -> None:
     time_comm(n, res)
     if not args.no_dist:
         time_dist(n, res)
+    try:
+        gemm_shapes(res, args.batch or 32)
+        print("GEMM " + json.dumps(res["gemm_shapes"]), flush=True)
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the run
+        res["gemm_shapes"] = f"failed: {e!r}"
     print(json.dumps(res), flush=True)
     save()
 
@@ -364,6 +443,25 @@ def main() -> None:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
         m.config.no_graphs = no_graphs
         out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        # A/B: the same model with its prefill chunks as two overlapped micro-batches (EXLPY_TP_PIPELINE),
+        # and the last position's logits of both ways (they differ only by summation order).
+        overlap = m.strategy.overlap_prefill
+        try:
+            c.current_seq_len = 0
+            m.strategy.overlap_prefill = False
+            plain_last = m.forward(long_ids, c, last_id_only=True).float()
+            m.strategy.overlap_prefill = True
+            out["prefill2048_ms_pipelined"] = round(prefill_ms(m, c, long_ids, n), 2)
+            c.current_seq_len = 0
+            piped_last = m.forward(long_ids, c, last_id_only=True).float()
+            out["pipelined_vs_plain_maxdiff"] = round((piped_last - plain_last).abs().max().item(), 4)
+        except Exception:  # noqa: BLE001 - record and go on
+            import traceback
+
+            out["pipeline_error"] = traceback.format_exc()[-1500:]
+            print(out["pipeline_error"], flush=True)
+        finally:
+            m.strategy.overlap_prefill = overlap
         out["decode_fed_ms"] = round(decode_fed_ms(m, c, prompt, args.steps, n), 3)
         if args.profile and full:
             out["b1_kernels"] = profile_steps(m, c, prompt, n)
@@ -376,6 +474,23 @@ def main() -> None:
             if args.profile and full:
                 out[f"b{args.batch}_kernels"] = profile_steps(m, cb, prompt.repeat(args.batch, 1), n)
             del cb
+            # A/B of the next norm fused into the all-reduce (host-memory backend): unlinked, graphs recaptured
+            closers = [cl for lane in m.strategy.stages[0].lanes for mod in lane.modules
+                       for cl in (getattr(mod, "o_proj", None), getattr(mod, "down_proj", None))
+                       if isinstance(cl, RowParallel) and cl.next_norm is not None]
+            out["fused_norm_closers"] = len(closers)
+            if closers:
+                links = [c.next_norm for c in closers]
+                for cl in closers:
+                    cl.next_norm = None
+                try:
+                    cb = ExLlamaV2Cache_TP(m, batch_size=args.batch, max_seq_len=512)
+                    out[f"decode_b{args.batch}_ms_unfused_norm"] = round(
+                        decode_ms(m, cb, prompt.repeat(args.batch, 1), args.steps // 4, n), 3)
+                    del cb
+                finally:
+                    for cl, link in zip(closers, links):
+                        cl.next_norm = link
         out["comm_timings_us"] = {k: round(v * 1e6, 1) for k, v in (ctx.comm.timings or {}).items()}
         print(json.dumps({tag: out}), flush=True)
         save()
@@ -390,9 +505,14 @@ def main() -> None:
             save()
             res["phase"] = tag
         if full:
+            # A/B in the same process: the same model reloaded with each other backend that works here (the
+            # old default NCCL against the host-memory / peer kernels), decode b1 and batched, and prefill.
             default = ctx.comm.name
-            others = ["nccl"] if default != "nccl" and nccl_usable(ctx_devs(ctx)) else []
-            for name in others + ["local", "host"]:  # each backend: the same model reloaded with it
+            devs = ctx_devs(ctx)
+            others = [x for x, ok in (("nccl", nccl_usable(devs)), ("hostmem", host_mem_comm_ok(devs)),
+                                      ("peer", peer_comm_ok(devs))) if ok and x != default]
+            others += ["local", "host"] if args.all_comms else []
+            for name in others:
                 m2 = None
                 try:
                     del c
@@ -400,8 +520,16 @@ def main() -> None:
                     m2 = load(split, RuntimeOptions(tp_comm=name))
                     c2 = ExLlamaV2Cache_TP(m2, max_seq_len=4096)
                     out[f"decode_ms_{name}"] = round(decode_ms(m2, c2, prompt, args.steps // 2, n), 3)
+                    out[f"decode_fed_ms_{name}"] = round(decode_fed_ms(m2, c2, prompt, args.steps // 2, n), 3)
                     out[f"prefill2048_ms_{name}"] = round(prefill_ms(m2, c2, long_ids, n), 2)
                     del c2
+                    if args.batch:
+                        cb = ExLlamaV2Cache_TP(m2, batch_size=args.batch, max_seq_len=512)
+                        out[f"decode_b{args.batch}_ms_{name}"] = round(
+                            decode_ms(m2, cb, prompt.repeat(args.batch, 1), args.steps // 4, n), 3)
+                        del cb
+                    print(json.dumps({tag: out}), flush=True)
+                    save()
                 finally:
                     if m2 is not None:
                         m2.unload()
@@ -442,6 +570,11 @@ def main() -> None:
     if args.batch and f"decode_fed_b{args.batch}_ms" in res["tp"]:
         res[f"speedup_decode_fed_b{args.batch}"] = round(res[f"single_decode_fed_b{args.batch}_ms"]
                                                          / res["tp"][f"decode_fed_b{args.batch}_ms"], 2)
+    try:
+        res["ab"] = ab_summary(res, args.batch)
+        print("AB " + json.dumps(res["ab"]), flush=True)
+    except Exception as e:  # noqa: BLE001 - the summary must not cost the run's figures
+        res["ab"] = f"summary failed: {e!r}"
     save()
     if args.column:
         tp_run(None, "tp_column", False, RuntimeOptions(tp_layout="column"))

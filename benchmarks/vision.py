@@ -16,6 +16,10 @@ random image (no cache of an earlier image or prompt helps either side), after a
     python benchmarks/vision.py                      # GPU: writes benchmarks/results/vision.md
     python benchmarks/vision.py --arch gemma3        # GPU: writes benchmarks/results/vision_gemma3.md
     python benchmarks/vision.py --tiny [--arch gemma3]   # CPU, tiny shapes, fp32: a correctness smoke run
+
+Both sides also get a per-phase breakdown (exlpy's phase marks, exlpy/vision/timing.py; forward hooks on
+transformers' modules): CUDA events at each mark, so a phase's GPU-timeline time includes host stalls, next to its
+host time. The results file's generated block is rewritten; sections after it (`## ` headings) are kept.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from exlpy.vision.timing import PhaseTimer, mark  # noqa: E402
 from tests.vision_models import (  # noqa: E402
     GEMMA_IDS,
     GEMMA_SPECIALS,
@@ -123,6 +128,14 @@ def build(path: Path, layers: int, vision_layers: int, tiny: bool, device: str, 
     write_tokenizer(path)
 
 
+def _has_torchvision() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -134,41 +147,101 @@ def text_ids(n: int) -> list[int]:
 
 
 class HF:
-    def __init__(self, path: Path, device: str, dtype: torch.dtype, max_pixels: int, arch: str) -> None:
+    def __init__(self, path: Path, device: str, dtype: torch.dtype, max_pixels: int, arch: str,
+                 processor: str = "pil") -> None:
         import transformers as tf
 
         self.arch = arch
         cls = tf.Gemma3ForConditionalGeneration if arch == "gemma3" else tf.Qwen2_5_VLForConditionalGeneration
         self.model = cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-        if arch == "gemma3":
-            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-            side = self.model.config.vision_config.image_size
-            self.proc = Gemma3ImageProcessorPil(size={"height": side, "width": side})
-        else:
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            self.proc = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels)
+        self.pil = self._processor("pil", max_pixels)  # bit-equal to exlpy's: for the logits comparison
+        self.processor, self.proc = "pil", self.pil  # the timed runs': transformers' default where it can
+        if processor == "torchvision" or (processor == "auto" and _has_torchvision()):
+            try:
+                self.processor, self.proc = "torchvision", self._processor("torchvision", max_pixels)
+            except ImportError:
+                if processor == "torchvision":
+                    raise
+        # transformers' fast (torchvision) processors resize and normalize on the device they are given
+        self.proc_kwargs: dict[str, Any] = {"device": device} if self.processor == "torchvision" else {}
         self.device = device
 
-    def logits(self, img: Any, before: list[int], after: list[int], keep: int = 0) -> torch.Tensor:
-        """Logits of every position (keep=0), or of the last `keep` (what a first token needs)."""
+    def _processor(self, kind: str, max_pixels: int) -> Any:
         if self.arch == "gemma3":
-            px = self.proc(images=[img], return_tensors="pt")["pixel_values"].to(self.device)
+            side = self.model.config.vision_config.image_size
+            if kind == "torchvision":
+                from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor as GemmaProc
+            else:
+                from transformers.models.gemma3.image_processing_pil_gemma3 import (
+                    Gemma3ImageProcessorPil as GemmaProc,
+                )
+            return GemmaProc(size={"height": side, "width": side})
+        if kind == "torchvision":
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as QwenProc
+        else:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil as QwenProc,
+            )
+        return QwenProc(min_pixels=56 * 56, max_pixels=max_pixels)
+
+    def logits(self, img: Any, before: list[int], after: list[int], keep: int = 0, pil: bool = False
+               ) -> torch.Tensor:
+        """Logits of every position (keep=0), or of the last `keep` (what a first token needs); pil: through the
+        PIL processor whatever the timed one is."""
+        proc, kwargs = (self.pil, {}) if pil else (self.proc, self.proc_kwargs)
+        if self.arch == "gemma3":
+            px = proc(images=[img], return_tensors="pt", **kwargs)["pixel_values"].to(self.device)
             n = self.model.config.mm_tokens_per_image
             ids = torch.tensor([before + [GEMMA_IDS["<start_of_image>"]] + [GEMMA_IDS["<image_soft_token>"]] * n +
                                 [GEMMA_IDS["<end_of_image>"]] + after], device=self.device)
+            mark("preprocess (processor) + upload")
             with torch.no_grad():
                 return self.model(input_ids=ids, pixel_values=px.to(self.model.dtype), logits_to_keep=keep,
                                   token_type_ids=(ids == GEMMA_IDS["<image_soft_token>"]).long()).logits
-        inputs = self.proc(images=[img], return_tensors="pt")
+        inputs = proc(images=[img], return_tensors="pt", **kwargs)
         n = int(inputs["image_grid_thw"].prod()) // 4
         ids = torch.tensor([before + [IDS["<|vision_start|>"]] + [IDS["<|image_pad|>"]] * n +
                             [IDS["<|vision_end|>"]] + after], device=self.device)
+        px, thw = inputs["pixel_values"].to(self.device), inputs["image_grid_thw"].to(self.device)
+        mark("preprocess (processor) + upload")
         with torch.no_grad():
-            return self.model(input_ids=ids, pixel_values=inputs["pixel_values"].to(self.device),
-                              image_grid_thw=inputs["image_grid_thw"].to(self.device),
+            return self.model(input_ids=ids, pixel_values=px, image_grid_thw=thw,
                               mm_token_type_ids=(ids == IDS["<|image_pad|>"]).int(), logits_to_keep=keep).logits
+
+    def first_token(self, img: Any, before: list[int], after: list[int]) -> int:
+        token = int(self.logits(img, before, after, keep=1)[0, -1].argmax())
+        mark("first token (argmax to host)")
+        return token
+
+    def phase_hooks(self) -> list[Any]:
+        """Forward hooks that mark the phases of transformers' forward (exlpy/vision/timing.py); remove after."""
+        m = self.model.model
+        if self.arch == "gemma3":
+            tower, embed, blocks, attn, merger = (m.vision_tower, m.vision_tower.embeddings,
+                                                  m.vision_tower.encoder.layers, "self_attn", m.multi_modal_projector)
+        else:
+            v = m.visual
+            tower, embed, blocks, attn, merger = v, v.patch_embed, v.blocks, "attn", v.merger
+        layers = m.language_model.layers
+        hooks = []
+
+        def pre(mod: Any, name: str) -> None:
+            hooks.append(mod.register_forward_pre_hook(lambda *a, **k: mark(name)))
+
+        def post(mod: Any, name: str) -> None:
+            hooks.append(mod.register_forward_hook(lambda *a, **k: mark(name)))
+
+        pre(tower, "model: inputs before the tower")
+        post(embed, "tower: patch embed")
+        pre(blocks[0], "tower: rotary + window tables")
+        for b in blocks:
+            post(getattr(b, attn), "tower: attention")
+            post(b, "tower: mlp")
+        post(merger, "tower: merger")
+        pre(layers[0], "prefill: image rows inserted + positions")
+        post(layers[-1], "prefill: layers")
+        post(self.model.lm_head, "prefill: norm + head")
+        return hooks
 
 
 class Exlpy:
@@ -210,7 +283,25 @@ class Exlpy:
             for r in self.generator.iterate():
                 if r["stage"] == "streaming" and "token_ids" in r and r["token_ids"].numel():
                     token = int(r["token_ids"][0, 0])
+        mark("prefill: layers + head + first token")
         return token
+
+
+def phase_table(who: str, runs: list[dict[str, tuple[float, float]]], device: str) -> str:
+    """A markdown table of each phase's median device and host milliseconds over `runs` (PhaseTimer.phases())."""
+    names = list(dict.fromkeys(n for r in runs for n in r))
+    gpu = device.startswith("cuda")
+    head = "| phase | GPU timeline ms | host ms |\n|---|---:|---:|" if gpu else "| phase | ms |\n|---|---:|"
+    rows, total_d, total_h = [], 0.0, 0.0
+    for n in names:
+        d = statistics.median(r.get(n, (0.0, 0.0))[0] for r in runs)
+        h = statistics.median(r.get(n, (0.0, 0.0))[1] for r in runs)
+        total_d, total_h = total_d + d, total_h + h
+        rows.append(f"| {n} | {d:.2f} | {h:.2f} |" if gpu else f"| {n} | {h:.2f} |")
+    rows.append(f"| sum of medians | {total_d:.2f} | {total_h:.2f} |" if gpu else f"| sum of medians | {total_h:.2f} |")
+    where = "CUDA events between marks (host stalls included) and the host clock" if gpu else "the host clock"
+    return (f"{who}, per phase (median of {len(runs)} runs, {where}; phases met in every block summed):\n\n"
+            + head + "\n" + "\n".join(rows) + "\n")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -228,15 +319,24 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=None, help="square image side (default 1024; --tiny 112)")
     ap.add_argument("--text-tokens", type=int, default=100)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--hf-processor", choices=["auto", "pil", "torchvision"], default="auto",
+                    help="transformers' image processor for its timed runs: its torchvision one (its default, on "
+                    "the GPU) when torchvision is installed (auto), or its PIL one")
+    ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown runs")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a shared machine, 1 keeps "
+                    "small host ops from waiting on busy cores)")
     ap.add_argument("--out", default=None, help="results file (default: benchmarks/results/vision.md on a GPU)")
     args = ap.parse_args()
     args.layers = args.layers or (6 if args.arch == "gemma3" else 4)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0"
     side = args.image_size or (112 if args.tiny else 1024)
     max_pixels = 28 * 28 * 1280 * 10  # HF's default for Qwen2.5-VL (12845056): a 1024x1024 image is not shrunk
     half = torch.float32 if device == "cpu" else torch.float16
     before, after = text_ids(args.text_tokens // 2), text_ids(args.text_tokens - args.text_tokens // 2)
-    lines = []
+    lines: list[str] = []
+    tables: list[str] = []
 
     def say(s: str) -> None:
         print(s, flush=True)
@@ -253,8 +353,8 @@ def main() -> None:
         img = random_image(side, side, seed=0)
         ex = Exlpy(path, device, torch.float32 if device == "cpu" else half)
         got = ex.logits(img, before, after)
-        hf = HF(path, device, half, max_pixels, args.arch)
-        want_half = hf.logits(img, before, after)
+        hf = HF(path, device, half, max_pixels, args.arch, args.hf_processor)
+        want_half = hf.logits(img, before, after, pil=True)
         if device != "cpu":  # the fp32 reference, then free it
             ref = HF(path, device, torch.float32, max_pixels, args.arch)
             want = ref.logits(img, before, after)
@@ -280,10 +380,29 @@ def main() -> None:
             return out[1:]  # the first run warms up
 
         t_ex = timed(lambda im: ex.first_token(im, before, after))
-        t_hf = timed(lambda im: int(hf.logits(im, before, after, keep=1)[0, -1].argmax()))
+        t_hf = timed(lambda im: hf.first_token(im, before, after))
         mx, mh = statistics.median(t_ex), statistics.median(t_hf)
         say(f"time to first token (median of {args.runs}): exlpy {mx * 1e3:.1f} ms, transformers {mh * 1e3:.1f} ms "
-            f"({mh / mx:.2f}x)")
+            f"({mh / mx:.2f}x); transformers' image processor: {hf.processor}")
+        if not args.no_phases:
+            def phased(fn: Any) -> list[dict[str, tuple[float, float]]]:
+                out = []
+                for i in range(args.runs + 1):
+                    im = random_image(side, side, seed=200 + i)
+                    sync(device)
+                    with PhaseTimer(device) as pt:
+                        fn(im)
+                    out.append(pt.phases())
+                return out[1:]
+
+            tables.append(phase_table("exlpy", phased(lambda im: ex.first_token(im, before, after)), device))
+            hooks = hf.phase_hooks()
+            tables.append(phase_table(f"transformers ({hf.processor} processor)",
+                                      phased(lambda im: hf.first_token(im, before, after)), device))
+            for h in hooks:
+                h.remove()
+            for t in tables:
+                print(t, flush=True)
 
     dev_name = torch.cuda.get_device_name(0) if device != "cpu" else platform.processor() or "CPU"
     name = "vision.md" if args.arch == "qwen2_5_vl" else f"vision_{args.arch}.md"
@@ -291,14 +410,21 @@ def main() -> None:
     if out:
         import transformers
 
+        kept = ""  # hand-written sections (## headings) after the generated block survive a new run
+        if Path(out).exists():
+            old = Path(out).read_text()
+            at = old.find("\n## ")
+            kept = old[at:] if at >= 0 else ""
         Path(out).write_text(
             f"# Vision: {'Gemma 3' if args.arch == 'gemma3' else 'Qwen2.5-VL'} vs transformers\n\n"
             f"- device: {dev_name}; date: {datetime.date.today()}; torch {torch.__version__}, transformers "
             f"{transformers.__version__}\n"
             f"- command: `python benchmarks/vision.py {' '.join(sys.argv[1:])}`\n"
-            f"- model: random, {'Gemma-3-4B' if args.arch == 'gemma3' else 'Qwen2.5-VL-7B'} shapes, {args.layers} "
+            f"- model: random, {'tiny' if args.tiny else 'Gemma-3-4B' if args.arch == 'gemma3' else 'Qwen2.5-VL-7B'} "
+            f"shapes, {args.layers} "
             f"language layers, {args.vision_layers} vision "
-            "blocks\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+            "blocks\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" +
+            "".join(f"\n{t}" for t in tables) + kept)
         print(f"wrote {out}")
 
 

@@ -11,9 +11,11 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLLAMA_NO_FLASH_ATTN` / `_XFORMERS` / `_SDPA` | `no_flash_attn` ... | exllamav2's config defaults (informational) |
 | `EXLPY_NO_TRITON=1` | `triton=False` | CUDA tensors use the torch references instead of Triton kernels |
 | `EXLPY_PDL=0` | `pdl=False` | no programmatic dependent launch on Hopper |
-| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer` | `tp_comm` | TP collective backend (default: fastest that works) |
+| `EXLPY_TP_COMM=local\\|host\\|nccl\\|peer\\|hostmem` | `tp_comm` | TP collective backend (default: the fastest) |
 | `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
+| `EXLPY_TP_PIPELINE=1` | `tp_pipeline=True` | TP prefill in two micro-batches, all-reduces overlapping compute |
+| `EXLPY_TP_FUSE_NORM=1` | `tp_fuse_norm=True` | TP batched decode: the next RMSNorm inside the all-reduce |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
 | `EXLPY_SKIP_WEIGHT_CHECKS=1` | `weight_checks=False` | no NaN/inf check of the weights at load |
 | `EXLPY_FLASH_ATTN=0` | `flash_attn=False` | query blocks over the cache by gather + torch SDPA (no flash kernel) |
@@ -22,7 +24,8 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_API_KEY=KEY` | `api_key` | `exlpy serve`: one more API key clients may send (with `--api-key`) |
 | `EXLPY_QUANT_ROWS=N` | `quant_rows` | 2-N rows (0-64, default 64; 0: off) run the multi-row quant matmul |
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
-| `EXLPY_GRAPH_SAMPLING=1` | `graph_sampling` | the generators sample in a captured graph (off by default) |
+| `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
+| `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs` | prompt chunks next to decoding jobs run eagerly, not captured |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 
 from exlpy.errors import ConfigError
 
-TP_COMMS = ("auto", "local", "host", "nccl", "peer")
+TP_COMMS = ("auto", "local", "host", "nccl", "peer", "hostmem")
 TP_LAYOUTS = ("auto", "row", "column")
 
 
@@ -50,6 +53,10 @@ class RuntimeOptions:
     tp_comm: str = "auto"
     tp_layout: str = "auto"
     tp_graphs: bool = True
+    tp_pipeline: bool = False  # off until a GPU run records its gain (benchmarks/tp.py times both)
+    # The next block's RMSNorm in the all-reduce where the backend fuses it (peer, hostmem). Off by default until
+    # it has run on two real GPUs (written 2026-11-26; CPU interpreter tests and logits bit-equal there).
+    tp_fuse_norm: bool = False
     cpu_warning: bool = True
     weight_checks: bool = True  # EXLPY_SKIP_WEIGHT_CHECKS=1: no NaN/inf check of weights at load
     triton_interpret: bool = False  # Triton's own TRITON_INTERPRET (kernels run on CPU tensors): no PDL then
@@ -64,11 +71,15 @@ class RuntimeOptions:
     # EXLPY_GEMV_ROWS: 2 up to this many rows take the decode GEMV extended to several rows (exl2_gemv.py), which
     # beats the tensor-core kernel where the rows' FMAs cost less than that kernel's fixed cost; 0 or 1: off.
     gemv_rows: int = 4
-    # EXLPY_GRAPH_SAMPLING=1: the generators sample in a captured graph (generator/sampling/graphed.py). Off by
-    # default: its fused kernel's whole-vocabulary rows (top_k 0) differed from the reference on an H100
-    # (tests/test_graph_sampler.py::test_kernel_matches_reference_on_cuda, 2026-11-26) and no GPU run has
-    # passed yet; `generator.graph_sampling = True` also turns it on for one generator.
-    graph_sampling: bool = False
+    # EXLPY_GRAPH_SAMPLING=0 turns off the captured sampler (generator/sampling/graphed.py), on by default where
+    # decode steps are CUDA graphs: its GPU tests pass (H100, 2026-11-26 12:17) and it holds exllamav2's default
+    # Settings() at 99% of greedy at batch 1 against 55% for the host chain (benchmarks/results/decode_step.md);
+    # `generator.graph_sampling = False` turns it off for one generator.
+    graph_sampling: bool = True
+    # EXLPY_PREFILL_GRAPHS=0: the dynamic generator runs prompt chunks next to decoding jobs as eager forward passes
+    # (~20 ms of kernel launches from Python per chunk on an 8B) instead of captured chunks of 32-256 tokens
+    # (exlpy/engine/graphs.py CHUNK_BUCKETS); for A/B runs of benchmarks/serving.py.
+    prefill_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -101,6 +112,8 @@ class RuntimeOptions:
             tp_comm=e.get("EXLPY_TP_COMM") or "auto",
             tp_layout=e.get("EXLPY_TP_MODE") or "auto",
             tp_graphs=not flag("EXLPY_TP_NO_GRAPHS"),
+            tp_pipeline=flag("EXLPY_TP_PIPELINE"),
+            tp_fuse_norm=flag("EXLPY_TP_FUSE_NORM"),
             cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
             weight_checks=not flag("EXLPY_SKIP_WEIGHT_CHECKS"),
             triton_interpret=flag("TRITON_INTERPRET"),
@@ -110,7 +123,8 @@ class RuntimeOptions:
             api_key=e.get("EXLPY_API_KEY") or None,
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
-            graph_sampling=flag("EXLPY_GRAPH_SAMPLING"),
+            graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
+            prefill_graphs=e.get("EXLPY_PREFILL_GRAPHS", "1") != "0",
         )
 
 

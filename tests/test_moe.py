@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE, DBRX) beyond the fp32 comparisons of test_architectures.py: both
-formulations of the routed experts, half precision, the planner, and the refusals (TP, LoRA, convert)."""
+formulations of the routed experts, half precision, the planner, and the refusals (TP, LoRA). Conversion:
+tests/test_convert_moe.py; EXL2 experts: tests/test_moe_exl2.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
-from exlpy.errors import LoraConfigError, TensorParallelError, UnsupportedArchitectureError
+from exlpy.errors import LoraConfigError, TensorParallelError
 from exlpy.kernels import reference
 from tests.arch_models import VOCAB, make_arch_model
 from tests.conftest import logits_tol, rel_err, requires_cuda
@@ -247,13 +248,6 @@ def test_lora_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
         ExLlamaV2Lora.from_directory(model, str(tmp_path))
 
 
-def test_convert_refused_by_name(moe_models: dict, tmp_path: Path) -> None:
-    from exlpy.convert.pipeline import convert
-
-    with pytest.raises(UnsupportedArchitectureError, match="MixtralForCausalLM.*mixture-of-experts"):
-        convert(str(moe_models["mixtral"][0]), str(tmp_path / "out"))
-
-
 def test_dbrx_fused_experts_read_as_canonical_parts(moe_models: dict) -> None:
     """DBRX stores each layer's experts as [E*I, H] w1 / v1 / w2 (w2 transposed): every expert's projections
     are views of them, with the canonical shapes, and the fused tensors are counted once."""
@@ -347,8 +341,9 @@ def test_cuda_full_and_incremental(moe_models: dict, case: str) -> None:
 
 
 def test_exl2_experts_equal_their_dense_equivalent(moe_models: dict, tmp_path: Path) -> None:
-    """Experts stored as EXL2 (as exllamav2 converts Mixtral) load packed and run grouped by expert: the logits
-    equal those of the same model with every expert written out densely as its quantized linear computes it."""
+    """Experts stored as EXL2 (as exllamav2 converts Mixtral) load packed into per-projection stacks and run by
+    the grouped packed-weight path: the logits equal those of the same model with every expert written out
+    densely as its packed weights decode; the blocks stay graph-safe (tests/test_moe_exl2.py goes further)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -374,20 +369,18 @@ def test_exl2_experts_equal_their_dense_equivalent(moe_models: dict, tmp_path: P
     model = _load(dirs["exl2"], torch.float32, "cpu")
     for m in model.modules:
         if isinstance(m, MoEMLP):
-            assert m.experts is not None and m.w_gate_up is None
-            for e, linears in enumerate(m.experts):
-                for lin, proj in zip(linears, ("w1", "w3", "w2")):
-                    eye = torch.eye(lin.in_features)
-                    w = lin.forward(eye).t().contiguous()  # [out, in], exactly what the packed linear computes
+            assert m.packed is not None and m.experts is None and m.w_gate_up is None and m.graph_safe
+            for stack, proj in zip(m.packed, ("w1", "w3", "w2")):
+                for e in range(stack.num_experts):
+                    w = stack.dequant(e).t().contiguous()  # [out, in], exactly what the packed stack holds
                     dense[f"model.layers.{m.layer_idx}.block_sparse_moe.experts.{e}.{proj}.weight"] = w
     save_file(dense, str(dirs["dense"] / "model.safetensors"))
     ref = _load(dirs["dense"], torch.float32, "cpu")
     ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(6))
     assert rel_err(model.forward(ids), ref.forward(ids)) < 1e-4
-    # packed experts read their token counts on the host: such a model decodes eagerly
     from exlpy.engine.forward import graph_runner
 
-    assert graph_runner(model, types.SimpleNamespace(graph_safe=True, graph_cache={})) is None  # type: ignore[arg-type]
+    assert graph_runner(model, types.SimpleNamespace(graph_safe=True, graph_cache={})) is not None  # type: ignore[arg-type]
 
 
 def test_nan_in_an_expert_is_named(moe_models: dict, tmp_path: Path) -> None:

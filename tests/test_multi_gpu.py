@@ -40,10 +40,10 @@ def _runner_steps(m: ExLlamaV2) -> list[object]:
     return [] if runner is None else list(runner.steps.values())
 
 
-@pytest.mark.parametrize("comm", ["peer", "nccl", "local"])
+@pytest.mark.parametrize("comm", ["peer", "nccl", "local", "hostmem"])
 def test_tp_graph_decode_equals_eager(tmp_path: Path, comm: str) -> None:
     """The whole TP decode step (vocab-parallel embedding, every all-reduce, the logits gather) as one graph
-    per GPU with peer or NCCL collectives; the local backend cannot be captured and runs eagerly."""
+    per GPU with peer, NCCL or host-memory collectives; the local backend cannot be captured and runs eagerly."""
     if comm == "peer" and not torch.cuda.can_device_access_peer(0, 1):
         pytest.skip("no P2P access between GPUs 0 and 1 (the peer all-reduce needs it; nvidia-h100-x2 had none)")
     d = make_model_dir(tmp_path / "m", hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024,
@@ -115,6 +115,81 @@ def test_peer_all_reduce_equals_reference(shape: tuple[int, int], dtype: torch.d
         peer_all_reduce(xs, state)
         for x, w in zip(xs, want):
             torch.testing.assert_close(x, w, atol=1e-2 if dtype != torch.float32 else 1e-5, rtol=1e-2)
+    assert state.error_count() == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 8192), (3, 1000), (64, 8192)])
+def test_host_all_reduce_two_gpus(shape: tuple[int, int]) -> None:
+    """The host-memory all-reduce between two GPUs (with or without P2P) equals the reference bit for bit,
+    eagerly over 20 calls and captured in one graph per GPU over 30 replays."""
+    from exlpy.kernels import reference
+    from exlpy.kernels.host_allreduce import HostState, host_all_reduce
+
+    devs = [torch.device("cuda", i) for i in range(2)]
+    state = HostState(devs)
+    g = torch.Generator().manual_seed(shape[0] * 13 + shape[1])
+    for _ in range(20):
+        xs = [torch.randn(shape, generator=g).to(d, torch.float16) for d in devs]
+        want = [x.clone() for x in xs]
+        reference.host_all_reduce(want)
+        host_all_reduce(xs, state)
+        for x, w in zip(xs, want):
+            assert torch.equal(x.cpu(), w.cpu())
+    for d in devs:
+        torch.cuda.synchronize(d)
+    streams = [torch.cuda.Stream(d) for d in devs]
+    prev = [torch.cuda.current_stream(d) for d in devs]
+    graphs = [torch.cuda.CUDAGraph() for _ in devs]
+    for gr, d, s in zip(graphs, devs, streams):
+        with torch.cuda.device(d):
+            torch.cuda.set_stream(s)
+            gr.capture_begin(capture_error_mode="relaxed")
+    host_all_reduce(xs, state)
+    for gr, d, p in zip(graphs, devs, prev):
+        with torch.cuda.device(d):
+            gr.capture_end()
+            torch.cuda.set_stream(p)
+    for _ in range(30):
+        src = [torch.randn(shape, generator=g).half() for _ in devs]
+        for x, v in zip(xs, src):
+            x.copy_(v)
+        for gr, d in zip(graphs, devs):
+            with torch.cuda.device(d):
+                gr.replay()
+        want = (src[0].float() + src[1].float()).half()
+        for x in xs:
+            assert torch.equal(x.cpu(), want)
+    assert state.error_count() == 0
+
+
+@pytest.mark.parametrize("kernel", ["host", "peer"])
+@pytest.mark.parametrize("rows", [2, 32])
+def test_all_reduce_norm_two_gpus(rows: int, kernel: str) -> None:
+    """The fused all-reduce + RMSNorm between two GPUs (through host memory, or peer memory where P2P works):
+    sums equal the reference, norms equal each GPU's RMSNorm kernel of the sum, bit for bit (10 calls)."""
+    from exlpy.kernels import ops, reference
+    from exlpy.kernels.host_allreduce import NORM_MAXN, NORM_ROWS, HostState, host_all_reduce_norm
+    from exlpy.kernels.peer_allreduce import PeerState, peer_all_reduce_norm
+    from exlpy.parallel.tp_comm import peer_comm
+
+    devs = [torch.device("cuda", i) for i in range(2)]
+    if kernel == "peer":
+        if peer_comm(devs, LocalComm()) is None:
+            pytest.skip("no P2P access between the two GPUs")
+    state = PeerState(devs, NORM_ROWS, NORM_MAXN) if kernel == "peer" else HostState(devs, NORM_ROWS, NORM_MAXN)
+    fused = peer_all_reduce_norm if kernel == "peer" else host_all_reduce_norm  # the same contract
+    g = torch.Generator().manual_seed(rows)
+    w = torch.rand(8192, generator=g).half() + 0.5
+    ws = [w.to(d) for d in devs]
+    for _ in range(10):
+        xs = [torch.randn(rows, 8192, generator=g).to(d, torch.float16) for d in devs]
+        want = [x.clone() for x in xs]
+        reference.host_all_reduce(want)
+        hs = fused(xs, ws, 1e-5, state)  # type: ignore[arg-type]
+        for x, h, wx, wd in zip(xs, hs, want, ws):
+            assert torch.equal(x, wx)
+            with torch.cuda.device(x.device):
+                assert torch.equal(h, ops.rms_norm(wx, wd, 1e-5))
     assert state.error_count() == 0
 
 

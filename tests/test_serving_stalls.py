@@ -47,3 +47,16 @@ def test_budget_grows_when_many_more_jobs_wait_than_decode() -> None:
     assert scheduler.prefill_budget(gen, decoding=32, prefilling=7) == 64
     assert scheduler.prefill_budget(gen, decoding=32, prefilling=32) == 64 * 4
     assert scheduler.prefill_budget(gen, decoding=4, prefilling=60) == 4 * 512  # capped
+
+
+def test_a_lone_prompt_runs_in_small_pieces_a_crowd_gets_the_whole_budget() -> None:
+    """With the default budget (2048) next to decoding jobs: one waiting prompt gets PROMPT_TOKENS (256) a step,
+    each further one adds as much, up to the budget; a crowd larger than the decoders grows past it."""
+    model, tok = aidreams()
+    gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=8 * 256), tok, max_chunk_size=2048)
+    assert gen.max_prefill_per_step == 2048
+    for d in (1, 8, 32):
+        assert scheduler.prefill_budget(gen, decoding=d, prefilling=1) == scheduler.PROMPT_TOKENS == 256
+    assert scheduler.prefill_budget(gen, decoding=32, prefilling=4) == 1024
+    assert scheduler.prefill_budget(gen, decoding=32, prefilling=8) == 2048
+    assert scheduler.prefill_budget(gen, decoding=8, prefilling=56) == 4 * 2048  # 56 x 4 // 8 = 28: capped

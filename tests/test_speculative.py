@@ -280,17 +280,21 @@ def test_draft_length_estimates_the_per_token_rate_without_bias() -> None:
 
 
 def test_draft_length_maximises_tokens_per_unit_of_measured_time() -> None:
-    from exlpy.generator.speculative.length import DraftLength, best_length, expected_tokens
+    from exlpy.generator.speculative.length import ROUND_OVERHEAD, DraftLength, best_length, expected_tokens
 
-    # best_length is the argmax of expected tokens per unit of time, a round of k drafts costing 1 + (c + v) k.
+    # best_length is the argmax of expected tokens per unit of time, a round of k drafts costing 1 + (c + v) k
+    # times a round's overhead over a plain step; 0 (off) where even the best does not beat plain decoding.
     for rate in (0.3, 0.5, 0.7, 0.8, 0.9, 0.97):
         for cost in (0.01, 0.1, 0.2, 0.5):
             values = [expected_tokens(rate, k) / (1 + (cost + 0.02) * k) for k in range(1, 8)]
-            assert best_length(rate, cost, 7) == 1 + values.index(max(values))
-    assert best_length(0.8, 0.2, 7) == 4 and best_length(1.0, 0.5, 7) == 7 and best_length(0.2, 0.2, 7) == 1
+            want = 1 + values.index(max(values)) if max(values) > 1.0 + ROUND_OVERHEAD else 0
+            assert best_length(rate, cost, 7) == want
+    assert best_length(0.8, 0.2, 7) == 4 and best_length(1.0, 0.5, 7) == 7
+    assert best_length(0.2, 0.2, 7) == 0 and best_length(0.3, 0.5, 7) == 0  # drafting off
+    assert best_length(0.2, 0.0, 7) == 2  # n-grams cost nothing: a fifth accepted still pays
     d = DraftLength(None, 7, 1.0)  # a static guess that drafting costs as much as the target
     d.accepted, d.rejected = 8.0, 2.0  # a = 0.8
-    assert d.choose() == 1
+    assert d.choose() == 0  # 1.8 tokens for 2 steps and a round's overhead: plain decoding is faster
     for _ in range(5):  # measured: 4 draft steps take 0.6 s of a 1.0 s round (c ~ 0.4)
         d.observe(4, 0.6, 1.0)
     d.observe(4, 0.6, 30.0)  # a round that captured a CUDA graph: the median ignores it
@@ -299,21 +303,43 @@ def test_draft_length_maximises_tokens_per_unit_of_measured_time() -> None:
 
 
 def test_draft_length_recovers_from_an_early_low_estimate() -> None:
-    """Rounds of one draft still measure the rate: after a bad start (nothing accepted) the length grows back
-    within a few rounds once drafts are accepted."""
+    """After a bad start (nothing accepted) drafting is off; the probe rounds of one draft (one per PROBE_EVERY
+    plannings) still measure the rate, and once drafts are accepted the length grows back."""
     import random
 
-    from exlpy.generator.speculative.length import DraftLength
+    from exlpy.generator.speculative.length import PROBE_EVERY, DraftLength
 
     d, rng = DraftLength(None, 7, 0.2), random.Random(1)
     for _ in range(30):
         d.update(0, 1)
-    assert d.choose() == 1
+    d.tick()
+    assert d.choose() == 0
     ks = []
-    for _ in range(30):
+    for _ in range(12 * PROBE_EVERY):  # the generator: a planning per step, a round when k > 0
+        d.tick()
         ks.append(d.choose())
-        d.update(*geometric_round(rng, 0.9, ks[-1]))
-    assert max(ks[:15]) >= 4 and min(ks[-10:]) >= 4, ks
+        if ks[-1]:
+            d.update(*geometric_round(rng, 0.9, ks[-1]))
+    probes = [i for i, k in enumerate(ks[:PROBE_EVERY * 2]) if k]
+    assert probes and probes[0] == PROBE_EVERY - 2 and all(k in (0, 1) for k in ks[:PROBE_EVERY * 2]), ks
+    assert min(ks[-PROBE_EVERY:]) >= 4, ks
+
+
+def test_draft_length_stays_off_at_low_acceptance() -> None:
+    """At a = 0.1 with a model draft (c = 0.2), only the probes draft: one round per PROBE_EVERY plannings."""
+    import random
+
+    from exlpy.generator.speculative.length import PROBE_EVERY, DraftLength
+
+    d, rng, rounds = DraftLength(None, 7, 0.2), random.Random(2), 0
+    n = 40 * PROBE_EVERY
+    for _ in range(n):
+        d.tick()
+        k = d.choose()
+        if k:
+            rounds += 1
+            d.update(*geometric_round(rng, 0.1, k))
+    assert rounds <= n // PROBE_EVERY + 8  # the first few, from the starting estimate of 0.7, then the probes
 
 
 class RefReplay:

@@ -93,3 +93,23 @@ def test_logits_and_first_tokens_on_gpu(tmp_path: Path, kind: str) -> None:
                 logits = r["logits"]
     assert logits is not None
     assert rel_err(logits.view(-1)[:want.shape[-1]], want[0, -1]) < tol
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3"])
+def test_pixels_computed_on_the_gpu_equal_the_processors(tmp_path: Path, kind: str) -> None:
+    """get_image_embeddings' preprocessing on the GPU (one uint8 upload, Pillow's resize, normalization and
+    patches there) gives the CPU path's pixel values bit for bit, which equal transformers' processor's."""
+    from exlpy import ExLlamaV2Config, ExLlamaV2VisionTower
+
+    if kind == "gemma3":
+        make_gemma3(tmp_path)
+    else:
+        make_qwen_vl(tmp_path, kind)
+    tower = ExLlamaV2VisionTower(ExLlamaV2Config(str(tmp_path)))
+    tower.load(device="cuda:0")
+    for i, size in enumerate([(120, 90), (1024, 768), (30, 20), (112, 112)]):
+        img = random_image(*size, seed=20 + i)
+        gpu, grid = tower._pixels(img)
+        cpu, want_grid = tower.preprocess(img)
+        assert gpu.device.type == "cuda" and grid == want_grid
+        assert torch.equal(gpu.cpu(), cpu), size

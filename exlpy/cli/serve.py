@@ -88,7 +88,7 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-per-step", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens run per step next to decoding requests (fewer deep into long prompts; more "
                    "when many requests wait for their prompt): higher starts new requests sooner, lower keeps "
-                   "decoding streams smoother (default: 256)")
+                   "decoding streams smoother (default: 2048)")
 
 
 def add_access_args(p: argparse.ArgumentParser) -> None:

@@ -175,6 +175,9 @@ FALLBACK = "LlamaForCausalLM"  # what an unknown architecture string runs as (ex
 # Architectures exllamav2 runs that exlpy does not yet: refused by name rather than run as Llama.
 NOT_YET: dict[str, str] = {
     "GemmoeForCausalLM": "mixture of experts",
+    # not in exllamav2's table either (it would run it as Llama and miss mlp.gate_proj): routed experts plus a
+    # gated shared expert in every layer
+    "Qwen2MoeForCausalLM": "mixture of experts with a shared expert",
 }
 
 

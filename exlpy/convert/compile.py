@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -55,9 +55,33 @@ def _order(name: str) -> tuple[int, str]:
     return (0 if "embed" in name else 10**9), name
 
 
+def stored_names(index: SafetensorsIndex, prefixes: list[str]) -> dict[str, str]:
+    """Canonical -> stored tensor-name prefix of every tensor under `prefixes` that the source stores under
+    another name by a plain rename (Mixtral's block_sparse_moe.experts.E.w1 for mlp.experts.E.gate_proj), so that
+    the output keeps the source's names (exllamav2 loads them; exlpy renames them again). Views of fused
+    tensors keep their canonical names (their source has no tensor of that name)."""
+    out = {}
+    for name, info in index.stored.items():
+        if any(name.startswith(p + ".") for p in prefixes) and info.name != name:
+            canon, _, leaf = name.rpartition(".")
+            stored, _, stored_leaf = info.name.rpartition(".")
+            if leaf == stored_leaf:
+                out[canon] = stored
+    return out
+
+
+def _renamer(prefixes: dict[str, str]) -> Callable[[str], str]:
+    def rename(name: str) -> str:
+        prefix, _, leaf = name.rpartition(".")
+        return f"{prefixes[prefix]}.{leaf}" if prefix in prefixes else name
+    return rename
+
+
 def compile_output(index: SafetensorsIndex, tensor_files: list[str], quantized: set[str], out_dir: str,
-                   shard_mb: int) -> list[str]:
-    """Write output(-0000i-of-0000N).safetensors into out_dir; returns the file names."""
+                   shard_mb: int, stored: dict[str, str] | None = None) -> list[str]:
+    """Write output(-0000i-of-0000N).safetensors into out_dir; returns the file names. `stored`: canonical ->
+    source name prefixes (`stored_names`) the output takes for those tensors, quantized parts included."""
+    rename = _renamer(stored or {})
     os.makedirs(out_dir, exist_ok=True)
     limit = shard_mb * 1024**2 if shard_mb > 0 else None
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -82,10 +106,10 @@ def compile_output(index: SafetensorsIndex, tensor_files: list[str], quantized: 
         size = 0
 
     for name, t in _source_tensors(index, quantized):
-        add(name, t)
+        add(rename(name), t)
     for path in tensor_files:
         for name, t in load_file(path).items():
-            add(name, t)
+            add(rename(name), t)
     if shards[-1]:
         flush()
     n = len(tmp_names)

@@ -11,6 +11,7 @@ from exlpy.errors import NumericalError
 from exlpy.model.attention import Attention
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.model.moe import MoEMLP
 from exlpy.weights.checks import stored_as_float
 from exlpy.weights.safetensors_index import SafetensorsIndex
 
@@ -20,16 +21,32 @@ HESSIAN_GROUPS: dict[type, tuple[tuple[str, tuple[str, ...]], ...]] = {
     Attention: (("q_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",))),
     MLP: (("up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))),
 }
-OPTIONS: dict[type, list[dict[str, QParams]]] = {Attention: ATTN_OPTIONS, MLP: MLP_OPTIONS}
+# An MoE block (exlpy/convert/moe.py) is one slot with the MLP table: an option sets every expert's gate, up, down.
+OPTIONS: dict[type, list[dict[str, QParams]]] = {Attention: ATTN_OPTIONS, MLP: MLP_OPTIONS, MoEMLP: MLP_OPTIONS}
 assert LINEARS[Attention] == ATTN_KEYS and LINEARS[MLP] == MLP_KEYS
 
 
 def is_decoder(module: Module) -> bool:
-    return type(module) in HESSIAN_GROUPS
+    return type(module) in OPTIONS
+
+
+def slots(module: Module) -> list[str]:
+    """The keys of the module's options: its projections (an MoE block's per-expert projections share them)."""
+    if isinstance(module, MoEMLP):
+        return list(MLP_KEYS)
+    return linears(module)
+
+
+def slot_of(name: str) -> str:
+    """The option key of a projection name from `shapes` ("experts.3.up_proj" -> "up_proj")."""
+    return name.rsplit(".", 1)[-1]
 
 
 def linears(module: Module) -> list[str]:
-    """The module's projections the checkpoint has (a non-gated MLP, GPT-2's or StarCoder2's, has no gate)."""
+    """The module's projections the checkpoint has (a non-gated MLP, GPT-2's or StarCoder2's, has no gate; an MoE
+    block: experts.E.{gate,up,down}_proj for every expert)."""
+    if isinstance(module, MoEMLP):
+        return [f"experts.{e}.{p}" for e in range(module.moe.num_experts) for p in MLP_KEYS]
     return [n for n in LINEARS[type(module)] if n != "gate_proj" or module.spec.arch.gated_mlp]
 
 
@@ -83,7 +100,7 @@ def read_bias(index: SafetensorsIndex, prefix: str) -> torch.Tensor | None:
 
 def module_bits(module: Module, option: dict[str, QParams]) -> int:
     sh = shapes(module)
-    return sum(option[k].total_bits(*sh[k], has_bias(module, k)) for k in sh)
+    return sum(option[slot_of(k)].total_bits(*sh[k], has_bias(module, k)) for k in sh)
 
 
 def module_numel(module: Module) -> int:

@@ -19,11 +19,12 @@ import torch
 
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.convert import caldata
-from exlpy.convert.compile import check_output_dir, compile_output, write_model_dir
-from exlpy.convert.forward import States, _run, check_finite
+from exlpy.convert.compile import check_output_dir, compile_output, stored_names, write_model_dir
+from exlpy.convert.forward import States, _run, check_finite, forward_chunks
 from exlpy.convert.job import Job, write_json, write_tensors, writing
-from exlpy.convert.layers import OPTIONS, is_decoder, module_bits, module_numel, shapes
+from exlpy.convert.layers import OPTIONS, is_decoder, module_bits, module_numel, shapes, slots
 from exlpy.convert.measure import measure_module
+from exlpy.convert.moe import measure_moe, quantize_moe
 from exlpy.convert.optimize import choose, reachable, slot_error
 from exlpy.convert.progress import StageProgress, peak_memory, summary_table
 from exlpy.convert.qparams import QParams, bpw
@@ -35,6 +36,7 @@ from exlpy.errors import ConvertSettingsError, MeasurementFileError, Unsupported
 from exlpy.model.batch import contiguous_batch
 from exlpy.model.linear import linear_format
 from exlpy.model.mlp import MLP
+from exlpy.model.moe import MoEMLP
 
 
 def convert(in_dir: str | None = None, out_dir: str | None = None, compile_dir: str | None = None,
@@ -84,9 +86,10 @@ class _Converter:
             self.config.scale_alpha_value = float(s.rope_alpha)
         spec = self.config.spec
         assert spec is not None
-        if spec.moe is not None:  # experts need their own measurement, calibration coverage and packing
-            raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported yet (its "
-                                               "mixture-of-experts layers); the fp16/bf16 model loads as it is")
+        if spec.moe is not None and spec.arch.moe_fused_experts:  # DBRX: experts fused per layer in the source
+            raise UnsupportedArchitectureError(f"converting {spec.architecture} to EXL2 is not supported (its "
+                                               "experts are stored fused per layer); the fp16/bf16 model loads as "
+                                               "it is")
         if spec.quant_method is not None:
             raise UnsupportedArchitectureError(f"{s.in_dir} is already quantized ({spec.quant_method}); convert "
                                                "from the fp16/bf16/fp32 model")
@@ -201,13 +204,14 @@ class _Converter:
             m = self.decoders[idx]
             t1 = time.perf_counter()
             m.load(self.device)
-            entries, states = measure_module(m, states, self.device, store, s.damp, s.scale_norm)
+            measure = measure_moe if isinstance(m, MoEMLP) else measure_module
+            entries, states = measure(m, states, self.device, store, s.damp, s.scale_norm)  # type: ignore[arg-type]
             m.unload()
             md["measurement"][m.key] = entries
             md["module_times"][m.key] = time.perf_counter() - t1
             best = max(e["accuracy"] for e in entries)
-            self.prog.advance(f"{m.key}  best accuracy {best:.5f}")
-            if isinstance(m, MLP) or idx == len(self.decoders) - 1:
+            self.prog.advance(f"{m.key}  best accuracy {best:.5f}{_experts_note(entries[0])}")
+            if isinstance(m, (MLP, MoEMLP)) or idx == len(self.decoders) - 1:
                 name = job.save_states("measure", idx, states.to_dict())
                 self._timed("measure", t0)
                 t0 = time.perf_counter()
@@ -249,10 +253,9 @@ class _Converter:
             entries = data.get(m.key)
             if not isinstance(entries, list) or not entries:
                 raise MeasurementFileError(f"{path} has no entries for {m.key}: it was measured on another model")
-            sh = shapes(m)
             for e in entries:
                 try:
-                    qps = {k: QParams.from_dict(e[k]) for k in sh}
+                    qps = {k: QParams.from_dict(e[k]) for k in slots(m)}
                     float(e["accuracy"])
                 except (KeyError, ValueError, TypeError) as exc:
                     raise MeasurementFileError(f"{path}: malformed entry for {m.key} ({exc})") from exc
@@ -282,7 +285,7 @@ class _Converter:
         strategy = {}
         for m, c in zip(self.decoders, choice):
             e = meas[m.key][c]
-            strategy[m.key] = {k: e[k] for k in shapes(m)} | {"total_bits": int(e["total_bits"]), "option": c}
+            strategy[m.key] = {k: e[k] for k in slots(m)} | {"total_bits": int(e["total_bits"]), "option": c}
         self.job.data["strategy"] = strategy
         self.prog.step("optimize")
         self._timed("optimize", t0)
@@ -309,14 +312,23 @@ class _Converter:
             option = {k: QParams.from_dict(v) for k, v in job.data["strategy"][m.key].items()
                       if isinstance(v, dict)}
             m.load(self.device)
-            tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
-                                                        s.scale_norm, s.act_order, ref, s.learned_rounding)
+            note = ""
+            if isinstance(m, MoEMLP):
+                if ref is not None:  # the source output first: quantizing the experts replaces their stacks
+                    ref = forward_chunks(m, ref, self.device, store, m.key)
+                tensors, states, rfn, tokens = quantize_moe(m, states, self.device, store, option, s.damp,
+                                                            s.scale_norm, s.act_order)
+                qd.setdefault("expert_tokens", {})[m.key] = tokens
+                note = _experts_note({"expert_tokens": tokens})
+            else:
+                tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
+                                                            s.scale_norm, s.act_order, ref, s.learned_rounding)
             m.unload()
             write_tensors(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn
             qd["module_times"][m.key] = time.perf_counter() - t1
-            self.prog.advance(f"{m.key}  rel. error {rfn:.5f}")
-            if isinstance(m, MLP) or idx == len(self.decoders) - 1:
+            self.prog.advance(f"{m.key}  rel. error {rfn:.5f}{note}")
+            if isinstance(m, (MLP, MoEMLP)) or idx == len(self.decoders) - 1:
                 keep = states.to_dict() | (ref.to_dict("ref_") if ref is not None else {})
                 name = job.save_states("quant", idx, keep)
                 self._timed("quantize", t0)
@@ -359,7 +371,10 @@ class _Converter:
         files = [job.path("out_tensor", f"{m.key}.safetensors") for m in self.decoders]
         files.append(job.path("out_tensor", "lm_head.safetensors"))
         quantized = {f"{m.key}.{k}" for m in self.decoders for k in shapes(m)} | {"lm_head"}
-        names = compile_output(self.config.index, files, quantized, out_dir, s.shard_size)
+        # MoE blocks keep the source's tensor names (Mixtral's block_sparse_moe.*): exllamav2 loads the output too
+        moe = [m.key for m in self.decoders if isinstance(m, MoEMLP)]
+        names = compile_output(self.config.index, files, quantized, out_dir, s.shard_size,
+                               stored_names(self.config.index, moe))
         if s.compile_dir:
             from exlpy import __version__
 
@@ -381,7 +396,7 @@ class _Converter:
         strat = self.job.data["strategy"]
         kinds: dict[str, list[int]] = {"attention": [0, 0], "mlp": [0, 0]}
         for m in self.decoders:
-            kind = "mlp" if isinstance(m, MLP) else "attention"
+            kind = "mlp" if isinstance(m, (MLP, MoEMLP)) else "attention"
             kinds[kind][0] += strat[m.key]["total_bits"]
             kinds[kind][1] += module_numel(m)
         total = sum(v[0] for v in kinds.values())
@@ -392,10 +407,16 @@ class _Converter:
         head = HEAD_OPTIONS[self.s.head_bits].total_bits(spec.hidden_size, spec.vocab_size)
         q = self.job.data["quant"]
         errs = list(q.get("errors", {}).values())
-        return {"output_dir": out_dir, "files": names,
+        tokens = [t for per_layer in q.get("expert_tokens", {}).values() for t in per_layer]
+        return {"min_expert_tokens": min(tokens) if tokens else None,
+                "output_dir": out_dir, "files": names,
                 "bpw": {k: bpw(v[0], v[1]) for k, v in kinds.items()} | {
                     "decoder": bpw(total, self.numel), "head": bpw(head, spec.hidden_size * spec.vocab_size)},
                 "times": dict(self.job.data["times"]), "peak": peak_memory(),
                 "head_error": q.get("head_error"), "mean_layer_error": sum(errs) / len(errs) if errs else None}
 
 
+def _experts_note(entry: dict[str, Any]) -> str:
+    """The calibration tokens an MoE block's experts got (fewest, most), for the progress line."""
+    tokens = entry.get("expert_tokens")
+    return f"  expert tokens {min(tokens)}-{max(tokens)}" if tokens else ""

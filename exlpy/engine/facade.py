@@ -216,3 +216,13 @@ class ExLlamaV2(ModelCompatMixin):
         """Forward with caller-built metadata (exlpy.model.batch.build_batch): the generators' entry."""
         with oom_guard("the forward pass"), torch.inference_mode():
             return fwd.forward_batch(self, input_ids, batch, last_id_only, preprocess_only)
+
+    def chunk_buckets(self) -> tuple[int, ...]:
+        """Token counts of the prompt chunks `prefill_chunk` runs captured (empty: none; see engine/graphs.py)."""
+        return fwd.chunk_buckets(self)
+
+    def prefill_chunk(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
+        """A prompt chunk of one sequence (no logits) as a captured chunk where one applies, else eagerly."""
+        with oom_guard("the forward pass"), torch.inference_mode():
+            if not fwd.prefill_chunk(self, input_ids, batch):
+                fwd.forward_batch(self, input_ids, batch, preprocess_only=True)

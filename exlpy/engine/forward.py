@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from exlpy.engine.graphs import MAX_Q_LEN, StepGraphs
+from exlpy.engine.graphs import CHUNK_BUCKETS, MAX_Q_LEN, StepGraphs
+from exlpy.engine.pipeline import execute_pipelined, pipeline_applies
 from exlpy.engine.strategy import Strategy, execute
 from exlpy.errors import CacheTooSmallError, SequenceLengthError
 from exlpy.kernels import ops
@@ -142,6 +143,9 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     # Layer streaming runs the chunks layer-major (each module loaded once for all of them), after planning them.
     streamed = getattr(model, "stream", None) is not None
     deferred: list[tuple[ForwardBatch, torch.Tensor]] | None = [] if streamed else None
+    # Tensor parallelism: long chunks as two overlapped micro-batches (plain fp16 prefill rows only).
+    overlap = (strategy.overlap_prefill and key_mask is None and offsets is None and rows_mm is None and not lora
+               and not return_last_state and getattr(cache, "layer_codes", None) is None)
     try:
         results = []
         while pos < T:
@@ -158,6 +162,9 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
             chunk_mode = mode if last else LOGITS_NONE if mode != LOGITS_ALL else mode
             if deferred is not None:
                 deferred.append((prepare(batch, chunk_mode), ids[:, pos:pos + n]))
+            elif overlap and pipeline_applies(strategy, n, True):
+                results.append(finish(batch, _run_halves(strategy, ids[:, pos:pos + n], cur, B, dev, cache,
+                                                         chunk_mode)))
             else:
                 results.append(run(batch, ids[:, pos:pos + n], chunk_mode))
             cache.current_seq_len = cur + n
@@ -181,6 +188,26 @@ def _forward(model: Any, input_ids: torch.Tensor, cache: Any, input_mask: torch.
     return (logits, last_state) if return_last_state else logits
 
 
+def _run_halves(strategy: Strategy, ids: torch.Tensor, cur: int, B: int, dev: torch.device, cache: Any,
+                chunk_mode: str) -> torch.Tensor | None:
+    """One chunk as two micro-batches (exlpy/engine/pipeline.py): the first wants logits only when every
+    position's are asked for, the second as the chunk."""
+    n = ids.shape[1]
+    h = n // 2
+    batches = []
+    for start, length, mode in ((cur, h, LOGITS_ALL if chunk_mode == LOGITS_ALL else LOGITS_NONE),
+                                (cur + h, n - h, chunk_mode)):
+        b = build_batch([start] * B, length, dev, cache=cache, tables=[[r] for r in range(B)],
+                        page_size=cache.max_seq_len)
+        b.past_len = start
+        b.logits = mode
+        batches.append(b)
+    a, b = execute_pipelined(strategy, [ids[:, :h], ids[:, h:]], batches)
+    if chunk_mode == LOGITS_ALL and a is not None and b is not None:
+        return torch.cat([a, b], dim=1)
+    return b
+
+
 def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last_id_only: bool = False,
                   preprocess_only: bool = False) -> torch.Tensor | None:
     """Forward with caller-built metadata (paged caches, per-row positions): the generators' entry."""
@@ -198,6 +225,31 @@ def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last
         if logits is not None:
             return logits
     return execute(strategy, upload_ids(input_ids, strategy.first_device), batch)
+
+
+def chunk_buckets(model: Any) -> tuple[int, ...]:
+    """Sizes of the captured prompt chunks this model runs (`prefill_chunk`); empty where graphs do not apply,
+    EXLPY_PREFILL_GRAPHS=0, or a chunk capture failed."""
+    if not options().prefill_graphs:
+        return ()
+    runner = graph_runner(model, model.strategy_for_forward())
+    return () if runner is None or runner.chunks_failed else CHUNK_BUCKETS
+
+
+def prefill_chunk(model: Any, input_ids: torch.Tensor, batch: ForwardBatch) -> bool:
+    """Run a prompt chunk ([1, n] host ids, `batch` of one row over a cache) as the captured chunk of the
+    smallest bucket >= n (exlpy/engine/graphs.py `run_chunk`); False when none applies (the caller runs it
+    eagerly)."""
+    if not chunk_buckets(model) or input_ids.device.type != "cpu":
+        return False
+    runner = graph_runner(model, model.strategy_for_forward())
+    assert runner is not None
+    batch = replace(batch, logits=LOGITS_NONE)
+    if batch.lora:
+        from exlpy.lora.slots import registry_of
+
+        batch = replace(batch, lora=registry_of(model).ensure(model.strategy_for_forward()))
+    return runner.run_chunk(input_ids, batch)
 
 
 def _key_mask(input_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -14,6 +14,13 @@ uploaded as host integers straight into those buffers; padding rows write nowher
 nothing (length 0). Attention inside the graph takes key ranges from device memory, never host values, so
 one graph serves every step of its shape. T may be 1 (decode) up to `MAX_Q_LEN` (speculative verification).
 
+Prompt chunks of one sequence are captured too (`run_chunk`): T one of `CHUNK_BUCKETS`, one row, no logits (the
+pass stops after the last attention). A chunk of n tokens runs in the smallest bucket >= n, padded with tokens
+that write nowhere and that no real token sees (exlpy/model/batch.py `pack`, `lengths`). An eager chunk costs
+the host its kernel launches (~20 ms on an 8B whatever its length), and the decode step launched after it waits
+for them; a replay costs what a decode step's does. A chunk graph that fails to capture warns and turns chunk
+graphs off for this runner: the caller runs the chunk eagerly.
+
 Each stage of the strategy is captured with one graph per lane: a single lane for one GPU, one per segment
 of a layer split (the host copies the hidden state between replays: the one hop per device boundary of the
 eager path), and one per GPU for tensor parallelism, whose lanes are captured together with every GPU's
@@ -26,6 +33,7 @@ With `capture=False` the same buffer logic runs the step eagerly: the debugging 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,15 +43,23 @@ import torch
 
 from exlpy.engine.lockstep import run_lanes
 from exlpy.engine.strategy import Lane, Stage, Strategy
-from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, ForwardBatch, pack, packed_size, staging, unpack
+from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, pack, packed_size, staging, unpack
 from exlpy.parallel.p2p import peer_copy_ok
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_Q_LEN = 8
+# Token counts of captured prompt chunks (one sequence each). Few sizes: each is captured once per table-width
+# bucket. The smallest is above the decode kernel's query length (the flash kernel runs every bucket).
+CHUNK_BUCKETS = (32, 64, 128, 256)
 
 
 def bucket_for(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
+
+
+def chunk_bucket(n: int) -> int | None:
+    """The captured chunk size that holds n prompt tokens (None: more than the largest)."""
+    return next((b for b in CHUNK_BUCKETS if b >= n), None) if n >= 1 else None
 
 
 def cache_signature(cache: Any) -> tuple[int, ...]:
@@ -77,6 +93,7 @@ class _Step:
     meta: dict[str, torch.Tensor]  # per device: the packed metadata buffer
     stages: list[tuple[Stage, list[_LaneStep]]] = field(default_factory=list)
     captured: bool = False
+    chunk: bool = False  # a prompt chunk: no logits, the pass ends after the last attention
 
 
 class StepGraphs:
@@ -87,6 +104,8 @@ class StepGraphs:
         self.capture = capture
         self.steps: dict[tuple[Any, ...], _Step] = {}
         self._pools: dict[str, Any] = {}
+        self.chunks_failed = False  # a chunk graph failed to capture: chunks run eagerly from then on
+        self.chunks_run = 0  # prompt chunks run through `run_chunk` (benchmarks count them)
 
     def clear(self) -> None:
         self.steps.clear()
@@ -105,9 +124,12 @@ class StepGraphs:
         if tables is None:  # contiguous cache: row b is page b
             tables = [[b] for b in range(B)]
         values = pack(starts, T, tables, page_size, step.rows, step.width, adapters)
+        host_ids = ids.device.type == "cpu"
+        if host_ids:  # the token ids ride in the same upload, into the static input behind the metadata
+            values += ids.reshape(-1).tolist()
         for meta in step.meta.values():
             staging.upload(values, meta)
-        return self._finish(step, ids, B, logits)
+        return self._finish(step, ids, B, logits, ids_uploaded=host_ids)
 
     def run_batch(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits for a caller-built batch, or None where graphs do not apply."""
@@ -141,13 +163,54 @@ class StepGraphs:
             adapter[B:].fill_(-1)
         return self._finish(step, ids, B, batch.logits)
 
+    def run_chunk(self, ids: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Run a prompt chunk ([1, n] host ids; `batch` from `build_batch` with one row, no logits) as the
+        captured chunk of the smallest bucket >= n. False when no captured chunk applies (the caller runs it
+        eagerly): n above the largest bucket, a batch graphs cannot take, or a capture that failed."""
+        n = ids.shape[-1]
+        T = chunk_bucket(n)
+        if (T is None or self.chunks_failed or ids.shape[0] != 1 or batch.batch_size != 1 or batch.host is None
+                or batch.cache is None or batch.host[1] is None or batch.logits != LOGITS_NONE
+                or batch.key_mask is not None or batch.rope_positions is not None or batch.mm is not None
+                or batch.keep_last_state):
+            return False
+        starts, tables, adapters = batch.host
+        lora = batch.lora if adapters is not None else 0
+        step = self._step(batch.cache, 1, T, len(tables[0]), batch.page_size, lora, chunk=True)
+        if step is None:
+            return False
+        values = pack(starts, T, tables, batch.page_size, 1, step.width, adapters, lengths=[n])
+        host = ids.reshape(-1).tolist()
+        values += host + [host[-1]] * (T - n)  # the ids behind the metadata; padding tokens: any valid id
+        for meta in step.meta.values():
+            staging.upload(values, meta)
+        try:
+            self._finish(step, ids, 1, LOGITS_NONE, ids_uploaded=True)
+        except Exception as e:
+            if not self.capture or step.captured:
+                raise  # a failing chunk, not a failing capture: the caller's error
+            warnings.warn(f"capturing a prompt chunk of {T} tokens failed ({type(e).__name__}: {e}); prompt chunks "
+                          "run eagerly from now on", stacklevel=2)
+            self.chunks_failed = True
+            for key in [k for k, st in self.steps.items() if st.chunk]:
+                del self.steps[key]
+            return False
+        self.chunks_run += 1
+        return True
+
     # --- shapes -----------------------------------------------------------------------------------------------
-    def _step(self, cache: Any, B: int, T: int, width: int, page_size: int, lora: int = 0) -> _Step | None:
+    def _step(self, cache: Any, B: int, T: int, width: int, page_size: int, lora: int = 0,
+              chunk: bool = False) -> _Step | None:
         rows = bucket_for(B)
-        if rows is None or T > MAX_Q_LEN or not getattr(cache, "graph_safe", False):
+        if chunk:
+            if B != 1 or T not in CHUNK_BUCKETS:
+                return None
+        elif rows is None or T > MAX_Q_LEN:
+            return None
+        if not getattr(cache, "graph_safe", False):
             return None
         width = bucket_for(width) or width
-        key = (id(cache), rows, T, width, page_size, lora)
+        key = (id(cache), rows, T, width, page_size, chunk, lora)
         step = self.steps.get(key)
         if step is not None and (step.cache_ref() is not cache or step.signature != cache_signature(cache)):
             step = None  # the cache object or its tensors changed: the captured addresses are stale
@@ -155,32 +218,38 @@ class StepGraphs:
             if lora:  # steps of an older adapter generation read slot buffers that were reallocated since
                 for k in [k for k in self.steps if k[-1] not in (0, lora)]:
                     del self.steps[k]
-            step = self._build(cache, rows, T, width, page_size, lora)
+            step = self._build(cache, rows, T, width, page_size, lora, chunk)
             self.steps[key] = step
         return step
 
-    def _build(self, cache: Any, rows: int, T: int, width: int, page_size: int, lora: int = 0) -> _Step:
+    def _build(self, cache: Any, rows: int, T: int, width: int, page_size: int, lora: int = 0,
+               chunk: bool = False) -> _Step:
         meta: dict[str, torch.Tensor] = {}
+        size = packed_size(rows, T, width)
         for dev in self.strategy.devices:
-            meta[str(dev)] = torch.zeros(packed_size(rows, T, width), dtype=torch.int64, device=dev)
-        step = _Step(rows, T, width, page_size, weakref.ref(cache), cache_signature(cache), meta)
+            # the packed metadata, then the step's token ids (the first stage's static input): one upload a step
+            meta[str(dev)] = torch.zeros(size + rows * T, dtype=torch.int64, device=dev)
+        step = _Step(rows, T, width, page_size, weakref.ref(cache), cache_signature(cache), meta, chunk=chunk)
         for k, stage in enumerate(self.strategy.stages):
             lanes = []
             for lane in stage.lanes:
                 pos, slots, seqlens, table, adapter, m = unpack(meta[str(lane.device)], rows, T, width)
                 batch = ForwardBatch(rows, T, pos, cache=lane.cache_part(cache), slots=slots, block_table=table,
                                      page_size=page_size, seqlens=seqlens, max_seqlen=width * page_size, meta=m,
-                                     adapters=adapter, lora=lora)
-                ids = torch.zeros(rows, T, dtype=torch.long, device=lane.device) if k == 0 else None
+                                     adapters=adapter, lora=lora, logits=LOGITS_NONE if chunk else LOGITS_ALL)
+                ids = meta[str(lane.device)][size:].view(rows, T) if k == 0 else None
                 lanes.append(_LaneStep(lane, batch, ids))
             step.stages.append((stage, lanes))
         return step
 
     # --- running --------------------------------------------------------------------------------------------
-    def _finish(self, step: _Step, ids: torch.Tensor, B: int, logits: str) -> torch.Tensor:
-        host_ids = ids.reshape(-1).tolist() if ids.device.type == "cpu" else None
+    def _finish(self, step: _Step, ids: torch.Tensor, B: int, logits: str, ids_uploaded: bool = False
+                ) -> torch.Tensor | None:
+        host_ids = ids.reshape(-1).tolist() if ids.device.type == "cpu" and not ids_uploaded else None
         for ls in step.stages[0][1]:
             assert ls.x_in is not None
+            if ids_uploaded:
+                continue  # came with the metadata (run_rows)
             if host_ids is not None:  # through pinned memory: no wait for the device
                 staging.upload(host_ids, ls.x_in.view(-1))
             else:  # ids already on a device (a sampled token fed straight back): a device copy
@@ -188,13 +257,19 @@ class StepGraphs:
         if self.capture and not step.captured:
             self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
         out = self._run(step, replay=self.capture)
+        if out is None:  # a prompt chunk: the cache is written, nothing else is wanted
+            return None
         with _scope(out.device):
             out = out[:B].clone()  # the static output is overwritten by the next replay
         return out[:, -1:] if logits == LOGITS_LAST and out.shape[1] > 1 else out
 
-    def _run(self, step: _Step, replay: bool) -> torch.Tensor:
+    def _run(self, step: _Step, replay: bool) -> torch.Tensor | None:
+        """The step's output (None for a prompt chunk, whose pass ends after the last attention: the stages
+        after it are not run, and a layer split's later segments have no graph)."""
         out: torch.Tensor | None = None
-        for stage, lanes in step.stages:
+        for k, (stage, lanes) in enumerate(step.stages):
+            if k and out is None:
+                break
             if out is not None:
                 self._hop(out, lanes)
             if replay:
@@ -204,7 +279,6 @@ class StepGraphs:
             else:
                 self._eager(stage, lanes)
             out = lanes[0].output
-        assert out is not None
         return out
 
     @staticmethod
@@ -229,7 +303,9 @@ class StepGraphs:
             for d in self.strategy.devices:
                 torch.cuda.synchronize(d)
             out: torch.Tensor | None = None
-            for stage, lanes in step.stages:
+            for k, (stage, lanes) in enumerate(step.stages):
+                if k and out is None:
+                    break  # a prompt chunk ended in an earlier stage
                 if out is not None:
                     self._hop(out, lanes)  # allocation only; replays copy again
                 self._capture_stage(stage, lanes)

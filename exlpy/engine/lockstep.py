@@ -22,10 +22,11 @@ from exlpy.errors import TensorParallelError
 
 @dataclass
 class _Op:
-    kind: str  # "all_reduce" | "gather_first"
+    kind: str  # "all_reduce" | "all_reduce_norm" | "gather_first"
     tensor: torch.Tensor
     offset: int = 0
     total: int = 0
+    norm: tuple[torch.Tensor, float] | None = None  # all_reduce_norm: this GPU's norm weight, eps
 
     def __await__(self) -> Generator[_Op, Any, Any]:
         result = yield self
@@ -43,6 +44,13 @@ class LockstepGroup:
     def all_reduce(self, t: torch.Tensor) -> _Op:
         return _Op("all_reduce", t)
 
+    def all_reduce_norm(self, t: torch.Tensor, weight: torch.Tensor, eps: float) -> _Op:
+        """Sum `t` in place and return rms_norm(sum, weight, eps): in one kernel where the backend fuses it."""
+        return _Op("all_reduce_norm", t, norm=(weight, eps))
+
+    def fuses_norm(self) -> bool:
+        return bool(getattr(self.comm, "fuses_norm", False))
+
     def gather_first(self, part: torch.Tensor, offset: int, total: int) -> _Op:
         return _Op("gather_first", part, offset, total)
 
@@ -53,7 +61,26 @@ class LockstepGroup:
         if ops[0].kind == "all_reduce":
             self.comm.all_reduce([op.tensor for op in ops])
             return [None] * len(ops)
+        if ops[0].kind == "all_reduce_norm":
+            return self._all_reduce_norm(ops)
         return self._gather_first(ops)
+
+    def _all_reduce_norm(self, ops: list[_Op]) -> list[torch.Tensor]:
+        from exlpy.kernels import ops as kernels
+
+        tensors = [op.tensor for op in ops]
+        norms = [op.norm for op in ops]
+        assert all(n is not None for n in norms)
+        eps = norms[0][1]  # type: ignore[index]
+        fused = getattr(self.comm, "all_reduce_norm", None)
+        if fused is not None:
+            return fused(tensors, [n[0] for n in norms], eps)  # type: ignore[index]
+        self.comm.all_reduce(tensors)
+        out = []
+        for t, n in zip(tensors, norms):
+            with _device(t.device):
+                out.append(kernels.rms_norm(t, n[0], eps))  # type: ignore[index]
+        return out
 
     def _gather_first(self, ops: list[_Op]) -> list[Any]:
         first = ops[0].tensor

@@ -43,6 +43,9 @@ class Strategy:
     stages: list[Stage]
     graph_safe: bool = False  # every lane on a CUDA device, kernels that never read device values on the host
     graph_cache: dict[str, Any] = field(default_factory=dict)  # the graph runner, kept with the strategy
+    # Tensor parallelism: long prefill chunks run as two micro-batches whose all-reduces overlap each other's
+    # compute (exlpy/engine/pipeline.py; EXLPY_TP_PIPELINE=1)
+    overlap_prefill: bool = False
 
     @property
     def first_device(self) -> torch.device:

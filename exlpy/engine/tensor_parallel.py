@@ -4,7 +4,8 @@
 per-GPU copies (exlpy/model/sharding.py) and drops the full module. The strategy is one stage whose lanes
 are the GPUs' own Transformers (the ordinary block code; their closing projections meet in all-reduces),
 so eager forwards and CUDA-graph capture treat it like any other strategy. A decode step is captured as one
-graph per GPU with the collectives inside when the backend can be captured (NCCL, peer all-reduce).
+graph per GPU with the collectives inside when the backend can be captured (NCCL, the peer or host-memory
+all-reduce).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from exlpy.model.head import Head, RMSNorm
 from exlpy.model.linear import linear_format
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.model.parallel_linear import RowParallel
 from exlpy.model.sharding import Share, row_split_possible, shard_attention, shard_embedding, shard_head, shard_mlp
 from exlpy.model.transformer import Transformer
-from exlpy.parallel.tp_comm import NcclComm, PeerComm
+from exlpy.parallel.tp_comm import HostMemComm, NcclComm, PeerComm
 from exlpy.parallel.tp_context import TPContext
 from exlpy.parallel.tp_split import BROADCAST_ID, BROADCAST_KV, BROADCAST_Q, BROADCAST_RS, BROADCAST_VC
 from exlpy.runtime import RuntimeOptions
@@ -138,7 +140,32 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
         yield from callback_gen(n, n)
     if progress:
         print(f"Loading (TP): {n}/{n} modules", flush=True)
+    if opts.tp_fuse_norm and group.fuses_norm():
+        for mods_of_slot in per_slot.values():
+            link_next_norms(mods_of_slot, model.config.spec)
     return ctx, tp_strategy(ctx, group, per_slot, opts)
+
+
+def link_next_norms(mods: list[Module], spec: Any) -> None:
+    """Give each row-parallel closing projection the RMSNorm weight of the block after it, so that batched
+    decode steps sum and norm in one collective (RowParallel.next_norm). Only where the next block would
+    apply exactly that norm to the sum: RMSNorm architectures without parallel blocks, a half-precision
+    residual stream, no post-norm before the residual add, no norm bias."""
+    arch = spec.arch
+    if arch.norm != "rms" or arch.parallel_blocks or arch.residual_fp32:
+        return
+    for m, nxt in zip(mods, mods[1:]):
+        closer = m.o_proj if isinstance(m, Attention) else m.down_proj if isinstance(m, MLP) else None
+        if not isinstance(closer, RowParallel) or getattr(m, "post_norm", None) is not None:
+            continue
+        if isinstance(nxt, (Attention, MLP)):
+            weight, bias = nxt.norm_w, nxt.norm_b
+        elif isinstance(nxt, RMSNorm):
+            weight, bias = nxt.weight, nxt.bias
+        else:
+            continue
+        if weight is not None and bias is None and weight.dim() == 1:
+            closer.next_norm = (weight, spec.norm_eps)
 
 
 def tp_strategy(ctx: TPContext, group: LockstepGroup, per_slot: dict[int, list[Module]], opts: RuntimeOptions
@@ -149,9 +176,10 @@ def tp_strategy(ctx: TPContext, group: LockstepGroup, per_slot: dict[int, list[M
         lanes.append(Lane(ctx.all_devs[slot], partial(core.forward),
                           cache_part=lambda c, slot=slot: None if c is None else tp_part(c, slot), modules=mods))
     devs = [lane.device for lane in lanes]
-    capturable = isinstance(ctx.comm, (NcclComm, PeerComm)) and len({str(d) for d in devs}) == len(devs)
+    capturable = isinstance(ctx.comm, (NcclComm, PeerComm, HostMemComm)) and len({str(d) for d in devs}) == len(devs)
     graph_safe = opts.tp_graphs and capturable and cuda_graphs_possible(devs)
-    return Strategy("tensor_parallel", [Stage(lanes, group)], graph_safe=graph_safe)
+    return Strategy("tensor_parallel", [Stage(lanes, group)], graph_safe=graph_safe,
+                    overlap_prefill=opts.tp_pipeline)
 
 
 def tp_part(cache: Any, slot: int) -> Any:

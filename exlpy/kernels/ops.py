@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from exlpy.kernels import reference
 from exlpy.runtime import options
+
+if TYPE_CHECKING:
+    from exlpy.quant.experts import ExpertStack
 
 _TRITON: dict[str, Callable[..., Any]] = {}
 
@@ -202,6 +205,30 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: 
     return _impl_with("sdpa", q, softcap=softcap)(q, k, v, scale, mask, is_causal, **_attn_kw(0, softcap))
 
 
+def embed_slice(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows [start, start + n) of an embedding table held by one tensor-parallel GPU, zero rows for ids
+    outside them (the vocabulary-parallel lookup before its all-reduce); see reference."""
+    return _impl("embed_slice", weight)(ids, weight, start)
+
+
+def host_all_reduce(tensors: list[torch.Tensor], state: Any, spin: int | None = None) -> None:
+    """In-place sum of one tensor per GPU through pinned host memory (tensor parallelism without P2P); see
+    kernels/host_allreduce.py and the reference."""
+    impl = _impl("host_all_reduce", tensors[0])
+    if spin is None:
+        impl(tensors, state)
+    else:
+        impl(tensors, state, spin)
+
+
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: Any,
+                         spin: int | None = None) -> list[torch.Tensor]:
+    """`host_all_reduce` with the next block's RMSNorm of the sum in the same kernel: returns the normed
+    tensors; see kernels/host_allreduce.py and the reference."""
+    impl = _impl("host_all_reduce_norm", tensors[0])
+    return impl(tensors, weights, eps, state) if spin is None else impl(tensors, weights, eps, state, spin)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _impl("apply_token_bitmask", logits)(logits, bitmask)
 
@@ -262,3 +289,22 @@ def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_ga
 
 def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return _impl("moe_down", a)(a, order, counts, w_down)
+
+
+def moe_experts_exl2(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: ExpertStack,
+                     up: ExpertStack, down: ExpertStack, kind: str, residual: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """`moe_experts` over EXL2 experts (exlpy/quant/experts.py): the same sort and combine, with gate|up and down
+    as one grouped launch each reading the routed experts' packed weights. CUDA-graph safe as the dense one."""
+    order, counts = moe_sort(ids, gate.num_experts)
+    a = moe_gate_up_exl2(h, order, counts, gate, up, ids.shape[1], kind)
+    return moe_combine(moe_down_exl2(a, order, counts, down), weights, residual)
+
+
+def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack,
+                     up: ExpertStack, top_k: int, kind: str) -> torch.Tensor:
+    return _impl_with("moe_gate_up_exl2", x, **{kind: True})(x, order, counts, gate, up, top_k, kind)
+
+
+def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: ExpertStack) -> torch.Tensor:
+    return _impl("moe_down_exl2", a)(a, order, counts, down)

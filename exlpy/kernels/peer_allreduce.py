@@ -98,27 +98,85 @@ def _allreduce_kernel(x, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, f3, f4, f5,
     tl.store(epochs + b, e)
 
 
+@triton.jit(do_not_specialize=["rank", "spin"])
+def _allreduce_norm_kernel(x, h, w, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, f3, f4, f5, f6, f7, recv_mine,
+                           flags_mine, epochs, errors, hidden, rank, spin, eps, N: tl.constexpr,
+                           BLOCK_H: tl.constexpr, MAXN: tl.constexpr):
+    """The all-reduce of [rows, hidden] with the next block's RMSNorm in its epilogue (batched decode): program
+    b owns row b, pushes it to every peer as above, sums every rank's row in rank order (identical bits on
+    every GPU), stores the sum into x and rms_norm(sum) * w into h, rounded as kernels/rmsnorm.py rounds. A
+    peer already one call ahead (flag e + 1) also releases the wait."""
+    b = tl.program_id(0)
+    e = tl.load(epochs + b) + 1
+    par = e % 2
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < hidden
+    offs = b * hidden + cols
+    mine = tl.load(x + offs, mask=cmask, other=0.0)
+    for j in tl.static_range(N):
+        if j != rank:
+            dst = _pick(j, r0, r1, r2, r3, r4, r5, r6, r7)
+            tl.store(dst + (par * N + rank) * MAXN + offs, mine, mask=cmask)
+    tl.debug_barrier()
+    for j in tl.static_range(N):
+        if j != rank:
+            peer = _pick(j, f0, f1, f2, f3, f4, f5, f6, f7)
+            tl.atomic_xchg(peer + b * _SLOTS + rank, e, sem="release", scope="sys")
+    for j in tl.static_range(N):
+        if j != rank:
+            ptr = flags_mine + b * _SLOTS + j
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            n = 0
+            while (seen != e) & (seen != e + 1) & (n < spin):
+                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+                n += 1
+            if (seen != e) & (seen != e + 1):
+                tl.atomic_add(errors, 1)
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(N):
+        if j == rank:
+            acc += mine.to(tl.float32)
+        else:
+            acc += tl.load(recv_mine + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
+                           cache_modifier=".cg").to(tl.float32)
+    y = acc.to(x.dtype.element_ty)
+    tl.store(x + offs, y, mask=cmask)
+    yf = y.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(yf * yf, axis=0) / hidden + eps)
+    wv = tl.load(w + cols, mask=cmask, other=0.0)
+    tl.store(h + offs, ((yf * inv).to(wv.dtype) * wv).to(h.dtype.element_ty), mask=cmask)
+    tl.store(epochs + b, e)
+
+
+NORM_ROWS = 64  # rows of a fused all-reduce + norm call (batched decode)
+NORM_HIDDEN = 16384
+NORM_MAXN = NORM_ROWS * NORM_HIDDEN
+
+
 class PeerState:
     """Flags, per-program epochs, an error counter and the receive buffers on every slot's device (zeroed
-    together). A receive buffer holds [2 parities, N slots, MAX_NUMEL] elements of 4 bytes, viewed as the
-    dtype of each call (8 MB per GPU for 2 GPUs)."""
+    together). A receive buffer holds [2 parities, N slots, `maxn`] elements of 4 bytes, viewed as the dtype
+    of each call (8 MB per GPU for 2 GPUs and the defaults). The fused-norm kernel keeps a state of its own
+    (`programs` = NORM_ROWS, `maxn` = NORM_MAXN): a program's tile must be the same region in every call."""
 
-    def __init__(self, devices: list[torch.device]) -> None:
+    def __init__(self, devices: list[torch.device], programs: int = MAX_PROGRAMS, maxn: int = MAX_NUMEL) -> None:
         if len(devices) > MAX_SLOTS:
             raise ValueError(f"peer all-reduce supports at most {MAX_SLOTS} devices, got {len(devices)}")
         self.devices = devices
+        self.maxn = maxn
         n = len(devices)
-        self.flags = [torch.zeros(MAX_PROGRAMS * MAX_SLOTS, dtype=torch.int32, device=d) for d in devices]
-        self.epochs = [torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=d) for d in devices]
+        self.flags = [torch.zeros(programs * MAX_SLOTS, dtype=torch.int32, device=d) for d in devices]
+        self.epochs = [torch.zeros(programs, dtype=torch.int32, device=d) for d in devices]
         self.errors = [torch.zeros(1, dtype=torch.int32, device=d) for d in devices]
-        self.recv = [torch.zeros(2 * n * MAX_NUMEL, dtype=torch.float32, device=d) for d in devices]
+        self.recv = [torch.zeros(2 * n * maxn, dtype=torch.float32, device=d) for d in devices]
         self._views: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def recv_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The receive buffers viewed as `dtype`, [2 * N * MAX_NUMEL] elements each (the rest unused)."""
+        """The receive buffers viewed as `dtype`, [2 * N * maxn] elements each (the rest unused)."""
         v = self._views.get(dtype)
         if v is None:
-            size = 2 * len(self.devices) * MAX_NUMEL
+            size = 2 * len(self.devices) * self.maxn
             v = self._views[dtype] = [r.view(dtype)[:size] for r in self.recv]
         return v
 
@@ -148,3 +206,33 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: PeerState, spin: int = S
             _allreduce_kernel[(programs,)](
                 t, *recv, *pad, *state.flags, *fpad, recv[rank], state.flags[rank], state.epochs[rank],
                 state.errors[rank], numel, rank, spin, N=n, BLOCK=BLOCK, MAXN=MAX_NUMEL, num_warps=4)
+
+
+def norm_fits(t: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused all-reduce + RMSNorm kernel takes `t` ([rows, hidden], the norm's dtype)."""
+    hidden = t.shape[-1]
+    return (fits(t) and t.dtype == weight.dtype and weight.dim() == 1 and weight.numel() == hidden
+            and weight.is_contiguous() and hidden <= NORM_HIDDEN and t.numel() // hidden <= NORM_ROWS)
+
+
+def peer_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: PeerState,
+                         spin: int = SPIN) -> list[torch.Tensor]:
+    """In-place sum over `tensors` ([..., hidden], one per device of a NORM_ROWS / NORM_MAXN `state`) and, per
+    device, rms_norm(sum, weights[k], eps) as a new tensor: one kernel per GPU. Reference:
+    `reference.host_all_reduce_norm` (the same contract)."""
+    n = len(tensors)
+    hidden = tensors[0].shape[-1]
+    rows = tensors[0].numel() // hidden
+    assert all(norm_fits(t, w) for t, w in zip(tensors, weights)), "fused all-reduce + norm: unsupported shape"
+    recv = state.recv_as(tensors[0].dtype)
+    pad = [recv[0]] * (MAX_SLOTS - n)
+    fpad = [state.flags[0]] * (MAX_SLOTS - n)
+    block = triton.next_power_of_2(hidden)
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    outs = [torch.empty_like(t) for t in tensors]
+    for rank, (t, w, h) in enumerate(zip(tensors, weights, outs)):
+        with torch.cuda.device(t.device):
+            _allreduce_norm_kernel[(rows,)](
+                t, h, w, *recv, *pad, *state.flags, *fpad, recv[rank], state.flags[rank], state.epochs[rank],
+                state.errors[rank], hidden, rank, spin, eps, N=n, BLOCK_H=block, MAXN=state.maxn, num_warps=warps)
+    return outs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,9 @@ from exlpy.kernels.reference_sampling import (  # noqa: F401 - the references' o
     sample_top_candidates,
     sorted_draw,
 )
+
+if TYPE_CHECKING:
+    from exlpy.quant.experts import ExpertStack
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -309,6 +314,32 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int
         t.copy_(acc.to(t.device, t.dtype))
 
 
+def embed_slice(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """A vocabulary-parallel embedding lookup: `weight` holds table rows [start, start + n); ids in that range
+    get their row, others a zero row (the all-reduce over GPUs completes them). [*ids.shape, hidden]."""
+    n, hidden = weight.shape
+    local = ids - start
+    mine = (local >= 0) & (local < n)
+    if not n:
+        return weight.new_zeros(*ids.shape, hidden)
+    h = F.embedding(local.clamp(0, n - 1), weight)
+    return h * mine.unsqueeze(-1).to(h.dtype)
+
+
+def host_all_reduce(tensors: list[torch.Tensor], state: object = None, spin: int = 0) -> None:
+    """The host-memory all-reduce's contract (kernels/host_allreduce.py): `peer_all_reduce`'s in-place sum,
+    accumulated in float32 in rank order, so that every tensor receives the same bits."""
+    peer_all_reduce(tensors, state, spin)
+
+
+def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: object = None,
+                         spin: int = 0) -> list[torch.Tensor]:
+    """`host_all_reduce`, then every device's RMSNorm of the sum with its copy of the next block's norm weight
+    (the fused kernel's epilogue): the normed tensors, one per device."""
+    host_all_reduce(tensors, state, spin)
+    return [rms_norm(t, w, eps) for t, w in zip(tensors, weights)]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with every token whose bit is 0 set to -inf (a new tensor). bitmask [B, W] int32, bit
     t % 32 of word t // 32 allows token t (llguidance/xgrammar layout); tokens past 32·W are excluded."""
@@ -536,3 +567,33 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor |
     T, k = weights.shape
     out = (y.view(T, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
     return out if residual is None else residual + out.to(residual.dtype)
+
+
+# --- EXL2 experts: the same grouped formulation over packed experts (exlpy/quant/experts.py ExpertStack) --------
+
+
+def _grouped_exl2(xs: torch.Tensor, counts: torch.Tensor, stack: ExpertStack) -> torch.Tensor:
+    """xs [N, K] sorted by expert @ W_e for each row's expert e (W_e dequantized from the stack once, kept in the
+    stack's dtype as QuantLinear's CPU path keeps its dense copy). The counts are read on the host."""
+    out = xs.new_empty(xs.shape[0], stack.n)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            w = stack.dense(e)
+            out[start:start + c] = (xs[start:start + c].to(w.dtype) @ w).to(xs.dtype)
+            start += c
+    return out
+
+
+def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack,
+                     up: ExpertStack, top_k: int, kind: str) -> torch.Tensor:
+    """`moe_gate_up` with each expert's gate and up read from EXL2 stacks ([K=H] -> [n=I] each): act(gate) * up
+    of every sorted row, [N, I] in sorted order."""
+    xs = x.index_select(0, order // top_k)
+    return act_mul(_grouped_exl2(xs, counts, gate), _grouped_exl2(xs, counts, up), kind)
+
+
+def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: ExpertStack) -> torch.Tensor:
+    """`moe_down` with the experts' down projections read from an EXL2 stack ([K=I] -> [n=H])."""
+    ys = _grouped_exl2(a, counts, down)
+    return torch.empty_like(ys).index_copy_(0, order, ys)

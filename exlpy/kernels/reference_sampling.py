@@ -95,9 +95,11 @@ def sample_top(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_
     keeping the most likely token (ties: the lower id first), and the inverse-CDF draw at r (skewed). Returns
     (token [B] int64, its final probability [B] float32; NaN or 0 when the row had no usable distribution).
     The CUDA kernel keeps k_max candidates and finishes rows without top-k whose survivors pass them over the
-    whole vocabulary (same result); rows with a top-k between k_max and the vocabulary size are not supported
-    (the callers send them to the host chain). With `whole_vocab` False the kernel leaves rows without top-k
-    whose survivors pass k_max as its candidates make them (the caller finishes those: graphed.py)."""
+    whole vocabulary: the same distribution, but drawn in vocabulary order (kernels/sample_whole.py), so at a
+    given point such a row's token may differ from this one's (tests compare histograms); rows with a top-k
+    between k_max and the vocabulary size are not supported (the callers send them to the host chain). With
+    `whole_vocab` False the kernel leaves rows without top-k whose survivors pass k_max as its candidates make
+    them (callers pass it when no row lacks top-k: graphed.py)."""
     tok, prob, _, _, _ = sample_top_candidates(logits, params, rng, k_max)
     return tok, prob
 

@@ -13,10 +13,15 @@ sorted distribution, so:
    (renormalised), top-p, top-a and min-p, then draws at the row's point r by inverse CDF over the survivors.
 
 The result equals sorting the whole distribution whenever top-k is at most K (the caller only sends such
-rows, or a vocabulary of at most K tokens). The random point is either given by the host (`params` column
-R_HOST >= 0, e.g. drawn from a seeded job's torch.Generator) or drawn in the kernel from Philox-4x32-10 of
-(seed, counter): counter-based, so a replayed CUDA graph draws fresh numbers as the counter advances.
-`reference.sample_top` is the same computation in torch.
+rows, or a vocabulary of at most K tokens). Rows without top-k whose survivors pass the K candidates (or whose
+top-p cut does, under top-a) are flagged and finished by kernels/sample_whole.py over the whole vocabulary: the
+same survivors and probabilities, drawn in vocabulary order, so their token follows the reference's distribution
+but not, at a given point, the reference's token (ties of more than its CAP tokens in the last top-p interval go
+to `_full_kernel` here, a bisection that draws the reference's token).
+
+The random point is either given by the host (`params` column R_HOST >= 0, e.g. drawn from a seeded job's
+torch.Generator) or drawn in the kernel from Philox-4x32-10 of (seed, counter): counter-based, so a replayed
+CUDA graph draws fresh numbers as the counter advances. `reference.sample_top` is the same computation in torch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from exlpy.kernels import sample_whole
 
 # params [B, NPARAM] float32 columns
 TEMP, TOP_K, TOP_P, TOP_A, MIN_P, SKEW_EXP, R_HOST = range(7)
@@ -128,6 +135,8 @@ def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, 
     keep = ((cum <= top_p + 1e-6) & (q >= 1e-6)) | first
     qp = tl.where(keep, q, 0.0)
     q = tl.where((top_p > 0.0) & (top_p < 1.0), qp / tl.sum(qp, axis=0), q)
+    # top-a's bound depends on the mass top-p keeps: past the candidates, the candidates' mass is not it
+    tail_p = tl.sum(tl.where(j == K - 1, q, 0.0), axis=0) > 0.0
     # top-a: p >= a * p_max^2
     pmax = tl.max(q, axis=0)
     qa = tl.where((q >= top_a * pmax * pmax) | first, q, 0.0)
@@ -156,7 +165,7 @@ def _select_kernel(keys_ptr, stats_ptr, params_ptr, rng_ptr, tok_ptr, prob_ptr, 
     # Without top-k, a row whose K-th candidate survived every step keeps tokens past the candidates: the
     # third kernel samples it from the whole vocabulary.
     tail = tl.sum(tl.where(j == K - 1, q, 0.0), axis=0) > 0.0
-    full = (top_k >= vocab) & (K < vocab) & tail
+    full = (top_k >= vocab) & (K < vocab) & (tail | (tail_p & (top_a > 0.0)))
     tl.store(info_ptr + row * 4 + 0, big_m)
     tl.store(info_ptr + row * 4 + 1, z)
     tl.store(info_ptr + row * 4 + 2, r)
@@ -207,7 +216,7 @@ def _full_kernel(x_ptr, x_stride, params_ptr, info_ptr, idx_ptr, tok_ptr, prob_p
     survivors' count steps on flat rows instead of the key width's 64."""
     row = tl.program_id(0).to(tl.int64)
     full = tl.load(info_ptr + row * 4 + 3)
-    if full != 0.0:
+    if full == 2.0:  # left by sample_whole.py (a last interval of more than its CAP tokens: ties)
         big_m = tl.load(info_ptr + row * 4 + 0)
         z = tl.load(info_ptr + row * 4 + 1)
         r = tl.load(info_ptr + row * 4 + 2)
@@ -315,6 +324,7 @@ def _launch(logits: torch.Tensor, params: torch.Tensor, rng: torch.Tensor, k_max
     _select_kernel[(rows,)](keys, stats, params, rng, tok, prob, info, cq, cid, vocab, NCH=nch, KC=kc, K=k,
                             NP=NPARAM, CAND=cand, num_warps=4)
     if k < vocab and whole:
+        sample_whole.finish(x, params, info, tok, prob, NPARAM)
         idx = torch.empty(rows, vocab, dtype=torch.int32, device=x.device)
         _full_kernel[(rows,)](x, x.stride(0), params, info, idx, tok, prob, vocab, NP=NPARAM, BLOCK=FULL_BLOCK,
                               num_warps=8)

@@ -15,12 +15,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from exlpy.kernels import ops, reference
 from exlpy.kernels.act_order import act_order, rms_norm_act_order
 from exlpy.kernels.activation import act_mul, silu_mul
+from exlpy.kernels.embed_slice import embed_slice
 from exlpy.kernels.exl2_matmul import quant_matmul_cuda
 from exlpy.kernels.flash_attention import flash_attention, quant_attention
 from exlpy.kernels.gemv import linear_add, norm_linear, norm_linear_swiglu
+from exlpy.kernels.host_allreduce import host_all_reduce, host_all_reduce_norm
 from exlpy.kernels.kv_store import store_kv
 from exlpy.kernels.lora import lora_expand, lora_expand_swiglu, lora_shrink
 from exlpy.kernels.moe import moe_combine, moe_down, moe_gate_up, moe_route, moe_sort
+from exlpy.kernels.moe_exl2 import moe_down_exl2, moe_gate_up_exl2
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
 from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
@@ -112,6 +115,9 @@ def register_all() -> None:
     ops.register("quant_attention", quant_attention_cuda)
     ops.register("store_kv_quant", store_kv_quant)
     ops.register("apply_token_bitmask", apply_token_bitmask)
+    ops.register("host_all_reduce", host_all_reduce)
+    ops.register("host_all_reduce_norm", host_all_reduce_norm)
+    ops.register("embed_slice", embed_slice)
     ops.register("sample_top", sample_top)
     ops.register("sample_top_candidates", sample_top_candidates)
     ops.register("lora_shrink", lora_shrink)
@@ -123,6 +129,9 @@ def register_all() -> None:
     ops.register_features("moe_gate_up", frozenset({"silu", "gelu_tanh"}))
     ops.register("moe_down", moe_down)
     ops.register("moe_combine", moe_combine)
+    ops.register("moe_gate_up_exl2", moe_gate_up_exl2)
+    ops.register_features("moe_gate_up_exl2", frozenset({"silu", "gelu_tanh"}))
+    ops.register("moe_down_exl2", moe_down_exl2)
 
 
 register_all()

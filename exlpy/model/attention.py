@@ -102,8 +102,12 @@ class Attention(Module):
         B, T, _ = x.shape
         s = self.spec
         lora = self.lora if batch.lora else None  # rows with LoRA adapters (exlpy/lora/block.py)
+        pre = batch.take_prenormed(x)  # the norm of x, computed by the collective that summed x (TP)
         if lora is not None:
             q, k, v = lora.project_qkv(self, x, batch)
+        elif pre is not None and self.qkv_proj is not None and not self.parallel:
+            q, k, v = self.qkv_proj.forward(pre).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         elif self.qkv_proj is not None and fused_norm_ok(s) and not self.parallel and reads(self.qkv_proj, x):
             # pre-norm fused into one q|k|v projection
             q, k, v = self.qkv_proj.forward_normed(x, self.norm_w, s.norm_eps).split(
@@ -137,7 +141,7 @@ class Attention(Module):
         o = o.reshape(B, T, self.num_heads * self.head_dim)
         closing = lora.closing(batch, "o") if lora is not None else None
         if self.post_norm is None:
-            return await close_block(x, self.o_proj, o, closing)
+            return await close_block(x, self.o_proj, o, closing, None if batch.lora else batch)
         return self.post_norm.add_to(x, await project(self.o_proj, o, x, closing))
 
 

@@ -60,6 +60,9 @@ class ForwardBatch:
     host: tuple[list[int], list[list[int]] | None, list[int] | None] | None = field(default=None, repr=False,
                                                                                     compare=False)
     _per_device: dict[str, ForwardBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Tensor parallelism: (residual, its RMSNorm) when the closing all-reduce also normed the sum for the next
+    # block (model/parallel_linear.py RowParallel.next_norm); taken once, by the block whose input it is.
+    prenormed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rope_pos(self) -> torch.Tensor:
@@ -85,31 +88,50 @@ class ForwardBatch:
                                             **fields)
         return self._per_device[key]
 
+    def take_prenormed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The normed form of `x` if the collective that produced x left it (see `prenormed`), else None."""
+        pre = self.prenormed
+        if pre is None:
+            return None
+        self.prenormed = None
+        return pre[1] if pre[0] is x else None
+
     def with_cache(self, cache: Any) -> ForwardBatch:
         """The same batch reading and writing another cache object (a tensor-parallel slot's part)."""
         return self if cache is self.cache else replace(self, cache=cache)
 
 
 def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | None, page_size: int,
-         rows: int, width: int, adapters: Sequence[int] | None = None) -> list[int]:
+         rows: int, width: int, adapters: Sequence[int] | None = None,
+         lengths: Sequence[int] | None = None) -> list[int]:
     """Host integers of the packed layout for `rows` rows (live rows first, then padding) and block tables
     `width` pages wide: positions [rows*T] | slots [rows*T] | seqlens [rows] | block table [rows*width] |
-    adapter slots [rows] (-1: no adapter, as for padding rows)."""
+    adapter slots [rows] (-1: no adapter, as for padding rows).
+
+    `lengths`: row b holds lengths[b] real tokens (1..q_len) followed by padding tokens (a prompt chunk padded
+    to a captured size): those write nowhere (slot -1), sit at the row's last real position (inside the RoPE
+    tables, and every query sees at least one key), and the row's length counts only its real tokens, so no
+    real query reads them (attention is causal by position and bounded by the length)."""
     n = len(starts)
     assert adapters is None or len(adapters) == n, "one adapter slot per row"
+    assert lengths is None or (len(lengths) == n and all(1 <= k <= q_len for k in lengths)), "1..q_len per row"
     positions: list[int] = []
     slots: list[int] = []
     for b, s in enumerate(starts):
-        positions.extend(range(s, s + q_len))
+        real = q_len if lengths is None else lengths[b]
+        positions.extend(range(s, s + real))
         if tables is None:
-            slots.extend([-1] * q_len)
+            slots.extend([-1] * real)
         else:
             t = tables[b]
-            slots.extend(t[p // page_size] * page_size + p % page_size for p in range(s, s + q_len))
+            slots.extend(t[p // page_size] * page_size + p % page_size for p in range(s, s + real))
+        positions.extend([s + real - 1] * (q_len - real))
+        slots.extend([-1] * (q_len - real))
     pad = rows - n
     positions.extend([0] * (pad * q_len))
     slots.extend([-1] * (pad * q_len))  # padding rows write nowhere...
-    seqlens = [s + q_len for s in starts] + [0] * pad  # ...and read nothing
+    ends = [q_len] * n if lengths is None else list(lengths)
+    seqlens = [s + k for s, k in zip(starts, ends)] + [0] * pad  # ...and read nothing
     table: list[int] = []
     if width:
         assert tables is not None

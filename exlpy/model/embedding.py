@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.errors import ConfigError
+from exlpy.kernels import ops
 from exlpy.model.batch import ForwardBatch
 from exlpy.model.module import Module
 from exlpy.model.parallel_linear import Collective
@@ -77,11 +78,6 @@ class Embedding(Module):
         assert self.weight is not None
         if self.group is None:
             return F.embedding(x, self.weight)
-        n = self.weight.shape[0]
-        local = x - self.vocab_start
-        mine = (local >= 0) & (local < n)
-        h = F.embedding(local.clamp(0, max(n - 1, 0)), self.weight) if n else \
-            self.weight.new_zeros(*x.shape, self.spec.hidden_size)
-        h = h * mine.unsqueeze(-1).to(h.dtype)
+        h = ops.embed_slice(x, self.weight, self.vocab_start)  # zero rows outside this GPU's slice
         await self.group.all_reduce(h)
         return h

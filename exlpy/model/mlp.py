@@ -80,11 +80,13 @@ class MLP(Module):
 
     def _activation(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.up_proj is not None
+        pre = None if self.parallel else batch.take_prenormed(x)  # the norm of x from the collective (TP)
         fusable = fused_norm_ok(self.spec) and not self.parallel and self.act == "silu"
-        if self.gate_up_proj is not None and fusable and self.norm_w is not None and reads(self.gate_up_proj, x):
+        if (pre is None and self.gate_up_proj is not None and fusable and self.norm_w is not None
+                and reads(self.gate_up_proj, x)):
             # pre-norm and activation fused into one gate|up projection
             return self.gate_up_proj.forward_normed_swiglu(x, self.norm_w, self.spec.norm_eps)
-        h = self._input(x, batch)
+        h = pre if pre is not None else self._input(x, batch)
         if not self.gated:
             return ops.act(self.up_proj.forward(h), self.act)
         assert self.gate_proj is not None
@@ -106,8 +108,9 @@ class MLP(Module):
                 batch.block_inputs.pop(self.layer_idx, None)
             if self.post_norm is not None:
                 return self.post_norm.add_to(x, await project(self.down_proj, None, x))
-            return await close_block(x, self.down_proj, None)
+            batch.take_prenormed(x)  # this GPU has no use for it
+            return await close_block(x, self.down_proj, None, None, None if batch.lora else batch)
         act = self._activation(x, batch)
         if self.post_norm is None:
-            return await close_block(x, self.down_proj, act)
+            return await close_block(x, self.down_proj, act, None, None if batch.lora else batch)
         return self.post_norm.add_to(x, await project(self.down_proj, act, x))

@@ -5,9 +5,12 @@ experts per token, their weights renormalised where the architecture says, cast 
 Dense experts are stacked at load into one [E, 2I, H] gate|up and one [E, H, I] down tensor, run by
 `ops.moe_experts`: the (token, expert) pairs sorted by expert on the device and two grouped launches (only the
 chosen experts' weights are read, nothing is read on the host), so the block is captured in the decode step's
-CUDA graph like a dense MLP. Quantized experts (EXL2, GPTQ: exllamav2's converted Mixtral) stay one linear each,
-read packed, and run grouped by expert with the counts read on the host (`grouped_experts`): a model with them
-runs eagerly.
+CUDA graph like a dense MLP. EXL2 experts (exllamav2's and exlpy's converted models) are stacked at load per
+projection (exlpy/quant/experts.py: packed rows end to end, per-row tables of act order, code position, width and
+group) and run by `ops.moe_experts_exl2`: the same sort and combine, gate|up and down as one grouped launch each
+reading the routed experts' packed weights, also inside the graph. GPTQ experts (or a mix of formats) stay one
+linear each, read packed, and run grouped by expert with the counts read on the host (`grouped_experts`): a model
+with them runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from exlpy.model.batch import ForwardBatch
 from exlpy.model.linear import Linear, linear_format, load_linear
 from exlpy.model.module import Module
 from exlpy.model.norm import block_norm, load_norm_tensors
+from exlpy.quant.experts import ExpertStack, load_exl2_experts
 from exlpy.weights.checks import landed
 
 
 class MoEMLP(Module):
-    """Pre-norm MoE block in place of a layer's MLP. `graph_safe` (set at load): the experts are dense, so the
-    block never synchronises with the host; quantized experts read their token counts there (no CUDA graph)."""
+    """Pre-norm MoE block in place of a layer's MLP. `graph_safe` (set at load): the experts are dense or EXL2
+    stacks, so the block never synchronises with the host; other quantized experts read their token counts there
+    (no CUDA graph)."""
 
     graph_safe = False
 
@@ -44,7 +49,8 @@ class MoEMLP(Module):
         self.router: torch.Tensor | None = None  # [E, H]
         self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H]
         self.w_down: torch.Tensor | None = None  # [E, H, I]
-        self.experts: list[tuple[Linear, Linear, Linear]] | None = None  # (gate, up, down) when not all dense
+        self.packed: tuple[ExpertStack, ExpertStack, ExpertStack] | None = None  # (gate, up, down): all EXL2
+        self.experts: list[tuple[Linear, Linear, Linear]] | None = None  # (gate, up, down): GPTQ or mixed formats
         self.lora = None  # adapters do not reach expert layers (exlpy/lora/ refuses MoE models)
 
     def tensor_prefixes(self) -> list[str]:
@@ -67,8 +73,14 @@ class MoEMLP(Module):
         self.norm_w, self.norm_b = load_norm_tensors(self, self.norm_key, device)
         self.router = self._dense(f"{self.key}.router.weight", (n, hid), device, dt)
         prefixes = [f"{self.key}.experts.{e}" for e in range(n)]
-        if any(linear_format(self.index, f"{p}.{proj}") != "dense" for p in prefixes
-               for proj in ("gate_proj", "up_proj", "down_proj")):
+        projs = ("gate_proj", "up_proj", "down_proj")
+        formats = {linear_format(self.index, f"{p}.{proj}") for p in prefixes for proj in projs}
+        biased = any(f"{p}.{proj}.bias" in self.index for p in prefixes for proj in projs)
+        if formats == {"exl2"} and not biased:
+            self.packed = (load_exl2_experts(self.index, prefixes, "gate_proj", hid, inter, device, dt),
+                           load_exl2_experts(self.index, prefixes, "up_proj", hid, inter, device, dt),
+                           load_exl2_experts(self.index, prefixes, "down_proj", inter, hid, device, dt, scale))
+        elif formats != {"dense"}:
             kw = {"gptq_v2": s.gptq_v2}
             self.experts = [(load_linear(self.index, f"{p}.gate_proj", hid, inter, device, dt, **kw),
                              load_linear(self.index, f"{p}.up_proj", hid, inter, device, dt, **kw),
@@ -84,11 +96,13 @@ class MoEMLP(Module):
                 self.w_down[e] = self._dense(f"{p}.down_proj.weight", (hid, inter), device, dt)
             if scale != 1.0:
                 self.w_down.mul_(scale)
-        self.graph_safe = self.experts is None
+        # the EXL2 kernels fuse SiLU and tanh-GELU; another activation takes the torch reference, which reads the
+        # expert counts on the host
+        self.graph_safe = self.experts is None and (self.packed is None or self.act in ("silu", "gelu_tanh"))
         self.device = device
 
     def unload(self) -> None:
-        self.norm_w = self.norm_b = self.router = self.w_gate_up = self.w_down = self.experts = None
+        self.norm_w = self.norm_b = self.router = self.w_gate_up = self.w_down = self.experts = self.packed = None
         self.graph_safe = False
         super().unload()
 
@@ -98,13 +112,20 @@ class MoEMLP(Module):
         k = self.config.num_experts_per_token or self.moe.top_k  # the config's, or exllamav2's -ept override
         return ops.moe_route(h @ self.router.t(), k, self.moe.norm_p)
 
-    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's normed input h [T, H] in the compute dtype (the router's and the experts' input)."""
         assert self.norm_w is not None
-        h = block_norm(x, self.norm_w, self.norm_b, self.spec).to(self.norm_w.dtype).reshape(-1, x.shape[-1])
+        return block_norm(x, self.norm_w, self.norm_b, self.spec).to(self.norm_w.dtype).reshape(-1, x.shape[-1])
+
+    async def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.normed(x)
         weights, ids = self.route(h)
         if self.experts is not None:
             out = grouped_experts(h, weights, ids, self.experts, self.act)
             return x + out.view(x.shape).to(x.dtype)
+        if self.packed is not None:
+            out = ops.moe_experts_exl2(h, weights, ids, *self.packed, self.act, x.reshape(h.shape))
+            return out.view(x.shape)
         assert self.w_gate_up is not None and self.w_down is not None
         out = ops.moe_experts(h, weights, ids, self.w_gate_up, self.w_down, self.act, x.reshape(h.shape))
         return out.view(x.shape)

@@ -27,10 +27,12 @@ from typing import Protocol
 
 import torch
 
+from exlpy.model.batch import ForwardBatch
 from exlpy.model.fusion import add_linear, dense_matmul
 from exlpy.model.linear import DenseLinear, Linear
 
 Extra = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+FUSED_NORM_ROWS = 64  # kernels/host_allreduce.py NORM_ROWS: rows whose all-reduce may carry the next norm
 
 
 class Collective(Protocol):
@@ -38,6 +40,10 @@ class Collective(Protocol):
 
     def all_reduce(self, t: torch.Tensor) -> Awaitable[None]:
         """Sum `t` over the GPUs, in place."""
+        ...
+
+    def all_reduce_norm(self, t: torch.Tensor, weight: torch.Tensor, eps: float) -> Awaitable[torch.Tensor]:
+        """Sum `t` over the GPUs in place; return rms_norm(sum, weight, eps) (fused where the backend can)."""
         ...
 
     def gather_first(self, part: torch.Tensor, offset: int, total: int) -> Awaitable[torch.Tensor | None]:
@@ -54,7 +60,12 @@ def place(part: torch.Tensor | None, offset: int, total: int, like: torch.Tensor
 
 
 class RowParallel:
-    """Partial products over this GPU's input slice, summed over GPUs; `first` adds the residual."""
+    """Partial products over this GPU's input slice, summed over GPUs; `first` adds the residual.
+
+    `next_norm` (weight, eps): the RMSNorm the next block applies to this sum, set at load when the backend
+    fuses it into the all-reduce (exlpy/engine/tensor_parallel.py). For 2-64 rows (batched decode; one row
+    has the norm inside the next GEMV already) the collective then also returns the normed sum, left in
+    `batch.prenormed` for the next block: one kernel instead of all-reduce + norm."""
 
     def __init__(self, inner: DenseLinear | None, group: Collective, first: bool, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
@@ -63,14 +74,21 @@ class RowParallel:
         self.first = first
         self.out_features = out_features
         self.bias = bias  # the first GPU's bias when it holds no share of the input features
+        self.next_norm: tuple[torch.Tensor, float] | None = None
 
-    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None) -> torch.Tensor:
+    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None,
+                          batch: ForwardBatch | None = None) -> torch.Tensor:
         if self.inner is None or h is None:
             y = (x if self.bias is None else x.add_(self.bias)) if self.first else torch.zeros_like(x)
         else:
             y = add_linear(x, self.inner, h) if self.first else dense_matmul(self.inner, h)
             if extra is not None:
                 y = extra(h, y)
+        nn = self.next_norm
+        if nn is not None and batch is not None and 1 < y.numel() // y.shape[-1] <= FUSED_NORM_ROWS \
+                and y.dtype == nn[0].dtype:
+            batch.prenormed = (y, await self.group.all_reduce_norm(y, nn[0], nn[1]))
+            return y
         await self.group.all_reduce(y)
         return y
 
@@ -111,18 +129,20 @@ class ColumnParallel:
         await self.group.all_reduce(full)
         return full
 
-    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None) -> torch.Tensor:
+    async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None,
+                          batch: ForwardBatch | None = None) -> torch.Tensor:
         y = await self.forward(h, x, extra)
         assert y is not None
         return x.add_(y)
 
 
 async def close_block(x: torch.Tensor, linear: Linear | RowParallel | ColumnParallel, h: torch.Tensor | None,
-                      extra: Extra | None = None) -> torch.Tensor:
+                      extra: Extra | None = None, batch: ForwardBatch | None = None) -> torch.Tensor:
     """x + linear(h): the projection that closes a block, adding into the residual stream. A tensor-parallel
-    projection also sums over the GPUs here (its collective). `extra`: see the module docstring."""
+    projection also sums over the GPUs here (its collective). `extra`: see the module docstring. `batch`: the
+    pass's batch, given where the next block may take its normed input from the collective (RowParallel)."""
     if isinstance(linear, (RowParallel, ColumnParallel)):
-        return await linear.forward_add(h, x, extra)  # type: ignore[arg-type]
+        return await linear.forward_add(h, x, extra, batch)  # type: ignore[arg-type]
     assert h is not None
     y = add_linear(x, linear, h)
     return y if extra is None else extra(h, y)

@@ -12,7 +12,7 @@ import torch
 
 from exlpy.errors import GpuSplitError, TensorParallelError
 from exlpy.parallel.costs import ModelShape, cache_spec_of
-from exlpy.parallel.tp_comm import HostComm, LocalComm, NcclComm, PeerComm, make_comm
+from exlpy.parallel.tp_comm import Comm, make_comm
 from exlpy.parallel.tp_split import (
     BROADCAST_ID,
     BROADCAST_KV,
@@ -78,7 +78,7 @@ class TPContext:
         self.hidden_size = cfg.hidden_size  # sizes the one-row all-reduce that picks the collective backend
         self.sin: list[torch.Tensor | None] = [None] * self.num_devices
         self.cos: list[torch.Tensor | None] = [None] * self.num_devices
-        self.comm: LocalComm | HostComm | NcclComm | PeerComm | None = None
+        self.comm: Comm | None = None
         self.pinned: list[torch.Tensor] = []
         self.streams: list[Any] = []
         self.scratch_bytes = [0] * self.num_devices

@@ -60,11 +60,14 @@ class ExLlamaV2MMEmbedding:
     `thw_grid` (Qwen2-VL: temporal, height, width of the merged feature grid) and `pre_tokens` /
     `post_tokens` (rows before and after the image features: the image start / end tokens) place the image's
     M-RoPE positions, as in exllamav2; `time_interval` (exlpy: Qwen2.5-VL video) is the M-RoPE time step from one
-    temporal patch to the next. `metadata` holds what the tower knows of the image (sizes)."""
+    temporal patch to the next. `metadata` holds what the tower knows of the image (sizes). exlpy's keywords:
+    `digest`, bytes that identify the rows' content (ids are handed out by it instead of by hashing the rows),
+    and `device_rows`, the same rows already on a GPU (forward passes there read them instead of a new copy)."""
 
     def __init__(self, model: Any, embeddings: torch.Tensor, text_alias: str | None = None,
                  thw_grid: tuple[int, int, int] | None = None, pre_tokens: int = 0, post_tokens: int = 0,
-                 time_interval: float = 1.0) -> None:
+                 time_interval: float = 1.0, *, digest: bytes | None = None,
+                 device_rows: torch.Tensor | None = None) -> None:
         hidden = getattr(getattr(model, "config", None), "hidden_size", "hidden_size")
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[0] < 1:
             raise MultimodalError(f"ExLlamaV2MMEmbedding: embeddings must be a [num_tokens >= 1, {hidden}] tensor, "
@@ -72,8 +75,15 @@ class ExLlamaV2MMEmbedding:
         if embeddings.shape[1] != hidden:
             raise MultimodalError(f"ExLlamaV2MMEmbedding: embedding dimension {embeddings.shape[1]} does not match "
                                   f"the model's hidden_size {hidden}")
-        if not embeddings.is_floating_point() or not bool(torch.isfinite(embeddings).all()):
+        if device_rows is not None and (not isinstance(device_rows, torch.Tensor) or
+                                        device_rows.shape != embeddings.shape):
+            raise MultimodalError(f"ExLlamaV2MMEmbedding: device_rows must be a tensor of the embeddings' shape "
+                                  f"{tuple(embeddings.shape)}, got {getattr(device_rows, 'shape', device_rows)!r}")
+        checked = device_rows if device_rows is not None else embeddings  # the check runs where the rows are fast
+        if not embeddings.is_floating_point() or not bool(torch.isfinite(checked).all()):
             raise MultimodalError("ExLlamaV2MMEmbedding: embeddings must be finite floating-point values")
+        if digest is not None and (not isinstance(digest, bytes) or not digest):
+            raise MultimodalError(f"ExLlamaV2MMEmbedding: digest must be non-empty bytes, got {digest!r:.40}")
         if text_alias is not None and (not isinstance(text_alias, str) or not text_alias):
             raise MultimodalError(f"ExLlamaV2MMEmbedding: text_alias must be a non-empty string, got {text_alias!r}")
         if pre_tokens < 0 or post_tokens < 0 or pre_tokens + post_tokens > embeddings.shape[0]:
@@ -96,9 +106,26 @@ class ExLlamaV2MMEmbedding:
                                   f"{time_interval!r}")
         self.time_interval = float(time_interval)
         self.length = embeddings.shape[0]
-        self.digest = content_digest(embeddings, thw_grid, pre_tokens, post_tokens, self.time_interval)
+        # Ids by content: the caller's digest of what determines the rows (the tower: image, preprocessing,
+        # tower and model), else a hash of the rows themselves (10 MB for a 1024x1024 image on a 7B model).
+        self.digest = content_digest(embeddings, thw_grid, pre_tokens, post_tokens, self.time_interval) \
+            if digest is None else hashlib.blake2b(digest + repr((thw_grid, pre_tokens, post_tokens,
+                                                                   self.time_interval)).encode(),
+                                                   digest_size=16).digest()
+        self._on_device: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        if device_rows is not None:
+            self._on_device[(str(device_rows.device), device_rows.dtype)] = device_rows
         self.first_index = global_allocator.allocate(self.length, self.digest)
         self.text_alias = text_alias or f"<$EMB_{self.first_index}$>"
+
+    def rows_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The rows on `device` in `dtype`, copied there once and kept (forward passes read them every chunk)."""
+        key = (str(device), dtype)
+        rows = self._on_device.get(key)
+        if rows is None:
+            rows = self.embeddings.to(device=device, dtype=dtype)
+            self._on_device[key] = rows
+        return rows
 
     def get_ids_tensor(self) -> torch.Tensor:
         return torch.arange(self.first_index, self.first_index + self.length, dtype=torch.long).unsqueeze(0)

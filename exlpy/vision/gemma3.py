@@ -15,12 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from exlpy.errors import ConfigError
 from exlpy.vision.layers import act_fn, segment_attention
+from exlpy.vision.pixels import normalize, resized_pixels
+from exlpy.vision.timing import mark
 
 
 @dataclass(frozen=True)
@@ -88,19 +89,14 @@ def parse_spec(cfg: dict[str, Any], pre: dict[str, Any], out_dim: int, where: st
         eoi=cfg.get("eoi_token_index"))
 
 
-def preprocess(spec: SiglipSpec, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """(pixel values [C, S, S] fp32, the pooled token grid (1, h, w)) of an RGB PIL image."""
-    from PIL import Image
-
+def preprocess(spec: SiglipSpec, image: Any, device: torch.device | None = None
+               ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(pixel values [C, S, S] fp32 on `device` (None: the CPU), the pooled token grid (1, h, w)) of an RGB PIL
+    image: resized by PIL (bilinear), uploaded as uint8, normalized there."""
     s = spec.image_size
-    if (image.width, image.height) != (s, s):
-        image = image.resize((s, s), resample=Image.BILINEAR)
-    a = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
-    x = (a.astype(np.float64) * spec.rescale).astype(np.float32)
-    x = (x - np.asarray(spec.image_mean, dtype=np.float32).reshape(-1, 1, 1)) / \
-        np.asarray(spec.image_std, dtype=np.float32).reshape(-1, 1, 1)
+    x = normalize(resized_pixels(image, s, s, "bilinear", device), spec.rescale, spec.image_mean, spec.image_std)
     per_side = math.isqrt(spec.tokens)
-    return torch.from_numpy(np.ascontiguousarray(x)), (1, per_side, per_side)
+    return x, (1, per_side, per_side)
 
 
 class SiglipTower:
@@ -158,6 +154,7 @@ class SiglipTower:
         h = self._lin(patches, "vision_tower.embeddings.patch_embedding")
         h = h + self.w["vision_tower.embeddings.position_embedding.weight"]
         n = h.shape[0]
+        mark("tower: patch embed")
         for i in range(s.depth):
             b = f"vision_tower.encoder.layers.{i}"
             a = self._ln(h, f"{b}.layer_norm1")
@@ -165,7 +162,9 @@ class SiglipTower:
                        for m in ("q_proj", "k_proj", "v_proj"))
             o = segment_attention(q, k, v, [0, n], s.head_dim ** -0.5).reshape(n, e)
             h = h + self._lin(o, f"{b}.self_attn.out_proj")
+            mark("tower: attention")
             h = h + self._lin(self.act(self._lin(self._ln(h, f"{b}.layer_norm2"), f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
+            mark("tower: mlp")
         h = self._ln(h, "vision_tower.post_layernorm")
         per_side = math.isqrt(s.tokens)
         k = g // per_side
@@ -173,7 +172,9 @@ class SiglipTower:
         xf = pooled.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + s.eps)
         normed = (xf * (1.0 + self.w["multi_modal_projector.mm_soft_emb_norm.weight"].float())).to(pooled.dtype)
-        return torch.matmul(normed, self.w["multi_modal_projector.mm_input_projection_weight"])
+        out = torch.matmul(normed, self.w["multi_modal_projector.mm_input_projection_weight"])
+        mark("tower: merger")
+        return out
 
     def postprocess(self, features: torch.Tensor, text_rows: Any) -> tuple[torch.Tensor, int, int]:
         """<start_of_image> + image tokens + <end_of_image> (exllamav2's layout)."""

@@ -3,6 +3,8 @@ image's patches, which torch's own kernels run well on GPUs and CPUs alike)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -24,10 +26,9 @@ def act_fn(name: str, where: str):  # noqa: ANN201 - a tensor function
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen2RMSNorm: in fp32, weight applied after casting back."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    """transformers' Qwen2RMSNorm: in fp32, weight applied after casting back (torch's rms_norm: one fused
+    kernel on GPUs where there were five)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -36,24 +37,53 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NEOX rotation of x [N, H, D] by cos / sin [N, D], computed in fp32 as transformers' vision towers do."""
+    """NEOX rotation of x [N, ..., D] (q [N, H, D], or q and k together [N, 2, H, D]) by cos / sin [N, D],
+    computed in fp32 as transformers' vision towers do."""
     xf = x.float()
-    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape).float(), sin.view(shape).float()
     return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float
-                      ) -> torch.Tensor:
-    """Bidirectional attention within each segment [bounds[i], bounds[i+1]) of q / k / v [N, H, D]: one image,
-    or one window of one. Segments of equal length run as one batched SDPA call."""
+@dataclass(frozen=True)
+class Segments:
+    """Bidirectional attention segments of N rows (one image, or the windows of one), planned once per image
+    shape: segments of equal length form one group that runs as one batched SDPA call (no mask, so flash-style
+    kernels apply); `index` holds each group's rows [count * length] on the device, None where one segment
+    spans every row (no gather at all)."""
+
+    groups: tuple[tuple[int, int, torch.Tensor | None], ...]  # (count, length, row index or None)
+
+
+def plan_segments(bounds: torch.Tensor | list[int], device: torch.device) -> Segments:
+    """The groups of segments [bounds[i], bounds[i + 1]) (bounds ascending, from 0 to N), indices uploaded once."""
+    b = torch.as_tensor(bounds, dtype=torch.long)
+    starts, lengths = b[:-1], b[1:] - b[:-1]
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
+    if starts.numel() == 1 and int(starts[0]) == 0:
+        return Segments(((1, int(lengths[0]), None),))
+    groups = []
+    for n in torch.unique(lengths).tolist():  # a few distinct lengths (full windows, edge windows), not segments
+        first = starts[lengths == n]
+        idx = (first.view(-1, 1) + torch.arange(n)).view(-1)
+        groups.append((first.numel(), n, idx.to(device, non_blocking=True)))
+    return Segments(tuple(groups))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | list[int],
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention of q / k / v [N, H, D] within each segment (a `Segments` plan, or bounds)."""
+    if not isinstance(segments, Segments):
+        segments = plan_segments(segments, q.device)
+    if len(segments.groups) == 1 and segments.groups[0][2] is None:  # one segment: all rows, no gather
+        # 4-D [1, H, N, D]: torch's fused (flash / memory-efficient) kernels take only 4-D inputs
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
     out = torch.empty_like(q)
-    by_len: dict[int, list[int]] = {}
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b > a:
-            by_len.setdefault(b - a, []).append(a)
-    for n, starts in by_len.items():
-        idx = (torch.tensor(starts, device=q.device).view(-1, 1) + torch.arange(n, device=q.device)).view(-1)
-        qs, ks, vs = (t.index_select(0, idx).view(len(starts), n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    for count, n, idx in segments.groups:
+        assert idx is not None
+        qs, ks, vs = (t.index_select(0, idx).view(count, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
     return out

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from exlpy.config.rope import inv_freq
 from exlpy.errors import MultimodalError
 from exlpy.vision.embedding import EMBEDDING_INDEX, ExLlamaV2MMEmbedding
+from exlpy.vision.timing import mark
 
 
 def check_mm_ids(ids: torch.Tensor, vocab_size: int, embeddings: list[ExLlamaV2MMEmbedding], what: str) -> None:
@@ -42,12 +44,18 @@ def check_mm_ids(ids: torch.Tensor, vocab_size: int, embeddings: list[ExLlamaV2M
 
 
 def embed_rows(ids: torch.Tensor, h: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding]) -> torch.Tensor:
-    """h [B, T, H] with the rows of embedding ids replaced by their embeddings (in h's dtype and device)."""
+    """h [B, T, H] with the rows of embedding ids replaced by their embeddings (in h's dtype and device), without
+    reading anything back to the host: each embedding's rows are gathered for every position and selected where
+    the ids are its own."""
+    chunk = ids.shape[-1] > 1  # phase marks for prefill chunks only, not for decode steps
+    if chunk:
+        mark("prefill: batch + text embedding")
     for e in embeddings:
-        m = (ids >= e.first_index) & (ids < e.first_index + e.length)
-        if bool(m.any()):
-            rows = e.embeddings.to(device=h.device, dtype=h.dtype)
-            h[m] = rows[(ids[m] - e.first_index)]
+        rel = ids - e.first_index
+        m = ((rel >= 0) & (rel < e.length)).unsqueeze(-1)
+        h = torch.where(m, F.embedding(rel.clamp(0, e.length - 1), e.rows_on(h.device, h.dtype)), h)
+    if chunk:
+        mark("prefill: image rows inserted")
     return h
 
 
@@ -159,13 +167,17 @@ def extend_to_image_end(config: object, seq_ids: torch.Tensor, end: int, limit: 
 def chunk_inputs(config: object, seq_ids: torch.Tensor, start: int, end: int,
                  embeddings: list[ExLlamaV2MMEmbedding]) -> MMInputs:
     """MMInputs for tokens [start, end) of the 1-D sequence `seq_ids` (whole: a chunk may end inside an image)."""
+    mark("prefill: generator setup")
     sections = getattr(config.spec, "mrope_section", ())  # type: ignore[attr-defined]
     if config.spec.arch.image_bidirectional:  # type: ignore[attr-defined]
-        return MMInputs(embeddings, blocks=image_blocks(seq_ids, embeddings)[start:end].unsqueeze(0))
-    if not sections:
-        return MMInputs(embeddings)
-    pos, _ = mrope_positions(seq_ids, embeddings)
-    return MMInputs(embeddings, mrope_cos_sin(config, pos[:, start:end], sections))
+        out = MMInputs(embeddings, blocks=image_blocks(seq_ids, embeddings)[start:end].unsqueeze(0))
+    elif not sections:
+        out = MMInputs(embeddings)
+    else:
+        pos, _ = mrope_positions(seq_ids, embeddings)
+        out = MMInputs(embeddings, mrope_cos_sin(config, pos[:, start:end], sections))
+    mark("prefill: M-RoPE / image blocks")
+    return out
 
 
 def rope_delta(config: object, seq_ids: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding]) -> int:

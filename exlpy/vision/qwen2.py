@@ -16,15 +16,18 @@ concatenates each merge_size x merge_size block of patches and projects them to 
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from exlpy.errors import ConfigError, ImageError
-from exlpy.vision.layers import act_fn, rms_norm, rope_fp32, segment_attention
+from exlpy.vision.layers import Segments, act_fn, plan_segments, rms_norm, rope_fp32, segment_attention
+from exlpy.vision.pixels import normalize, resized_pixels
+from exlpy.vision.timing import mark
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -136,34 +139,31 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def preprocess(spec: QwenVisionSpec, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """(pixel values [patches, C * tp * p * p] fp32, grid (t, h, w) in patches) of an RGB PIL image."""
-    from PIL import Image
-
-    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+def preprocess(spec: QwenVisionSpec, image: Any, device: torch.device | None = None
+               ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(pixel values [patches, C * tp * p * p] fp32, grid (t, h, w) in patches) of an RGB PIL image, computed on
+    `device` (None: the CPU, bit-equal to transformers' processor) after one upload of the uint8 image."""
+    p, m = spec.patch_size, spec.merge_size
     h, w = smart_resize(image.height, image.width, p * m, spec.min_pixels, spec.max_pixels)
-    if (h, w) != (image.height, image.width):
-        image = image.resize((w, h), resample=Image.BICUBIC)
-    a = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)  # C, H, W
-    x = (a.astype(np.float64) * spec.rescale).astype(np.float32)
-    mean = np.asarray(spec.image_mean, dtype=np.float32).reshape(-1, 1, 1)
-    std = np.asarray(spec.image_std, dtype=np.float32).reshape(-1, 1, 1)
-    x = (x - mean) / std
-    c = x.shape[0]
-    gh, gw = h // p, w // p
-    x = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # gh', gw', mh, mw, C, ph, pw
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
-    return torch.from_numpy(np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p))), (1, gh, gw)
+    x = resized_pixels(image, h, w, "bicubic", device)
+    return patchify(spec, normalize(x, spec.rescale, spec.image_mean, spec.image_std)), (1, h // p, w // p)
 
 
-def preprocess_video(spec: QwenVisionSpec, frames: list[Any]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def patchify(spec: QwenVisionSpec, x: torch.Tensor) -> torch.Tensor:
+    """[patches, C * tp * p * p] of one frame [C, H, W], patches in merge-block order, the frame repeated over
+    temporal_patch_size (an image is its own frame repeated)."""
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    c, gh, gw = x.shape[0], x.shape[1] // p, x.shape[2] // p
+    x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # gh', gw', mh, mw, C, ph, pw
+    x = x.unsqueeze(5).expand(*x.shape[:5], tp, p, p)
+    return x.reshape(gh * gw, c * tp * p * p)
+
+
+def preprocess_video(spec: QwenVisionSpec, frames: list[Any], device: torch.device | None = None
+                     ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(pixel values [patches, C * tp * p * p], grid (t, h, w)) of a video given as RGB PIL frames of one size:
     each frame resized and normalized as an image, the frame count padded to a multiple of temporal_patch_size
     with the last frame, and patches cut from each group of tp frames (transformers' Qwen2-VL video layout)."""
-    from PIL import Image
-
-    from exlpy.errors import ImageError
-
     if not frames:
         raise ImageError("a video needs at least one frame")
     size = (frames[0].width, frames[0].height)
@@ -171,19 +171,13 @@ def preprocess_video(spec: QwenVisionSpec, frames: list[Any]) -> tuple[torch.Ten
         raise ImageError(f"all video frames must have the same size (first frame {size[0]}x{size[1]})")
     p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     h, w = smart_resize(size[1], size[0], p * m, spec.min_pixels, spec.max_pixels)
-    mean = np.asarray(spec.image_mean, dtype=np.float32).reshape(-1, 1, 1)
-    std = np.asarray(spec.image_std, dtype=np.float32).reshape(-1, 1, 1)
-    arrays = []
-    for f in frames:
-        if (f.width, f.height) != (w, h):
-            f = f.resize((w, h), resample=Image.BICUBIC)
-        a = np.asarray(f, dtype=np.uint8).transpose(2, 0, 1)
-        arrays.append(((a.astype(np.float64) * spec.rescale).astype(np.float32) - mean) / std)
+    arrays = [normalize(resized_pixels(f, h, w, "bicubic", device), spec.rescale, spec.image_mean, spec.image_std)
+              for f in frames]
     arrays += [arrays[-1]] * (-len(arrays) % tp)
-    x = np.stack(arrays)  # F, C, H, W
+    x = torch.stack(arrays)  # F, C, H, W
     c, gt, gh, gw = x.shape[1], x.shape[0] // tp, h // p, w // p
-    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return torch.from_numpy(np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p))), (gt, gh, gw)
+    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
 
 
 # --- the tower ------------------------------------------------------------------------------------------------
@@ -215,6 +209,23 @@ def window_index(grid: tuple[int, int, int], m: int, window: int, patch: int) ->
     return flat[flat != -100], sorted(set(bounds))
 
 
+LAYOUTS = 16  # image shapes whose rotary tables and window plans a tower keeps on its device
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a forward pass needs for one image shape, on the tower's device: the 2D RoPE cos / sin of each patch
+    (fp32, in processing order), the attention segments of full and windowed blocks, and for Qwen2.5-VL the
+    merge-block order into windows and back."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    full: Segments
+    windows: Segments | None
+    order: torch.Tensor | None
+    restore: torch.Tensor | None
+
+
 class QwenVisionTower:
     """The weights and forward pass of one Qwen2-VL / Qwen2.5-VL vision encoder with its patch merger."""
 
@@ -224,6 +235,8 @@ class QwenVisionTower:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.act = act_fn(spec.act, "vision_config.hidden_act")
+        self._layouts: OrderedDict[tuple[int, int, int], _Layout] = OrderedDict()
+        self._lock = threading.Lock()
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
@@ -258,9 +271,11 @@ class QwenVisionTower:
         e = self.spec.embed_dim
         self.w["visual.patch_embed.proj.weight"] = self.w["visual.patch_embed.proj.weight"].reshape(e, -1)
         self.device, self.dtype = device, dtype
+        self._layouts.clear()
 
     def unload(self) -> None:
         self.w = {}
+        self._layouts.clear()
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if self.spec.kind == "qwen2_5_vl":
@@ -270,37 +285,53 @@ class QwenVisionTower:
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
 
-    def _rope(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layout(self, grid: tuple[int, int, int]) -> _Layout:
+        """The per-image-shape tables on the device, built once per grid (kept for the last LAYOUTS grids)."""
+        with self._lock:
+            lay = self._layouts.get(grid)
+            if lay is not None:
+                self._layouts.move_to_end(grid)
+                return lay
         s = self.spec
+        n = grid[0] * grid[1] * grid[2]
+        unit = s.merge_size ** 2
         half = s.head_dim // 2
         inv = 1.0 / (s.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        pos = patch_positions(grid, s.merge_size).float()
-        freqs = (pos[..., None] * inv).flatten(1)  # [N, 2 * half/2]: row frequencies, then column ones
+        freqs = (patch_positions(grid, s.merge_size).float()[..., None] * inv).flatten(1)  # row freqs, column freqs
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.device), emb.sin().to(self.device)
+        cos, sin = emb.cos(), emb.sin()
+        frame = grid[1] * grid[2]  # full attention is per temporal patch (a frame group of a video)
+        full = plan_segments(list(range(0, n + 1, frame)), self.device)
+        order = restore = windows = None
+        if s.kind == "qwen2_5_vl":  # patches in window order once, back after the merger
+            units, bounds = window_index(grid, s.merge_size, s.window_size, s.patch_size)
+            rows = (units.view(-1, 1) * unit + torch.arange(unit)).view(-1)
+            cos, sin = cos[rows], sin[rows]
+            order, restore = units.to(self.device), torch.argsort(units).to(self.device)
+            windows = plan_segments(bounds, self.device)
+        lay = _Layout(cos.to(self.device), sin.to(self.device), full, windows, order, restore)
+        with self._lock:
+            self._layouts[grid] = lay
+            while len(self._layouts) > LAYOUTS:
+                self._layouts.popitem(last=False)
+        return lay
 
     def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """Features [N / merge^2, out_dim] of one image's pixel values [N, C * tp * p * p]."""
         s = self.spec
         x = F.linear(pixels.to(device=self.device, dtype=self.dtype), self.w["visual.patch_embed.proj.weight"])
         n = x.shape[0]
-        cos, sin = self._rope(grid)
-        frame = grid[1] * grid[2]  # full attention is per temporal patch (a frame group of a video)
-        full = list(range(0, n + 1, frame))
         unit = s.merge_size ** 2
-        order = None
-        if s.kind == "qwen2_5_vl":
-            order, windows = window_index(grid, s.merge_size, s.window_size, s.patch_size)
-            order = order.to(self.device)
-
-            def permute(t: torch.Tensor) -> torch.Tensor:
-                return t.reshape(n // unit, unit, -1)[order].reshape(n, -1)
-
-            x, cos, sin = permute(x), permute(cos), permute(sin)
+        mark("tower: patch embed")
+        lay = self._layout(grid)
+        if lay.order is not None:
+            x = x.view(n // unit, unit, -1).index_select(0, lay.order).view(n, -1)
+        mark("tower: rotary + window tables")
         for i in range(s.depth):
             b = f"visual.blocks.{i}"
-            bounds = full if order is None or i in s.fullatt_blocks else windows
-            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, cos, sin, bounds)
+            segs = lay.full if lay.windows is None or i in s.fullatt_blocks else lay.windows
+            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, lay.cos, lay.sin, segs)
+            mark("tower: attention")
             h = self._norm(x, f"{b}.norm2")
             if s.kind == "qwen2_5_vl":
                 h = self._lin(self.act(self._lin(h, f"{b}.mlp.gate_proj")) * self._lin(h, f"{b}.mlp.up_proj"),
@@ -308,19 +339,22 @@ class QwenVisionTower:
             else:
                 h = self._lin(self.act(self._lin(h, f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
             x = x + h
+            mark("tower: mlp")
         h = self._norm(x, "visual.merger.ln_q").reshape(-1, s.embed_dim * unit)
         h = self._lin(F.gelu(self._lin(h, "visual.merger.mlp.0")), "visual.merger.mlp.2")
-        if order is not None:
-            h = h[torch.argsort(order)]
+        if lay.restore is not None:
+            h = h.index_select(0, lay.restore)
+        mark("tower: merger")
         return h
 
-    def _attention(self, x: torch.Tensor, b: str, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
+    def _attention(self, x: torch.Tensor, b: str, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
                    ) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
-        q, k, v = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim).unbind(1)
-        q, k = rope_fp32(q, cos, sin), rope_fp32(k, cos, sin)
-        o = segment_attention(q, k, v, bounds, s.head_dim ** -0.5)
+        qkv = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim)
+        q, k = rope_fp32(qkv[:, :2], cos, sin).unbind(1)  # q and k rotated in one pass
+        v = qkv[:, 2]
+        o = segment_attention(q, k, v, segments, s.head_dim ** -0.5)
         return self._lin(o.reshape(n, -1), f"{b}.attn.proj")
 
     def postprocess(self, features: torch.Tensor, text_rows: Any) -> tuple[torch.Tensor, int, int]:

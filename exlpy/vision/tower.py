@@ -8,6 +8,7 @@ tower, and gets the same token ids (so also the same cache pages in the dynamic 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -21,6 +22,7 @@ from exlpy.errors import ConfigError, ModelStateError, MultimodalError, NotSuppo
 from exlpy.vision import gemma3, pixtral, qwen2
 from exlpy.vision.embedding import ExLlamaV2MMEmbedding
 from exlpy.vision.image import image_digest, load_image
+from exlpy.vision.timing import mark
 from exlpy.weights.checks import landed, module_checks
 
 CACHE_ENTRIES = 64  # embeddings kept per tower (each a few MB at most for typical images)
@@ -124,8 +126,25 @@ class ExLlamaV2VisionTower:
 
     # --- embeddings ---------------------------------------------------------------------------------------------
     def preprocess(self, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(pixel values, patch grid (t, h, w)) of an image, as the model's Hugging Face processor makes them."""
+        """(pixel values on the CPU, patch grid (t, h, w)) of an image, as the model's Hugging Face processor makes
+        them (bit-equal to its PIL processor)."""
         return self._preprocess(self.vspec, load_image(image))
+
+    def _pixels(self, img: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """preprocess() on the tower's device: the uint8 image uploaded once, the rest computed there (on a GPU
+        also the resize; exlpy/vision/pixels.py)."""
+        if self.kind == "pixtral":
+            return self._preprocess(self.vspec, img)
+        return self._preprocess(self.vspec, img, self.device if self.loaded else None)
+
+    def _digest(self, key: tuple[Any, ...], model: Any) -> bytes:
+        """What determines an image's rows: the image and preprocessing settings (the cache key), this tower's
+        model, settings, dtype and device kind (GPU and CPU arithmetic differ in the last bits), and the language
+        model (its start / end rows)."""
+        h = hashlib.sha256(repr((key[0], key[2:], self.config.model_dir, self.vspec, str(self.tower.dtype),
+                                 self.device.type if self.loaded else None,
+                                 model.config.model_dir)).encode())
+        return h.digest()[:16]
 
     def image_features(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """The merger's output [tokens, hidden_size] for one image's pixel values."""
@@ -150,7 +169,7 @@ class ExLlamaV2VisionTower:
         if not isinstance(video, (list, tuple)):
             raise MultimodalError(f"video must be a list of frames, got {type(video).__name__}")
         frames = [load_image(f, f"video frame {i}") for i, f in enumerate(video)]
-        pixels, grid = qwen2.preprocess_video(self.vspec, frames)
+        pixels, grid = qwen2.preprocess_video(self.vspec, frames, self.device if self.loaded else None)
         features = self.image_features(pixels, grid)
         rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
         m = self.vspec.merge_size
@@ -173,12 +192,15 @@ class ExLlamaV2VisionTower:
         vision_kind(model.config)
         img = load_image(image)
         key = (image_digest(img), id(model), getattr(self.vspec, "min_pixels", 0), getattr(self.vspec, "max_pixels", 0))
+        mark("image: decode + hash")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
+        device_rows = None
         if hit is None:
-            pixels, grid = self._preprocess(self.vspec, img)
+            pixels, grid = self._pixels(img)
+            mark("preprocess")
             features = self.image_features(pixels, grid)
             m = self.vspec.merge_size
             thw = (grid[0], grid[1] // m, grid[2] // m)
@@ -186,6 +208,7 @@ class ExLlamaV2VisionTower:
                 rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids), grid, tokenizer)
             else:
                 rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
+            device_rows = rows if rows.device.type != "cpu" else None
             rows = rows.cpu() if embeddings_cpu else rows
             hit = (rows, thw, pre, post)
             with self._lock:
@@ -194,12 +217,14 @@ class ExLlamaV2VisionTower:
                     self._cache.popitem(last=False)
         rows, thw, pre, post = hit
         emb = ExLlamaV2MMEmbedding(model, rows, text_alias, thw_grid=None if self.kind == "pixtral" else thw,
-                                   pre_tokens=pre, post_tokens=post)
+                                   pre_tokens=pre, post_tokens=post, digest=self._digest(key, model),
+                                   device_rows=device_rows)
         side = getattr(self.vspec, "image_size", None)
         step = getattr(self.vspec, "factor", self.vspec.merge_size * self.vspec.patch_size)
         prep = (side, side) if side else (thw[1] * step, thw[2] * step)
         emb.metadata.update({"original_size": (img.height, img.width), "preprocessed_size": prep,
                              "patches_size": (thw[1], thw[2])})
+        mark("embedding: rows + MMEmbedding")
         return emb
 
 

@@ -45,12 +45,13 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
                  draft_model: Any = None, draft_cache: Any = None, num_draft_tokens: int | None = None,
                  use_ngram_draft: bool = False, max_ngram: int = 4, max_sampling_threads: int = 16,
                  min_sampling_threads: int = 3, paged: bool = True, filter_background_eval: bool = True,
-                 page_size: int = PAGE_SIZE, max_prefill_per_step: int = 256) -> None:
+                 page_size: int = PAGE_SIZE, max_prefill_per_step: int = 2048) -> None:
         """exllamav2's arguments. max_sampling_threads / min_sampling_threads / filter_background_eval tune
         exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing. Two exlpy
         extensions: `page_size` (tokens per cache page; 256 as in exllamav2) and `max_prefill_per_step` (prompt
         tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
-        prompts)."""
+        prompts, 256 for a lone prompt: scheduler.prefill_budget; 2048, where 256 made a crowd of arriving
+        requests wait twice as long, benchmarks/results/serving.md)."""
         cfg = model.config
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
@@ -102,6 +103,9 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         # Sample through the captured sampler (exlpy/generator/sampling/graphed.py): None = where decode steps
         # are CUDA graphs; True / False force it (tests compare both paths on the CPU).
         self.graph_sampling: bool | None = None
+        # Prompt chunks next to decoding jobs as captured chunks (exlpy/engine/graphs.py run_chunk) where the model
+        # runs CUDA graphs; False: eager chunks for this generator (EXLPY_PREFILL_GRAPHS=0: for every one).
+        self.prefill_graphs = True
         self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
         # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
         # None adapts the draft length to the acceptance rate; a number fixes it.
@@ -244,6 +248,13 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
     # --- iteration -----------------------------------------------------------------------------------------
     def device(self) -> torch.device:
         return self.model.strategy_for_forward().first_device
+
+    def chunk_buckets(self) -> tuple[int, ...]:
+        """Sizes of the captured prompt chunks this generator runs next to decoding jobs (empty: eager chunks)."""
+        sizes = getattr(self.model, "chunk_buckets", None)  # a model without CUDA graphs (a stand-in) has none
+        if not self.prefill_graphs or sizes is None or not getattr(self.cache, "graph_safe", False):
+            return ()
+        return tuple(sizes())
 
     def release_pages(self, job: ExLlamaV2DynamicJob) -> None:
         """Give back a job's pages (full ones stay cached under its LoRA salt) and its adapter slot."""

@@ -33,6 +33,11 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             progressed = True
             continue
         limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
+        # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
+        # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them.
+        buckets = scheduler.captured_sizes(limit, gen.chunk_buckets()) if decoding and not job.embeddings else ()
+        if buckets:
+            limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
         if limit == 0:
             job.wait_reason = "waiting for its turn to prefill next to the running jobs"
             continue
@@ -46,7 +51,14 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             from exlpy.vision.mm import extend_to_image_end
 
             end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
-        if end > start:
+        if end > start and buckets:
+            a = start
+            for n in scheduler.chunk_pieces(end - start, buckets):
+                batch = paged_batch([(q.page_ids(), a, n)], gen.cache, gen.device(), gen.page_size,
+                                    [job.lora_slot])
+                gen.model.prefill_chunk(q.ids[a:a + n].unsqueeze(0), batch)
+                a += n
+        elif end > start:
             ids = q.ids[start:end].unsqueeze(0)
             batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
                                 [job.lora_slot])
@@ -57,6 +69,7 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
                 if batch.mm.rope is not None:
                     batch.rope_positions = torch.arange(end - start, device=gen.device()).view(1, -1)
             gen.model.forward_batch(ids, batch, preprocess_only=True)
+        if end > start:
             if gen.spec is not None:
                 gen.spec.on_prefill(q, start, end)
             gen.prefill_tokens += end - start

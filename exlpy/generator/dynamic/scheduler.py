@@ -10,7 +10,8 @@ oldest job can always finish, because a job that could never fit is refused at e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from exlpy.generator.dynamic import adapters
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
 CONTEXT_COST_TOKENS = 4096
 BURST_CHUNKS = 4  # prompt tokens per iteration at most (chunks), so a burst of arrivals starts streaming in waves
 PREFILL_WEIGHT = 4  # next to decoding jobs the budget grows by (waiting prompts x this) / max(decoding jobs, this)
+# Next to decoding jobs, each waiting prompt adds this many tokens to the budget, up to `max_prefill_per_step`: a lone
+# long prompt runs in small pieces (a 16k prompt next to 32 streams: their inter-token p99 1.6x its value alone with
+# 256 tokens per step, 11x with 2048), while a crowd of arrivals gets the whole budget (under 64 streams, H100, 8B:
+# 256 tokens per step held the server at 49.5% of the generator, 2048 at 84-88%; benchmarks/results/serving.md).
+PROMPT_TOKENS = 256
+# Up to this many prompt tokens of one sequence per iteration run as captured chunks next to decoding jobs (an eager
+# chunk costs the generator thread ~20 ms of kernel launches on an 8B, which the next decode step waits for: the
+# 16k-prompt stall). Above it an eager chunk's launches hide behind its own GPU time (~25 us a token on an 8B, H100)
+# and one pass reads the weights once instead of once per 256 tokens: a crowd's large budget runs eagerly.
+CAPTURED_MAX = 1024
 
 
 def cache_summary(gen: ExLlamaV2DynamicGenerator) -> str:
@@ -97,13 +108,15 @@ def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: in
     """Prompt tokens for this iteration. Without decoding jobs, a whole chunk per job, at most BURST_CHUNKS
     chunks: a burst of arrivals is prefilled in waves, first come first, so the first jobs stream while later
     ones prefill instead of every job waiting for all prompts. Next to decoding jobs, `max_prefill_per_step`,
-    more when many jobs wait for their prompt (PREFILL_WEIGHT waiting prompts weigh as one decoding job: the
-    decoders lose a little latency, the waiting jobs gain much); a lone long prompt keeps the base budget."""
+    PROMPT_TOKENS per waiting prompt up to `max_prefill_per_step`, more when many more jobs wait for their prompt
+    than decode (PREFILL_WEIGHT waiting prompts weigh as one decoding job: the decoders lose a little latency, the
+    waiting jobs gain much); a lone long prompt runs PROMPT_TOKENS at a time."""
     cap = gen.max_chunk_size * BURST_CHUNKS
     if not decoding:
         return min(gen.max_chunk_size * max(prefilling, 1), cap)
+    base = min(gen.max_prefill_per_step, PROMPT_TOKENS * max(prefilling, 1))
     scale = max(1, prefilling * PREFILL_WEIGHT // max(decoding, PREFILL_WEIGHT))
-    return min(gen.max_prefill_per_step * scale, max(cap, gen.max_prefill_per_step))
+    return min(base * scale, max(cap, base))
 
 
 def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:
@@ -113,6 +126,34 @@ def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, 
         return gen.max_chunk_size
     scale = CONTEXT_COST_TOKENS / (CONTEXT_COST_TOKENS + seq.prefill_pos)
     return max(0, min(gen.max_chunk_size, int((budget - spent) * scale)))
+
+
+def captured_sizes(limit: int, buckets: Sequence[int]) -> tuple[int, ...]:
+    """The captured chunk sizes in which a sequence runs `limit` prompt tokens this iteration next to decoding jobs:
+    none (an eager chunk) above CAPTURED_MAX."""
+    return tuple(buckets) if 0 < limit <= CAPTURED_MAX else ()
+
+
+def captured_tokens(limit: int, left: int, buckets: Sequence[int]) -> int:
+    """Prompt tokens a sequence runs this iteration in captured chunks (`buckets`: their sizes, ascending), given
+    `limit` (prefill_limit) and the `left` tokens of its prompt still to prefill: chunks of the largest size, the
+    last one's share rounded to the nearest size (by ratio: within a factor sqrt(2)). A captured chunk costs its
+    size whatever it holds, so a chunk is filled with real tokens where the prompt has them; never past the
+    prompt's end; 0 when the budget is spent."""
+    if limit <= 0 or left <= 0 or not buckets:
+        return 0
+    top = buckets[-1]
+    full = (limit - 1) // top
+    share = limit - full * top  # the last chunk's share, 1..top
+    size = min(buckets, key=lambda b: (abs(math.log(b / share)), -b))
+    return min(left, full * top + size)
+
+
+def chunk_pieces(n: int, buckets: Sequence[int]) -> list[int]:
+    """Lengths of the captured chunks that run `n` prompt tokens: as few as possible (each forward pass reads all
+    the weights), the largest bucket each, the last one what is left (padded to its bucket by the runner)."""
+    top = buckets[-1]
+    return [min(top, n - k) for k in range(0, n, top)]
 
 
 def decode_pages(gen: ExLlamaV2DynamicGenerator, jobs: list[ExLlamaV2DynamicJob], tokens: int,

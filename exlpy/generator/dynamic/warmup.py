@@ -12,7 +12,10 @@ long prompt arriving later stalls every decoding stream while its deep chunks co
    that many rows through `forward_batch` (captures the graph; its warm-up runs compile the kernels), then
    real jobs of every row bucket through the generator, greedy and sampled, for the device sampler's kernels;
  - prefill: chunks of every length class up to `max_chunk_size`, starting at depths from 0 to the end of the
-   context (split counts), with block tables of every width class.
+   context (split counts), with block tables of every width class;
+ - captured prompt chunks (what a prompt runs next to decoding jobs, exlpy/engine/graphs.py `run_chunk`): every
+   chunk size of `CHUNK_BUCKETS` with every width bucket up to `max_seq_len` (4 x 8 graphs for a 20k context of
+   256-token pages), each captured once; a capture that fails warns and leaves prompt chunks eager.
 Every row of these steps reads and writes pages of the cache whose contents are thrown away afterwards (the
 page table is reset: no prefix hash survives).
 """
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from exlpy.engine.graphs import BUCKETS, bucket_for
+from exlpy.engine.graphs import BUCKETS, CHUNK_BUCKETS, bucket_for
 from exlpy.errors import InsufficientVRAMError
 from exlpy.model.batch import paged_batch
 
@@ -45,6 +48,7 @@ class WarmupPlan:
     decode: list[tuple[int, int]] = field(default_factory=list)  # (rows, table width in pages)
     jobs: list[int] = field(default_factory=list)  # row buckets run as real jobs (device sampler)
     prefill: list[tuple[int, int, int]] = field(default_factory=list)  # (start, length, table width)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # captured chunks: (start, bucket, width)
 
 
 def width_classes(need: int) -> list[int]:
@@ -68,6 +72,11 @@ def plan_shapes(max_batch_size: int, max_seq_len: int, page_size: int, max_chunk
     rows = [r for r in BUCKETS if r <= max_rows]
     plan.decode = [(r, w) for r in rows for w in widths]
     plan.jobs = [r for r in rows if r <= min(max_batch_size, num_pages)]
+    for w in widths:
+        for n in CHUNK_BUCKETS:
+            end = min(w * page_size, max_seq_len - 1)  # a chunk that ends inside the table's last page
+            if n <= end:
+                plan.chunks.append((end - n, n, w))
     depths = [0] + [p * page_size for p in BUCKETS if p * page_size < max_seq_len - 1]
     deepest = max_seq_len - 1 - min(max_chunk_size, max_seq_len - 1)  # a last chunk ending at the context's end
     if deepest > depths[-1]:
@@ -91,6 +100,24 @@ def _release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def warm_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[tuple[int, int, int]]) -> None:
+    """Run (capture) every planned prompt chunk (start, bucket, table width) as the generator runs them next to
+    decoding jobs. Out of memory stops here with a warning (later shapes are captured when first used); a failed
+    capture warns in the runner and leaves prompt chunks eager."""
+    device, size = gen.device(), gen.page_size
+    with torch.inference_mode():
+        for start, n, width in chunks:
+            table = [k % gen.num_pages for k in range(width)]
+            ids = torch.randint(3, gen.model_vocab, (1, n))
+            try:
+                gen.model.prefill_chunk(ids, paged_batch([(table, start, n)], gen.cache, device, size))
+            except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
+                warnings.warn(f"warm-up: out of memory capturing a prompt chunk of {n} tokens x {width} pages; "
+                              "larger shapes are captured when first used", stacklevel=2)
+                _release(device)
+                break
 
 
 def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
@@ -131,6 +158,9 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
                 _release(device)
                 break
         _release(device)
+        if gen.chunk_buckets():
+            warm_chunks(gen, plan.chunks)
+            _release(device)
     sampled = ExLlamaV2Sampler.Settings(temperature=1.0, top_k=0, top_p=0.9, token_repetition_penalty=1.0)
     for rows in plan.jobs:
         # greedy; whole-vocabulary top-p; exllamav2's defaults (top-k and the penalty variant of the captured
@@ -149,5 +179,6 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
         torch.cuda.synchronize(device)
     if log:
         print(f"warm-up: {len(plan.decode)} decode shapes, {len(plan.jobs) * 3} sampler batches, "
-              f"{len(plan.prefill)} prefill shapes in {time.perf_counter() - t0:.1f} s", flush=True)
+              f"{len(plan.prefill)} prefill shapes, {len(plan.chunks) if gen.chunk_buckets() else 0} captured "
+              f"prompt chunks in {time.perf_counter() - t0:.1f} s", flush=True)
     return plan

@@ -104,7 +104,8 @@ class Verifier:
         if self.owner.limit is not None:
             x = x.clone()
             x[:, self.owner.limit:] = float("-inf")
-        _, _, q, ids, r = ops.sample_top_candidates(x, vb.params, vb.rng, K_MAX)
+        # verify_capable rows keep their whole distribution among the candidates: no whole-vocabulary launches
+        _, _, q, ids, r = ops.sample_top_candidates(x, vb.params, vb.rng, K_MAX, whole_vocab=False)
         if cand:
             q, ids = self.owner._chain(q, ids, vb.ext)
         R, T, C = vb.rows, vb.T, q.shape[-1]

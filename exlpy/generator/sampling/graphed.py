@@ -19,9 +19,9 @@ step:
   row's (seed, counter); the graph advances the counter, so a replay draws fresh numbers.
 - top-k / top-p / top-a / min-p and the draw are `ops.sample_top` (exlpy/kernels/sample_top.py): the K_MAX most
   likely tokens per row without sorting the vocabulary. Rows without top-k (top-p alone, as the OpenAI server
-  sends) may keep more than K_MAX tokens: steps with such rows also sort the whole vocabulary in the graph
-  (`reference.sorted_draw`, whose cost does not depend on how flat the distribution is) and those rows take
-  its token. Rows with K_MAX < top-k < vocabulary take the host chain.
+  sends) may keep more than K_MAX tokens: the kernel finishes those over the whole vocabulary without a sort
+  (kernels/sample_whole.py; same distribution, drawn in vocabulary order). Rows with K_MAX < top-k < vocabulary
+  take the host chain.
 
 Variants of the graph by the features the step's rows use (penalties, a penalty range, bias, masks, blocked
 tokens, smoothing, the candidate steps, rows without top-k) are captured apart, so a plain step does not pay
@@ -54,7 +54,7 @@ from exlpy.generator.sampling.graph_params import (  # noqa: F401 - graph_capabl
 from exlpy.generator.sampling.settings import SamplerSettings
 from exlpy.generator.sampling.temperature import apply_temperature, dynamic_temperature
 from exlpy.generator.sampling.xtc import xtc
-from exlpy.kernels import ops, reference
+from exlpy.kernels import ops
 from exlpy.kernels.sample_top import NPARAM
 
 
@@ -332,19 +332,12 @@ class GraphSampler:
             sf = b.ext[:, 13:14]
             z = -(x - x.amax(-1, keepdim=True)).square() * sf
             x = torch.where(sf > 0, torch.where(torch.isfinite(x), z, torch.full_like(z, float("-inf"))), x)
+        # rows without top-k whose survivors pass the candidates: the kernel's whole-vocabulary launches finish
+        # them (only steps with such rows capture those launches)
         if cand:
-            tokens, probs, r = self._candidate_steps(x, b, whole=not full)
-        elif full:
-            tokens, probs, _, _, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX, whole_vocab=False)
+            tokens, probs = self._candidate_steps(x, b, full)
         else:
-            tokens, probs = ops.sample_top(x, b.params, b.rng, K_MAX)
-        if full:
-            # Rows without top-k: the whole vocabulary sorted (bounded cost; the fused kernel's whole-vocabulary
-            # pass is fast for a narrow nucleus but slow for a flat distribution, which torch's sort is not).
-            sorted_tok, sorted_prob, _, _ = reference.sorted_draw(x, b.params, r)
-            whole = b.params[:, 1] >= float(self.vocab)
-            tokens = torch.where(whole, sorted_tok, tokens)
-            probs = torch.where(whole, sorted_prob, probs)
+            tokens, probs = ops.sample_top(x, b.params, b.rng, K_MAX, whole_vocab=full)
         b.tokens.copy_(tokens)
         b.probs.copy_(probs)
         b.ok.copy_(ok_in & ok_logits & (probs > 0))
@@ -372,18 +365,16 @@ class GraphSampler:
         use = rng >= 0
         return torch.where(use, wm, wmax), torch.where(use, ws, wsum)
 
-    def _candidate_steps(self, x: torch.Tensor, b: _Bucket, whole: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _candidate_steps(self, x: torch.Tensor, b: _Bucket, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The host chain's steps after min-p, on each row's K_MAX candidates (rows that use none keep the fused
         kernel's draw): TFS, typical, dynamic or last temperature, XTC, then the draw at the kernel's point.
-        Returns (tokens, probabilities, the points)."""
+        Returns (tokens, probabilities)."""
         tokens, probs, q, ids, r = ops.sample_top_candidates(x, b.params, b.rng, K_MAX, whole_vocab=whole)
         q, ids = self._chain(q, ids, b.ext)
         idx, prob = draw(q, r.view(-1, 1))
         e = b.ext
         use = (e[:, 0] + e[:, 2] + e[:, 4] + e[:, 8] + e[:, 10]) > 0
-        return (torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs),
-                r)
+        return torch.where(use, ids.gather(-1, idx).view(-1), tokens), torch.where(use, prob.view(-1), probs)
 
     def _chain(self, q: torch.Tensor, ids: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """TFS, typical, dynamic or last temperature and XTC where each row's `ext_params` turn them on; the
@@ -457,9 +448,9 @@ def upload(src: torch.Tensor, dst: torch.Tensor | None,
 
 
 def wanted(model: Any, device: torch.device, flag: bool | None) -> bool:
-    """Whether a generator samples through `GraphSampler`: `flag` when set (tests compare both paths), else with
-    EXLPY_GRAPH_SAMPLING=1 (off by default until its GPU tests pass, exlpy/runtime.py) where decode steps run as
-    CUDA graphs (a CUDA device, graphs not turned off, the Triton kernels present)."""
+    """Whether a generator samples through `GraphSampler`: `flag` when set (tests compare both paths), else
+    (unless EXLPY_GRAPH_SAMPLING=0, exlpy/runtime.py) where decode steps run as CUDA graphs (a CUDA device, graphs
+    not turned off, the Triton kernels present)."""
     from exlpy.runtime import options
 
     if flag is not None:

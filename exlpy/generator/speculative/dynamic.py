@@ -30,6 +30,7 @@ from exlpy.generator.speculative.checks import check_draft
 from exlpy.generator.speculative.draft import ModelDrafter
 from exlpy.generator.speculative.length import DraftLength
 from exlpy.generator.speculative.ngram import NgramIndex
+from exlpy.generator.speculative.profile import RoundProfile
 from exlpy.generator.speculative.verify import speculation_capable, verify_rows
 from exlpy.model.batch import paged_batch, upload_ids
 
@@ -53,6 +54,7 @@ class Speculation:
         max_k = gen.max_q_size - 1
         cost = self.drafter.cost(gen.model) if self.drafter else 0.0
         self.length = DraftLength(num_draft_tokens, max_k, cost)
+        self.profile: RoundProfile | None = None  # set to time each round's phases (benchmarks)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -107,6 +109,7 @@ class Speculation:
 
     def plan(self, jobs: list[ExLlamaV2DynamicJob]) -> tuple[int, dict[Any, tuple[RowSample, list[int]]]] | None:
         """(k, {job: (sampling, n-gram drafts)}) for this round, or None to decode without speculation."""
+        self.length.tick()
         k = self.length.choose()
         room = min(self.gen.max_seq_len - j.sequence.numel() for j in jobs)  # positions past the last token
         k = min(k, room)
@@ -126,6 +129,9 @@ class Speculation:
         t0 = time.perf_counter()
         gen = self.gen
         dev = gen.device()
+        prof = self.profile
+        if prof is not None:
+            prof.begin(k, dev)
         T = k + 1
         rows = [(j, q) for j in jobs for q in j.seqs]
         lengths = [q.ids.numel() for _, q in rows]
@@ -138,6 +144,8 @@ class Speculation:
             ids[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
         ids_dev = upload_ids(ids, dev)
         index = upload_ids(torch.tensor(spec_rows, dtype=torch.long), dev)
+        if prof is not None:
+            prof.mark()
         timer = _DraftTimer(self.drafter.device()) if self.drafter is not None else None
         if self.drafter is not None:
             drafts = self.drafter.propose([rows[i][1] for i in spec_rows], k, dev)
@@ -146,10 +154,14 @@ class Speculation:
             drafts = ids_dev.index_select(0, index)[:, 1:]
         if timer is not None:
             timer.stop()
+        if prof is not None:
+            prof.mark()
         batch = paged_batch([(q.page_ids(), q.ids.numel() - 1, T) for _, q in rows], gen.cache, dev, gen.page_size,
                             [j.lora_slot for j, _ in rows])
         logits = gen.model.forward_batch(ids_dev, batch)  # [B, T, V]
         gen.decode_tokens += len(rows) * T
+        if prof is not None:
+            prof.mark()
         # The logits come from the last stage's device (a layer split ends on another GPU than it starts on):
         # verification runs there, next to them.
         dev = logits.device
@@ -172,9 +184,13 @@ class Speculation:
         else:
             m, tok = verify_rows(spec_logits, drafts, plans, u_dev, r_dev, gen.tokenizer)
         ok = torch.isfinite(spec_logits.amax(-1)).all(-1)  # NaN / +inf logits: the row fails (sampling/guard.py)
+        if prof is not None:
+            prof.mark()
         host, event = read_back(torch.cat([m, tok, ok.long(), drafts.reshape(-1)]))
         if event is not None:
             event.synchronize()
+        if prof is not None:
+            prof.synced()
         vals = host.tolist()
         n = len(spec_rows)
         m_h, tok_h, ok_h, d_h = vals[:n], vals[n:2 * n], vals[2 * n:3 * n], vals[3 * n:]
@@ -209,6 +225,8 @@ class Speculation:
             gen.stepper.sample_host(HostRows(others, firsts, premask_jobs(others, firsts, logits[:, 0])), results)
         if timer is not None:
             self.length.observe(k, timer.seconds(), time.perf_counter() - t0)
+        if prof is not None:
+            prof.end()
 
 
 class _DraftTimer:

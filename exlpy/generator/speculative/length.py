@@ -12,6 +12,11 @@ drafts + rejections), both counted over recent rounds (an exponential moving sum
 an average of per-round ratios is not (at a = 0.8 and k = 4 it reads ~0.7, which then picks shorter drafts).
 Every round updates it, a round of one draft too, so an early low estimate cannot hold the length at 1.
 
+Drafting turns itself off (length 0: the generator decodes one token at a time, overlapped) when no length is
+expected to beat plain decoding: a round is synchronous (its read-back decides the next input), so its fixed
+part costs ROUND_OVERHEAD more than an overlapped plain step, which a low acceptance rate does not pay back.
+While off, every PROBE_EVERY-th planning (`tick`) drafts one token, so the estimate can see the rate recover.
+
 The cost starts from a static guess (a draft model's weight bytes over the target's, near zero for n-grams)
 and, once rounds were timed (`observe`), is the median of the recent measurements: the time of the draft
 steps over the rest of the round. The median ignores the odd round that captured a CUDA graph.
@@ -27,6 +32,8 @@ PRIOR_ROUNDS = 3.0  # weight of the starting rate, in drafts
 SMOOTHING = 0.15  # per round, the share by which older counts fade
 VERIFY_COST_PER_TOKEN = 0.02  # a verification of k+1 tokens costs a little more than one of 1
 COST_WINDOW = 16  # timed rounds the measured cost is the median of
+ROUND_OVERHEAD = 0.1  # a round's fixed part over a plain step (sync, host work not overlapped: H100, 8B, batch 1)
+PROBE_EVERY = 16  # while off, one round of one draft per this many plannings
 MIN_TIMED = 3  # timed rounds before the measurement replaces the static guess
 
 
@@ -36,14 +43,19 @@ def expected_tokens(rate: float, k: int) -> float:
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
+def gain(rate: float, cost: float, k: int) -> float:
+    """Expected tokens per round of k drafts over the plain steps its time would take."""
+    return expected_tokens(rate, k) / ((1.0 + ROUND_OVERHEAD) * (1.0 + (cost + VERIFY_COST_PER_TOKEN) * k))
+
+
 def best_length(rate: float, cost: float, max_k: int) -> int:
-    """The k in 1..max_k with the most expected tokens per unit of time."""
+    """The k in 1..max_k with the most expected tokens per unit of time, or 0 when none beats plain decoding."""
     best, best_k = 0.0, 1
     for k in range(1, max_k + 1):
-        value = expected_tokens(rate, k) / (1.0 + (cost + VERIFY_COST_PER_TOKEN) * k)
+        value = gain(rate, cost, k)
         if value > best:
             best, best_k = value, k
-    return best_k
+    return best_k if best > 1.0 else 0
 
 
 class DraftLength:
@@ -52,6 +64,7 @@ class DraftLength:
         self.accepted = START_RATE * PRIOR_ROUNDS  # moving sums of accepted drafts and of rejections
         self.rejected = (1.0 - START_RATE) * PRIOR_ROUNDS
         self.costs: deque[float] = deque(maxlen=COST_WINDOW)
+        self.idle = 0  # plannings since the last round
 
     @property
     def rate(self) -> float:
@@ -65,6 +78,7 @@ class DraftLength:
     def update(self, accepted: int, rejections: int) -> None:
         """One round: drafts accepted and rows whose drafts were cut short by a rejection."""
         keep = 1.0 - SMOOTHING
+        self.idle = 0
         self.accepted = keep * self.accepted + accepted
         self.rejected = keep * self.rejected + rejections
 
@@ -76,7 +90,13 @@ class DraftLength:
         base = rest / (1.0 + VERIFY_COST_PER_TOKEN * k)  # the fixed part, less the verification's growth
         self.costs.append(min(draft_seconds / k / base, 4.0))
 
+    def tick(self) -> None:
+        """A planning (the generators call it before `choose` when they may draft)."""
+        self.idle += 1
+
     def choose(self) -> int:
+        """The draft length for the next round; 0 = off (plain decoding), except on a probe."""
         if self.fixed is not None:
             return self.fixed
-        return best_length(self.rate, self.step_cost, self.max_k)
+        k = best_length(self.rate, self.step_cost, self.max_k)
+        return 1 if k == 0 and self.idle >= PROBE_EVERY else k

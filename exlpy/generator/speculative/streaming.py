@@ -119,6 +119,7 @@ def speculative_round(gen: Any, plan: RowSample) -> dict[str, Any] | None:
         room = min(room, gen.token_budget - 1)  # the round adds one token besides the accepted drafts
     spec: StreamSpeculation = gen.spec
     if gen.draft_model is not None:
+        spec.length.tick()
         k = min(spec.length.choose(), room, gen.draft_cache.max_seq_len - seq.shape[1])
     else:
         k = min(gen.num_speculative_tokens or gen.speculative_ngram_max_inf, room)

@@ -1,0 +1,100 @@
+"""The pieces of the fast image path, on the CPU: the resize a GPU runs (bit-equal to Pillow's), the
+normalization's arithmetic (bit-equal to transformers' processor), grouped window attention against attention
+per segment, embeddings identified by a given digest with their rows kept on a device, and the phase timer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.vision_models import random_image
+
+pytest.importorskip("PIL")
+
+@pytest.mark.parametrize("src,dst,mode", [((300, 300), (308, 308), "bicubic"), ((120, 90), (112, 84), "bicubic"),
+                                          ((600, 420), (112, 84), "bicubic"), ((30, 20), (84, 56), "bicubic"),
+                                          ((200, 60), (196, 56), "bicubic"), ((500, 300), (224, 224), "bilinear"),
+                                          ((13, 7), (112, 112), "bilinear")])
+def test_device_resize_is_pils(src: tuple[int, int], dst: tuple[int, int], mode: str) -> None:
+    from PIL import Image
+
+    from exlpy.vision.pixels import resize_like_pil
+
+    for seed in range(2):
+        img = random_image(*src, seed=seed)
+        want = np.asarray(img.resize(dst, resample=Image.BICUBIC if mode == "bicubic" else Image.BILINEAR))
+        got = resize_like_pil(torch.from_numpy(np.array(img)).permute(2, 0, 1), dst[1], dst[0], mode)
+        assert np.array_equal(got.permute(1, 2, 0).numpy(), want)
+
+
+def test_gpu_style_qwen_pixels_equal_hf() -> None:
+    """The Qwen path a GPU takes (resize_like_pil, then the shared normalize / patchify), on the CPU, against
+    transformers' PIL processor: bit-equal, as the CPU path (Pillow's resize) is."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from exlpy.vision import qwen2
+    from exlpy.vision.pixels import normalize, resize_like_pil
+
+    spec = qwen2.parse_spec("qwen2_5_vl", {"vision_config": {}}, {"max_pixels": 28 * 28 * 64}, 64, "test")
+    img = random_image(300, 200, seed=3)
+    h, w = qwen2.smart_resize(img.height, img.width, 28, spec.min_pixels, spec.max_pixels)
+    x = resize_like_pil(torch.from_numpy(np.array(img)).permute(2, 0, 1), h, w, "bicubic")
+    got = qwen2.patchify(spec, normalize(x, spec.rescale, spec.image_mean, spec.image_std))
+    ref = Qwen2VLImageProcessorPil(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)(
+        images=[img], return_tensors="pt")["pixel_values"]
+    assert torch.equal(got, ref)
+    assert torch.equal(qwen2.preprocess(spec, img)[0], ref)
+
+
+def test_grouped_segment_attention_equals_attention_per_segment() -> None:
+    from exlpy.vision.layers import plan_segments, segment_attention
+
+    g = torch.Generator().manual_seed(0)
+    bounds = [0, 64, 80, 144, 148, 212, 212, 228]  # full and edge windows interleaved, one empty segment
+    q, k, v = (torch.randn(228, 3, 8, generator=g) for _ in range(3))
+    want = torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a])
+    plan = plan_segments(bounds, q.device)
+    assert sorted((c, n) for c, n, _ in plan.groups) == [(1, 4), (2, 16), (3, 64)]
+    assert torch.allclose(segment_attention(q, k, v, plan, 8 ** -0.5), want, atol=1e-6)
+    whole = plan_segments([0, 228], q.device)
+    assert whole.groups[0][2] is None  # one segment: no gather
+    full = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+    assert torch.allclose(segment_attention(q, k, v, whole, 8 ** -0.5), full, atol=1e-6)
+
+
+def test_embedding_digest_and_device_rows() -> None:
+    from types import SimpleNamespace
+
+    from exlpy.errors import MultimodalError
+    from exlpy.vision.embedding import ExLlamaV2MMEmbedding
+
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    rows = torch.randn(5, 8)
+    a = ExLlamaV2MMEmbedding(model, rows, digest=b"image-1", device_rows=rows.half())
+    b = ExLlamaV2MMEmbedding(model, rows.clone(), digest=b"image-1")
+    c = ExLlamaV2MMEmbedding(model, rows.clone(), digest=b"image-2")
+    assert a.first_index == b.first_index != c.first_index  # ids by the given digest, not by the rows
+    assert a.rows_on(torch.device("cpu"), torch.float16) is a._on_device[("cpu", torch.float16)]
+    assert torch.equal(b.rows_on(torch.device("cpu"), torch.float16), rows.half())
+    with pytest.raises(MultimodalError, match="device_rows"):
+        ExLlamaV2MMEmbedding(model, rows, device_rows=rows[:2])
+    with pytest.raises(MultimodalError, match="finite"):
+        bad = rows.clone()
+        bad[1, 1] = float("nan")
+        ExLlamaV2MMEmbedding(model, rows, device_rows=bad)
+
+
+def test_phase_timer_sums_marks_per_name() -> None:
+    from exlpy.vision.timing import PhaseTimer, mark
+
+    mark("ignored")  # no active timer: nothing happens
+    with PhaseTimer("cpu") as t:
+        for _ in range(3):
+            mark("a")
+            mark("b")
+    mark("after")
+    phases = t.phases()
+    assert list(phases) == ["a", "b"] and all(d >= 0 and d == h for d, h in phases.values())
