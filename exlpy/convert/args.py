@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for exllamav2 compatibility; no effect (deprecated there too)")
     p.add_argument("--learned_rounding", type=int, default=d.learned_rounding, metavar="PASSES",
                    help="passes of learned rounding after GPTQ: every code and scale re-chosen to lower each "
-                   f"layer's output error (exlpy; default {d.learned_rounding}, 0 = GPTQ's rounding)")
+                   f"layer's output error (exlpy; default {d.learned_rounding}; 0 = GPTQ's rounding)")
     p.add_argument("--target", choices=("quantized", "source"), default=d.target,
                    help="what each layer's quantization aims at: the source weights' output on the quantized "
                    "inputs (GPTQ) or the source model's output (asymmetric calibration) (exlpy; default "
