@@ -5,6 +5,11 @@ exllamav2-made ../shared/models/smollm2-135m-exl2-4.0, and a round-to-nearest 4-
     python benchmarks/convert_quality.py [--quick] [--windows N] [--rows 100 --length 2048 --mrows 16 --mlength 2048]
         [--bits 2.5,3.0,...] [--set learned_rounding=0 ...] [--measurement FILE] [--no-refs] [--work DIR]
 
+The issue-34 table on one GPU (full protocol: the defaults), in two calls of under 10 minutes that share --work:
+
+    python benchmarks/convert_quality.py --bits 4.0,3.0          # measurement, exllamav2 and RTN rows, 4.0, 3.0
+    python benchmarks/convert_quality.py --bits 2.5,5.0,6.0      # the table then holds every row
+
 One measurement is made and reused for every bpw (-om then -m, as exllamav2 users do). The run is resumable and
 can be split over several calls with the same --work: finished conversions and evaluated rows are kept there
 (WORK/rows.json) and only the source is evaluated again; the table and the plot (a PNG beside --out, when
@@ -134,7 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", default=os.path.join(ROOT, ".bench", "smollm2-fp16"))
     ap.add_argument("--work", default=os.path.join(ROOT, ".bench", "convert_quality"))
-    ap.add_argument("--bits", default="2.5,3.0,4.0,5.0,6.0,8.0")
+    ap.add_argument("--bits", default="2.5,3.0,4.0,5.0,6.0")
     ap.add_argument("--rows", type=int, default=100)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--mrows", type=int, default=16)
