@@ -77,7 +77,7 @@ def test_quality_flags_reach_the_settings() -> None:
     assert (kw["learned_rounding"], kw["target"], kw["objective"]) == (2, "source", "sensitivity")
     d = ConvertSettings()
     # each decides the output, so a job resumed with another value is refused
-    for change in (dict(learned_rounding=2), dict(target="source"), dict(objective="sensitivity"),
+    for change in (dict(learned_rounding=0), dict(target="source"), dict(objective="sensitivity"),
                    dict(sensitivity_tokens=512)):
         assert ConvertSettings(**change).fingerprint() != d.fingerprint()  # type: ignore[arg-type]
 
