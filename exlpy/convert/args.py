@@ -48,6 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "by itself when they do not fit)")
     p.add_argument("-fst", "--fast_safetensors", action="store_true",
                    help="accepted for exllamav2 compatibility; no effect (deprecated there too)")
+    p.add_argument("--learned_rounding", type=int, default=d.learned_rounding, metavar="PASSES",
+                   help="passes of learned rounding after GPTQ: every code and scale re-chosen to lower each "
+                   f"layer's output error (exlpy; default {d.learned_rounding}; 0 = GPTQ's rounding)")
+    p.add_argument("--target", choices=("quantized", "source"), default=d.target,
+                   help="what each layer's quantization aims at: the source weights' output on the quantized "
+                   "inputs (GPTQ) or the source model's output (asymmetric calibration) (exlpy; default "
+                   f"{d.target})")
+    p.add_argument("--objective", choices=("error", "sensitivity"), default=d.objective,
+                   help="what the bit allocation minimizes: the modules' errors, or each weighted by the measured "
+                   f"sensitivity of the output to it (exlpy; default {d.objective})")
     p.add_argument("--device", help="device to convert on (default: cuda:0 when there is a GPU, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
 
@@ -58,7 +68,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "output_measurement": a.output_measurement, "rows": a.dataset_rows, "length": a.length,
             "measurement_rows": a.measurement_rows, "measurement_length": a.measurement_length,
             "shard_size": a.shard_size, "no_resume": a.no_resume, "device": a.device, "progress": not a.quiet,
-            "rope_scale": a.rope_scale, "rope_alpha": a.rope_alpha, "status_output": a.status_output}
+            "rope_scale": a.rope_scale, "rope_alpha": a.rope_alpha, "status_output": a.status_output,
+            "learned_rounding": a.learned_rounding, "target": a.target, "objective": a.objective}
 
 
 def deprecated_notices(a: argparse.Namespace) -> list[str]:

@@ -141,17 +141,19 @@ class States:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks + (self.side or []))
 
-    def to_dict(self, host: bool = True) -> dict[str, torch.Tensor]:
-        """The tensors by name, in host memory (`host=False`: where they are, for `Job.checkpoint_async`)."""
-        out = {f"chunk_{i}": c for i, c in enumerate(self.chunks)}
-        out.update({f"side_{i}": c for i, c in enumerate(self.side or [])})
+    def to_dict(self, prefix: str = "", host: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors by name (`prefix` + chunk_i / side_i), in host memory (`host=False`: where they are, for
+        `Job.checkpoint_async`)."""
+        out = {f"{prefix}chunk_{i}": c for i, c in enumerate(self.chunks)}
+        out.update({f"{prefix}side_{i}": c for i, c in enumerate(self.side or [])})
         return {k: v.contiguous().cpu() for k, v in out.items()} if host else out
 
     @staticmethod
-    def from_dict(d: dict[str, torch.Tensor], store: torch.device) -> States:
-        n = sum(k.startswith("chunk_") for k in d)
-        side = [_store(d[f"side_{i}"], store) for i in range(n)] if "side_0" in d else None
-        return States([_store(d[f"chunk_{i}"], store) for i in range(n)], side)
+    def from_dict(d: dict[str, torch.Tensor], store: torch.device, prefix: str = "") -> States:
+        """The states saved by to_dict(prefix) (a checkpoint may hold several sets under different prefixes)."""
+        n = sum(k.startswith(f"{prefix}chunk_") for k in d)
+        side = [_store(d[f"{prefix}side_{i}"], store) for i in range(n)] if f"{prefix}side_0" in d else None
+        return States([_store(d[f"{prefix}chunk_{i}"], store) for i in range(n)], side)
 
 
 def _store(x: torch.Tensor, store: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.convert import caldata
 from exlpy.convert.compile import check_output_dir, compile_output, stored_names, write_model_dir
-from exlpy.convert.forward import States, _run, check_finite
+from exlpy.convert.forward import States, _run, check_finite, forward_chunks
 from exlpy.convert.job import Job, write_json, write_tensors, writing
 from exlpy.convert.layers import OPTIONS, SourcePrefetch, is_decoder, module_bits, module_numel, shapes, slots
 from exlpy.convert.measure import measure_module
@@ -29,6 +29,7 @@ from exlpy.convert.optimize import choose, reachable, slot_error
 from exlpy.convert.progress import StageProgress, peak_memory, summary_table
 from exlpy.convert.qparams import QParams, bpw
 from exlpy.convert.quantize import head_hessian, quantize_head, quantize_module
+from exlpy.convert.sensitivity import module_sensitivity
 from exlpy.convert.settings import MAX_BPW, ConvertSettings
 from exlpy.engine import ExLlamaV2
 from exlpy.errors import ConvertSettingsError, MeasurementFileError, UnsupportedArchitectureError
@@ -178,10 +179,14 @@ class _Converter:
         if "measurement" not in self.job.data:
             self.job.data["measurement"] = self._load_measurement() if s.measurement else self._measure()
             self.job.save()
+        if s.objective == "sensitivity" and "sensitivity" not in self.job.data:
+            self.job.data["sensitivity"] = self._sensitivity()
+            self.job.save()
         if s.output_measurement:
             path = self.job.path("measurement.json")
+            extra = {"sensitivity": self.job.data["sensitivity"]} if "sensitivity" in self.job.data else {}
             write_json(path, {"measurement": self.job.data["measurement"],
-                              "last_module_idx": len(self.model.modules) - 1})
+                              "last_module_idx": len(self.model.modules) - 1} | extra)
             self.prog.print(f"Measurement written to {path}")
             return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
         if "strategy" not in self.job.data:
@@ -235,6 +240,26 @@ class _Converter:
         job.drop_states(md.get("states"))
         return md["measurement"]
 
+    def _sensitivity(self) -> dict[str, float]:
+        """Per-module weights of the objective (exlpy/convert/sensitivity.py): from the measurement file when it
+        has them (one made by `exlpy convert -om`), else measured on the first `sensitivity_tokens` calibration
+        tokens."""
+        if self.s.measurement:
+            with open(self.s.measurement, encoding="utf-8") as f:
+                saved = json.load(f).get("sensitivity")
+            if isinstance(saved, dict) and all(isinstance(saved.get(m.key), (int, float)) for m in self.decoders):
+                return {m.key: float(saved[m.key]) for m in self.decoders}
+        t0 = time.perf_counter()
+        self.prog.note("sensitivity")
+        ids = self._cal("cal_measure.safetensors", self.s.measurement_rows, self.s.measurement_length)
+        n = self.s.sensitivity_tokens
+        length = min(ids.shape[1], n)
+        ids = ids[:max(1, n // length), :length]
+        sens = module_sensitivity(self.model.modules, self._embed(ids, self.device), self.device)
+        self.prog.step("sensitivity")
+        self._timed("sensitivity", t0)
+        return sens
+
     def _load_measurement(self) -> dict[str, list[dict[str, Any]]]:
         path = self.s.measurement
         assert path is not None
@@ -268,7 +293,8 @@ class _Converter:
         t0 = time.perf_counter()
         meas = self.job.data["measurement"]
         costs = [[int(e["total_bits"]) for e in meas[m.key]] for m in self.decoders]
-        errors = [[slot_error(e) for e in meas[m.key]] for m in self.decoders]
+        sens = self.job.data.get("sensitivity") if self.s.objective == "sensitivity" else None
+        errors = [[slot_error(e) * (sens[m.key] if sens else 1.0) for e in meas[m.key]] for m in self.decoders]
         budget = int(self.numel * self.s.bits)
         lo, _ = reachable(costs, self.numel)
         if budget < sum(min(c) for c in costs):
@@ -293,6 +319,11 @@ class _Converter:
         os.makedirs(job.path("out_tensor"), exist_ok=True)
         t0 = time.perf_counter()
         states = self._states(qd, ids, store)
+        # The source model's states beside the quantized ones: the target of asymmetric calibration.
+        ref = None
+        if s.target == "source":
+            ref = (States.from_dict(self.job.load_states(qd["states"]), store, "ref_") if qd.get("states")
+                   else States(list(states.chunks), states.side))
         self.prog.start("quantize", len(self.decoders) + 1, qd["next"])
         for idx in range(qd["next"], len(self.decoders)):
             m = self.decoders[idx]
@@ -303,13 +334,15 @@ class _Converter:
             m.load(self.device)
             note = ""
             if isinstance(m, MoEMLP):
+                if ref is not None:  # the source output first: quantizing the experts replaces their stacks
+                    ref = forward_chunks(m, ref, self.device, store, m.key)
                 tensors, states, rfn, tokens = quantize_moe(m, states, self.device, store, option, s.damp,
                                                             s.scale_norm, s.act_order)
                 qd.setdefault("expert_tokens", {})[m.key] = tokens
                 note = _experts_note({"expert_tokens": tokens})
             else:
-                tensors, states, rfn = quantize_module(m, states, self.device, store, option, s.damp,
-                                                       s.scale_norm, s.act_order)
+                tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
+                                                            s.scale_norm, s.act_order, ref, s.learned_rounding)
             m.unload()
             job.write_async(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn
@@ -319,11 +352,12 @@ class _Converter:
                 job.flush()
                 self._timed("quantize", t0)
                 t0 = time.perf_counter()
-                job.checkpoint_async("quant", idx, states.to_dict(host=False))
+                keep = states.to_dict(host=False) | (ref.to_dict("ref_", host=False) if ref is not None else {})
+                job.checkpoint_async("quant", idx, keep)
             job.poll()
         t1 = time.perf_counter()
         self.prog.note("lm_head")
-        self._quantize_head(states)
+        self._quantize_head(states, ref)
         job.flush()  # the last layers' files are on disk before the stage is marked done
         qd["module_times"]["lm_head"] = time.perf_counter() - t1
         qd["head_done"] = True
@@ -333,10 +367,10 @@ class _Converter:
         self.prog.advance("lm_head")
         self.prog.finish()
 
-    def _quantize_head(self, states: States) -> None:
+    def _quantize_head(self, states: States, ref: States | None) -> None:
         norm = self.model.modules[-2]
         norm.load(self.device)
-        h = head_hessian(norm, states, self.device)
+        h, cross = head_hessian(norm, states, self.device, ref)
         x = states.chunks[0][:1].to(self.device)
         sample = _run(norm, x, contiguous_batch(1, x.shape[1], 0, None, 0, self.device))[0]
         norm.unload()
@@ -345,8 +379,8 @@ class _Converter:
         name = "lm_head.weight" if "lm_head.weight" in self.config.index else "model.embed_tokens.weight"
         widest = max(k * n for m in self.decoders for k, n in shapes(m).values())
         cols = max(32, widest // spec.hidden_size // 32 * 32)
-        tensors, err = quantize_head(self.config.index, name, h.result(), self.s.head_bits, self.device, cols,
-                                     self.s.damp, self.s.scale_norm, sample, spec.features.norm_head)
+        tensors, err = quantize_head(self.config.index, name, h, self.s.head_bits, self.device, cols,
+                                     self.s.damp, self.s.scale_norm, sample, spec.features.norm_head, cross)
         write_tensors(self.job.path("out_tensor", "lm_head.safetensors"), tensors)
         self.job.data["quant"]["head_error"] = err
 

@@ -32,6 +32,20 @@ class ConvertSettings:
     damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
     scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
     act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
+    # What each linear's quantization aims at (exlpy/convert/quantize.py): "quantized", the output of the source
+    # weights on the quantized model's inputs (GPTQ, exllamav2), or "source", the unquantized model's output
+    # (asymmetric calibration, GPTAQ; it lost on SmolLM2 with 8k calibration tokens: benchmarks/results/
+    # convert_quality.md)
+    target: str = "quantized"
+    # What the bit allocation minimizes (exlpy/convert/optimize.py): "error", the plain sum of the modules'
+    # per-token errors, or "sensitivity", each weighted by how much the final distribution reacts to error at
+    # that module (exlpy/convert/sensitivity.py; on SmolLM2 it won at 4.0 bpw and lost at 3.0, so it is no default)
+    objective: str = "error"
+    sensitivity_tokens: int = 2048  # calibration tokens of the sensitivity pass (from the measurement rows)
+    # Passes of learned rounding after GPTQ: codes and scales re-chosen by coordinate descent on each linear's
+    # output error (exlpy/convert/gptq.py refine_rounding; on SmolLM2 2 passes cut the KL to the source by 6-7%
+    # at 3.0 and 4.0 bpw for about one GPTQ per pass); 0 = GPTQ's rounding
+    learned_rounding: int = 2
     progress: bool = True
     rope_scale: float | None = None  # -rs: linear RoPE scale for the calibration forward (config.scale_pos_emb)
     rope_alpha: float | None = None  # -ra: NTK alpha for the calibration forward (config.scale_alpha_value)
@@ -44,7 +58,7 @@ class ConvertSettings:
         if not self.bits > 0 or self.bits > MAX_BPW:
             raise ConvertSettingsError(f"-b/--bits {self.bits} is outside the reachable range: EXL2 targets go "
                                        f"up to {MAX_BPW:g} bits per weight")
-        for name in ("rows", "length", "measurement_rows", "measurement_length"):
+        for name in ("rows", "length", "measurement_rows", "measurement_length", "sensitivity_tokens"):
             if getattr(self, name) < 1:
                 raise ConvertSettingsError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.shard_size < 0:
@@ -63,6 +77,12 @@ class ConvertSettings:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
                 raise ConvertSettingsError(f"{flag} must be a positive number, got {v}")
+        if self.target not in ("source", "quantized"):
+            raise ConvertSettingsError(f"target must be 'source' or 'quantized', got {self.target!r}")
+        if not isinstance(self.learned_rounding, int) or not 0 <= self.learned_rounding <= 100:
+            raise ConvertSettingsError(f"--learned_rounding takes 0 to 100 passes, got {self.learned_rounding!r}")
+        if self.objective not in ("sensitivity", "error"):
+            raise ConvertSettingsError(f"objective must be 'sensitivity' or 'error', got {self.objective!r}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
@@ -76,7 +96,8 @@ class ConvertSettings:
 
         d = asdict(self)
         keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
-                "act_order", "rope_scale", "rope_alpha")
+                "act_order", "target", "objective",
+                "sensitivity_tokens", "learned_rounding", "rope_scale", "rope_alpha")
         out = {k: d[k] for k in keep}
         out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
                    measurement=ident(self.measurement))
