@@ -10,6 +10,7 @@ with TRITON_INTERPRET=1, so this session keeps compiled kernels for the CUDA tes
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -337,13 +338,19 @@ def test_graph_replay_cuda() -> None:
     """q|k|v at 8B shapes (mixed widths, bias, norm) and down_proj with the residual added in place, captured
     once per row count and replayed with new inputs: no host sync, no per-replay allocation."""
     qmm = _qmm()
+    check_graph_replay(qmm.QmmGroup)
+
+
+def check_graph_replay(make_group: Any) -> None:
+    """The graph-replay check of a multi-row kernel's group class (exl2_qmm's QmmGroup, exl2_tc's TcGroup): q|k|v
+    at 8B shapes with bias and norm, down_proj adding into the residual, captured per row count, replayed twice."""
     gen = torch.Generator().manual_seed(41)
     a = _exl2_big(4096, 4096, _groups(4096, [(5, 0.1), (4, 0.7), (3, 0.2)]), gen)
     parts = [a, _exl2_big(4096, 1024, _groups(4096, [(4, 1.0)]), gen, perm=a.perm),
              _exl2_big(4096, 1024, _groups(4096, [(6, 1.0)]), gen, perm=a.perm)]
     down = _exl2_big(14336, 4096, _groups(14336, MIXED_8B), gen)
-    qkv = qmm.QmmGroup([p.to("cuda") for p in parts], torch.randn(6144, generator=gen).half().cuda())
-    dn = qmm.QmmGroup([down.to("cuda")], None)
+    qkv = make_group([p.to("cuda") for p in parts], torch.randn(6144, generator=gen).half().cuda())
+    dn = make_group([down.to("cuda")], None)
     norm = (1 + 0.1 * torch.randn(4096, generator=gen)).half().cuda()
     for m in (3, 24, 64):
         x = torch.randn(m, 4096, generator=gen).half().cuda()

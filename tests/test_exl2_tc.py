@@ -23,6 +23,7 @@ from exlpy.quant.layout import QuantMatrix
 from exlpy.quant.pack import quantize_gptq, random_exl2
 from exlpy.runtime import RuntimeOptions, options, use_options
 from tests.conftest import rel_err, requires_cuda, shared_path
+from tests.test_exl2_qmm import MIXED_8B, _exl2_big, _groups, check_graph_replay
 
 TOL = 2e-3  # exact codes and fp16 x in the dots, fp32 accumulation (rel_err: max |diff| / max |ref|)
 
@@ -298,32 +299,6 @@ def test_runs_of_group_sizes() -> None:
 # --- CUDA ---------------------------------------------------------------------------------------------------
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
-MIXED_8B = [(8, 0.05), (4, 0.95)]
-
-
-def _exl2_big(k: int, n: int, groups: list[tuple[int, int]], gen: torch.Generator,
-              perm: torch.Tensor | None = None) -> QuantMatrix:
-    """A random EXL2 matrix of real size, quickly: random packed words are valid codes (no bit packing)."""
-    words, qg = 0, []
-    for b, rows in groups:
-        qg += [b, words]
-        words += (rows * b + 31) // 32
-    rnd = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
-    qm = build_exl2_matrix(rnd(words, n), torch.randperm(k, generator=gen).to(torch.int32), rnd(len(groups), n // 8),
-                           (0.01 * (0.5 + torch.rand(len(groups), generator=gen))).half(),
-                           torch.tensor(qg, dtype=torch.int16), k, n, "big")
-    return qm if perm is None else dataclasses.replace(qm, perm=perm)
-
-
-def _groups(k: int, mix: list[tuple[int, float]], gs: int = 128) -> list[tuple[int, int]]:
-    out, left = [], k
-    for i, (b, p) in enumerate(mix):
-        rows = left if i == len(mix) - 1 else min(left, -(-int(k * p) // gs) * gs)
-        out += [(b, gs)] * (rows // gs) + ([(b, rows % gs)] if rows % gs else [])
-        left -= rows
-    return out
-
-
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
@@ -390,33 +365,7 @@ def test_gptq_real_shape_cuda() -> None:
 def test_graph_replay_cuda() -> None:
     """q|k|v at 8B shapes (mixed widths, bias, norm) and down_proj with the residual added in place, captured once
     per row count and replayed with new inputs."""
-    tc = _tc()
-    gen = torch.Generator().manual_seed(41)
-    a = _exl2_big(4096, 4096, _groups(4096, [(5, 0.1), (4, 0.7), (3, 0.2)]), gen)
-    parts = [a, _exl2_big(4096, 1024, _groups(4096, [(4, 1.0)]), gen, perm=a.perm),
-             _exl2_big(4096, 1024, _groups(4096, [(6, 1.0)]), gen, perm=a.perm)]
-    down = _exl2_big(14336, 4096, _groups(14336, MIXED_8B), gen)
-    qkv = tc.TcGroup([p.to("cuda") for p in parts], torch.randn(6144, generator=gen).half().cuda())
-    dn = tc.TcGroup([down.to("cuda")], None)
-    norm = (1 + 0.1 * torch.randn(4096, generator=gen)).half().cuda()
-    for m in (3, 24, 64):
-        x = torch.randn(m, 4096, generator=gen).half().cuda()
-        h = torch.randn(m, 14336, generator=gen).half().cuda()
-        res = torch.zeros(m, 4096, dtype=torch.float16, device="cuda")
-        qkv.run(x, None, norm, 1e-5)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = qkv.run(x, None, norm, 1e-5)
-            dn.run(h, res)
-        for _ in range(2):
-            x.copy_(torch.randn(m, 4096, generator=gen).half())
-            h.copy_(torch.randn(m, 14336, generator=gen).half())
-            r0 = torch.randn(m, 4096, generator=gen).half()
-            res.copy_(r0)
-            g.replay()
-            ref = reference.quant_matmul(x.cpu(), parts, qkv.bias.cpu(), None, norm.cpu(), 1e-5)
-            assert rel_err(y, ref) < TOL
-            assert rel_err(res, reference.quant_matmul(h.cpu(), [down], None, r0.clone())) < TOL
+    check_graph_replay(_tc().TcGroup)
 
 
 @requires_cuda

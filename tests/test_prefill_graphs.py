@@ -24,6 +24,7 @@ from exlpy.runtime import RuntimeOptions, options, use_options
 from tests.conftest import rel_err, requires_cuda, shared_path
 from tests.hf_models import make_hf_model
 from tests.test_generator_helpers import _load as _load_aidreams
+from tests.test_graphs import _load
 
 TOL = 1e-5
 PAGE = 16  # the test cache [4, 64, H, D] addressed as 16 pages of 16 rows
@@ -40,21 +41,8 @@ def _chunk_graphs_on() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("chunk_graphs_model")
-    make_hf_model(path, "llama")  # GQA 4/2 heads
+    make_hf_model(path, "llama")  # GQA 4/2 heads, as test_graphs.py's
     return path
-
-
-def _load(path: Path, device: str | None = None) -> ExLlamaV2:
-    config = ExLlamaV2Config(str(path))
-    config.max_seq_len = 64
-    model = ExLlamaV2(config)
-    if device is None:
-        model.load()
-    else:
-        for i in range(len(model.modules)):
-            model.place_module(i, torch.device(device))
-        model.loaded = True
-    return model
 
 
 def _random_cache(model: ExLlamaV2, seed: int) -> tuple[ExLlamaV2Cache, ExLlamaV2Cache]:
