@@ -136,6 +136,9 @@ class InterpreterRun(pytest.Item):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.nodeids = nodeids
         self.output = ""
+        if self.config.pluginmanager.hasplugin("timeout"):
+            # one item for hundreds of tests: a per-test --timeout (the GPU runs' 150 s) would kill the child
+            self.add_marker(pytest.mark.timeout(1200))
 
     def runtest(self) -> None:
         env = child_env(TRITON_INTERPRET="1")

@@ -3,6 +3,7 @@ strategy: one device, a layer split (cuts stand in for device boundaries) and te
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.engine.forward import graph_runner
-from exlpy.engine.graphs import StepGraphs, bucket_for
+from exlpy.engine.graphs import CAPTURE_TRIES, StepGraphs, bucket_for
 from exlpy.engine.split import layer_split
 from exlpy.model import Transformer
 from exlpy.model.batch import ForwardBatch, paged_batch
@@ -160,6 +161,36 @@ def test_paged_decode_matches_eager_and_padding_writes_nothing(model_dir: Path, 
     assert out is not None and rel_err(out, ref) <= TOL
     for a, b in zip(eager_cache.all_tensors(), graph_cache.all_tensors()):
         assert rel_err(b, a) <= TOL
+
+
+def test_failed_decode_capture_runs_eagerly(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step whose capture fails (on a GPU: CUDA refusing an operation mid-capture) still computes its
+    logits, eagerly, with a warning; after CAPTURE_TRIES failures the shape is not captured again."""
+    model = _load(model_dir)
+    prompt = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(3))
+    eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=2), ExLlamaV2Cache(model, batch_size=2)
+    model.forward(prompt, eager_cache, preprocess_only=True)
+    model.forward(prompt, graph_cache, preprocess_only=True)
+    runner = StepGraphs(layer_split(Transformer(model.modules), ()), capture=True)
+    tries: list[int] = []
+
+    def refuse(self: StepGraphs, step: object) -> None:  # a failing capture on any machine, GPU or not
+        tries.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepGraphs, "_capture", refuse)
+    tok = prompt[:, -1:]
+    for k in range(CAPTURE_TRIES + 2):
+        ref = model.forward(tok, eager_cache)
+        past = graph_cache.current_seq_len
+        with pytest.warns(UserWarning, match="capturing a decode step .* failed") if k < CAPTURE_TRIES else \
+                contextlib.nullcontext():
+            out = runner.run_rows(tok, graph_cache, [past] * 2, None, graph_cache.max_seq_len)
+        graph_cache.current_seq_len = past + 1
+        assert out is not None and rel_err(out, ref) <= TOL
+        tok = ref[:, -1].argmax(-1, keepdim=True)
+    assert len(tries) == runner.capture_failures == CAPTURE_TRIES
+    assert not next(iter(runner.steps.values())).captured
 
 
 def test_step_rebuilt_when_cache_tensors_change(model_dir: Path) -> None:

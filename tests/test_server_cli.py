@@ -102,7 +102,7 @@ def test_serve_process_with_config_file_and_keys(tmp_path: Path) -> None:
         req = urllib.request.Request(f"{base}{path}", method="POST" if body is not None else "GET", headers=headers,
                                      data=json.dumps(body).encode() if body is not None else None)
         try:
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with urllib.request.urlopen(req, timeout=180) as r:  # a load compiles kernels; slow under xdist
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())

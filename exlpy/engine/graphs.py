@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from exlpy.capture import gc_paused
 from exlpy.engine.lockstep import run_lanes
 from exlpy.engine.strategy import Lane, Stage, Strategy
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, pack, packed_size, staging, unpack
@@ -51,6 +52,8 @@ MAX_Q_LEN = 8
 # Token counts of captured prompt chunks (one sequence each). Few sizes: each is captured once per table-width
 # bucket. The smallest is above the decode kernel's query length (the flash kernel runs every bucket).
 CHUNK_BUCKETS = (32, 64, 128, 256)
+# Failed captures of one decode shape before it stays eager (each failure costs the step a warm-up run).
+CAPTURE_TRIES = 3
 
 
 def bucket_for(n: int) -> int | None:
@@ -94,6 +97,7 @@ class _Step:
     stages: list[tuple[Stage, list[_LaneStep]]] = field(default_factory=list)
     captured: bool = False
     chunk: bool = False  # a prompt chunk: no logits, the pass ends after the last attention
+    failures: int = 0  # captures of this shape that failed (CAPTURE_TRIES of them: it runs eagerly for good)
 
 
 class StepGraphs:
@@ -106,6 +110,7 @@ class StepGraphs:
         self._pools: dict[str, Any] = {}
         self.chunks_failed = False  # a chunk graph failed to capture: chunks run eagerly from then on
         self.chunks_run = 0  # prompt chunks run through `run_chunk` (benchmarks count them)
+        self.capture_failures = 0  # decode-step captures that failed (those steps ran eagerly)
 
     def clear(self) -> None:
         self.steps.clear()
@@ -254,14 +259,31 @@ class StepGraphs:
                 staging.upload(host_ids, ls.x_in.view(-1))
             else:  # ids already on a device (a sampled token fed straight back): a device copy
                 ls.x_in[:B].copy_(ids.view(B, step.q_len))
-        if self.capture and not step.captured:
-            self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
-        out = self._run(step, replay=self.capture)
+        if self.capture and not step.captured and step.failures < CAPTURE_TRIES:
+            try:
+                self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+            except Exception as e:
+                if step.chunk:
+                    raise  # run_chunk turns captured prompt chunks off
+                self._capture_failed(step, e)
+        out = self._run(step, replay=self.capture and step.captured)
         if out is None:  # a prompt chunk: the cache is written, nothing else is wanted
             return None
         with _scope(out.device):
             out = out[:B].clone()  # the static output is overwritten by the next replay
         return out[:, -1:] if logits == LOGITS_LAST and out.shape[1] > 1 else out
+
+    def _capture_failed(self, step: _Step, e: Exception) -> None:
+        """A decode step's capture failed: the step runs eagerly this time (the pass is repeatable: it writes the
+        same cache rows again), so the jobs in it go on; after CAPTURE_TRIES failures this shape stays eager."""
+        step.failures += 1
+        self.capture_failures += 1
+        warnings.warn(f"capturing a decode step of {step.rows} rows x {step.q_len} tokens failed ({type(e).__name__}: "
+                      f"{e}); it runs eagerly" + (" from now on" if step.failures >= CAPTURE_TRIES else " this time"),
+                      stacklevel=3)
+        for _, lanes in step.stages:
+            for ls in lanes:
+                ls.graph = None
 
     def _run(self, step: _Step, replay: bool) -> torch.Tensor | None:
         """The step's output (None for a prompt chunk, whose pass ends after the last attention: the stages
@@ -319,8 +341,15 @@ class StepGraphs:
         open while the lock-step driver issues their kernels and collectives."""
         graphs = [torch.cuda.CUDAGraph() for _ in lanes]
         # "relaxed": under "global" a second capture_begin is refused while the first lane's capture is open
-        # (benchmarks/capture_probe.py; H200, torch 2.11, CUDA 13).
-        mode = "global" if len(lanes) == 1 else "relaxed"
+        # (benchmarks/capture_probe.py; H200, torch 2.11, CUDA 13). "thread_local" for one lane: a server's other
+        # threads (the event loop, grammar workers) may use CUDA meanwhile, which "global" turns into a failed capture.
+        mode = "thread_local" if len(lanes) == 1 else "relaxed"
+        with gc_paused():  # no earlier graph is destroyed mid-capture (exlpy/capture.py)
+            self._capture_lanes(stage, lanes, graphs, mode)
+        for ls, g in zip(lanes, graphs):
+            ls.graph = g
+
+    def _capture_lanes(self, stage: Stage, lanes: list[_LaneStep], graphs: list[Any], mode: str) -> None:
         begun: list[int] = []
         failed = True
         try:
@@ -348,8 +377,6 @@ class StepGraphs:
                     self._pools.pop(str(lanes[k].lane.device), None)
             if end_error is not None and not failed:
                 raise end_error
-        for ls, g in zip(lanes, graphs):
-            ls.graph = g
 
     @contextlib.contextmanager
     def _capturing(self, step: _Step) -> Iterator[None]:

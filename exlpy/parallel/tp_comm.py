@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from exlpy.capture import gc_paused
 from exlpy.errors import TensorParallelError
 
 
@@ -380,22 +381,23 @@ def time_all_reduce(comm: NcclComm | PeerComm | HostMemComm, devices: list[torch
         streams = [torch.cuda.Stream(d) for d in devices]
         prev = [torch.cuda.current_stream(d) for d in devices]
         begun = []
-        try:
-            for g, d, st in zip(graphs, devices, streams):
-                with torch.cuda.device(d):
-                    torch.cuda.set_stream(st)
-                    # "relaxed": a second capture may begin while the first is open (engine/graphs.py)
-                    g.capture_begin(capture_error_mode="relaxed")
-                    begun.append((g, d))
-            for _ in range(reps):
-                comm.all_reduce(xs)
-        finally:
-            for g, d in begun:
-                with torch.cuda.device(d):
-                    g.capture_end()
-            for d, p in zip(devices, prev):
-                with torch.cuda.device(d):
-                    torch.cuda.set_stream(p)
+        with gc_paused():  # no earlier graph is destroyed mid-capture (exlpy/capture.py)
+            try:
+                for g, d, st in zip(graphs, devices, streams):
+                    with torch.cuda.device(d):
+                        torch.cuda.set_stream(st)
+                        # "relaxed": a second capture may begin while the first is open (engine/graphs.py)
+                        g.capture_begin(capture_error_mode="relaxed")
+                        begun.append((g, d))
+                for _ in range(reps):
+                    comm.all_reduce(xs)
+            finally:
+                for g, d in begun:
+                    with torch.cuda.device(d):
+                        g.capture_end()
+                for d, p in zip(devices, prev):
+                    with torch.cuda.device(d):
+                        torch.cuda.set_stream(p)
 
         def replay(n: int) -> float:
             t0 = time.perf_counter()

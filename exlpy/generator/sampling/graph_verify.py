@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exlpy.capture import gc_paused
 from exlpy.engine.graphs import bucket_for
 from exlpy.generator.sampling.graph_params import K_MAX, NEXT, ext_params, row_params
 from exlpy.generator.sampling.graphed import upload
@@ -127,7 +128,7 @@ class Verifier:
             g._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         saved = (vb.m.clone(), vb.tok.clone())
-        with torch.cuda.graph(graph, pool=g._pool, capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(graph, pool=g._pool, capture_error_mode="thread_local"):
             self._step(vb, feats)
         vb.m.copy_(saved[0])
         vb.tok.copy_(saved[1])
