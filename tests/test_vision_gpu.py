@@ -80,6 +80,9 @@ def test_logits_and_first_tokens_on_gpu(tmp_path: Path, kind: str) -> None:
         # Gemma's scaled activations (embeddings times sqrt(hidden), (1 + w) norms), not a wrong result.
         tol = 2 * tol
     assert rel_err(model.forward(ids, indexed_embeddings=[emb]), want) < tol
+    # the host copy (written beside the forward pass, exlpy/vision/tower.py host_copy) holds the device rows
+    device_rows = emb.rows_on(torch.device("cuda", 0), torch.float16)
+    assert emb.embeddings.device.type == "cpu" and torch.equal(emb.embeddings, device_rows.cpu())
     # through the paged cache and the generator: the first greedy token is transformers' argmax
     gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=512), tok)
     job = ExLlamaV2DynamicJob(ids, max_new_tokens=1, gen_settings=ExLlamaV2Sampler.Settings.greedy(),

@@ -62,12 +62,15 @@ class ExLlamaV2MMEmbedding:
     M-RoPE positions, as in exllamav2; `time_interval` (exlpy: Qwen2.5-VL video) is the M-RoPE time step from one
     temporal patch to the next. `metadata` holds what the tower knows of the image (sizes). exlpy's keywords:
     `digest`, bytes that identify the rows' content (ids are handed out by it instead of by hashing the rows),
-    and `device_rows`, the same rows already on a GPU (forward passes there read them instead of a new copy)."""
+    and `device_rows`, the same rows already on a GPU (forward passes there read them instead of a new copy);
+    `ready`, a CUDA event after which `embeddings` (a host copy still being written) holds the rows: reading
+    `embeddings` waits for it, forward passes reading `device_rows` do not."""
 
     def __init__(self, model: Any, embeddings: torch.Tensor, text_alias: str | None = None,
                  thw_grid: tuple[int, int, int] | None = None, pre_tokens: int = 0, post_tokens: int = 0,
                  time_interval: float = 1.0, *, digest: bytes | None = None,
-                 device_rows: torch.Tensor | None = None) -> None:
+                 device_rows: torch.Tensor | None = None, ready: Any = None) -> None:
+        self._ready = ready
         hidden = getattr(getattr(model, "config", None), "hidden_size", "hidden_size")
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[0] < 1:
             raise MultimodalError(f"ExLlamaV2MMEmbedding: embeddings must be a [num_tokens >= 1, {hidden}] tensor, "
@@ -79,7 +82,9 @@ class ExLlamaV2MMEmbedding:
                                         device_rows.shape != embeddings.shape):
             raise MultimodalError(f"ExLlamaV2MMEmbedding: device_rows must be a tensor of the embeddings' shape "
                                   f"{tuple(embeddings.shape)}, got {getattr(device_rows, 'shape', device_rows)!r}")
-        checked = device_rows if device_rows is not None else embeddings  # the check runs where the rows are fast
+        self._embeddings = embeddings
+        # the check runs where the rows are fast (a host copy in flight is waited for)
+        checked = device_rows if device_rows is not None else self.embeddings
         if not embeddings.is_floating_point() or not bool(torch.isfinite(checked).all()):
             raise MultimodalError("ExLlamaV2MMEmbedding: embeddings must be finite floating-point values")
         if digest is not None and (not isinstance(digest, bytes) or not digest):
@@ -96,7 +101,7 @@ class ExLlamaV2MMEmbedding:
                                       f"embedding {embeddings.shape[0] - pre_tokens - post_tokens} image rows")
             thw_grid = (t, h, w)
         self.model = model
-        self.embeddings = embeddings
+        self.width = embeddings.shape[1]
         self.thw_grid = thw_grid
         self.pre_tokens = pre_tokens
         self.post_tokens = post_tokens
@@ -108,7 +113,7 @@ class ExLlamaV2MMEmbedding:
         self.length = embeddings.shape[0]
         # Ids by content: the caller's digest of what determines the rows (the tower: image, preprocessing,
         # tower and model), else a hash of the rows themselves (10 MB for a 1024x1024 image on a 7B model).
-        self.digest = content_digest(embeddings, thw_grid, pre_tokens, post_tokens, self.time_interval) \
+        self.digest = content_digest(self.embeddings, thw_grid, pre_tokens, post_tokens, self.time_interval) \
             if digest is None else hashlib.blake2b(digest + repr((thw_grid, pre_tokens, post_tokens,
                                                                    self.time_interval)).encode(),
                                                    digest_size=16).digest()
@@ -117,6 +122,19 @@ class ExLlamaV2MMEmbedding:
             self._on_device[(str(device_rows.device), device_rows.dtype)] = device_rows
         self.first_index = global_allocator.allocate(self.length, self.digest)
         self.text_alias = text_alias or f"<$EMB_{self.first_index}$>"
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        """The rows [num_tokens, hidden_size] (on the host unless made with embeddings_cpu=False)."""
+        if self._ready is not None:
+            self._ready.synchronize()  # the tower's copy to the host ran beside the prompt's first layers
+            self._ready = None
+        return self._embeddings
+
+    @embeddings.setter
+    def embeddings(self, value: torch.Tensor) -> None:
+        self._ready = None
+        self._embeddings = value
 
     def rows_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The rows on `device` in `dtype`, copied there once and kept (forward passes read them every chunk)."""
@@ -137,7 +155,7 @@ class ExLlamaV2MMEmbedding:
         return self.first_index + self.pre_tokens, self.first_index + self.length - self.post_tokens
 
     def get_size_in_bytes(self) -> int:
-        return self.embeddings.element_size() * self.embeddings.numel()
+        return self._embeddings.element_size() * self._embeddings.numel()
 
     def __repr__(self) -> str:
         return (f"ExLlamaV2MMEmbedding(alias={self.text_alias!r}, tokens={self.length}, ids={self.first_index}.."

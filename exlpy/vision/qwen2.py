@@ -270,6 +270,14 @@ class QwenVisionTower:
         self.w = {n: read(n, shape).to(device=device, dtype=dtype) for n, shape in self.tensor_shapes().items()}
         e = self.spec.embed_dim
         self.w["visual.patch_embed.proj.weight"] = self.w["visual.patch_embed.proj.weight"].reshape(e, -1)
+        if self.spec.kind == "qwen2_5_vl":
+            # gate and up in one GEMM per block: one launch, and N = 2 x 3420 fills the H100's waves better than
+            # two GEMMs of 3420 (the tower's MLPs were a fifth of the 7B's time to first token)
+            for i in range(self.spec.depth):
+                b = f"visual.blocks.{i}.mlp"
+                for part in ("weight", "bias"):
+                    self.w[f"{b}.gate_up.{part}"] = torch.cat([self.w.pop(f"{b}.gate_proj.{part}"),
+                                                               self.w.pop(f"{b}.up_proj.{part}")])
         self.device, self.dtype = device, dtype
         self._layouts.clear()
 
@@ -334,8 +342,8 @@ class QwenVisionTower:
             mark("tower: attention")
             h = self._norm(x, f"{b}.norm2")
             if s.kind == "qwen2_5_vl":
-                h = self._lin(self.act(self._lin(h, f"{b}.mlp.gate_proj")) * self._lin(h, f"{b}.mlp.up_proj"),
-                              f"{b}.mlp.down_proj")
+                gate, up = self._lin(h, f"{b}.mlp.gate_up").chunk(2, dim=-1)
+                h = self._lin(self.act(gate) * up, f"{b}.mlp.down_proj")
             else:
                 h = self._lin(self.act(self._lin(h, f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
             x = x + h

@@ -197,7 +197,7 @@ class ExLlamaV2VisionTower:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-        device_rows = None
+        device_rows = ready = None
         if hit is None:
             pixels, grid = self._pixels(img)
             mark("preprocess")
@@ -209,16 +209,17 @@ class ExLlamaV2VisionTower:
             else:
                 rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
             device_rows = rows if rows.device.type != "cpu" else None
-            rows = rows.cpu() if embeddings_cpu else rows
-            hit = (rows, thw, pre, post)
+            if embeddings_cpu and device_rows is not None:
+                rows, ready = host_copy(device_rows)
+            hit = (rows, thw, pre, post, ready)
             with self._lock:
                 self._cache[key] = hit
                 while len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        rows, thw, pre, post = hit
+        rows, thw, pre, post, ready = hit
         emb = ExLlamaV2MMEmbedding(model, rows, text_alias, thw_grid=None if self.kind == "pixtral" else thw,
                                    pre_tokens=pre, post_tokens=post, digest=self._digest(key, model),
-                                   device_rows=device_rows)
+                                   device_rows=device_rows, ready=ready)
         side = getattr(self.vspec, "image_size", None)
         step = getattr(self.vspec, "factor", self.vspec.merge_size * self.vspec.patch_size)
         prep = (side, side) if side else (thw[1] * step, thw[2] * step)
@@ -226,6 +227,20 @@ class ExLlamaV2VisionTower:
                              "patches_size": (thw[1], thw[2])})
         mark("embedding: rows + MMEmbedding")
         return emb
+
+
+def host_copy(rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A pinned host copy of device `rows`, written on a side stream, and the event after which it holds them:
+    the copy runs beside the prompt's first layers instead of before them (9.8 MB for a 1024x1024 image on a 7B)."""
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    side = torch.cuda.Stream(rows.device)
+    side.wait_stream(torch.cuda.current_stream(rows.device))
+    with torch.cuda.stream(side):
+        host.copy_(rows, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(side)
+    rows.record_stream(side)  # the allocator keeps the rows until the copy has read them
+    return host, ready
 
 
 def text_rows(model: Any, ids: list[int]) -> torch.Tensor:

@@ -89,8 +89,8 @@ def check_job_embeddings(gen: Any, job: Any) -> None:
 
     hidden = gen.model.config.hidden_size
     for e in job.embeddings:
-        if e.embeddings.shape[1] != hidden:
-            raise MultimodalError(f"job embeddings: {e!r} has {e.embeddings.shape[1]} columns, the model's hidden "
+        if e.width != hidden:
+            raise MultimodalError(f"job embeddings: {e!r} has {e.width} columns, the model's hidden "
                                   f"size is {hidden}")
     for ids in job.all_input_ids:
         check_mm_ids(ids, gen.model_vocab, job.embeddings, "job input_ids")
