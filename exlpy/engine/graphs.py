@@ -44,6 +44,7 @@ import torch
 from exlpy.capture import gc_paused
 from exlpy.engine.lockstep import run_lanes
 from exlpy.engine.strategy import Lane, Stage, Strategy
+from exlpy.errors import InsufficientVRAMError
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, pack, packed_size, staging, unpack
 from exlpy.parallel.p2p import peer_copy_ok
 
@@ -262,6 +263,8 @@ class StepGraphs:
         if self.capture and not step.captured and step.failures < CAPTURE_TRIES:
             try:
                 self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+            except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
+                raise  # the caller's to handle (the warm-up stops capturing larger shapes there)
             except Exception as e:
                 if step.chunk:
                     raise  # run_chunk turns captured prompt chunks off
