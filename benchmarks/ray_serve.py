@@ -20,9 +20,10 @@ GPUs); the load is benchmarks/serving_load.py's: `--streams` streamed completion
 prompts of random length in `--prompts`, exactly `--max-tokens` tokens each (EOS banned, temperature 0), after two
 requests per replica and an unmeasured warm-up load (the same streams and prompt lengths, other prompts, 32 tokens
 each: Triton compiles and graph captures happen there, not in the first replica count's timing while the later ones
-find the kernel cache warm). Reported: total tokens/s over the wall time, TTFT median / p99, inter-token median,
-errors, requests per replica (from /metrics/replicas) and the speed-up over the first replica count. Routing:
-`--scaling-routing`, power of two choices by default.
+find the kernel cache warm); `--repeats` measured runs per replica count, each on fresh prompts (the same sets for
+every count). Reported per run: total tokens/s over the wall time, TTFT median / p99, inter-token median, errors,
+requests per replica (from /metrics/replicas) and the speed-up over the first replica count's mean; then the
+speed-up of the means. Routing: `--scaling-routing`, power of two choices by default.
 
 Part `prefix` (on the largest replica count's application, after its scaling run): for each count S in `--systems`
 (e.g. `1,32`), S system prompts of `--system-tokens` random token ids, `--clients` clients each sending
@@ -51,6 +52,7 @@ import asyncio
 import os
 import random
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -66,11 +68,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"replicas": "1,2", "streams": 64, "prompts": "100,1000", "max_tokens": 128, "system_tokens": 2000,
               "user_tokens": "50,200", "systems": "8", "clients": 32, "requests_per_client": 4,
               "prefix_max_tokens": 32},
-    # the figures on an 8B model in ~5 minutes: 128 streams (one request each, 256 tokens out), then
-    # 2,000-token system prompts: 32 prompts shared by ~4 requests each, and one prompt shared by all
-    "8b": {"replicas": "1,2", "streams": 128, "prompts": "100,1000", "max_tokens": 256, "system_tokens": 2000,
-           "user_tokens": "50,200", "systems": "32,1", "clients": 32, "requests_per_client": 4,
-           "prefix_max_tokens": 32},
+    # the figures on an 8B model in ~5 minutes: 128 streams (one request each, 256 tokens out, two runs
+    # per replica count), then 2,000-token system prompts: 32 prompts shared by ~4 requests each, and one prompt
+    # shared by all
+    "8b": {"replicas": "1,2", "streams": 128, "prompts": "100,1000", "max_tokens": 256, "repeats": 2,
+           "system_tokens": 2000, "user_tokens": "50,200", "systems": "32,1", "clients": 32,
+           "requests_per_client": 4, "prefix_max_tokens": 32},
 }
 MODEL_KEYS = ("8b", "small")  # benchmarks/serving.py's random-weight models that --model may name
 
@@ -300,16 +303,20 @@ def emit(args: argparse.Namespace, lines: list[str]) -> None:
 
 def scaling_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
     lo, hi = args.prompts.split(",")
-    base = rows[0]["tok_s"]
+    counts = list(dict.fromkeys(r["replicas"] for r in rows))
+    mean = {n: statistics.mean(r["tok_s"] for r in rows if r["replicas"] == n) for n in counts}
+    base = mean[counts[0]]
     lines = [f"Scaling: {args.streams} streams at once, prompts {lo}-{hi} tokens, {args.max_tokens} tokens "
-             f"each, routing {args.scaling_routing}", "",
-             "| replicas | tokens/s | speed-up | TTFT p50 (s) | TTFT p99 (s) | inter-token p50 (ms) | wall (s) "
+             f"each, routing {args.scaling_routing}; {args.repeats} run(s) per replica count, fresh prompts each", "",
+             "| replicas | run | tokens/s | speed-up | TTFT p50 (s) | TTFT p99 (s) | inter-token p50 (ms) | wall (s) "
              "| requests per replica | errors |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
-        lines.append(f"| {r['replicas']} | {r['tok_s']:.0f} | {r['tok_s'] / base:.2f}x | {r['ttft_p50']:.3f} | "
-                     f"{r['ttft_p99']:.3f} | {1000 * r['itl_p50']:.1f} | {r['wall']:.1f} | {r['split']} | "
-                     f"{r['errors']} |")
+        lines.append(f"| {r['replicas']} | {r['run']} | {r['tok_s']:.0f} | {r['tok_s'] / base:.2f}x | "
+                     f"{r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | {1000 * r['itl_p50']:.1f} | {r['wall']:.1f} | "
+                     f"{r['split']} | {r['errors']} |")
+    lines += [""] + [f"Speed-up of {n} replicas over {counts[0]} (mean tokens/s of the runs): "
+                     f"{mean[n] / base:.2f}x ({mean[n]:.0f} vs {base:.0f} tokens/s)." for n in counts[1:]]
     return lines + [""]
 
 
@@ -354,6 +361,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=128)
     ap.add_argument("--prompts", default="100,2000", help="prompt length range LO,HI (tokens)")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1, help="measured runs of the scaling load per replica count")
     ap.add_argument("--system-tokens", type=int, default=2000)
     ap.add_argument("--user-tokens", default="50,200", help="user part length range LO,HI (tokens)")
     ap.add_argument("--systems", default="8", help="distinct system prompts per routing phase; a list runs each")
@@ -401,8 +409,9 @@ def main() -> None:
     vocab = ExLlamaV2Config(args.model).vocab_size
     lo, hi = (int(x) for x in args.prompts.split(","))
     rng = random.Random(args.seed)
-    prompts = [prompt(rng, rng.randint(lo, hi), vocab) for _ in range(args.streams)]
     warm_prompts = [prompt(rng, rng.randint(lo, hi), vocab) for _ in range(args.streams)]
+    prompt_sets = [[prompt(rng, rng.randint(lo, hi), vocab) for _ in range(args.streams)]
+                   for _ in range(args.repeats)]
     counts = [int(x) for x in args.replicas.split(",")]
     port = free_port()
     # The replicas are Ray workers: they import this checkout's exlpy, and whatever else PYTHONPATH names (the GPU
@@ -433,10 +442,11 @@ def main() -> None:
                     w, wall = run_load(url, drive(url, name, warm_prompts, min(32, args.max_tokens),
                                                   args.scaling_routing))
                     print(f"warm-up load: {wall:.1f} s, {sum(s.error is not None for s in w)} errors", flush=True)
-                load = drive(url, name, prompts, args.max_tokens, args.scaling_routing)
-                (streams, wall), delta = measured(url, load)
-                rows.append({"replicas": n, "split": split(delta), **summary(streams, wall)})
-                print(rows[-1], flush=True)
+                for run, prompts in enumerate(prompt_sets, 1):  # fresh prompts: no run hits another's pages
+                    load = drive(url, name, prompts, args.max_tokens, args.scaling_routing)
+                    (streams, wall), delta = measured(url, load)
+                    rows.append({"replicas": n, "run": run, "split": split(delta), **summary(streams, wall)})
+                    print(rows[-1], flush=True)
                 if n == counts[-1]:
                     emit(args, scaling_table(args, rows))
             if "prefix" in parts and n == max(counts):
