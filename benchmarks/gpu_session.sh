@@ -65,7 +65,8 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
     ray) timeout "${RAY_S:-235}" python benchmarks/ray_serve.py --model "${RAY_MODEL:-../shared/models/tiny-llama-exl2-4.0}" \
            --quick --out "$OUT/ray_serve.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tail -30 ;;
     ray8b) timeout "${RAY8B_S:-520}" python benchmarks/ray_serve.py --model 8b --work /tmp/exlpy_bench --preset 8b \
-             --out "$OUT/ray_serve.md" 2>&1 | tee "$OUT/ray8b.log" | grep -v "^(\|INFO\|WARNING" | tail -60 ;;
+             --out "$OUT/ray_serve.md" 2>&1 | tee "$OUT/ray8b.log" | grep -av -E $'^(\e\\[[0-9;]*m)?\\(|INFO|WARNING' \
+             | tail -60 ;;  # Ray's worker lines (colour code, then "(Actor pid=...)") stay in the log
     mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs --timeout=120 \
             --timeout-method=thread ${MGPU_ARGS:-} \
             tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py \
