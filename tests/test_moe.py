@@ -14,7 +14,7 @@ import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.errors import LoraConfigError, TensorParallelError
-from exlpy.kernels import reference
+from exlpy.kernels import reference, reference_moe
 from tests.arch_models import VOCAB, make_arch_model
 from tests.conftest import logits_tol, rel_err, requires_cuda
 
@@ -77,9 +77,9 @@ def test_every_experts_path_equals_a_per_token_loop(monkeypatch: pytest.MonkeyPa
     h, w, ids, gu, down = _case(tokens)
     want = _naive(h, w, ids, gu, down)
     limit, slices, gather_bytes = _PATHS[path]
-    monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
-    monkeypatch.setattr(reference, "MOE_HOST_SLICES", slices)
-    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_MAX", limit)
+    monkeypatch.setattr(reference_moe, "MOE_HOST_SLICES", slices)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_BYTES", gather_bytes)
     torch.testing.assert_close(reference.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
 
@@ -102,14 +102,14 @@ def test_unrouted_experts_are_not_read(monkeypatch: pytest.MonkeyPatch, path: st
     gu[2], down[2] = float("nan"), float("nan")
     ids = torch.randint(0, 2, (20, 1), generator=g)
     limit, slices, gather_bytes = _PATHS[path]
-    monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
-    monkeypatch.setattr(reference, "MOE_HOST_SLICES", slices)
-    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_MAX", limit)
+    monkeypatch.setattr(reference_moe, "MOE_HOST_SLICES", slices)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_BYTES", gather_bytes)
     assert torch.isfinite(reference.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
     assert torch.isfinite(ops.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
 
 
-@pytest.mark.parametrize("gather_bytes", [reference.MOE_GATHER_BYTES, 0])
+@pytest.mark.parametrize("gather_bytes", [reference_moe.MOE_GATHER_BYTES, 0])
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_moe_block_forward_needs_no_host_sync(moe_models: dict, monkeypatch: pytest.MonkeyPatch, tokens: int,
                                               gather_bytes: int) -> None:
@@ -119,7 +119,7 @@ def test_moe_block_forward_needs_no_host_sync(moe_models: dict, monkeypatch: pyt
     from exlpy.model.module import drive
     from exlpy.model.moe import MoEMLP
 
-    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_BYTES", gather_bytes)
     for case in ("mixtral", "qwen3_moe", "dbrx"):
         model = _load(moe_models[case][0], torch.float32, "cpu")
         block = next(m for m in model.modules if isinstance(m, MoEMLP))
