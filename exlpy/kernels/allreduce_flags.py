@@ -62,6 +62,21 @@ def wait_flags(flags, b, rank, e, spin, errors, N: tl.constexpr, AHEAD: tl.const
 
 
 @triton.jit
+def sum_rows(mine, buf, par, offs, cmask, rank, N: tl.constexpr, MAXN: tl.constexpr, BLOCK_H: tl.constexpr,
+             CACHE: tl.constexpr):
+    """The fused kernels' sum of a row over the ranks in rank order (identical bits on every GPU), fp32: our own
+    partial from registers, every other rank j's from buf [parity, j] (read with cache modifier CACHE)."""
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(N):
+        if j == rank:
+            acc += mine.to(tl.float32)
+        else:
+            acc += tl.load(buf + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
+                           cache_modifier=CACHE).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def store_sum_norm(x, h, w, acc, offs, cols, cmask, hidden, eps):
     """The fused kernels' epilogue: the row's sum acc (fp32) into x in x's dtype, and rms_norm(sum) * w into h,
     rounded as kernels/rmsnorm.py rounds."""

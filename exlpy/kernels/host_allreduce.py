@@ -46,6 +46,7 @@ from exlpy.kernels.allreduce_flags import (  # noqa: F401 - MAX_SLOTS, NORM_*: t
     norm_launch,
     store_release,
     store_sum_norm,
+    sum_rows,
     wait_flags,
 )
 from exlpy.kernels.allreduce_flags import fits as _fits
@@ -111,13 +112,7 @@ def _host_allreduce_norm_kernel(x, h, w, buf, flags, epochs, errors, hidden, ran
     store_release(flags + b * SLOTS + rank, e, ASM)
     wait_flags(flags, b, rank, e, spin, errors, N, True, ASM)
     tl.debug_barrier()
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(N):
-        if j == rank:
-            acc += mine.to(tl.float32)
-        else:
-            acc += tl.load(buf + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
-                           cache_modifier=".cv").to(tl.float32)
+    acc = sum_rows(mine, buf, par, offs, cmask, rank, N, MAXN, BLOCK_H, ".cv")
     store_sum_norm(x, h, w, acc, offs, cols, cmask, hidden, eps)
     tl.store(epochs + b, e)
 

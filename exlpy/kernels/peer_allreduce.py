@@ -38,6 +38,7 @@ from exlpy.kernels.allreduce_flags import (  # noqa: F401 - MAX_SLOTS, NORM_*: t
     FlagState,
     norm_launch,
     store_sum_norm,
+    sum_rows,
     wait_flags,
 )
 from exlpy.kernels.allreduce_flags import fits as _fits
@@ -127,13 +128,7 @@ def _allreduce_norm_kernel(x, h, w, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, 
             tl.atomic_xchg(peer + b * SLOTS + rank, e, sem="release", scope="sys")
     wait_flags(flags_mine, b, rank, e, spin, errors, N, True, False)
     tl.debug_barrier()
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(N):
-        if j == rank:
-            acc += mine.to(tl.float32)
-        else:
-            acc += tl.load(recv_mine + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
+    acc = sum_rows(mine, recv_mine, par, offs, cmask, rank, N, MAXN, BLOCK_H, ".cg")
     store_sum_norm(x, h, w, acc, offs, cols, cmask, hidden, eps)
     tl.store(epochs + b, e)
 
