@@ -10,6 +10,7 @@ with TRITON_INTERPRET=1, so this session keeps compiled kernels for the CUDA tes
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -55,15 +56,22 @@ def _qmm():
     return exl2_qmm
 
 
-def _check(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, norm: torch.Tensor | None = None) -> None:
-    qmm = _qmm()
+def check_group(group: Callable[[list[QuantMatrix], torch.Tensor | None], Any], x: torch.Tensor,
+                parts: list[QuantMatrix], bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                norm: torch.Tensor | None = None) -> None:
+    """group(parts, bias).run(x, residual, norm) (a QmmGroup, a TcGroup) against reference.quant_matmul: in x's
+    dtype, added into `residual` in place when given, within TOL. Also tests/test_exl2_tc.py's."""
     ref = reference.quant_matmul(x, parts, bias, None if residual is None else residual.clone(), norm, 1e-5)
-    y = qmm.QmmGroup(parts, bias).run(x, residual, norm, 1e-5)
+    y = group(parts, bias).run(x, residual, norm, 1e-5)
     if residual is not None:
         assert y is residual  # added in place
     assert y.shape == (x.shape[0], sum(p.n for p in parts)) and y.dtype == x.dtype
     assert rel_err(y, ref) < TOL, (x.shape, [p.layout.group_bits[:3] for p in parts])
+
+
+def _check(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, norm: torch.Tensor | None = None) -> None:
+    check_group(_qmm().QmmGroup, x, parts, bias, residual, norm)
 
 
 # (K, N, groups): small shapes; groups of whole 32-row blocks, as the converter writes them
