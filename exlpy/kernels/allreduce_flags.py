@@ -62,6 +62,19 @@ def wait_flags(flags, b, rank, e, spin, errors, N: tl.constexpr, AHEAD: tl.const
 
 
 @triton.jit
+def row_prologue(x, epochs, hidden, BLOCK_H: tl.constexpr):
+    """The fused kernels' start: program b owns row b of x [rows, hidden]; its call count e = epochs[b] + 1 and
+    parity; the row's columns, their mask, offsets, and our partial of the row."""
+    b = tl.program_id(0)
+    e = tl.load(epochs + b) + 1
+    par = e % 2
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < hidden
+    offs = b * hidden + cols
+    return b, e, par, cols, cmask, offs, tl.load(x + offs, mask=cmask, other=0.0)
+
+
+@triton.jit
 def sum_rows(mine, buf, par, offs, cmask, rank, N: tl.constexpr, MAXN: tl.constexpr, BLOCK_H: tl.constexpr,
              CACHE: tl.constexpr):
     """The fused kernels' sum of a row over the ranks in rank order (identical bits on every GPU), fp32: our own

@@ -44,6 +44,7 @@ from exlpy.kernels.allreduce_flags import (  # noqa: F401 - MAX_SLOTS, NORM_*: t
     SLOTS,
     FlagState,
     norm_launch,
+    row_prologue,
     store_release,
     store_sum_norm,
     sum_rows,
@@ -100,13 +101,7 @@ def _host_allreduce_norm_kernel(x, h, w, buf, flags, epochs, errors, hidden, ran
     """The all-reduce of [rows, hidden] with the next block's RMSNorm in its epilogue: program b owns row b
     (the same protocol as above, a row per tile), stores the sum into x and rms_norm(sum) * w into h, rounded
     exactly as the sum's own kernel and the RMSNorm kernel (kernels/rmsnorm.py) would."""
-    b = tl.program_id(0)
-    e = tl.load(epochs + b) + 1
-    par = e % 2
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < hidden
-    offs = b * hidden + cols
-    mine = tl.load(x + offs, mask=cmask, other=0.0)
+    b, e, par, cols, cmask, offs, mine = row_prologue(x, epochs, hidden, BLOCK_H)
     tl.store(buf + (par * N + rank) * MAXN + offs, mine, mask=cmask)
     tl.debug_barrier()
     store_release(flags + b * SLOTS + rank, e, ASM)

@@ -37,6 +37,7 @@ from exlpy.kernels.allreduce_flags import (  # noqa: F401 - MAX_SLOTS, NORM_*: t
     SLOTS,
     FlagState,
     norm_launch,
+    row_prologue,
     store_sum_norm,
     sum_rows,
     wait_flags,
@@ -110,13 +111,7 @@ def _allreduce_norm_kernel(x, h, w, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, 
     b owns row b, pushes it to every peer as above, sums every rank's row in rank order (identical bits on
     every GPU), stores the sum into x and rms_norm(sum) * w into h, rounded as kernels/rmsnorm.py rounds. A
     peer already one call ahead (flag e + 1) also releases the wait."""
-    b = tl.program_id(0)
-    e = tl.load(epochs + b) + 1
-    par = e % 2
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < hidden
-    offs = b * hidden + cols
-    mine = tl.load(x + offs, mask=cmask, other=0.0)
+    b, e, par, cols, cmask, offs, mine = row_prologue(x, epochs, hidden, BLOCK_H)
     for j in tl.static_range(N):
         if j != rank:
             dst = _pick(j, r0, r1, r2, r3, r4, r5, r6, r7)
