@@ -21,8 +21,16 @@ from exlpy.quant.gptq_ref import build_gptq_matrix
 from exlpy.quant.layout import QuantMatrix
 from exlpy.quant.pack import quantize_gptq
 from exlpy.runtime import RuntimeOptions, options, use_options
-from tests.conftest import rel_err, requires_cuda, shared_path
-from tests.test_exl2_qmm import MIXED_8B, _exl2, _exl2_big, _groups, check_graph_replay, check_group
+from tests.conftest import rel_err, requires_cuda
+from tests.test_exl2_qmm import (
+    MIXED_8B,
+    _exl2,
+    _exl2_big,
+    _groups,
+    check_graph_replay,
+    check_group,
+    check_model_batched_decode,
+)
 
 TOL = 2e-3  # exact codes and fp16 x in the dots, fp32 accumulation (rel_err: max |diff| / max |ref|)
 
@@ -359,30 +367,8 @@ def test_graph_replay_cuda() -> None:
 def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """A converter-written EXL2 model decoding 4 rows (graph step), then verifying 4 tokens per row (16 rows), with
     EXLPY_QMM_KERNEL=tc, runs this kernel and matches the fp32 CPU model's logits."""
-    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
-    from tests.conftest import logits_tol
-
-    tc = _tc()
-    calls = []
-    real = tc.run_plan
-    monkeypatch.setattr(tc, "run_plan", lambda plan, xg, *a: calls.append(xg.shape[0]) or real(plan, xg, *a))
-    d = shared_path("models", "smollm2-135m-exl2-4.0")
-    cpu = ExLlamaV2(ExLlamaV2Config(str(d)))
-    cpu.load(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 1000, (4, 24), generator=gen)
-    want = cpu.forward(ids)
-    del cpu
-    with use_options(dataclasses.replace(options(), quant_rows=64, gemv_rows=0, qmm_kernel="tc")):
-        model = ExLlamaV2(ExLlamaV2Config(str(d)))
-        cache = ExLlamaV2Cache(model, batch_size=4, max_seq_len=64, lazy=True)
-        model.load_autosplit(cache)
-        tol = logits_tol(model, 1e-3)
-        model.forward(ids[:, :19], cache, preprocess_only=True)
-        got = model.forward(ids[:, 19:20], cache)
-        assert 4 in calls and rel_err(got[:, -1], want[:, 19]) <= tol
-        got = model.forward(ids[:, 20:24], cache)
-        assert 16 in calls and rel_err(got, want[:, 20:24]) <= tol
+    check_model_batched_decode(monkeypatch, _tc(),
+                               dataclasses.replace(options(), quant_rows=64, gemv_rows=0, qmm_kernel="tc"))
 
 
 @pytest.mark.slow
