@@ -75,3 +75,14 @@ def fmt_e(v: float | None) -> str:
 
 def fmt_f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def shape_matrix(part: str, k: int, n: int, mix: str) -> tuple[str, Any, list[Any]] | None:
+    """(its key "KxN mix", a random packed matrix of the shape on the GPU, its rotating copies over 300 MB) for a
+    part's case, announced as `part key`; None when building failed (reported)."""
+    key = f"{k}x{n} {mix}"
+    log(f"{part} {key}")
+    qm = guarded("build", random_matrix, k, n, mix, torch.device("cuda"), mix == "gptq")
+    if qm is None:
+        return None
+    return key, qm, copies(qm, 300 << 20)

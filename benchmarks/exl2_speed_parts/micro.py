@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.exl2_speed_parts.common import copies, fmt_us, guarded, log, random_matrix, timed
+from benchmarks.exl2_speed_parts.common import fmt_us, guarded, log, shape_matrix, timed
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 
@@ -52,12 +52,10 @@ def _micro_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str, 
     from exlpy.kernels import exl2_matmul as km
 
     dev = torch.device("cuda")
-    key = f"{k}x{n} {mix}"
-    log(f"micro {key}")
-    qm = guarded("build", random_matrix, k, n, mix, dev, mix == "gptq")
-    if qm is None:
+    case = shape_matrix("micro", k, n, mix)
+    if case is None:
         return
-    mats = copies(qm, 300 << 20)
+    key, qm, mats = case
     groups = [exl2_qmm.QmmGroup([m], None) for m in mats]
     w16 = [torch.randn(k, n, dtype=torch.float16, device=dev) for _ in range(max(1, (300 << 20) // (2 * k * n)))]
     nbytes = qm.nbytes()

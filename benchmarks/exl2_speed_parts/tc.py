@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.exl2_speed_parts.common import copies, fmt_us, guarded, log, random_matrix, timed, us_or_none
+from benchmarks.exl2_speed_parts.common import (
+    fmt_us,
+    guarded,
+    log,
+    shape_matrix,
+    timed,
+    us_or_none,
+)
 
 TC_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # q|k|v, o, gate|up, down of the 8B model
 
@@ -42,12 +49,10 @@ def _tc_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str) -> 
     from exlpy.runtime import options, use_options
 
     dev = torch.device("cuda")
-    key = f"{k}x{n} {mix}"
-    log(f"tc {key}")
-    qm = guarded("build", random_matrix, k, n, mix, dev, mix == "gptq")
-    if qm is None:
+    case = shape_matrix("tc", k, n, mix)
+    if case is None:
         return
-    mats = copies(qm, 300 << 20)
+    key, qm, mats = case
     nbytes = qm.nbytes()
     qmm_opts = replace(options(), qmm_kernel="qmm")
     with use_options(qmm_opts):
