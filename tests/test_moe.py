@@ -206,6 +206,28 @@ def check_runner_decode(model: ExLlamaV2, steps: int = 3) -> tuple[object, torch
     return runner, tok, eager_cache, graph_cache
 
 
+def check_replays_with_new_routing(run: Callable[[], torch.Tensor], refill: Callable[[int], None],
+                                   want: Callable[[], torch.Tensor]) -> None:
+    """An MoE op over static buffers, run(), captured once in a CUDA graph (capture refuses any host sync) after
+    refill(0) and a first call on a side stream (the kernels compile outside the capture); then per seed 1-3
+    refill(seed) routes the tokens elsewhere and a replay must be within 5e-3 of want() for that routing. Also
+    tests/test_moe_kernels_triton.py's and tests/test_moe_exl2.py's."""
+    refill(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (1, 2, 3):
+        refill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, want()) < 5e-3
+
+
 def check_cuda_graph_decode(load: Callable[[], ExLlamaV2], want: torch.Tensor, ids: torch.Tensor,
                             between_tol: float | None = None) -> None:
     """fp16 models from `load()` on a GPU decode ids [2, 30] (a 20-token prompt, then token by token) replayed

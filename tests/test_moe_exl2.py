@@ -23,7 +23,7 @@ from exlpy.quant.exl2_ref import build_exl2_matrix, dequant_dense
 from exlpy.quant.experts import ExpertStack, stack_exl2
 from exlpy.quant.pack import random_exl2
 from tests.conftest import requires_cuda
-from tests.test_moe import check_cuda_graph_decode, check_runner_decode
+from tests.test_moe import check_cuda_graph_decode, check_replays_with_new_routing, check_runner_decode
 
 # per-expert (bits, rows) layouts, cycled over the experts; each sums to K = 88 (mixed, cut last group, uniform;
 # the last one has a group boundary off the 32-row grid, so stacks of 5 or more experts take the kernels' general
@@ -211,20 +211,8 @@ def test_cuda_graph_capture_and_replay_with_new_routing() -> None:
         w.copy_(torch.rand(T, k, generator=gg))
         ids.copy_(torch.stack([torch.randperm(E, generator=gg)[:k] for _ in range(T)]))
 
-    refill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.moe_experts_exl2(h, w, ids, gate, up, down, "silu")  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.moe_experts_exl2(h, w, ids, gate, up, down, "silu")
-    for seed in (1, 2, 3):
-        refill(seed)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _rel(out, reference.moe_experts(h, w, ids, gu, dn, "silu")) < 5e-3
+    check_replays_with_new_routing(lambda: ops.moe_experts_exl2(h, w, ids, gate, up, down, "silu"), refill,
+                                   lambda: reference.moe_experts(h, w, ids, gu, dn, "silu"))
 
 
 # --- models -----------------------------------------------------------------------------------------------------
