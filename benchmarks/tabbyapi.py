@@ -70,6 +70,35 @@ def make_venv(venv: Path) -> Path:
     return site
 
 
+def mask_torch_cuda13(site: Path, log: list[str]) -> None:
+    """TabbyAPI 79126f9 turns its exllamav2 backend off when torch's distribution version ends in `+cu13...`
+    (`common/optional_dependencies.py: is_torch_cuda_13`): exllamav2's compiled wheels were never built for CUDA 13.
+    exlpy compiles nothing ahead of time, so the guard does not apply to it; a metadata-only `torch` dist-info in the
+    venv's site-packages (found before this interpreter's own) reports the version without its local label. torch
+    itself is not touched: `import torch` still loads this interpreter's build."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        full = version("torch")
+    except PackageNotFoundError:
+        return
+    public, _, local = full.partition("+")
+    for old in site.glob("torch-*.dist-info"):
+        if (old / "EXLPY_MASK").exists():
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+    if not local.startswith("cu13"):
+        return
+    info = site / f"torch-{public}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {public}\n")
+    (info / "EXLPY_MASK").write_text(f"masks torch {full} for TabbyAPI's is_torch_cuda_13 guard\n")
+    log.append(f"torch {full}: the venv reports torch {public} (a metadata-only dist-info), since TabbyAPI "
+               "79126f9 disables its exllamav2 backend for +cu13 torch builds (exllamav2's compiled wheels; exlpy "
+               "has none)")
+
+
 def tabby_requirements(tabby: Path) -> list[str]:
     try:
         import tomllib  # Python 3.11+
@@ -170,12 +199,23 @@ class Skipped(Exception):
 
 
 class Checks:
-    def __init__(self) -> None:
+    """The checks' rows, written to the results file after each one (a run stopped from outside keeps what it
+    did). Past `deadline` (time.monotonic()) a check is not started: it is recorded as skipped."""
+
+    def __init__(self, deadline: float = float("inf"), on_row: Callable[[], None] = lambda: None) -> None:
         self.rows: list[tuple[str, str, float, str]] = []  # name, ok / failed / skipped, seconds, detail
+        self.deadline, self.on_row = deadline, on_row
+        self.current: str | None = None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
     def run(self, name: str, fn: Callable[[], str]) -> bool:
         t0 = time.perf_counter()
+        self.current = name
         try:
+            if self.left() <= 0:
+                raise Skipped("not started: the run's time budget (--budget) was spent")
             detail, result = fn(), "ok"
         except Skipped as e:
             detail, result = str(e), "skipped"
@@ -183,9 +223,14 @@ class Checks:
             detail, result = f"{type(e).__name__}: {e}"[:400], "failed"
             traceback.print_exc()
         dt_s = time.perf_counter() - t0
+        self.add(name, result, dt_s, detail)
+        return result == "ok"
+
+    def add(self, name: str, result: str, dt_s: float, detail: str) -> None:
+        self.current = None
         self.rows.append((name, result, dt_s, detail.replace("\n", " ").replace("|", "\\|")[:300]))
         print(f"[{result}] {name} ({dt_s:.1f} s): {detail[:200]}", flush=True)
-        return result == "ok"
+        self.on_row()
 
 
 def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -220,7 +265,8 @@ def post_stream(base: str, path: str, body: dict[str, Any], timeout: float = 900
     return events or [json.loads(text)]
 
 
-def drive(base: str, model_name: str, draft_name: str | None, tool_format: str | None, checks: Checks) -> None:
+def drive(base: str, model_name: str, draft_name: str | None, tool_format: str | None, checks: Checks,
+          random_weights: bool = False) -> None:
     import httpx
     from openai import OpenAI
 
@@ -258,6 +304,17 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
         return f"n=2: {[c.text for c in r.choices]}"
 
     def json_schema() -> str:
+        if random_weights:
+            # formatron's JSON grammar leaves strings and whitespace unbounded, which a random-weight model fills
+            # until max_tokens; a bounded regex goes through the same filter path and must end by EOS when done.
+            r = client.chat.completions.create(
+                model=model_name, max_tokens=60, temperature=0,
+                messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
+                extra_body={"regex_pattern": r'\{"name": "(Ada|Bob)", "age": [1-9][0-9]?\}'})
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            obj = json.loads(text)
+            assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and finish == "stop", (text, finish)
+            return f"random weights, so a bounded regex through formatron: finish {finish}, valid JSON {text!r}"
         r = client.chat.completions.create(
             model=model_name, max_tokens=120, temperature=0,
             messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
@@ -396,7 +453,8 @@ def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log
         "",
         f"Command: `python benchmarks/tabbyapi.py --tabby {args.tabby} --model {args.model}"
         + (f" --draft-model {args.draft_model}" if args.draft_model else "")
-        + (f" --wheelhouse {args.wheelhouse}" if args.wheelhouse else "") + "`",
+        + (f" --wheelhouse {args.wheelhouse}" if args.wheelhouse else "")
+        + (f" --budget {args.budget:.0f}" if args.budget else "") + "`",
         "",
         "TabbyAPI started unmodified with `python main.py --config CONFIG` in a virtual environment where "
         "`exlpy compat install` aliases exllamav2 to exlpy.",
@@ -419,6 +477,10 @@ def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log
     out.write_text(previous.rstrip() + "\n\n" + "\n".join(lines))
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit("SIGTERM")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tabby", type=Path, required=True, help="TabbyAPI checkout (commit 79126f9)")
@@ -435,6 +497,11 @@ def main() -> int:
                    "tools check; without it the check is skipped")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run, set-up included: "
+                   "checks not started by then are recorded as skipped, and the results file is written")
+    p.add_argument("--random-weights", action="store_true", help="the model has random weights (its text is noise): "
+                   "the structured-output check uses a bounded regex instead of an unbounded JSON schema")
+    p.add_argument("--save-log", type=Path, default=None, help="copy TabbyAPI's whole log here")
     p.add_argument("--commit", default="79126f9")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -445,13 +512,19 @@ def main() -> int:
         download_wheels(reqs, args.download_wheels, args.wheel_python)
         return 0
 
+    t_start = time.monotonic()
+    deadline = t_start + args.budget if args.budget else float("inf")
+    # A `timeout` from outside (SIGTERM) ends the run the same way as the budget: TabbyAPI stopped, results written.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     setup_log: list[str] = []
     site = make_venv(args.venv)
     py = venv_python(args.venv)
     setup_log.append(f"venv {args.venv} (site-packages {site})")
     if not args.no_install:
         install_deps(py, [*reqs, "openai"], args.wheelhouse, setup_log)
+    mask_torch_cuda13(site, setup_log)
     alias_install(py, setup_log)
+    setup_log.append(f"set-up took {time.monotonic() - t_start:.0f} s")
     sys.path.append(str(site))  # the driver's openai client, where this interpreter has none (after its own)
 
     import torch
@@ -462,24 +535,33 @@ def main() -> int:
     cfg = write_config(work, model, draft, args.port, args.max_seq_len, args.tool_format)
     log_path = work / "tabby.log"
     env = child_env(PYTHONUNBUFFERED="1")
-    checks = Checks()
+
+    def log_tail() -> str:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:]) if log_path.exists() else ""
+
+    checks = Checks(deadline, lambda: write_results(args.out, args, checks, setup_log, device, log_tail()))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(py), "main.py", "--config", str(cfg)], cwd=tabby, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{args.port}"
     try:
-        if checks.run("start and load the model", lambda: (wait_ready(base, proc, args.startup_timeout),
-                                                            f"ready at {base}")[1]):
-            drive(base, model.name, draft.name, args.tool_format, checks)
+        startup = min(args.startup_timeout, max(checks.left(), 1.0))
+        if checks.run("start and load the model", lambda: (wait_ready(base, proc, startup), f"ready at {base}")[1]):
+            drive(base, model.name, draft.name, args.tool_format, checks, args.random_weights)
+    except BaseException as e:  # stopped from outside (SIGTERM, Ctrl-C): record where
+        if checks.current is not None:
+            checks.add(checks.current, "failed", 0.0, f"interrupted ({type(e).__name__}: {e})")
+        raise
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-    write_results(args.out, args, checks, setup_log, device, tail)
-    print(f"results: {args.out}; work dir {work}")
+        write_results(args.out, args, checks, setup_log, device, log_tail())
+        if args.save_log:
+            args.save_log.write_bytes(log_path.read_bytes())
+        print(f"results: {args.out}; work dir {work}; {time.monotonic() - t_start:.0f} s in all", flush=True)
     return 0 if all(r != "failed" for _, r, _, _ in checks.rows) else 1
 
 
