@@ -65,8 +65,12 @@ def make_venv(venv: Path) -> Path:
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True, env=child_env()).stdout.strip())
     # This interpreter's packages come after the venv's own (so a pin TabbyAPI needs can shadow them), and this
-    # exlpy checkout before both.
-    (site / "_exlpy_parent.pth").write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
+    # exlpy checkout before both. Every site directory it has: a distribution's Python keeps pip-installed
+    # packages in one (/usr/local/lib/python3.X/dist-packages) and its own in another (/usr/lib/python3/...).
+    paths = sysconfig.get_paths()
+    dirs = [paths["purelib"], paths["platlib"], *(p for p in sys.path if p.rstrip("/").endswith(
+        ("site-packages", "dist-packages")))]
+    (site / "_exlpy_parent.pth").write_text("\n".join([str(ROOT), *dict.fromkeys(dirs)]) + "\n")
     return site
 
 
@@ -144,8 +148,9 @@ def alias_install(py: Path, log: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-def write_lora(model_dir: Path, dest: Path, r: int = 8) -> None:
-    """A random PEFT LoRA adapter (q_proj, v_proj of every layer) with the model's shapes."""
+def write_lora(model_dir: Path, dest: Path, r: int = 8, std: float = 0.05) -> None:
+    """A random PEFT LoRA adapter (q_proj, v_proj of every layer) with the model's shapes; `std`: of A and B's
+    entries (0.05 moves a trained model's output; a random-weight model's needs more)."""
     import torch
     from safetensors.torch import save_file
 
@@ -159,8 +164,8 @@ def write_lora(model_dir: Path, dest: Path, r: int = 8) -> None:
     for i in range(cfg["num_hidden_layers"]):
         for proj, out in (("q_proj", heads * d), ("v_proj", kv)):
             p = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            t[f"{p}.lora_A.weight"] = (torch.randn(r, h, generator=g) * 0.05).half()
-            t[f"{p}.lora_B.weight"] = (torch.randn(out, r, generator=g) * 0.05).half()
+            t[f"{p}.lora_A.weight"] = (torch.randn(r, h, generator=g) * std).half()
+            t[f"{p}.lora_B.weight"] = (torch.randn(out, r, generator=g) * std).half()
     dest.mkdir(parents=True, exist_ok=True)
     save_file(t, str(dest / "adapter_model.safetensors"))
     (dest / "adapter_config.json").write_text(json.dumps({
@@ -206,12 +211,13 @@ class Checks:
         self.rows: list[tuple[str, str, float, str]] = []  # name, ok / failed / skipped, seconds, detail
         self.deadline, self.on_row = deadline, on_row
         self.current: str | None = None
+        self.t0 = 0.0  # when the current check started
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def run(self, name: str, fn: Callable[[], str]) -> bool:
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         self.current = name
         try:
             if self.left() <= 0:
@@ -393,18 +399,31 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
         r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0)
         return r.choices[0].text
 
+    def scored_text() -> tuple[str, list[float]]:
+        """Greedy text and its tokens' log-probabilities (a random-weight model can repeat one token whatever
+        an adapter adds; its log-probabilities still move)."""
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      logprobs=1)
+        lp = r.choices[0].logprobs
+        return r.choices[0].text, [float(x) for x in (lp.token_logprobs if lp and lp.token_logprobs else [])]
+
     def lora() -> str:
-        before = greedy_text()
+        before, lp_before = scored_text()
         res = post_stream(base, "/v1/lora/load", {"loras": [{"name": "random-r8", "scaling": 1.0}]})
         assert res[-1].get("success") == ["random-r8"], res
         listed = httpx.get(base + "/v1/lora", timeout=10).json()
-        with_lora = greedy_text()
+        with_lora, lp_lora = scored_text()
         r = httpx.post(base + "/v1/lora/unload", json={}, timeout=60)
         assert r.status_code == 200, r.text
-        after = greedy_text()
-        assert with_lora != before and after == before, (before, with_lora, after)
+        after, lp_after = scored_text()
+        moved = max((abs(a - b) for a, b in zip(lp_lora, lp_before)), default=0.0)
+        back = max((abs(a - b) for a, b in zip(lp_after, lp_before)), default=0.0)
+        assert (with_lora != before or moved > 1e-3) and after == before and back < 1e-3, \
+            (before, with_lora, after, moved, back)
         scale = [c.get("scaling") for c in listed.get("data", [])]
-        return f"load -> output changes, unload -> back to the base output; /v1/lora scaling {scale}"
+        change = "output changes" if with_lora != before else f"same text, log-probabilities move by {moved:.3g}"
+        return (f"load -> {change}, unload -> back to the base output (log-probabilities within {back:.1g}); "
+                f"/v1/lora scaling {scale}")
 
     def unload_load() -> str:
         r = httpx.post(base + "/v1/model/unload", json={}, timeout=60)
@@ -531,7 +550,7 @@ def main() -> int:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     work = Path(tempfile.mkdtemp(prefix="exlpy-tabby-"))
-    write_lora(model, work / "loras" / "random-r8")
+    write_lora(model, work / "loras" / "random-r8", std=0.2 if args.random_weights else 0.05)
     cfg = write_config(work, model, draft, args.port, args.max_seq_len, args.tool_format)
     log_path = work / "tabby.log"
     env = child_env(PYTHONUNBUFFERED="1")
@@ -550,15 +569,16 @@ def main() -> int:
             drive(base, model.name, draft.name, args.tool_format, checks, args.random_weights)
     except BaseException as e:  # stopped from outside (SIGTERM, Ctrl-C): record where
         if checks.current is not None:
-            checks.add(checks.current, "failed", 0.0, f"interrupted ({type(e).__name__}: {e})")
+            checks.add(checks.current, "failed", time.perf_counter() - checks.t0,
+                       f"interrupted ({type(e).__name__}: {e}; --budget {args.budget or 0:.0f} s)")
         raise
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
+        write_results(args.out, args, checks, setup_log, device, log_tail())  # first: a kill may follow soon
         try:
-            proc.wait(30)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        write_results(args.out, args, checks, setup_log, device, log_tail())
         if args.save_log:
             args.save_log.write_bytes(log_path.read_bytes())
         print(f"results: {args.out}; work dir {work}; {time.monotonic() - t_start:.0f} s in all", flush=True)

@@ -7,7 +7,7 @@
 # (one section per model, rewritten after every check, so a run cut short keeps what it did), TabbyAPI's logs and
 # the driver's output beside it. TABBY_TOTAL_S (default 400) is the whole script's budget: each run gets its
 # share as `--budget` (55% of what is left for the first, which also installs and compiles; checks not started
-# in time are recorded as skipped) and a `timeout` 30 s later.
+# in time are recorded as skipped) and a `timeout` 25 s later.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -28,11 +28,12 @@ import sys; sys.path.insert(0, 'benchmarks')
 from make_models import write_model
 write_model('$d', 'smollm2-135m', exl2_bits=${spec##*:})" && cp .gpu/smoltok/*.json "$d/" && touch "$d/done"
   fi
+  [ -f "$d/done" ] || { echo "the $kind model could not be written"; continue; }
   # The first run also pays for pip and Triton's compiles: 55% of what is left; the last run gets the rest.
-  left=$((TOTAL - SECONDS)); budget=$(( i + 1 < ${#runs[@]} ? left * 55 / 100 - 30 : left - 40 ))
+  left=$((TOTAL - SECONDS)); budget=$(( i + 1 < ${#runs[@]} ? left * 55 / 100 - 45 : left - 45 ))
   [ "$budget" -gt 60 ] || { echo "no time left for $kind ($left s)"; continue; }
   echo "== $kind model: budget $budget s (at $SECONDS s)"
-  timeout -k 10 $((budget + 30)) python3 benchmarks/tabbyapi.py --tabby .tabby --model "$d" \
+  timeout -k 20 $((budget + 25)) python3 benchmarks/tabbyapi.py --tabby .tabby --model "$d" \
     --wheelhouse .whl-tabby --venv /tmp/tabby-venv --budget "$budget" --random-weights --port $((5057 + i)) \
     --out "$OUT/tabbyapi.md" --save-log "$OUT/tabby-$kind.log" > "$OUT/driver-$kind.txt" 2>&1
   echo "exit $? at $SECONDS s"
