@@ -2,6 +2,7 @@
 
     python benchmarks/tabbyapi.py --tabby /path/to/tabbyAPI-79126f9 --model MODEL_DIR [--draft-model DIR]
         [--venv DIR] [--wheelhouse DIR] [--no-install] [--out benchmarks/results/tabbyapi.md]
+        [--budget SECONDS] [--only lora,json] [--random-weights] [--save-log FILE]
 
 What it does, in order:
 1. A virtual environment (default /tmp/exlpy-tabby-venv) that sees this interpreter's packages (torch, exlpy's
@@ -272,7 +273,8 @@ def post_stream(base: str, path: str, body: dict[str, Any], timeout: float = 900
 
 
 def drive(base: str, model_name: str, draft_name: str | None, tool_format: str | None, checks: Checks,
-          random_weights: bool = False) -> None:
+          random_weights: bool = False, only: list[str] | None = None) -> None:
+    """Each check in turn; `only`: the checks whose names contain one of these (case-insensitive)."""
     import httpx
     from openai import OpenAI
 
@@ -455,6 +457,8 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
                      ("banned strings", banned_strings), ("token healing", token_healing), ("CFG", cfg),
                      ("LoRA load / unload", lora), ("model unload / load", unload_load),
                      ("Q4 / Q8 cache", quantized_cache), ("draft model", draft)):
+        if only and not any(o.lower() in name.lower() for o in only):
+            continue
         checks.run(name, fn)
 
 
@@ -520,6 +524,7 @@ def main() -> int:
                    "checks not started by then are recorded as skipped, and the results file is written")
     p.add_argument("--random-weights", action="store_true", help="the model has random weights (its text is noise): "
                    "the structured-output check uses a bounded regex instead of an unbounded JSON schema")
+    p.add_argument("--only", default=None, help="comma-separated parts of check names: run only those checks")
     p.add_argument("--save-log", type=Path, default=None, help="copy TabbyAPI's whole log here")
     p.add_argument("--commit", default="79126f9")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -566,7 +571,8 @@ def main() -> int:
     try:
         startup = min(args.startup_timeout, max(checks.left(), 1.0))
         if checks.run("start and load the model", lambda: (wait_ready(base, proc, startup), f"ready at {base}")[1]):
-            drive(base, model.name, draft.name, args.tool_format, checks, args.random_weights)
+            drive(base, model.name, draft.name, args.tool_format, checks, args.random_weights,
+                  args.only.split(",") if args.only else None)
     except BaseException as e:  # stopped from outside (SIGTERM, Ctrl-C): record where
         if checks.current is not None:
             checks.add(checks.current, "failed", time.perf_counter() - checks.t0,
