@@ -549,6 +549,8 @@ def main() -> int:
     mask_torch_cuda13(site, setup_log)
     alias_install(py, setup_log)
     setup_log.append(f"set-up took {time.monotonic() - t_start:.0f} s")
+    for line in setup_log:
+        print("setup:", line[:300], flush=True)
     sys.path.append(str(site))  # the driver's openai client, where this interpreter has none (after its own)
 
     import torch

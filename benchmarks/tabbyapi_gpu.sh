@@ -36,7 +36,8 @@ write_model('$d', 'smollm2-135m', exl2_bits=${spec##*:})" && cp .gpu/smoltok/*.j
   timeout -k 20 $((budget + 25)) python3 benchmarks/tabbyapi.py --tabby .tabby --model "$d" \
     --wheelhouse .whl-tabby --venv /tmp/tabby-venv --budget "$budget" --random-weights --port $((5057 + i)) \
     --out "$OUT/tabbyapi.md" --save-log "$OUT/tabby-$kind.log" > "$OUT/driver-$kind.txt" 2>&1
-  echo "exit $? at $SECONDS s"
-  grep -E '^\[|^results|pip failed|Error|Traceback' "$OUT/driver-$kind.txt" | cut -c1-300
+  rc=$?; echo "exit $rc at $SECONDS s"
+  grep -E '^\[|^results|^setup: (torch|pip failed|set-up took)|Error|Traceback' "$OUT/driver-$kind.txt" | cut -c1-300
+  [ "$rc" -eq 0 ] || tail -n 6 "$OUT/driver-$kind.txt" | cut -c1-300
 done
 grep -E '^\*\*|^## ' "$OUT/tabbyapi.md"
