@@ -2,6 +2,7 @@
 
     python benchmarks/tabbyapi.py --tabby /path/to/tabbyAPI-79126f9 --model MODEL_DIR [--draft-model DIR]
         [--venv DIR] [--wheelhouse DIR] [--no-install] [--out benchmarks/results/tabbyapi.md]
+        [--budget SECONDS] [--only lora,json] [--random-weights] [--save-log FILE]
 
 What it does, in order:
 1. A virtual environment (default /tmp/exlpy-tabby-venv) that sees this interpreter's packages (torch, exlpy's
@@ -65,9 +66,42 @@ def make_venv(venv: Path) -> Path:
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True, env=child_env()).stdout.strip())
     # This interpreter's packages come after the venv's own (so a pin TabbyAPI needs can shadow them), and this
-    # exlpy checkout before both.
-    (site / "_exlpy_parent.pth").write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
+    # exlpy checkout before both. Every site directory it has: a distribution's Python keeps pip-installed
+    # packages in one (/usr/local/lib/python3.X/dist-packages) and its own in another (/usr/lib/python3/...).
+    paths = sysconfig.get_paths()
+    dirs = [paths["purelib"], paths["platlib"], *(p for p in sys.path if p.rstrip("/").endswith(
+        ("site-packages", "dist-packages")))]
+    (site / "_exlpy_parent.pth").write_text("\n".join([str(ROOT), *dict.fromkeys(dirs)]) + "\n")
     return site
+
+
+def mask_torch_cuda13(site: Path, log: list[str]) -> None:
+    """TabbyAPI 79126f9 turns its exllamav2 backend off when torch's distribution version ends in `+cu13...`
+    (`common/optional_dependencies.py: is_torch_cuda_13`): exllamav2's compiled wheels were never built for CUDA 13.
+    exlpy compiles nothing ahead of time, so the guard does not apply to it; a metadata-only `torch` dist-info in the
+    venv's site-packages (found before this interpreter's own) reports the version without its local label. torch
+    itself is not touched: `import torch` still loads this interpreter's build."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        full = version("torch")
+    except PackageNotFoundError:
+        return
+    public, _, local = full.partition("+")
+    for old in site.glob("torch-*.dist-info"):
+        if (old / "EXLPY_MASK").exists():
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+    if not local.startswith("cu13"):
+        return
+    info = site / f"torch-{public}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {public}\n")
+    (info / "EXLPY_MASK").write_text(f"masks torch {full} for TabbyAPI's is_torch_cuda_13 guard\n")
+    log.append(f"torch {full}: the venv reports torch {public} (a metadata-only dist-info), since TabbyAPI "
+               "79126f9 disables its exllamav2 backend for +cu13 torch builds (exllamav2's compiled wheels; exlpy "
+               "has none)")
 
 
 def tabby_requirements(tabby: Path) -> list[str]:
@@ -115,8 +149,9 @@ def alias_install(py: Path, log: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-def write_lora(model_dir: Path, dest: Path, r: int = 8) -> None:
-    """A random PEFT LoRA adapter (q_proj, v_proj of every layer) with the model's shapes."""
+def write_lora(model_dir: Path, dest: Path, r: int = 8, std: float = 0.05) -> None:
+    """A random PEFT LoRA adapter (q_proj, v_proj of every layer) with the model's shapes; `std`: of A and B's
+    entries (0.05 moves a trained model's output; a random-weight model's needs more)."""
     import torch
     from safetensors.torch import save_file
 
@@ -130,8 +165,8 @@ def write_lora(model_dir: Path, dest: Path, r: int = 8) -> None:
     for i in range(cfg["num_hidden_layers"]):
         for proj, out in (("q_proj", heads * d), ("v_proj", kv)):
             p = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            t[f"{p}.lora_A.weight"] = (torch.randn(r, h, generator=g) * 0.05).half()
-            t[f"{p}.lora_B.weight"] = (torch.randn(out, r, generator=g) * 0.05).half()
+            t[f"{p}.lora_A.weight"] = (torch.randn(r, h, generator=g) * std).half()
+            t[f"{p}.lora_B.weight"] = (torch.randn(out, r, generator=g) * std).half()
     dest.mkdir(parents=True, exist_ok=True)
     save_file(t, str(dest / "adapter_model.safetensors"))
     (dest / "adapter_config.json").write_text(json.dumps({
@@ -170,12 +205,24 @@ class Skipped(Exception):
 
 
 class Checks:
-    def __init__(self) -> None:
+    """The checks' rows, written to the results file after each one (a run stopped from outside keeps what it
+    did). Past `deadline` (time.monotonic()) a check is not started: it is recorded as skipped."""
+
+    def __init__(self, deadline: float = float("inf"), on_row: Callable[[], None] = lambda: None) -> None:
         self.rows: list[tuple[str, str, float, str]] = []  # name, ok / failed / skipped, seconds, detail
+        self.deadline, self.on_row = deadline, on_row
+        self.current: str | None = None
+        self.t0 = 0.0  # when the current check started
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
     def run(self, name: str, fn: Callable[[], str]) -> bool:
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
+        self.current = name
         try:
+            if self.left() <= 0:
+                raise Skipped("not started: the run's time budget (--budget) was spent")
             detail, result = fn(), "ok"
         except Skipped as e:
             detail, result = str(e), "skipped"
@@ -183,9 +230,14 @@ class Checks:
             detail, result = f"{type(e).__name__}: {e}"[:400], "failed"
             traceback.print_exc()
         dt_s = time.perf_counter() - t0
+        self.add(name, result, dt_s, detail)
+        return result == "ok"
+
+    def add(self, name: str, result: str, dt_s: float, detail: str) -> None:
+        self.current = None
         self.rows.append((name, result, dt_s, detail.replace("\n", " ").replace("|", "\\|")[:300]))
         print(f"[{result}] {name} ({dt_s:.1f} s): {detail[:200]}", flush=True)
-        return result == "ok"
+        self.on_row()
 
 
 def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -220,7 +272,9 @@ def post_stream(base: str, path: str, body: dict[str, Any], timeout: float = 900
     return events or [json.loads(text)]
 
 
-def drive(base: str, model_name: str, draft_name: str | None, tool_format: str | None, checks: Checks) -> None:
+def drive(base: str, model_name: str, draft_name: str | None, tool_format: str | None, checks: Checks,
+          random_weights: bool = False, only: list[str] | None = None) -> None:
+    """Each check in turn; `only`: the checks whose names contain one of these (case-insensitive)."""
     import httpx
     from openai import OpenAI
 
@@ -258,6 +312,17 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
         return f"n=2: {[c.text for c in r.choices]}"
 
     def json_schema() -> str:
+        if random_weights:
+            # formatron's JSON grammar leaves strings and whitespace unbounded, which a random-weight model fills
+            # until max_tokens; a bounded regex goes through the same filter path and must end by EOS when done.
+            r = client.chat.completions.create(
+                model=model_name, max_tokens=60, temperature=0,
+                messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
+                extra_body={"regex_pattern": r'\{"name": "(Ada|Bob)", "age": [1-9][0-9]?\}'})
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            obj = json.loads(text)
+            assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and finish == "stop", (text, finish)
+            return f"random weights, so a bounded regex through formatron: finish {finish}, valid JSON {text!r}"
         r = client.chat.completions.create(
             model=model_name, max_tokens=120, temperature=0,
             messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
@@ -336,18 +401,31 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
         r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0)
         return r.choices[0].text
 
+    def scored_text() -> tuple[str, list[float]]:
+        """Greedy text and its tokens' log-probabilities (a random-weight model can repeat one token whatever
+        an adapter adds; its log-probabilities still move)."""
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      logprobs=1)
+        lp = r.choices[0].logprobs
+        return r.choices[0].text, [float(x) for x in (lp.token_logprobs if lp and lp.token_logprobs else [])]
+
     def lora() -> str:
-        before = greedy_text()
+        before, lp_before = scored_text()
         res = post_stream(base, "/v1/lora/load", {"loras": [{"name": "random-r8", "scaling": 1.0}]})
         assert res[-1].get("success") == ["random-r8"], res
         listed = httpx.get(base + "/v1/lora", timeout=10).json()
-        with_lora = greedy_text()
+        with_lora, lp_lora = scored_text()
         r = httpx.post(base + "/v1/lora/unload", json={}, timeout=60)
         assert r.status_code == 200, r.text
-        after = greedy_text()
-        assert with_lora != before and after == before, (before, with_lora, after)
+        after, lp_after = scored_text()
+        moved = max((abs(a - b) for a, b in zip(lp_lora, lp_before)), default=0.0)
+        back = max((abs(a - b) for a, b in zip(lp_after, lp_before)), default=0.0)
+        assert (with_lora != before or moved > 1e-3) and after == before and back < 1e-3, \
+            (before, with_lora, after, moved, back)
         scale = [c.get("scaling") for c in listed.get("data", [])]
-        return f"load -> output changes, unload -> back to the base output; /v1/lora scaling {scale}"
+        change = "output changes" if with_lora != before else f"same text, log-probabilities move by {moved:.3g}"
+        return (f"load -> {change}, unload -> back to the base output (log-probabilities within {back:.1g}); "
+                f"/v1/lora scaling {scale}")
 
     def unload_load() -> str:
         r = httpx.post(base + "/v1/model/unload", json={}, timeout=60)
@@ -379,6 +457,8 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
                      ("banned strings", banned_strings), ("token healing", token_healing), ("CFG", cfg),
                      ("LoRA load / unload", lora), ("model unload / load", unload_load),
                      ("Q4 / Q8 cache", quantized_cache), ("draft model", draft)):
+        if only and not any(o.lower() in name.lower() for o in only):
+            continue
         checks.run(name, fn)
 
 
@@ -396,7 +476,8 @@ def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log
         "",
         f"Command: `python benchmarks/tabbyapi.py --tabby {args.tabby} --model {args.model}"
         + (f" --draft-model {args.draft_model}" if args.draft_model else "")
-        + (f" --wheelhouse {args.wheelhouse}" if args.wheelhouse else "") + "`",
+        + (f" --wheelhouse {args.wheelhouse}" if args.wheelhouse else "")
+        + (f" --budget {args.budget:.0f}" if args.budget else "") + "`",
         "",
         "TabbyAPI started unmodified with `python main.py --config CONFIG` in a virtual environment where "
         "`exlpy compat install` aliases exllamav2 to exlpy.",
@@ -419,6 +500,10 @@ def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log
     out.write_text(previous.rstrip() + "\n\n" + "\n".join(lines))
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit("SIGTERM")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tabby", type=Path, required=True, help="TabbyAPI checkout (commit 79126f9)")
@@ -435,6 +520,12 @@ def main() -> int:
                    "tools check; without it the check is skipped")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run, set-up included: "
+                   "checks not started by then are recorded as skipped, and the results file is written")
+    p.add_argument("--random-weights", action="store_true", help="the model has random weights (its text is noise): "
+                   "the structured-output check uses a bounded regex instead of an unbounded JSON schema")
+    p.add_argument("--only", default=None, help="comma-separated parts of check names: run only those checks")
+    p.add_argument("--save-log", type=Path, default=None, help="copy TabbyAPI's whole log here")
     p.add_argument("--commit", default="79126f9")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -445,41 +536,60 @@ def main() -> int:
         download_wheels(reqs, args.download_wheels, args.wheel_python)
         return 0
 
+    t_start = time.monotonic()
+    deadline = t_start + args.budget if args.budget else float("inf")
+    # A `timeout` from outside (SIGTERM) ends the run the same way as the budget: TabbyAPI stopped, results written.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     setup_log: list[str] = []
     site = make_venv(args.venv)
     py = venv_python(args.venv)
     setup_log.append(f"venv {args.venv} (site-packages {site})")
     if not args.no_install:
         install_deps(py, [*reqs, "openai"], args.wheelhouse, setup_log)
+    mask_torch_cuda13(site, setup_log)
     alias_install(py, setup_log)
+    setup_log.append(f"set-up took {time.monotonic() - t_start:.0f} s")
+    for line in setup_log:
+        print("setup:", line[:300], flush=True)
     sys.path.append(str(site))  # the driver's openai client, where this interpreter has none (after its own)
 
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     work = Path(tempfile.mkdtemp(prefix="exlpy-tabby-"))
-    write_lora(model, work / "loras" / "random-r8")
+    write_lora(model, work / "loras" / "random-r8", std=0.2 if args.random_weights else 0.05)
     cfg = write_config(work, model, draft, args.port, args.max_seq_len, args.tool_format)
     log_path = work / "tabby.log"
     env = child_env(PYTHONUNBUFFERED="1")
-    checks = Checks()
+
+    def log_tail() -> str:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:]) if log_path.exists() else ""
+
+    checks = Checks(deadline, lambda: write_results(args.out, args, checks, setup_log, device, log_tail()))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(py), "main.py", "--config", str(cfg)], cwd=tabby, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{args.port}"
     try:
-        if checks.run("start and load the model", lambda: (wait_ready(base, proc, args.startup_timeout),
-                                                            f"ready at {base}")[1]):
-            drive(base, model.name, draft.name, args.tool_format, checks)
+        startup = min(args.startup_timeout, max(checks.left(), 1.0))
+        if checks.run("start and load the model", lambda: (wait_ready(base, proc, startup), f"ready at {base}")[1]):
+            drive(base, model.name, draft.name, args.tool_format, checks, args.random_weights,
+                  args.only.split(",") if args.only else None)
+    except BaseException as e:  # stopped from outside (SIGTERM, Ctrl-C): record where
+        if checks.current is not None:
+            checks.add(checks.current, "failed", time.perf_counter() - checks.t0,
+                       f"interrupted ({type(e).__name__}: {e}; --budget {args.budget or 0:.0f} s)")
+        raise
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
+        write_results(args.out, args, checks, setup_log, device, log_tail())  # first: a kill may follow soon
         try:
-            proc.wait(30)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-    write_results(args.out, args, checks, setup_log, device, tail)
-    print(f"results: {args.out}; work dir {work}")
+        if args.save_log:
+            args.save_log.write_bytes(log_path.read_bytes())
+        print(f"results: {args.out}; work dir {work}; {time.monotonic() - t_start:.0f} s in all", flush=True)
     return 0 if all(r != "failed" for _, r, _, _ in checks.rows) else 1
 
 

@@ -94,6 +94,26 @@ def test_conversion_and_ngram_resolve_to_what_exlpy_has(compat: None) -> None:
     assert exllamav2.generator.ngram is exlpy.generator.speculative.ngram
 
 
+def test_ngram_cache_has_exllamav2s_interface(compat: None) -> None:
+    """exllamav2.generator.ngram's NgramCache: counts, longest suffix first, threshold, a preloaded table."""
+    from exllamav2.generator.ngram import NgramCache, NgramCacheNode
+
+    cache = NgramCache(1, 4, None)
+    cache.update([5, 1, 2, 3, 1, 2, 3, 1, 2, 9])
+    assert cache.predict_next([7, 1, 2], 1, None) == 3  # 1,2 -> 3 twice
+    assert cache.predict_next([7, 1, 2], 3, None) is None  # seen twice, under the threshold
+    assert cache.predict_next([8, 8], 1, None) is None
+    assert cache.predict_next([3, 1], 1, None) == 2  # the longest suffix that matched
+    assert isinstance(cache.ngrams[(1, 2)], NgramCacheNode) and cache.ngrams[(1, 2)].transitions == {3: 2}
+
+    preload = NgramCache(1, 4, None)
+    preload.update([4, 6, 4, 6, 4, 6])
+    own = NgramCache(1, 4, preload)
+    assert own.predict_next([0, 4], 1, None) is None and own.predict_next([0, 4], 1, preload) == 6
+    own.update_single([4, 7])  # a node first met here starts from the preloaded counts
+    assert own.ngrams[(4,)].transitions == {6: preload.ngrams[(4,)].transitions[6], 7: 1}
+
+
 def test_test_inference_imports_resolve(compat: None, tmp_path) -> None:
     """The module paths exllamav2's test_inference.py imports at its top."""
     from exllamav2.conversion.quantize import list_live_tensors
