@@ -63,6 +63,11 @@ from exlpy.server.ray_router import POLICIES, PrefixAffinityRouter  # noqa: E402
 __all__ = ["ATTEMPTS_HEADER", "REPLICA_HEADER", "RayServeOptions", "app_builder", "build_app", "parse_args"]
 
 # Arguments that go to the model's load (ModelOptions, the same names as `exlpy serve`'s flags).
+# Streamed messages a second one ingress process relays at about half a CPU core: each costs ~0.5 ms of CPU in
+# the ingress and ~0.3 ms in Ray's HTTP proxy, whatever it carries (benchmarks/results/ray_serve.md, "CPU, local
+# Ray"); at one message per token the ingress capped the 8B GPU run at ~2,000 tokens/s.
+STREAM_MESSAGES_PER_INGRESS = 1000.0
+
 MODEL_ARGS = ("model", "served_model_name", "max_seq_len", "cache_size", "cache_mode", "gpu_split",
               "gpu_split_auto", "autosplit_reserve", "tensor_parallel", "rope_scale", "rope_alpha",
               "prompt_template", "max_batch_size", "chunk_size", "gpu_memory_utilization", "max_prefill_per_step")
@@ -97,7 +102,27 @@ class RayServeOptions:
     retries: int = 1  # a request whose replica stopped before answering is sent again this many times
     ingress_replicas: int = 1
     stats_period_s: float = 2.0  # how often Ray polls each replica's metrics (the age bound of /metrics sums)
+    # Streams: all streams of the application together send at most this many messages a second through the
+    # ingress and Ray's HTTP proxy (None: STREAM_MESSAGES_PER_INGRESS per ingress replica), each message carrying
+    # the tokens made since the stream's last one; every replica gets its share (over max replicas) and holds a
+    # stream's ready tokens for up to (its open streams / its share) seconds, never more than
+    # max_stream_window_s. A stream's first chunk and its end never wait; while few streams run nothing waits.
+    # 0: every chunk leaves as soon as it is made (one Ray message per token per stream).
+    stream_messages_per_s: float | None = None
+    max_stream_window_s: float = 0.25
     name: str = "exlpy"
+
+    @property
+    def max_replica_count(self) -> int:
+        return self.autoscaling["max_replicas"] if self.autoscaling else self.replicas
+
+    @property
+    def replica_messages_per_s(self) -> float:
+        """One replica's share of `stream_messages_per_s` (0: no coalescing)."""
+        total = self.stream_messages_per_s
+        if total is None:
+            total = STREAM_MESSAGES_PER_INGRESS * self.ingress_replicas
+        return total / self.max_replica_count
 
     @property
     def autoscaling(self) -> dict[str, Any] | None:
@@ -156,7 +181,7 @@ def parse_args(args: Mapping[str, Any]) -> RayServeOptions:
             continue
         kind = float if k in ("target_ongoing_requests", "gpus_per_replica", "cpus_per_replica",
                               "health_check_period_s", "health_check_timeout_s", "shutdown_timeout_s",
-                              "stats_period_s") else int
+                              "stats_period_s", "stream_messages_per_s", "max_stream_window_s") else int
         v = _parse(k, args[k], kind)
         low = 0 if k in ("retries", "prefix_imbalance") else 1  # 0 retries / imbalance are meaningful
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (kind is int and v < low) or \
@@ -183,7 +208,8 @@ def build_app(**kwargs: Any) -> Any:
     tensor_parallel, ...), `api_key`/`admin_key` (comma-separated or lists), and the layout: `replicas` or
     `min_replicas`/`max_replicas`/`target_ongoing_requests` (autoscaling), `gpus_per_replica`,
     `cpus_per_replica`, `max_ongoing_requests`; routing: `router` (pow2, prefix or rr), `prefix_chars`,
-    `prefix_imbalance`; `retries`, `ingress_replicas`, `stats_period_s`."""
+    `prefix_imbalance`; `retries`, `ingress_replicas`, `stats_period_s`; streaming: `stream_messages_per_s`,
+    `max_stream_window_s`."""
     return bind(parse_args(kwargs))
 
 
@@ -204,7 +230,7 @@ def bind(opts: RayServeOptions) -> Any:
                               health_check_timeout_s=opts.health_check_timeout_s,
                               graceful_shutdown_timeout_s=opts.shutdown_timeout_s,
                               request_router_config=routing, **layout).bind(opts)
-    hi = opts.autoscaling["max_replicas"] if opts.autoscaling else opts.replicas
+    hi = opts.max_replica_count
     ingress = IngressOptions(engine=opts.name, router=opts.router, prefix_chars=opts.prefix_chars,
                              retries=opts.retries, metrics_require_key=opts.access.metrics_require_key)
     policy = KeyPolicy(opts.access.api_keys, opts.access.admin_keys, opts.access.disable_auth,

@@ -8,12 +8,22 @@ exactly `exlpy serve`'s. The replica runs the app's lifespan (Ray allows one ASG
 ingress): the async constructor enters it, which starts the bridge on the replica's event loop, and Ray's call
 of `__del__` when it removes the replica leaves it, which stops the bridge. A stream the ingress cancels (its
 client went away) ends with a disconnect, as under uvicorn, so the request's jobs are cancelled.
+
+Streams are coalesced under load. Every message the replica yields costs ~0.5 ms of CPU in the ingress and
+~0.3 ms in Ray's HTTP proxy (two single-threaded Python processes), whatever it carries; at one message per token
+per stream they capped the whole application at ~2,000 tokens/s on two H100s (benchmarks/results/ray_serve.md).
+So a stream's first chunk leaves at once, and after it the replica sends a stream's ready tokens at most once per
+`window()` = open streams / the replica's share of `stream_messages_per_s` (ray_app.py), capped at
+`max_stream_window_s`: the replica's messages a second stay under its share whatever the token rate, each one
+carrying the tokens of several generator steps when the load is high, and with few streams the window is shorter
+than a generator step, so every token leaves as it is made. The end of a stream never waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +87,9 @@ class ExlpyReplica:
         from exlpy.server.state import load_state
 
         self.replica = _replica_id()
+        self.streams = 0  # streamed responses open in this replica (what the window is sized by)
+        self.messages_per_s = opts.replica_messages_per_s
+        self.max_window_s = opts.max_stream_window_s
         self.state = load_state(options=opts.model, max_queue=opts.max_queue)
         self.state.access = opts.access
         app = create_app(self.state)
@@ -93,13 +106,15 @@ class ExlpyReplica:
 
     async def forward(self, req: ForwardedRequest) -> AsyncIterator[dict[str, Any] | bytes]:
         """Run `req` through the app: yields the response start ({"status", "headers"}) and then the body's
-        chunks; chunks that are ready together travel as one (fewer messages through Ray under load)."""
+        chunks; chunks that are ready together travel as one, and a stream's chunks after its first wait up to
+        `window()` since its last message for the ones behind them (see the module's docstring)."""
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
                  "method": req.method, "scheme": "http", "path": req.path, "raw_path": req.path.encode(),
                  "root_path": req.root_path, "query_string": req.query_string, "headers": req.headers,
                  "client": req.client, "server": ("exlpy-replica", 0), "state": {}}
         messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         gone = asyncio.Event()
+        finished = asyncio.Event()  # the app returned: its last message is queued, nothing more to wait for
         body_sent = False
 
         async def receive() -> dict[str, Any]:
@@ -118,38 +133,66 @@ class ExlpyReplica:
                 await self.app(scope, receive, send)
             finally:
                 messages.put_nowait({"type": "exlpy.done"})
+                finished.set()
 
         task = asyncio.create_task(run())
+        streaming = False
+        last = 0.0  # when the last body chunk left (the window counts from there)
         try:
             done = False
             while not done:
                 m = await messages.get()
                 if m["type"] == "http.response.start":
-                    yield {"status": int(m["status"]), "headers": list(m.get("headers", []))}
+                    headers = list(m.get("headers", []))
+                    streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                    for k, v in headers)
+                    if streaming:
+                        self.streams += 1
+                    yield {"status": int(m["status"]), "headers": headers}
                     continue
-                chunks = []
-                while True:
-                    if m["type"] == "exlpy.done":
-                        done = True
-                        break
-                    if m["type"] == "http.response.body":
-                        chunks.append(m.get("body", b""))
-                        if not m.get("more_body", False):
-                            done = True
-                            break
-                    if messages.empty():
-                        break
-                    m = messages.get_nowait()
+                chunks: list[bytes] = []
+                done = self._take(m, chunks, messages)
+                wait = last + self.window() - time.monotonic() if streaming and last and not done else 0.0
+                if wait > 0:  # not the first chunk: what the next steps make joins it (see the module's docstring)
+                    with contextlib.suppress(asyncio.TimeoutError):  # the stream's end leaves at once
+                        await asyncio.wait_for(finished.wait(), wait)
+                    while not done and not messages.empty():
+                        done = self._take(messages.get_nowait(), chunks, messages)
                 data = b"".join(chunks)
                 if data:
+                    last = time.monotonic()
                     yield data
             await task  # the app's own exception, if it raised one
         finally:
+            if streaming:
+                self.streams -= 1
             gone.set()  # the ingress stopped reading (or the app finished): the app sees a disconnect
             if not task.done():
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
                 task.cancel()
+
+    @staticmethod
+    def _take(m: dict[str, Any], chunks: list[bytes], messages: asyncio.Queue[dict[str, Any]]) -> bool:
+        """Body chunks of `m` and of every message already queued behind it into `chunks`; True at the end."""
+        while True:
+            if m["type"] == "exlpy.done":
+                return True
+            if m["type"] == "http.response.body":
+                chunks.append(m.get("body", b""))
+                if not m.get("more_body", False):
+                    return True
+            if messages.empty():
+                return False
+            m = messages.get_nowait()
+
+    def window(self) -> float:
+        """How long a stream's ready chunk may wait for the next ones before it leaves: this replica's open
+        streams / its share of `stream_messages_per_s` (so all of them together send at most that many messages
+        a second), at most `max_stream_window_s`; next to nothing while few streams run."""
+        if self.messages_per_s <= 0:
+            return 0.0
+        return min(self.max_window_s, self.streams / self.messages_per_s)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Ray every `request_routing_stats_period_s` and handed to the request router, where the
