@@ -31,9 +31,9 @@ def text_of(body: bytes) -> tuple[str, int]:
     return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), len(events)
 
 
-async def stream_once(replica: ExlpyReplica) -> tuple[list[tuple[float, bytes]], float]:
+async def stream_once(replica: ExlpyReplica, n: int = 1) -> tuple[list[tuple[float, bytes]], float]:
     body = json.dumps({"prompt": "Once upon a time", "max_tokens": TOKENS, "temperature": 0, "stream": True,
-                       "logit_bias": NO_EOS}).encode()
+                       "logit_bias": NO_EOS, "n": n}).encode()
     req = ForwardedRequest(method="POST", path="/v1/completions", body=body,
                            headers=[(b"content-type", b"application/json")])
     out: list[tuple[float, bytes]] = []
@@ -58,6 +58,8 @@ async def scenario() -> dict[str, Any]:
             assert replica.window() == 0.0  # no stream open
             await stream_once(replica)  # warm-up
             results[rate] = await stream_once(replica)
+            if rate:
+                results["n2"] = await stream_once(replica, n=2)
             assert replica.streams == 0
         finally:
             await replica.__del__()
@@ -78,3 +80,9 @@ def test_stream_is_coalesced_under_its_window_and_keeps_its_text() -> None:
     assert len(held) == 2, [b for _, b in held]
     assert text_of(held[0][1] + b"data: [DONE]\n\n")[1] <= 3
     assert wall < 8.0
+    # n = 2: each choice's first token leaves at once (the first two messages hold both), the rest at the end
+    n2, wall = results["n2"]
+    first = [json.loads(line[6:]) for _, b in n2[:2] for line in b.decode().split("\n")
+             if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in first if c["choices"]} == {0, 1}
+    assert len(n2) <= 3 and wall < 8.0

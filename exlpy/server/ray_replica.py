@@ -12,17 +12,19 @@ client went away) ends with a disconnect, as under uvicorn, so the request's job
 Streams are coalesced under load. Every message the replica yields costs ~0.5 ms of CPU in the ingress and
 ~0.3 ms in Ray's HTTP proxy (two single-threaded Python processes), whatever it carries; at one message per token
 per stream they capped the whole application at ~2,000 tokens/s on two H100s (benchmarks/results/ray_serve.md).
-So a stream's first chunk leaves at once, and after it the replica sends a stream's ready tokens at most once per
-`window()` = open streams / the replica's share of `stream_messages_per_s` (ray_app.py), capped at
-`max_stream_window_s`: the replica's messages a second stay under its share whatever the token rate, each one
-carrying the tokens of several generator steps when the load is high, and with few streams the window is shorter
-than a generator step, so every token leaves as it is made. The end of a stream never waits.
+So a stream's first chunk (its first n chunks, one per choice, with n > 1) leaves at once, and after it the
+replica sends a stream's ready tokens at most once per `window()` = open streams / the replica's share of
+`stream_messages_per_s` (ray_app.py), capped at `max_stream_window_s`: the replica's messages a second stay under
+its share whatever the token rate, each one carrying the tokens of several generator steps when the load is high,
+and with few streams the window is shorter than a generator step, so every token leaves as it is made. The end of
+a stream never waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -47,6 +49,21 @@ class ForwardedRequest:
     client: tuple[str, int] | None = None
     routing_key: str | None = None
     policy: str = "pow2"  # ray_router.POLICIES: how the router picks this request's replica
+
+
+def _choices(req: ForwardedRequest) -> int:
+    """How many choices a streamed request has (n x prompts): so many of its first messages leave at once, so no
+    choice's first token waits for the coalescing window."""
+    if req.method != "POST" or not req.body:
+        return 1
+    try:
+        body = json.loads(req.body)
+        n = body.get("n") or 1
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+        return max(1, int(n) * prompts)
+    except (ValueError, TypeError, AttributeError):  # the app answers a malformed body with its error
+        return 1
 
 
 def _replica_id() -> str:
@@ -138,6 +155,7 @@ class ExlpyReplica:
         task = asyncio.create_task(run())
         streaming = False
         last = 0.0  # when the last body chunk left (the window counts from there)
+        immediate = _choices(req)  # body messages that leave at once: up to one per choice's first token
         try:
             done = False
             while not done:
@@ -152,7 +170,7 @@ class ExlpyReplica:
                     continue
                 chunks: list[bytes] = []
                 done = self._take(m, chunks, messages)
-                wait = last + self.window() - time.monotonic() if streaming and last and not done else 0.0
+                wait = last + self.window() - time.monotonic() if streaming and not immediate and not done else 0.0
                 if wait > 0:  # not the first chunk: what the next steps make joins it (see the module's docstring)
                     with contextlib.suppress(asyncio.TimeoutError):  # the stream's end leaves at once
                         await asyncio.wait_for(finished.wait(), wait)
@@ -161,6 +179,7 @@ class ExlpyReplica:
                 data = b"".join(chunks)
                 if data:
                     last = time.monotonic()
+                    immediate = max(0, immediate - 1)
                     yield data
             await task  # the app's own exception, if it raised one
         finally:
