@@ -169,6 +169,49 @@ def test_gelu_and_half_precision() -> None:
     _check_kernels(3, 4, 2, 88, 72, seed=5, dtype=torch.float16, tol=5e-3, uniform=4)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("width", [2, 3, 4, 5, 6, 8])
+def test_gemv_path_every_width(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few rows per expert take the GEMV kernels (split-K through the fp32 workspace) for one-width stacks of
+    every width: batch 1 and 3 tokens (two rows of one expert, each on its own), K = 88 and 72 ending in a
+    partial block (masked rows) and K = 128 / 64 (whole steps, no masks), gate and up with one act order or two."""
+    _cpu_ok()
+    from exlpy.kernels import moe_exl2
+
+    taken = []
+    for name in ("_gate_up_gemv", "_down_gemv"):
+        f = getattr(moe_exl2, name)
+        monkeypatch.setattr(moe_exl2, name, lambda *a, f=f, name=name: taken.append(name) or f(*a))
+    _check_kernels(1, 4, 2, 88, 72, seed=width, uniform=width)
+    _check_kernels(3, 4, 2, 128, 64, seed=10 + width, uniform=width, same_perm=width % 2 == 0)
+    assert taken.count("_gate_up_gemv") == 2 and taken.count("_down_gemv") == 4  # the check runs down twice
+
+
+@pytest.mark.interpreter
+def test_gemv_path_half_precision_and_gelu() -> None:
+    _cpu_ok()
+    _check_kernels(2, 4, 2, 64, 96, seed=6, dtype=torch.float16, tol=5e-3, uniform=4)
+    _check_kernels(2, 4, 2, 64, 96, seed=7, dtype=torch.bfloat16, tol=2e-2, uniform=4)
+    _check_kernels(1, 4, 2, 88, 72, seed=8, kind="gelu_tanh", uniform=6)
+
+
+def test_gemv_path_choice_and_split() -> None:
+    """Decode (mean rows per routed expert <= GEMV_MAX_ROWS) takes the GEMV kernels, 32 tokens the tile kernels;
+    K splits into whole steps that fill the device about GEMV_WAVES times (Mixtral's shapes on 132 SMs)."""
+    pytest.importorskip("triton")
+    from exlpy.kernels import moe_exl2
+
+    assert moe_exl2._gemv_rows(2, 8) and moe_exl2._gemv_rows(8, 128) and not moe_exl2._gemv_rows(64, 8)
+    for n_out, k, nb in ((14336, 4096, moe_exl2._gemv_nb(4, 2)), (4096, 14336, moe_exl2._gemv_nb(4, 1))):
+        cols, splits, chunk = moe_exl2._gemv_split(2, n_out, k, nb, 132)
+        assert chunk % (32 * nb) == 0 and (splits - 1) * chunk < k <= splits * chunk
+        assert 2 * 132 <= 2 * cols * splits <= 8 * 132, (n_out, k, cols, splits)
+    g = torch.Generator().manual_seed(3)
+    four = _stack(2, 64, 40, g, uniform=4)[0]
+    assert moe_exl2._gemv_width(four) == 4 and moe_exl2._gemv_width(four, _stack(2, 64, 40, g, uniform=5)[0]) == 0
+    assert moe_exl2._gemv_width(_stack(4, 88, 40, g)[0]) == 0  # mixed widths: the tile kernels
+
+
 def test_kernels_have_their_references_signatures() -> None:
     import inspect
 
