@@ -18,6 +18,19 @@ converter's and exllamav2's layouts), a step is one 32-row block of one width an
 block's first table entry, and the scales multiply the dot's columns afterwards; when moreover the whole stack
 has one width dividing 32 (2, 4, 8 bits), the block's words are loaded once and split by compile-time shifts,
 and decode tiles walk UNROLL_DECODE blocks per trip so that more loads are in flight per program.
+
+Few rows per expert (decode) take GEMV kernels instead. At batch 1 the tile kernels had far too little parallel
+work: Mixtral's down (K = 14336, 4096 outputs, 2 routed experts) ran 2 x 256 live programs of 16 columns, each
+walking all of K with 64 words per 32-row block over 128 threads (half of them idle), every step a dependent
+chain (table entry, then the words it names) into a tensor-core dot of one live row in sixteen; gate|up 2 x 224
+programs of 64 columns (103 and 259 GB/s measured on an H100). The GEMV kernels run one program per (sorted row,
+column block of GEMV_COLS, K split): each thread owns 4 columns (fewer for narrow outputs), loads every packed
+word row of its columns with one 16-byte load (a step's NB blocks loaded before any is used), decodes each code
+with compile-time shifts and the fp32 mantissa trick of exl2_gemv (no int -> float conversion), and feeds one
+FMA with the row's x, a scalar gathered through the expert's act order. K is split into whole steps until the
+grid fills the SMs GEMV_WAVES times; the splits add their fp32 sums into a zeroed workspace by atomics (no
+lock-free epilogue: a second small kernel applies act(gate) * up, and down's sums are converted into y), so the
+launches stay graph safe.
 """
 
 from __future__ import annotations
@@ -43,11 +56,14 @@ GEMV_MAX_ROWS = 2  # the GEMV path while the mean sorted rows per routed expert 
 #                    expert's words on its own; the rows of one expert run side by side, so the repeats hit L2)
 GEMV_COLS = 512  # columns per program: 4 per thread at GEMV_WARPS (one 16-byte load per packed word row)
 GEMV_WARPS = 4
-# 32-row blocks per step (their packed words are loaded before any is used) by (matrices, width): gate|up walks
-# one block of both matrices, down two blocks (3-bit down one: two spilled 72 bytes under Triton 3.6). Chosen so
-# that no variant spills and each stays within 128 registers (4 programs per SM; benchmarks/moe_compile_check.py):
-# the x gather's scalars of a step's rows are held in registers too, so longer steps cost occupancy.
-GEMV_NB = {1: {2: 2, 3: 1, 4: 2, 5: 2, 6: 2, 8: 2}, 2: {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
+# 32-row blocks per step (their packed words are loaded before any is used) by (matrices, width), for K a
+# multiple of the step (`even`: no row masks, Mixtral's and Qwen3-MoE's shapes) and for others: about 16 packed
+# words in flight per thread (the decode GEMV's best on an H100, exl2_gemv_plan.CONFIG) where that stays within 128
+# registers and unspilled under Triton 3.6 (4 programs per SM; benchmarks/moe_compile_check.py). The x gather's
+# scalars of a step's rows live in registers too, so longer steps cost occupancy; masks cost more (3-bit down at
+# 2 blocks spilled 72 bytes).
+GEMV_NB = {(1, True): {2: 4, 3: 4, 4: 4, 5: 4, 6: 2, 8: 2}, (2, True): {2: 1, 3: 2, 4: 2, 5: 1, 6: 1, 8: 1},
+           (1, False): {2: 2, 3: 1, 4: 2, 5: 2, 6: 2, 8: 2}, (2, False): {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
 GEMV_WAVES = 4  # K is split until the programs fill the SMs about this often
 GEMV_WIDTHS = (2, 3, 4, 5, 6, 8)
 
@@ -468,35 +484,45 @@ def _gemv_rows(n_pairs: int, n_experts: int) -> bool:
     return n_pairs <= GEMV_MAX_ROWS * max(1, min(n_experts, n_pairs))
 
 
-def _gemv_nb(bits: int, matrices: int) -> int:
-    return GEMV_NB[matrices][bits]
+def _gemv_nb(bits: int, matrices: int, k: int) -> tuple[int, bool]:
+    """(32-row blocks per step, whether K is whole steps) for `matrices` stacks of `bits` over K rows."""
+    nb = GEMV_NB[matrices, True][bits]
+    if k % (32 * nb):
+        nb = GEMV_NB[matrices, False][bits]
+    return nb, k % (32 * nb) == 0
 
 
-def _gemv_split(rows: int, n_out: int, k: int, nb: int, sms: int) -> tuple[int, int, int]:
-    """(column blocks, K splits, sorted rows per split): K cut into whole steps of nb blocks of 32 rows, as few
-    splits as fill the device GEMV_WAVES times over with `rows` live rows (every step its own split on the CPU,
-    so that the interpreter tests cover the workspace's sums)."""
-    col_blocks = triton.cdiv(n_out, GEMV_COLS)
+def _gemv_split(rows: int, n_out: int, k: int, nb: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(columns per program, warps, column blocks, K splits, sorted rows per split). Column blocks of GEMV_COLS
+    (GEMV_WARPS warps: 4 columns a thread), halved while the last block would leave more than an eighth of the
+    columns idle, down to one column a thread (Qwen3-MoE's 768: three of 256, not two of 512; the warps stay: at
+    2 warps the 256-column 4-bit gate|up spilled 8 bytes under Triton 3.6). K is cut into whole steps of nb
+    blocks of 32 rows, as few splits as fill the device GEMV_WAVES times over with `rows` live rows (on the CPU
+    every step its own split, so that the interpreter tests cover the workspace's sums)."""
+    cols, warps = GEMV_COLS, GEMV_WARPS
+    while cols > 32 * warps and (triton.cdiv(n_out, cols) * cols - n_out) * 8 > n_out:
+        cols //= 2
+    col_blocks = triton.cdiv(n_out, cols)
     step = 32 * nb
     steps = triton.cdiv(k, step)
     want = triton.cdiv(GEMV_WAVES * sms, rows * col_blocks) if sms else steps
     per = triton.cdiv(steps, max(1, min(steps, want)))
-    return col_blocks, triton.cdiv(steps, per), per * step
+    return cols, warps, col_blocks, triton.cdiv(steps, per), per * step
 
 
 def _gate_up_gemv(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack, up: ExpertStack,
                   top_k: int, kind: str, width: int, out: torch.Tensor) -> torch.Tensor:
     E, H, inter, N = gate.num_experts, gate.k, gate.n, order.shape[0]
-    nb = _gemv_nb(width, 2)
-    col_blocks, splits, chunk = _gemv_split(N, inter, H, nb, _sms(x))
+    nb, even = _gemv_nb(width, 2, H)
+    cols, warps, col_blocks, splits, chunk = _gemv_split(N, inter, H, nb, _sms(x))
     ws = torch.zeros(N, 2 * inter, dtype=torch.float32, device=x.device)  # split-K sums: gate | up
     _gate_up_gemv_kernel[(N, col_blocks, splits)](
         x, order, counts, gate.q_weight, gate.scales, gate.scale_max, gate.perm, gate.word, gate.info,
         up.q_weight, up.scales, up.scale_max, up.perm, up.word, up.info,
         ws, E, H, inter, gate.q_weight.stride(0), gate.scales.stride(0), up.q_weight.stride(0),
         up.scales.stride(0), top_k, x.stride(0), chunk, _MAGIC,
-        E_P2=triton.next_power_of_2(E), BLOCK_N=GEMV_COLS, B=width, NB=nb,
-        SAME_PERM=gate.perm_digest == up.perm_digest, EVEN=H % (32 * nb) == 0, num_warps=GEMV_WARPS, num_stages=1)
+        E_P2=triton.next_power_of_2(E), BLOCK_N=cols, B=width, NB=nb,
+        SAME_PERM=gate.perm_digest == up.perm_digest, EVEN=even, num_warps=warps, num_stages=1)
     block = min(1024, triton.next_power_of_2(inter))
     _act_kernel[(N, triton.cdiv(inter, block))](ws, out, inter, out.stride(0), ACT=_ACTS[kind], BLOCK=block,
                                                 num_warps=4)
@@ -506,12 +532,12 @@ def _gate_up_gemv(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, ga
 def _down_gemv(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: ExpertStack, width: int,
                y: torch.Tensor) -> torch.Tensor:
     E, inter, H, N = down.num_experts, down.k, down.n, order.shape[0]
-    nb = _gemv_nb(width, 1)
-    col_blocks, splits, chunk = _gemv_split(N, H, inter, nb, _sms(a))
+    nb, even = _gemv_nb(width, 1, inter)
+    cols, warps, col_blocks, splits, chunk = _gemv_split(N, H, inter, nb, _sms(a))
     ws = torch.zeros(N, H, dtype=torch.float32, device=a.device)  # split-K sums, rows in pair order
     _down_gemv_kernel[(N, col_blocks, splits)](
         a, order, counts, down.q_weight, down.scales, down.scale_max, down.perm, down.word, down.info, ws,
         E, H, inter, down.q_weight.stride(0), down.scales.stride(0), a.stride(0), chunk, _MAGIC,
-        E_P2=triton.next_power_of_2(E), BLOCK_N=GEMV_COLS, B=width, NB=nb, EVEN=inter % (32 * nb) == 0,
-        num_warps=GEMV_WARPS, num_stages=1)
+        E_P2=triton.next_power_of_2(E), BLOCK_N=cols, B=width, NB=nb, EVEN=even,
+        num_warps=warps, num_stages=1)
     return y.copy_(ws)
