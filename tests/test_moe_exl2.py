@@ -204,6 +204,10 @@ def test_gemv_path_half_precision_and_gelu() -> None:
     _check_kernels(2, 4, 2, 64, 96, seed=6, dtype=torch.float16, tol=5e-3, uniform=4)
     _check_kernels(1, 4, 2, 64, 96, seed=7, dtype=torch.bfloat16, tol=2e-2, uniform=4)
     _check_kernels(1, 4, 2, 88, 72, seed=8, kind="gelu_tanh", uniform=6)
+    from exlpy.kernels import moe_exl2
+
+    # the split-K workspaces are zero again after every launch (read by atomic exchange), and reused
+    assert moe_exl2._WORKSPACES and all(not ws.any() for ws in moe_exl2._WORKSPACES.values())
 
 
 def test_gemv_path_choice_and_split() -> None:

@@ -377,19 +377,39 @@ def _down_gemv_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_p
 
 
 @triton.jit
+def _take(ws_ptr, at, ok):
+    """The fp32 sums at `at`, zeroed in the same atomic exchange (the workspace is zero again for the next
+    launch). Never a load then a store of zeros: compiled, the two may be laid out over different threads with no
+    barrier between (the race of the decode GEMV's first GPU run, exl2_gemv._finish). As int32 words: the CPU
+    interpreter exchanges no floats."""
+    wsi = ws_ptr.to(tl.pointer_type(tl.int32)) + at
+    zero = tl.zeros_like(at).to(tl.int32)
+    return tl.atomic_xchg(wsi, zero, mask=ok, sem="relaxed").to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _act_kernel(ws_ptr, out_ptr, INTER, so, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """out[r] = act(gate) * up of workspace row r (fp32 gate | up sums), in out's dtype."""
+    """out[r] = act(gate) * up of workspace row r (fp32 gate | up sums, taken and zeroed), in out's dtype."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
-    g = tl.load(ws_ptr + r * (2 * INTER) + cols, mask=ok, other=0.0)
-    u = tl.load(ws_ptr + r * (2 * INTER) + INTER + cols, mask=ok, other=0.0)
+    g = _take(ws_ptr, r * (2 * INTER) + cols, ok)
+    u = _take(ws_ptr, r * (2 * INTER) + INTER + cols, ok)
     if ACT == 0:
         y = g / (1.0 + tl.exp(-g)) * u
     else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         y = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)) * u
     tl.store(out_ptr + r * so + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _convert_kernel(ws_ptr, y_ptr, H, sy, BLOCK: tl.constexpr):
+    """y[r] = workspace row r (fp32 sums, taken and zeroed) in y's dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    tl.store(y_ptr + r * sy + cols, _take(ws_ptr, r * H + cols, ok).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
@@ -470,6 +490,25 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
 
 
 # --- few rows per expert: the GEMV kernels ------------------------------------------------------------------------
+# Zeroed fp32 workspaces per (device, power-of-two size), kept zero by the kernels that read them (`_take`): no
+# memset per launch. Launches of one device share them, so two MoE layers must not run concurrently on different
+# streams of one device (decode runs one stream per device; exl2_gemv's workspace has the same rule).
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A zero fp32 buffer of at least `numel` elements. Made on first use outside a CUDA-graph capture and kept
+    (a capture only records the memset, so a buffer made there would not be zero outside the graph: a capture
+    before any eager call of its size takes a fresh zeroed buffer of its own, from the graph's pool)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = triton.next_power_of_2(max(numel, 1))
+    ws = _WORKSPACES.get((device, size))
+    if ws is None:
+        ws = torch.zeros(size, dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _WORKSPACES[device, size] = ws
+    return ws
 def _gemv_width(*stacks: ExpertStack) -> int:
     """The one width of aligned stacks that the GEMV kernels take (every block of every stack that wide), else 0
     (mixed widths and groups off the 32-row grid take the tile kernels)."""
@@ -515,7 +554,7 @@ def _gate_up_gemv(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, ga
     E, H, inter, N = gate.num_experts, gate.k, gate.n, order.shape[0]
     nb, even = _gemv_nb(width, 2, H)
     cols, warps, col_blocks, splits, chunk = _gemv_split(N, inter, H, nb, _sms(x))
-    ws = torch.zeros(N, 2 * inter, dtype=torch.float32, device=x.device)  # split-K sums: gate | up
+    ws = _workspace(x.device, N * 2 * inter)  # split-K sums: gate | up
     _gate_up_gemv_kernel[(N, col_blocks, splits)](
         x, order, counts, gate.q_weight, gate.scales, gate.scale_max, gate.perm, gate.word, gate.info,
         up.q_weight, up.scales, up.scale_max, up.perm, up.word, up.info,
@@ -534,10 +573,12 @@ def _down_gemv(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down:
     E, inter, H, N = down.num_experts, down.k, down.n, order.shape[0]
     nb, even = _gemv_nb(width, 1, inter)
     cols, warps, col_blocks, splits, chunk = _gemv_split(N, H, inter, nb, _sms(a))
-    ws = torch.zeros(N, H, dtype=torch.float32, device=a.device)  # split-K sums, rows in pair order
+    ws = _workspace(a.device, N * H)  # split-K sums, rows in pair order
     _down_gemv_kernel[(N, col_blocks, splits)](
         a, order, counts, down.q_weight, down.scales, down.scale_max, down.perm, down.word, down.info, ws,
         E, H, inter, down.q_weight.stride(0), down.scales.stride(0), a.stride(0), chunk, _MAGIC,
         E_P2=triton.next_power_of_2(E), BLOCK_N=cols, B=width, NB=nb, EVEN=even,
         num_warps=warps, num_stages=1)
-    return y.copy_(ws)
+    block = min(1024, triton.next_power_of_2(H))
+    _convert_kernel[(N, triton.cdiv(H, block))](ws, y, H, y.stride(0), BLOCK=block, num_warps=4)
+    return y
