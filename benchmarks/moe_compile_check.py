@@ -103,6 +103,8 @@ def variants() -> dict[str, dict]:
                 dict(E_P2=8, BLOCK_N=cols, B=width, NB=nb_dn, EVEN=even), warps, 1)
     out["exl2 gemv act"] = compile_kernel(moe_exl2._act_kernel, {"ws_ptr": "*fp32", "out_ptr": "*fp16"},
                                           dict(ACT=0, BLOCK=1024), 4, 1)
+    out["exl2 gemv convert"] = compile_kernel(moe_exl2._convert_kernel, {"ws_ptr": "*fp32", "y_ptr": "*fp16"},
+                                              dict(BLOCK=1024), 4, 1)
     for e, k in ((8, 2), (128, 8)):
         e_p2 = triton.next_power_of_2(e)
         out[f"route E{e} k{k}"] = compile_kernel(moe._route_kernel, {"logits_ptr": "*fp16", "w_ptr": "*fp16",

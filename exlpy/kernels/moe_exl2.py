@@ -64,7 +64,8 @@ GEMV_WARPS = 4
 # 2 blocks spilled 72 bytes).
 GEMV_NB = {(1, True): {2: 4, 3: 4, 4: 4, 5: 4, 6: 2, 8: 2}, (2, True): {2: 1, 3: 2, 4: 2, 5: 1, 6: 1, 8: 1},
            (1, False): {2: 2, 3: 1, 4: 2, 5: 2, 6: 2, 8: 2}, (2, False): {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
-GEMV_WAVES = 4  # K is split until the programs fill the SMs about this often
+GEMV_WAVES = 4  # K is split into as many parts as keep the programs within this many per SM (4 of 128 registers
+#                fit an SM at once: the grid then runs as one wave, no tail of a few programs)
 GEMV_WIDTHS = (2, 3, 4, 5, 6, 8)
 
 
@@ -536,15 +537,15 @@ def _gemv_split(rows: int, n_out: int, k: int, nb: int, sms: int) -> tuple[int, 
     (GEMV_WARPS warps: 4 columns a thread), halved while the last block would leave more than an eighth of the
     columns idle, down to one column a thread (Qwen3-MoE's 768: three of 256, not two of 512; the warps stay: at
     2 warps the 256-column 4-bit gate|up spilled 8 bytes under Triton 3.6). K is cut into whole steps of nb
-    blocks of 32 rows, as few splits as fill the device GEMV_WAVES times over with `rows` live rows (on the CPU
-    every step its own split, so that the interpreter tests cover the workspace's sums)."""
+    blocks of 32 rows, into as many splits as keep the programs of `rows` live rows within GEMV_WAVES per SM (on
+    the CPU every step its own split, so that the interpreter tests cover the workspace's sums)."""
     cols, warps = GEMV_COLS, GEMV_WARPS
     while cols > 32 * warps and (triton.cdiv(n_out, cols) * cols - n_out) * 8 > n_out:
         cols //= 2
     col_blocks = triton.cdiv(n_out, cols)
     step = 32 * nb
     steps = triton.cdiv(k, step)
-    want = triton.cdiv(GEMV_WAVES * sms, rows * col_blocks) if sms else steps
+    want = GEMV_WAVES * sms // (rows * col_blocks) if sms else steps
     per = triton.cdiv(steps, max(1, min(steps, want)))
     return cols, warps, col_blocks, triton.cdiv(steps, per), per * step
 
