@@ -199,6 +199,23 @@ def test_gemv_path_every_width(width: int, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.interpreter
+def test_gemv_path_mixed_widths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aligned stacks of mixed widths (every width, per expert and block, as the converter writes them) take the
+    GEMV kernels, each block decoded at its own width; a stack with a group off the 32-row grid does not."""
+    _cpu_ok()
+    from exlpy.kernels import moe_exl2
+
+    taken = []
+    f = moe_exl2._gate_up_gemv
+    monkeypatch.setattr(moe_exl2, "_gate_up_gemv", lambda *a: taken.append(a[-2]) or f(*a))
+    _check_kernels(2, 4, 2, 192, 88, seed=21, same_perm=False)  # 32-row groups cycling 4, 3, 6, 5, 8, 2 bits
+    _check_kernels(1, 4, 2, 88, 72, seed=22)  # LAYOUTS_88: groups of 24-88 rows, a last block cut at K
+    assert taken == [0, 0]
+    _check_kernels(1, 5, 2, 88, 72, seed=23)  # expert 4's group boundary at row 40: the tile kernels
+    assert taken == [0, 0]
+
+
+@pytest.mark.interpreter
 def test_gemv_path_half_precision_and_gelu() -> None:
     _cpu_ok()
     _check_kernels(2, 4, 2, 64, 96, seed=6, dtype=torch.float16, tol=5e-3, uniform=4)
@@ -228,7 +245,8 @@ def test_gemv_path_choice_and_split() -> None:
     g = torch.Generator().manual_seed(3)
     four = _stack(2, 64, 40, g, uniform=4)[0]
     assert moe_exl2._gemv_width(four) == 4 and moe_exl2._gemv_width(four, _stack(2, 64, 40, g, uniform=5)[0]) == 0
-    assert moe_exl2._gemv_width(_stack(4, 88, 40, g)[0]) == 0  # mixed widths: the tile kernels
+    assert moe_exl2._gemv_width(_stack(4, 88, 40, g)[0]) == 0  # mixed widths, aligned: each block its own
+    assert moe_exl2._gemv_width(_stack(5, 88, 40, g)[0]) is None  # a group off the 32-row grid: the tile kernels
 
 
 def test_kernels_have_their_references_signatures() -> None:

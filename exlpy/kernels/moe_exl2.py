@@ -42,6 +42,7 @@ import triton.language as tl
 from exlpy.kernels import reference
 from exlpy.kernels.exl2_gemv import _MAGIC, _deq
 from exlpy.kernels.moe import _ACTS, _dot, _sms, _tile, plan
+from exlpy.quant.exl2_ref import EXL2_BITS
 from exlpy.quant.experts import ExpertStack
 
 BLOCK_K = 32  # sorted rows per K step: one 32-row block of an aligned stack
@@ -66,7 +67,7 @@ GEMV_NB = {(1, True): {2: 4, 3: 4, 4: 4, 5: 4, 6: 2, 8: 2}, (2, True): {2: 1, 3:
            (1, False): {2: 2, 3: 1, 4: 2, 5: 2, 6: 2, 8: 2}, (2, False): {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
 GEMV_WAVES = 4  # K is split into as many parts as keep the programs within this many per SM (4 of 128 registers
 #                fit an SM at once: the grid then runs as one wave, no tail of a few programs)
-GEMV_WIDTHS = (2, 3, 4, 5, 6, 8)
+GEMV_WIDTHS = EXL2_BITS  # one-width stacks compiled for their width; mixed ones branch per block
 
 
 @triton.jit
@@ -283,6 +284,45 @@ def _x_at(x_row, perm_at, inside, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, B: tl.constexpr,
+               EVEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum over the 32 rows of one B-bit block (first table entry at `at`, first sorted row k0) of x[perm[r]] *
+    (q - z), unscaled: mixed-width stacks, one block per step, its width chosen at run time."""
+    ws = _block_words(qw_ptr, word_ptr, at, k0 < K, K - k0, ldq, cols, ok, (), B, EVEN)
+    p = tl.zeros([BLOCK_N], tl.float32)
+    prev = ws[0]
+    for wi in tl.static_range(B):
+        cur = ws[wi]
+        hi = cur >> 16
+        for i in tl.static_range(32):
+            if (i * B + B - 1) // 32 == wi:
+                p += _x_at(x_row, perm_ptr + at + i, k0 + i < K, EVEN) * _code(prev, cur, hi, magic, i, B)
+        prev = cur
+    return p
+
+
+@triton.jit
+def _mixed_block(x_row, qw_ptr, perm_ptr, word_ptr, info_ptr, at, k0, K, ldq, cols, ok, magic,
+                 EVEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_one_block` at the block's own width (any of EXL2's 2, 3, 4, 5, 6, 8), read from its first table entry."""
+    bits = (tl.load(info_ptr + at, mask=k0 < K, other=4 << 5) >> 5) & 15
+    p = tl.zeros([BLOCK_N], tl.float32)
+    if bits == 2:
+        p = _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, 2, EVEN, BLOCK_N)
+    elif bits == 3:
+        p = _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, 3, EVEN, BLOCK_N)
+    elif bits == 4:
+        p = _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, 4, EVEN, BLOCK_N)
+    elif bits == 5:
+        p = _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, 5, EVEN, BLOCK_N)
+    elif bits == 6:
+        p = _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, 6, EVEN, BLOCK_N)
+    elif bits == 8:
+        p = _one_block(x_row, qw_ptr, perm_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, 8, EVEN, BLOCK_N)
+    return p
+
+
+@triton.jit
 def _gemv_span(x_row, g_qw, g_sc, g_sm, g_perm, g_word, g_info, u_qw, u_sc, u_sm, u_perm, u_word, u_info,
                e_row, k_lo, k_hi, K, cols, g_ok, u_ok, g_ldq, g_lds, u_ldq, u_lds, magic,
                B: tl.constexpr, NB: tl.constexpr, TWO: tl.constexpr, SAME_PERM: tl.constexpr,
@@ -294,44 +334,54 @@ def _gemv_span(x_row, g_qw, g_sc, g_sm, g_perm, g_word, g_info, u_qw, u_sc, u_sm
     per row, shared by every column of the program); each block's partial sum is scaled once per column."""
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
-    for kb in range(k_lo, k_hi, 32 * NB):
-        gws = ()
-        uws = ()
-        for blk in tl.static_range(NB):
-            k0 = kb + blk * 32
-            gws = _block_words(g_qw, g_word, e_row + k0, k0 < K, K - k0, g_ldq, cols, g_ok, gws, B, EVEN)
-            if TWO:
-                uws = _block_words(u_qw, u_word, e_row + k0, k0 < K, K - k0, u_ldq, cols, u_ok, uws, B, EVEN)
-        for blk in tl.static_range(NB):
-            k0 = kb + blk * 32
-            pg = tl.zeros([BLOCK_N], tl.float32)
-            pu = tl.zeros([BLOCK_N], tl.float32)
-            g_prev = gws[blk * B]
-            u_prev = g_prev
-            if TWO:
-                u_prev = uws[blk * B]
-            for wi in tl.static_range(B):
-                g_cur = gws[blk * B + wi]
-                g_hi = g_cur >> 16
-                u_cur = g_cur
-                u_hi = g_hi
-                if TWO:
-                    u_cur = uws[blk * B + wi]
-                    u_hi = u_cur >> 16
-                for i in tl.static_range(32):
-                    if (i * B + B - 1) // 32 == wi:  # code i ends in this word
-                        xg = _x_at(x_row, g_perm + e_row + k0 + i, k0 + i < K, EVEN)
-                        pg += xg * _code(g_prev, g_cur, g_hi, magic, i, B)
-                        if TWO:
-                            xu = xg
-                            if not SAME_PERM:
-                                xu = _x_at(x_row, u_perm + e_row + k0 + i, k0 + i < K, EVEN)
-                            pu += xu * _code(u_prev, u_cur, u_hi, magic, i, B)
-                g_prev = g_cur
-                u_prev = u_cur
+    if B == 0:  # mixed widths: one block per step, each at its own width (gate and up each theirs)
+        for k0 in range(k_lo, k_hi, 32):
+            pg = _mixed_block(x_row, g_qw, g_perm, g_word, g_info, e_row + k0, k0, K, g_ldq, cols, g_ok, magic, EVEN,
+                              BLOCK_N)
             acc_g += pg * _col_scale(g_sc, g_sm, g_info, e_row + k0, k0 < K, cols, g_ok, g_lds)
             if TWO:
+                pu = _mixed_block(x_row, u_qw, u_perm, u_word, u_info, e_row + k0, k0, K, u_ldq, cols, u_ok, magic,
+                                  EVEN, BLOCK_N)
                 acc_u += pu * _col_scale(u_sc, u_sm, u_info, e_row + k0, k0 < K, cols, u_ok, u_lds)
+    else:
+        for kb in range(k_lo, k_hi, 32 * NB):
+            gws = ()
+            uws = ()
+            for blk in tl.static_range(NB):
+                k0 = kb + blk * 32
+                gws = _block_words(g_qw, g_word, e_row + k0, k0 < K, K - k0, g_ldq, cols, g_ok, gws, B, EVEN)
+                if TWO:
+                    uws = _block_words(u_qw, u_word, e_row + k0, k0 < K, K - k0, u_ldq, cols, u_ok, uws, B, EVEN)
+            for blk in tl.static_range(NB):
+                k0 = kb + blk * 32
+                pg = tl.zeros([BLOCK_N], tl.float32)
+                pu = tl.zeros([BLOCK_N], tl.float32)
+                g_prev = gws[blk * B]
+                u_prev = g_prev
+                if TWO:
+                    u_prev = uws[blk * B]
+                for wi in tl.static_range(B):
+                    g_cur = gws[blk * B + wi]
+                    g_hi = g_cur >> 16
+                    u_cur = g_cur
+                    u_hi = g_hi
+                    if TWO:
+                        u_cur = uws[blk * B + wi]
+                        u_hi = u_cur >> 16
+                    for i in tl.static_range(32):
+                        if (i * B + B - 1) // 32 == wi:  # code i ends in this word
+                            xg = _x_at(x_row, g_perm + e_row + k0 + i, k0 + i < K, EVEN)
+                            pg += xg * _code(g_prev, g_cur, g_hi, magic, i, B)
+                            if TWO:
+                                xu = xg
+                                if not SAME_PERM:
+                                    xu = _x_at(x_row, u_perm + e_row + k0 + i, k0 + i < K, EVEN)
+                                pu += xu * _code(u_prev, u_cur, u_hi, magic, i, B)
+                    g_prev = g_cur
+                    u_prev = u_cur
+                acc_g += pg * _col_scale(g_sc, g_sm, g_info, e_row + k0, k0 < K, cols, g_ok, g_lds)
+                if TWO:
+                    acc_u += pu * _col_scale(u_sc, u_sm, u_info, e_row + k0, k0 < K, cols, u_ok, u_lds)
     return acc_g, acc_u
 
 
@@ -452,7 +502,7 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return reference.moe_gate_up_exl2(x, order, counts, gate, up, top_k, kind)
     width = _gemv_width(gate, up)
-    if width and _gemv_rows(N, E):
+    if width is not None and _gemv_rows(N, E):
         return _gate_up_gemv(x, order, counts, gate, up, top_k, kind, width, out)
     bm, bn, warps, tiles = _tiles(N, E, inter, _sms(x), x.element_size())
     _gate_up_exl2_kernel[(tiles, triton.cdiv(inter, bn))](
@@ -478,7 +528,7 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
     if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return reference.moe_down_exl2(a, order, counts, down)
     width = _gemv_width(down)
-    if width and _gemv_rows(N, E):
+    if width is not None and _gemv_rows(N, E):
         return _down_gemv(a, order, counts, down, width, y)
     bm, bn, warps, tiles = _tiles(N, E, H, _sms(a), a.element_size())
     _down_exl2_kernel[(tiles, triton.cdiv(H, bn))](
@@ -510,12 +560,14 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _WORKSPACES[device, size] = ws
     return ws
-def _gemv_width(*stacks: ExpertStack) -> int:
-    """The one width of aligned stacks that the GEMV kernels take (every block of every stack that wide), else 0
-    (mixed widths and groups off the 32-row grid take the tile kernels)."""
+def _gemv_width(*stacks: ExpertStack) -> int | None:
+    """How the GEMV kernels take these stacks: their one width (every block of every stack that wide), 0 for
+    mixed widths (each block at its own, chosen at run time), None when some group is off the 32-row grid (the
+    tile kernels' per-row path). EXL2 files hold only GEMV_WIDTHS (exl2_ref.EXL2_BITS, checked at load)."""
+    if not all(s.aligned for s in stacks):
+        return None
     w = stacks[0].width
-    ok = w in GEMV_WIDTHS and all(s.aligned and s.width == w for s in stacks)
-    return w if ok else 0
+    return w if w in GEMV_WIDTHS and all(s.width == w for s in stacks) else 0
 
 
 def _gemv_rows(n_pairs: int, n_experts: int) -> bool:
@@ -525,7 +577,10 @@ def _gemv_rows(n_pairs: int, n_experts: int) -> bool:
 
 
 def _gemv_nb(bits: int, matrices: int, k: int) -> tuple[int, bool]:
-    """(32-row blocks per step, whether K is whole steps) for `matrices` stacks of `bits` over K rows."""
+    """(32-row blocks per step, whether K is whole steps) for `matrices` stacks of `bits` (0: mixed, one block
+    per step) over K rows."""
+    if not bits:
+        return 1, k % 32 == 0
     nb = GEMV_NB[matrices, True][bits]
     if k % (32 * nb):
         nb = GEMV_NB[matrices, False][bits]
