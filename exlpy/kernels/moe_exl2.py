@@ -19,18 +19,19 @@ block's first table entry, and the scales multiply the dot's columns afterwards;
 has one width dividing 32 (2, 4, 8 bits), the block's words are loaded once and split by compile-time shifts,
 and decode tiles walk UNROLL_DECODE blocks per trip so that more loads are in flight per program.
 
-Few rows per expert (decode) take GEMV kernels instead. At batch 1 the tile kernels had far too little parallel
-work: Mixtral's down (K = 14336, 4096 outputs, 2 routed experts) ran 2 x 256 live programs of 16 columns, each
-walking all of K with 64 words per 32-row block over 128 threads (half of them idle), every step a dependent
-chain (table entry, then the words it names) into a tensor-core dot of one live row in sixteen; gate|up 2 x 224
-programs of 64 columns (103 and 259 GB/s measured on an H100). The GEMV kernels run one program per (sorted row,
-column block of GEMV_COLS, K split): each thread owns 4 columns (fewer for narrow outputs), loads every packed
-word row of its columns with one 16-byte load (a step's NB blocks loaded before any is used), decodes each code
-with compile-time shifts and the fp32 mantissa trick of exl2_gemv (no int -> float conversion), and feeds one
-FMA with the row's x, a scalar gathered through the expert's act order. K is split into whole steps until the
-grid fills the SMs GEMV_WAVES times; the splits add their fp32 sums into a zeroed workspace by atomics (no
-lock-free epilogue: a second small kernel applies act(gate) * up, and down's sums are converted into y), so the
-launches stay graph safe.
+Few rows per expert (decode) take GEMV kernels instead (aligned stacks, of one width or mixed). At batch 1 the tile
+kernels had far too little parallel work: Mixtral's down (K = 14336, 4096 outputs, 2 routed experts) ran 2 x 256
+live programs of 16 columns, each walking all of K with 64 words per 32-row block over 128 threads (half of them
+idle), every step a dependent chain (table entry, then the words it names) into a tensor-core dot of one live row
+in sixteen; gate|up 2 x 224 programs of 64 columns (103 and 259 GB/s measured on an H100). The GEMV kernels run one
+program per (sorted row, column block of GEMV_COLS, K split): each thread owns 4 columns (fewer for narrow
+outputs), loads every packed word row of its columns with one 16-byte load (a step's NB blocks loaded before any is
+used), decodes each code with compile-time shifts and the fp32 mantissa trick of exl2_gemv (no int -> float
+conversion), and feeds one FMA with the row's x, a scalar gathered through the expert's act order. K is split into
+whole steps, as many splits as keep the grid within GEMV_WAVES programs per SM; the splits add their fp32 sums into
+a zero workspace by atomics, and a second small kernel (no lock-free epilogue) takes each sum by atomic exchange
+with zero, leaving the workspace zero for the next launch, and writes act(gate) * up, or down's y. No host sync, no
+memset: the launches stay graph safe.
 """
 
 from __future__ import annotations
