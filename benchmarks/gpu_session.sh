@@ -19,7 +19,13 @@
 #   stall        benchmarks/prefill_stall.py --model 8b: decode gaps next to a 16k prompt, captured vs eager chunks
 #   vision       benchmarks/vision.py: Qwen2.5-VL-7B shape TTFT with a 1024x1024 image vs transformers, by phase
 #   ray          (2 GPUs; needs Ray Serve importable) benchmarks/ray_serve.py --quick: 1 vs 2 one-GPU replicas, then
-#                prefix routing vs power of two choices ($RAY_MODEL, default the tiny EXL2 model of .gpu/shared)
+#                round-robin, power of two choices and prefix routing ($RAY_MODEL, default the tiny EXL2 model of
+#                .gpu/shared)
+#   ray8b        (2 GPUs; needs Ray Serve: benchmarks/ray_parts.sh carries it) the issue's figures, ~5 minutes:
+#                benchmarks/ray_serve.py --model 8b --preset 8b (a random-weight 8B fp16 model, built under
+#                /tmp/exlpy_bench unless an earlier call did): 1 vs 2 one-GPU replicas under 128 streams, then
+#                round-robin, power of two choices and prefix routing with 2,000-token system prompts; the full
+#                log in $OUT/ray8b.log
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -58,6 +64,9 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
                --out "$OUT/convert.md" 2>&1 | tail -25 ;;
     ray) timeout "${RAY_S:-235}" python benchmarks/ray_serve.py --model "${RAY_MODEL:-../shared/models/tiny-llama-exl2-4.0}" \
            --quick --out "$OUT/ray_serve.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tail -30 ;;
+    ray8b) timeout "${RAY8B_S:-520}" python benchmarks/ray_serve.py --model 8b --work /tmp/exlpy_bench --preset 8b \
+             --out "$OUT/ray_serve.md" 2>&1 | tee "$OUT/ray8b.log" | grep -av -E $'^(\e\\[[0-9;]*m)?\\(|INFO|WARNING' \
+             | tail -60 ;;  # Ray's worker lines (colour code, then "(Actor pid=...)") stay in the log
     mgpu) timeout "${MGPU_S:-300}" python -m pytest -q -p no:cacheprovider -rfEs --timeout=120 \
             --timeout-method=thread ${MGPU_ARGS:-} \
             tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py \

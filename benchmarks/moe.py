@@ -46,6 +46,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.quant_matmul import graph_time  # noqa: E402
 from exlpy.cli.bench import weight_bytes_read  # noqa: E402
 from exlpy.kernels import ops  # noqa: E402
 
@@ -208,25 +209,7 @@ def timed(fn: Callable[[], Any], device: str, reps: int = 20) -> float:
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return graph_time(fn, reps)
 
 
 def copy_rate(device: str) -> float:

@@ -19,10 +19,12 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Collect now, then keep the cyclic garbage collector off until the block ends (restored as it was)."""
+def gc_paused(collect: bool = True) -> Iterator[None]:
+    """Collect now (unless `collect` is False: `torch.cuda.graph` collects on entering), then keep the cyclic
+    garbage collector off until the block ends (restored as it was)."""
     was_enabled = gc.isenabled()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.disable()
     try:
         yield

@@ -30,6 +30,10 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {**COMMON, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
                           "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
                           "initializer_range": 0.2}),
+    # Gemma 3 (text): Gemma 2's four norms and fp32 residual, q/k norms, a local layer then a global one with
+    # their own RoPE bases, no soft-caps.
+    "gemma3": ("gemma3_text", {**COMMON, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": ("phi3", {**COMMON}),
     "phi3_partial": ("phi3", {**COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                             "partial_rotary_factor": 0.5}}),

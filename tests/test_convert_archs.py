@@ -187,9 +187,8 @@ def test_architecture_converts_loads_and_matches(tmp_path: Path, monkeypatch: py
     out = tmp_path / "q"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # On the CPU as the docstring says, on a GPU machine too: converted on an H100 (fp16), Gemma 2 and GLM-4's tiny
-        # models spent ~3.6 of 6-8 bpw (2026-11-26, benchmarks/results/gpu_tests.md): an open question of the fp16
-        # calibration forward with post-norms, kept out of this CPU check of each architecture's quirks.
+        # On the CPU as the docstring says, on a GPU machine too. The GPU path (fp16, the CUDA kernels' in-place
+        # residual adds) of the post-norm models is tests/test_convert_gpu_path.py's.
         result = convert(str(src), str(tmp_path / "w"), str(out), bits=bits,
                          cal_dataset=_cal_file(tmp_path / "c.jsonl"), device="cpu", **CAL)
     assert bits - 0.5 < result["bpw"]["decoder"] <= bits + 0.01, result["bpw"]

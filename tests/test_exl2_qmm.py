@@ -10,6 +10,7 @@ with TRITON_INTERPRET=1, so this session keeps compiled kernels for the CUDA tes
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -55,15 +56,22 @@ def _qmm():
     return exl2_qmm
 
 
-def _check(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, norm: torch.Tensor | None = None) -> None:
-    qmm = _qmm()
+def check_group(group: Callable[[list[QuantMatrix], torch.Tensor | None], Any], x: torch.Tensor,
+                parts: list[QuantMatrix], bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                norm: torch.Tensor | None = None) -> None:
+    """group(parts, bias).run(x, residual, norm) (a QmmGroup, a TcGroup) against reference.quant_matmul: in x's
+    dtype, added into `residual` in place when given, within TOL. Also tests/test_exl2_tc.py's."""
     ref = reference.quant_matmul(x, parts, bias, None if residual is None else residual.clone(), norm, 1e-5)
-    y = qmm.QmmGroup(parts, bias).run(x, residual, norm, 1e-5)
+    y = group(parts, bias).run(x, residual, norm, 1e-5)
     if residual is not None:
         assert y is residual  # added in place
     assert y.shape == (x.shape[0], sum(p.n for p in parts)) and y.dtype == x.dtype
     assert rel_err(y, ref) < TOL, (x.shape, [p.layout.group_bits[:3] for p in parts])
+
+
+def _check(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, norm: torch.Tensor | None = None) -> None:
+    check_group(_qmm().QmmGroup, x, parts, bias, residual, norm)
 
 
 # (K, N, groups): small shapes; groups of whole 32-row blocks, as the converter writes them
@@ -374,18 +382,16 @@ def check_graph_replay(make_group: Any) -> None:
             assert rel_err(res, reference.quant_matmul(h.cpu(), [down], None, r0.clone())) < TOL
 
 
-@requires_cuda
-@pytest.mark.gpu
-def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A converter-written EXL2 model decoding 4 rows (graph step), then verifying 4 tokens per row (16 rows),
-    runs the multi-row kernel and matches the fp32 CPU model's logits."""
+def check_model_batched_decode(monkeypatch: pytest.MonkeyPatch, kernel: Any, opts: RuntimeOptions) -> None:
+    """A converter-written EXL2 model loaded on the GPU under `opts` decoding 4 rows (graph step), then verifying
+    4 tokens per row (16 rows): `kernel.run_plan` (exl2_qmm's, exl2_tc's) runs both, and the logits match the
+    fp32 CPU model's. Also tests/test_exl2_tc.py's."""
     from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
     from tests.conftest import logits_tol
 
-    qmm = _qmm()
     calls = []
-    real = qmm.run_plan
-    monkeypatch.setattr(qmm, "run_plan", lambda plan, xb, *a: calls.append(xb.shape[0]) or real(plan, xb, *a))
+    real = kernel.run_plan
+    monkeypatch.setattr(kernel, "run_plan", lambda plan, xb, *a: calls.append(xb.shape[0]) or real(plan, xb, *a))
     d = shared_path("models", "smollm2-135m-exl2-4.0")
     cpu = ExLlamaV2(ExLlamaV2Config(str(d)))
     cpu.load(device="cpu")
@@ -393,7 +399,7 @@ def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     ids = torch.randint(0, 1000, (4, 24), generator=gen)
     want = cpu.forward(ids)
     del cpu
-    with use_options(_fused_rows()):
+    with use_options(opts):
         model = ExLlamaV2(ExLlamaV2Config(str(d)))
         cache = ExLlamaV2Cache(model, batch_size=4, max_seq_len=64, lazy=True)
         model.load_autosplit(cache)
@@ -403,6 +409,14 @@ def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         assert 4 in calls and rel_err(got[:, -1], want[:, 19]) <= tol
         got = model.forward(ids[:, 20:24], cache)  # verification-sized step: 4 tokens per row, 16 rows
         assert 16 in calls and rel_err(got, want[:, 20:24]) <= tol
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converter-written EXL2 model decoding 4 rows (graph step), then verifying 4 tokens per row (16 rows),
+    runs the multi-row kernel and matches the fp32 CPU model's logits."""
+    check_model_batched_decode(monkeypatch, _qmm(), _fused_rows())
 
 
 @pytest.mark.slow

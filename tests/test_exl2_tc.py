@@ -17,22 +17,22 @@ import torch
 
 from exlpy.errors import ConfigError
 from exlpy.kernels import reference
-from exlpy.quant.exl2_ref import build_exl2_matrix
 from exlpy.quant.gptq_ref import build_gptq_matrix
 from exlpy.quant.layout import QuantMatrix
-from exlpy.quant.pack import quantize_gptq, random_exl2
+from exlpy.quant.pack import quantize_gptq
 from exlpy.runtime import RuntimeOptions, options, use_options
-from tests.conftest import rel_err, requires_cuda, shared_path
-from tests.test_exl2_qmm import MIXED_8B, _exl2_big, _groups, check_graph_replay
+from tests.conftest import rel_err, requires_cuda
+from tests.test_exl2_qmm import (
+    MIXED_8B,
+    _exl2,
+    _exl2_big,
+    _groups,
+    check_graph_replay,
+    check_group,
+    check_model_batched_decode,
+)
 
 TOL = 2e-3  # exact codes and fp16 x in the dots, fp32 accumulation (rel_err: max |diff| / max |ref|)
-
-
-def _exl2(k: int, n: int, groups: list[tuple[int, int]], gen: torch.Generator, act_order: bool = True,
-          perm: torch.Tensor | None = None) -> QuantMatrix:
-    t = random_exl2(k, n, groups, gen, act_order=act_order)
-    qm = build_exl2_matrix(t["q_weight"], t["q_invperm"], t["q_scale"], t["q_scale_max"], t["q_groups"], k, n, "t")
-    return qm if perm is None else dataclasses.replace(qm, perm=perm)  # as q/k/v of one layer share act order
 
 
 def _tc():
@@ -44,13 +44,7 @@ def _tc():
 
 def _check(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm: torch.Tensor | None = None) -> None:
-    tc = _tc()
-    ref = reference.quant_matmul(x, parts, bias, None if residual is None else residual.clone(), norm, 1e-5)
-    y = tc.TcGroup(parts, bias).run(x, residual, norm, 1e-5)
-    if residual is not None:
-        assert y is residual  # added in place
-    assert y.shape == (x.shape[0], sum(p.n for p in parts)) and y.dtype == x.dtype
-    assert rel_err(y, ref) < TOL, (x.shape, [p.layout.group_bits[:3] for p in parts])
+    check_group(_tc().TcGroup, x, parts, bias, residual, norm)
 
 
 @pytest.fixture
@@ -373,30 +367,8 @@ def test_graph_replay_cuda() -> None:
 def test_model_batched_decode_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """A converter-written EXL2 model decoding 4 rows (graph step), then verifying 4 tokens per row (16 rows), with
     EXLPY_QMM_KERNEL=tc, runs this kernel and matches the fp32 CPU model's logits."""
-    from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
-    from tests.conftest import logits_tol
-
-    tc = _tc()
-    calls = []
-    real = tc.run_plan
-    monkeypatch.setattr(tc, "run_plan", lambda plan, xg, *a: calls.append(xg.shape[0]) or real(plan, xg, *a))
-    d = shared_path("models", "smollm2-135m-exl2-4.0")
-    cpu = ExLlamaV2(ExLlamaV2Config(str(d)))
-    cpu.load(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 1000, (4, 24), generator=gen)
-    want = cpu.forward(ids)
-    del cpu
-    with use_options(dataclasses.replace(options(), quant_rows=64, gemv_rows=0, qmm_kernel="tc")):
-        model = ExLlamaV2(ExLlamaV2Config(str(d)))
-        cache = ExLlamaV2Cache(model, batch_size=4, max_seq_len=64, lazy=True)
-        model.load_autosplit(cache)
-        tol = logits_tol(model, 1e-3)
-        model.forward(ids[:, :19], cache, preprocess_only=True)
-        got = model.forward(ids[:, 19:20], cache)
-        assert 4 in calls and rel_err(got[:, -1], want[:, 19]) <= tol
-        got = model.forward(ids[:, 20:24], cache)
-        assert 16 in calls and rel_err(got, want[:, 20:24]) <= tol
+    check_model_batched_decode(monkeypatch, _tc(),
+                               dataclasses.replace(options(), quant_rows=64, gemv_rows=0, qmm_kernel="tc"))
 
 
 @pytest.mark.slow

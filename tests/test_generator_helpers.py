@@ -1,4 +1,5 @@
-"""Helpers shared by the generator tests (no tests here): the aidreams260K model and an argmax oracle."""
+"""Helpers shared by the generator tests (no tests here): the aidreams260K model, an argmax oracle, and a long
+prompt prefilled next to decoding jobs."""
 
 from __future__ import annotations
 
@@ -63,3 +64,28 @@ def drain(gen: Any) -> dict[Any, dict[str, Any]]:
                 if r["eos"]:
                     a["final"] = r
     return acc
+
+
+def decode_next_to_long_prompt(gen: Any, prompt_len: int, decode_len: int, new_tokens: int) -> tuple[Any, list[int]]:
+    """Three jobs decoding (`decode_len` tokens each), then a random prompt of `prompt_len` tokens (asking
+    `new_tokens`) enqueued beside them and iterated until prefilled; every decoding job must advance in every
+    one of those iterations. Returns (the long job, the prompt tokens each iteration prefilled)."""
+    from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    greedy = ExLlamaV2Sampler.Settings.greedy()
+    decoders = [ExLlamaV2DynamicJob(torch.tensor([[1, 7 + k, 9]]), decode_len, gen_settings=greedy,
+                                    stop_conditions=[]) for k in range(3)]
+    gen.enqueue(decoders)
+    while not all(j.new_tokens for j in decoders):
+        gen.iterate()
+    long = ExLlamaV2DynamicJob(torch.randint(3, 500, (1, prompt_len), generator=torch.Generator().manual_seed(3)),
+                               new_tokens, gen_settings=greedy, stop_conditions=[])
+    gen.enqueue(long)
+    chunks: list[int] = []
+    while not long.is_prefilled():
+        before = {j: j.new_tokens for j in decoders}
+        p0 = gen.prefill_tokens
+        gen.iterate()
+        chunks.append(gen.prefill_tokens - p0)
+        assert all(j.new_tokens > before[j] for j in decoders)  # every decoding job advanced in this step
+    return long, chunks

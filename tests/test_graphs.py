@@ -192,6 +192,14 @@ def test_failed_decode_capture_runs_eagerly(model_dir: Path, monkeypatch: pytest
     assert len(tries) == runner.capture_failures == CAPTURE_TRIES
     assert not next(iter(runner.steps.values())).captured
 
+    def oom(self: StepGraphs, step: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(StepGraphs, "_capture", oom)  # out of memory is the caller's (the warm-up stops there)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        StepGraphs(runner.strategy, capture=True).run_rows(tok, graph_cache, [graph_cache.current_seq_len] * 2,
+                                                           None, graph_cache.max_seq_len)
+
 
 def test_step_rebuilt_when_cache_tensors_change(model_dir: Path) -> None:
     model = _load(model_dir)

@@ -132,20 +132,11 @@ def test_host_allreduce_compiles_with_plain_release_acquire_flags() -> None:
     """sm_90 PTX: flags by st.release.sys / ld.acquire.sys (no read-modify-write atomics on host memory, which
     PCIe links without native host atomics do not make atomic), the others' tiles read uncached in 16-byte
     vectors, CTA barriers around the flag exchange."""
-    import json
     import re
-    import subprocess
-    import sys
 
-    from tests.conftest import child_env
+    from tests.test_peer_allreduce_compile import child_ptx
 
-    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
-                       env=child_env(drop=("TRITON_INTERPRET",)), timeout=300)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PTX ")]
-    if not lines and "ptxas" in r.stderr.lower():
-        pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
-    assert lines, r.stderr[-2000:]
-    ptx = json.loads(lines[0][4:])
+    ptx = child_ptx(COMPILE)
     assert re.search(r"st\.release\.sys\.global\.u32", ptx)
     assert re.search(r"ld\.acquire\.sys\.global\.u32", ptx)
     assert not re.search(r"atom\.[^\n]*sys", ptx)  # the only atomic is the device-local error counter
@@ -286,19 +277,10 @@ print("PTX " + json.dumps(k.asm["ptx"]))
 
 
 def test_peer_fused_norm_compiles() -> None:
-    import json
     import re
-    import subprocess
-    import sys
 
-    from tests.conftest import child_env
+    from tests.test_peer_allreduce_compile import child_ptx
 
-    r = subprocess.run([sys.executable, "-c", PEER_COMPILE], capture_output=True, text=True,
-                       env=child_env(drop=("TRITON_INTERPRET",)), timeout=300)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PTX ")]
-    if not lines and "ptxas" in r.stderr.lower():
-        pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
-    assert lines, r.stderr[-2000:]
-    ptx = json.loads(lines[0][4:])
+    ptx = child_ptx(PEER_COMPILE)
     assert re.search(r"atom\.global\.sys\.release\.exch", ptx) and re.search(r"\.sys\.acquire", ptx)
     assert ptx.count("bar.sync") >= 2

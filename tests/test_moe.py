@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.errors import LoraConfigError, TensorParallelError
-from exlpy.kernels import reference
+from exlpy.kernels import reference, reference_moe
 from tests.arch_models import VOCAB, make_arch_model
 from tests.conftest import logits_tol, rel_err, requires_cuda
 
@@ -77,9 +78,9 @@ def test_every_experts_path_equals_a_per_token_loop(monkeypatch: pytest.MonkeyPa
     h, w, ids, gu, down = _case(tokens)
     want = _naive(h, w, ids, gu, down)
     limit, slices, gather_bytes = _PATHS[path]
-    monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
-    monkeypatch.setattr(reference, "MOE_HOST_SLICES", slices)
-    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_MAX", limit)
+    monkeypatch.setattr(reference_moe, "MOE_HOST_SLICES", slices)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_BYTES", gather_bytes)
     torch.testing.assert_close(reference.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops.moe_experts(h, w, ids, gu, down, "silu"), want, atol=1e-5, rtol=1e-5)
 
@@ -102,14 +103,14 @@ def test_unrouted_experts_are_not_read(monkeypatch: pytest.MonkeyPatch, path: st
     gu[2], down[2] = float("nan"), float("nan")
     ids = torch.randint(0, 2, (20, 1), generator=g)
     limit, slices, gather_bytes = _PATHS[path]
-    monkeypatch.setattr(reference, "MOE_GATHER_MAX", limit)
-    monkeypatch.setattr(reference, "MOE_HOST_SLICES", slices)
-    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_MAX", limit)
+    monkeypatch.setattr(reference_moe, "MOE_HOST_SLICES", slices)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_BYTES", gather_bytes)
     assert torch.isfinite(reference.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
     assert torch.isfinite(ops.moe_experts(h, torch.ones(20, 1), ids, gu, down, "silu")).all()
 
 
-@pytest.mark.parametrize("gather_bytes", [reference.MOE_GATHER_BYTES, 0])
+@pytest.mark.parametrize("gather_bytes", [reference_moe.MOE_GATHER_BYTES, 0])
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_moe_block_forward_needs_no_host_sync(moe_models: dict, monkeypatch: pytest.MonkeyPatch, tokens: int,
                                               gather_bytes: int) -> None:
@@ -119,7 +120,7 @@ def test_moe_block_forward_needs_no_host_sync(moe_models: dict, monkeypatch: pyt
     from exlpy.model.module import drive
     from exlpy.model.moe import MoEMLP
 
-    monkeypatch.setattr(reference, "MOE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(reference_moe, "MOE_GATHER_BYTES", gather_bytes)
     for case in ("mixtral", "qwen3_moe", "dbrx"):
         model = _load(moe_models[case][0], torch.float32, "cpu")
         block = next(m for m in model.modules if isinstance(m, MoEMLP))
@@ -179,13 +180,14 @@ def test_dense_moe_models_are_graph_captured(moe_models: dict) -> None:
     assert graph_runner(model, strategy) is not None  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
-def test_decode_through_the_graph_runner_equals_eager(moe_models: dict, case: str) -> None:
-    """A batch of 3 decoded through the graph runner's static buffers (run eagerly on the CPU; padded to a bucket
-    of 4 rows whose padding routes somewhere and writes nowhere) equals plain eager decode."""
+def check_runner_decode(model: ExLlamaV2, steps: int = 3) -> tuple[object, torch.Tensor, ExLlamaV2Cache,
+                                                                    ExLlamaV2Cache]:
+    """Decode a batch of 3 through the graph runner's static buffers (its body run eagerly on the CPU, as on a
+    CUDA model but without capture; padded to a bucket of 4 rows whose padding routes somewhere and writes
+    nowhere) and plainly, `steps` tokens after the prompt's last; the logits must agree. Returns (the runner,
+    the last token, the eager cache, the runner's cache) for further steps. Also tests/test_moe_exl2.py's."""
     from exlpy.engine.graphs import StepGraphs
 
-    model = _load(moe_models[case][0], torch.float32, "cpu")
     prompt = torch.randint(2, VOCAB, (3, 9), generator=torch.Generator().manual_seed(5))
     eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=3), ExLlamaV2Cache(model, batch_size=3)
     model.forward(prompt, eager_cache, preprocess_only=True)
@@ -196,12 +198,61 @@ def test_decode_through_the_graph_runner_equals_eager(moe_models: dict, case: st
     runner = strategy.graph_cache["runner"] = StepGraphs(strategy, capture=False)
     out = [model.forward(prompt[:, -1:], graph_cache)]
     assert len(runner.steps) == 1  # the step went through the runner
-    for _ in range(3):
+    for _ in range(steps):
         tok = ref[-1][:, -1].argmax(-1, keepdim=True)
         ref.append(model.forward(tok, eager_cache))
         out.append(model.forward(tok, graph_cache))
     assert rel_err(torch.cat(out, 1), torch.cat(ref, 1)) <= 1e-5
-    # the experts per token changed between calls (exllamav2's -ept): graphs of the old top-k are dropped
+    return runner, tok, eager_cache, graph_cache
+
+
+def check_replays_with_new_routing(run: Callable[[], torch.Tensor], refill: Callable[[int], None],
+                                   want: Callable[[], torch.Tensor]) -> None:
+    """An MoE op over static buffers, run(), captured once in a CUDA graph (capture refuses any host sync) after
+    refill(0) and a first call on a side stream (the kernels compile outside the capture); then per seed 1-3
+    refill(seed) routes the tokens elsewhere and a replay must be within 5e-3 of want() for that routing. Also
+    tests/test_moe_kernels_triton.py's and tests/test_moe_exl2.py's."""
+    refill(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (1, 2, 3):
+        refill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, want()) < 5e-3
+
+
+def check_cuda_graph_decode(load: Callable[[], ExLlamaV2], want: torch.Tensor, ids: torch.Tensor,
+                            between_tol: float | None = None) -> None:
+    """fp16 models from `load()` on a GPU decode ids [2, 30] (a 20-token prompt, then token by token) replayed
+    from CUDA graphs and eagerly (no_graphs): graphs were captured exactly when on, each path's logits are within
+    logits_tol(model, 2e-3) of `want` and within `between_tol` (default: that bound) of each other. Also
+    tests/test_moe_exl2.py's."""
+    outs = {}
+    for graphs in (True, False):
+        model = load()
+        model.config.no_graphs = not graphs
+        cache = ExLlamaV2Cache(model, batch_size=2)
+        parts = [model.forward(ids[:, :20], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(20, 30)]
+        outs[graphs] = torch.cat(parts, dim=1).cpu()
+        runner = model.strategy_for_forward().graph_cache.get("runner")
+        assert (runner is not None and any(s.captured for s in runner.steps.values())) == graphs
+        assert rel_err(outs[graphs], want) <= logits_tol(model, 2e-3)
+    assert rel_err(outs[True], outs[False]) <= (logits_tol(model, 2e-3) if between_tol is None else between_tol)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_decode_through_the_graph_runner_equals_eager(moe_models: dict, case: str) -> None:
+    """Decode through the graph runner equals plain eager decode (check_runner_decode); when the experts per token
+    change between calls (exllamav2's -ept), graphs of the old top-k are dropped."""
+    model = _load(moe_models[case][0], torch.float32, "cpu")
+    runner, tok, eager_cache, graph_cache = check_runner_decode(model)
     old_step = next(iter(runner.steps.values()))
     model.config.num_experts_per_token = 3
     out3 = model.forward(tok, graph_cache)
@@ -219,17 +270,7 @@ def test_cuda_graph_decode_equals_eager(moe_models: dict, case: str) -> None:
     ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         want = ref(ids).logits  # type: ignore[operator]
-    outs = {}
-    for graphs in (True, False):
-        model = _load(path, torch.float16, "cuda:0")
-        model.config.no_graphs = not graphs
-        cache = ExLlamaV2Cache(model, batch_size=2)
-        parts = [model.forward(ids[:, :20], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(20, 30)]
-        outs[graphs] = torch.cat(parts, dim=1)
-        runner = model.strategy_for_forward().graph_cache.get("runner")
-        assert (runner is not None and any(s.captured for s in runner.steps.values())) == graphs
-        assert rel_err(outs[graphs], want) <= logits_tol(model, 2e-3)
-    assert rel_err(outs[True], outs[False]) <= 2e-3
+    check_cuda_graph_decode(lambda: _load(path, torch.float16, "cuda:0"), want, ids, between_tol=2e-3)
 
 
 def test_tensor_parallel_refused_by_name(moe_models: dict) -> None:

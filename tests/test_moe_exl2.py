@@ -23,6 +23,7 @@ from exlpy.quant.exl2_ref import build_exl2_matrix, dequant_dense
 from exlpy.quant.experts import ExpertStack, stack_exl2
 from exlpy.quant.pack import random_exl2
 from tests.conftest import requires_cuda
+from tests.test_moe import check_cuda_graph_decode, check_replays_with_new_routing, check_runner_decode
 
 # per-expert (bits, rows) layouts, cycled over the experts; each sums to K = 88 (mixed, cut last group, uniform;
 # the last one has a group boundary off the 32-row grid, so stacks of 5 or more experts take the kernels' general
@@ -293,20 +294,8 @@ def test_cuda_graph_capture_and_replay_with_new_routing(uniform: int) -> None:
         w.copy_(torch.rand(T, k, generator=gg))
         ids.copy_(torch.stack([torch.randperm(E, generator=gg)[:k] for _ in range(T)]))
 
-    refill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.moe_experts_exl2(h, w, ids, gate, up, down, "silu")  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.moe_experts_exl2(h, w, ids, gate, up, down, "silu")
-    for seed in (1, 2, 3):
-        refill(seed)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _rel(out, reference.moe_experts(h, w, ids, gu, dn, "silu")) < 5e-3
+    check_replays_with_new_routing(lambda: ops.moe_experts_exl2(h, w, ids, gate, up, down, "silu"), refill,
+                                   lambda: reference.moe_experts(h, w, ids, gu, dn, "silu"))
 
 
 # --- models -----------------------------------------------------------------------------------------------------
@@ -396,27 +385,7 @@ def test_exl2_moe_model_equals_its_per_expert_linears(exl2_moe: dict, case: str)
 def test_exl2_moe_decode_through_the_graph_runner_equals_eager(exl2_moe: dict, case: str) -> None:
     """A batch of 3 decoded through the graph runner's static buffers (its body run eagerly on the CPU, the
     references serving the ops) equals plain eager decode."""
-    from exlpy import ExLlamaV2Cache
-    from exlpy.engine.graphs import StepGraphs
-    from tests.arch_models import VOCAB
-    from tests.conftest import rel_err
-
-    model = _load(exl2_moe[case])
-    prompt = torch.randint(2, VOCAB, (3, 9), generator=torch.Generator().manual_seed(5))
-    eager_cache, graph_cache = ExLlamaV2Cache(model, batch_size=3), ExLlamaV2Cache(model, batch_size=3)
-    model.forward(prompt, eager_cache, preprocess_only=True)
-    model.forward(prompt, graph_cache, preprocess_only=True)
-    ref = [model.forward(prompt[:, -1:], eager_cache)]
-    strategy = model.strategy_for_forward()
-    strategy.graph_safe = True  # as on a CUDA model; the runner runs its body eagerly
-    runner = strategy.graph_cache["runner"] = StepGraphs(strategy, capture=False)
-    out = [model.forward(prompt[:, -1:], graph_cache)]
-    assert len(runner.steps) == 1  # the step went through the runner
-    for _ in range(3):
-        tok = ref[-1][:, -1].argmax(-1, keepdim=True)
-        ref.append(model.forward(tok, eager_cache))
-        out.append(model.forward(tok, graph_cache))
-    assert rel_err(torch.cat(out, 1), torch.cat(ref, 1)) <= 1e-5
+    check_runner_decode(_load(exl2_moe[case]))
 
 
 @pytest.mark.interpreter
@@ -453,23 +422,11 @@ def test_exl2_moe_model_through_the_kernels(exl2_moe: dict, monkeypatch: pytest.
 def test_cuda_exl2_moe_graph_decode_equals_eager_and_cpu(exl2_moe: dict, case: str) -> None:
     """fp16 on a GPU: decode replayed from CUDA graphs (the EXL2 MoE blocks captured) equals eager decode and
     the fp32 CPU reference path."""
-    from exlpy import ExLlamaV2Cache
     from tests.arch_models import VOCAB
-    from tests.conftest import logits_tol, rel_err
 
     ids = torch.randint(2, VOCAB, (2, 30), generator=torch.Generator().manual_seed(7))
     want = _load(exl2_moe[case]).forward(ids)
-    outs = {}
-    for graphs in (True, False):
-        model = _load(exl2_moe[case], "cuda:0", torch.float16)
-        model.config.no_graphs = not graphs
-        cache = ExLlamaV2Cache(model, batch_size=2)
-        parts = [model.forward(ids[:, :20], cache)] + [model.forward(ids[:, i:i + 1], cache) for i in range(20, 30)]
-        outs[graphs] = torch.cat(parts, dim=1).cpu()
-        runner = model.strategy_for_forward().graph_cache.get("runner")
-        assert (runner is not None and any(s.captured for s in runner.steps.values())) == graphs
-        assert rel_err(outs[graphs], want) <= logits_tol(model, 2e-3)
-    assert rel_err(outs[True], outs[False]) <= logits_tol(model, 2e-3)
+    check_cuda_graph_decode(lambda: _load(exl2_moe[case], "cuda:0", torch.float16), want, ids)
 
 
 def test_gptq_experts_run_per_expert_and_eagerly(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from exlpy.kernels import reference
 from tests.conftest import requires_cuda
+from tests.test_moe import check_replays_with_new_routing
 
 triton = pytest.importorskip("triton")
 
@@ -213,20 +214,8 @@ def test_cuda_graph_capture_and_replay_with_new_routing() -> None:
         w.copy_(torch.rand(T, k, generator=gg))
         ids.copy_(_routing(T, E, k, seed % 2 == 0, gg, "cpu"))
 
-    refill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.moe_experts(h, w, ids, gu, down, "silu")  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.moe_experts(h, w, ids, gu, down, "silu")
-    for seed in (1, 2, 3):
-        refill(seed)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _rel(out, reference.moe_experts(h, w, ids, gu, down, "silu")) < 5e-3
+    check_replays_with_new_routing(lambda: ops.moe_experts(h, w, ids, gu, down, "silu"), refill,
+                                   lambda: reference.moe_experts(h, w, ids, gu, down, "silu"))
 
 
 # --- the kernels inside a model ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ devices; skipped elsewhere."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,30 @@ def test_split_model_graph_decode_equals_eager(tmp_path: Path) -> None:
     m.unload()
 
 
+def _capture_per_gpu(devs: list[torch.device], fn: Callable[[], None]) -> list[torch.cuda.CUDAGraph]:
+    """One CUDA graph per device, all capturing the one call fn() (a collective that launches on each device's
+    current stream; relaxed mode: the other devices' captures are open meanwhile)."""
+    streams = [torch.cuda.Stream(d) for d in devs]
+    prev = [torch.cuda.current_stream(d) for d in devs]
+    graphs = [torch.cuda.CUDAGraph() for _ in devs]
+    for gr, d, s in zip(graphs, devs, streams):
+        with torch.cuda.device(d):
+            torch.cuda.set_stream(s)
+            gr.capture_begin(capture_error_mode="relaxed")
+    fn()
+    for gr, d, p in zip(graphs, devs, prev):
+        with torch.cuda.device(d):
+            gr.capture_end()
+            torch.cuda.set_stream(p)
+    return graphs
+
+
+def _replay(graphs: list[torch.cuda.CUDAGraph], devs: list[torch.device]) -> None:
+    for gr, d in zip(graphs, devs):
+        with torch.cuda.device(d):
+            gr.replay()
+
+
 @pytest.mark.parametrize("shape", [(1, 8192), (3, 1000), (64, 8192), (5, 7)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_peer_all_reduce_equals_reference(shape: tuple[int, int], dtype: torch.dtype) -> None:
@@ -137,25 +162,12 @@ def test_host_all_reduce_two_gpus(shape: tuple[int, int]) -> None:
             assert torch.equal(x.cpu(), w.cpu())
     for d in devs:
         torch.cuda.synchronize(d)
-    streams = [torch.cuda.Stream(d) for d in devs]
-    prev = [torch.cuda.current_stream(d) for d in devs]
-    graphs = [torch.cuda.CUDAGraph() for _ in devs]
-    for gr, d, s in zip(graphs, devs, streams):
-        with torch.cuda.device(d):
-            torch.cuda.set_stream(s)
-            gr.capture_begin(capture_error_mode="relaxed")
-    host_all_reduce(xs, state)
-    for gr, d, p in zip(graphs, devs, prev):
-        with torch.cuda.device(d):
-            gr.capture_end()
-            torch.cuda.set_stream(p)
+    graphs = _capture_per_gpu(devs, lambda: host_all_reduce(xs, state))
     for _ in range(30):
         src = [torch.randn(shape, generator=g).half() for _ in devs]
         for x, v in zip(xs, src):
             x.copy_(v)
-        for gr, d in zip(graphs, devs):
-            with torch.cuda.device(d):
-                gr.replay()
+        _replay(graphs, devs)
         want = (src[0].float() + src[1].float()).half()
         for x in xs:
             assert torch.equal(x.cpu(), want)
@@ -206,26 +218,13 @@ def test_peer_all_reduce_in_graphs() -> None:
     peer_all_reduce(xs, state)  # compile outside the capture
     for d in devs:
         torch.cuda.synchronize(d)
-    streams = [torch.cuda.Stream(d) for d in devs]
-    prev = [torch.cuda.current_stream(d) for d in devs]
-    graphs = [torch.cuda.CUDAGraph() for _ in devs]
-    for g, d, s in zip(graphs, devs, streams):
-        with torch.cuda.device(d):
-            torch.cuda.set_stream(s)
-            g.capture_begin(capture_error_mode="relaxed")
-    peer_all_reduce(xs, state)
-    for g, d, p in zip(graphs, devs, prev):
-        with torch.cuda.device(d):
-            g.capture_end()
-            torch.cuda.set_stream(p)
+    graphs = _capture_per_gpu(devs, lambda: peer_all_reduce(xs, state))
     gen = torch.Generator().manual_seed(4)
     for _ in range(50):
         src = [torch.randn(2, 8192, generator=gen).half() for _ in devs]
         for x, v in zip(xs, src):
             x.copy_(v)
-        for g, d in zip(graphs, devs):
-            with torch.cuda.device(d):
-                g.replay()
+        _replay(graphs, devs)
         want = (src[0].float() + src[1].float()).half()
         for x in xs:
             torch.testing.assert_close(x.cpu(), want, atol=1e-2, rtol=1e-2)

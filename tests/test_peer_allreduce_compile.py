@@ -29,15 +29,21 @@ print("PTX " + json.dumps(k.asm["ptx"]))
 """
 
 
-def test_peer_allreduce_compiles_with_system_scope_flags() -> None:
+def child_ptx(code: str) -> str:
+    """The PTX that `code` prints as `PTX <json string>` in a child Python without TRITON_INTERPRET; skips the
+    test where Triton cannot compile for CUDA. Also tests/test_host_allreduce.py's."""
     pytest.importorskip("triton")
-    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=child_env(drop=("TRITON_INTERPRET",)), timeout=300)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PTX ")]
     if not lines and "ptxas" in r.stderr.lower():
         pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
     assert lines, r.stderr[-2000:]
-    ptx = json.loads(lines[0][4:])
+    return json.loads(lines[0][4:])
+
+
+def test_peer_allreduce_compiles_with_system_scope_flags() -> None:
+    ptx = child_ptx(COMPILE)
     assert re.search(r"atom\.global\.sys\.release\.exch", ptx)  # flag stores to peers
     assert re.search(r"\.sys\.acquire", ptx)  # flag polls
     assert ptx.count("bar.sync") >= 2  # stores issued before the flags; received tiles read after the wait

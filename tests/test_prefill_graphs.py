@@ -24,6 +24,7 @@ from exlpy.runtime import RuntimeOptions, options, use_options
 from tests.conftest import rel_err, requires_cuda, shared_path
 from tests.hf_models import make_hf_model
 from tests.test_generator_helpers import _load as _load_aidreams
+from tests.test_generator_helpers import decode_next_to_long_prompt
 from tests.test_graphs import _load
 
 TOL = 1e-5
@@ -142,26 +143,6 @@ def _graph_model_cpu() -> tuple[ExLlamaV2, object]:
     return model, tok
 
 
-def _decode_next_to_long_prompt(gen: ExLlamaV2DynamicGenerator) -> tuple[ExLlamaV2DynamicJob, list[int]]:
-    greedy = ExLlamaV2Sampler.Settings.greedy()
-    decoders = [ExLlamaV2DynamicJob(torch.tensor([[1, 7 + k, 9]]), 16, gen_settings=greedy, stop_conditions=[])
-                for k in range(3)]
-    gen.enqueue(decoders)
-    while not all(j.new_tokens for j in decoders):
-        gen.iterate()
-    long = ExLlamaV2DynamicJob(torch.randint(3, 500, (1, 400), generator=torch.Generator().manual_seed(3)), 6,
-                               gen_settings=greedy, stop_conditions=[])
-    gen.enqueue(long)
-    chunks: list[int] = []
-    while not long.is_prefilled():
-        before = {j: j.new_tokens for j in decoders}
-        p0 = gen.prefill_tokens
-        gen.iterate()
-        chunks.append(gen.prefill_tokens - p0)
-        assert all(j.new_tokens > before[j] for j in decoders)  # every decoding job advanced in this step
-    return long, chunks
-
-
 def test_generator_prefills_in_captured_chunks_next_to_decoding_jobs() -> None:
     """The same workload with eager chunks and with chunks through the runner's body: equal cache contents for
     the prompt and equal tokens; the captured run's chunks come from the buckets."""
@@ -182,7 +163,7 @@ def test_generator_prefills_in_captured_chunks_next_to_decoding_jobs() -> None:
 
         runner.run_chunk = spy  # type: ignore[method-assign]
         try:
-            long, chunks = _decode_next_to_long_prompt(gen)
+            long, chunks = decode_next_to_long_prompt(gen, 400, 16, 6)
         finally:
             del runner.run_chunk
         rows = torch.cat([torch.arange(p * 256, (p + 1) * 256) for p in long.seqs[0].page_ids()])[:399]

@@ -13,7 +13,7 @@ pytest.importorskip("ray.serve.request_router", exc_type=ImportError)
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from exlpy.server.ray_metrics import per_replica, summed  # noqa: E402
-from exlpy.server.ray_router import rendezvous, routing_key  # noqa: E402
+from exlpy.server.ray_router import rendezvous, round_robin, routing_key  # noqa: E402
 
 
 def _key(body: Any, path: str = "/v1/completions", chars: int = 16) -> str | None:
@@ -51,6 +51,14 @@ def test_rendezvous_is_stable_and_spreads() -> None:
         # a replica leaving moves only the keys it held
         rest = rendezvous(f"key{i}", [r for r in replicas if r != "r3"], ident)
         assert rest == [r for r in order if r != "r3"]
+
+
+def test_round_robin_takes_turns_in_id_order() -> None:
+    replicas = ["r2", "r0", "r1"]
+    firsts = [round_robin(turn, replicas, str)[0] for turn in range(7)]
+    assert firsts == ["r0", "r1", "r2", "r0", "r1", "r2", "r0"]  # whatever order the candidates come in
+    assert round_robin(4, replicas, str) == ["r1", "r2", "r0"]  # the rest follow: a full first one is skipped
+    assert round_robin(3, [], str) == []
 
 
 def _text(**values: float) -> str:

@@ -7,6 +7,7 @@ the replicas."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import threading
@@ -78,10 +79,12 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     template = tmp_path_factory.mktemp("ray") / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = _free_port()
-    # The replicas are worker processes: they must import this checkout's exlpy (not an installed copy), and one
-    # intra-op thread each keeps two replicas from fighting over two cores.
+    # The replicas are worker processes: they must import this checkout's exlpy (not an installed copy) and the
+    # Ray this process runs (where PYTHONPATH brings it, as on the GPU machine), and one intra-op thread each keeps
+    # two replicas from fighting over two cores.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # 512 positions and 16 pages of 256 tokens: prompts long enough to fill cached pages (the demo tokenizer
@@ -162,7 +165,7 @@ def test_errors_and_keys(base_url: str) -> None:
     assert r.status_code == 401
     r = _post(base_url, "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 4})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = _post(base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}, x_exlpy_routing="round-robin")
+    r = _post(base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}, x_exlpy_routing="random")
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-exlpy-routing"
     assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -176,6 +179,10 @@ def test_both_replicas_serve(base_url: str) -> None:
         if len(seen) == 2:
             break
     assert len(seen) == 2
+    # round-robin: one request at a time, so no replica is full and each takes its turn
+    order = [_post(base_url, "/v1/completions", {"prompt": "A dog", "max_tokens": 2},
+                   x_exlpy_routing="rr").headers[REPLICA_HEADER] for _ in range(6)]
+    assert len(set(order)) == 2 and all(a != b for a, b in zip(order, order[1:])), order
     health = httpx.get(f"{base_url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok" and REPLICA_HEADER in health.headers
 

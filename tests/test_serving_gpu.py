@@ -25,10 +25,13 @@ def _shared_gpu() -> bool:
 
 @pytest.fixture(scope="module")
 def state() -> Any:
+    from exlpy.runtime import options
     from exlpy.server import load_state
+    from exlpy.server.sizing import CHUNK_GRAPHS_MARGIN, RUNTIME_MARGIN
 
     free, total = torch.cuda.mem_get_info()
-    util = min(1.0, (total - free + ROOM) / total)
+    margin = (RUNTIME_MARGIN + (CHUNK_GRAPHS_MARGIN if options().prefill_graphs else 0.0)) * total  # kept free
+    util = min(1.0, (total - free + ROOM + margin) / total)
     s = load_state(str(shared_path("models", "tiny-llama-fp16")), max_seq_len=4096, max_batch_size=16,
                    gpu_memory_utilization=util)
     yield s

@@ -4,12 +4,11 @@ decoding jobs get a token every iteration (exlpy/generator/dynamic/scheduler.py)
 
 from __future__ import annotations
 
-import torch
-
 from exlpy import ExLlamaV2Cache
-from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2Sampler
 from exlpy.generator.dynamic import scheduler
 from tests.test_generator_helpers import aidreams_cpu as aidreams
+from tests.test_generator_helpers import decode_next_to_long_prompt
 
 GREEDY = ExLlamaV2Sampler.Settings.greedy()
 
@@ -17,21 +16,7 @@ GREEDY = ExLlamaV2Sampler.Settings.greedy()
 def test_prefill_per_iteration_is_bounded_while_jobs_decode() -> None:
     model, tok = aidreams()
     gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=8 * 256), tok, max_prefill_per_step=48)
-    decoders = [ExLlamaV2DynamicJob(torch.tensor([[1, 7 + k, 9]]), 60, gen_settings=GREEDY, stop_conditions=[])
-                for k in range(3)]
-    gen.enqueue(decoders)
-    while not all(j.new_tokens for j in decoders):
-        gen.iterate()
-    long = ExLlamaV2DynamicJob(torch.randint(3, 500, (1, 700), generator=torch.Generator().manual_seed(3)), 2,
-                               gen_settings=GREEDY, stop_conditions=[])
-    gen.enqueue(long)
-    chunks: list[int] = []
-    while not long.is_prefilled():
-        before = {j: j.new_tokens for j in decoders}
-        p0 = gen.prefill_tokens
-        gen.iterate()
-        chunks.append(gen.prefill_tokens - p0)
-        assert all(j.new_tokens > before[j] for j in decoders)  # every decoding job advanced in this step
+    _, chunks = decode_next_to_long_prompt(gen, 700, 60, 2)
     assert max(chunks) <= 48 and sum(chunks) == 699
     assert chunks[-2] < chunks[0]  # deeper chunks are smaller: attention over a longer context costs more
 

@@ -12,25 +12,21 @@ import pytest
 import torch
 
 from tests.conftest import rel_err
-from tests.vision_models import gemma_hf_inputs, make_gemma3, random_image
+from tests.vision_models import (
+    LoadedVision,
+    gemma_hf_inputs,
+    greedy_dynamic,
+    greedy_streaming,
+    make_gemma3,
+    random_image,
+)
 
 pytest.importorskip("PIL")
 
 
-class Loaded:
+class Loaded(LoadedVision):
     def __init__(self, path: Path) -> None:
-        from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
-
-        self.hf, self.proc = make_gemma3(path)
-        self.config = ExLlamaV2Config(str(path))
-        self.model = ExLlamaV2(self.config)
-        self.model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
-        self.tokenizer = ExLlamaV2Tokenizer(self.config)
-        self.tower = ExLlamaV2VisionTower(self.config)
-        self.tower.load(device="cpu")
-
-    def embed(self, img: Any, alias: str) -> Any:
-        return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img, text_alias=alias)
+        super().__init__(path, make_gemma3(path))
 
     def hf_logits(self, images: list[Any], ids: torch.Tensor, tt: torch.Tensor | None) -> torch.Tensor:
         px = self.proc(images=images, return_tensors="pt")["pixel_values"]
@@ -84,25 +80,10 @@ def test_logits_with_images_match_hf(g3: Loaded) -> None:
     assert rel_err(g3.hf_logits(imgs, hf_ids, None), want) > 1e-3
 
 
-def _greedy(gen: Any, ids: torch.Tensor, emb: Any, n: int) -> list[int]:
-    from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
-
-    job = ExLlamaV2DynamicJob(ids, max_new_tokens=n, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-                              embeddings=[emb], stop_conditions=[])
-    gen.enqueue(job)
-    got: list[int] = []
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            assert "error" not in r, r.get("error_message")
-            if r["stage"] == "streaming" and "token_ids" in r:
-                got += r["token_ids"][0].tolist()
-    return got
-
-
 @pytest.mark.parametrize("before", ["Look at this: ", "z" * 253])  # 253: the image straddles a 256-token chunk
 def test_greedy_continuations_match_hf(g3: Loaded, before: str) -> None:
     from exlpy import ExLlamaV2Cache
-    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+    from exlpy.generator import ExLlamaV2DynamicGenerator
 
     img = random_image(70, 50, seed=5)
     emb = g3.embed(img, "<image>")
@@ -115,11 +96,5 @@ def test_greedy_continuations_match_hf(g3: Loaded, before: str) -> None:
                               do_sample=False)[0, hid.shape[1]:].tolist()
     cache = ExLlamaV2Cache(g3.model, max_seq_len=1024)
     gen = ExLlamaV2DynamicGenerator(g3.model, cache, g3.tokenizer, max_chunk_size=256)
-    assert _greedy(gen, ids, emb, 8) == want
-    stream = ExLlamaV2StreamingGenerator(g3.model, cache, g3.tokenizer)
-    stream.set_stop_conditions([])
-    stream.begin_stream_ex(ids, ExLlamaV2Sampler.Settings.greedy(), input_embeddings=[emb])
-    got: list[int] = []
-    while len(got) < 8:
-        got += stream.stream_ex()["chunk_token_ids"][0].tolist()
-    assert got[:8] == want
+    assert greedy_dynamic(gen, ids, emb, 8) == want
+    assert greedy_streaming(g3, cache, ids, emb, 8) == want

@@ -11,25 +11,21 @@ import pytest
 import torch
 
 from tests.conftest import rel_err
-from tests.vision_models import make_mistral3, pixtral_hf_inputs, random_image
+from tests.vision_models import (
+    LoadedVision,
+    greedy_dynamic,
+    greedy_streaming,
+    make_mistral3,
+    pixtral_hf_inputs,
+    random_image,
+)
 
 pytest.importorskip("PIL")
 
 
-class Loaded:
+class Loaded(LoadedVision):
     def __init__(self, path: Path) -> None:
-        from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
-
-        self.hf, self.proc = make_mistral3(path)
-        self.config = ExLlamaV2Config(str(path))
-        self.model = ExLlamaV2(self.config)
-        self.model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
-        self.tokenizer = ExLlamaV2Tokenizer(self.config)
-        self.tower = ExLlamaV2VisionTower(self.config)
-        self.tower.load(device="cpu")
-
-    def embed(self, img: Any, alias: str) -> Any:
-        return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img, text_alias=alias)
+        super().__init__(path, make_mistral3(path))
 
     def processed(self, images: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         ref = self.proc(images=images, return_tensors="pt")
@@ -80,12 +76,7 @@ def test_logits_with_images_match_hf(m3: Loaded) -> None:
 
 def test_greedy_continuations_match_hf(m3: Loaded) -> None:
     from exlpy import ExLlamaV2Cache
-    from exlpy.generator import (
-        ExLlamaV2DynamicGenerator,
-        ExLlamaV2DynamicJob,
-        ExLlamaV2Sampler,
-        ExLlamaV2StreamingGenerator,
-    )
+    from exlpy.generator import ExLlamaV2DynamicGenerator
 
     img = random_image(80, 70, seed=5)
     emb = m3.embed(img, "<image>")
@@ -96,25 +87,9 @@ def test_greedy_continuations_match_hf(m3: Loaded) -> None:
     with torch.no_grad():
         want = m3.hf.generate(input_ids=hid, pixel_values=px, image_sizes=sizes, max_new_tokens=8,
                               do_sample=False)[0, hid.shape[1]:].tolist()
-    greedy = ExLlamaV2Sampler.Settings.greedy()
     cache = ExLlamaV2Cache(m3.model, max_seq_len=512)
-    gen = ExLlamaV2DynamicGenerator(m3.model, cache, m3.tokenizer)
-    job = ExLlamaV2DynamicJob(ids, max_new_tokens=8, gen_settings=greedy, embeddings=[emb], stop_conditions=[])
-    gen.enqueue(job)
-    got: list[int] = []
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            assert "error" not in r, r.get("error_message")
-            if r["stage"] == "streaming" and "token_ids" in r:
-                got += r["token_ids"][0].tolist()
-    assert got == want
-    stream = ExLlamaV2StreamingGenerator(m3.model, cache, m3.tokenizer)
-    stream.set_stop_conditions([])
-    stream.begin_stream_ex(ids, greedy, input_embeddings=[emb])
-    got = []
-    while len(got) < 8:
-        got += stream.stream_ex()["chunk_token_ids"][0].tolist()
-    assert got[:8] == want
+    assert greedy_dynamic(ExLlamaV2DynamicGenerator(m3.model, cache, m3.tokenizer), ids, emb, 8) == want
+    assert greedy_streaming(m3, cache, ids, emb, 8) == want
 
 
 def test_pixtral_12b_llava_logits_match_hf(tmp_path: Path) -> None:

@@ -11,23 +11,23 @@ import pytest
 import torch
 
 from tests.conftest import rel_err
-from tests.vision_models import IDS, hf_inputs, make_qwen_vl, random_image
+from tests.vision_models import (
+    IDS,
+    LoadedVision,
+    greedy_dynamic,
+    greedy_streaming,
+    hf_inputs,
+    make_qwen_vl,
+    random_image,
+)
 
 pytest.importorskip("PIL")
 KINDS = ["qwen2_vl", "qwen2_5_vl"]
 
 
-class Loaded:
+class Loaded(LoadedVision):
     def __init__(self, path: Path, kind: str) -> None:
-        from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
-
-        self.hf, self.proc = make_qwen_vl(path, kind)
-        self.config = ExLlamaV2Config(str(path))
-        self.model = ExLlamaV2(self.config)
-        self.model.load(device="cpu")  # fp32, against transformers fp32 on the CPU; GPU: test_vision_gpu.py
-        self.tokenizer = ExLlamaV2Tokenizer(self.config)
-        self.tower = ExLlamaV2VisionTower(self.config)
-        self.tower.load(device="cpu")
+        super().__init__(path, make_qwen_vl(path, kind))
 
     def hf_logits(self, images: list[Any], ids: torch.Tensor) -> torch.Tensor:
         ref = self.proc(images=images, return_tensors="pt")
@@ -102,38 +102,16 @@ def _hf_greedy(vl: Loaded, img: Any, before: str, after: str, n: int, new: int) 
 
 def test_greedy_continuations_match_hf(vl: Loaded) -> None:
     from exlpy import ExLlamaV2Cache
-    from exlpy.generator import (
-        ExLlamaV2DynamicGenerator,
-        ExLlamaV2DynamicJob,
-        ExLlamaV2Sampler,
-        ExLlamaV2StreamingGenerator,
-    )
+    from exlpy.generator import ExLlamaV2DynamicGenerator
 
     img = random_image(120, 90, seed=5)
     emb = vl.tower.get_image_embeddings(model=vl.model, tokenizer=vl.tokenizer, image=img,
                                         text_alias="{{EMBED_HERE}}")
     ids = vl.tokenizer.encode("Look: {{EMBED_HERE}} what is it?", embeddings=[emb])
     want = _hf_greedy(vl, img, "Look: ", " what is it?", emb.length - 2, 10)
-    greedy = ExLlamaV2Sampler.Settings.greedy()
     cache = ExLlamaV2Cache(vl.model, max_seq_len=512)
-
-    gen = ExLlamaV2DynamicGenerator(vl.model, cache, vl.tokenizer)
-    job = ExLlamaV2DynamicJob(ids, max_new_tokens=10, gen_settings=greedy, embeddings=[emb], stop_conditions=[])
-    gen.enqueue(job)
-    got: list[int] = []
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r["stage"] == "streaming" and "token_ids" in r:
-                got += r["token_ids"][0].tolist()
-    assert got == want
-
-    stream = ExLlamaV2StreamingGenerator(vl.model, cache, vl.tokenizer)
-    stream.set_stop_conditions([])
-    stream.begin_stream_ex(ids, greedy, input_embeddings=[emb])
-    got = []
-    while len(got) < 10:
-        got += stream.stream_ex()["chunk_token_ids"][0].tolist()
-    assert got[:10] == want
+    assert greedy_dynamic(ExLlamaV2DynamicGenerator(vl.model, cache, vl.tokenizer), ids, emb, 10) == want
+    assert greedy_streaming(vl, cache, ids, emb, 10) == want
 
 
 def test_same_image_shares_cache_pages(vl: Loaded) -> None:
@@ -173,7 +151,7 @@ def test_embedding_cache_skips_the_tower(vl: Loaded, monkeypatch: pytest.MonkeyP
 def test_image_across_prefill_chunks_matches_hf(vl: Loaded) -> None:
     """A prompt whose image straddles a 256-token prefill chunk: each chunk gets its own M-RoPE rows."""
     from exlpy import ExLlamaV2Cache
-    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.generator import ExLlamaV2DynamicGenerator
 
     img = random_image(150, 120, seed=9)
     emb = vl.tower.get_image_embeddings(model=vl.model, tokenizer=vl.tokenizer, image=img, text_alias="<image>")
@@ -183,16 +161,7 @@ def test_image_across_prefill_chunks_matches_hf(vl: Loaded) -> None:
     want = _hf_greedy(vl, img, before, " then?", emb.length - 2, 6)
     gen = ExLlamaV2DynamicGenerator(vl.model, ExLlamaV2Cache(vl.model, max_seq_len=1024), vl.tokenizer,
                                     max_chunk_size=256)
-    job = ExLlamaV2DynamicJob(ids, max_new_tokens=6, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
-                              embeddings=[emb], stop_conditions=[])
-    gen.enqueue(job)
-    got: list[int] = []
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            assert "error" not in r, r.get("error_message")
-            if r["stage"] == "streaming" and "token_ids" in r:
-                got += r["token_ids"][0].tolist()
-    assert got == want
+    assert greedy_dynamic(gen, ids, emb, 6) == want
 
 
 def test_exllamav2_multimodal_example_runs_through_the_alias(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Tiny random vision-language models for the vision tests: written with transformers' own config and model
 classes (and a byte-level tokenizer with the models' special tokens), saved into a directory, and the
-matching Hugging Face model and image processor returned as the reference."""
+matching Hugging Face model and image processor returned as the reference; such a model loaded in exlpy beside
+its reference (`LoadedVision`), and greedy continuations of a prompt with an image through both generators."""
 
 from __future__ import annotations
 
@@ -234,3 +235,53 @@ def make_llava_pixtral(path: Path, seed: int = 0) -> tuple[Any, Any]:
 
 def _pixtral_tokenizer(path: Path) -> None:
     write_tokenizer(path, PIXTRAL_SPECIALS, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+
+
+class LoadedVision:
+    """A model written by one of the make_* functions above, loaded in exlpy on the CPU in fp32 (against
+    transformers fp32 on the CPU; GPU: test_vision_gpu.py) with its tokenizer and vision tower, beside the Hugging
+    Face model and processor that make_* returned (`hf`, `proc`)."""
+
+    def __init__(self, path: Path, hf_and_proc: tuple[Any, Any]) -> None:
+        from exlpy import ExLlamaV2, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
+
+        self.hf, self.proc = hf_and_proc
+        self.config = ExLlamaV2Config(str(path))
+        self.model = ExLlamaV2(self.config)
+        self.model.load(device="cpu")
+        self.tokenizer = ExLlamaV2Tokenizer(self.config)
+        self.tower = ExLlamaV2VisionTower(self.config)
+        self.tower.load(device="cpu")
+
+    def embed(self, img: Any, alias: str) -> Any:
+        return self.tower.get_image_embeddings(model=self.model, tokenizer=self.tokenizer, image=img, text_alias=alias)
+
+
+def greedy_dynamic(gen: Any, ids: torch.Tensor, emb: Any, n: int) -> list[int]:
+    """The n greedy tokens after ids (holding the image `emb`) from dynamic generator `gen`; no result may be an
+    error."""
+    from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    job = ExLlamaV2DynamicJob(ids, max_new_tokens=n, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                              embeddings=[emb], stop_conditions=[])
+    gen.enqueue(job)
+    got: list[int] = []
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            assert "error" not in r, r.get("error_message")
+            if r["stage"] == "streaming" and "token_ids" in r:
+                got += r["token_ids"][0].tolist()
+    return got
+
+
+def greedy_streaming(loaded: LoadedVision, cache: Any, ids: torch.Tensor, emb: Any, n: int) -> list[int]:
+    """The first n greedy tokens after ids (holding the image `emb`) from a streaming generator over `cache`."""
+    from exlpy.generator import ExLlamaV2Sampler, ExLlamaV2StreamingGenerator
+
+    stream = ExLlamaV2StreamingGenerator(loaded.model, cache, loaded.tokenizer)
+    stream.set_stop_conditions([])
+    stream.begin_stream_ex(ids, ExLlamaV2Sampler.Settings.greedy(), input_embeddings=[emb])
+    got: list[int] = []
+    while len(got) < n:
+        got += stream.stream_ex()["chunk_token_ids"][0].tolist()
+    return got[:n]

@@ -20,7 +20,7 @@ import torch
 from exlpy.config.config import ExLlamaV2Config
 from exlpy.convert import caldata
 from exlpy.convert.compile import check_output_dir, compile_output, stored_names, write_model_dir
-from exlpy.convert.forward import States, _run, check_finite, forward_chunks
+from exlpy.convert.forward import States, _run, check_finite, forward_chunks, module_input
 from exlpy.convert.job import Job, write_json, write_tensors, writing
 from exlpy.convert.layers import OPTIONS, SourcePrefetch, is_decoder, module_bits, module_numel, shapes, slots
 from exlpy.convert.measure import measure_module
@@ -371,7 +371,7 @@ class _Converter:
         norm = self.model.modules[-2]
         norm.load(self.device)
         h, cross = head_hessian(norm, states, self.device, ref)
-        x = states.chunks[0][:1].to(self.device)
+        x = module_input(states.chunks[0][:1], self.device)
         sample = _run(norm, x, contiguous_batch(1, x.shape[1], 0, None, 0, self.device))[0]
         norm.unload()
         spec = self.config.spec

@@ -27,6 +27,7 @@ from exlpy.convert.forward import (
     _run,
     forward_chunks,
     install_taps,
+    module_input,
     run_chunk,
 )
 from exlpy.convert.gptq import QuantResult, gptq_quantize, prepare_hessian, refine_rounding
@@ -93,7 +94,7 @@ def record_inputs(module: Module, taps: dict[str, Tap], rec: str, done: dict[str
                 t.set_weight(done[k] if quantized else None, dtype)
         seen.clear()
         tap.record, tap.stop = seen.append, True
-        xd = st.chunks[i].to(device, non_blocking=True)
+        xd = module_input(st.chunks[i], device)
         with contextlib.suppress(StopForward):
             _run(module, xd, _chunk_batch(module, st, i, xd, device))
         tap.reset()
@@ -173,7 +174,7 @@ def head_hessian(norm_module: Module, states: States, device: torch.device, ref:
     cross = torch.zeros_like(h.h) if ref is not None else None
 
     def normed(st: States, i: int) -> torch.Tensor:
-        xd = st.chunks[i].to(device)
+        xd = module_input(st.chunks[i], device)
         y = _run(norm_module, xd, contiguous_batch(xd.shape[0], xd.shape[1], 0, None, 0, device))
         return y.reshape(-1, y.shape[-1])
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from exlpy.convert.forward import States, _run, check_finite, forward_chunks
+from exlpy.convert.forward import States, _run, check_finite, forward_chunks, module_input
 from exlpy.convert.layers import is_decoder
 from exlpy.model.batch import contiguous_batch
 from exlpy.model.module import Module
@@ -47,7 +47,7 @@ def _noisy(states: States, eps: float, seed: int) -> States:
 def _log_probs(norm: Module, head: Module, states: States, device: torch.device) -> list[torch.Tensor]:
     out = []
     for c in states.chunks:
-        x = c.to(device)
+        x = module_input(c, device)
         batch = contiguous_batch(x.shape[0], x.shape[1], 0, None, 0, device)
         y = _run(head, _run(norm, x, batch), batch)
         out.append(torch.log_softmax(y.float(), -1))

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 
 from exlpy.capture import gc_paused
-from exlpy.engine.lockstep import run_lanes
+from exlpy.engine.lockstep import current_streams, run_lanes
 from exlpy.engine.strategy import Lane, Stage, Strategy
+from exlpy.errors import InsufficientVRAMError
 from exlpy.model.batch import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ForwardBatch, pack, packed_size, staging, unpack
 from exlpy.parallel.p2p import peer_copy_ok
 
@@ -262,6 +263,8 @@ class StepGraphs:
         if self.capture and not step.captured and step.failures < CAPTURE_TRIES:
             try:
                 self._capture(step)  # the warm-up inside runs this very step; the replay below repeats it exactly
+            except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
+                raise  # the caller's to handle (the warm-up stops capturing larger shapes there)
             except Exception as e:
                 if step.chunk:
                     raise  # run_chunk turns captured prompt chunks off
@@ -319,7 +322,9 @@ class StepGraphs:
 
     def _capture(self, step: _Step) -> None:
         streams = {str(d): torch.cuda.Stream(d) for d in self.strategy.devices}
-        with self._capturing(step), self._on_streams(streams):
+        # each device's current stream is its capture stream: the warm-up runs there too, so per-stream set-up
+        # such as cuBLAS workspaces happens on the stream the graph is captured on
+        with self._capturing(step), current_streams(streams, join=True):
             for _ in range(2):  # compiles Triton kernels, sets up cuBLAS workspaces and NCCL outside the capture
                 self._run(step, replay=False)
             for d in self.strategy.devices:
@@ -388,22 +393,3 @@ class StepGraphs:
         finally:
             for g in groups:
                 g.capturing = False
-
-    @contextlib.contextmanager
-    def _on_streams(self, streams: dict[str, Any]) -> Iterator[None]:
-        """Each device's current stream is its capture stream (the warm-up runs there too, so per-stream
-        set-up such as cuBLAS workspaces happens on the stream the graph is captured on)."""
-        prev = {}
-        for key, s in streams.items():
-            dev = torch.device(key)
-            prev[key] = torch.cuda.current_stream(dev)
-            s.wait_stream(prev[key])
-            with torch.cuda.device(dev):
-                torch.cuda.set_stream(s)
-        try:
-            yield
-        finally:
-            for key, p in prev.items():
-                with torch.cuda.device(torch.device(key)):
-                    torch.cuda.set_stream(p)
-                p.wait_stream(streams[key])

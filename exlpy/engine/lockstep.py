@@ -11,13 +11,35 @@ capture stream per GPU open sees every GPU's work (collective kernels included) 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import Coroutine, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from exlpy.errors import TensorParallelError
+
+
+@contextlib.contextmanager
+def current_streams(streams: dict[str, Any], join: bool = False) -> Iterator[None]:
+    """Each device's current stream (keys: device strings) is the given stream for the block, after it waited for
+    the work issued so far on the device's previous stream; restored afterwards (with `join`, the previous stream
+    waits for the block's work too)."""
+    prev = {}
+    for key, s in streams.items():
+        dev = torch.device(key)
+        prev[key] = torch.cuda.current_stream(dev)
+        s.wait_stream(prev[key])
+        with torch.cuda.device(dev):
+            torch.cuda.set_stream(s)
+    try:
+        yield
+    finally:
+        for key, p in prev.items():
+            with torch.cuda.device(torch.device(key)):
+                torch.cuda.set_stream(p)
+                if join:
+                    p.wait_stream(streams[key])
 
 
 @dataclass

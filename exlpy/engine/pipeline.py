@@ -18,12 +18,12 @@ benchmarks/tp.py times both). The lanes' coroutines are the ordinary block code;
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
 
-from exlpy.engine.lockstep import LockstepGroup, _device, _Op
+from exlpy.engine.lockstep import LockstepGroup, _device, _Op, current_streams
 from exlpy.engine.strategy import Strategy, lane_batch
 from exlpy.errors import TensorParallelError
 from exlpy.model.batch import ForwardBatch
@@ -46,25 +46,10 @@ class _Streams:
     def __init__(self, devices: Sequence[torch.device]) -> None:
         self.comm = {str(d): torch.cuda.Stream(d) for d in devices if d.type == "cuda"}
 
-    @contextlib.contextmanager
-    def on_comm(self, devices: Sequence[torch.device]) -> Iterator[None]:
+    def on_comm(self, devices: Sequence[torch.device]) -> contextlib.AbstractContextManager[None]:
         """Every device's current stream is its communication stream (collectives launch on the current
         streams), after waiting for the work issued so far on its compute stream."""
-        prev = {}
-        for d in devices:
-            if d.type != "cuda":
-                continue
-            s = self.comm[str(d)]
-            prev[str(d)] = torch.cuda.current_stream(d)
-            s.wait_stream(prev[str(d)])
-            with torch.cuda.device(d):
-                torch.cuda.set_stream(s)
-        try:
-            yield
-        finally:
-            for key, p in prev.items():
-                with torch.cuda.device(torch.device(key)):
-                    torch.cuda.set_stream(p)
+        return current_streams({str(d): self.comm[str(d)] for d in devices if d.type == "cuda"})
 
 
 def _streams(group: LockstepGroup, devices: Sequence[torch.device]) -> _Streams:

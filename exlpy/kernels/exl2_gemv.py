@@ -36,7 +36,17 @@ import triton.language as tl
 
 from exlpy.kernels import pdl
 from exlpy.kernels.act_order import act_order
-from exlpy.kernels.exl2_gemv_plan import CONFIG, FIELDS, ROW_PAD, WS_BLOCKS, WS_COLS, GemvPlan, plan_for, supports
+from exlpy.kernels.exl2_gemv_plan import (
+    CONFIG,
+    FIELDS,
+    ROW_PAD,
+    WS_BLOCKS,
+    WS_COLS,
+    GemvPlan,
+    cuda_device,
+    plan_for,
+    supports,
+)
 from exlpy.quant.layout import QuantMatrix
 
 __all__ = ["CONFIG", "MAX_ROWS", "ROW_PAD", "GemvGroup", "exl2_gemv", "gemv_takes", "prepare", "supports"]
@@ -343,13 +353,6 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-device zeroed (fp32 partial sums, int32 arrival counters); fixed size, kept zero by the kernel."""
     return (torch.zeros(WS_COLS, dtype=torch.float32, device=device),
             torch.zeros(WS_BLOCKS, dtype=torch.int32, device=device))
-
-
-def cuda_device(dev: torch.device) -> torch.device:
-    """`dev` with its index ("cuda" alone means the current device): plans and workspaces are per device."""
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def prepare(device: torch.device) -> None:

@@ -65,6 +65,13 @@ def _blocked(lay: QuantLayout) -> bool:
     return all((b - a) % 32 == 0 for a, b in zip(lay.group_rows[:-2], lay.group_rows[1:-1]))
 
 
+def cuda_device(dev: torch.device) -> torch.device:
+    """`dev` with its index ("cuda" alone means the current device): plans and workspaces are per device."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 @functools.lru_cache(maxsize=16)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from exlpy.kernels import pdl
-from exlpy.kernels.exl2_gemv import cuda_device as _device
+from exlpy.kernels.exl2_gemv_plan import cuda_device as _device
 from exlpy.kernels.exl2_qmm_plan import (
     CONFIG,
     FIELDS,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from exlpy.kernels.exl2_gemv_plan import element_offset, num_sms, supports
+from exlpy.kernels.exl2_gemv_plan import cuda_device, element_offset, num_sms, supports
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
@@ -138,15 +138,13 @@ def plan_for(parts: list[QuantMatrix], perm: torch.Tensor | None, bm: int = 16) 
     """The plan for x @ [parts side by side] (parts share K and act order `perm`) at BLOCK_M `bm`, cached by
     the matrices' layouts, relative placement, the permutation's identity and CONFIG. Made outside CUDA-graph
     capture (the tables are copied to the device): QuantLinear and FusedQuant make theirs at load time."""
-    dev = parts[0].device
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = cuda_device(parts[0].device)
     cfg = (CONFIG["KB"], CONFIG["WAVES"], CONFIG["ONE_LAUNCH"], CONFIG[f"BLOCK_N_{bm}"])
-    return _plan_cached(describe_parts(parts), dev, num_sms(dev), cfg, _PermKey(perm))
+    return _plan_cached(describe_parts(parts), dev, num_sms(dev), cfg, PermKey(perm))
 
 
-class _PermKey:
-    """Hashes a permutation tensor by identity (plans hold device tables derived from it)."""
+class PermKey:
+    """Hashes a permutation tensor by identity (plans hold device tables derived from it); also exl2_tc_plan's."""
 
     def __init__(self, perm: torch.Tensor | None) -> None:
         self.perm = perm
@@ -155,14 +153,14 @@ class _PermKey:
         return id(self.perm)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _PermKey) and other.perm is self.perm
+        return isinstance(other, PermKey) and other.perm is self.perm
 
 
 BITREV5 = [int(f"{p:05b}"[::-1], 2) for p in range(32)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _src_cached(k: int, perm: _PermKey, device: torch.device) -> torch.Tensor:
+def _src_cached(k: int, perm: PermKey, device: torch.device) -> torch.Tensor:
     """_src_table once per permutation (shared by a matrix's plans and the groups it leads)."""
     return _src_table(k, perm.perm, device)
 
@@ -190,7 +188,7 @@ def _block_groups(lay: QuantLayout) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, cfg: tuple[int, int, int, int],
-                 perm: _PermKey) -> QmmPlan:
+                 perm: PermKey) -> QmmPlan:
     kb, waves, one_launch, bn = cfg
     k = parts[0].layout.k
     nblk = -(-k // 32)

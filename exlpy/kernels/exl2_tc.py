@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from exlpy.kernels import pdl
-from exlpy.kernels.exl2_gemv import cuda_device as _device
+from exlpy.kernels.exl2_gemv_plan import cuda_device as _device
 from exlpy.kernels.exl2_qmm import _gather, _workspace
 from exlpy.kernels.exl2_qmm import prepare as _qmm_prepare
 from exlpy.kernels.exl2_tc_plan import FIELDS, MAX_ROWS, TcPlan, block_m, plan_for

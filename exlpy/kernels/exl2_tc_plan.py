@@ -22,8 +22,8 @@ import torch
 import triton
 
 from exlpy.kernels import exl2_qmm_plan as _qmm_plan
-from exlpy.kernels.exl2_gemv_plan import num_sms, supports
-from exlpy.kernels.exl2_qmm_plan import MatrixPart, describe_parts
+from exlpy.kernels.exl2_gemv_plan import cuda_device, num_sms, supports
+from exlpy.kernels.exl2_qmm_plan import MatrixPart, PermKey, describe_parts
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
@@ -145,25 +145,10 @@ def plan_for(parts: list[QuantMatrix], bm: int) -> TcPlan:
     """The plan for x @ [parts side by side] at BLOCK_M `bm`, cached by the matrices' layouts and relative
     placement, the permutation's identity and the launch parameters. Made outside CUDA-graph capture (its tables
     are copied to the device)."""
-    dev = parts[0].device
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = cuda_device(parts[0].device)
     cfg = launch_config(parts[0].k, sum(p.n for p in parts), bm)
     return _plan_cached(describe_parts(parts, "tensor-core"), dev, num_sms(dev), bm, tuple(sorted(cfg.items())),
-                        _PermKey(parts[0].perm))
-
-
-class _PermKey:
-    """Hashes a permutation tensor by identity (plans hold device tables derived from it)."""
-
-    def __init__(self, perm: torch.Tensor | None) -> None:
-        self.perm = perm
-
-    def __hash__(self) -> int:
-        return id(self.perm)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _PermKey) and other.perm is self.perm
+                        PermKey(parts[0].perm))
 
 
 @dataclass(frozen=True)
@@ -226,7 +211,7 @@ def _src(k: int, perm: torch.Tensor | None, device: torch.device, half: bool = F
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, bm: int,
-                 cfg: tuple[tuple[str, int], ...], perm: _PermKey) -> TcPlan:
+                 cfg: tuple[tuple[str, int], ...], perm: PermKey) -> TcPlan:
     c = dict(cfg)
     bn = c["BLOCK_N"]
     k = parts[0].layout.k

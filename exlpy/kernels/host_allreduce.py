@@ -36,30 +36,27 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_SLOTS = 8
-_SLOTS = tl.constexpr(MAX_SLOTS)  # the flag row stride, inside the kernel
+from exlpy.kernels.allreduce_flags import (  # noqa: F401 - MAX_SLOTS, NORM_*: this collective's limits too
+    MAX_SLOTS,
+    NORM_HIDDEN,
+    NORM_MAXN,
+    NORM_ROWS,
+    SLOTS,
+    FlagState,
+    norm_launch,
+    row_prologue,
+    store_release,
+    store_sum_norm,
+    sum_rows,
+    wait_flags,
+)
+from exlpy.kernels.allreduce_flags import fits as _fits
+from exlpy.kernels.allreduce_flags import norm_fits as _norm_fits
+
 MAX_PROGRAMS = 256
 BLOCK = 2048  # elements per program: four programs (four PCIe streams) for a 70B hidden row, 128 at batch 32
 MAX_NUMEL = MAX_PROGRAMS * BLOCK  # 512K elements (batch 64 of hidden 8192); larger messages go to NCCL
 SPIN = 1 << 22  # polls of host memory (~1 µs each over PCIe): seconds, only a rank that never launches hits it
-
-
-@triton.jit
-def _load_acquire(ptr, ASM: tl.constexpr):
-    if ASM:
-        return tl.inline_asm_elementwise("ld.acquire.sys.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-    else:
-        return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-
-
-@triton.jit
-def _store_release(ptr, value, ASM: tl.constexpr):
-    if ASM:
-        tl.inline_asm_elementwise("st.release.sys.global.u32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.atomic_xchg(ptr, value, sem="release", scope="sys")
 
 
 # Every GPU runs the *same* compiled kernel (rank and size not specialised: a compile for rank 1 while rank
@@ -79,17 +76,8 @@ def _host_allreduce_kernel(x, buf, flags, epochs, errors, numel, rank, spin, N: 
         mine = tl.load(x + offs, mask=mask, other=0.0)
         tl.store(buf + (par * N + rank) * MAXN + offs, mine, mask=mask)
     tl.debug_barrier()  # every thread's stores are issued before the flag says so (release below)
-    _store_release(flags + b * _SLOTS + rank, e, ASM)
-    for j in tl.static_range(N):
-        if j != rank:
-            ptr = flags + b * _SLOTS + j
-            seen = _load_acquire(ptr, ASM)
-            n = 0
-            while (seen != e) & (seen != e + 1) & (n < spin):
-                seen = _load_acquire(ptr, ASM)
-                n += 1
-            if (seen != e) & (seen != e + 1):
-                tl.atomic_add(errors, 1)
+    store_release(flags + b * SLOTS + rank, e, ASM)
+    wait_flags(flags, b, rank, e, spin, errors, N, True, ASM)
     tl.debug_barrier()  # the acquire above orders every thread's loads of the other tiles
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(N):  # rank order on every GPU: identical sums everywhere
@@ -113,80 +101,34 @@ def _host_allreduce_norm_kernel(x, h, w, buf, flags, epochs, errors, hidden, ran
     """The all-reduce of [rows, hidden] with the next block's RMSNorm in its epilogue: program b owns row b
     (the same protocol as above, a row per tile), stores the sum into x and rms_norm(sum) * w into h, rounded
     exactly as the sum's own kernel and the RMSNorm kernel (kernels/rmsnorm.py) would."""
-    b = tl.program_id(0)
-    e = tl.load(epochs + b) + 1
-    par = e % 2
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < hidden
-    offs = b * hidden + cols
-    mine = tl.load(x + offs, mask=cmask, other=0.0)
+    b, e, par, cols, cmask, offs, mine = row_prologue(x, epochs, hidden, BLOCK_H)
     tl.store(buf + (par * N + rank) * MAXN + offs, mine, mask=cmask)
     tl.debug_barrier()
-    _store_release(flags + b * _SLOTS + rank, e, ASM)
-    for j in tl.static_range(N):
-        if j != rank:
-            ptr = flags + b * _SLOTS + j
-            seen = _load_acquire(ptr, ASM)
-            n = 0
-            while (seen != e) & (seen != e + 1) & (n < spin):
-                seen = _load_acquire(ptr, ASM)
-                n += 1
-            if (seen != e) & (seen != e + 1):
-                tl.atomic_add(errors, 1)
+    store_release(flags + b * SLOTS + rank, e, ASM)
+    wait_flags(flags, b, rank, e, spin, errors, N, True, ASM)
     tl.debug_barrier()
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(N):
-        if j == rank:
-            acc += mine.to(tl.float32)
-        else:
-            acc += tl.load(buf + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
-                           cache_modifier=".cv").to(tl.float32)
-    y = acc.to(x.dtype.element_ty)
-    tl.store(x + offs, y, mask=cmask)
-    yf = y.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(yf * yf, axis=0) / hidden + eps)
-    wv = tl.load(w + cols, mask=cmask, other=0.0)
-    tl.store(h + offs, ((yf * inv).to(wv.dtype) * wv).to(h.dtype.element_ty), mask=cmask)
+    acc = sum_rows(mine, buf, par, offs, cmask, rank, N, MAXN, BLOCK_H, ".cv")
+    store_sum_norm(x, h, w, acc, offs, cols, cmask, hidden, eps)
     tl.store(epochs + b, e)
 
 
-NORM_ROWS = 64  # rows of a fused all-reduce + norm call (decode batches); more go unfused
-NORM_HIDDEN = 16384
-NORM_MAXN = NORM_ROWS * NORM_HIDDEN
-
-
-class HostState:
+class HostState(FlagState):
     """The shared pinned buffer ([2 parities, N ranks, `maxn`] elements of 4 bytes, viewed as the dtype of
     each call: 8 MB for 2 GPUs and the defaults) and flags ([`programs`, MAX_SLOTS] int32) in host memory;
-    per-program epochs and an error counter on every GPU. The fused-norm kernel keeps a state of its own
-    (`programs` = NORM_ROWS, `maxn` = NORM_MAXN): a program's tile must be the same region in every call."""
+    per-program epochs and an error counter on every GPU (allreduce_flags.FlagState)."""
 
     def __init__(self, devices: list[torch.device], programs: int = MAX_PROGRAMS, maxn: int = MAX_NUMEL) -> None:
-        if len(devices) > MAX_SLOTS:
-            raise ValueError(f"host-memory all-reduce supports at most {MAX_SLOTS} devices, got {len(devices)}")
-        self.devices = devices
-        self.maxn = maxn
+        super().__init__(devices, programs, maxn, "host-memory all-reduce")
         pin = any(d.type == "cuda" for d in devices)
-        n = len(devices)
-        self.buf = torch.zeros(2 * n * maxn, dtype=torch.float32, pin_memory=pin)
+        self.buf = torch.zeros(2 * len(devices) * maxn, dtype=torch.float32, pin_memory=pin)
         self.flags = torch.zeros(programs * MAX_SLOTS, dtype=torch.int32, pin_memory=pin)
-        self.epochs = [torch.zeros(programs, dtype=torch.int32, device=d) for d in devices]
-        self.errors = [torch.zeros(1, dtype=torch.int32, device=d) for d in devices]
-        self._views: dict[torch.dtype, torch.Tensor] = {}
 
     def buf_as(self, dtype: torch.dtype) -> torch.Tensor:
-        v = self._views.get(dtype)
-        if v is None:
-            v = self._views[dtype] = self.buf.view(dtype)[:2 * len(self.devices) * self.maxn]
-        return v
-
-    def error_count(self) -> int:
-        return sum(int(e.item()) for e in self.errors)
+        return self._views_as(dtype, [self.buf])[0]
 
 
 def fits(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.numel() <= MAX_NUMEL and t.dtype in (torch.float16, torch.bfloat16,
-                                                                         torch.float32)
+    return _fits(t, MAX_NUMEL)
 
 
 def host_all_reduce(tensors: list[torch.Tensor], state: HostState, spin: int = SPIN) -> None:
@@ -214,9 +156,7 @@ def _device(t: torch.Tensor):  # noqa: ANN202 - a context manager
 
 def norm_fits(t: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused all-reduce + RMSNorm kernel takes `t` ([rows, hidden], the norm's dtype)."""
-    hidden = t.shape[-1]
-    return (fits(t) and t.dtype == weight.dtype and weight.dim() == 1 and weight.numel() == hidden
-            and weight.is_contiguous() and hidden <= NORM_HIDDEN and t.numel() // hidden <= NORM_ROWS)
+    return _norm_fits(t, weight, MAX_NUMEL)
 
 
 def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: HostState,
@@ -225,12 +165,9 @@ def host_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor
     and, per device, rms_norm(sum, weights[k], eps) as a new tensor: one kernel per GPU. Reference:
     `reference.host_all_reduce_norm`."""
     n = len(tensors)
-    hidden = tensors[0].shape[-1]
-    rows = tensors[0].numel() // hidden
+    hidden, rows, block, warps = norm_launch(tensors)
     assert all(norm_fits(t, w) for t, w in zip(tensors, weights)), "fused all-reduce + norm: unsupported shape"
     buf = state.buf_as(tensors[0].dtype)
-    block = triton.next_power_of_2(hidden)
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     outs = [torch.empty_like(t) for t in tensors]
     for rank, (t, w, h) in enumerate(zip(tensors, weights, outs)):
         with _device(t):

@@ -115,6 +115,34 @@ def _tile(counts_ptr, pid, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(order_ptr, row0, end, BLOCK_M: tl.constexpr):
+    """(rows [BLOCK_M] of the tile from row0, live: those below the expert's end, order[rows]: their pairs,
+    0 where not live)."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    live = rows < end
+    return rows, live, tl.load(order_ptr + rows, mask=live, other=0)
+
+
+@triton.jit
+def _tile_cols(n_cols, BLOCK_N: tl.constexpr):
+    """(cols [BLOCK_N] of this program's column tile, col_ok: those below n_cols)."""
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, cols < n_cols
+
+
+@triton.jit
+def _store_gated(out_ptr, so, rows, live, cols, col_ok, acc_g, acc_u, ACT: tl.constexpr):
+    """act(gate) * up of the tile's fp32 accumulators into the sorted rows of out (ACT 0: SiLU; 1: GELU)."""
+    if ACT == 0:
+        y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
+        inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+        y = 0.5 * acc_g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)) * acc_u
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * so + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 weights: exact products (on GPUs fp32 dots default to tf32)
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -127,11 +155,9 @@ def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, INTER, t
                     ACT: tl.constexpr, IEEE: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        live = rows < end
-        tok = tl.load(order_ptr + rows, mask=live, other=0) // top_k
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < INTER
+        rows, live, pairs = _tile_rows(order_ptr, row0, end, BLOCK_M)
+        tok = pairs // top_k
+        cols, col_ok = _tile_cols(INTER, BLOCK_N)
         w_e = w_ptr + expert.to(tl.int64) * swe  # the expert's weights; offsets inside them fit 32 bits
         w_gate = cols[None, :] * swn
         w_up = w_gate + INTER * swn
@@ -146,13 +172,7 @@ def _gate_up_kernel(x_ptr, order_ptr, counts_ptr, w_ptr, out_ptr, E, H, INTER, t
             wu = tl.load(w_e + (w_up + kk[:, None]), mask=wmask, other=0.0)
             acc_g = _dot(xt.to(wg.dtype), wg, acc_g, IEEE)
             acc_u = _dot(xt.to(wu.dtype), wu, acc_u, IEEE)
-        if ACT == 0:
-            y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
-            inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-            y = 0.5 * acc_g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)) * acc_u
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * so + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & col_ok[None, :])
+        _store_gated(out_ptr, so, rows, live, cols, col_ok, acc_g, acc_u, ACT)
 
 
 @triton.jit
@@ -161,11 +181,8 @@ def _down_kernel(a_ptr, order_ptr, counts_ptr, w_ptr, y_ptr, E, H, INTER, sa, sw
                  IEEE: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        live = rows < end
-        pair = tl.load(order_ptr + rows, mask=live, other=0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < H
+        rows, live, pair = _tile_rows(order_ptr, row0, end, BLOCK_M)
+        cols, col_ok = _tile_cols(H, BLOCK_N)
         w_e = w_ptr + expert.to(tl.int64) * swe
         w = cols[None, :] * swn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -198,12 +215,25 @@ def plan(n_pairs: int, n_experts: int, elem_bytes: int = 2, n_out: int = 0, sms:
     per_expert = n_pairs / routed
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     block_n, block_k, warps = TILES[block_m]
-    if block_m == 16 and sms:
-        while block_n > 16 and routed * triton.cdiv(n_out, block_n) < WAVES * sms:
-            block_n //= 2
+    if block_m == 16:
+        block_n = narrow_cols(block_n, routed, n_out, sms, WAVES)
     if elem_bytes > 2:  # fp32 weights (exact dots: tests, fp32 models): a short K step keeps registers
         block_k = 32
     return block_m, block_n, block_k, warps, triton.cdiv(n_pairs, block_m) + routed
+
+
+def narrow_cols(block_n: int, routed: int, n_out: int, sms: int, waves: int) -> int:
+    """A decode tile's column width, halved (down to 16) while `routed` experts' programs over `n_out` output
+    columns would fill the device's `sms` SMs less than `waves` times (sms 0 or waves 0: as it is)."""
+    while sms and block_n > 16 and routed * triton.cdiv(n_out, block_n) < waves * sms:
+        block_n //= 2
+    return block_n
+
+
+def rows_and_out(x: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x with unit column stride, an empty [n, width] output in x's dtype): a grouped launch's operands."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, torch.empty(n, width, dtype=x.dtype, device=x.device)
 
 
 def _sms(t: torch.Tensor) -> int:
@@ -274,8 +304,7 @@ def moe_gate_up(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_ga
     w = w_gate_up
     if not fits(w):
         return reference.moe_gate_up(x, order, counts, w, top_k, kind)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(N, inter, dtype=x.dtype, device=x.device)
+    x, out = rows_and_out(x, N, inter)
     if N == 0:
         return out
     bm, bn, bk, warps, tiles = plan(N, E, w.element_size(), inter, _sms(x))
@@ -293,8 +322,7 @@ def moe_down(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, w_down:
     w = w_down
     if not fits(w):
         return reference.moe_down(a, order, counts, w)
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    y = torch.empty(N, H, dtype=a.dtype, device=a.device)
+    a, y = rows_and_out(a, N, H)
     if N == 0:
         return y
     bm, bn, bk, warps, tiles = plan(N, E, w.element_size(), H, _sms(a))

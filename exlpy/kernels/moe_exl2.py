@@ -42,7 +42,18 @@ import triton.language as tl
 
 from exlpy.kernels import reference
 from exlpy.kernels.exl2_gemv import _MAGIC, _deq
-from exlpy.kernels.moe import _ACTS, _dot, _sms, _tile, plan
+from exlpy.kernels.moe import (
+    _ACTS,
+    _dot,
+    _sms,
+    _store_gated,
+    _tile,
+    _tile_cols,
+    _tile_rows,
+    narrow_cols,
+    plan,
+    rows_and_out,
+)
 from exlpy.quant.exl2_ref import EXL2_BITS
 from exlpy.quant.experts import ExpertStack
 
@@ -153,11 +164,9 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
                          UNROLL: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        live = rows < end
-        tok = tl.load(order_ptr + rows, mask=live, other=0) // top_k
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < INTER
+        rows, live, pairs = _tile_rows(order_ptr, row0, end, BLOCK_M)
+        tok = pairs // top_k
+        cols, col_ok = _tile_cols(INTER, BLOCK_N)
         e_row = expert.to(tl.int64) * H
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -190,13 +199,7 @@ def _gate_up_exl2_kernel(x_ptr, order_ptr, counts_ptr,
                                      u_lds)
                     acc_g = _dot(xg, wg.to(xg.dtype), acc_g, IEEE)
                     acc_u = _dot(xu, wu.to(xu.dtype), acc_u, IEEE)
-        if ACT == 0:
-            y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
-            inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-            y = 0.5 * acc_g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)) * acc_u
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * so + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & col_ok[None, :])
+        _store_gated(out_ptr, so, rows, live, cols, col_ok, acc_g, acc_u, ACT)
 
 
 @triton.jit
@@ -206,11 +209,8 @@ def _down_exl2_kernel(a_ptr, order_ptr, counts_ptr, qw, sc, sm, perm_ptr, word_p
                       IEEE: tl.constexpr, ALIGNED: tl.constexpr, WIDTH: tl.constexpr, UNROLL: tl.constexpr):
     expert, row0, end = _tile(counts_ptr, tl.program_id(0), E, E_P2, BLOCK_M)
     if expert < E:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        live = rows < end
-        pair = tl.load(order_ptr + rows, mask=live, other=0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < H
+        rows, live, pair = _tile_rows(order_ptr, row0, end, BLOCK_M)
+        cols, col_ok = _tile_cols(H, BLOCK_N)
         e_row = expert.to(tl.int64) * INTER
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         arow = a_ptr + rows[:, None].to(tl.int64) * sa
@@ -447,12 +447,8 @@ def _act_kernel(ws_ptr, out_ptr, INTER, so, ACT: tl.constexpr, BLOCK: tl.constex
     ok = cols < INTER
     g = _take(ws_ptr, r * (2 * INTER) + cols, ok)
     u = _take(ws_ptr, r * (2 * INTER) + INTER + cols, ok)
-    if ACT == 0:
-        y = g / (1.0 + tl.exp(-g)) * u
-    else:  # GELU, tanh approximation, with tanh(v) = 1 - 2 / (exp(2v) + 1)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        y = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)) * u
-    tl.store(out_ptr + r * so + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    row = tl.zeros([1], tl.int64) + r  # a one-row tile for the tile kernels' store
+    _store_gated(out_ptr, so, row, row >= 0, cols, ok, g[None, :], u[None, :], ACT)
 
 
 @triton.jit
@@ -471,8 +467,8 @@ def _tiles(n_pairs: int, n_experts: int, n_out: int, sms: int, elem_bytes: int =
     block_m, _, _, _, tiles = plan(n_pairs, n_experts)
     routed = max(1, min(n_experts, n_pairs))
     block_n = COLS if elem_bytes <= 2 else 32
-    while block_m == 16 and sms and block_n > 16 and routed * triton.cdiv(n_out, block_n) < WAVES * sms:
-        block_n //= 2
+    if block_m == 16:
+        block_n = narrow_cols(block_n, routed, n_out, sms, WAVES)
     return block_m, block_n, WARPS if block_m <= 32 and elem_bytes <= 2 else 8, tiles
 
 
@@ -496,8 +492,7 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
                      up: ExpertStack, top_k: int, kind: str) -> torch.Tensor:
     """Same contract as `reference.moe_gate_up_exl2` (activations silu and gelu_tanh; ops sends others there)."""
     E, H, inter, N = gate.num_experts, gate.k, gate.n, order.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(N, inter, dtype=x.dtype, device=x.device)
+    x, out = rows_and_out(x, N, inter)
     if N == 0:
         return out
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -522,8 +517,7 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
 def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: ExpertStack) -> torch.Tensor:
     """Same contract as `reference.moe_down_exl2`."""
     E, inter, H, N = down.num_experts, down.k, down.n, order.shape[0]
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    y = torch.empty(N, H, dtype=a.dtype, device=a.device)
+    a, y = rows_and_out(a, N, H)
     if N == 0:
         return y
     if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -29,8 +29,22 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_SLOTS = 8
-_SLOTS = tl.constexpr(MAX_SLOTS)  # the flag row stride, inside the kernels
+from exlpy.kernels.allreduce_flags import (  # noqa: F401 - MAX_SLOTS, NORM_*: this collective's limits too
+    MAX_SLOTS,
+    NORM_HIDDEN,
+    NORM_MAXN,
+    NORM_ROWS,
+    SLOTS,
+    FlagState,
+    norm_launch,
+    row_prologue,
+    store_sum_norm,
+    sum_rows,
+    wait_flags,
+)
+from exlpy.kernels.allreduce_flags import fits as _fits
+from exlpy.kernels.allreduce_flags import norm_fits as _norm_fits
+
 MAX_PROGRAMS = 128
 BLOCK = 4096  # elements per program: two programs for a 70B hidden row, 64 for batch 32
 MAX_NUMEL = MAX_PROGRAMS * BLOCK  # 512K elements: batch 64 of hidden 8192; larger messages go to NCCL
@@ -77,17 +91,8 @@ def _allreduce_kernel(x, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, f3, f4, f5,
     for j in tl.static_range(N):
         if j != rank:
             peer = _pick(j, f0, f1, f2, f3, f4, f5, f6, f7)
-            tl.atomic_xchg(peer + b * _SLOTS + rank, e, sem="release", scope="sys")
-    for j in tl.static_range(N):
-        if j != rank:
-            ptr = flags_mine + b * _SLOTS + j
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            n = 0
-            while (seen != e) & (n < spin):
-                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-                n += 1
-            if seen != e:
-                tl.atomic_add(errors, 1)
+            tl.atomic_xchg(peer + b * SLOTS + rank, e, sem="release", scope="sys")
+    wait_flags(flags_mine, b, rank, e, spin, errors, N, False, False)
     tl.debug_barrier()  # the acquire above orders every thread's loads of the received tiles
     acc = mine.to(tl.float32)
     for j in tl.static_range(N):
@@ -106,13 +111,7 @@ def _allreduce_norm_kernel(x, h, w, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, 
     b owns row b, pushes it to every peer as above, sums every rank's row in rank order (identical bits on
     every GPU), stores the sum into x and rms_norm(sum) * w into h, rounded as kernels/rmsnorm.py rounds. A
     peer already one call ahead (flag e + 1) also releases the wait."""
-    b = tl.program_id(0)
-    e = tl.load(epochs + b) + 1
-    par = e % 2
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < hidden
-    offs = b * hidden + cols
-    mine = tl.load(x + offs, mask=cmask, other=0.0)
+    b, e, par, cols, cmask, offs, mine = row_prologue(x, epochs, hidden, BLOCK_H)
     for j in tl.static_range(N):
         if j != rank:
             dst = _pick(j, r0, r1, r2, r3, r4, r5, r6, r7)
@@ -121,72 +120,32 @@ def _allreduce_norm_kernel(x, h, w, r0, r1, r2, r3, r4, r5, r6, r7, f0, f1, f2, 
     for j in tl.static_range(N):
         if j != rank:
             peer = _pick(j, f0, f1, f2, f3, f4, f5, f6, f7)
-            tl.atomic_xchg(peer + b * _SLOTS + rank, e, sem="release", scope="sys")
-    for j in tl.static_range(N):
-        if j != rank:
-            ptr = flags_mine + b * _SLOTS + j
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            n = 0
-            while (seen != e) & (seen != e + 1) & (n < spin):
-                seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-                n += 1
-            if (seen != e) & (seen != e + 1):
-                tl.atomic_add(errors, 1)
+            tl.atomic_xchg(peer + b * SLOTS + rank, e, sem="release", scope="sys")
+    wait_flags(flags_mine, b, rank, e, spin, errors, N, True, False)
     tl.debug_barrier()
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(N):
-        if j == rank:
-            acc += mine.to(tl.float32)
-        else:
-            acc += tl.load(recv_mine + (par * N + j) * MAXN + offs, mask=cmask, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
-    y = acc.to(x.dtype.element_ty)
-    tl.store(x + offs, y, mask=cmask)
-    yf = y.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(yf * yf, axis=0) / hidden + eps)
-    wv = tl.load(w + cols, mask=cmask, other=0.0)
-    tl.store(h + offs, ((yf * inv).to(wv.dtype) * wv).to(h.dtype.element_ty), mask=cmask)
+    acc = sum_rows(mine, recv_mine, par, offs, cmask, rank, N, MAXN, BLOCK_H, ".cg")
+    store_sum_norm(x, h, w, acc, offs, cols, cmask, hidden, eps)
     tl.store(epochs + b, e)
 
 
-NORM_ROWS = 64  # rows of a fused all-reduce + norm call (batched decode)
-NORM_HIDDEN = 16384
-NORM_MAXN = NORM_ROWS * NORM_HIDDEN
-
-
-class PeerState:
-    """Flags, per-program epochs, an error counter and the receive buffers on every slot's device (zeroed
-    together). A receive buffer holds [2 parities, N slots, `maxn`] elements of 4 bytes, viewed as the dtype
-    of each call (8 MB per GPU for 2 GPUs and the defaults). The fused-norm kernel keeps a state of its own
-    (`programs` = NORM_ROWS, `maxn` = NORM_MAXN): a program's tile must be the same region in every call."""
+class PeerState(FlagState):
+    """Flags and the receive buffers on every slot's device, besides FlagState's per-program epochs and error
+    counters (zeroed together). A receive buffer holds [2 parities, N slots, `maxn`] elements of 4 bytes, viewed
+    as the dtype of each call (8 MB per GPU for 2 GPUs and the defaults)."""
 
     def __init__(self, devices: list[torch.device], programs: int = MAX_PROGRAMS, maxn: int = MAX_NUMEL) -> None:
-        if len(devices) > MAX_SLOTS:
-            raise ValueError(f"peer all-reduce supports at most {MAX_SLOTS} devices, got {len(devices)}")
-        self.devices = devices
-        self.maxn = maxn
+        super().__init__(devices, programs, maxn, "peer all-reduce")
         n = len(devices)
         self.flags = [torch.zeros(programs * MAX_SLOTS, dtype=torch.int32, device=d) for d in devices]
-        self.epochs = [torch.zeros(programs, dtype=torch.int32, device=d) for d in devices]
-        self.errors = [torch.zeros(1, dtype=torch.int32, device=d) for d in devices]
         self.recv = [torch.zeros(2 * n * maxn, dtype=torch.float32, device=d) for d in devices]
-        self._views: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def recv_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The receive buffers viewed as `dtype`, [2 * N * maxn] elements each (the rest unused)."""
-        v = self._views.get(dtype)
-        if v is None:
-            size = 2 * len(self.devices) * self.maxn
-            v = self._views[dtype] = [r.view(dtype)[:size] for r in self.recv]
-        return v
-
-    def error_count(self) -> int:
-        return sum(int(e.item()) for e in self.errors)
+        return self._views_as(dtype, self.recv)
 
 
 def fits(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.numel() <= MAX_NUMEL and t.dtype in (torch.float16, torch.bfloat16,
-                                                                         torch.float32)
+    return _fits(t, MAX_NUMEL)
 
 
 def peer_all_reduce(tensors: list[torch.Tensor], state: PeerState, spin: int = SPIN) -> None:
@@ -210,9 +169,7 @@ def peer_all_reduce(tensors: list[torch.Tensor], state: PeerState, spin: int = S
 
 def norm_fits(t: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused all-reduce + RMSNorm kernel takes `t` ([rows, hidden], the norm's dtype)."""
-    hidden = t.shape[-1]
-    return (fits(t) and t.dtype == weight.dtype and weight.dim() == 1 and weight.numel() == hidden
-            and weight.is_contiguous() and hidden <= NORM_HIDDEN and t.numel() // hidden <= NORM_ROWS)
+    return _norm_fits(t, weight, MAX_NUMEL)
 
 
 def peer_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor], eps: float, state: PeerState,
@@ -221,14 +178,11 @@ def peer_all_reduce_norm(tensors: list[torch.Tensor], weights: list[torch.Tensor
     device, rms_norm(sum, weights[k], eps) as a new tensor: one kernel per GPU. Reference:
     `reference.host_all_reduce_norm` (the same contract)."""
     n = len(tensors)
-    hidden = tensors[0].shape[-1]
-    rows = tensors[0].numel() // hidden
+    hidden, rows, block, warps = norm_launch(tensors)
     assert all(norm_fits(t, w) for t, w in zip(tensors, weights)), "fused all-reduce + norm: unsupported shape"
     recv = state.recv_as(tensors[0].dtype)
     pad = [recv[0]] * (MAX_SLOTS - n)
     fpad = [state.flags[0]] * (MAX_SLOTS - n)
-    block = triton.next_power_of_2(hidden)
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     outs = [torch.empty_like(t) for t in tensors]
     for rank, (t, w, h) in enumerate(zip(tensors, weights, outs)):
         with torch.cuda.device(t.device):

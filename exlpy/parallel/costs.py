@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from exlpy.kernels.reference import MOE_GATHER_BYTES, MOE_GATHER_MAX
+from exlpy.kernels.reference_moe import MOE_GATHER_BYTES, MOE_GATHER_MAX
 
 MiB = 1024**2
 GiB = 1024**3

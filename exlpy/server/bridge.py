@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from exlpy.errors import ConfigError, ExlpyError
 
 log = logging.getLogger("exlpy.server")
@@ -128,6 +130,24 @@ class JobHandle:
         if not self.finished:
             self.finished = True
             self.put(item)
+
+
+def _prime_cublas(gen: Any) -> None:
+    """Create this thread's cuBLAS handle on each of the model's GPUs now. cuBLAS handles are per thread; the
+    warm-up ran on another one, so the first request's matmul would create this thread's handle with a plain
+    cudaMalloc, outside torch's allocator, after the cache and the graphs have taken the memory: on a full GPU
+    that failed every job (CUBLAS_STATUS_ALLOC_FAILED, H100, 2026-11-26). Now it happens right after the warm-up
+    released its cached blocks."""
+    model = getattr(gen, "model", None)
+    devices = {d for d in (getattr(m, "device", None) for m in getattr(model, "modules", []))
+               if isinstance(d, torch.device) and d.type == "cuda"}
+    for dev in devices:
+        try:
+            with torch.cuda.device(dev):
+                a = torch.ones(8, 8, device=dev, dtype=torch.float16)
+                (a @ a).sum().item()
+        except Exception as e:  # noqa: BLE001 - the first request meets the same fault and fails with its error
+            log.warning("could not prepare cuBLAS on %s for the generator thread: %s", dev, e)
 
 
 class GeneratorBridge:
@@ -299,6 +319,7 @@ class GeneratorBridge:
     def _run(self) -> None:
         _name_os_thread("exlpy-generator")
         gen = self.generator
+        _prime_cublas(gen)
         while True:
             with self._cv:
                 while not (self._stopping or self._inbox or self._cancels or self._calls or self._abort

@@ -17,8 +17,9 @@ Routing (ray_router.py, a Ray Serve request router): `router=pow2` (the default)
 (two random replicas, the one with fewer ongoing requests), so a replica busy with long generations gets fewer
 new ones than round-robin would give it; `router=prefix` sends requests whose prompts start alike (the first
 `prefix_chars` characters) to the same replica, where that prefix's KV pages are cached, unless that replica
-runs more than `prefix_imbalance` requests above the least busy one. A request's `x-exlpy-routing:
-prefix|pow2` header overrides the app's choice. `max_ongoing_requests` bounds what one replica holds; past it
+runs more than `prefix_imbalance` requests above the least busy one; `router=rr` is round-robin (the
+baseline of benchmarks/ray_serve.py). A request's `x-exlpy-routing: prefix|pow2|rr` header overrides the app's
+choice. `max_ongoing_requests` bounds what one replica holds; past it
 requests wait in the ingress. Each response names its replica in the `x-exlpy-replica` header.
 
 Health: Ray calls `check_health` every `health_check_period_s`; it fails when the replica's generator thread has
@@ -90,7 +91,7 @@ class RayServeOptions:
     # the ones it runs, streams included, before it is killed (exlpy serve's --shutdown-timeout).
     shutdown_timeout_s: float = 30.0
     # Routing and the ingress (ray_router.py, ray_ingress.py).
-    router: str = "pow2"  # or "prefix"
+    router: str = "pow2"  # or "prefix", "rr" (ray_router.POLICIES)
     prefix_chars: int = 1024  # the routing key: this many characters of the prompt (about one 256-token page)
     prefix_imbalance: int = 16  # prefix routing gives way to load past this many more requests than the least
     retries: int = 1  # a request whose replica stopped before answering is sent again this many times
@@ -181,7 +182,7 @@ def build_app(**kwargs: Any) -> Any:
     demo model by default), the load options of `exlpy serve` (max_seq_len, cache_size, cache_mode, gpu_split,
     tensor_parallel, ...), `api_key`/`admin_key` (comma-separated or lists), and the layout: `replicas` or
     `min_replicas`/`max_replicas`/`target_ongoing_requests` (autoscaling), `gpus_per_replica`,
-    `cpus_per_replica`, `max_ongoing_requests`; routing: `router` (pow2 or prefix), `prefix_chars`,
+    `cpus_per_replica`, `max_ongoing_requests`; routing: `router` (pow2, prefix or rr), `prefix_chars`,
     `prefix_imbalance`; `retries`, `ingress_replicas`, `stats_period_s`."""
     return bind(parse_args(kwargs))
 

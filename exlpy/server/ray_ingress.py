@@ -102,7 +102,7 @@ class ExlpyIngress:
         client = scope.get("client")
         req = ForwardedRequest(method=scope["method"], path=scope["path"], query_string=scope.get("query_string",
                                b""), headers=headers, body=body, root_path=scope.get("root_path", ""),
-                               client=tuple(client) if client else None, routing_key=key)
+                               client=tuple(client) if client else None, routing_key=key, policy=policy)
         return await self._forward(req)
 
     async def _forward(self, req: ForwardedRequest) -> Any:

@@ -25,8 +25,8 @@ REPLICA_HEADER = "x-exlpy-replica"
 
 @dataclass
 class ForwardedRequest:
-    """An HTTP request as the ingress hands it to a replica; `routing_key` is read by the request router
-    (ray_router.py) before the request leaves the ingress's process."""
+    """An HTTP request as the ingress hands it to a replica; `routing_key` and `policy` are read by the request
+    router (ray_router.py) before the request leaves the ingress's process."""
 
     method: str
     path: str
@@ -36,6 +36,7 @@ class ForwardedRequest:
     root_path: str = ""
     client: tuple[str, int] | None = None
     routing_key: str | None = None
+    policy: str = "pow2"  # ray_router.POLICIES: how the router picks this request's replica
 
 
 def _replica_id() -> str:

@@ -15,6 +15,10 @@ above the least busy candidate (Ray's queue-length cache, probed when stale) or 
 rendezvous order (so a hot prefix spills onto the same second replica, which then caches it too), and failing
 those to the least busy replica. Requests without a key (other routes, `router=pow2`, the
 `x-exlpy-routing: pow2` header) get power of two choices: two random replicas, the one with fewer requests.
+`rr` is round-robin, the baseline the other two are measured against (what a plain load balancer in front of
+several `exlpy serve` processes does): each ingress process hands requests to the replicas in turn, in replica id
+order, blind to their queues and caches; only a full replica (`max_ongoing_requests`) is skipped, for the least
+busy other one.
 
 The router also keeps each replica's routing stats (`record_routing_stats` of the replica: its Prometheus
 metrics, polled by Ray every `request_routing_stats_period_s`), which the ingress sums for `/metrics`.
@@ -32,7 +36,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 ROUTING_KEY_HEADER = "x-exlpy-routing-key"  # a client's own key (a session or conversation id)
 ROUTING_HEADER = "x-exlpy-routing"  # "prefix" or "pow2": this request's policy, over the app's `router`
-POLICIES = ("prefix", "pow2")
+POLICIES = ("prefix", "pow2", "rr")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 # Routers of this process by deployment (the ingress finds its engine deployment's router here for /metrics).
@@ -85,11 +89,21 @@ def rendezvous(key: str, replicas: Iterable[Any], ident: Any = lambda r: r.repli
     return sorted(replicas, key=weight, reverse=True)
 
 
+def round_robin(turn: int, replicas: Iterable[Any], ident: Any = lambda r: r.replica_id.unique_id) -> list[Any]:
+    """`replicas` in id order, starting at the one whose turn it is (`turn` modulo their number)."""
+    ordered = sorted(replicas, key=ident)
+    if not ordered:
+        return []
+    i = turn % len(ordered)
+    return ordered[i:] + ordered[:i]
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Prefix affinity with a load bound, else power of two choices (see the module's docstring)."""
 
     def initialize_state(self, imbalance: int = 16, **_: Any) -> None:
         self.imbalance = int(imbalance)
+        self.turn = 0  # round-robin's next turn (per ingress process, as a load balancer's own counter)
         # Ray ships this class to the ingress pickled by value, with its own copy of this module's globals: the
         # registry the ingress reads is the imported module's.
         import exlpy.server.ray_router as registry
@@ -107,9 +121,14 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # all ranks full: wait, do not spin
-        key = None
+        key = policy = None
         if pending_request is not None and pending_request.args:
             key = getattr(pending_request.args[0], "routing_key", None)
+            policy = getattr(pending_request.args[0], "policy", None)
+        if policy == "rr" and len(candidate_replicas) > 1:
+            order = round_robin(self.turn, candidate_replicas)
+            self.turn += 1
+            return [order[:1], order[1:]]  # the base class skips a full replica, for the least busy other one
         if key is None or len(candidate_replicas) == 1:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         order = rendezvous(key, candidate_replicas)

@@ -1,7 +1,8 @@
 """How large `exlpy serve` makes the KV cache when `--cache-size` is not given.
 
 On GPUs the cache takes what is left of `--gpu-memory-utilization` (default 0.9) of each device's memory after
-the weights, the activations of the largest step and the outputs of the decode graphs the warm-up captures;
+the weights, the activations of the largest step, the outputs of the decode graphs the warm-up captures and a
+margin (RUNTIME_MARGIN, more with captured prompt chunks);
 the device that fills first (per token, its layers' K/V) sets the size. On the CPU it holds 8 full-length
 requests (at least 2048 tokens), at most a quarter of the memory available. Either way it holds at least one
 full-length request, or the server refuses to start and says what to change.
@@ -20,8 +21,16 @@ import torch
 
 from exlpy.config.values import MAX_POSITIONS
 from exlpy.errors import ConfigError
+from exlpy.runtime import options
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# Kept free beyond the measured reserve, as a share of each GPU's memory: cuBLAS handles and workspaces (created
+# with plain cudaMalloc), the captured sampler's buffers, allocator fragmentation. Captured prompt chunks
+# (EXLPY_PREFILL_GRAPHS=1) keep their graphs' activations too. On an H100 with an 8B fp16 model (2026-11-26) the
+# graph pools held 4.05 GiB with captured chunks where the reserve counted ~1 GiB of graph outputs, and the
+# allocator 2.8 GiB of free blocks: the cache left 8 MiB, and every job failed to create a cuBLAS handle.
+RUNTIME_MARGIN = 0.02
+CHUNK_GRAPHS_MARGIN = 0.04
 CPU_FULL_REQUESTS = 8  # a CPU default cache holds this many full-length requests
 CPU_MEMORY_SHARE = 0.25  # ...but takes at most this share of the memory available
 
@@ -156,6 +165,7 @@ def measure_and_size(model: Any, caches: list[Any], utilization: float, page_siz
         placeholder = sum(c.footprint().get(dev, 0) for c in caches)
         reserve = peak.get(dev, 0) + (graph_output_bytes(decode_shapes, cfg.vocab_size, cfg.hidden_size)
                                       if dev == head else 0)
+        reserve += (RUNTIME_MARGIN + (CHUNK_GRAPHS_MARGIN if options().prefill_graphs else 0.0)) * total
         budgets.append(DeviceBudget(dev, int(total), int(free), placeholder, int(reserve), kv))
     tokens = plan_tokens(budgets, utilization, page_size)
     if tokens < max_seq_len:

@@ -128,7 +128,8 @@ class Verifier:
             g._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         saved = (vb.m.clone(), vb.tok.clone())
-        with gc_paused(), torch.cuda.graph(graph, pool=g._pool, capture_error_mode="thread_local"):
+        with gc_paused(collect=False), \
+                torch.cuda.graph(graph, pool=g._pool, stream=stream, capture_error_mode="thread_local"):
             self._step(vb, feats)
         vb.m.copy_(saved[0])
         vb.tok.copy_(saved[1])

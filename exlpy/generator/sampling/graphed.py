@@ -415,7 +415,8 @@ class GraphSampler:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # thread_local: a server's other threads (the event loop, grammar workers) may use CUDA meanwhile
-        with gc_paused(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+        with gc_paused(collect=False), \
+                torch.cuda.graph(g, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             self._step(b, feats)
         return g
 

@@ -1,0 +1,38 @@
+"""The tensor-parallel benchmark's A/B summary: per collective backend, TP times against one GPU."""
+
+from __future__ import annotations
+
+
+def ab_summary(res: dict, batch: int) -> dict:
+    """Per collective backend of the TP run (the default one chosen at load, then each reloaded one): decode
+    b1 (read each step / fed), decode b`batch` and prefill 2048 in ms, with the speed-up over one GPU."""
+    tp = res["tp"]
+    keys = {"b1": ("decode_ms_graphs", "decode_ms_{}", "single_decode_ms"),
+            "b1_fed": ("decode_fed_ms", "decode_fed_ms_{}", "single_decode_fed_ms"),
+            f"b{batch}": (f"decode_b{batch}_ms", f"decode_b{batch}_ms_{{}}", f"single_decode_b{batch}_ms"),
+            "prefill2048": ("prefill2048_ms", "prefill2048_ms_{}", "single_prefill2048_ms"),
+            "prefill2048_pipelined": ("prefill2048_ms_pipelined", "-", "single_prefill2048_ms")}
+    names = [tp["comm"]] + [k[len("decode_ms_"):] for k in tp if k.startswith("decode_ms_")
+                            and k not in ("decode_ms_graphs", "decode_ms_eager")]
+    out: dict = {"default": tp["comm"], "load_timings_us": tp.get("comm_timings_us")}
+    for name in names:
+        row = {}
+        for label, (own, other, single) in keys.items():
+            v = tp.get(own if name == tp["comm"] else other.format(name) if other != "-" else "-")
+            if v is not None and res.get(single):
+                row[label] = [v, round(res[single] / v, 2)]
+        out[name] = row
+    return out
+
+
+def speedups(res: dict, batch: int) -> None:
+    """res's speedup_* figures: one GPU's times over the TP run's (decode b1 read back and fed, batched, prefill)."""
+    res["speedup_decode"] = round(res["single_decode_ms"] / res["tp"]["decode_ms_graphs"], 2)
+    res["speedup_prefill"] = round(res["single_prefill2048_ms"] / res["tp"]["prefill2048_ms"], 2)
+    if batch and f"decode_b{batch}_ms" in res["tp"]:
+        res[f"speedup_decode_b{batch}"] = round(res[f"single_decode_b{batch}_ms"] / res["tp"][f"decode_b{batch}_ms"],
+                                                2)
+    res["speedup_decode_fed"] = round(res["single_decode_fed_ms"] / res["tp"]["decode_fed_ms"], 2)
+    if batch and f"decode_fed_b{batch}_ms" in res["tp"]:
+        res[f"speedup_decode_fed_b{batch}"] = round(res[f"single_decode_fed_b{batch}_ms"]
+                                                    / res["tp"][f"decode_fed_b{batch}_ms"], 2)
