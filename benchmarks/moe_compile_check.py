@@ -101,17 +101,16 @@ def variants() -> dict[str, dict]:
                                              "qw": "*i32", "sc": "*i32", "sm": "*fp32", "perm_ptr": "*i32",
                                              "word_ptr": "*i32", "info_ptr": "*i32", "ws_ptr": "*fp32"},
                 dict(E_P2=8, BLOCK_N=cols, B=width, NB=nb_dn, EVEN=even), warps, 1)
-    for even in (True, False):  # mixed widths: each block's width chosen at run time, one block per step
-        tag = "" if even else " masked"
-        out[f"exl2 gemv gate_up fp16 mixed{tag}"] = compile_kernel(
-            moe_exl2._gate_up_gemv_kernel, {"x_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32",
-                                            "ws_ptr": "*fp32", **gemv_tables},
-            dict(E_P2=8, BLOCK_N=cols, B=0, NB=1, SAME_PERM=True, EVEN=even), warps, 1)
-        out[f"exl2 gemv down fp16 mixed{tag}"] = compile_kernel(
-            moe_exl2._down_gemv_kernel, {"a_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32", "qw": "*i32",
-                                         "sc": "*i32", "sm": "*fp32", "perm_ptr": "*i32", "word_ptr": "*i32",
-                                         "info_ptr": "*i32", "ws_ptr": "*fp32"},
-            dict(E_P2=8, BLOCK_N=cols, B=0, NB=1, EVEN=even), warps, 1)
+    # mixed widths: each block's width chosen at run time, one block per step, always masked (moe_exl2._gemv_nb)
+    out["exl2 gemv gate_up fp16 mixed masked"] = compile_kernel(
+        moe_exl2._gate_up_gemv_kernel, {"x_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32",
+                                        "ws_ptr": "*fp32", **gemv_tables},
+        dict(E_P2=8, BLOCK_N=cols, B=0, NB=1, SAME_PERM=True, EVEN=False), warps, 1)
+    out["exl2 gemv down fp16 mixed masked"] = compile_kernel(
+        moe_exl2._down_gemv_kernel, {"a_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32", "qw": "*i32",
+                                     "sc": "*i32", "sm": "*fp32", "perm_ptr": "*i32", "word_ptr": "*i32",
+                                     "info_ptr": "*i32", "ws_ptr": "*fp32"},
+        dict(E_P2=8, BLOCK_N=cols, B=0, NB=1, EVEN=False), warps, 1)
     out["exl2 gemv act"] = compile_kernel(moe_exl2._act_kernel, {"ws_ptr": "*fp32", "out_ptr": "*fp16"},
                                           dict(ACT=0, BLOCK=1024), 4, 1)
     out["exl2 gemv convert"] = compile_kernel(moe_exl2._convert_kernel, {"ws_ptr": "*fp32", "y_ptr": "*fp16"},
