@@ -19,6 +19,8 @@ def test_moe_kernels_compile_for_sm90() -> None:
     assert {"gate_up fp16 N2 E8", "down fp16 N4096 E8", "gate_up fp16 N8 E128", "down bf16 N2 E8",
             "gate_up fp32 N2 E8", "sort E128", "route E128 k8", "combine k8", "exl2 gate_up fp16 N2 E8",
             "exl2 down fp16 N8 E128", "exl2 gate_up fp16 N256 E128 per-row", "exl2 down fp32 N2 E8",
-            "exl2 gate_up fp16 N2 E8 4-bit", "exl2 down fp16 N8 E128 8-bit"} <= set(res)
+            "exl2 gate_up fp16 N2 E8 4-bit", "exl2 down fp16 N8 E128 8-bit", "exl2 gemv gate_up fp16 4-bit",
+            "exl2 gemv down fp16 4-bit", "exl2 gemv gate_up fp16 3-bit masked", "exl2 gemv act",
+            "exl2 gemv gate_up fp16 mixed masked"} <= set(res)
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= H100_SHARED, (name, v)

@@ -154,20 +154,100 @@ def test_kernels_match_references(T: int, E: int, k: int, H: int, inter: int, sa
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("width", [4, 8, 2, 3])
-def test_uniform_width_stacks(width: int) -> None:
-    """Stacks of one width: 2, 4 and 8 bits load each block's words once; K = 88 and 72 end in a partial block
-    (the last expert's last words end the stack). 3 bits take the gather path."""
+def test_uniform_width_stacks(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacks of one width in the tile kernels (the GEMV kernels kept off: 3 rows over 4 experts would take
+    them): 2, 4 and 8 bits load each block's words once; K = 88 and 72 end in a partial block (the last expert's
+    last words end the stack). 3 bits take the gather path."""
     _cpu_ok()
+    from exlpy.kernels import moe_exl2
+
+    monkeypatch.setattr(moe_exl2, "GEMV_MAX_ROWS", 0)
     _check_kernels(3, 4, 2, 88, 72, seed=width, uniform=width)
 
 
 @pytest.mark.interpreter
-def test_gelu_and_half_precision() -> None:
+def test_gelu_and_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     _cpu_ok()
+    from exlpy.kernels import moe_exl2
+
+    monkeypatch.setattr(moe_exl2, "GEMV_MAX_ROWS", 0)  # the tile kernels (test_gemv_path_* take the others)
     _check_kernels(5, 4, 2, 64, 40, seed=3, kind="gelu_tanh")
     _check_kernels(5, 4, 2, 64, 40, seed=4, dtype=torch.float16, tol=5e-3)
     # fp16 decode tiles of one-width stacks take several 32-row blocks per trip (the last past K, read nothing)
     _check_kernels(3, 4, 2, 88, 72, seed=5, dtype=torch.float16, tol=5e-3, uniform=4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("width", [2, 3, 4, 5, 6, 8])
+def test_gemv_path_every_width(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few rows per expert take the GEMV kernels (split-K through the fp32 workspace) for one-width stacks of
+    every width: batch 1 and 3 tokens (two rows of one expert, each on its own), K = 88 and 72 ending in a
+    partial block (masked rows); 3 and 4 bits also K = 128 / 64 (whole steps, no masks), gate and up with one act
+    order (4) or two (3)."""
+    _cpu_ok()
+    from exlpy.kernels import moe_exl2
+
+    taken = []
+    for name in ("_gate_up_gemv", "_down_gemv"):
+        f = getattr(moe_exl2, name)
+        monkeypatch.setattr(moe_exl2, name, lambda *a, f=f, name=name: taken.append(name) or f(*a))
+    _check_kernels(1, 4, 2, 88, 72, seed=width, uniform=width)
+    runs = 1
+    if width in (3, 4):
+        _check_kernels(3, 4, 2, 128, 64, seed=10 + width, uniform=width, same_perm=width == 4)
+        runs = 2
+    assert taken.count("_gate_up_gemv") == runs and taken.count("_down_gemv") == 2 * runs  # the check runs down twice
+
+
+@pytest.mark.interpreter
+def test_gemv_path_mixed_widths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aligned stacks of mixed widths (every width, per expert and block, as the converter writes them) take the
+    GEMV kernels, each block decoded at its own width; a stack with a group off the 32-row grid does not."""
+    _cpu_ok()
+    from exlpy.kernels import moe_exl2
+
+    taken = []
+    f = moe_exl2._gate_up_gemv
+    monkeypatch.setattr(moe_exl2, "_gate_up_gemv", lambda *a: taken.append(a[-2]) or f(*a))
+    _check_kernels(2, 4, 2, 192, 88, seed=21, same_perm=False)  # 32-row groups cycling 4, 3, 6, 5, 8, 2 bits
+    _check_kernels(1, 4, 2, 88, 72, seed=22)  # LAYOUTS_88: groups of 24-88 rows, a last block cut at K
+    assert taken == [0, 0]
+    _check_kernels(1, 5, 2, 88, 72, seed=23)  # expert 4's group boundary at row 40: the tile kernels
+    assert taken == [0, 0]
+
+
+@pytest.mark.interpreter
+def test_gemv_path_half_precision_and_gelu() -> None:
+    _cpu_ok()
+    _check_kernels(2, 4, 2, 64, 96, seed=6, dtype=torch.float16, tol=5e-3, uniform=4)
+    _check_kernels(1, 4, 2, 64, 96, seed=7, dtype=torch.bfloat16, tol=2e-2, uniform=4)
+    _check_kernels(1, 4, 2, 88, 72, seed=8, kind="gelu_tanh", uniform=6)
+    from exlpy.kernels import moe_exl2
+
+    # the split-K workspaces are zero again after every launch (read by atomic exchange), and reused
+    assert moe_exl2._WORKSPACES and all(not ws.any() for ws in moe_exl2._WORKSPACES.values())
+
+
+def test_gemv_path_choice_and_split() -> None:
+    """Decode (mean rows per routed expert <= GEMV_MAX_ROWS) takes the GEMV kernels, 32 tokens the tile kernels;
+    K splits into whole steps, the programs within GEMV_WAVES per SM (Mixtral's shapes on 132 SMs)."""
+    pytest.importorskip("triton")
+    from exlpy.kernels import moe_exl2
+
+    assert moe_exl2._gemv_rows(2, 8) and moe_exl2._gemv_rows(8, 128) and not moe_exl2._gemv_rows(64, 8)
+    for n_out, k, (nb, even) in ((14336, 4096, moe_exl2._gemv_nb(4, 2, 4096)),
+                                 (4096, 14336, moe_exl2._gemv_nb(4, 1, 14336))):
+        assert even
+        bn, warps, blocks, splits, chunk = moe_exl2._gemv_split(2, n_out, k, nb, 132)
+        assert (bn, warps) == (moe_exl2.GEMV_COLS, moe_exl2.GEMV_WARPS)
+        assert chunk % (32 * nb) == 0 and (splits - 1) * chunk < k <= splits * chunk
+        assert 2 * 132 <= 2 * blocks * splits <= moe_exl2.GEMV_WAVES * 132, (n_out, k, blocks, splits)
+    assert moe_exl2._gemv_split(8, 768, 2048, 1, 132)[:3] == (256, 4, 3)  # Qwen3-MoE's gate|up: no idle columns
+    g = torch.Generator().manual_seed(3)
+    four = _stack(2, 64, 40, g, uniform=4)[0]
+    assert moe_exl2._gemv_width(four) == 4 and moe_exl2._gemv_width(four, _stack(2, 64, 40, g, uniform=5)[0]) == 0
+    assert moe_exl2._gemv_width(_stack(4, 88, 40, g)[0]) == 0  # mixed widths, aligned: each block its own
+    assert moe_exl2._gemv_width(_stack(5, 88, 40, g)[0]) is None  # a group off the 32-row grid: the tile kernels
 
 
 def test_kernels_have_their_references_signatures() -> None:
@@ -195,13 +275,16 @@ def test_cuda_qwen3_moe_layer_shapes(T: int) -> None:
 
 @requires_cuda
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay_with_new_routing() -> None:
+@pytest.mark.parametrize("uniform", [0, 4])
+def test_cuda_graph_capture_and_replay_with_new_routing(uniform: int) -> None:
     """ops.moe_experts_exl2 captured once in a CUDA graph (capture refuses host syncs), replayed with other
-    routings: each replay equals the reference of its own routing."""
+    routings: each replay equals the reference of its own routing. Mixed widths take the tile kernels, 4-bit
+    stacks the GEMV kernels (16 rows over 16 experts; split-K sums through the workspace)."""
     from exlpy.kernels import ops
 
     T, E, k, H, inter = 4, 16, 4, 256, 192
-    h0, w0, _, gate, up, down, gu, dn = _case(T, E, k, H, inter, seed=2, device="cuda", dtype=torch.float16)
+    h0, w0, _, gate, up, down, gu, dn = _case(T, E, k, H, inter, seed=2, device="cuda", dtype=torch.float16,
+                                              uniform=uniform)
     h, w = torch.zeros_like(h0), torch.zeros_like(w0)
     ids = torch.zeros(T, k, dtype=torch.long, device="cuda")
 
