@@ -9,10 +9,12 @@ TRITON_INTERPRET=1); `gpu` tests run on CUDA and skip without it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,8 +24,16 @@ from exlpy.kernels import reference
 from exlpy.quant.exl2_ref import build_exl2_matrix, dequant_dense
 from exlpy.quant.experts import ExpertStack, stack_exl2
 from exlpy.quant.pack import random_exl2
+from exlpy.runtime import options, use_options
 from tests.conftest import requires_cuda
 from tests.test_moe import check_cuda_graph_decode, check_replays_with_new_routing, check_runner_decode
+
+
+@pytest.fixture(autouse=True)
+def _gemv_kernels_on() -> Iterator[None]:
+    """The GEMV path is opt-in (EXLPY_MOE_GEMV=1) until it has run on a GPU: these tests cover it either way."""
+    with use_options(dataclasses.replace(options(), moe_gemv=True)):
+        yield
 
 # per-expert (bits, rows) layouts, cycled over the experts; each sums to K = 88 (mixed, cut last group, uniform;
 # the last one has a group boundary off the 32-row grid, so stacks of 5 or more experts take the kernels' general

@@ -56,6 +56,7 @@ from exlpy.kernels.moe import (
 )
 from exlpy.quant.exl2_ref import EXL2_BITS
 from exlpy.quant.experts import ExpertStack
+from exlpy.runtime import options
 
 BLOCK_K = 32  # sorted rows per K step: one 32-row block of an aligned stack
 STAGES = 2
@@ -567,8 +568,8 @@ def _gemv_width(*stacks: ExpertStack) -> int | None:
 
 def _gemv_rows(n_pairs: int, n_experts: int) -> bool:
     """Whether N sorted rows over E experts are few per expert (decode): mean rows per routed expert at most
-    GEMV_MAX_ROWS."""
-    return n_pairs <= GEMV_MAX_ROWS * max(1, min(n_experts, n_pairs))
+    GEMV_MAX_ROWS, where the GEMV kernels are on (EXLPY_MOE_GEMV=1, exlpy/runtime.py)."""
+    return options().moe_gemv and n_pairs <= GEMV_MAX_ROWS * max(1, min(n_experts, n_pairs))
 
 
 def _gemv_nb(bits: int, matrices: int, k: int) -> tuple[int, bool]:
