@@ -4,6 +4,8 @@ the grouped expert kernels' achieved bandwidth.
 GPU:  python benchmarks/moe.py [--shapes mixtral,qwen3_moe] [--formats fp16,exl2] [--layers 4] [--batches 1,32]
           [--prompt-len 256] [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
 CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, nothing written unless --out)
+EXL2 experts' split-K GEMV kernels for decode are opt-in: `EXLPY_MOE_GEMV=1 python benchmarks/moe.py --formats exl2`
+(--sweep times them next to the tile kernels whatever the switch).
 
 Random checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B: hidden 2048, 128 experts of 768, 8 per
 token, 48 layers), decoder depth cut by --layers (the embedding and head keep their size), in fp16 or EXL2 4.0 bpw
@@ -32,6 +34,7 @@ Appends one section (command, date, device, tables) to --out and prints the same
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -49,6 +52,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.quant_matmul import graph_time  # noqa: E402
 from exlpy.cli.bench import weight_bytes_read  # noqa: E402
 from exlpy.kernels import ops  # noqa: E402
+from exlpy.runtime import options, use_options  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
@@ -308,7 +312,9 @@ def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tup
              "GEMV_WAVES", "GEMV_NB")
     saved = {n: getattr(moe_exl2, n) for n in names}
     k = model.config.num_experts_per_token
-    gemv = moe_exl2._gemv_rows(tokens * k, model.config.num_experts)
+    gemv_on = dataclasses.replace(options(), moe_gemv=True)  # the GEMV kernels are opt-in (EXLPY_MOE_GEMV=1)
+    with use_options(gemv_on):
+        gemv = moe_exl2._gemv_rows(tokens * k, model.config.num_experts)
     rows = []
     try:
         moe_exl2.GEMV_MAX_ROWS = 0  # the tile kernels at every batch
@@ -322,7 +328,9 @@ def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tup
             moe_exl2.GEMV_COLS, moe_exl2.GEMV_WARPS, moe_exl2.GEMV_WAVES = cols, warps, waves
             moe_exl2.GEMV_NB = {m: {b: max(1, int(nb * nb_times)) for b, nb in t.items()}
                                 for m, t in saved["GEMV_NB"].items()}
-            for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
+            with use_options(gemv_on):
+                timed = kernel_rows(model, tokens, device, bw)[1:]
+            for what, t, rate in timed:
                 rows.append((f"{what}, GEMV{'' if gemv else ' forced'}, {cols} columns w{warps} waves {waves} "
                              f"blocks x{nb_times}", t, rate))
     finally:
