@@ -81,8 +81,8 @@ class ConvertSettings:
             raise ConvertSettingsError(f"target must be 'source' or 'quantized', got {self.target!r}")
         if not isinstance(self.learned_rounding, int) or not 0 <= self.learned_rounding <= 100:
             raise ConvertSettingsError(f"--learned_rounding takes 0 to 100 passes, got {self.learned_rounding!r}")
-        if self.objective not in ("sensitivity", "error"):
-            raise ConvertSettingsError(f"objective must be 'sensitivity' or 'error', got {self.objective!r}")
+        if self.objective not in ("sensitivity", "error", "kl"):
+            raise ConvertSettingsError(f"objective must be 'error', 'sensitivity' or 'kl', got {self.objective!r}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
