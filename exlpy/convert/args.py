@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{d.target})")
     p.add_argument("--objective", choices=("error", "sensitivity", "kl"), default=d.objective,
                    help="what the bit allocation minimizes: the modules' errors, or each weighted by the measured "
-                   f"sensitivity of the output to it (exlpy; default {d.objective})")
+                   "sensitivity of the output to noise there (sensitivity) or to the module's own quantization at "
+                   f"this bpw (kl) (exlpy; default {d.objective})")
     p.add_argument("--device", help="device to convert on (default: cuda:0 when there is a GPU, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
 
