@@ -83,7 +83,7 @@ def test_quality_flags_reach_the_settings() -> None:
 
 
 def test_settings_of_the_quality_methods_are_checked() -> None:
-    for kw, match in ((dict(target="fp16"), "target"), (dict(objective="kl"), "objective"),
+    for kw, match in ((dict(target="fp16"), "target"), (dict(objective="ppl"), "objective"),
                       (dict(learned_rounding=-1), "learned_rounding"), (dict(sensitivity_tokens=0), "sensitivity")):
         with pytest.raises(ConvertSettingsError, match=match):
             ConvertSettings(out_dir="x", **kw).validate()  # type: ignore[arg-type]
@@ -104,6 +104,28 @@ def test_sensitivity_is_measured_and_reused(tmp_path) -> None:
             **CAL)
     job = json.load(open(tmp_path / "w" / "job.json"))
     assert job["sensitivity"] == sens and "sensitivity" not in job["times"]
+
+
+def test_kl_objective_weighs_every_module_at_its_operating_point(tmp_path) -> None:
+    """objective="kl": every decoder module gets a positive finite weight (the final distribution's KL per unit
+    of its own quantization error), and the strategy is the knapsack optimum of the weighted errors."""
+    import json
+
+    from exlpy import ExLlamaV2, ExLlamaV2Config
+    from exlpy.convert.layers import is_decoder, module_numel
+    from exlpy.convert.optimize import choose, slot_error
+
+    src = str(shared_path("models", "tiny-llama-fp16"))
+    convert(src, str(tmp_path / "w"), str(tmp_path / "q"), bits=3.0, objective="kl", **CAL)
+    job = json.load(open(tmp_path / "w" / "job.json"))
+    weights, meas = job["kl_weights"], job["measurement"]
+    assert set(weights) == set(meas) and all(0 < v < float("inf") for v in weights.values())
+    assert "kl_weights" in job["times"]
+    keys = list(meas)
+    numel = sum(module_numel(m) for m in ExLlamaV2(ExLlamaV2Config(src)).modules if is_decoder(m))
+    costs = [[int(e["total_bits"]) for e in meas[k]] for k in keys]
+    errors = [[slot_error(e) * weights[k] for e in meas[k]] for k in keys]
+    assert [job["strategy"][k]["option"] for k in keys] == choose(costs, errors, int(numel * 3.0))
 
 
 class _Boom(Exception):

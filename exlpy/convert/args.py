@@ -55,9 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what each layer's quantization aims at: the source weights' output on the quantized "
                    "inputs (GPTQ) or the source model's output (asymmetric calibration) (exlpy; default "
                    f"{d.target})")
-    p.add_argument("--objective", choices=("error", "sensitivity"), default=d.objective,
+    p.add_argument("--objective", choices=("error", "sensitivity", "kl"), default=d.objective,
                    help="what the bit allocation minimizes: the modules' errors, or each weighted by the measured "
-                   f"sensitivity of the output to it (exlpy; default {d.objective})")
+                   "sensitivity of the output to noise there (sensitivity) or to the module's own quantization at "
+                   f"this bpw (kl) (exlpy; default {d.objective})")
     p.add_argument("--device", help="device to convert on (default: cuda:0 when there is a GPU, else cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
 

@@ -29,13 +29,14 @@ from exlpy.convert.optimize import choose, reachable, slot_error
 from exlpy.convert.progress import StageProgress, peak_memory, summary_table
 from exlpy.convert.qparams import QParams, bpw
 from exlpy.convert.quantize import head_hessian, quantize_head, quantize_module
-from exlpy.convert.sensitivity import module_sensitivity
+from exlpy.convert.sensitivity import module_sensitivity, token_error
 from exlpy.convert.settings import MAX_BPW, ConvertSettings
 from exlpy.engine import ExLlamaV2
 from exlpy.errors import ConvertSettingsError, MeasurementFileError, UnsupportedArchitectureError
 from exlpy.model.batch import contiguous_batch
 from exlpy.model.linear import linear_format
 from exlpy.model.mlp import MLP
+from exlpy.model.module import Module
 from exlpy.model.moe import MoEMLP
 
 
@@ -189,6 +190,9 @@ class _Converter:
                               "last_module_idx": len(self.model.modules) - 1} | extra)
             self.prog.print(f"Measurement written to {path}")
             return {"measurement": path, "times": self.job.data["times"], "peak": peak_memory()}
+        if s.objective == "kl" and "kl_weights" not in self.job.data:
+            self.job.data["kl_weights"] = self._kl_weights()
+            self.job.save()
         if "strategy" not in self.job.data:
             self._optimize()
         if not self.job.data.get("quant", {}).get("head_done"):
@@ -289,18 +293,24 @@ class _Converter:
                                        "was measured on another model")
         return {m.key: data[m.key] for m in self.decoders}
 
-    def _optimize(self) -> None:
-        t0 = time.perf_counter()
+    def _choice(self, weights: dict[str, float] | None) -> list[int]:
+        """The option index per decoder module of least (weighted) total error within the bit budget."""
         meas = self.job.data["measurement"]
         costs = [[int(e["total_bits"]) for e in meas[m.key]] for m in self.decoders]
-        sens = self.job.data.get("sensitivity") if self.s.objective == "sensitivity" else None
-        errors = [[slot_error(e) * (sens[m.key] if sens else 1.0) for e in meas[m.key]] for m in self.decoders]
+        errors = [[slot_error(e) * (weights[m.key] if weights else 1.0) for e in meas[m.key]] for m in self.decoders]
         budget = int(self.numel * self.s.bits)
         lo, _ = reachable(costs, self.numel)
         if budget < sum(min(c) for c in costs):
             raise ConvertSettingsError(f"-b/--bits {self.s.bits} is below the cheapest measured options: the "
                                        f"reachable range is {lo:.3f} to {MAX_BPW:g} bits per weight")
-        choice = choose(costs, errors, budget)
+        return choose(costs, errors, budget)
+
+    def _optimize(self) -> None:
+        t0 = time.perf_counter()
+        meas = self.job.data["measurement"]
+        weights = {"sensitivity": self.job.data.get("sensitivity"), "kl": self.job.data.get("kl_weights")}.get(
+            self.s.objective)
+        choice = self._choice(weights)
         strategy = {}
         for m, c in zip(self.decoders, choice):
             e = meas[m.key][c]
@@ -309,6 +319,36 @@ class _Converter:
         self.prog.step("optimize")
         self._timed("optimize", t0)
         self.job.set_stage("quant")
+
+    def _kl_weights(self) -> dict[str, float]:
+        """Weights of the "kl" objective: per module, the KL of the final next-token distribution per unit of
+        measured error when that module alone is quantized with the option the plain objective picks at this
+        bpw (the operating point), everything else at source precision; on the first `sensitivity_tokens`
+        measurement tokens, GPTQ without learned rounding (exlpy/convert/sensitivity.py)."""
+        s = self.s
+        t0 = time.perf_counter()
+        self.prog.note("KL weights")
+        meas = self.job.data["measurement"]
+        options = {m.key: {k: QParams.from_dict(meas[m.key][c][k]) for k in slots(m)}
+                   for m, c in zip(self.decoders, self._choice(None))}
+        ids = self._cal("cal_measure.safetensors", s.measurement_rows, s.measurement_length)
+        length = min(ids.shape[1], s.sensitivity_tokens)
+        ids = ids[:max(1, s.sensitivity_tokens // length), :length]
+
+        def perturb(m: Module, x: States, out: States) -> tuple[States, float]:
+            if isinstance(m, MoEMLP):
+                _, q, _, _ = quantize_moe(m, x, self.device, self.device, options[m.key], s.damp, s.scale_norm,
+                                          s.act_order)
+            else:
+                _, q, _, _ = quantize_module(m, x, self.device, self.device, options[m.key], s.damp, s.scale_norm,
+                                             s.act_order)
+            return q, token_error(q, out)
+
+        weights = module_sensitivity(self.model.modules, self._embed(ids, self.device), self.device,
+                                     perturb=perturb)
+        self.prog.step("KL weights")
+        self._timed("kl_weights", t0)
+        return weights
 
     def _quantize(self) -> None:
         s, job = self.s, self.job

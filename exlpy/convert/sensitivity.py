@@ -17,6 +17,8 @@ resumed job computes the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from exlpy.convert.forward import States, _run, check_finite, forward_chunks, module_input
@@ -54,13 +56,33 @@ def _log_probs(norm: Module, head: Module, states: States, device: torch.device)
     return out
 
 
-def module_sensitivity(modules: list[Module], embedded: States, device: torch.device, eps: float = EPS
-                       ) -> dict[str, float]:
-    """{decoder key: mean KL per token / eps²} for the model's `modules` (embedding first, final norm and head
-    last); `embedded`: the embedding's output on the rows to use, on the device."""
+# perturb(module, clean input, clean output) -> (perturbed output, its per-token relative squared error)
+Perturb = Callable[[Module, States, States], tuple[States, float]]
+
+
+def token_error(y: States, ref: States) -> float:
+    """Mean over tokens of |y - ref|² / |ref|²: the measurement's `err` (exlpy/convert/measure.py)."""
+    num = count = 0.0
+    for a, b in zip(y.chunks, ref.chunks):
+        b = b.float()
+        num += float(((a.float() - b).pow(2).sum(-1) / b.pow(2).sum(-1).clamp(min=1e-20)).sum())
+        count += b.shape[0] * b.shape[1]
+    return num / max(count, 1.0)
+
+
+def module_sensitivity(modules: list[Module], embedded: States, device: torch.device, eps: float = EPS,
+                       perturb: Perturb | None = None) -> dict[str, float]:
+    """{decoder key: mean KL per token / relative squared error injected} for the model's `modules` (embedding
+    first, final norm and head last); `embedded`: the embedding's output on the rows to use, on the device.
+
+    `perturb`: how a module's output is perturbed; None: seeded noise of relative size eps (error eps²). The
+    pipeline's "kl" objective passes the module quantized with the option the plain objective chose, so the
+    weight is the KL per unit of error of *that* quantization error at its real size and structure (attention
+    sinks, outlier channels), not of isotropic noise."""
     body, norm, head = modules[1:-2], modules[-2], modules[-1]
     clean = embedded
     streams: dict[str, States] = {}  # key -> the stream perturbed at that module's output
+    injected: dict[str, float] = {}  # key -> the relative squared error injected there
     for i, m in enumerate(body):
         m.load(device)
         out = forward_chunks(m, clean, device, device, m.key)
@@ -70,7 +92,10 @@ def module_sensitivity(modules: list[Module], embedded: States, device: torch.de
             assert s is not None
             streams[k] = s
         if is_decoder(m):
-            streams[m.key] = _noisy(out, eps, 1000 + i)
+            if perturb is None:
+                streams[m.key], injected[m.key] = _noisy(out, eps, 1000 + i), eps**2
+            else:
+                streams[m.key], injected[m.key] = perturb(m, clean, out)
         clean = out
         m.unload()
     norm.load(device)
@@ -83,7 +108,7 @@ def module_sensitivity(modules: list[Module], embedded: States, device: torch.de
             check_finite(lp, f"the head (sensitivity of {k})")
             kl += float((r.exp() * (r - lp)).sum())
             num += r.shape[0] * r.shape[1]
-        sens[k] = max(kl / max(num, 1) / eps**2, 1e-12)
+        sens[k] = max(kl / max(num, 1) / max(injected[k], 1e-12), 1e-12)
     norm.unload()
     head.unload()
     return sens

@@ -29,7 +29,10 @@ class ConvertSettings:
     shard_size: int = 8192  # MB, 0 = one file
     no_resume: bool = False
     device: str | None = None  # None: cuda:0 when there is a GPU, else the CPU
-    damp: float = 0.01  # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12)
+    # Hessian damping, fraction of its mean diagonal (exllamav2: 0.12). 0.1: with learned rounding on SmolLM2 the KL
+    # to the source fell 2.7% at 3.0 bpw and 1.7% at 4.0 against 0.01 (0.003 and 0.3 were worse at 3.0);
+    # benchmarks/results/convert_quality.md
+    damp: float = 0.1
     scale_norm: float = 2.0  # exponent of the error the scale search minimizes (exllamav2: 3.5)
     act_order: str = "auto"  # "on" (exllamav2), "off", or "auto": per matrix group, whichever errs less
     # What each linear's quantization aims at (exlpy/convert/quantize.py): "quantized", the output of the source
@@ -39,7 +42,9 @@ class ConvertSettings:
     target: str = "quantized"
     # What the bit allocation minimizes (exlpy/convert/optimize.py): "error", the plain sum of the modules'
     # per-token errors, or "sensitivity", each weighted by how much the final distribution reacts to error at
-    # that module (exlpy/convert/sensitivity.py; on SmolLM2 it won at 4.0 bpw and lost at 3.0, so it is no default)
+    # that module (exlpy/convert/sensitivity.py; on SmolLM2 it won at 4.0 bpw and lost at 3.0, so it is no default),
+    # or "kl", each weighted by the final distribution's KL per unit of error of that module's own quantization
+    # with the option "error" picks at this bpw (pipeline._kl_weights; on SmolLM2 within 1% of "error" in KL)
     objective: str = "error"
     sensitivity_tokens: int = 2048  # calibration tokens of the sensitivity pass (from the measurement rows)
     # Passes of learned rounding after GPTQ: codes and scales re-chosen by coordinate descent on each linear's
@@ -81,8 +86,8 @@ class ConvertSettings:
             raise ConvertSettingsError(f"target must be 'source' or 'quantized', got {self.target!r}")
         if not isinstance(self.learned_rounding, int) or not 0 <= self.learned_rounding <= 100:
             raise ConvertSettingsError(f"--learned_rounding takes 0 to 100 passes, got {self.learned_rounding!r}")
-        if self.objective not in ("sensitivity", "error"):
-            raise ConvertSettingsError(f"objective must be 'sensitivity' or 'error', got {self.objective!r}")
+        if self.objective not in ("sensitivity", "error", "kl"):
+            raise ConvertSettingsError(f"objective must be 'error', 'sensitivity' or 'kl', got {self.objective!r}")
         if not 0 < self.damp < 10:
             raise ConvertSettingsError(f"damp must be in (0, 10), got {self.damp}")
 
