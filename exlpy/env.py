@@ -119,4 +119,5 @@ def oom_guard(what: str) -> Iterator[None]:
 
 
 install_warning_format()
-warn_if_cpu_only_torch()
+# The CPU-only-torch warning is given where a model is loaded onto the CPU (engine/placement.py), not at import:
+# `exlpy --version`, the tokenizer or `exlpy plan --devices` need no GPU.

@@ -232,9 +232,11 @@ def _oom_message(model: ExLlamaV2, i: int, devices: Sequence[torch.device], plan
 def _cpu_fallback(
     model: ExLlamaV2, callback: Callback, callback_gen: CallbackGen, progress: bool
 ) -> Generator[Any, None, None]:
+    from exlpy.env import warn_if_cpu_only_torch
     from exlpy.errors import NoGpuWarning
     from exlpy.runtime import options
 
+    warn_if_cpu_only_torch()  # the likelier cause on a machine with a GPU: a torch built without CUDA
     if options().cpu_warning:  # EXLPY_NO_CPU_WARNING=1: a CPU deployment that knows
         warnings.warn("exlpy: no CUDA device is visible; loading the whole model on the CPU (slow)", NoGpuWarning,
                       stacklevel=5)
