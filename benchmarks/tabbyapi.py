@@ -24,6 +24,7 @@ for the model's shapes (its effect is checked, not its quality). The draft model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -581,12 +582,14 @@ def main() -> int:
                        f"interrupted ({type(e).__name__}: {e}; --budget {args.budget or 0:.0f} s)")
         raise
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # TabbyAPI may have exited by itself
+            os.killpg(proc.pid, signal.SIGTERM)
         write_results(args.out, args, checks, setup_log, device, log_tail())  # first: a kill may follow soon
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         if args.save_log:
             args.save_log.write_bytes(log_path.read_bytes())
         print(f"results: {args.out}; work dir {work}; {time.monotonic() - t_start:.0f} s in all", flush=True)

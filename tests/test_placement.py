@@ -139,6 +139,16 @@ def test_load_gpu_split_budgets_on_simulated_devices() -> None:
     torch.testing.assert_close(model.forward(ids, cache), reference_logits(ids), rtol=0, atol=0)
 
 
+def test_empty_gpu_split_means_first_device() -> None:
+    # exllamav2 loads with `gpu_split or [99999]`; TabbyAPI passes [] on one GPU (it failed: "no devices").
+    model = make_model()
+    drain(split_gen_on(model, [], None, None, False, DEVS))
+    assert set(model.cache_map.values()) == {DEVS[0]}
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = ExLlamaV2Cache(model, max_seq_len=256)
+    torch.testing.assert_close(model.forward(ids, cache), reference_logits(ids), rtol=0, atol=0)
+
+
 def test_exl2_model_splits_too() -> None:
     model = make_model("tiny-llama-exl2-4.0")
     cache = ExLlamaV2Cache(model, max_seq_len=256, lazy=True)

@@ -271,7 +271,9 @@ def split_gen_on(
     devices: Sequence[torch.device],
     lazy: bool = False,
 ) -> Generator[Any, None, None]:
-    budgets = parse_gpu_split(gpu_split, len(devices)) if gpu_split is not None else None
+    # exllamav2 loads with `gpu_split or [99999]`: an empty list means everything on the first GPU, as None does
+    # (TabbyAPI passes its empty default on one GPU).
+    budgets = parse_gpu_split(gpu_split, len(devices)) if gpu_split else None
     if lazy and (not devices or budgets is None):  # streaming: everything on GPU 0 (or the CPU)
         _assign(model, [devices[0] if devices else torch.device("cpu")] * len(model.modules))
         return
