@@ -175,7 +175,8 @@ def test_failed_decode_capture_runs_eagerly(model_dir: Path, monkeypatch: pytest
     tries: list[int] = []
 
     def refuse(self: StepGraphs, step: object) -> None:  # a failing capture on any machine, GPU or not
-        tries.append(1)
+        # On a GPU model.forward's own graphs (the eager reference's) fail too: only this runner's tries count.
+        tries.extend([1] if self is runner else [])
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(StepGraphs, "_capture", refuse)

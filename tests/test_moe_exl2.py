@@ -125,10 +125,15 @@ def _cpu_ok() -> None:
 
 def _check_kernels(T: int, E: int, k: int, H: int, inter: int, seed: int, kind: str = "silu", device: str = "cpu",
                    dtype: torch.dtype = torch.float32, tol: float = 1e-5, same_perm: bool = True,
-                   skew: bool = False, uniform: int = 0, h_scale: float = 4.0) -> None:
+                   skew: bool = False, uniform: int = 0, h_scale: float = 4.0, case: tuple | None = None) -> None:
+    """`case`: a prebuilt `_case` of at least T tokens (its first T taken), for shapes whose experts are slow to
+    build."""
     from exlpy.kernels.moe_exl2 import _width, moe_down_exl2, moe_gate_up_exl2
 
-    h, w, ids, gate, up, down, gu, dn = _case(T, E, k, H, inter, seed, device, dtype, same_perm, uniform, h_scale)
+    if case is None:
+        case = _case(T, E, k, H, inter, seed, device, dtype, same_perm, uniform, h_scale)
+    h, w, ids, gate, up, down, gu, dn = case
+    h, w, ids = h[:T], w[:T], ids[:T]
     assert _width(gate) == _width(down) == (uniform if uniform in (2, 4, 8) else 0)
     if skew:  # expert 0 in every token, the others never chosen past k
         ids = torch.stack([torch.arange(k) for _ in range(T)]).to(device)
@@ -273,14 +278,19 @@ def test_kernels_have_their_references_signatures() -> None:
 # --- GPU ------------------------------------------------------------------------------------------------------
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 32, 200])
-def test_cuda_qwen3_moe_layer_shapes(T: int) -> None:
-    """Qwen3-30B-A3B's expert shapes (H 2048, I 768, 128 experts, top 8) in fp16, mixed widths per expert. Inputs
-    of unit scale: at 4x (the small cases' scale) the down projection's fp16 outputs passed 65,504 for 32 and 200
-    tokens on an H100 (2026-11-26) over these random experts."""
-    _check_kernels(T, 128, 8, 2048, 768, seed=T, device="cuda", dtype=torch.float16, tol=5e-3, h_scale=1.0)
-    _check_kernels(T, 128, 8, 2048, 768, seed=T, device="cuda", dtype=torch.float16, tol=5e-3, uniform=4,
-                   h_scale=1.0)
+@pytest.mark.parametrize("uniform", [0, 4])
+def test_cuda_qwen3_moe_layer_shapes(uniform: int) -> None:
+    """Qwen3-30B-A3B's expert shapes (H 2048, I 768, 128 experts, top 8) in fp16, mixed widths per expert
+    (uniform 0) or 4-bit stacks, at 1, 32 and 200 tokens over one set of experts (building 128 random EXL2 experts
+    takes most of the time: built once per case, the test took 90 s for three token counts alone, and past the
+    GPU suite's per-test timeout among 16 workers, 2026-11-26). Inputs of unit scale: at 4x (the small cases'
+    scale) the down projection's fp16 outputs passed 65,504 for 32 and 200 tokens on an H100 (2026-11-26) over
+    these random experts."""
+    case = _case(200, 128, 8, 2048, 768, seed=200 + uniform, device="cuda", dtype=torch.float16, uniform=uniform,
+                 h_scale=1.0)
+    for T in (1, 32, 200):
+        _check_kernels(T, 128, 8, 2048, 768, seed=T, device="cuda", dtype=torch.float16, tol=5e-3, uniform=uniform,
+                       h_scale=1.0, case=case)
 
 
 @requires_cuda
