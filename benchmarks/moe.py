@@ -299,7 +299,8 @@ SWEEP_EXL2 = [(64, 4, 2, 4), (32, 4, 2, 4), (16, 4, 2, 4), (16, 4, 2, 1), (16, 4
 # EXL2 GEMV kernels at few rows per expert (moe_exl2.GEMV_*): (columns per program, warps, waves, factor on the
 # blocks per step); the tile kernels above run in their place (GEMV_MAX_ROWS 0: the path every batch took before)
 SWEEP_EXL2_GEMV = [(512, 4, 4, 1), (512, 4, 8, 1), (512, 4, 2, 1), (512, 4, 4, 0.5), (512, 4, 4, 2), (256, 2, 4, 1),
-                   (1024, 8, 4, 1), (256, 4, 4, 1), (256, 4, 8, 1)]
+                   (1024, 8, 4, 1), (256, 4, 4, 1), (256, 4, 8, 1), (512, 4, 16, 1), (256, 4, 16, 1),
+                   (128, 4, 8, 1)]
 
 
 def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:

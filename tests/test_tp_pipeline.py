@@ -120,13 +120,18 @@ def test_pipelined_prefill_two_gpus(tmp_path: Path) -> None:
         out = m.forward(ids, cache).float().cpu()
         return out, [m.forward(steps[:, k:k + 1], cache).float().cpu() for k in range(steps.shape[1])]
 
-    single = ExLlamaV2(ExLlamaV2Config(str(d)))
+    def config() -> ExLlamaV2Config:  # the written model's 256 positions; the prompt is 600 tokens
+        cfg = ExLlamaV2Config(str(d))
+        cfg.max_seq_len = 1024
+        return cfg
+
+    single = ExLlamaV2(config())
     single.load()
     ref, ref_steps = run(single, ExLlamaV2Cache(single, batch_size=2, max_seq_len=700))
     single.unload()
     outs = {}
     for pipelined in (False, True):
-        m = ExLlamaV2(ExLlamaV2Config(str(d)))
+        m = ExLlamaV2(config())
         m.load_tp([1, 1], options=RuntimeOptions(tp_pipeline=pipelined))
         assert m.strategy.overlap_prefill == pipelined
         outs[pipelined] = run(m, ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=700))
