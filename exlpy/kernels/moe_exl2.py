@@ -78,8 +78,10 @@ GEMV_WARPS = 4
 # 2 blocks spilled 72 bytes).
 GEMV_NB = {(1, True): {2: 4, 3: 4, 4: 4, 5: 4, 6: 2, 8: 2}, (2, True): {2: 1, 3: 2, 4: 2, 5: 1, 6: 1, 8: 1},
            (1, False): {2: 2, 3: 1, 4: 2, 5: 2, 6: 2, 8: 2}, (2, False): {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
-GEMV_WAVES = 4  # K is split into as many parts as keep the programs within this many per SM (4 of 128 registers
-#                fit an SM at once: the grid then runs as one wave, no tail of a few programs)
+GEMV_WAVES = 16  # K is split into as many parts as keep the programs within this many per SM. More programs than
+#                 fit an SM at once hide the loads' latency better than one exact wave: Mixtral's EXL2 4.0 experts at
+#                 batch 1 on an H100 (benchmarks/moe.py --sweep, 2026-11-26): waves 4 gate|up 73% / down 41% of the
+#                 copy rate, 8 75% / 63%, 16 83% / 64%.
 GEMV_WIDTHS = EXL2_BITS  # one-width stacks compiled for their width; mixed ones branch per block
 
 
