@@ -4,8 +4,8 @@ the grouped expert kernels' achieved bandwidth.
 GPU:  python benchmarks/moe.py [--shapes mixtral,qwen3_moe] [--formats fp16,exl2] [--layers 4] [--batches 1,32]
           [--prompt-len 256] [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
 CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, nothing written unless --out)
-EXL2 experts' split-K GEMV kernels for decode are opt-in: `EXLPY_MOE_GEMV=1 python benchmarks/moe.py --formats exl2`
-(--sweep times them next to the tile kernels whatever the switch).
+EXL2 experts at decode take split-K GEMV kernels (`EXLPY_MOE_GEMV=0`: the tile kernels instead); --sweep times them
+next to the tile kernels whatever the switch.
 
 Random checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B: hidden 2048, 128 experts of 768, 8 per
 token, 48 layers), decoder depth cut by --layers (the embedding and head keep their size), in fp16 or EXL2 4.0 bpw
@@ -313,7 +313,7 @@ def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tup
              "GEMV_WAVES", "GEMV_NB")
     saved = {n: getattr(moe_exl2, n) for n in names}
     k = model.config.num_experts_per_token
-    gemv_on = dataclasses.replace(options(), moe_gemv=True)  # the GEMV kernels are opt-in (EXLPY_MOE_GEMV=1)
+    gemv_on = dataclasses.replace(options(), moe_gemv=True)  # whatever EXLPY_MOE_GEMV says
     with use_options(gemv_on):
         gemv = moe_exl2._gemv_rows(tokens * k, model.config.num_experts)
     rows = []

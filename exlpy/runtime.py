@@ -28,7 +28,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm` (default), `tc` (tensor-core GEMM) or `auto` |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
-| `EXLPY_MOE_GEMV=1` | `moe_gemv` | EXL2 experts at decode (few rows per expert) take the split-K GEMV kernels |
+| `EXLPY_MOE_GEMV=0` | `moe_gemv=False` | EXL2 experts at decode take the tile kernels, not the split-K GEMV kernels |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -95,10 +95,10 @@ class RuntimeOptions:
     # GPU suite run with it on, graph captures at first use failed next to other GPU work in the same process
     # ("operation not permitted when stream is capturing") and jobs came back empty.
     prefill_graphs: bool = False
-    # EXLPY_MOE_GEMV=1: EXL2 expert stacks with few rows per expert (decode) run exlpy/kernels/moe_exl2.py's split-K
-    # GEMV kernels instead of the tile kernels (8.4% of the bandwidth limit at batch 1 on an H100, 2026-11-26).
-    # Opt-in: written the same day, interpreter-tested and compile-checked under Triton 3.6, not yet run on a GPU.
-    moe_gemv: bool = False
+    # EXL2 expert stacks with few rows per expert (decode) run exlpy/kernels/moe_exl2.py's split-K GEMV kernels
+    # instead of the tile kernels: Mixtral's EXL2 4.0 experts at batch 1 on an H100 went from 8.4% to 54.2% of the
+    # bandwidth limit (2026-11-26; the MoE tests passed there with them on). EXLPY_MOE_GEMV=0 takes the tile kernels.
+    moe_gemv: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -148,7 +148,7 @@ class RuntimeOptions:
             gptq_kernel=flag("EXLPY_GPTQ_KERNEL"),
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=flag("EXLPY_PREFILL_GRAPHS"),
-            moe_gemv=flag("EXLPY_MOE_GEMV"),
+            moe_gemv=e.get("EXLPY_MOE_GEMV", "1") != "0",
         )
 
 
