@@ -503,6 +503,10 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
     width = _gemv_width(gate, up)
     if width is not None and _gemv_rows(N, E):
         return _gate_up_gemv(x, order, counts, gate, up, top_k, kind, width, out)
+    from exlpy.kernels import moe_exl2_rows  # (imports this module)
+
+    if width is not None and moe_exl2_rows.takes(N, E):  # 3-16 rows per expert: each word decoded once for all
+        return moe_exl2_rows.gate_up_rows(x, order, counts, gate, up, top_k, kind, width, out)
     bm, bn, warps, tiles = _tiles(N, E, inter, _sms(x), x.element_size())
     _gate_up_exl2_kernel[(tiles, triton.cdiv(inter, bn))](
         x, order, counts, gate.q_weight, gate.scales, gate.scale_max, gate.perm, gate.word, gate.info,
@@ -528,6 +532,10 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
     width = _gemv_width(down)
     if width is not None and _gemv_rows(N, E):
         return _down_gemv(a, order, counts, down, width, y)
+    from exlpy.kernels import moe_exl2_rows  # (imports this module)
+
+    if width is not None and moe_exl2_rows.takes(N, E):  # 3-16 rows per expert: each word decoded once for all
+        return moe_exl2_rows.down_rows(a, order, counts, down, width, y)
     bm, bn, warps, tiles = _tiles(N, E, H, _sms(a), a.element_size())
     _down_exl2_kernel[(tiles, triton.cdiv(H, bn))](
         a, order, counts, down.q_weight, down.scales, down.scale_max, down.perm, down.word, down.info, y,
