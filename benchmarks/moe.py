@@ -4,8 +4,8 @@ the grouped expert kernels' achieved bandwidth.
 GPU:  python benchmarks/moe.py [--shapes mixtral,qwen3_moe] [--formats fp16,exl2] [--layers 4] [--batches 1,32]
           [--prompt-len 256] [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
 CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, nothing written unless --out)
-EXL2 experts at decode take split-K GEMV kernels (`EXLPY_MOE_GEMV=0`: the tile kernels instead); --sweep times them
-next to the tile kernels whatever the switch.
+EXL2 experts at decode take split-K GEMV kernels, at 3-16 rows per expert the multi-row kernels (`EXLPY_MOE_GEMV=0`:
+the tile kernels instead); --sweep times them next to the tile kernels whatever the switch.
 
 Random checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B: hidden 2048, 128 experts of 768, 8 per
 token, 48 layers), decoder depth cut by --layers (the embedding and head keep their size), in fp16 or EXL2 4.0 bpw
@@ -26,7 +26,8 @@ Per shape and format:
   alone.
 - --sweep: the two launches again under other tiles (fp16: exlpy/kernels/moe.py TILES, STAGES for the tile
   height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES, UNROLL_DECODE of the tile kernels, and the GEMV
-  kernels' GEMV_COLS, GEMV_WARPS, GEMV_WAVES, GEMV_NB at few rows per expert), to choose the defaults from.
+  kernels' GEMV_COLS, GEMV_WARPS, GEMV_WAVES, GEMV_NB at few rows per expert, the multi-row kernels' ROWS_COLS,
+  ROWS_WARPS, ROWS_WAVES, ROWS in moe_exl2_rows.py), to choose the defaults from.
 
 Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
@@ -303,22 +304,33 @@ SWEEP_EXL2_GEMV = [(512, 4, 4, 1), (512, 4, 8, 1), (512, 4, 2, 1), (512, 4, 4, 0
                    (128, 4, 8, 1)]
 
 
+# EXL2 multi-row kernels at 3-16 rows per expert (exlpy/kernels/moe_exl2_rows.py ROWS_*): (columns per program,
+# warps, waves, rows per tile); forced where this batch has fewer or more rows per expert than they take
+SWEEP_EXL2_ROWS = [(512, 4, 8, 8), (512, 4, 4, 8), (512, 4, 16, 8), (512, 4, 2, 8), (256, 4, 8, 8), (256, 2, 8, 8),
+                   (1024, 8, 8, 8), (512, 4, 8, 4), (512, 4, 8, 6), (512, 4, 8, 12), (512, 4, 8, 16)]
+
+
 def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tuple[str, float, float]]:
-    """`kernel_rows`' EXL2 gate|up and down launches under each alternative of SWEEP_EXL2 (tile kernels) and of
-    SWEEP_EXL2_GEMV (the GEMV kernels; forced where this batch has more rows per expert than they take). Blocks
-    per step x2 may spill registers (not compile-checked)."""
-    from exlpy.kernels import moe_exl2
+    """`kernel_rows`' EXL2 gate|up and down launches under each alternative of SWEEP_EXL2 (tile kernels), of
+    SWEEP_EXL2_GEMV (the GEMV kernels; forced where this batch has more rows per expert than they take) and of
+    SWEEP_EXL2_ROWS (the multi-row kernels, forced likewise). Blocks per step x2 may spill registers (not
+    compile-checked); the rows configurations compile unspilled (benchmarks/moe_rows_compile_check.py --sweep)."""
+    from exlpy.kernels import moe_exl2, moe_exl2_rows
 
     names = ("COLS", "WARPS", "STAGES", "UNROLL_DECODE", "WAVES", "GEMV_MAX_ROWS", "GEMV_COLS", "GEMV_WARPS",
              "GEMV_WAVES", "GEMV_NB")
     saved = {n: getattr(moe_exl2, n) for n in names}
+    rows_names = ("ROWS", "ROWS_MIN_MEAN", "ROWS_MAX_MEAN", "ROWS_COLS", "ROWS_WARPS", "ROWS_WAVES")
+    rows_saved = {n: getattr(moe_exl2_rows, n) for n in rows_names}
     k = model.config.num_experts_per_token
     gemv_on = dataclasses.replace(options(), moe_gemv=True)  # whatever EXLPY_MOE_GEMV says
     with use_options(gemv_on):
         gemv = moe_exl2._gemv_rows(tokens * k, model.config.num_experts)
+        multi = moe_exl2_rows.takes(tokens * k, model.config.num_experts)
     rows = []
     try:
         moe_exl2.GEMV_MAX_ROWS = 0  # the tile kernels at every batch
+        moe_exl2_rows.ROWS_MAX_MEAN = 0
         moe_exl2.WAVES = 0
         for cols, warps, stages, unroll in SWEEP_EXL2:
             moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE = cols, warps, stages, unroll
@@ -334,9 +346,23 @@ def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tup
             for what, t, rate in timed:
                 rows.append((f"{what}, GEMV{'' if gemv else ' forced'}, {cols} columns w{warps} waves {waves} "
                              f"blocks x{nb_times}", t, rate))
+        for n, v in saved.items():
+            setattr(moe_exl2, n, v)
+        moe_exl2.GEMV_MAX_ROWS = 0  # the multi-row kernels at every batch
+        moe_exl2_rows.ROWS_MIN_MEAN, moe_exl2_rows.ROWS_MAX_MEAN = 0, 1 << 20
+        for cols, warps, waves, r in SWEEP_EXL2_ROWS:
+            moe_exl2_rows.ROWS_COLS, moe_exl2_rows.ROWS_WARPS, moe_exl2_rows.ROWS_WAVES = cols, warps, waves
+            moe_exl2_rows.ROWS = r
+            with use_options(gemv_on):
+                timed = kernel_rows(model, tokens, device, bw)[1:]
+            for what, t, rate in timed:
+                rows.append((f"{what}, rows{'' if multi else ' forced'} R{r}, {cols} columns w{warps} waves {waves}",
+                             t, rate))
     finally:
         for n, v in saved.items():
             setattr(moe_exl2, n, v)
+        for n, v in rows_saved.items():
+            setattr(moe_exl2_rows, n, v)
     return rows
 
 

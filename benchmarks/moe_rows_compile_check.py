@@ -19,19 +19,31 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.moe_compile_check import compile_kernel  # noqa: E402
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from benchmarks.moe_compile_check import TARGET, compile_kernel  # noqa: E402
+from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.kernels import moe_exl2_rows as mr  # noqa: E402
 
 TABLES = {f"{w}_{t}": typ for w in ("g", "u") for t, typ in (("qw", "*i32"), ("sc", "*i32"), ("sm", "*fp32"),
                                                             ("word", "*i32"), ("info", "*i32"))}
 
 
-def one(gate_up: bool, width: int, even: bool, rows: int, cols: int, warps: int) -> dict:
+def one(gate_up: bool, width: int, even: bool, rows: int, cols: int, warps: int, step: int = 0) -> dict:
+    """The main kernel as the wrappers launch it (register cap mr.ROWS_MAXNREG[even], where set)."""
+    fn = mr._rows_kernel
     nb = mr.ROWS_NB[even][width] if width else 1
-    return compile_kernel(mr._rows_kernel, {"xp_ptr": "*fp32", "order_ptr": "*i64", "counts_ptr": "*i32",
-                                            "ws_ptr": "*fp32", **TABLES},
-                          dict(E_P2=8, R=rows, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=gate_up,
-                               TWO_X=False), warps, 1)
+    ptrs = {"xp_ptr": "*fp32", "order_ptr": "*i64", "counts_ptr": "*i32", "ws_ptr": "*fp32", **TABLES}
+    consts = dict(E_P2=8, R=rows, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=gate_up, TWO_X=False,
+                  RSTEP=step or mr.ROWS_STEP)
+    sig = {name: ptrs.get(name) or ("constexpr" if name in consts else "i32") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    opts = {"num_warps": warps, "num_stages": 1}
+    if mr.ROWS_MAXNREG[even]:
+        opts["maxnreg"] = mr.ROWS_MAXNREG[even]
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options=opts)
+    return {"shared": k.metadata.shared, "maxnreg": mr.ROWS_MAXNREG[even], **ptxas_report(k.asm["ptx"])}
 
 
 def variants(rows: int, cols: int, warps: int, sweep: bool, widths: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 0)

@@ -174,18 +174,20 @@ def test_uniform_width_stacks(width: int, monkeypatch: pytest.MonkeyPatch) -> No
     them): 2, 4 and 8 bits load each block's words once; K = 88 and 72 end in a partial block (the last expert's
     last words end the stack). 3 bits take the gather path."""
     _cpu_ok()
-    from exlpy.kernels import moe_exl2
+    from exlpy.kernels import moe_exl2, moe_exl2_rows
 
     monkeypatch.setattr(moe_exl2, "GEMV_MAX_ROWS", 0)
+    monkeypatch.setattr(moe_exl2_rows, "ROWS_MAX_MEAN", 0)
     _check_kernels(3, 4, 2, 88, 72, seed=width, uniform=width)
 
 
 @pytest.mark.interpreter
 def test_gelu_and_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     _cpu_ok()
-    from exlpy.kernels import moe_exl2
+    from exlpy.kernels import moe_exl2, moe_exl2_rows
 
     monkeypatch.setattr(moe_exl2, "GEMV_MAX_ROWS", 0)  # the tile kernels (test_gemv_path_* take the others)
+    monkeypatch.setattr(moe_exl2_rows, "ROWS_MAX_MEAN", 0)  # (and test_moe_exl2_rows.py the multi-row ones)
     _check_kernels(5, 4, 2, 64, 40, seed=3, kind="gelu_tanh")
     _check_kernels(5, 4, 2, 64, 40, seed=4, dtype=torch.float16, tol=5e-3)
     # fp16 decode tiles of one-width stacks take several 32-row blocks per trip (the last past K, read nothing)

@@ -48,6 +48,7 @@ from exlpy.quant.experts import ExpertStack
 from exlpy.runtime import options
 
 ROWS = 8  # R: sorted rows per program (one expert's); more rows of an expert take more programs
+ROWS_STEP = 2  # a tile computes its live rows rounded up to this (one copy of the K loop per count: R / ROWS_STEP)
 ROWS_MIN_MEAN = 2  # this path above this mean of sorted rows per routed expert (moe_exl2.GEMV_MAX_ROWS: below)
 ROWS_MAX_MEAN = 16  # ... and up to this; more rows per expert take the tensor-core tile kernels (0: path off)
 ROWS_COLS = 512  # columns per program: 4 per thread at ROWS_WARPS (one 16-byte load per packed word row)
@@ -57,6 +58,9 @@ ROWS_WAVES = 8  # K split while the programs (estimated live row tiles x column 
 # 32-row blocks per step by width (packed words loaded before any is used: B * NB 16-byte loads per thread),
 # K a whole number of steps (True) or not: fewer words in flight than the GEMV kernels (the R rows' FMAs hide
 # the loads, and registers go to the R rows' sums).
+# Register cap per launch by whether K is whole steps (0: ptxas's choice). Unmasked, ptxas takes 128 registers
+# (4 programs of 4 warps per SM) unspilled; with masks it stayed at 128 and spilled 72 bytes (Triton 3.6, 4 bits).
+ROWS_MAXNREG = {True: 0, False: 168}
 ROWS_NB = {True: {2: 2, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}, False: {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
 
 
@@ -99,7 +103,7 @@ def _gather_kernel(x_ptr, order_ptr, counts_ptr, g_perm, u_perm, xp_ptr, E, K, K
 
 @triton.jit
 def _fma_rows(p, xb, d, R: tl.constexpr):
-    """p[m] + x_m * d for the R rows, their x (fp32) two per 8-byte word at xb[0 .. R / 2)."""
+    """p[m] + x_m * d for the first R rows of the tile, their x (fp32) two per 8-byte word at xb[0 .. R / 2)."""
     out = ()
     for j in tl.static_range(R // 2):
         v = tl.load(xb + j)
@@ -109,9 +113,10 @@ def _fma_rows(p, xb, d, R: tl.constexpr):
 
 
 @triton.jit
-def _rows_block(xb, ws, w_at: tl.constexpr, magic, R: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The R rows' unscaled sums over one 32-row B-bit block whose words are ws[w_at : w_at + B] and whose rows'
-    x start at xb (R / 2 words per row): each code decoded once, then R FMAs."""
+def _rows_block(xb, ws, w_at: tl.constexpr, magic, R: tl.constexpr, XS: tl.constexpr, B: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The first R rows' unscaled sums over one 32-row B-bit block whose words are ws[w_at : w_at + B] and whose
+    rows' x start at xb (XS words per sorted row): each code decoded once, then R FMAs."""
     p = _zeros(R, BLOCK_N)
     prev = ws[w_at]
     for wi in tl.static_range(B):
@@ -119,17 +124,17 @@ def _rows_block(xb, ws, w_at: tl.constexpr, magic, R: tl.constexpr, B: tl.conste
         hi = cur >> 16
         for i in tl.static_range(32):
             if (i * B + B - 1) // 32 == wi:  # code i ends in this word
-                p = _fma_rows(p, xb + i * (R // 2), _code(prev, cur, hi, magic, i, B), R)
+                p = _fma_rows(p, xb + i * XS, _code(prev, cur, hi, magic, i, B), R)
         prev = cur
     return p
 
 
 @triton.jit
-def _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R: tl.constexpr, B: tl.constexpr,
-               EVEN: tl.constexpr, BLOCK_N: tl.constexpr):
+def _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R: tl.constexpr, XS: tl.constexpr,
+               B: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr):
     """`_rows_block` of a block of width B loaded on its own (mixed-width stacks)."""
     ws = _block_words(qw_ptr, word_ptr, at, k0 < K, K - k0, ldq, cols, ok, (), B, EVEN)
-    return _rows_block(xb, ws, 0, magic, R, B, BLOCK_N)
+    return _rows_block(xb, ws, 0, magic, R, XS, B, BLOCK_N)
 
 
 @triton.jit
@@ -142,17 +147,18 @@ def _scaled(acc, p, s, R: tl.constexpr):
 
 @triton.jit
 def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k_lo, k_hi, K, cols, ok, ldq, lds, magic,
-               R: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
-    """(sum over sorted rows [k_lo, k_hi) of x_m[perm[r]] * W[r, cols] for the R rows m) of one expert's matrix
-    whose tables start at e_row, the rows' x gathered at xt (8-byte words: R / 2 per sorted row): per step the
-    packed words of NB blocks loaded first, then each block's codes decoded once into R FMAs, each row's block
-    sum scaled once per column. B 0: mixed widths, one block per step at its own width (a run-time branch per
-    block). EVEN: every block of every step inside K (no masks)."""
+               R: tl.constexpr, XS: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+               EVEN: tl.constexpr):
+    """(sum over sorted rows [k_lo, k_hi) of x_m[perm[r]] * W[r, cols] for the tile's first R rows m) of one
+    expert's matrix whose tables start at e_row, the rows' x gathered at xt (8-byte words: XS per sorted row):
+    per step the packed words of NB blocks loaded first, then each block's codes decoded once into R FMAs, each
+    row's block sum scaled once per column. B 0: mixed widths, one block per step at its own width (a run-time
+    branch per block). EVEN: every block of every step inside K (no masks)."""
     acc = _zeros(R, BLOCK_N)
     if B == 0:
         for k0 in range(k_lo, k_hi, 32):
             at = e_row + k0
-            xb = xt + k0 * (R // 2)
+            xb = xt + k0 * XS
             if EVEN:
                 bits = (tl.load(info_ptr + at) >> 5) & 15
             else:
@@ -160,22 +166,22 @@ def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k_lo, k_hi
             s = _col_scale(sc_ptr, sm_ptr, info_ptr, at, k0 < K, cols, ok, lds)
             # each branch scales into acc itself: only acc's tuple leaves the branch
             if bits == 2:
-                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, 2, EVEN,
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 2, EVEN,
                                               BLOCK_N), s, R)
             elif bits == 3:
-                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, 3, EVEN,
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 3, EVEN,
                                               BLOCK_N), s, R)
             elif bits == 4:
-                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, 4, EVEN,
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 4, EVEN,
                                               BLOCK_N), s, R)
             elif bits == 5:
-                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, 5, EVEN,
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 5, EVEN,
                                               BLOCK_N), s, R)
             elif bits == 6:
-                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, 6, EVEN,
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 6, EVEN,
                                               BLOCK_N), s, R)
             elif bits == 8:
-                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, 8, EVEN,
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 8, EVEN,
                                               BLOCK_N), s, R)
     else:
         for kb in range(k_lo, k_hi, 32 * NB):
@@ -185,7 +191,7 @@ def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k_lo, k_hi
                 ws = _block_words(qw_ptr, word_ptr, e_row + k0, k0 < K, K - k0, ldq, cols, ok, ws, B, EVEN)
             for blk in tl.static_range(NB):
                 k0 = kb + blk * 32
-                p = _rows_block(xt + k0 * (R // 2), ws, blk * B, magic, R, B, BLOCK_N)
+                p = _rows_block(xt + k0 * XS, ws, blk * B, magic, R, XS, B, BLOCK_N)
                 acc = _scaled(acc, p, _col_scale(sc_ptr, sm_ptr, info_ptr, e_row + k0, k0 < K, cols, ok, lds), R)
     return acc
 
@@ -196,7 +202,7 @@ def _rows_kernel(xp_ptr, order_ptr, counts_ptr,
                  u_qw, u_sc, u_sm, u_word, u_info,
                  ws_ptr, E, K, KP, N_OUT, g_ldq, g_lds, u_ldq, u_lds, ld_ws, chunk, splits, tiles, magic,
                  E_P2: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, B: tl.constexpr, NB: tl.constexpr,
-                 EVEN: tl.constexpr, GATE_UP: tl.constexpr, TWO_X: tl.constexpr):
+                 EVEN: tl.constexpr, GATE_UP: tl.constexpr, TWO_X: tl.constexpr, RSTEP: tl.constexpr):
     """Program (row tile of R sorted rows, column block, matrix x K split) over the gathered x (`_gather_kernel`;
     TWO_X: gate and up each their own). GATE_UP: matrix 0 gate / 1 up (the u_* tables), sums added into
     workspace row r (sorted) at column matrix * N_OUT; else (down) into workspace row order[r] (pair order)."""
@@ -216,17 +222,30 @@ def _rows_kernel(xp_ptr, order_ptr, counts_ptr,
         if TWO_X:
             xm = mat * tiles + tile
         xt = xp_ptr.to(tl.pointer_type(tl.int64)) + xm.to(tl.int64) * KP * (R // 2)
-        acc = _rows_span(xt, qw, sc, sm, word, info, expert.to(tl.int64) * K, k_lo, tl.minimum(k_lo + chunk, K), K,
-                         cols, ok, ldq, lds, magic, R, B, NB, BLOCK_N, EVEN)
-        for m in tl.static_range(R):
-            r = row0 + m
-            live = r < end
-            if GATE_UP:
-                at = ws_ptr + r.to(tl.int64) * ld_ws + mat * N_OUT + cols
-            else:
-                at = ws_ptr + tl.load(order_ptr + tl.minimum(r, end - 1)) * ld_ws + cols
-            # (int & int) != 0, not bool & bool: the CPU interpreter mis-types a scalar-broadcast bool &
-            tl.atomic_add(at, acc[m], mask=(ok.to(tl.int32) & live.to(tl.int32)) != 0, sem="relaxed")
+        # The tile's live rows, rounded up to a multiple of RSTEP, are computed: one copy of the K loop per count
+        # (the tile height is a device value; rows past it would cost FMAs, the loop's main work).
+        nr = tl.minimum(end - row0, R)
+        for rr in tl.static_range(RSTEP, R + 1, RSTEP):
+            if nr > rr - RSTEP:
+                if nr <= rr:
+                    acc = _rows_span(xt, qw, sc, sm, word, info, expert.to(tl.int64) * K, k_lo,
+                                     tl.minimum(k_lo + chunk, K), K, cols, ok, ldq, lds, magic, rr, R // 2, B, NB,
+                                     BLOCK_N, EVEN)
+                    _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, mat * N_OUT, cols, ok, rr, GATE_UP)
+
+
+@triton.jit
+def _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, col0, cols, ok, R: tl.constexpr, GATE_UP: tl.constexpr):
+    """Add the R rows' sums into the workspace: GATE_UP at sorted row r, column col0 on; else at row order[r]."""
+    for m in tl.static_range(R):
+        r = row0 + m
+        live = r < end
+        if GATE_UP:
+            at = ws_ptr + r.to(tl.int64) * ld_ws + col0 + cols
+        else:
+            at = ws_ptr + tl.load(order_ptr + tl.minimum(r, end - 1)) * ld_ws + cols
+        # (int & int) != 0, not bool & bool: the CPU interpreter mis-types a scalar-broadcast bool &
+        tl.atomic_add(at, acc[m], mask=(ok.to(tl.int32) & live.to(tl.int32)) != 0, sem="relaxed")
 
 
 # --- host side --------------------------------------------------------------------------------------------------
@@ -254,8 +273,9 @@ def plan(n_pairs: int, n_experts: int, n_out: int, k: int, nb: int, matrices: in
     nb blocks, into as many splits as keep the estimated live programs (row tiles max(ceil(N / R), routed experts))
     within ROWS_WAVES per SM (on the CPU every step its own split, so the interpreter tests cover the workspace's
     sums)."""
-    if ROWS < 2 or ROWS % 2:
-        raise ValueError(f"moe_exl2_rows.ROWS must be even (two rows' x per 8-byte load), not {ROWS}")
+    if ROWS < 2 or ROWS % 2 or ROWS_STEP % 2 or ROWS % ROWS_STEP:
+        raise ValueError(f"moe_exl2_rows.ROWS ({ROWS}) must be even (two rows' x per 8-byte load) and a multiple of "
+                         f"ROWS_STEP ({ROWS_STEP}), itself even")
     routed = max(1, min(n_experts, n_pairs))
     tiles = triton.cdiv(n_pairs, ROWS) + routed
     live = max(triton.cdiv(n_pairs, ROWS), routed)
@@ -283,6 +303,12 @@ def _gathered(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, perms:
     return xp
 
 
+def _cap(even: bool, t: torch.Tensor) -> dict[str, int]:
+    """The launch's register cap (ROWS_MAXNREG; CUDA only: the interpreter takes no such option)."""
+    cap = ROWS_MAXNREG[even]
+    return {"maxnreg": cap} if cap and t.is_cuda else {}
+
+
 def gate_up_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack, up: ExpertStack,
                  top_k: int, kind: str, width: int, out: torch.Tensor) -> torch.Tensor:
     """moe_gate_up_exl2 for aligned stacks (`width`: their one width, 0 for mixed) at a few rows per expert."""
@@ -299,7 +325,7 @@ def gate_up_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gat
         ws, E, H, splits * chunk, inter, gate.q_weight.stride(0), gate.scales.stride(0), up.q_weight.stride(0),
         up.scales.stride(0), 2 * inter, chunk, splits, tiles, _MAGIC,
         E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=True,
-        TWO_X=two_x, num_warps=warps, num_stages=1)
+        TWO_X=two_x, RSTEP=ROWS_STEP, num_warps=warps, num_stages=1, **_cap(even, x))
     block = min(1024, triton.next_power_of_2(inter))
     _act_kernel[(N, triton.cdiv(inter, block))](ws, out, inter, out.stride(0), ACT=_ACTS[kind], BLOCK=block,
                                                 num_warps=4)
@@ -320,7 +346,7 @@ def down_rows(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: 
         ws, E, inter, splits * chunk, H, down.q_weight.stride(0), down.scales.stride(0), down.q_weight.stride(0),
         down.scales.stride(0), H, chunk, splits, tiles, _MAGIC,
         E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=False,
-        TWO_X=False, num_warps=warps, num_stages=1)
+        TWO_X=False, RSTEP=ROWS_STEP, num_warps=warps, num_stages=1, **_cap(even, a))
     block = min(1024, triton.next_power_of_2(H))
     _convert_kernel[(N, triton.cdiv(H, block))](ws, y, H, y.stride(0), BLOCK=block, num_warps=4)
     return y
