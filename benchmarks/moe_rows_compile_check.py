@@ -36,7 +36,7 @@ def one(gate_up: bool, width: int, even: bool, rows: int, cols: int, warps: int,
     nb = mr.ROWS_NB[even][width] if width else 1
     ptrs = {"xp_ptr": "*fp32", "order_ptr": "*i64", "counts_ptr": "*i32", "ws_ptr": "*fp32", **TABLES}
     consts = dict(E_P2=8, R=rows, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=gate_up, TWO_X=False,
-                  RSTEP=step or mr.ROWS_STEP)
+                  RSTEP=step or min(rows, mr.ROWS_STEP if width else mr.ROWS_STEP_MIXED))
     sig = {name: ptrs.get(name) or ("constexpr" if name in consts else "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     opts = {"num_warps": warps, "num_stages": 1}

@@ -49,6 +49,7 @@ from exlpy.runtime import options
 
 ROWS = 8  # R: sorted rows per program (one expert's); more rows of an expert take more programs
 ROWS_STEP = 2  # a tile computes its live rows rounded up to this (one copy of the K loop per count: R / ROWS_STEP)
+ROWS_STEP_MIXED = 4  # the same for mixed-width stacks, whose K loop holds a copy per width already (compile time)
 ROWS_MIN_MEAN = 2  # this path above this mean of sorted rows per routed expert (moe_exl2.GEMV_MAX_ROWS: below)
 ROWS_MAX_MEAN = 16  # ... and up to this; more rows per expert take the tensor-core tile kernels (0: path off)
 ROWS_COLS = 512  # columns per program: 4 per thread at ROWS_WARPS (one 16-byte load per packed word row)
@@ -57,11 +58,13 @@ ROWS_WAVES = 8  # K split while the programs (estimated live row tiles x column 
 #                 fewer than this many times (FMA-bound: a few programs per SM suffice, splits cost atomics)
 # 32-row blocks per step by width (packed words loaded before any is used: B * NB 16-byte loads per thread),
 # K a whole number of steps (True) or not: fewer words in flight than the GEMV kernels (the R rows' FMAs hide
-# the loads, and registers go to the R rows' sums).
-# Register cap per launch by whether K is whole steps (0: ptxas's choice). Unmasked, ptxas takes 128 registers
-# (4 programs of 4 warps per SM) unspilled; with masks it stayed at 128 and spilled 72 bytes (Triton 3.6, 4 bits).
-ROWS_MAXNREG = {True: 0, False: 168}
-ROWS_NB = {True: {2: 2, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}, False: {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
+# the loads, and registers go to the R rows' sums; 2 bits at two blocks took 255 registers under Triton 3.6).
+# Register cap per launch by whether K is whole steps (0: ptxas's choice). Unmasked, Triton 3.6 (the GPU image)
+# compiles 2-5 bits in 128 registers (4 programs of 4 warps per SM), 6, 8 bits and mixed in 168, unspilled; with
+# masks ptxas stayed at 128 and spilled 72 bytes (4 bits), and Triton 3.9 spilled 160 bytes at a cap of 168: 232
+# spills nowhere (benchmarks/moe_rows_compile_check.py).
+ROWS_MAXNREG = {True: 0, False: 232}
+ROWS_NB = {True: {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}, False: {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 8: 1}}
 
 
 @triton.jit
@@ -273,9 +276,9 @@ def plan(n_pairs: int, n_experts: int, n_out: int, k: int, nb: int, matrices: in
     nb blocks, into as many splits as keep the estimated live programs (row tiles max(ceil(N / R), routed experts))
     within ROWS_WAVES per SM (on the CPU every step its own split, so the interpreter tests cover the workspace's
     sums)."""
-    if ROWS < 2 or ROWS % 2 or ROWS_STEP % 2 or ROWS % ROWS_STEP:
+    if ROWS < 2 or ROWS % 2 or any(s % 2 or ROWS % min(s, ROWS) for s in (ROWS_STEP, ROWS_STEP_MIXED)):
         raise ValueError(f"moe_exl2_rows.ROWS ({ROWS}) must be even (two rows' x per 8-byte load) and a multiple of "
-                         f"ROWS_STEP ({ROWS_STEP}), itself even")
+                         f"ROWS_STEP ({ROWS_STEP}) and ROWS_STEP_MIXED ({ROWS_STEP_MIXED}), both even")
     routed = max(1, min(n_experts, n_pairs))
     tiles = triton.cdiv(n_pairs, ROWS) + routed
     live = max(triton.cdiv(n_pairs, ROWS), routed)
@@ -303,6 +306,11 @@ def _gathered(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, perms:
     return xp
 
 
+def _step(width: int) -> int:
+    """RSTEP of a launch: ROWS_STEP, or for mixed widths (width 0) ROWS_STEP_MIXED, at most the tile height."""
+    return min(ROWS, ROWS_STEP if width else ROWS_STEP_MIXED)
+
+
 def _cap(even: bool, t: torch.Tensor) -> dict[str, int]:
     """The launch's register cap (ROWS_MAXNREG; CUDA only: the interpreter takes no such option)."""
     cap = ROWS_MAXNREG[even]
@@ -325,7 +333,7 @@ def gate_up_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gat
         ws, E, H, splits * chunk, inter, gate.q_weight.stride(0), gate.scales.stride(0), up.q_weight.stride(0),
         up.scales.stride(0), 2 * inter, chunk, splits, tiles, _MAGIC,
         E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=True,
-        TWO_X=two_x, RSTEP=ROWS_STEP, num_warps=warps, num_stages=1, **_cap(even, x))
+        TWO_X=two_x, RSTEP=_step(width), num_warps=warps, num_stages=1, **_cap(even, x))
     block = min(1024, triton.next_power_of_2(inter))
     _act_kernel[(N, triton.cdiv(inter, block))](ws, out, inter, out.stride(0), ACT=_ACTS[kind], BLOCK=block,
                                                 num_warps=4)
@@ -346,7 +354,7 @@ def down_rows(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: 
         ws, E, inter, splits * chunk, H, down.q_weight.stride(0), down.scales.stride(0), down.q_weight.stride(0),
         down.scales.stride(0), H, chunk, splits, tiles, _MAGIC,
         E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=False,
-        TWO_X=False, RSTEP=ROWS_STEP, num_warps=warps, num_stages=1, **_cap(even, a))
+        TWO_X=False, RSTEP=_step(width), num_warps=warps, num_stages=1, **_cap(even, a))
     block = min(1024, triton.next_power_of_2(H))
     _convert_kernel[(N, triton.cdiv(H, block))](ws, y, H, y.stride(0), BLOCK=block, num_warps=4)
     return y
