@@ -60,7 +60,7 @@ def variants(rows: int, cols: int, warps: int, sweep: bool, widths: tuple[int, .
             out[f"rows{rows} gather {dt}{' gate_up' if gate_up else ''}"] = compile_kernel(
                 mr._gather_kernel, {"x_ptr": "*" + dt, "order_ptr": "*i64", "counts_ptr": "*i32", "g_perm": "*i32",
                                     "u_perm": "*i32", "xp_ptr": "*fp32"},
-                dict(E_P2=8, R=rows, BLOCK=128, GATE_UP=gate_up), 4, 1)
+                dict(E_P2=8, R=rows, R_P2=triton.next_power_of_2(rows), BLOCK=128, GATE_UP=gate_up), 4, 1)
     if sweep:  # the --sweep's other shapes, 4-bit (benchmarks/moe.py SWEEP_EXL2_ROWS)
         for r, c, w in sorted({(r, c, w) for c, w, _, r in _sweep()} - {(rows, cols, warps)}):
             for gate_up in (True, False):

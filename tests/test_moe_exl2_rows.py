@@ -126,6 +126,18 @@ def test_rows_split_k_over_several_steps_and_half_precision(monkeypatch: pytest.
     assert moe_exl2._WORKSPACES and all(not ws.any() for ws in moe_exl2._WORKSPACES.values())
 
 
+@pytest.mark.interpreter
+def test_other_tile_heights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row tiles of 6 (the --sweep's other heights): the live-row steps lowered to divide it, mixed and one-width
+    stacks."""
+    _cpu_ok()
+    from exlpy.kernels import moe_exl2_rows
+
+    monkeypatch.setattr(moe_exl2_rows, "ROWS", 6)
+    _check([13, 0, 5], 1, 64, 40, seed=41, uniform=4)
+    _check([7, 2, 9, 1], 1, 96, 40, seed=42)
+
+
 def test_route_by_rows_per_expert() -> None:
     """Mean sorted rows per routed expert above moe_exl2.GEMV_MAX_ROWS and up to ROWS_MAX_MEAN take these
     kernels (Mixtral at 16 to 64 tokens, Qwen3-MoE at 3-16 rows over its 128 experts); the decision is host
@@ -161,8 +173,12 @@ def test_plan_at_mixtral_shapes() -> None:
     saved = mr.ROWS
     try:
         mr.ROWS = 7
-        with pytest.raises(ValueError, match=r"ROWS \(7\) must be even"):
+        with pytest.raises(ValueError, match=r"ROWS \(7\).*must be even"):
             mr.plan(64, 8, 4096, 14336, 1, 1, 132)
+        mr.ROWS = 6  # the live-row steps divide the tile height: every count up to it has its copy of the loop
+        assert (mr._step(4), mr._step(0)) == (2, 2)
+        mr.ROWS = 12
+        assert (mr._step(4), mr._step(0)) == (2, 4)
     finally:
         mr.ROWS = saved
 

@@ -78,7 +78,8 @@ def _zeros(R: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _gather_kernel(x_ptr, order_ptr, counts_ptr, g_perm, u_perm, xp_ptr, E, K, KP, top_k, sx, tiles,
-                   E_P2: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, GATE_UP: tl.constexpr):
+                   E_P2: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, BLOCK: tl.constexpr,
+                   GATE_UP: tl.constexpr):
     """xp[mat, tile, k, m] = x_m[perm_mat[k]] in fp32 for the R rows m of each live row tile and k < KP (0 from
     K on): the act-order gather done once per launch, so that the main kernel reads two rows' x with one 8-byte
     load at a compile-time offset (no perm load, no int -> float conversion, no mask per code). Rows past the
@@ -94,14 +95,15 @@ def _gather_kernel(x_ptr, order_ptr, counts_ptr, g_perm, u_perm, xp_ptr, E, K, K
         if mat == 1:
             perm_ptr = u_perm
         p = tl.load(perm_ptr + expert.to(tl.int64) * K + kk, mask=kin, other=0)
-        r = tl.minimum(row0 + tl.arange(0, R), end - 1)
+        m = tl.arange(0, R_P2)  # R padded to a power of two (tl.arange); columns from R on are not stored
+        r = tl.minimum(row0 + m, end - 1)
         if GATE_UP:
             xi = tl.load(order_ptr + r) // top_k
         else:
             xi = r.to(tl.int64)
         v = tl.load(x_ptr + xi[None, :] * sx + p[:, None], mask=kin[:, None], other=0.0).to(tl.float32)
         base = xp_ptr + (mat * tiles + tile).to(tl.int64) * KP * R
-        tl.store(base + kk[:, None] * R + tl.arange(0, R)[None, :], v, mask=(kk < KP)[:, None])
+        tl.store(base + kk[:, None] * R + m[None, :], v, mask=(kk < KP)[:, None] & (m < R)[None, :])
 
 
 @triton.jit
@@ -276,9 +278,9 @@ def plan(n_pairs: int, n_experts: int, n_out: int, k: int, nb: int, matrices: in
     nb blocks, into as many splits as keep the estimated live programs (row tiles max(ceil(N / R), routed experts))
     within ROWS_WAVES per SM (on the CPU every step its own split, so the interpreter tests cover the workspace's
     sums)."""
-    if ROWS < 2 or ROWS % 2 or any(s % 2 or ROWS % min(s, ROWS) for s in (ROWS_STEP, ROWS_STEP_MIXED)):
-        raise ValueError(f"moe_exl2_rows.ROWS ({ROWS}) must be even (two rows' x per 8-byte load) and a multiple of "
-                         f"ROWS_STEP ({ROWS_STEP}) and ROWS_STEP_MIXED ({ROWS_STEP_MIXED}), both even")
+    if ROWS < 2 or ROWS % 2 or any(s < 2 or s % 2 for s in (ROWS_STEP, ROWS_STEP_MIXED)):
+        raise ValueError(f"moe_exl2_rows.ROWS ({ROWS}), ROWS_STEP ({ROWS_STEP}) and ROWS_STEP_MIXED "
+                         f"({ROWS_STEP_MIXED}) must be even (two rows' x per 8-byte load)")
     routed = max(1, min(n_experts, n_pairs))
     tiles = triton.cdiv(n_pairs, ROWS) + routed
     live = max(triton.cdiv(n_pairs, ROWS), routed)
@@ -302,13 +304,18 @@ def _gathered(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, perms:
     block = 128
     _gather_kernel[(tiles, triton.cdiv(kp, block), len(perms))](
         x, order, counts, perms[0], perms[-1], xp, n_experts, k, kp, max(top_k, 1), x.stride(0), tiles,
-        E_P2=triton.next_power_of_2(n_experts), R=ROWS, BLOCK=block, GATE_UP=top_k > 0, num_warps=4)
+        E_P2=triton.next_power_of_2(n_experts), R=ROWS, R_P2=triton.next_power_of_2(ROWS), BLOCK=block,
+        GATE_UP=top_k > 0, num_warps=4)
     return xp
 
 
 def _step(width: int) -> int:
-    """RSTEP of a launch: ROWS_STEP, or for mixed widths (width 0) ROWS_STEP_MIXED, at most the tile height."""
-    return min(ROWS, ROWS_STEP if width else ROWS_STEP_MIXED)
+    """RSTEP of a launch: ROWS_STEP, or for mixed widths (width 0) ROWS_STEP_MIXED, lowered to an even divisor of
+    ROWS (the kernel's copies of the K loop must cover every live-row count up to ROWS)."""
+    step = min(ROWS, ROWS_STEP if width else ROWS_STEP_MIXED)
+    while ROWS % step:
+        step -= 2
+    return step
 
 
 def _cap(even: bool, t: torch.Tensor) -> dict[str, int]:
