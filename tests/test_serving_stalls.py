@@ -84,3 +84,46 @@ def test_a_lone_prompt_runs_in_small_pieces_a_crowd_gets_the_whole_budget() -> N
     assert scheduler.prefill_budget(gen, decoding=32, prefilling=4) == 1024
     assert scheduler.prefill_budget(gen, decoding=32, prefilling=8) == 2048
     assert scheduler.prefill_budget(gen, decoding=8, prefilling=56) == 4 * 2048  # 56 x 4 // 8 = 28: capped
+
+
+def test_host_work_per_iteration_does_not_grow_with_the_prompt_depth() -> None:
+    """The generator thread's Python work in an iteration that runs a prompt chunk next to decoding jobs is the same
+    at position 512 as at 1,536 of the prompt: counted as calls into exlpy (its functions and the C functions they
+    call), not timed. Nothing per step may walk the whole prompt (re-hashing its pages, rebuilding its ids or
+    tables), since that turns into a stall deep into long prompts."""
+    import sys
+    from collections import Counter
+
+    import torch
+
+    import exlpy
+    from exlpy.generator import ExLlamaV2DynamicJob
+
+    model, tok = aidreams()
+    gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=16 * 256), tok)
+    decoders = [ExLlamaV2DynamicJob(torch.tensor([[1, 7 + k, 9]]), 200, gen_settings=GREEDY, stop_conditions=[])
+                for k in range(3)]
+    gen.enqueue(decoders)
+    while not all(j.new_tokens for j in decoders):
+        gen.iterate()
+    long = ExLlamaV2DynamicJob(torch.randint(3, 500, (1, 2000), generator=torch.Generator().manual_seed(3)), 2,
+                               gen_settings=GREEDY, stop_conditions=[])
+    gen.enqueue(long)
+    root = exlpy.__path__[0]
+    calls: dict[int, Counter[str]] = {}
+    while not long.is_prefilled():
+        pos = long.seqs[0].prefill_pos if long.seqs else -1
+        seen: Counter[str] = Counter()
+
+        def count(frame: object, event: str, arg: object, seen: Counter[str] = seen) -> None:
+            if event in ("call", "c_call") and frame.f_code.co_filename.startswith(root):  # type: ignore[attr-defined]
+                seen[event] += 1
+
+        sys.setprofile(count)
+        try:
+            gen.iterate()
+        finally:
+            sys.setprofile(None)
+        calls[pos] = seen
+    # both positions start a page (the copy-from-a-freed-page check runs there) with a chunk of 128 tokens
+    assert calls[512]["call"] > 500 and calls[512] == calls[1536]
