@@ -11,18 +11,21 @@ long prompt's time to its first token, the prompt tokens per iteration, and the 
 iteration while the prompt was prefilled, split into: prompt chunks (`model.prefill_chunk` or an eager
 `forward_batch(preprocess_only=True)`: on a GPU their kernel launches or graph replays), decode steps, waiting for
 the previous step's tokens (`Launched.read`: on CUDA the thread spins in cudaEventSynchronize, so GPU time shows up
-here as CPU time) and the rest, the generator's own bookkeeping (scheduling, pages, tokens, results). Then the
-five slowest iterations of the round with the same split. Exactness: the long prompt's K/V rows after a captured
-prefill against an eager one (the same prompt), relative error, and its first token. The model: the random-weight
-Llama-3-8B of benchmarks/serving.py (written once under --work), or a model directory (any device).
+here as CPU time) and the rest, the generator's own bookkeeping (scheduling, pages, tokens, results), with the
+garbage collector's share; on CUDA also the mean GPU span of a chunk and of a decode step (events around the calls).
+Then the five slowest iterations of the round with the same split. Exactness: the long prompt's K/V rows after a
+captured prefill against an eager one (the same prompt), relative error, and its first token. The model: the
+random-weight Llama-3-8B of benchmarks/serving.py (written once under --work), or a model directory (any device).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serving import model_dir  # noqa: E402
 from benchmarks.serving_client import pct, prompt  # noqa: E402
 
-PARTS = ("chunk", "decode", "wait")
+PARTS = ("chunk", "decode", "wait")  # disjoint; "gc" (Python's collector) may fall inside any of them
 
 
 class Meter:
@@ -44,38 +47,74 @@ class Meter:
     def __init__(self, gen: Any) -> None:
         from exlpy.generator.dynamic import decode
 
-        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.spent = dict.fromkeys((*PARTS, "gc"), 0.0)
+        self._gc_start = 0.0
         self.model, self.launched = gen.model, decode.Launched
         self._read = decode.Launched.read
         self._fb, self._pc = gen.model.forward_batch, gen.model.prefill_chunk
         meter = self
 
+        self.cuda = gen.device().type == "cuda"
+        self.active = False  # inside the measured window: GPU spans are recorded
+        self.events: dict[str, list[tuple[Any, Any]]] = {"chunk": [], "decode": []}
+
         def timed(part: Any, fn: Any) -> Any:
             def call(*a: Any, **k: Any) -> Any:
+                name = part(k) if callable(part) else part
                 t = time.thread_time()
+                ev = None
+                if self.cuda and self.active and name in self.events:  # its GPU span, read at the round end
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    ev[0].record()
                 try:
                     return fn(*a, **k)
                 finally:
-                    meter.spent[part(k) if callable(part) else part] += time.thread_time() - t
+                    if ev is not None:
+                        ev[1].record()
+                        self.events[name].append(ev)
+                    meter.spent[name] += time.thread_time() - t
             return call
 
         self.model.forward_batch = timed(lambda k: "chunk" if k.get("preprocess_only") else "decode", self._fb)
         self.model.prefill_chunk = timed("chunk", self._pc)
         self.launched.read = timed("wait", self._read)
+        gc.callbacks.append(self.on_gc)
+
+    def on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # the generator runs on the main thread here
+        if phase == "start":
+            self._gc_start = time.thread_time()
+        else:
+            self.spent["gc"] += time.thread_time() - self._gc_start
+
+    def gpu_ms(self) -> str:
+        """Mean GPU span (ms) of the chunk and decode calls so far: from the stream reaching the call's first
+        kernel to its last one's end (an eager chunk's span includes the GPU waiting for its launches)."""
+        if not self.cuda:
+            return ""
+        torch.cuda.synchronize()
+        out = []
+        for name, evs in self.events.items():
+            if evs:
+                out.append(f"{name} {sum(a.elapsed_time(b) for a, b in evs) / len(evs):.2f} ms ({len(evs)} calls)")
+            evs.clear()
+        return "GPU span per call: " + ", ".join(out)
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.spent)
 
     def close(self) -> None:
+        gc.callbacks.remove(self.on_gc)
         del self.model.forward_batch, self.model.prefill_chunk  # the instance attributes: the methods again
         self.launched.read = self._read
 
 
 def split_ms(total: float, parts: dict[str, float], n: int = 1) -> str:
-    rest = total - sum(parts.values())
+    rest = total - sum(parts[k] for k in PARTS)
     return (f"{1e3 * total / n:.2f} ms CPU = chunks {1e3 * parts['chunk'] / n:.2f} + decode "
             f"{1e3 * parts['decode'] / n:.2f} + token wait {1e3 * parts['wait'] / n:.2f} + bookkeeping "
-            f"{1e3 * rest / n:.2f}")
+            f"{1e3 * rest / n:.2f} (garbage collector within them: {1e3 * parts['gc'] / n:.2f})")
 
 
 def run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[int] | None, captured: bool,
@@ -108,7 +147,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
     t_sent = t_first = None
     cpu = 0.0
     iters = 0
-    parts = dict.fromkeys(PARTS, 0.0)
+    parts = dict.fromkeys((*PARTS, "gc"), 0.0)
     per_iter: list[tuple[float, float, int, int, dict[str, float]]] = []  # wall, CPU, tokens, position, parts
     kv: list[torch.Tensor] | None = None
     first_token = None
@@ -125,6 +164,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
             t_sent = time.perf_counter()
         measuring = (long_job is not None and t_first is None) or (window and min(counts.values()) < 32 + 64)
         pos = long_job.seqs[0].prefill_pos if long_job is not None and long_job.seqs else 0
+        meter.active = measuring
         p0, m0, w0, c0 = gen.prefill_tokens, meter.snapshot(), time.perf_counter(), time.thread_time()
         results = gen.iterate()
         if measuring:
@@ -132,7 +172,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
             cpu += c
             iters += 1
             spent = {k: v - m0[k] for k, v in meter.snapshot().items()}
-            for k in PARTS:
+            for k in parts:
                 parts[k] += spent[k]
             per_iter.append((time.perf_counter() - w0, c, gen.prefill_tokens - p0, pos, spent))
             if gen.prefill_tokens > p0:
@@ -157,7 +197,8 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
             counts[j] += int(r["token_ids"].shape[-1])
     out = {"gaps": gaps, "chunks": chunks, "cpu_ms_per_iter": 1e3 * cpu / max(iters, 1), "iters": iters,
            "captured": (runner.chunks_run if runner is not None else 0) - replays0,
-           "split": split_ms(cpu, parts, max(iters, 1)), "slowest": sorted(per_iter, key=lambda r: -r[0])[:5]}
+           "split": split_ms(cpu, parts, max(iters, 1)), "slowest": sorted(per_iter, key=lambda r: -r[0])[:5],
+           "gpu": meter.gpu_ms()}
     if long_job is not None:
         out.update(ttft=(t_first or float("nan")) - (t_sent or 0.0), kv=kv, first=first_token)
     return out
@@ -211,7 +252,7 @@ def main() -> None:
                   f"{pct(g, 0.99) * 1e3:.1f} ms; generator thread {r['cpu_ms_per_iter']:.2f} ms CPU per iteration "
                   f"({r['iters']} iterations){extra}; {r['captured']} captured chunks; prompt tokens per iteration: "
                   f"{sorted(set(r['chunks']))[:8]}", flush=True)
-            print(f"  per iteration: {r['split']}", flush=True)
+            print(f"  per iteration: {r['split']}" + (f"; {r['gpu']}" if r["gpu"] else ""), flush=True)
             for wall, c, n, pos, sp in r["slowest"]:
                 print(f"  slow iteration: {wall * 1e3:.1f} ms wall, {n} prompt tokens at position {pos}; "
                       f"{split_ms(c, sp)}", flush=True)
