@@ -54,6 +54,11 @@ def embed_rows(ids: torch.Tensor, h: torch.Tensor, embeddings: list[ExLlamaV2MME
         rel = ids - e.first_index
         m = ((rel >= 0) & (rel < e.length)).unsqueeze(-1)
         h = torch.where(m, F.embedding(rel.clamp(0, e.length - 1), e.rows_on(h.device, h.dtype)), h)
+    for e in embeddings:
+        # Rows a tower made on a GPU are checked for inf / NaN here, on their first use, not when the embedding is
+        # made: by now the host has queued the prompt's setup behind the tower, and the wait ends with the tower
+        # (MultimodalError before any layer reads the rows).
+        e.verify()
     if chunk:
         mark("prefill: image rows inserted")
     return h
@@ -133,9 +138,17 @@ class MMInputs:
         assert self.rope is not None
         key = (str(device), dtype)
         if key not in self._tables:
-            self._tables[key] = (self.rope[0].to(device=device, dtype=dtype),
-                                 self.rope[1].to(device=device, dtype=dtype))
+            self._tables[key] = (_upload(self.rope[0], device, dtype), _upload(self.rope[1], device, dtype))
         return self._tables[key]
+
+
+def _upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t on `device` in `dtype`. To a GPU through pinned memory without waiting: a plain copy from pageable memory
+    waits for the whole stream, and with an image that means for its vision tower, holding back the launches of the
+    prompt's layers."""
+    if device.type != "cuda":
+        return t.to(device=device, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True).to(dtype)
 
 
 def image_blocks(ids: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding]) -> torch.Tensor:

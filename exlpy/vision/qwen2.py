@@ -139,13 +139,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def preprocess(spec: QwenVisionSpec, image: Any, device: torch.device | None = None
+def preprocess(spec: QwenVisionSpec, image: Any, device: torch.device | None = None, array: Any = None
                ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(pixel values [patches, C * tp * p * p] fp32, grid (t, h, w) in patches) of an RGB PIL image, computed on
-    `device` (None: the CPU, bit-equal to transformers' processor) after one upload of the uint8 image."""
+    `device` (None: the CPU, bit-equal to transformers' processor) after one upload of the uint8 image (`array`:
+    its pixels, where the caller has taken them out already)."""
     p, m = spec.patch_size, spec.merge_size
     h, w = smart_resize(image.height, image.width, p * m, spec.min_pixels, spec.max_pixels)
-    x = resized_pixels(image, h, w, "bicubic", device)
+    x = resized_pixels(image, h, w, "bicubic", device, array)
     return patchify(spec, normalize(x, spec.rescale, spec.image_mean, spec.image_std)), (1, h // p, w // p)
 
 
