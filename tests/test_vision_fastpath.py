@@ -98,3 +98,55 @@ def test_phase_timer_sums_marks_per_name() -> None:
     mark("after")
     phases = t.phases()
     assert list(phases) == ["a", "b"] and all(d >= 0 and d == h for d, h in phases.values())
+
+
+def test_deferred_row_check_raises_at_first_use() -> None:
+    """Rows checked without waiting (as a GPU tower's are): making the embedding passes, the first forward use
+    (embed_rows) and reading `embeddings` raise MultimodalError; finite rows pass everywhere."""
+    from types import SimpleNamespace
+
+    from exlpy.errors import MultimodalError
+    from exlpy.vision.embedding import ExLlamaV2MMEmbedding, RowCheck
+    from exlpy.vision.mm import embed_rows
+
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    bad = torch.randn(4, 8)
+    bad[2, 3] = float("inf")
+    check = RowCheck(bad, defer=True)
+    assert check.pending
+    emb = ExLlamaV2MMEmbedding(model, bad, digest=b"deferred-bad", row_check=check)
+    ids = torch.tensor([[1, 2] + emb.get_ids()])
+    with pytest.raises(MultimodalError, match="finite"):
+        embed_rows(ids, torch.zeros(1, ids.shape[1], 8), [emb])
+    with pytest.raises(MultimodalError, match="finite"):
+        emb.embeddings  # noqa: B018 - the property checks
+    good = torch.randn(4, 8)
+    ok = ExLlamaV2MMEmbedding(model, good, digest=b"deferred-good", row_check=RowCheck(good, defer=True))
+    h = embed_rows(torch.tensor([[5] + ok.get_ids()]), torch.zeros(1, 5, 8), [ok])
+    assert torch.equal(h[0, 1:], good) and not h[0, 0].any()
+    assert not RowCheck(good).pending  # off the GPU: answered at once unless deferred
+    with pytest.raises(MultimodalError, match="finite"):  # rows off the GPU are still checked when made
+        ExLlamaV2MMEmbedding(model, bad, digest=b"eager-bad")
+    with pytest.raises(MultimodalError, match="RowCheck"):
+        ExLlamaV2MMEmbedding(model, good, row_check=True)  # type: ignore[arg-type]
+
+
+def test_image_digest_and_text_rows() -> None:
+    """The digest of an image equals itself through the array the image path takes out once and through the
+    hashing thread; another image differs. text_rows picks the embedding table's rows (scaled) by host ids."""
+    from types import SimpleNamespace
+
+    from exlpy.vision.image import digest_soon, image_array, image_digest
+    from exlpy.vision.tower import text_rows
+
+    img = random_image(64, 48, seed=1)
+    arr = image_array(img)
+    assert arr.shape == (48, 64, 3) and arr.dtype == np.uint8
+    d = image_digest(img)
+    assert image_digest(img, arr) == d == digest_soon(img, arr).result()
+    assert image_digest(random_image(64, 48, seed=2)) != d
+    w = torch.randn(10, 4)
+    model = SimpleNamespace(modules=[SimpleNamespace(weight=w, scale=1.0)])
+    assert torch.equal(text_rows(model, [7, 2, 7]), w[[7, 2, 7]])
+    model.modules[0].scale = 2.0
+    assert torch.equal(text_rows(model, [3]), w[[3]] * 2.0)
