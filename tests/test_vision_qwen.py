@@ -269,3 +269,26 @@ def test_deferred_non_finite_rows_fail_the_job_not_the_generator(vl: Loaded) -> 
     ids = vl.tokenizer.encode("Look: <good> what is it?", embeddings=[good])
     want = _hf_greedy(vl, img, "Look: ", " what is it?", good.length - 2, 3)
     assert greedy_dynamic(gen, ids, good, 3) == want
+
+
+def test_padded_mlp_matches_hf(vl: Loaded) -> None:
+    """Qwen2.5-VL's tower with its MLP width padded (as on GPUs: zero rows of gate / up, zero columns of down)
+    computes the same features as transformers."""
+    if vl.tower.kind != "qwen2_5_vl":
+        pytest.skip("Qwen2-VL's MLP is not gated and not padded")
+    img = random_image(200, 84, seed=1)
+    ref = vl.proc(images=[img], return_tensors="pt")
+    with torch.no_grad():
+        want = vl.hf.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output[0]
+    inner = vl.tower.tower
+    try:
+        inner.mlp_align = 128
+        vl.tower.load(device="cpu")
+        assert inner.w["visual.blocks.0.mlp.gate_up.weight"].shape[0] == 2 * 128  # 48 padded to 128, twice
+        assert inner.w["visual.blocks.0.mlp.down_proj.weight"].shape == (32, 128)
+        got = vl.tower.image_features(*vl.tower.preprocess(img))
+    finally:
+        inner.mlp_align = None
+        vl.tower.load(device="cpu")
+    assert inner.w["visual.blocks.0.mlp.down_proj.weight"].shape == (32, 48)
+    assert rel_err(got, want) < 1e-4
