@@ -124,6 +124,7 @@ def test_image_embedding_does_not_wait_for_the_gpu(tmp_path: Path) -> None:
     check is read at the rows' first use, and a non-finite GPU row is still caught."""
     from exlpy.errors import MultimodalError
     from exlpy.vision.embedding import ExLlamaV2MMEmbedding, RowCheck
+    from exlpy.vision.transfer import upload
 
     make_qwen_vl(tmp_path, "qwen2_5_vl")
     model, tok, tower = _load(tmp_path)
@@ -134,10 +135,12 @@ def test_image_embedding_does_not_wait_for_the_gpu(tmp_path: Path) -> None:
     try:
         emb = tower.get_image_embeddings(model=model, tokenizer=tok, image=random_image(120, 90, seed=2),
                                          embeddings_cpu=False)
+        table = upload(torch.arange(6.0).view(2, 3), torch.device("cuda", 0), torch.float16)  # M-RoPE tables' way
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert emb.row_check.ok()
     emb.verify()
+    assert table.dtype == torch.float16 and table.cpu().tolist() == [[0, 1, 2], [3, 4, 5]]
     rows = emb.rows_on(torch.device("cuda", 0), torch.float16).clone()
     rows[1, 2] = float("nan")
     check = RowCheck(rows)

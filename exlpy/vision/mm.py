@@ -20,6 +20,7 @@ from exlpy.config.rope import inv_freq
 from exlpy.errors import MultimodalError
 from exlpy.vision.embedding import EMBEDDING_INDEX, ExLlamaV2MMEmbedding
 from exlpy.vision.timing import mark
+from exlpy.vision.transfer import upload
 
 
 def check_mm_ids(ids: torch.Tensor, vocab_size: int, embeddings: list[ExLlamaV2MMEmbedding], what: str) -> None:
@@ -138,17 +139,8 @@ class MMInputs:
         assert self.rope is not None
         key = (str(device), dtype)
         if key not in self._tables:
-            self._tables[key] = (_upload(self.rope[0], device, dtype), _upload(self.rope[1], device, dtype))
+            self._tables[key] = (upload(self.rope[0], device, dtype), upload(self.rope[1], device, dtype))
         return self._tables[key]
-
-
-def _upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """t on `device` in `dtype`. To a GPU through pinned memory without waiting: a plain copy from pageable memory
-    waits for the whole stream, and with an image that means for its vision tower, holding back the launches of the
-    prompt's layers."""
-    if device.type != "cuda":
-        return t.to(device=device, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True).to(dtype)
 
 
 def image_blocks(ids: torch.Tensor, embeddings: list[ExLlamaV2MMEmbedding]) -> torch.Tensor:

@@ -28,6 +28,7 @@ from exlpy.errors import ConfigError, ImageError
 from exlpy.vision.layers import Segments, act_fn, plan_segments, rms_norm, rope_fp32, segment_attention
 from exlpy.vision.pixels import normalize, resized_pixels
 from exlpy.vision.timing import mark
+from exlpy.vision.transfer import upload
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -335,9 +336,9 @@ class QwenVisionTower:
             units, bounds = window_index(grid, s.merge_size, s.window_size, s.patch_size)
             rows = (units.view(-1, 1) * unit + torch.arange(unit)).view(-1)
             cos, sin = cos[rows], sin[rows]
-            order, restore = units.to(self.device), torch.argsort(units).to(self.device)
+            order, restore = upload(units, self.device), upload(torch.argsort(units), self.device)
             windows = plan_segments(bounds, self.device)
-        lay = _Layout(cos.to(self.device), sin.to(self.device), full, windows, order, restore)
+        lay = _Layout(upload(cos, self.device), upload(sin, self.device), full, windows, order, restore)
         with self._lock:
             self._layouts[grid] = lay
             while len(self._layouts) > LAYOUTS:
