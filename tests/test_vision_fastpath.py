@@ -150,3 +150,35 @@ def test_image_digest_and_text_rows() -> None:
     assert torch.equal(text_rows(model, [7, 2, 7]), w[[7, 2, 7]])
     model.modules[0].scale = 2.0
     assert torch.equal(text_rows(model, [3]), w[[3]] * 2.0)
+
+
+@pytest.mark.interpreter
+def test_qwen_tower_kernels_on_its_layouts() -> None:
+    """The Triton kernels the Qwen2.5-VL tower calls on GPUs, in its layouts, against the references the CPU runs:
+    RoPE in place on q and k of the fused qkv [N, 3, H, 80] (a half of 40, not a power of two) with per-patch
+    tables, RMSNorm over a width that is not a power of two, SwiGLU over the strided halves of gate|up."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+    pytest.importorskip("triton")
+    from exlpy.kernels import reference
+    from exlpy.kernels.activation import silu_mul
+    from exlpy.kernels.rmsnorm import rms_norm
+    from exlpy.kernels.rope import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, d = 6, 2, 80
+    qkv = torch.randn(n, 3, heads, d, generator=g)
+    cos, sin = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    pos = torch.arange(n).view(1, -1)
+    want_q, want_k = reference.apply_rope(qkv[:, 0].unsqueeze(0).clone(), qkv[:, 1].unsqueeze(0).clone(), cos, sin,
+                                          pos)
+    v = qkv[:, 2].clone()
+    apply_rope(qkv[:, 0].unsqueeze(0), qkv[:, 1].unsqueeze(0), cos, sin, pos)
+    assert torch.allclose(qkv[:, 0], want_q[0], atol=1e-5) and torch.allclose(qkv[:, 1], want_k[0], atol=1e-5)
+    assert torch.equal(qkv[:, 2], v)  # v untouched
+    x, w = torch.randn(n, 40, generator=g), torch.randn(40, generator=g)
+    assert torch.allclose(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), atol=1e-5)
+    gate, up = torch.randn(n, 2 * 24, generator=g).chunk(2, dim=-1)
+    assert torch.allclose(silu_mul(gate, up), reference.silu_mul(gate, up), atol=1e-5)

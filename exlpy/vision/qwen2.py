@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from exlpy.errors import ConfigError, ImageError
-from exlpy.vision.layers import Segments, act_fn, plan_segments, rms_norm, rope_fp32, segment_attention
+from exlpy.kernels import ops
+from exlpy.vision.layers import Segments, act_fn, plan_segments, rms_norm, segment_attention
 from exlpy.vision.pixels import normalize, resized_pixels
 from exlpy.vision.timing import mark
 from exlpy.vision.transfer import upload
@@ -222,6 +223,7 @@ class _Layout:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    positions: torch.Tensor  # [1, N]: row i of cos / sin is patch i's (the RoPE kernel's table lookup)
     full: Segments
     windows: Segments | None
     order: torch.Tensor | None
@@ -338,7 +340,8 @@ class QwenVisionTower:
             cos, sin = cos[rows], sin[rows]
             order, restore = upload(units, self.device), upload(torch.argsort(units), self.device)
             windows = plan_segments(bounds, self.device)
-        lay = _Layout(upload(cos, self.device), upload(sin, self.device), full, windows, order, restore)
+        positions = torch.arange(n, device=self.device).view(1, -1)
+        lay = _Layout(upload(cos, self.device), upload(sin, self.device), positions, full, windows, order, restore)
         with self._lock:
             self._layouts[grid] = lay
             while len(self._layouts) > LAYOUTS:
@@ -359,12 +362,14 @@ class QwenVisionTower:
         for i in range(s.depth):
             b = f"visual.blocks.{i}"
             segs = lay.full if lay.windows is None or i in s.fullatt_blocks else lay.windows
-            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, lay.cos, lay.sin, segs)
+            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, lay, segs)
             mark("tower: attention")
             h = self._norm(x, f"{b}.norm2")
             if s.kind == "qwen2_5_vl":
                 gate, up = self._lin(h, f"{b}.mlp.gate_up").chunk(2, dim=-1)
-                h = self._lin(self.act(gate) * up, f"{b}.mlp.down_proj")
+                # SiLU (every released model): the language model's SwiGLU kernel, one pass over both halves
+                a = ops.silu_mul(gate, up) if s.act == "silu" else self.act(gate) * up
+                h = self._lin(a, f"{b}.mlp.down_proj")
             else:
                 h = self._lin(self.act(self._lin(h, f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
             x = x + h
@@ -376,12 +381,14 @@ class QwenVisionTower:
         mark("tower: merger")
         return h
 
-    def _attention(self, x: torch.Tensor, b: str, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-                   ) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, b: str, lay: _Layout, segments: Segments) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
         qkv = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim)
-        q, k = rope_fp32(qkv[:, :2], cos, sin).unbind(1)  # q and k rotated in one pass
+        # q and k rotated in fp32 (as transformers does) by the language model's RoPE kernel: in place inside qkv,
+        # one launch and one pass, where torch ops took seven passes over fp32 copies
+        q, k = ops.apply_rope(qkv[:, 0].unsqueeze(0), qkv[:, 1].unsqueeze(0), lay.cos, lay.sin, lay.positions)
+        q, k = q[0], k[0]
         v = qkv[:, 2]
         o = segment_attention(q, k, v, segments, s.head_dim ** -0.5)
         return self._lin(o.reshape(n, -1), f"{b}.attn.proj")
