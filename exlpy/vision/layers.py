@@ -1,5 +1,7 @@
-"""Building blocks of the vision towers, in torch (their work is a few large matmuls and attention over one
-image's patches, which torch's own kernels run well on GPUs and CPUs alike)."""
+"""Building blocks of the vision towers: mostly torch (their work is a few large matmuls and attention over one
+image's patches, which torch's own kernels run well on GPUs and CPUs alike); the memory-bound elementwise steps
+(RMSNorm here, RoPE and SwiGLU in the Qwen tower) go through the kernel dispatch, one pass each on GPUs where torch
+needs several over fp32 copies."""
 
 from __future__ import annotations
 
