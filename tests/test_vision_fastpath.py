@@ -57,10 +57,21 @@ def test_grouped_segment_attention_equals_attention_per_segment() -> None:
     want = torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
                       for a, b in zip(bounds[:-1], bounds[1:]) if b > a])
     plan = plan_segments(bounds, q.device)
-    assert sorted((c, n) for c, n, _ in plan.groups) == [(1, 4), (2, 16), (3, 64)]
+    assert sorted((c, n) for c, n, _, _ in plan.groups) == [(1, 4), (2, 16), (3, 64)]
+    assert sorted((n, idx is None) for _, n, idx, _ in plan.groups) == [(4, True), (16, False), (64, False)]
     assert torch.allclose(segment_attention(q, k, v, plan, 8 ** -0.5), want, atol=1e-6)
+    # windows ordered by size (as window_index orders them): every group is a slice, no gathers
+    by_size = [0, 64, 128, 192, 208, 224, 228]
+    plan = plan_segments(by_size, q.device)
+    assert sorted((c, n, idx, a) for c, n, idx, a in plan.groups) == [(1, 4, None, 224), (2, 16, None, 192),
+                                                                       (3, 64, None, 0)]
+    want = torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+                      for a, b in zip(by_size[:-1], by_size[1:])])
+    qkv = torch.stack([q, k, v], 1)  # strided q / k / v, as the tower's views of its fused projection
+    got = segment_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], plan, 8 ** -0.5)
+    assert torch.allclose(got, want, atol=1e-6)
     whole = plan_segments([0, 228], q.device)
-    assert whole.groups[0][2] is None  # one segment: no gather
+    assert whole.groups == ((1, 228, None, 0),)  # one segment: no gather
     full = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
     assert torch.allclose(segment_attention(q, k, v, whole, 8 ** -0.5), full, atol=1e-6)
 
@@ -182,3 +193,24 @@ def test_qwen_tower_kernels_on_its_layouts() -> None:
     assert torch.allclose(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), atol=1e-5)
     gate, up = torch.randn(n, 2 * 24, generator=g).chunk(2, dim=-1)
     assert torch.allclose(silu_mul(gate, up), reference.silu_mul(gate, up), atol=1e-5)
+
+
+def test_window_index_orders_windows_by_size_within_frames() -> None:
+    """Qwen2.5-VL's windows: every merge block once, each window's blocks as transformers groups them, windows of
+    a frame largest first (so equal sizes are adjacent), frames kept apart (full attention is per frame)."""
+    from exlpy.vision.qwen2 import window_index
+
+    grid, m = (2, 10, 14), 2  # 2 frames of 5 x 7 merge blocks, windows of 2 x 2 blocks: 3 x 4 windows a frame
+    units, bounds = window_index(grid, m, 56, 14)
+    assert sorted(units.tolist()) == list(range(2 * 5 * 7))
+    sizes = [(b - a) // (m * m) for a, b in zip(bounds[:-1], bounds[1:])]
+    frame = 5 * 7
+    assert sum(sizes[:12]) == frame and sum(sizes[12:]) == frame  # each frame's windows together
+    assert sizes[:12] == sorted(sizes[:12], reverse=True) and sizes[:12] == [4] * 6 + [2] * 5 + [1]
+    at = 0
+    for size in sizes:  # a window: blocks of one 2 x 2 tile of one frame, in row-major order
+        w = units[at:at + size]
+        rows, cols, frames = (w % frame) // 7, w % 7, w // frame
+        assert len(set(frames.tolist())) == 1 and len(set((rows // 2).tolist())) == 1
+        assert len(set((cols // 2).tolist())) == 1 and w.tolist() == sorted(w.tolist())
+        at += size

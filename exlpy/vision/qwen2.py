@@ -197,7 +197,9 @@ def patch_positions(grid: tuple[int, int, int], m: int) -> torch.Tensor:
 
 def window_index(grid: tuple[int, int, int], m: int, window: int, patch: int) -> tuple[torch.Tensor, list[int]]:
     """Qwen2.5-VL: merge blocks in window order, and the window bounds in patches (transformers'
-    get_vision_window_index for one image)."""
+    get_vision_window_index for one image, except that within each frame the windows are ordered by size, largest
+    first: attention stays within windows and the merger within merge blocks, so the order of windows changes
+    nothing but lets each window size's windows lie next to each other, attended as one slice without gathers)."""
     t, gh, gw = grid
     size = window // m // patch
     lh, lw = gh // m, gw // m
@@ -205,8 +207,11 @@ def window_index(grid: tuple[int, int, int], m: int, window: int, patch: int) ->
     pad_h, pad_w = size - lh % size, size - lw % size
     nh, nw = (lh + pad_h) // size, (lw + pad_w) // size
     padded = F.pad(index, (0, pad_w, 0, pad_h), "constant", -100)
-    padded = padded.reshape(t, nh, size, nw, size).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, size, size)
-    seqlens = (padded != -100).sum([2, 3]).reshape(-1)
+    padded = padded.reshape(t, nh, size, nw, size).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, size * size)
+    seqlens = (padded != -100).sum(2)  # [t, windows]
+    by_size = torch.sort(seqlens, dim=1, descending=True, stable=True).indices
+    padded = padded.gather(1, by_size.unsqueeze(-1).expand_as(padded))
+    seqlens = seqlens.gather(1, by_size).reshape(-1)
     flat = padded.reshape(-1)
     bounds = [0] + (seqlens.cumsum(0) * m * m).tolist()
     return flat[flat != -100], sorted(set(bounds))
