@@ -93,7 +93,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
                 return o.reshape(q.shape)
             if out is None:
                 out = torch.empty_like(q)
-            out[rows] = o.reshape(count * n, *q.shape[1:])
+            out[rows].view(count, n, *q.shape[1:]).copy_(o)  # one copy, straight from the transposed output
             continue
         qs, ks, vs = (t.index_select(0, idx).view(count, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
