@@ -85,12 +85,17 @@ class RowCheck:
 
     def ok(self) -> bool:
         """The answer (waits, on a GPU, for the reduction only: it was queued right after the rows)."""
-        if self._value is None:
-            if self._event is not None:
-                self._event.synchronize()
-            assert self._flag is not None
-            self._value, self._flag, self._event = bool(self._flag), None, None
-        return self._value
+        value = self._value
+        if value is None:
+            flag, event = self._flag, self._event
+            if flag is None:  # answered by another thread meanwhile (it sets the value before dropping the flag)
+                return bool(self._value)
+            if event is not None:
+                event.synchronize()
+            value = bool(flag)
+            self._value = value
+            self._flag = self._event = None
+        return value
 
 
 class ExLlamaV2MMEmbedding:
