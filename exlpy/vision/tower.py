@@ -254,28 +254,34 @@ _copier_lock = threading.Lock()
 
 
 class HostCopy:
-    """The host copy of device rows, written by a worker thread on a side stream once the rows are computed:
-    the copy runs beside the prompt's first layers instead of before them (9.8 MB for a 1024x1024 image on a 7B),
-    and the main thread never waits for it. The copy goes to ordinary (pageable) memory: the tower's cache keeps
-    these copies, and a page-locked buffer per image would cost an allocation of pinned memory (milliseconds,
-    on the host thread) each time and tie up locked memory for the cache's lifetime."""
+    """The host copy of device rows, made by a worker thread once the rows are computed: it runs beside the
+    prompt's first layers instead of before them (9.8 MB for a 1024x1024 image on a 7B), and the main thread never
+    waits for it. The worker copies through a pinned staging buffer (an asynchronous copy on a side stream, then a
+    host memcpy into `host`, ordinary memory): the tower's cache keeps these copies, and a page-locked buffer per
+    image would cost an allocation of pinned memory each time and tie up locked memory for the cache's lifetime;
+    the staging buffer comes from torch's pinned-memory cache and is reused image after image."""
 
     def __init__(self, rows: torch.Tensor, host: torch.Tensor) -> None:
         global _copier
         self.computed = torch.cuda.Event()
         self.computed.record(torch.cuda.current_stream(rows.device))
         with _copier_lock:
-            if _copier is None:
+            if _copier is None:  # one worker: copies run one after another
                 _copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exlpy-rows-to-host")
         # the closure holds `rows` until the copy has read them, so the allocator cannot hand their memory out
         self._done = _copier.submit(self._copy, rows, host)
 
     def _copy(self, rows: torch.Tensor, host: torch.Tensor) -> None:
         with torch.inference_mode(), torch.cuda.device(rows.device):
+            staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             side = torch.cuda.Stream(rows.device)
             side.wait_event(self.computed)
             with torch.cuda.stream(side):
-                host.copy_(rows)  # returns when the copy is done (the GIL released meanwhile)
+                staging.copy_(rows, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side)
+            copied.synchronize()  # this thread only (the GIL is released while it waits, and in the memcpy)
+            host.copy_(staging)
 
     def synchronize(self) -> None:
         self._done.result()
