@@ -292,3 +292,22 @@ def test_padded_mlp_matches_hf(vl: Loaded) -> None:
         vl.tower.load(device="cpu")
     assert inner.w["visual.blocks.0.mlp.down_proj.weight"].shape == (32, 48)
     assert rel_err(got, want) < 1e-4
+
+
+def test_preprocessing_beside_the_hash_gives_the_same_embedding(vl: Loaded, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """The GPU order of get_image_embeddings (the image hashed on a thread while its preprocessing is queued, then
+    the cache lookup), run on the CPU: the same rows and ids as the plain order, and a cached image still skips
+    the tower."""
+    from exlpy.vision.tower import ExLlamaV2VisionTower
+
+    img = random_image(100, 70, seed=21)
+    plain = vl.embed(img, "<plain>")
+    vl.tower._cache.clear()
+    monkeypatch.setattr(ExLlamaV2VisionTower, "_launches_preprocessing", property(lambda self: True))
+    early = vl.embed(img.copy(), "<early>")
+    assert torch.equal(early.embeddings, plain.embeddings) and early.get_ids() == plain.get_ids()
+    calls = []
+    monkeypatch.setattr(vl.tower, "image_features", lambda *a: calls.append(a))
+    again = vl.embed(img.copy(), "<again>")
+    assert not calls and again.get_ids() == plain.get_ids()
