@@ -41,6 +41,8 @@ import statistics
 import sys
 import threading
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +55,10 @@ from benchmarks.serving_client import pct, prompt  # noqa: E402
 
 # Exclusive parts of the generator thread's CPU time; "gc" (Python's collector) may fall inside any of them.
 PARTS = ("chunk", "decode", "wait")  # the model's passes and the wait for tokens
-HOST = ("admit", "prefill", "pages", "inputs", "sample", "results", "host")  # the bookkeeping's named parts
+HOST = ("admit", "prefill", "pages", "inputs", "sample", "results", "host", "event")  # the bookkeeping's parts
 HOST_LABELS = {"admit": "admission", "prefill": "prompt host work", "pages": "decode pages", "inputs": "step inputs",
-               "sample": "sampling", "results": "tokens to results", "host": "host-sampled rows"}
+               "sample": "sampling", "results": "tokens to results", "host": "host-sampled rows",
+               "event": "other event waits"}  # CUDA: waits on an event other than the token read (staging buffers)
 
 
 class Meter:
@@ -70,7 +73,7 @@ class Meter:
 
         self.spent = dict.fromkeys((*PARTS, *HOST, "gc"), 0.0)
         self._gc_start = 0.0
-        self._stack: list[list[float]] = []  # per open call: [its start, CPU of the parts called inside it]
+        self._stack: list[list[Any]] = []  # per open call: [its start, CPU of the parts called inside it, part]
         self.cuda = gen.device().type == "cuda"
         self.active = False  # inside the measured window: GPU spans are recorded
         self.events: dict[str, list[tuple[Any, Any]]] = {"chunk": [], "decode": []}
@@ -86,6 +89,9 @@ class Meter:
         for name, part in (("forward", "inputs"), ("sample", "sample"), ("finish", "results"),
                            ("sample_host", "host")):
             self._wrap(stepper, name, part)
+        if self.cuda:  # an event wait inside the token read is that read's; any other one is a part of its own
+            self._wrap(torch.cuda.Event, "synchronize",
+                       lambda k: "wait" if self._stack and self._stack[-1][2] == "wait" else "event")
         gc.callbacks.append(self.on_gc)
 
     def _wrap(self, owner: Any, attr: str, part: Any) -> None:
@@ -99,14 +105,14 @@ class Meter:
             if meter.cuda and meter.active and name in meter.events:  # its GPU span, read at the round end
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
-            meter._stack.append([time.thread_time(), 0.0])
+            meter._stack.append([time.thread_time(), 0.0, name])
             try:
                 return fn(*a, **k)
             finally:
                 if ev is not None:
                     ev[1].record()
                     meter.events[name].append(ev)
-                start, inner = meter._stack.pop()
+                start, inner, _ = meter._stack.pop()
                 took = time.thread_time() - start
                 meter.spent[name] += took - inner
                 if meter._stack:
@@ -193,7 +199,9 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
     cpu = 0.0
     iters = 0
     parts = dict.fromkeys(meter.spent, 0.0)
-    per_iter: list[tuple[float, float, int, int, dict[str, float]]] = []  # wall, CPU, tokens, position, parts
+    # wall, CPU, prompt tokens, position, parts, synchronizing CUDA calls (where)
+    per_iter: list[tuple[float, float, int, int, dict[str, float], list[str]]] = []
+    syncs: Counter[str] = Counter()
     starved: list[str] = []  # iterations in which a decoding job got no token
     loops: list[tuple[float, float, float, int, str]] = []  # largest gap, iterate() wall, loop wall, index, state
     kv: list[torch.Tensor] | None = None
@@ -218,8 +226,9 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
         meter.active = measuring
         before = {j: j.new_tokens for j in jobs}
         p0, m0, w0, c0 = gen.prefill_tokens, meter.snapshot(), time.perf_counter(), time.thread_time()
-        results = gen.iterate()
+        results, synced = iterate_watched(gen) if measuring and meter.cuda else (gen.iterate(), [])
         w1 = time.perf_counter()
+        syncs.update(synced)
         if measuring:
             c = time.thread_time() - c0
             cpu += c
@@ -227,7 +236,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
             spent = {k: v - m0[k] for k, v in meter.snapshot().items()}
             for k in parts:
                 parts[k] += spent[k]
-            per_iter.append((w1 - w0, c, gen.prefill_tokens - p0, pos, spent))
+            per_iter.append((w1 - w0, c, gen.prefill_tokens - p0, pos, spent, synced))
             if gen.prefill_tokens > p0:
                 chunks.append(gen.prefill_tokens - p0)
         if long_job is not None and kv is None and long_job.is_prefilled():
@@ -272,10 +281,25 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
            "cpu_ms_per_iter": 1e3 * cpu / max(iters, 1),
            "captured": (runner.chunks_run if runner is not None else 0) - replays0,
            "split": split_ms(cpu, parts, max(iters, 1)), "slowest": sorted(per_iter, key=lambda r: -r[0])[:5],
-           "starved": starved, "largest": sorted(loops, key=lambda r: -r[0])[:3], "gpu": meter.gpu_ms()}
+           "starved": starved, "syncs": syncs, "largest": sorted(loops, key=lambda r: -r[0])[:3], "gpu": meter.gpu_ms()}
     if long_job is not None:
         out.update(ttft=(t_first or float("nan")) - (t_sent or 0.0), kv=kv, first=first_token)
     return out
+
+
+def iterate_watched(gen: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """`gen.iterate()` with torch's sync debug mode on: (its results, where it called a synchronizing CUDA operation,
+    as file:line). Such a call (an `.item()` or `.tolist()` of a device tensor, a synchronous copy) makes the host
+    wait for the device's queue, a step or more, and shows up as bookkeeping CPU (CUDA spins); the wait for the
+    step's tokens is an event wait, not counted here."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            results = gen.iterate()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return results, [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def kv_rows(gen: Any, job: Any, n: int) -> list[torch.Tensor]:
@@ -339,9 +363,11 @@ def main() -> None:
                   f"({r['iters']} iterations){extra}; {r['captured']} captured chunks; prompt tokens per iteration: "
                   f"{sorted(set(r['chunks']))[:8]}", flush=True)
             print(f"  per iteration: {r['split']}" + (f"; {r['gpu']}" if r["gpu"] else ""), flush=True)
-            for wall, c, n, pos, sp in r["slowest"]:
+            for wall, c, n, pos, sp, synced in r["slowest"]:
                 print(f"  slow iteration: {wall * 1e3:.1f} ms wall, {n} prompt tokens at position {pos}; "
-                      f"{split_ms(c, sp)}", flush=True)
+                      f"{split_ms(c, sp)}" + (f"; synchronizing CUDA calls: {synced}" if synced else ""), flush=True)
+            if cuda:
+                print(f"  synchronizing CUDA calls inside iterate(): {dict(r['syncs']) or 'none'}", flush=True)
             print(f"  iterations in which a decoding job got no token: {len(r['starved'])}"
                   + "".join(f"\n    {s}" for s in r["starved"][:10]), flush=True)
             for gap, inside, loop, i, state in r["largest"]:
