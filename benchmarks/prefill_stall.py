@@ -17,7 +17,8 @@ decode pages, the step's inputs, sampling (launches; on the CPU the sampler itse
 detokenization), host-sampled rows and the rest of `iterate()`, with the garbage collector's share. On CUDA also the
 mean GPU span of a chunk and of a decode step (events around the calls).
 
-Then the five slowest iterations with the same split, every iteration in which a decoding job got no token (none is
+Then the five slowest iterations with the same split (on CUDA also their chunks' and decode step's GPU spans, which
+say whether the device or the host made them slow), every iteration in which a decoding job got no token (none is
 expected: the generator gives each one a token per iteration), the loop iterations around the largest gaps (time
 inside `iterate()` and outside it, in this script), and the tokens whose result the text stream held back. The
 synthetic byte-level tokenizer of the random models has 128 lone high bytes (incomplete UTF-8): their text waits
@@ -129,18 +130,20 @@ class Meter:
         else:
             self.spent["gc"] += time.thread_time() - self._gc_start
 
-    def gpu_ms(self) -> str:
-        """Mean GPU span (ms) of the chunk and decode calls so far: from the stream reaching the call's first
-        kernel to its last one's end (an eager chunk's span includes the GPU waiting for its launches)."""
-        if not self.cuda:
-            return ""
-        torch.cuda.synchronize()
-        out = []
-        for name, evs in self.events.items():
-            if evs:
-                out.append(f"{name} {sum(a.elapsed_time(b) for a, b in evs) / len(evs):.2f} ms ({len(evs)} calls)")
+    def gpu_spans(self) -> dict[str, list[float]]:
+        """The GPU span (ms) of each chunk and decode call recorded so far, in call order (then forgotten): from the
+        stream reaching the call's first kernel to its last one's end (an eager chunk's span includes the GPU
+        waiting for its launches). Empty lists on the CPU."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        spans = {name: [a.elapsed_time(b) for a, b in evs] for name, evs in self.events.items()}
+        for evs in self.events.values():
             evs.clear()
-        return "GPU span per call: " + ", ".join(out)
+        return spans
+
+    def marks(self) -> dict[str, int]:
+        """How many calls of each kind have a GPU span so far (slice gpu_spans() by two marks: one iteration)."""
+        return {name: len(evs) for name, evs in self.events.items()}
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.spent)
@@ -199,8 +202,8 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
     cpu = 0.0
     iters = 0
     parts = dict.fromkeys(meter.spent, 0.0)
-    # wall, CPU, prompt tokens, position, parts, synchronizing CUDA calls (where)
-    per_iter: list[tuple[float, float, int, int, dict[str, float], list[str]]] = []
+    # wall, CPU, prompt tokens, position, parts, synchronizing CUDA calls (where), GPU span marks before and after
+    per_iter: list[tuple[float, float, int, int, dict[str, float], list[str], dict[str, int], dict[str, int]]] = []
     syncs: Counter[str] = Counter()
     starved: list[str] = []  # iterations in which a decoding job got no token
     loops: list[tuple[float, float, float, int, str]] = []  # largest gap, iterate() wall, loop wall, index, state
@@ -225,6 +228,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
                  "decoding" if long_job is not None else "-")
         meter.active = measuring
         before = {j: j.new_tokens for j in jobs}
+        g0 = meter.marks()
         p0, m0, w0, c0 = gen.prefill_tokens, meter.snapshot(), time.perf_counter(), time.thread_time()
         results, synced = iterate_watched(gen) if measuring and meter.cuda else (gen.iterate(), [])
         w1 = time.perf_counter()
@@ -236,7 +240,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
             spent = {k: v - m0[k] for k, v in meter.snapshot().items()}
             for k in parts:
                 parts[k] += spent[k]
-            per_iter.append((w1 - w0, c, gen.prefill_tokens - p0, pos, spent, synced))
+            per_iter.append((w1 - w0, c, gen.prefill_tokens - p0, pos, spent, synced, g0, meter.marks()))
             if gen.prefill_tokens > p0:
                 chunks.append(gen.prefill_tokens - p0)
         if long_job is not None and kv is None and long_job.is_prefilled():
@@ -280,8 +284,13 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
     out = {"gaps": gaps, "result_gaps": result_gaps, "held": held, "chunks": chunks, "iters": iters,
            "cpu_ms_per_iter": 1e3 * cpu / max(iters, 1),
            "captured": (runner.chunks_run if runner is not None else 0) - replays0,
-           "split": split_ms(cpu, parts, max(iters, 1)), "slowest": sorted(per_iter, key=lambda r: -r[0])[:5],
-           "starved": starved, "syncs": syncs, "largest": sorted(loops, key=lambda r: -r[0])[:3], "gpu": meter.gpu_ms()}
+           "split": split_ms(cpu, parts, max(iters, 1)), "starved": starved, "syncs": syncs,
+           "largest": sorted(loops, key=lambda r: -r[0])[:3]}
+    spans = meter.gpu_spans()
+    out["gpu"] = "GPU span per call: " + ", ".join(
+        f"{name} {sum(v) / len(v):.2f} ms ({len(v)} calls)" for name, v in spans.items() if v) if meter.cuda else ""
+    out["slowest"] = [(*r[:6], {name: sum(spans[name][r[6][name]:r[7][name]]) for name in spans})
+                      for r in sorted(per_iter, key=lambda r: -r[0])[:5]]
     if long_job is not None:
         out.update(ttft=(t_first or float("nan")) - (t_sent or 0.0), kv=kv, first=first_token)
     return out
@@ -335,7 +344,9 @@ def main() -> None:
     t0 = time.perf_counter()
     path = args.model if Path(args.model).is_dir() else model_dir(args.work, args.model)
     shape = (512, args.new_tokens)
-    cache_tokens = -(-(args.decoders * sum(shape) + args.long + 8) // 256) * 256 + 2048
+    # whole pages per job (a decoder of 512 + 200 tokens holds 3 pages, 768 tokens), and room for the admission's
+    # growth reserve
+    cache_tokens = (args.decoders * -(-sum(shape) // 256) + -(-(args.long + 8) // 256)) * 256 + 2048
     config = ExLlamaV2Config(path)
     config.max_seq_len = max(20480, args.long + 1024)
     model = ExLlamaV2(config)
@@ -363,9 +374,11 @@ def main() -> None:
                   f"({r['iters']} iterations){extra}; {r['captured']} captured chunks; prompt tokens per iteration: "
                   f"{sorted(set(r['chunks']))[:8]}", flush=True)
             print(f"  per iteration: {r['split']}" + (f"; {r['gpu']}" if r["gpu"] else ""), flush=True)
-            for wall, c, n, pos, sp, synced in r["slowest"]:
+            for wall, c, n, pos, sp, synced, gpu in r["slowest"]:
                 print(f"  slow iteration: {wall * 1e3:.1f} ms wall, {n} prompt tokens at position {pos}; "
-                      f"{split_ms(c, sp)}" + (f"; synchronizing CUDA calls: {synced}" if synced else ""), flush=True)
+                      f"{split_ms(c, sp)}" + (f"; synchronizing CUDA calls: {synced}" if synced else "")
+                      + (f"; GPU spans: chunks {gpu['chunk']:.2f} ms, decode {gpu['decode']:.2f} ms" if cuda else ""),
+                      flush=True)
             if cuda:
                 print(f"  synchronizing CUDA calls inside iterate(): {dict(r['syncs']) or 'none'}", flush=True)
             print(f"  iterations in which a decoding job got no token: {len(r['starved'])}"
