@@ -308,7 +308,13 @@ def iterate_watched(gen: Any) -> tuple[list[dict[str, Any]], list[str]]:
             results = gen.iterate()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return results, [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    sites = []
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites.append(f"{Path(w.filename).name}:{w.lineno}")
+        else:  # any other warning of the step (a failed capture...) is shown as usual
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return results, sites
 
 
 def kv_rows(gen: Any, job: Any, n: int) -> list[torch.Tensor]:
