@@ -25,9 +25,9 @@ Per shape and format:
   and row tables), achieved GB/s and its fraction of the copy rate. The gate|up and down launches are also timed
   alone.
 - --sweep: the two launches again under other tiles (fp16: exlpy/kernels/moe.py TILES, STAGES for the tile
-  height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES, UNROLL_DECODE of the tile kernels, and the GEMV
-  kernels' GEMV_COLS, GEMV_WARPS, GEMV_WAVES, GEMV_NB at few rows per expert, the multi-row kernels' ROWS_COLS,
-  ROWS_WARPS, ROWS_WAVES, ROWS in moe_exl2_rows.py), to choose the defaults from.
+  height each batch uses; EXL2: moe_exl2.py COLS, WARPS, STAGES, UNROLL_DECODE of the tile kernels,
+  moe_exl2_gemv.py GEMV_COLS, GEMV_WARPS, GEMV_WAVES, GEMV_NB of the GEMV kernels at few rows per expert, and
+  moe_exl2_rows.py ROWS_COLS, ROWS_WARPS, ROWS_WAVES, ROWS of the multi-row kernels), to choose the defaults from.
 
 Appends one section (command, date, device, tables) to --out and prints the same lines.
 """
@@ -297,7 +297,7 @@ SWEEP_EXL2 = [(64, 4, 2, 4), (32, 4, 2, 4), (16, 4, 2, 4), (16, 4, 2, 1), (16, 4
               (128, 4, 2, 4), (64, 8, 2, 4), (64, 4, 3, 4), (32, 4, 3, 2), (32, 2, 2, 4)]
 
 
-# EXL2 GEMV kernels at few rows per expert (moe_exl2.GEMV_*): (columns per program, warps, waves, factor on the
+# EXL2 GEMV kernels at few rows per expert (moe_exl2_gemv.GEMV_*): (columns per program, warps, waves, factor on the
 # blocks per step); the tile kernels above run in their place (GEMV_MAX_ROWS 0: the path every batch took before)
 SWEEP_EXL2_GEMV = [(512, 4, 4, 1), (512, 4, 8, 1), (512, 4, 2, 1), (512, 4, 4, 0.5), (512, 4, 4, 2), (256, 2, 4, 1),
                    (1024, 8, 4, 1), (256, 4, 4, 1), (256, 4, 8, 1), (512, 4, 16, 1), (256, 4, 16, 1),
@@ -315,54 +315,53 @@ def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tup
     SWEEP_EXL2_GEMV (the GEMV kernels; forced where this batch has more rows per expert than they take) and of
     SWEEP_EXL2_ROWS (the multi-row kernels, forced likewise). Blocks per step x2 may spill registers (not
     compile-checked); the rows configurations compile unspilled (benchmarks/moe_rows_compile_check.py --sweep)."""
-    from exlpy.kernels import moe_exl2, moe_exl2_rows
+    from exlpy.kernels import moe_exl2, moe_exl2_gemv, moe_exl2_rows
 
-    names = ("COLS", "WARPS", "STAGES", "UNROLL_DECODE", "WAVES", "GEMV_MAX_ROWS", "GEMV_COLS", "GEMV_WARPS",
-             "GEMV_WAVES", "GEMV_NB")
-    saved = {n: getattr(moe_exl2, n) for n in names}
-    rows_names = ("ROWS", "ROWS_MIN_MEAN", "ROWS_MAX_MEAN", "ROWS_COLS", "ROWS_WARPS", "ROWS_WAVES")
-    rows_saved = {n: getattr(moe_exl2_rows, n) for n in rows_names}
+    # each setting on the module whose code reads it: the tile kernels', the GEMV kernels', the multi-row ones'
+    tile, gemv_mod, rows_mod = moe_exl2, moe_exl2_gemv, moe_exl2_rows
+    names = {tile: ("COLS", "WARPS", "STAGES", "UNROLL_DECODE", "WAVES"),
+             gemv_mod: ("GEMV_MAX_ROWS", "GEMV_COLS", "GEMV_WARPS", "GEMV_WAVES", "GEMV_NB"),
+             rows_mod: ("ROWS", "ROWS_MIN_MEAN", "ROWS_MAX_MEAN", "ROWS_COLS", "ROWS_WARPS", "ROWS_WAVES")}
+    saved = {(m, n): getattr(m, n) for m, ns in names.items() for n in ns}
     k = model.config.num_experts_per_token
     gemv_on = dataclasses.replace(options(), moe_gemv=True)  # whatever EXLPY_MOE_GEMV says
     with use_options(gemv_on):
-        gemv = moe_exl2._gemv_rows(tokens * k, model.config.num_experts)
-        multi = moe_exl2_rows.takes(tokens * k, model.config.num_experts)
+        gemv = gemv_mod.gemv_rows(tokens * k, model.config.num_experts)
+        multi = rows_mod.takes(tokens * k, model.config.num_experts)
     rows = []
     try:
-        moe_exl2.GEMV_MAX_ROWS = 0  # the tile kernels at every batch
-        moe_exl2_rows.ROWS_MAX_MEAN = 0
-        moe_exl2.WAVES = 0
+        gemv_mod.GEMV_MAX_ROWS = 0  # the tile kernels at every batch
+        rows_mod.ROWS_MAX_MEAN = 0
+        tile.WAVES = 0
         for cols, warps, stages, unroll in SWEEP_EXL2:
-            moe_exl2.COLS, moe_exl2.WARPS, moe_exl2.STAGES, moe_exl2.UNROLL_DECODE = cols, warps, stages, unroll
+            tile.COLS, tile.WARPS, tile.STAGES, tile.UNROLL_DECODE = cols, warps, stages, unroll
             for what, t, rate in kernel_rows(model, tokens, device, bw)[1:]:
                 rows.append((f"{what}, tile kernels, {cols} columns w{warps} s{stages} u{unroll}", t, rate))
-        moe_exl2.GEMV_MAX_ROWS = 1 << 20 if not gemv else saved["GEMV_MAX_ROWS"]  # forced at larger batches
+        # forced at larger batches
+        gemv_mod.GEMV_MAX_ROWS = 1 << 20 if not gemv else saved[gemv_mod, "GEMV_MAX_ROWS"]
         for cols, warps, waves, nb_times in SWEEP_EXL2_GEMV:
-            moe_exl2.GEMV_COLS, moe_exl2.GEMV_WARPS, moe_exl2.GEMV_WAVES = cols, warps, waves
-            moe_exl2.GEMV_NB = {m: {b: max(1, int(nb * nb_times)) for b, nb in t.items()}
-                                for m, t in saved["GEMV_NB"].items()}
+            gemv_mod.GEMV_COLS, gemv_mod.GEMV_WARPS, gemv_mod.GEMV_WAVES = cols, warps, waves
+            gemv_mod.GEMV_NB = {m: {b: max(1, int(nb * nb_times)) for b, nb in t.items()}
+                                for m, t in saved[gemv_mod, "GEMV_NB"].items()}
             with use_options(gemv_on):
                 timed = kernel_rows(model, tokens, device, bw)[1:]
             for what, t, rate in timed:
                 rows.append((f"{what}, GEMV{'' if gemv else ' forced'}, {cols} columns w{warps} waves {waves} "
                              f"blocks x{nb_times}", t, rate))
-        for n, v in saved.items():
-            setattr(moe_exl2, n, v)
-        moe_exl2.GEMV_MAX_ROWS = 0  # the multi-row kernels at every batch
-        moe_exl2_rows.ROWS_MIN_MEAN, moe_exl2_rows.ROWS_MAX_MEAN = 0, 1 << 20
+        for (m, n), v in saved.items():
+            setattr(m, n, v)
+        gemv_mod.GEMV_MAX_ROWS = 0  # the multi-row kernels at every batch
+        rows_mod.ROWS_MIN_MEAN, rows_mod.ROWS_MAX_MEAN = 0, 1 << 20
         for cols, warps, waves, r in SWEEP_EXL2_ROWS:
-            moe_exl2_rows.ROWS_COLS, moe_exl2_rows.ROWS_WARPS, moe_exl2_rows.ROWS_WAVES = cols, warps, waves
-            moe_exl2_rows.ROWS = r
+            rows_mod.ROWS_COLS, rows_mod.ROWS_WARPS, rows_mod.ROWS_WAVES, rows_mod.ROWS = cols, warps, waves, r
             with use_options(gemv_on):
                 timed = kernel_rows(model, tokens, device, bw)[1:]
             for what, t, rate in timed:
                 rows.append((f"{what}, rows{'' if multi else ' forced'} R{r}, {cols} columns w{warps} waves {waves}",
                              t, rate))
     finally:
-        for n, v in saved.items():
-            setattr(moe_exl2, n, v)
-        for n, v in rows_saved.items():
-            setattr(moe_exl2_rows, n, v)
+        for (m, n), v in saved.items():
+            setattr(m, n, v)
     return rows
 
 

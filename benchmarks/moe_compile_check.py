@@ -1,6 +1,6 @@
-"""Compile the grouped MoE kernels (exlpy/kernels/moe.py, and moe_exl2.py for EXL2 experts) for an H100 (sm_90a)
-without a GPU; report registers, spills and shared memory for the tiles the wrappers pick at decode and prefill
-sizes (Mixtral-8x7B, Qwen3-MoE).
+"""Compile the grouped MoE kernels (exlpy/kernels/moe.py, and moe_exl2.py / moe_exl2_gemv.py for EXL2 experts)
+for an H100 (sm_90a) without a GPU; report registers, spills and shared memory for the tiles the wrappers pick at
+decode and prefill sizes (Mixtral-8x7B, Qwen3-MoE).
 
 python benchmarks/moe_compile_check.py [--json]
 Runs on any machine with Triton's bundled CUDA toolchain (no driver needed); tests/test_moe_compile.py asserts on
@@ -24,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
-from exlpy.kernels import moe, moe_exl2  # noqa: E402
+from exlpy.kernels import moe, moe_exl2, moe_exl2_gemv  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -82,10 +82,10 @@ def variants() -> dict[str, dict]:
     gemv_tables = {f"{w}_{t}": typ for w in ("g", "u") for t, typ in (("qw", "*i32"), ("sc", "*i32"),
                                                                       ("sm", "*fp32"), ("perm", "*i32"),
                                                                       ("word", "*i32"), ("info", "*i32"))}
-    cols, warps = moe_exl2.GEMV_COLS, moe_exl2.GEMV_WARPS
-    for width in moe_exl2.GEMV_WIDTHS:
+    cols, warps = moe_exl2_gemv.GEMV_COLS, moe_exl2_gemv.GEMV_WARPS
+    for width in moe_exl2_gemv.GEMV_WIDTHS:
         for even in (True, False):
-            nb_gu, nb_dn = moe_exl2.GEMV_NB[2, even][width], moe_exl2.GEMV_NB[1, even][width]
+            nb_gu, nb_dn = moe_exl2_gemv.GEMV_NB[2, even][width], moe_exl2_gemv.GEMV_NB[1, even][width]
             cases = [("fp16", True, cols, warps)]
             if width == 4:
                 cases += [("fp16", False, cols, warps), ("bf16", True, cols, warps), ("fp16", True, cols // 2, warps)]
@@ -93,27 +93,27 @@ def variants() -> dict[str, dict]:
                 tag = f"{dt} {width}-bit{'' if even else ' masked'}{'' if same else ' two perms'}" + (
                     f" {bn} columns" if bn != cols else "")
                 out[f"exl2 gemv gate_up {tag}"] = compile_kernel(
-                    moe_exl2._gate_up_gemv_kernel, {"x_ptr": "*" + dt, "order_ptr": "*i64", "counts_ptr": "*i32",
+                    moe_exl2_gemv._gate_up_gemv_kernel, {"x_ptr": "*" + dt, "order_ptr": "*i64", "counts_ptr": "*i32",
                                                     "ws_ptr": "*fp32", **gemv_tables},
                     dict(E_P2=8, BLOCK_N=bn, B=width, NB=nb_gu, SAME_PERM=same, EVEN=even), w, 1)
             out[f"exl2 gemv down fp16 {width}-bit{'' if even else ' masked'}"] = compile_kernel(
-                moe_exl2._down_gemv_kernel, {"a_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32",
+                moe_exl2_gemv._down_gemv_kernel, {"a_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32",
                                              "qw": "*i32", "sc": "*i32", "sm": "*fp32", "perm_ptr": "*i32",
                                              "word_ptr": "*i32", "info_ptr": "*i32", "ws_ptr": "*fp32"},
                 dict(E_P2=8, BLOCK_N=cols, B=width, NB=nb_dn, EVEN=even), warps, 1)
-    # mixed widths: each block's width chosen at run time, one block per step, always masked (moe_exl2._gemv_nb)
+    # mixed widths: each block's width chosen at run time, one block per step, always masked (moe_exl2_gemv.gemv_nb)
     out["exl2 gemv gate_up fp16 mixed masked"] = compile_kernel(
-        moe_exl2._gate_up_gemv_kernel, {"x_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32",
+        moe_exl2_gemv._gate_up_gemv_kernel, {"x_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32",
                                         "ws_ptr": "*fp32", **gemv_tables},
         dict(E_P2=8, BLOCK_N=cols, B=0, NB=1, SAME_PERM=True, EVEN=False), warps, 1)
     out["exl2 gemv down fp16 mixed masked"] = compile_kernel(
-        moe_exl2._down_gemv_kernel, {"a_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32", "qw": "*i32",
+        moe_exl2_gemv._down_gemv_kernel, {"a_ptr": "*fp16", "order_ptr": "*i64", "counts_ptr": "*i32", "qw": "*i32",
                                      "sc": "*i32", "sm": "*fp32", "perm_ptr": "*i32", "word_ptr": "*i32",
                                      "info_ptr": "*i32", "ws_ptr": "*fp32"},
         dict(E_P2=8, BLOCK_N=cols, B=0, NB=1, EVEN=False), warps, 1)
-    out["exl2 gemv act"] = compile_kernel(moe_exl2._act_kernel, {"ws_ptr": "*fp32", "out_ptr": "*fp16"},
+    out["exl2 gemv act"] = compile_kernel(moe_exl2_gemv._act_kernel, {"ws_ptr": "*fp32", "out_ptr": "*fp16"},
                                           dict(ACT=0, BLOCK=1024), 4, 1)
-    out["exl2 gemv convert"] = compile_kernel(moe_exl2._convert_kernel, {"ws_ptr": "*fp32", "y_ptr": "*fp16"},
+    out["exl2 gemv convert"] = compile_kernel(moe_exl2_gemv._convert_kernel, {"ws_ptr": "*fp32", "y_ptr": "*fp16"},
                                               dict(BLOCK=1024), 4, 1)
     for e, k in ((8, 2), (128, 8)):
         e_p2 = triton.next_power_of_2(e)

@@ -245,7 +245,7 @@ class HF:
 
 
 class Exlpy:
-    def __init__(self, path: Path, device: str, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, device: str, dtype: torch.dtype, mlp_align: int | None = None) -> None:
         from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config, ExLlamaV2Tokenizer, ExLlamaV2VisionTower
         from exlpy.generator import ExLlamaV2DynamicGenerator
 
@@ -256,6 +256,8 @@ class Exlpy:
         self.model.load(device=device)
         self.tokenizer = ExLlamaV2Tokenizer(self.config)
         self.tower = ExLlamaV2VisionTower(self.config)
+        if mlp_align is not None and hasattr(self.tower.tower, "mlp_align"):
+            self.tower.tower.mlp_align = mlp_align  # Qwen2.5-VL: the tower's MLP width padding (1: none)
         self.tower.load(device=device)
         self.cache = ExLlamaV2Cache(self.model, max_seq_len=4096)
         self.generator = ExLlamaV2DynamicGenerator(self.model, self.cache, self.tokenizer)
@@ -322,6 +324,8 @@ def main() -> None:
     ap.add_argument("--hf-processor", choices=["auto", "pil", "torchvision"], default="auto",
                     help="transformers' image processor for its timed runs: its torchvision one (its default, on "
                     "the GPU) when torchvision is installed (auto), or its PIL one")
+    ap.add_argument("--mlp-align", type=int, default=None, help="Qwen2.5-VL: pad the tower's MLP width to a "
+                    "multiple of this (default: exlpy's choice, 128 on GPUs; 1: no padding, for an A/B run)")
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown runs")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a shared machine, 1 keeps "
                     "small host ops from waiting on busy cores)")
@@ -351,7 +355,7 @@ def main() -> None:
             build(path, args.layers, args.vision_layers, args.tiny, device, max_pixels)
         say(f"built and saved the random model in {time.perf_counter() - t0:.1f} s")
         img = random_image(side, side, seed=0)
-        ex = Exlpy(path, device, torch.float32 if device == "cpu" else half)
+        ex = Exlpy(path, device, torch.float32 if device == "cpu" else half, args.mlp_align)
         got = ex.logits(img, before, after)
         hf = HF(path, device, half, max_pixels, args.arch, args.hf_processor)
         want_half = hf.logits(img, before, after, pil=True)

@@ -95,7 +95,7 @@ class RuntimeOptions:
     # GPU suite run with it on, graph captures at first use failed next to other GPU work in the same process
     # ("operation not permitted when stream is capturing") and jobs came back empty.
     prefill_graphs: bool = False
-    # EXL2 expert stacks with few rows per expert (decode) run exlpy/kernels/moe_exl2.py's split-K GEMV kernels
+    # EXL2 expert stacks with few rows per expert (decode) run exlpy/kernels/moe_exl2_gemv.py's split-K GEMV kernels
     # instead of the tile kernels: Mixtral's EXL2 4.0 experts at batch 1 on an H100 went from 8.4% to 54.2% of the
     # bandwidth limit (2026-11-26; the MoE tests passed there with them on). EXLPY_MOE_GEMV=0 takes the tile kernels.
     moe_gemv: bool = True

@@ -1,3 +1,4 @@
-"""The package version (exllamav2 scripts import `exllamav2.version.__version__`); pyproject.toml reads it."""
+"""exlpy's own release (pyproject.toml reads it). Under the exllamav2 alias, `exllamav2.version` is
+exlpy/compat/version.py instead: the exllamav2 release whose API exlpy implements."""
 
 __version__ = "0.1.0"

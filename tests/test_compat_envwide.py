@@ -39,7 +39,9 @@ import sys, importlib.metadata as md
 print("version", md.version("exllamav2"))
 print("lazy", "exlpy" not in sys.modules and "torch" not in sys.modules)
 import exllamav2, exllamav2.generator, exlpy, exlpy.generator
-print("same", exllamav2 is exlpy and exllamav2.generator is exlpy.generator)
+print("same", exllamav2.ExLlamaV2 is exlpy.ExLlamaV2 and exllamav2.generator.ExLlamaV2Sampler is
+      exlpy.generator.ExLlamaV2Sampler)
+print("versions", exllamav2.__version__, exlpy.__version__ == exlpy.version.__version__)
 """
 
 
@@ -54,6 +56,7 @@ def test_install_is_seen_by_python_and_pip_and_removed_again(tmp_path: Path) -> 
     res = run_py(py, PROBE, tmp_path)
     assert res.returncode == 0, res.stderr
     assert "version 0.3.2" in res.stdout and "lazy True" in res.stdout and "same True" in res.stdout
+    assert "versions 0.3.2 True" in res.stdout  # one constant for the metadata and exllamav2.__version__
     st = subprocess.run([*cli, "status"], env=env, capture_output=True, text=True, cwd=ROOT).stdout
     assert "alias installed: yes" in st and "real exllamav2: none" in st
 

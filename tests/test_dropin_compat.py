@@ -37,13 +37,57 @@ def test_aliases_are_exlpys_modules(compat: None) -> None:
     import exlpy.generator.dynamic.async_
     import exlpy.model_init
 
-    assert exllamav2 is exlpy and exllamav2.generator is exlpy.generator and model_init is exlpy.model_init
-    assert exllamav2.generator.dynamic_async is exlpy.generator.dynamic.async_
+    assert model_init is exlpy.model_init and exllamav2.generator.dynamic_async is exlpy.generator.dynamic.async_
+    # The package and generator are thin aliases (exllamav2's __version__); their contents are exlpy's objects.
+    assert exllamav2.ExLlamaV2 is exlpy.ExLlamaV2 and exllamav2.model_init is exlpy.model_init
     assert ExLlamaV2Sampler is exlpy.generator.ExLlamaV2Sampler
+    assert exllamav2.generator.dynamic is exlpy.generator.dynamic
     # exlpy's modules keep their own identity (the import system must not rename them).
     assert exlpy.generator.__spec__.name == "exlpy.generator" and exlpy.generator.__name__ == "exlpy.generator"
     exlpy.compat.install()  # idempotent
     assert sum(type(f).__name__ == "AliasFinder" for f in sys.meta_path) == 1
+
+
+def test_versions_are_exllamav2s_under_the_alias_and_exlpys_under_exlpy(compat: None) -> None:
+    """Programs check `exllamav2.__version__` for a minimum exllamav2 version: under the alias it is the release
+    whose API exlpy implements (the one the environment-wide alias's metadata reports), never exlpy's own."""
+    import exllamav2
+    import exllamav2.version
+    from exllamav2 import __version__ as from_package
+    from exllamav2.generator import __version__ as from_generator
+    from exllamav2.tokenizer import __version__ as from_tokenizer
+    from exllamav2.version import __version__ as from_version
+
+    import exlpy.generator
+    import exlpy.tokenizer
+    import exlpy.version
+    from exlpy.compat import envwide, version
+
+    assert exllamav2.__version__ == exllamav2.version.__version__ == from_package == from_version == "0.3.2"
+    assert from_generator == from_tokenizer == version.__version__ == envwide.ALIAS_VERSION == "0.3.2"
+    assert exlpy.__version__ == exlpy.version.__version__ == exlpy.generator.__version__ == "0.1.0"
+    assert exlpy.tokenizer.__version__ == "0.1.0" and exlpy.version is not exllamav2.version
+    namespace: dict[str, object] = {}
+    exec("from exllamav2 import *", namespace)  # __all__ names __version__
+    assert namespace["__version__"] == "0.3.2" and namespace["ExLlamaV2"] is exlpy.ExLlamaV2
+
+
+def test_alias_writes_reach_exlpy_but_keep_its_names(compat: None) -> None:
+    """A monkeypatch of `exllamav2.X` is seen by exlpy's code, as when the alias was exlpy's module itself; the
+    alias's own bookkeeping (its name, spec, the submodules bound on it) stays off exlpy's modules."""
+    import exllamav2
+    import exllamav2.generator.dynamic_async
+
+    original = exlpy.ExLlamaV2Config
+    exllamav2.ExLlamaV2Config = int  # type: ignore[misc,assignment]
+    try:
+        assert exlpy.ExLlamaV2Config is int
+    finally:
+        exllamav2.ExLlamaV2Config = original
+    assert exlpy.ExLlamaV2Config is original
+    assert exllamav2.__name__ == "exllamav2" and exlpy.__name__ == "exlpy" and exlpy.__spec__.name == "exlpy"
+    assert not hasattr(exlpy.generator, "dynamic_async") and "ExLlamaV2" in dir(exllamav2)
+    assert exllamav2.__file__ == exlpy.__file__  # tools locating the package find exlpy's files
 
 
 def test_uninstall_forgets_aliases() -> None:
@@ -173,4 +217,4 @@ def test_runner_module_mode(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "exlpy.compat", "-m", "uses_exllamav2", "a", "--b"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120, env=child_env())
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "OK exlpy exlpy.util ['a', '--b']"
+    assert r.stdout.strip() == "OK exllamav2 exlpy.util ['a', '--b']"  # the package alias keeps its name

@@ -63,3 +63,35 @@ def test_unfinished_prefix_page_is_unhashed_unless_a_sharer_can_finish_it() -> N
     assert b[0].hashed and b[0].filler is None  # job 2 may claim and finish it
     t.release(b, 2)
     assert not b[0].hashed and h[0] not in t.by_hash  # nobody finished it: no false promise of K/V
+
+
+def test_free_pages_are_counted_and_taken_lru_without_a_scan() -> None:
+    """The free list the table keeps (O(1) count and LRU page, no scan of every page per step) agrees with a scan
+    of the pages after any sequence of allocations, growth, sharing and releases."""
+    import random
+
+    rng = random.Random(0)
+    table = PageTable(24, 4)
+    held: list[tuple[list, int]] = []
+    serial = 0
+    for _ in range(400):
+        free = [p for p in table.pages if p.ref_count == 0]
+        assert table.num_unreferenced() == len(free) == len(table.free)
+        if free:  # the page the next allocation takes: the least recently used free one
+            assert table._take_free() is min(free, key=lambda p: p.last_access)
+        if held and (rng.random() < 0.4 or not free):
+            pages, s = held.pop(rng.randrange(len(held)))
+            ids = torch.randint(3, 9, (len(pages) * 4,), generator=torch.Generator().manual_seed(s))
+            table.release(pages, s, ids, rng.randrange(len(pages) * 4 + 1))
+        elif held and rng.random() < 0.3:
+            pages, s = held[rng.randrange(len(held))]
+            if len(free) >= 2:
+                table.grow(pages, len(pages) + 2, s)
+        else:
+            serial += 1
+            n = rng.randint(1, min(3, len(free)))
+            ids = torch.randint(3, 5, (n * 4,), generator=torch.Generator().manual_seed(rng.randrange(4)))
+            hashes = chain_hashes(ids, n * 4 - 1, 4)  # a shared prefix now and then: live pages referenced twice
+            if table.can_allocate([(hashes, n)]):
+                pages, _ = table.allocate(hashes, n, serial)
+                held.append((pages, serial))

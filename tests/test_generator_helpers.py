@@ -68,8 +68,11 @@ def drain(gen: Any) -> dict[Any, dict[str, Any]]:
 
 def decode_next_to_long_prompt(gen: Any, prompt_len: int, decode_len: int, new_tokens: int) -> tuple[Any, list[int]]:
     """Three jobs decoding (`decode_len` tokens each), then a random prompt of `prompt_len` tokens (asking
-    `new_tokens`) enqueued beside them and iterated until prefilled; every decoding job must advance in every
-    one of those iterations. Returns (the long job, the prompt tokens each iteration prefilled)."""
+    `new_tokens`) enqueued beside them and iterated until it has its first token: its admission, every prompt chunk
+    and the steps where it joins the decode batch (one more row; its first token one iteration later, the steps
+    overlapping). Every decoding job must get a token in every one of those iterations, in that iteration's results:
+    a skipped or held-back iteration doubles every stream's gap. Returns (the long job, the prompt tokens each
+    iteration prefilled)."""
     from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
     greedy = ExLlamaV2Sampler.Settings.greedy()
@@ -82,10 +85,20 @@ def decode_next_to_long_prompt(gen: Any, prompt_len: int, decode_len: int, new_t
                                new_tokens, gen_settings=greedy, stop_conditions=[])
     gen.enqueue(long)
     chunks: list[int] = []
-    while not long.is_prefilled():
+    states: list[str] = []
+    while not long.new_tokens:
         before = {j: j.new_tokens for j in decoders}
         p0 = gen.prefill_tokens
-        gen.iterate()
-        chunks.append(gen.prefill_tokens - p0)
-        assert all(j.new_tokens > before[j] for j in decoders)  # every decoding job advanced in this step
+        states.append("prefill" if not long.is_prefilled() else "joining")
+        results = gen.iterate()
+        if states[-1] == "prefill":
+            chunks.append(gen.prefill_tokens - p0)
+        shown = {j: 0 for j in decoders}
+        for r in results:
+            if r["stage"] == "streaming" and r["job"] in shown:
+                shown[r["job"]] += r["token_ids"].shape[-1]
+        late = [j.serial for j in decoders if (j.new_tokens != before[j] + 1 or shown[j] != 1) and not j.finished]
+        assert not late, f"iteration {len(states) - 1} ({states[-1]}): jobs {late} got no token in the results"
+    # its last chunk's iteration launches its first decode step (one more row); the next one reads that token
+    assert states.count("joining") == 1
     return long, chunks

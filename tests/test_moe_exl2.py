@@ -1,7 +1,7 @@
 """EXL2 experts of MoE blocks: the stacked layout (exlpy/quant/experts.py), the grouped packed-weight kernels
-(exlpy/kernels/moe_exl2.py) against their references, and EXL2 MoE models through them and through the graph
-runner. Expert layouts differ per expert (mixed 2-8 bit widths, groups of any height, the last one cut at K,
-their own act orders), as the converter writes them.
+(exlpy/kernels/moe_exl2.py; at few rows per expert moe_exl2_gemv.py) against their references, and EXL2 MoE
+models through them and through the graph runner. Expert layouts differ per expert (mixed 2-8 bit widths, groups
+of any height, the last one cut at K, their own act orders), as the converter writes them.
 
 Tests marked `interpreter` run the Triton kernels on CPU tensors (tests/conftest.py: a child pytest with
 TRITON_INTERPRET=1); `gpu` tests run on CUDA and skip without it.
@@ -174,9 +174,9 @@ def test_uniform_width_stacks(width: int, monkeypatch: pytest.MonkeyPatch) -> No
     them): 2, 4 and 8 bits load each block's words once; K = 88 and 72 end in a partial block (the last expert's
     last words end the stack). 3 bits take the gather path."""
     _cpu_ok()
-    from exlpy.kernels import moe_exl2, moe_exl2_rows
+    from exlpy.kernels import moe_exl2_gemv, moe_exl2_rows
 
-    monkeypatch.setattr(moe_exl2, "GEMV_MAX_ROWS", 0)
+    monkeypatch.setattr(moe_exl2_gemv, "GEMV_MAX_ROWS", 0)
     monkeypatch.setattr(moe_exl2_rows, "ROWS_MAX_MEAN", 0)
     _check_kernels(3, 4, 2, 88, 72, seed=width, uniform=width)
 
@@ -184,9 +184,9 @@ def test_uniform_width_stacks(width: int, monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.interpreter
 def test_gelu_and_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     _cpu_ok()
-    from exlpy.kernels import moe_exl2, moe_exl2_rows
+    from exlpy.kernels import moe_exl2_gemv, moe_exl2_rows
 
-    monkeypatch.setattr(moe_exl2, "GEMV_MAX_ROWS", 0)  # the tile kernels (test_gemv_path_* take the others)
+    monkeypatch.setattr(moe_exl2_gemv, "GEMV_MAX_ROWS", 0)  # the tile kernels (test_gemv_path_* take the others)
     monkeypatch.setattr(moe_exl2_rows, "ROWS_MAX_MEAN", 0)  # (and test_moe_exl2_rows.py the multi-row ones)
     _check_kernels(5, 4, 2, 64, 40, seed=3, kind="gelu_tanh")
     _check_kernels(5, 4, 2, 64, 40, seed=4, dtype=torch.float16, tol=5e-3)
@@ -202,18 +202,18 @@ def test_gemv_path_every_width(width: int, monkeypatch: pytest.MonkeyPatch) -> N
     partial block (masked rows); 3 and 4 bits also K = 128 / 64 (whole steps, no masks), gate and up with one act
     order (4) or two (3)."""
     _cpu_ok()
-    from exlpy.kernels import moe_exl2
+    from exlpy.kernels import moe_exl2_gemv
 
     taken = []
-    for name in ("_gate_up_gemv", "_down_gemv"):
-        f = getattr(moe_exl2, name)
-        monkeypatch.setattr(moe_exl2, name, lambda *a, f=f, name=name: taken.append(name) or f(*a))
+    for name in ("gate_up_gemv", "down_gemv"):
+        f = getattr(moe_exl2_gemv, name)
+        monkeypatch.setattr(moe_exl2_gemv, name, lambda *a, f=f, name=name: taken.append(name) or f(*a))
     _check_kernels(1, 4, 2, 88, 72, seed=width, uniform=width)
     runs = 1
     if width in (3, 4):
         _check_kernels(3, 4, 2, 128, 64, seed=10 + width, uniform=width, same_perm=width == 4)
         runs = 2
-    assert taken.count("_gate_up_gemv") == runs and taken.count("_down_gemv") == 2 * runs  # the check runs down twice
+    assert taken.count("gate_up_gemv") == runs and taken.count("down_gemv") == 2 * runs  # the check runs down twice
 
 
 @pytest.mark.interpreter
@@ -221,11 +221,11 @@ def test_gemv_path_mixed_widths(monkeypatch: pytest.MonkeyPatch) -> None:
     """Aligned stacks of mixed widths (every width, per expert and block, as the converter writes them) take the
     GEMV kernels, each block decoded at its own width; a stack with a group off the 32-row grid does not."""
     _cpu_ok()
-    from exlpy.kernels import moe_exl2
+    from exlpy.kernels import moe_exl2_gemv
 
     taken = []
-    f = moe_exl2._gate_up_gemv
-    monkeypatch.setattr(moe_exl2, "_gate_up_gemv", lambda *a: taken.append(a[-2]) or f(*a))
+    f = moe_exl2_gemv.gate_up_gemv
+    monkeypatch.setattr(moe_exl2_gemv, "gate_up_gemv", lambda *a: taken.append(a[-2]) or f(*a))
     _check_kernels(2, 4, 2, 192, 88, seed=21, same_perm=False)  # 32-row groups cycling 4, 3, 6, 5, 8, 2 bits
     _check_kernels(1, 4, 2, 88, 72, seed=22)  # LAYOUTS_88: groups of 24-88 rows, a last block cut at K
     assert taken == [0, 0]
@@ -239,32 +239,32 @@ def test_gemv_path_half_precision_and_gelu() -> None:
     _check_kernels(2, 4, 2, 64, 96, seed=6, dtype=torch.float16, tol=5e-3, uniform=4)
     _check_kernels(1, 4, 2, 64, 96, seed=7, dtype=torch.bfloat16, tol=2e-2, uniform=4)
     _check_kernels(1, 4, 2, 88, 72, seed=8, kind="gelu_tanh", uniform=6)
-    from exlpy.kernels import moe_exl2
+    from exlpy.kernels import moe_exl2_gemv
 
     # the split-K workspaces are zero again after every launch (read by atomic exchange), and reused
-    assert moe_exl2._WORKSPACES and all(not ws.any() for ws in moe_exl2._WORKSPACES.values())
+    assert moe_exl2_gemv._WORKSPACES and all(not ws.any() for ws in moe_exl2_gemv._WORKSPACES.values())
 
 
 def test_gemv_path_choice_and_split() -> None:
     """Decode (mean rows per routed expert <= GEMV_MAX_ROWS) takes the GEMV kernels, 32 tokens the tile kernels;
     K splits into whole steps, the programs within GEMV_WAVES per SM (Mixtral's shapes on 132 SMs)."""
     pytest.importorskip("triton")
-    from exlpy.kernels import moe_exl2
+    from exlpy.kernels import moe_exl2_gemv as gemv
 
-    assert moe_exl2._gemv_rows(2, 8) and moe_exl2._gemv_rows(8, 128) and not moe_exl2._gemv_rows(64, 8)
-    for n_out, k, (nb, even) in ((14336, 4096, moe_exl2._gemv_nb(4, 2, 4096)),
-                                 (4096, 14336, moe_exl2._gemv_nb(4, 1, 14336))):
+    assert gemv.gemv_rows(2, 8) and gemv.gemv_rows(8, 128) and not gemv.gemv_rows(64, 8)
+    for n_out, k, (nb, even) in ((14336, 4096, gemv.gemv_nb(4, 2, 4096)),
+                                 (4096, 14336, gemv.gemv_nb(4, 1, 14336))):
         assert even
-        bn, warps, blocks, splits, chunk = moe_exl2._gemv_split(2, n_out, k, nb, 132)
-        assert (bn, warps) == (moe_exl2.GEMV_COLS, moe_exl2.GEMV_WARPS)
+        bn, warps, blocks, splits, chunk = gemv.gemv_split(2, n_out, k, nb, 132)
+        assert (bn, warps) == (gemv.GEMV_COLS, gemv.GEMV_WARPS)
         assert chunk % (32 * nb) == 0 and (splits - 1) * chunk < k <= splits * chunk
-        assert 2 * 132 <= 2 * blocks * splits <= moe_exl2.GEMV_WAVES * 132, (n_out, k, blocks, splits)
-    assert moe_exl2._gemv_split(8, 768, 2048, 1, 132)[:3] == (256, 4, 3)  # Qwen3-MoE's gate|up: no idle columns
+        assert 2 * 132 <= 2 * blocks * splits <= gemv.GEMV_WAVES * 132, (n_out, k, blocks, splits)
+    assert gemv.gemv_split(8, 768, 2048, 1, 132)[:3] == (256, 4, 3)  # Qwen3-MoE's gate|up: no idle columns
     g = torch.Generator().manual_seed(3)
     four = _stack(2, 64, 40, g, uniform=4)[0]
-    assert moe_exl2._gemv_width(four) == 4 and moe_exl2._gemv_width(four, _stack(2, 64, 40, g, uniform=5)[0]) == 0
-    assert moe_exl2._gemv_width(_stack(4, 88, 40, g)[0]) == 0  # mixed widths, aligned: each block its own
-    assert moe_exl2._gemv_width(_stack(5, 88, 40, g)[0]) is None  # a group off the 32-row grid: the tile kernels
+    assert gemv.gemv_width(four) == 4 and gemv.gemv_width(four, _stack(2, 64, 40, g, uniform=5)[0]) == 0
+    assert gemv.gemv_width(_stack(4, 88, 40, g)[0]) == 0  # mixed widths, aligned: each block its own
+    assert gemv.gemv_width(_stack(5, 88, 40, g)[0]) is None  # a group off the 32-row grid: the tile kernels
 
 
 def test_kernels_have_their_references_signatures() -> None:

@@ -52,7 +52,7 @@ def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform
            dtype: torch.dtype = torch.float32, kind: str = "silu", tol: float = 1e-5, device: str = "cpu") -> None:
     """The kernels called directly, and through moe_exl2's entry points with a spy on the route taken, against
     the references."""
-    from exlpy.kernels import moe_exl2, moe_exl2_rows
+    from exlpy.kernels import moe_exl2, moe_exl2_gemv, moe_exl2_rows
 
     g = torch.Generator().manual_seed(seed)
     E = len(counts)
@@ -65,14 +65,14 @@ def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform
     order, counts_t = reference.moe_sort(ids, E)
     assert counts_t.tolist() == counts
     N = order.shape[0]
-    width = moe_exl2._gemv_width(gate, up)
+    width = moe_exl2_gemv.gemv_width(gate, up)
     assert width is not None and width == (uniform if uniform else 0)
     ref_a = reference.moe_gate_up_exl2(x, order, counts_t, gate, up, top_k, kind)
     a = moe_exl2_rows.gate_up_rows(x, order, counts_t, gate, up, top_k, kind, width,
                                    torch.empty(N, inter, dtype=dtype, device=device))
     assert torch.isfinite(a).all() and _rel(a, ref_a) < tol, _rel(a, ref_a)
     ref_y = reference.moe_down_exl2(ref_a, order, counts_t, down)
-    y = moe_exl2_rows.down_rows(ref_a, order, counts_t, down, moe_exl2._gemv_width(down),
+    y = moe_exl2_rows.down_rows(ref_a, order, counts_t, down, moe_exl2_gemv.gemv_width(down),
                                 torch.empty(N, H, dtype=dtype, device=device))
     assert torch.isfinite(y).all() and _rel(y, ref_y) < tol, _rel(y, ref_y)
     taken = []
@@ -115,7 +115,7 @@ def test_rows_split_k_over_several_steps_and_half_precision(monkeypatch: pytest.
     """K splits of several steps each (the plan of a 4-SM device), fp16 and bf16 activations, GELU; the shared
     workspace is zero again after every launch."""
     _cpu_ok()
-    from exlpy.kernels import moe_exl2, moe_exl2_rows
+    from exlpy.kernels import moe_exl2_gemv, moe_exl2_rows
 
     monkeypatch.setattr(moe_exl2_rows, "_sms", lambda t: 4)
     tiles, cols, warps, blocks, splits, chunk = moe_exl2_rows.plan(24, 3, 72, 256, 1, 2, 4)
@@ -123,7 +123,7 @@ def test_rows_split_k_over_several_steps_and_half_precision(monkeypatch: pytest.
     _check([9, 3, 12], 1, 256, 72, seed=31, uniform=4)
     _check([4, 4, 9, 5], 2, 128, 40, seed=32, uniform=4, dtype=torch.float16, kind="gelu_tanh", tol=5e-3)
     _check([8, 5, 3], 1, 64, 96, seed=33, dtype=torch.bfloat16, tol=2e-2)
-    assert moe_exl2._WORKSPACES and all(not ws.any() for ws in moe_exl2._WORKSPACES.values())
+    assert moe_exl2_gemv._WORKSPACES and all(not ws.any() for ws in moe_exl2_gemv._WORKSPACES.values())
 
 
 @pytest.mark.interpreter
@@ -139,13 +139,13 @@ def test_other_tile_heights(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_route_by_rows_per_expert() -> None:
-    """Mean sorted rows per routed expert above moe_exl2.GEMV_MAX_ROWS and up to ROWS_MAX_MEAN take these
+    """Mean sorted rows per routed expert above moe_exl2_gemv.GEMV_MAX_ROWS and up to ROWS_MAX_MEAN take these
     kernels (Mixtral at 16 to 64 tokens, Qwen3-MoE at 3-16 rows over its 128 experts); the decision is host
     arithmetic; EXLPY_MOE_GEMV=0 turns them off with the GEMV kernels."""
     pytest.importorskip("triton")
-    from exlpy.kernels import moe_exl2, moe_exl2_rows
+    from exlpy.kernels import moe_exl2_gemv, moe_exl2_rows
 
-    assert moe_exl2_rows.ROWS_MIN_MEAN == moe_exl2.GEMV_MAX_ROWS
+    assert moe_exl2_rows.ROWS_MIN_MEAN == moe_exl2_gemv.GEMV_MAX_ROWS
     takes = moe_exl2_rows.takes
     assert not takes(2, 8) and not takes(16, 8)  # Mixtral batch 1 and 8: the GEMV kernels
     assert takes(32, 8) and takes(64, 8) and takes(128, 8) and not takes(130, 8)  # 16, 32, 64 tokens; 65

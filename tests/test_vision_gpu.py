@@ -116,3 +116,35 @@ def test_pixels_computed_on_the_gpu_equal_the_processors(tmp_path: Path, kind: s
         cpu, want_grid = tower.preprocess(img)
         assert gpu.device.type == "cuda" and grid == want_grid
         assert torch.equal(gpu.cpu(), cpu), size
+
+
+def test_image_embedding_does_not_wait_for_the_gpu(tmp_path: Path) -> None:
+    """get_image_embeddings queues the image's GPU work and returns: no synchronizing CUDA call (torch's sync
+    debug mode raises on one), so the prompt's host-side setup runs while the tower computes. Its finiteness
+    check is read at the rows' first use, and a non-finite GPU row is still caught."""
+    from exlpy.errors import MultimodalError
+    from exlpy.vision.embedding import ExLlamaV2MMEmbedding, RowCheck
+    from exlpy.vision.transfer import upload
+
+    make_qwen_vl(tmp_path, "qwen2_5_vl")
+    model, tok, tower = _load(tmp_path)
+    # the first image of a shape builds its tables (rotary, windows) and warms torch's kernels up
+    tower.get_image_embeddings(model=model, tokenizer=tok, image=random_image(120, 90, seed=1), embeddings_cpu=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        emb = tower.get_image_embeddings(model=model, tokenizer=tok, image=random_image(120, 90, seed=2),
+                                         embeddings_cpu=False)
+        table = upload(torch.arange(6.0).view(2, 3), torch.device("cuda", 0), torch.float16)  # M-RoPE tables' way
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert emb.row_check.ok()
+    emb.verify()
+    assert table.dtype == torch.float16 and table.cpu().tolist() == [[0, 1, 2], [3, 4, 5]]
+    rows = emb.rows_on(torch.device("cuda", 0), torch.float16).clone()
+    rows[1, 2] = float("nan")
+    check = RowCheck(rows)
+    assert check.pending and not check.ok()
+    bad = ExLlamaV2MMEmbedding(model, rows, digest=b"gpu nan rows", device_rows=rows)  # made without waiting
+    with pytest.raises(MultimodalError, match="finite"):
+        bad.verify()

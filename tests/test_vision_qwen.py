@@ -239,3 +239,75 @@ def test_video_matches_hf(tmp_path: Path, kind: str) -> None:
         ref = hf(input_ids=hid, pixel_values_videos=px, video_grid_thw=thw,
                  mm_token_type_ids=(hid == IDS["<|video_pad|>"]).int() * 2, **extra).logits
     assert rel_err(model.forward(ids, indexed_embeddings=[emb]), ref) < 1e-4
+
+
+def test_deferred_non_finite_rows_fail_the_job_not_the_generator(vl: Loaded) -> None:
+    """Rows checked without waiting (a GPU tower's): a job whose image rows hold NaN ends with MultimodalError at
+    its prefill, its pages stay uncomputed, and the next job with a good image runs and matches transformers;
+    model.forward raises the same error."""
+    from exlpy import ExLlamaV2Cache
+    from exlpy.errors import MultimodalError
+    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.vision.embedding import ExLlamaV2MMEmbedding, RowCheck
+
+    img = random_image(120, 90, seed=5)
+    good = vl.embed(img, "<good>")
+    rows = good.embeddings.clone()
+    rows[3, 1] = float("nan")
+    bad = ExLlamaV2MMEmbedding(vl.model, rows, "<bad>", thw_grid=good.thw_grid, pre_tokens=1, post_tokens=1,
+                               digest=b"nan rows", row_check=RowCheck(rows, defer=True))
+    gen = ExLlamaV2DynamicGenerator(vl.model, ExLlamaV2Cache(vl.model, max_seq_len=512), vl.tokenizer)
+    ids = vl.tokenizer.encode("Look: <bad> what is it?", embeddings=[bad])
+    gen.enqueue(ExLlamaV2DynamicJob(ids, max_new_tokens=2, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                                    embeddings=[bad], stop_conditions=[]))
+    errors = []
+    while gen.num_remaining_jobs():
+        errors += [r["error"] for r in gen.iterate() if "error" in r]
+    assert len(errors) == 1 and isinstance(errors[0], MultimodalError) and "finite" in str(errors[0])
+    with pytest.raises(MultimodalError, match="finite"):
+        vl.model.forward(ids, indexed_embeddings=[bad])
+    ids = vl.tokenizer.encode("Look: <good> what is it?", embeddings=[good])
+    want = _hf_greedy(vl, img, "Look: ", " what is it?", good.length - 2, 3)
+    assert greedy_dynamic(gen, ids, good, 3) == want
+
+
+def test_padded_mlp_matches_hf(vl: Loaded) -> None:
+    """Qwen2.5-VL's tower with its MLP width padded (as on GPUs: zero rows of gate / up, zero columns of down)
+    computes the same features as transformers."""
+    if vl.tower.kind != "qwen2_5_vl":
+        pytest.skip("Qwen2-VL's MLP is not gated and not padded")
+    img = random_image(200, 84, seed=1)
+    ref = vl.proc(images=[img], return_tensors="pt")
+    with torch.no_grad():
+        want = vl.hf.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output[0]
+    inner = vl.tower.tower
+    try:
+        inner.mlp_align = 128
+        vl.tower.load(device="cpu")
+        assert inner.w["visual.blocks.0.mlp.gate_up.weight"].shape[0] == 2 * 128  # 48 padded to 128, twice
+        assert inner.w["visual.blocks.0.mlp.down_proj.weight"].shape == (32, 128)
+        got = vl.tower.image_features(*vl.tower.preprocess(img))
+    finally:
+        inner.mlp_align = None
+        vl.tower.load(device="cpu")
+    assert inner.w["visual.blocks.0.mlp.down_proj.weight"].shape == (32, 48)
+    assert rel_err(got, want) < 1e-4
+
+
+def test_preprocessing_beside_the_hash_gives_the_same_embedding(vl: Loaded, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """The GPU order of get_image_embeddings (the image hashed on a thread while its preprocessing is queued, then
+    the cache lookup), run on the CPU: the same rows and ids as the plain order, and a cached image still skips
+    the tower."""
+    from exlpy.vision.tower import ExLlamaV2VisionTower
+
+    img = random_image(100, 70, seed=21)
+    plain = vl.embed(img, "<plain>")
+    vl.tower._cache.clear()
+    monkeypatch.setattr(ExLlamaV2VisionTower, "_launches_preprocessing", property(lambda self: True))
+    early = vl.embed(img.copy(), "<early>")
+    assert torch.equal(early.embeddings, plain.embeddings) and early.get_ids() == plain.get_ids()
+    calls = []
+    monkeypatch.setattr(vl.tower, "image_features", lambda *a: calls.append(a))
+    again = vl.embed(img.copy(), "<again>")
+    assert not calls and again.get_ids() == plain.get_ids()

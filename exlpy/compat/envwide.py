@@ -30,10 +30,10 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from exlpy.compat.version import __version__ as ALIAS_VERSION  # programs check for exllamav2 >= 0.3.1
 from exlpy.errors import CompatInstallError
 from exlpy.version import __version__ as EXLPY_VERSION
 
-ALIAS_VERSION = "0.3.2"  # the exllamav2 release whose API exlpy offers (programs check for >= 0.3.1)
 HOOK_MODULE = "_exlpy_exllamav2_alias"
 PTH_NAME = "exlpy-exllamav2-alias.pth"
 INSTALLER = "exlpy"

@@ -1,5 +1,5 @@
 """Grouped EXL2 expert GEMMs at a few rows per expert (3-16: batched decode, e.g. Mixtral at 32 tokens = 64
-(token, expert) pairs over 8 experts): a multi-row variant of moe_exl2's GEMV kernels. Same contracts as
+(token, expert) pairs over 8 experts): a multi-row variant of moe_exl2_gemv's GEMV kernels. Same contracts as
 `reference.moe_gate_up_exl2 / moe_down_exl2`; moe_exl2 routes here by the launch's pair and expert counts.
 
 Why not the tile kernels: at ~8 rows per expert they decode every 32-row block into a [32, 64] tile, convert it to
@@ -17,7 +17,7 @@ word once per warp). An expert with more than R rows takes several tiles (the de
 `_tile`: ceil(N / R) + min(E, N) row tiles, those past the last exit); rows past an expert's end compute on a copy
 of its last row and are not stored. gate|up runs gate and up as separate programs (the third grid axis is matrix x
 K split: half the registers of a fused program, so R = 8 rows of 4 columns keep their partial and scaled sums
-unspilled). The K splits add their fp32 sums into moe_exl2's zeroed workspace by atomics; moe_exl2's epilogue
+unspilled). The K splits add their fp32 sums into moe_exl2_gemv's zeroed workspace by atomics; its epilogue
 kernels take them (atomic exchange with zero) and write act(gate) * up, or down's y. No host sync, no memset:
 CUDA-graph safe.
 
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from exlpy.kernels.exl2_gemv import _MAGIC
 from exlpy.kernels.moe import _ACTS, _sms, _tile
-from exlpy.kernels.moe_exl2 import (
+from exlpy.kernels.moe_exl2_gemv import (
     _act_kernel,
     _block_words,
     _code,
@@ -50,7 +50,7 @@ from exlpy.runtime import options
 ROWS = 8  # R: sorted rows per program (one expert's); more rows of an expert take more programs
 ROWS_STEP = 2  # a tile computes its live rows rounded up to this (one copy of the K loop per count: R / ROWS_STEP)
 ROWS_STEP_MIXED = 4  # the same for mixed-width stacks, whose K loop holds a copy per width already (compile time)
-ROWS_MIN_MEAN = 2  # this path above this mean of sorted rows per routed expert (moe_exl2.GEMV_MAX_ROWS: below)
+ROWS_MIN_MEAN = 2  # this path above this mean of sorted rows per routed expert (GEMV_MAX_ROWS: the GEMV kernels)
 ROWS_MAX_MEAN = 16  # ... and up to this; more rows per expert take the tensor-core tile kernels (0: path off)
 ROWS_COLS = 512  # columns per program: 4 per thread at ROWS_WARPS (one 16-byte load per packed word row)
 ROWS_WARPS = 4

@@ -54,6 +54,50 @@ def content_digest(embeddings: torch.Tensor, *extra: Any) -> bytes:
     return h.digest()
 
 
+class RowCheck:
+    """Whether embedding rows are all finite. On a GPU the reduction is launched and its one-byte answer copied
+    to pinned memory without waiting: making an embedding then never waits for the vision tower (a wait there
+    would hold back the prompt's host-side setup until the tower is done); the answer is read when the rows are
+    first used (`ExLlamaV2MMEmbedding.verify`). Elsewhere (or with defer=False) it is computed at once."""
+
+    def __init__(self, rows: torch.Tensor, defer: bool | None = None) -> None:
+        defer = rows.device.type == "cuda" if defer is None else defer
+        self._value: bool | None = None
+        self._flag: torch.Tensor | None = None
+        self._event: Any = None
+        if not rows.is_floating_point():
+            self._value = False
+            return
+        flag = torch.isfinite(rows).all()
+        if not defer:
+            self._value = bool(flag)
+        elif rows.device.type == "cuda":
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(rows.device))
+        else:
+            self._flag = flag
+
+    @property
+    def pending(self) -> bool:
+        return self._value is None
+
+    def ok(self) -> bool:
+        """The answer (waits, on a GPU, for the reduction only: it was queued right after the rows)."""
+        value = self._value
+        if value is None:
+            flag, event = self._flag, self._event
+            if flag is None:  # answered by another thread meanwhile (it sets the value before dropping the flag)
+                return bool(self._value)
+            if event is not None:
+                event.synchronize()
+            value = bool(flag)
+            self._value = value
+            self._flag = self._event = None
+        return value
+
+
 class ExLlamaV2MMEmbedding:
     """Embedding rows [num_tokens, hidden_size] for `model`, with the text alias that stands for them.
 
@@ -63,13 +107,18 @@ class ExLlamaV2MMEmbedding:
     temporal patch to the next. `metadata` holds what the tower knows of the image (sizes). exlpy's keywords:
     `digest`, bytes that identify the rows' content (ids are handed out by it instead of by hashing the rows),
     and `device_rows`, the same rows already on a GPU (forward passes there read them instead of a new copy);
-    `ready`, a CUDA event after which `embeddings` (a host copy still being written) holds the rows: reading
-    `embeddings` waits for it, forward passes reading `device_rows` do not."""
+    `ready`, an object whose synchronize() returns once `embeddings` (a host copy still being written) holds the
+    rows: reading `embeddings` waits for it, forward passes reading `device_rows` do not; `row_check`, the
+    finiteness check of these rows when the caller already made one (a RowCheck; default: one of
+    `device_rows`, else of `embeddings`). Rows on a GPU are checked without waiting for them: a non-finite
+    embedding raises MultimodalError when a forward pass first uses it (before its rows enter the model) or when
+    `embeddings` is read; rows elsewhere are checked here."""
 
     def __init__(self, model: Any, embeddings: torch.Tensor, text_alias: str | None = None,
                  thw_grid: tuple[int, int, int] | None = None, pre_tokens: int = 0, post_tokens: int = 0,
                  time_interval: float = 1.0, *, digest: bytes | None = None,
-                 device_rows: torch.Tensor | None = None, ready: Any = None) -> None:
+                 device_rows: torch.Tensor | None = None, ready: Any = None,
+                 row_check: RowCheck | None = None) -> None:
         self._ready = ready
         hidden = getattr(getattr(model, "config", None), "hidden_size", "hidden_size")
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[0] < 1:
@@ -83,9 +132,14 @@ class ExLlamaV2MMEmbedding:
             raise MultimodalError(f"ExLlamaV2MMEmbedding: device_rows must be a tensor of the embeddings' shape "
                                   f"{tuple(embeddings.shape)}, got {getattr(device_rows, 'shape', device_rows)!r}")
         self._embeddings = embeddings
-        # the check runs where the rows are fast (a host copy in flight is waited for)
-        checked = device_rows if device_rows is not None else self.embeddings
-        if not embeddings.is_floating_point() or not bool(torch.isfinite(checked).all()):
+        if not embeddings.is_floating_point():
+            raise MultimodalError("ExLlamaV2MMEmbedding: embeddings must be finite floating-point values")
+        # the check runs where the rows are fast (a host copy in flight is waited for), deferred on a GPU
+        if row_check is not None and not isinstance(row_check, RowCheck):
+            raise MultimodalError(f"ExLlamaV2MMEmbedding: row_check must be a RowCheck, got "
+                                  f"{type(row_check).__name__}")
+        self._check = row_check or RowCheck(device_rows if device_rows is not None else self._host_rows())
+        if not self._check.pending and not self._check.ok():
             raise MultimodalError("ExLlamaV2MMEmbedding: embeddings must be finite floating-point values")
         if digest is not None and (not isinstance(digest, bytes) or not digest):
             raise MultimodalError(f"ExLlamaV2MMEmbedding: digest must be non-empty bytes, got {digest!r:.40}")
@@ -113,7 +167,7 @@ class ExLlamaV2MMEmbedding:
         self.length = embeddings.shape[0]
         # Ids by content: the caller's digest of what determines the rows (the tower: image, preprocessing,
         # tower and model), else a hash of the rows themselves (10 MB for a 1024x1024 image on a 7B model).
-        self.digest = content_digest(self.embeddings, thw_grid, pre_tokens, post_tokens, self.time_interval) \
+        self.digest = content_digest(self._host_rows(), thw_grid, pre_tokens, post_tokens, self.time_interval) \
             if digest is None else hashlib.blake2b(digest + repr((thw_grid, pre_tokens, post_tokens,
                                                                    self.time_interval)).encode(),
                                                    digest_size=16).digest()
@@ -123,18 +177,37 @@ class ExLlamaV2MMEmbedding:
         self.first_index = global_allocator.allocate(self.length, self.digest)
         self.text_alias = text_alias or f"<$EMB_{self.first_index}$>"
 
+    def verify(self) -> None:
+        """MultimodalError unless the rows are finite (the first call on rows checked on a GPU waits for that
+        check; later calls cost nothing)."""
+        if not self._check.ok():
+            raise MultimodalError(f"ExLlamaV2MMEmbedding {self.text_alias!r}: embeddings must be finite "
+                                  "floating-point values (the rows hold inf or NaN; from a vision tower: its "
+                                  "activations overflowed the compute dtype)")
+
     @property
-    def embeddings(self) -> torch.Tensor:
-        """The rows [num_tokens, hidden_size] (on the host unless made with embeddings_cpu=False)."""
+    def row_check(self) -> RowCheck:
+        return self._check
+
+    def _host_rows(self) -> torch.Tensor:
         if self._ready is not None:
             self._ready.synchronize()  # the tower's copy to the host ran beside the prompt's first layers
             self._ready = None
         return self._embeddings
 
+    @property
+    def embeddings(self) -> torch.Tensor:
+        """The rows [num_tokens, hidden_size] (on the host unless made with embeddings_cpu=False)."""
+        rows = self._host_rows()
+        self.verify()
+        return rows
+
     @embeddings.setter
     def embeddings(self, value: torch.Tensor) -> None:
         self._ready = None
         self._embeddings = value
+        self._check = RowCheck(value)
+        self._on_device.clear()  # copies of the old rows
 
     def rows_on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The rows on `device` in `dtype`, copied there once and kept (forward passes read them every chunk)."""

@@ -89,12 +89,14 @@ def parse_spec(cfg: dict[str, Any], pre: dict[str, Any], out_dim: int, where: st
         eoi=cfg.get("eoi_token_index"))
 
 
-def preprocess(spec: SiglipSpec, image: Any, device: torch.device | None = None
+def preprocess(spec: SiglipSpec, image: Any, device: torch.device | None = None, array: Any = None
                ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(pixel values [C, S, S] fp32 on `device` (None: the CPU), the pooled token grid (1, h, w)) of an RGB PIL
-    image: resized by PIL (bilinear), uploaded as uint8, normalized there."""
+    image (`array`: its pixels, if taken out already): resized by PIL (bilinear), uploaded as uint8, normalized
+    there."""
     s = spec.image_size
-    x = normalize(resized_pixels(image, s, s, "bilinear", device), spec.rescale, spec.image_mean, spec.image_std)
+    x = normalize(resized_pixels(image, s, s, "bilinear", device, array), spec.rescale, spec.image_mean,
+                  spec.image_std)
     per_side = math.isqrt(spec.tokens)
     return x, (1, per_side, per_side)
 

@@ -1,5 +1,7 @@
-"""Building blocks of the vision towers, in torch (their work is a few large matmuls and attention over one
-image's patches, which torch's own kernels run well on GPUs and CPUs alike)."""
+"""Building blocks of the vision towers: mostly torch (their work is a few large matmuls and attention over one
+image's patches, which torch's own kernels run well on GPUs and CPUs alike); the memory-bound elementwise steps
+(RMSNorm here, RoPE and SwiGLU in the Qwen tower) go through the kernel dispatch, one pass each on GPUs where torch
+needs several over fp32 copies."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from exlpy.errors import ConfigError
+from exlpy.kernels import ops
 
 ACTS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -26,9 +29,10 @@ def act_fn(name: str, where: str):  # noqa: ANN201 - a tensor function
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen2RMSNorm: in fp32, weight applied after casting back (torch's rms_norm: one fused
-    kernel on GPUs where there were five)."""
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """transformers' Qwen2RMSNorm: in fp32, weight applied after casting back (w in x's dtype). Through the
+    kernel dispatch: on GPUs one Triton kernel reads x once and writes the result (torch's rms_norm needed the
+    fp32 copy, the norm, the cast and the multiply: four passes over [patches, width])."""
+    return ops.rms_norm(x, w, eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -49,10 +53,10 @@ def rope_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 class Segments:
     """Bidirectional attention segments of N rows (one image, or the windows of one), planned once per image
     shape: segments of equal length form one group that runs as one batched SDPA call (no mask, so flash-style
-    kernels apply); `index` holds each group's rows [count * length] on the device, None where one segment
-    spans every row (no gather at all)."""
+    kernels apply). A group whose segments lie next to each other is a slice of the rows from `start` (index
+    None: no gather); otherwise `index` holds its rows [count * length] on the device."""
 
-    groups: tuple[tuple[int, int, torch.Tensor | None], ...]  # (count, length, row index or None)
+    groups: tuple[tuple[int, int, torch.Tensor | None, int], ...]  # (count, length, row index or None, start)
 
 
 def plan_segments(bounds: torch.Tensor | list[int], device: torch.device) -> Segments:
@@ -61,13 +65,15 @@ def plan_segments(bounds: torch.Tensor | list[int], device: torch.device) -> Seg
     starts, lengths = b[:-1], b[1:] - b[:-1]
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
-    if starts.numel() == 1 and int(starts[0]) == 0:
-        return Segments(((1, int(lengths[0]), None),))
     groups = []
     for n in torch.unique(lengths).tolist():  # a few distinct lengths (full windows, edge windows), not segments
         first = starts[lengths == n]
+        a = int(first[0])
+        if torch.equal(first, a + n * torch.arange(first.numel())):  # adjacent: a slice of the rows
+            groups.append((first.numel(), n, None, a))
+            continue
         idx = (first.view(-1, 1) + torch.arange(n)).view(-1)
-        groups.append((first.numel(), n, idx.to(device, non_blocking=True)))
+        groups.append((first.numel(), n, idx.to(device, non_blocking=True), a))
     return Segments(tuple(groups))
 
 
@@ -76,14 +82,23 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     """Bidirectional attention of q / k / v [N, H, D] within each segment (a `Segments` plan, or bounds)."""
     if not isinstance(segments, Segments):
         segments = plan_segments(segments, q.device)
-    if len(segments.groups) == 1 and segments.groups[0][2] is None:  # one segment: all rows, no gather
-        # 4-D [1, H, N, D]: torch's fused (flash / memory-efficient) kernels take only 4-D inputs
-        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        return F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
-    out = torch.empty_like(q)
-    for count, n, idx in segments.groups:
-        assert idx is not None
+    n_rows = q.shape[0]
+    out = None
+    for count, n, idx, start in segments.groups:
+        if idx is None:  # 4-D [count, H, n, D] views of the rows: torch's fused kernels take only 4-D inputs
+            rows = slice(start, start + count * n)
+            qs, ks, vs = (t[rows].view(count, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
+            if count * n == n_rows:  # one group spans every row (one image's full attention, or equal windows)
+                return o.reshape(q.shape)
+            if out is None:
+                out = torch.empty_like(q)
+            out[rows].view(count, n, *q.shape[1:]).copy_(o)  # one copy, straight from the transposed output
+            continue
         qs, ks, vs = (t.index_select(0, idx).view(count, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        if out is None:
+            out = torch.empty_like(q)
         out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+    assert out is not None
     return out

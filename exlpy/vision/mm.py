@@ -20,6 +20,7 @@ from exlpy.config.rope import inv_freq
 from exlpy.errors import MultimodalError
 from exlpy.vision.embedding import EMBEDDING_INDEX, ExLlamaV2MMEmbedding
 from exlpy.vision.timing import mark
+from exlpy.vision.transfer import upload
 
 
 def check_mm_ids(ids: torch.Tensor, vocab_size: int, embeddings: list[ExLlamaV2MMEmbedding], what: str) -> None:
@@ -54,6 +55,11 @@ def embed_rows(ids: torch.Tensor, h: torch.Tensor, embeddings: list[ExLlamaV2MME
         rel = ids - e.first_index
         m = ((rel >= 0) & (rel < e.length)).unsqueeze(-1)
         h = torch.where(m, F.embedding(rel.clamp(0, e.length - 1), e.rows_on(h.device, h.dtype)), h)
+    for e in embeddings:
+        # Rows a tower made on a GPU are checked for inf / NaN here, on their first use, not when the embedding is
+        # made: by now the host has queued the prompt's setup behind the tower, and the wait ends with the tower
+        # (MultimodalError before any layer reads the rows).
+        e.verify()
     if chunk:
         mark("prefill: image rows inserted")
     return h
@@ -133,8 +139,7 @@ class MMInputs:
         assert self.rope is not None
         key = (str(device), dtype)
         if key not in self._tables:
-            self._tables[key] = (self.rope[0].to(device=device, dtype=dtype),
-                                 self.rope[1].to(device=device, dtype=dtype))
+            self._tables[key] = (upload(self.rope[0], device, dtype), upload(self.rope[1], device, dtype))
         return self._tables[key]
 
 

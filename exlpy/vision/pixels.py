@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 
-def image_tensor(image: Any, device: torch.device) -> torch.Tensor:
-    """The RGB PIL image as uint8 [H, W, C] on `device` (through pinned memory to a GPU, without waiting)."""
-    a = np.asarray(image, dtype=np.uint8)
+def image_tensor(image: Any, device: torch.device, array: np.ndarray | None = None) -> torch.Tensor:
+    """The RGB PIL image (`array`: its pixels, if already taken out) as uint8 [H, W, C] on `device` (through
+    pinned memory to a GPU, without waiting)."""
+    a = np.asarray(image, dtype=np.uint8) if array is None else array
     if device.type != "cuda":
         return torch.from_numpy(a.copy())  # a writable copy: PIL's buffer is read-only
     host = torch.empty(a.shape, dtype=torch.uint8, pin_memory=True)
@@ -104,10 +105,12 @@ def normalize(x: torch.Tensor, rescale: float, mean: tuple[float, ...], std: tup
     return y.sub_(m).div_(s)
 
 
-def resized_pixels(image: Any, height: int, width: int, mode: str, device: torch.device | None) -> torch.Tensor:
+def resized_pixels(image: Any, height: int, width: int, mode: str, device: torch.device | None,
+                   array: np.ndarray | None = None) -> torch.Tensor:
     """uint8 [C, height, width] of a PIL image on `device` (None: the CPU): resized by Pillow on the CPU, by
     resize_like_pil (the same pixels) on a GPU after uploading the original image (up to DEVICE_RESIZE_PIXELS:
-    its int32 working copies of larger images would take GPU memory the model may need)."""
+    its int32 working copies of larger images would take GPU memory the model may need). `array`: the image's
+    pixels as image.image_array gives them, where the caller has them already."""
     from PIL import Image
 
     dev = torch.device("cpu") if device is None else torch.device(device)
@@ -115,7 +118,8 @@ def resized_pixels(image: Any, height: int, width: int, mode: str, device: torch
     on_device = dev.type == "cuda" and image.width * image.height <= DEVICE_RESIZE_PIXELS
     if not same and not on_device:
         image = image.resize((width, height), resample=Image.BICUBIC if mode == "bicubic" else Image.BILINEAR)
-    x = image_tensor(image, dev).permute(2, 0, 1)
+        array = None  # the resized image's pixels, not the original's
+    x = image_tensor(image, dev, array).permute(2, 0, 1)
     if not same and on_device:
         return resize_like_pil(x, height, width, mode)
     return x

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from exlpy.errors import ConfigError, ImageError
-from exlpy.vision.layers import Segments, act_fn, plan_segments, rms_norm, rope_fp32, segment_attention
+from exlpy.kernels import ops
+from exlpy.vision.layers import Segments, act_fn, plan_segments, rms_norm, segment_attention
 from exlpy.vision.pixels import normalize, resized_pixels
 from exlpy.vision.timing import mark
+from exlpy.vision.transfer import upload
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -139,13 +141,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def preprocess(spec: QwenVisionSpec, image: Any, device: torch.device | None = None
+def preprocess(spec: QwenVisionSpec, image: Any, device: torch.device | None = None, array: Any = None
                ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(pixel values [patches, C * tp * p * p] fp32, grid (t, h, w) in patches) of an RGB PIL image, computed on
-    `device` (None: the CPU, bit-equal to transformers' processor) after one upload of the uint8 image."""
+    `device` (None: the CPU, bit-equal to transformers' processor) after one upload of the uint8 image (`array`:
+    its pixels, where the caller has taken them out already)."""
     p, m = spec.patch_size, spec.merge_size
     h, w = smart_resize(image.height, image.width, p * m, spec.min_pixels, spec.max_pixels)
-    x = resized_pixels(image, h, w, "bicubic", device)
+    x = resized_pixels(image, h, w, "bicubic", device, array)
     return patchify(spec, normalize(x, spec.rescale, spec.image_mean, spec.image_std)), (1, h // p, w // p)
 
 
@@ -194,7 +197,9 @@ def patch_positions(grid: tuple[int, int, int], m: int) -> torch.Tensor:
 
 def window_index(grid: tuple[int, int, int], m: int, window: int, patch: int) -> tuple[torch.Tensor, list[int]]:
     """Qwen2.5-VL: merge blocks in window order, and the window bounds in patches (transformers'
-    get_vision_window_index for one image)."""
+    get_vision_window_index for one image, except that within each frame the windows are ordered by size, largest
+    first: attention stays within windows and the merger within merge blocks, so the order of windows changes
+    nothing but lets each window size's windows lie next to each other, attended as one slice without gathers)."""
     t, gh, gw = grid
     size = window // m // patch
     lh, lw = gh // m, gw // m
@@ -202,8 +207,11 @@ def window_index(grid: tuple[int, int, int], m: int, window: int, patch: int) ->
     pad_h, pad_w = size - lh % size, size - lw % size
     nh, nw = (lh + pad_h) // size, (lw + pad_w) // size
     padded = F.pad(index, (0, pad_w, 0, pad_h), "constant", -100)
-    padded = padded.reshape(t, nh, size, nw, size).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, size, size)
-    seqlens = (padded != -100).sum([2, 3]).reshape(-1)
+    padded = padded.reshape(t, nh, size, nw, size).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, size * size)
+    seqlens = (padded != -100).sum(2)  # [t, windows]
+    by_size = torch.sort(seqlens, dim=1, descending=True, stable=True).indices
+    padded = padded.gather(1, by_size.unsqueeze(-1).expand_as(padded))
+    seqlens = seqlens.gather(1, by_size).reshape(-1)
     flat = padded.reshape(-1)
     bounds = [0] + (seqlens.cumsum(0) * m * m).tolist()
     return flat[flat != -100], sorted(set(bounds))
@@ -220,10 +228,26 @@ class _Layout:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    positions: torch.Tensor  # [1, N]: row i of cos / sin is patch i's (the RoPE kernel's table lookup)
     full: Segments
     windows: Segments | None
     order: torch.Tensor | None
     restore: torch.Tensor | None
+
+
+# Qwen2.5-VL's MLP width (3420 in the 7B's tower) padded to a multiple of this on GPUs, with zero rows of gate and
+# up (silu(0) * 0 = 0) and zero columns of down, so the sum is the same: at 3420 the rows of the down projection's
+# input are not 16-byte aligned (3420 x 2 bytes), which keeps cuBLAS off its fastest fp16 kernels; 3456 costs 1%
+# more arithmetic.
+MLP_ALIGN = 128
+
+
+def pad_rows(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    """w with zero rows appended up to a multiple of `multiple` rows (w itself when there is none to add)."""
+    extra = -w.shape[0] % multiple
+    if not extra:
+        return w
+    return torch.cat([w, w.new_zeros((extra,) + tuple(w.shape[1:]))])
 
 
 class QwenVisionTower:
@@ -231,6 +255,7 @@ class QwenVisionTower:
 
     def __init__(self, spec: QwenVisionSpec) -> None:
         self.spec = spec
+        self.mlp_align: int | None = None  # None: MLP_ALIGN on GPUs, no padding elsewhere
         self.w: dict[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -273,11 +298,14 @@ class QwenVisionTower:
         if self.spec.kind == "qwen2_5_vl":
             # gate and up in one GEMM per block: one launch, and N = 2 x 3420 fills the H100's waves better than
             # two GEMMs of 3420 (the tower's MLPs were a fifth of the 7B's time to first token)
+            align = self.mlp_align if self.mlp_align is not None else MLP_ALIGN if device.type == "cuda" else 1
             for i in range(self.spec.depth):
                 b = f"visual.blocks.{i}.mlp"
                 for part in ("weight", "bias"):
-                    self.w[f"{b}.gate_up.{part}"] = torch.cat([self.w.pop(f"{b}.gate_proj.{part}"),
-                                                               self.w.pop(f"{b}.up_proj.{part}")])
+                    gate, up = (pad_rows(self.w.pop(f"{b}.{n}.{part}"), align) for n in ("gate_proj", "up_proj"))
+                    self.w[f"{b}.gate_up.{part}"] = torch.cat([gate, up])
+                down = self.w[f"{b}.down_proj.weight"]
+                self.w[f"{b}.down_proj.weight"] = pad_rows(down.t(), align).t().contiguous()
         self.device, self.dtype = device, dtype
         self._layouts.clear()
 
@@ -315,9 +343,10 @@ class QwenVisionTower:
             units, bounds = window_index(grid, s.merge_size, s.window_size, s.patch_size)
             rows = (units.view(-1, 1) * unit + torch.arange(unit)).view(-1)
             cos, sin = cos[rows], sin[rows]
-            order, restore = units.to(self.device), torch.argsort(units).to(self.device)
+            order, restore = upload(units, self.device), upload(torch.argsort(units), self.device)
             windows = plan_segments(bounds, self.device)
-        lay = _Layout(cos.to(self.device), sin.to(self.device), full, windows, order, restore)
+        positions = torch.arange(n, device=self.device).view(1, -1)
+        lay = _Layout(upload(cos, self.device), upload(sin, self.device), positions, full, windows, order, restore)
         with self._lock:
             self._layouts[grid] = lay
             while len(self._layouts) > LAYOUTS:
@@ -338,12 +367,14 @@ class QwenVisionTower:
         for i in range(s.depth):
             b = f"visual.blocks.{i}"
             segs = lay.full if lay.windows is None or i in s.fullatt_blocks else lay.windows
-            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, lay.cos, lay.sin, segs)
+            x = x + self._attention(self._norm(x, f"{b}.norm1"), b, lay, segs)
             mark("tower: attention")
             h = self._norm(x, f"{b}.norm2")
             if s.kind == "qwen2_5_vl":
                 gate, up = self._lin(h, f"{b}.mlp.gate_up").chunk(2, dim=-1)
-                h = self._lin(self.act(gate) * up, f"{b}.mlp.down_proj")
+                # SiLU (every released model): the language model's SwiGLU kernel, one pass over both halves
+                a = ops.silu_mul(gate, up) if s.act == "silu" else self.act(gate) * up
+                h = self._lin(a, f"{b}.mlp.down_proj")
             else:
                 h = self._lin(self.act(self._lin(h, f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
             x = x + h
@@ -355,12 +386,14 @@ class QwenVisionTower:
         mark("tower: merger")
         return h
 
-    def _attention(self, x: torch.Tensor, b: str, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-                   ) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, b: str, lay: _Layout, segments: Segments) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
         qkv = self._lin(x, f"{b}.attn.qkv").reshape(n, 3, s.num_heads, s.head_dim)
-        q, k = rope_fp32(qkv[:, :2], cos, sin).unbind(1)  # q and k rotated in one pass
+        # q and k rotated in fp32 (as transformers does) by the language model's RoPE kernel: in place inside qkv,
+        # one launch and one pass, where torch ops took seven passes over fp32 copies
+        q, k = ops.apply_rope(qkv[:, 0].unsqueeze(0), qkv[:, 1].unsqueeze(0), lay.cos, lay.sin, lay.positions)
+        q, k = q[0], k[0]
         v = qkv[:, 2]
         o = segment_attention(q, k, v, segments, s.head_dim ** -0.5)
         return self._lin(o.reshape(n, -1), f"{b}.attn.proj")

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -20,8 +21,8 @@ import torch
 from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import ConfigError, ModelStateError, MultimodalError, NotSupportedError
 from exlpy.vision import gemma3, pixtral, qwen2
-from exlpy.vision.embedding import ExLlamaV2MMEmbedding
-from exlpy.vision.image import image_digest, load_image
+from exlpy.vision.embedding import ExLlamaV2MMEmbedding, RowCheck
+from exlpy.vision.image import digest_soon, image_array, image_digest, load_image
 from exlpy.vision.timing import mark
 from exlpy.weights.checks import landed, module_checks
 
@@ -91,8 +92,8 @@ class ExLlamaV2VisionTower:
             raise NotSupportedError(f"vision tower {kind!r} is not supported yet")
         self.kind = kind
         self.loaded = False
-        self._cache: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, tuple[int, int, int], int, int]] = \
-            OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()  # key: (rows, thw, pre, post,
+        # host copy in flight or None, RowCheck)
         self._lock = threading.Lock()
 
     # --- loading ------------------------------------------------------------------------------------------------
@@ -130,12 +131,19 @@ class ExLlamaV2VisionTower:
         them (bit-equal to its PIL processor)."""
         return self._preprocess(self.vspec, load_image(image))
 
-    def _pixels(self, img: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """preprocess() on the tower's device: the uint8 image uploaded once, the rest computed there (on a GPU
-        also the resize; exlpy/vision/pixels.py)."""
+    def _pixels(self, img: Any, array: Any = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """preprocess() on the tower's device: the uint8 image (`array`: its pixels, if taken out already)
+        uploaded once, the rest computed there (on a GPU also the resize; exlpy/vision/pixels.py)."""
         if self.kind == "pixtral":
             return self._preprocess(self.vspec, img)
-        return self._preprocess(self.vspec, img, self.device if self.loaded else None)
+        return self._preprocess(self.vspec, img, self.device if self.loaded else None, array)
+
+    @property
+    def _launches_preprocessing(self) -> bool:
+        """Whether preprocess() only queues GPU work (the host's part is an upload and launches): then it runs
+        while the image is being hashed, before the cache lookup, at the price of that small GPU work when the
+        image turns out to be cached."""
+        return self.loaded and self.device.type == "cuda" and self.kind != "pixtral"
 
     def _digest(self, key: tuple[Any, ...], model: Any) -> bytes:
         """What determines an image's rows: the image and preprocessing settings (the cache key), this tower's
@@ -191,15 +199,26 @@ class ExLlamaV2VisionTower:
             raise MultimodalError("get_image_embeddings: the model is not the language model of this vision tower")
         vision_kind(model.config)
         img = load_image(image)
-        key = (image_digest(img), id(model), getattr(self.vspec, "min_pixels", 0), getattr(self.vspec, "max_pixels", 0))
-        mark("image: decode + hash")
+        array = image_array(img)
+        early = None
+        if self._launches_preprocessing:  # hashed on a worker thread while the GPU preprocessing is queued
+            hashing = digest_soon(img, array)
+            mark("image: decode")
+            early = self._pixels(img, array)
+            mark("preprocess")
+            digest = hashing.result()
+            mark("image: hash (beside preprocessing)")
+        else:
+            digest = image_digest(img, array)
+            mark("image: decode + hash")
+        key = (digest, id(model), getattr(self.vspec, "min_pixels", 0), getattr(self.vspec, "max_pixels", 0))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
         device_rows = ready = None
         if hit is None:
-            pixels, grid = self._pixels(img)
+            pixels, grid = early if early is not None else self._pixels(img, array)
             mark("preprocess")
             features = self.image_features(pixels, grid)
             m = self.vspec.merge_size
@@ -209,17 +228,18 @@ class ExLlamaV2VisionTower:
             else:
                 rows, pre, post = self.tower.postprocess(features, lambda ids: text_rows(model, ids))
             device_rows = rows if rows.device.type != "cpu" else None
+            check = RowCheck(rows)  # on a GPU: launched here, read at the rows' first use
             if embeddings_cpu and device_rows is not None:
                 rows, ready = host_copy(device_rows)
-            hit = (rows, thw, pre, post, ready)
+            hit = (rows, thw, pre, post, ready, check)
             with self._lock:
                 self._cache[key] = hit
                 while len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        rows, thw, pre, post, ready = hit
+        rows, thw, pre, post, ready, check = hit
         emb = ExLlamaV2MMEmbedding(model, rows, text_alias, thw_grid=None if self.kind == "pixtral" else thw,
                                    pre_tokens=pre, post_tokens=post, digest=self._digest(key, model),
-                                   device_rows=device_rows, ready=ready)
+                                   device_rows=device_rows, ready=ready, row_check=check)
         side = getattr(self.vspec, "image_size", None)
         step = getattr(self.vspec, "factor", self.vspec.merge_size * self.vspec.patch_size)
         prep = (side, side) if side else (thw[1] * step, thw[2] * step)
@@ -229,18 +249,48 @@ class ExLlamaV2VisionTower:
         return emb
 
 
-def host_copy(rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A pinned host copy of device `rows`, written on a side stream, and the event after which it holds them:
-    the copy runs beside the prompt's first layers instead of before them (9.8 MB for a 1024x1024 image on a 7B)."""
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    side = torch.cuda.Stream(rows.device)
-    side.wait_stream(torch.cuda.current_stream(rows.device))
-    with torch.cuda.stream(side):
-        host.copy_(rows, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(side)
-    rows.record_stream(side)  # the allocator keeps the rows until the copy has read them
-    return host, ready
+_copier: ThreadPoolExecutor | None = None
+_copier_lock = threading.Lock()
+
+
+class HostCopy:
+    """The host copy of device rows, made by a worker thread once the rows are computed: it runs beside the
+    prompt's first layers instead of before them (9.8 MB for a 1024x1024 image on a 7B), and the main thread never
+    waits for it. The worker copies through a pinned staging buffer (an asynchronous copy on a side stream, then a
+    host memcpy into `host`, ordinary memory): the tower's cache keeps these copies, and a page-locked buffer per
+    image would cost an allocation of pinned memory each time and tie up locked memory for the cache's lifetime;
+    the staging buffer comes from torch's pinned-memory cache and is reused image after image."""
+
+    def __init__(self, rows: torch.Tensor, host: torch.Tensor) -> None:
+        global _copier
+        self.computed = torch.cuda.Event()
+        self.computed.record(torch.cuda.current_stream(rows.device))
+        with _copier_lock:
+            if _copier is None:  # one worker: copies run one after another
+                _copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exlpy-rows-to-host")
+        # the closure holds `rows` until the copy has read them, so the allocator cannot hand their memory out
+        self._done = _copier.submit(self._copy, rows, host)
+
+    def _copy(self, rows: torch.Tensor, host: torch.Tensor) -> None:
+        with torch.inference_mode(), torch.cuda.device(rows.device):
+            staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            side = torch.cuda.Stream(rows.device)
+            side.wait_event(self.computed)
+            with torch.cuda.stream(side):
+                staging.copy_(rows, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side)
+            copied.synchronize()  # this thread only (the GIL is released while it waits, and in the memcpy)
+            host.copy_(staging)
+
+    def synchronize(self) -> None:
+        self._done.result()
+
+
+def host_copy(rows: torch.Tensor) -> tuple[torch.Tensor, HostCopy]:
+    """A host tensor that will hold device `rows`, and the HostCopy writing it (synchronize() waits for it)."""
+    host = torch.empty(rows.shape, dtype=rows.dtype)
+    return host, HostCopy(rows, host)
 
 
 def text_rows(model: Any, ids: list[int]) -> torch.Tensor:
@@ -248,7 +298,9 @@ def text_rows(model: Any, ids: list[int]) -> torch.Tensor:
     emb = model.modules[0]
     if getattr(emb, "weight", None) is None:
         raise ModelStateError("the language model is not loaded: load it before computing image embeddings")
-    rows = emb.weight[torch.tensor(ids, device=emb.weight.device)]
+    # rows picked by host integers (views), not by an index tensor: uploading one from pageable memory would wait
+    # for the GPU, i.e. for the whole vision tower, before the prompt's host-side setup could start
+    rows = torch.stack([emb.weight[i] for i in ids])
     if emb.scale != 1.0:
         rows = rows * float(torch.tensor(emb.scale, dtype=rows.dtype))
     return rows

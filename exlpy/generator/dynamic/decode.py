@@ -366,10 +366,11 @@ def mm_rows(batch: Any, rows: list[tuple[Any, Any]], device: torch.device) -> No
     """A decode step with jobs that hold images: their embeddings (a prompt's last token may be an image's end
     token) and, for M-RoPE, each row's position shift (these steps run eagerly, outside the CUDA graphs)."""
     from exlpy.vision.mm import MMInputs
+    from exlpy.vision.transfer import upload
 
     embeddings = [e for j in dict.fromkeys(j for j, _ in rows) for e in j.embeddings]
     batch.mm = MMInputs(embeddings)
     deltas = [q.rope_delta for _, q in rows] + [0] * (batch.batch_size - len(rows))
     if any(deltas):
-        shift = torch.tensor(deltas, dtype=torch.long).view(-1, 1).to(device)
+        shift = upload(torch.tensor(deltas, dtype=torch.long).view(-1, 1), device)  # no wait for the prefill
         batch.rope_positions = (batch.positions + shift).clamp(min=0)

@@ -50,8 +50,8 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         exllamav2's thread pools; exlpy samples on the calling thread, so they change nothing. Two exlpy
         extensions: `page_size` (tokens per cache page; 256 as in exllamav2) and `max_prefill_per_step` (prompt
         tokens run per iteration while other jobs decode, at the start of a prompt; fewer deeper into long
-        prompts, 256 for a lone prompt: scheduler.prefill_budget; 2048, where 256 made a crowd of arriving
-        requests wait twice as long, benchmarks/results/serving.md)."""
+        prompts, but not below 128 (scheduler.prefill_limit); 256 for a lone prompt: scheduler.prefill_budget;
+        2048, where 256 made a crowd of arriving requests wait twice as long, benchmarks/results/serving.md)."""
         cfg = model.config
         if "8bit" in type(cache).__name__:
             raise GeneratorError("Dynamic generator does not currently work with 8-bit cache. Use either FP16 "
@@ -84,6 +84,8 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             raise GeneratorError(f"max_chunk_size {chunk} must be a positive multiple of the page size {page_size}")
         self.max_chunk_size = chunk
         self.max_prefill_per_step = max_prefill_per_step
+        # Attention's share of a prompt token's cost deep into a long prompt (scheduler.prefill_limit).
+        self.context_cost_tokens = scheduler.context_cost_tokens(cfg)
         self.model_vocab = int(cfg.vocab_size)
         self.num_pages = cache.max_seq_len // page_size
         self.page_table = PageTable(self.num_pages, page_size)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,12 @@ class CachePage:
 
 
 class PageTable:
-    """Allocation of pages to jobs. Single-threaded: only the generator's iterate() touches it."""
+    """Allocation of pages to jobs. Single-threaded: only the generator's iterate() touches it.
+
+    The unreferenced pages are kept in the order they became free (`free`: least recently used first), so counting
+    them and taking the LRU one cost O(1), not a scan of every page: a server's cache has thousands of pages, and
+    32 decoding jobs crossing a page boundary in the same step took 64 such scans (~5 ms of the generator thread
+    on a 1,605-page cache)."""
 
     def __init__(self, num_pages: int, page_size: int = PAGE_SIZE) -> None:
         self.num_pages = num_pages
@@ -68,12 +74,20 @@ class PageTable:
         self.pages = [CachePage(i, os.urandom(16), size=page_size) for i in range(num_pages)]
         self.by_hash: dict[bytes, CachePage] = {}
         self.clock = 0
+        # index -> page for every page with ref_count 0, in the order of their last_access (all 0 at first: index
+        # order, as min() over the list picked them)
+        self.free: OrderedDict[int, CachePage] = OrderedDict((p.index, p) for p in self.pages)
 
     def reset(self) -> None:
         self.__init__(self.num_pages, self.page_size)  # type: ignore[misc]
 
     def num_unreferenced(self) -> int:
-        return sum(1 for p in self.pages if p.ref_count == 0)
+        return len(self.free)
+
+    def _ref(self, page: CachePage) -> None:
+        if page.ref_count == 0:
+            del self.free[page.index]
+        page.ref_count += 1
 
     def _tick(self, page: CachePage) -> None:
         self.clock += 1
@@ -120,7 +134,7 @@ class PageTable:
                     page.phash, page.hashed = h, True
                     self.by_hash[h] = page
                 page.filler = serial
-            page.ref_count += 1
+            self._ref(page)
             self._tick(page)
             pages.append(page)
         return pages, reused
@@ -130,15 +144,15 @@ class PageTable:
         while len(pages) < total_pages:
             page = self._take_free()
             page.filler = serial
-            page.ref_count += 1
+            self._ref(page)
             self._tick(page)
             pages.append(page)
 
     def _take_free(self) -> CachePage:
-        free = [p for p in self.pages if p.ref_count == 0]
-        if not free:
+        """The least recently used unreferenced page, emptied (still in `free`: the caller references it)."""
+        if not self.free:
             raise RuntimeError("page table exhausted (can_allocate() must be checked first)")
-        page = min(free, key=lambda p: p.last_access)
+        page = next(iter(self.free.values()))
         if page.hashed and self.by_hash.get(page.phash) is page:
             del self.by_hash[page.phash]
         page.phash, page.hashed, page.kv_position, page.filler = os.urandom(16), False, 0, None
@@ -166,6 +180,8 @@ class PageTable:
                 self._unhash(page)
             page.ref_count -= 1
             self._tick(page)
+            if page.ref_count == 0:
+                self.free[page.index] = page  # the most recently used free page: taken last
 
     def find_partial(self, prev_hash: bytes | None, want: torch.Tensor) -> tuple[CachePage | None, int]:
         """The unreferenced page after `prev_hash` whose held tokens share the longest prefix with `want`."""

@@ -22,9 +22,19 @@ if TYPE_CHECKING:
     from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
     from exlpy.generator.dynamic.sequence import SeqState
 
-# Prompt tokens per iteration while other jobs decode cost them latency; attention makes a token at context L
-# cost about (1 + L / CONTEXT_COST_TOKENS) times a token at the start of a prompt (8B shapes).
-CONTEXT_COST_TOKENS = 4096
+# Prompt tokens per iteration while other jobs decode cost them latency; attention makes a token at context L cost
+# about (1 + L / C) times a token at the start of a prompt, C from the model's shapes (`context_cost_tokens`).
+# Attention's dots run at about half the rate of the projections' GEMMs (flash attention over a paged cache against
+# cuBLAS), so a context token counts twice its share of the FLOPs.
+ATTENTION_SLOWDOWN = 2
+# Used where a model's shapes are unknown (a stand-in model): the 8B's C is ~13k.
+CONTEXT_COST_FALLBACK = 4096
+# The context scaling never cuts a chunk next to decoding jobs below this (or below the budget, if smaller). A chunk
+# is a forward pass of its own: it reads every weight once (fp16 GEMMs stay memory-bound below ~300 rows on an H100:
+# 989 TFLOPS / 3.35 TB/s), and an eager one costs the generator thread the same kernel launches (~10-20 ms on an 8B)
+# whatever its length. A smaller chunk costs the decoders nearly as much time per step and the prompt more steps:
+# a 16k prompt next to 32 streams (H100, 8B) went in chunks of 24-57 tokens deep into it, 194 steps, TTFT 4.3 s.
+MIN_CHUNK_TOKENS = 128
 BURST_CHUNKS = 4  # prompt tokens per iteration at most (chunks), so a burst of arrivals starts streaming in waves
 PREFILL_WEIGHT = 4  # next to decoding jobs the budget grows by (waiting prompts x this) / max(decoding jobs, this)
 # Next to decoding jobs, each waiting prompt adds this many tokens to the budget, up to `max_prefill_per_step`: a lone
@@ -119,13 +129,39 @@ def prefill_budget(gen: ExLlamaV2DynamicGenerator, decoding: int, prefilling: in
     return min(base * scale, max(cap, base))
 
 
+def context_cost_tokens(config: Any) -> int:
+    """The context length C at which a prompt token's attention costs as much as its projections, so that a token
+    at context L costs (1 + L / C) times one at the start: the projections' FLOPs per token and layer (2 per
+    weight: q|k|v, o, and the MLP's, `num_experts_per_token` experts' worth in an MoE layer) over attention's per
+    context token (4 per query head dimension: q.k and p.v), divided by ATTENTION_SLOWDOWN. Llama-3-8B: 13.3k
+    (the constant 4096 used before made a token 16k deep cost 5x one at the start instead of 2.2x)."""
+    try:
+        h, hq = int(config.hidden_size), int(config.num_attention_heads)
+        hk, d = int(config.num_key_value_heads), int(config.head_dim)
+        mlp = int(config.intermediate_size)
+    except (AttributeError, TypeError, ValueError):
+        return CONTEXT_COST_FALLBACK
+    moe = getattr(getattr(config, "spec", None), "moe", None)
+    if moe is not None:
+        mlp = int(moe.expert_size) * int(config.num_experts_per_token or moe.top_k)
+    if min(h, hq, hk, d, mlp) < 1:
+        return CONTEXT_COST_FALLBACK
+    projections = 2 * (h * (hq + 2 * hk) * d + hq * d * h + 3 * h * mlp)
+    return max(1, projections // (4 * hq * d * ATTENTION_SLOWDOWN))
+
+
 def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:
     """Prompt tokens `seq` may run now: at most a chunk, and what is left of the budget, counting a token
-    deep into a long prompt as more (attention over its context)."""
+    deep into a long prompt as more (attention over its context), but not fewer than MIN_CHUNK_TOKENS (a chunk's
+    fixed cost: the weights read once, an eager pass's launches) unless the budget left is smaller."""
     if not decoding:
         return gen.max_chunk_size
-    scale = CONTEXT_COST_TOKENS / (CONTEXT_COST_TOKENS + seq.prefill_pos)
-    return max(0, min(gen.max_chunk_size, int((budget - spent) * scale)))
+    left = budget - spent
+    if left <= 0:
+        return 0
+    c = gen.context_cost_tokens
+    scaled = int(left * c / (c + seq.prefill_pos))
+    return min(gen.max_chunk_size, left, max(scaled, MIN_CHUNK_TOKENS))
 
 
 def captured_sizes(limit: int, buckets: Sequence[int]) -> tuple[int, ...]:

@@ -1,0 +1,260 @@
+"""The checks driven against a running TabbyAPI with the OpenAI client (and httpx for its admin routes): models,
+chat, completions, streaming, n=2, structured output, tools, concurrency, banned strings, token healing, CFG,
+LoRA load/unload, model unload/load, quantized caches, a draft model; each recorded with its result and time."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+class Skipped(Exception):
+    """A check that cannot apply to this model or set-up (the reason is recorded)."""
+
+
+class Checks:
+    """The checks' rows, written to the results file after each one (a run stopped from outside keeps what it
+    did). Past `deadline` (time.monotonic()) a check is not started: it is recorded as skipped."""
+
+    def __init__(self, deadline: float = float("inf"), on_row: Callable[[], None] = lambda: None) -> None:
+        self.rows: list[tuple[str, str, float, str]] = []  # name, ok / failed / skipped, seconds, detail
+        self.deadline, self.on_row = deadline, on_row
+        self.current: str | None = None
+        self.t0 = 0.0  # when the current check started
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, fn: Callable[[], str]) -> bool:
+        t0 = self.t0 = time.perf_counter()
+        self.current = name
+        try:
+            if self.left() <= 0:
+                raise Skipped("not started: the run's time budget (--budget) was spent")
+            detail, result = fn(), "ok"
+        except Skipped as e:
+            detail, result = str(e), "skipped"
+        except Exception as e:  # a failing check is a finding, not the end of the run
+            detail, result = f"{type(e).__name__}: {e}"[:400], "failed"
+            traceback.print_exc()
+        dt_s = time.perf_counter() - t0
+        self.add(name, result, dt_s, detail)
+        return result == "ok"
+
+    def add(self, name: str, result: str, dt_s: float, detail: str) -> None:
+        self.current = None
+        self.rows.append((name, result, dt_s, detail.replace("\n", " ").replace("|", "\\|")[:300]))
+        print(f"[{result}] {name} ({dt_s:.1f} s): {detail[:200]}", flush=True)
+        self.on_row()
+
+
+def post_stream(base: str, path: str, body: dict[str, Any], timeout: float = 900) -> list[Any]:
+    """POST to an admin endpoint that answers with server-sent events (model/load) or JSON."""
+    import httpx
+
+    with httpx.stream("POST", base + path, json=body, timeout=timeout) as r:
+        text = "".join(r.iter_text())
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {text[:300]}")
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and
+              line[5:].strip() not in ("", "[DONE]")]
+    return events or [json.loads(text)]
+
+
+def drive(base: str, model_name: str, draft_name: str | None, tool_format: str | None, checks: Checks,
+          random_weights: bool = False, only: list[str] | None = None) -> None:
+    """Each check in turn; `only`: the checks whose names contain one of these (case-insensitive)."""
+    import httpx
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="none", timeout=600)
+    chat = [{"role": "user", "content": "Name three colours."}]
+
+    def models() -> str:
+        ids = [m.id for m in client.models.list().data]
+        assert model_name in ids, ids
+        return f"/v1/models lists {ids}"
+
+    def chat_completion() -> str:
+        r = client.chat.completions.create(model=model_name, messages=chat, max_tokens=24, temperature=0)
+        text = r.choices[0].message.content
+        assert text, r
+        return f"finish {r.choices[0].finish_reason}: {text!r}"
+
+    def completion() -> str:
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=24, temperature=0)
+        assert r.choices[0].text, r
+        return f"finish {r.choices[0].finish_reason}: {r.choices[0].text!r}"
+
+    def streaming() -> str:
+        parts = []
+        for ev in client.chat.completions.create(model=model_name, messages=chat, max_tokens=24, stream=True,
+                                                 temperature=0):
+            if ev.choices and ev.choices[0].delta.content:
+                parts.append(ev.choices[0].delta.content)
+        assert len(parts) > 1, parts
+        return f"{len(parts)} chunks: {''.join(parts)!r}"
+
+    def n2() -> str:
+        r = client.completions.create(model=model_name, prompt="The sky is", max_tokens=8, n=2, temperature=1.0)
+        assert len(r.choices) == 2, r
+        return f"n=2: {[c.text for c in r.choices]}"
+
+    def json_schema() -> str:
+        if random_weights:
+            # formatron's JSON grammar leaves strings and whitespace unbounded, which a random-weight model fills
+            # until max_tokens; a bounded regex goes through the same filter path and must end by EOS when done.
+            r = client.chat.completions.create(
+                model=model_name, max_tokens=60, temperature=0,
+                messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
+                extra_body={"regex_pattern": r'\{"name": "(Ada|Bob)", "age": [1-9][0-9]?\}'})
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            obj = json.loads(text)
+            assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and finish == "stop", (text, finish)
+            return f"random weights, so a bounded regex through formatron: finish {finish}, valid JSON {text!r}"
+        r = client.chat.completions.create(
+            model=model_name, max_tokens=120, temperature=0,
+            messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
+            extra_body={"json_schema": SCHEMA})  # TabbyAPI's field (its response_format takes the bare schema)
+        text = r.choices[0].message.content
+        obj = json.loads(text)
+        assert set(obj) == {"name", "age"} and isinstance(obj["age"], int), obj
+        return f"valid JSON: {text!r}"
+
+    def tools() -> str:
+        if not tool_format:
+            raise Skipped("TabbyAPI parses tool calls only with model.tool_format set (qwen3_coder, mistral, ...), "
+                          "for a model whose chat template renders tools; give --tool-format")
+        r = client.chat.completions.create(
+            model=model_name, max_tokens=80, temperature=0, tools=[WEATHER_TOOL], tool_choice="required",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+        msg = r.choices[0].message
+        assert msg.tool_calls, f"no tool call; finish {r.choices[0].finish_reason}, content {msg.content!r}"
+        call = msg.tool_calls[0].function
+        json.loads(call.arguments)
+        return f"tool call {call.name}({call.arguments})"
+
+    def concurrent() -> str:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(i: int) -> str:
+            r = client.completions.create(model=model_name, prompt=f"Story {i}: Once upon a time", max_tokens=16,
+                                          temperature=0)
+            return r.choices[0].text
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(one, range(4)))
+        assert all(texts), texts
+        return f"4 requests at once, all answered in {time.perf_counter() - t0:.1f} s"
+
+    def banned_strings() -> str:
+        base = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16,
+                                         temperature=0).choices[0].text
+        words = sorted((w.strip(",.") for w in base.split()), key=len, reverse=True)
+        if not words or len(words[0]) < 2:
+            raise Skipped(f"no word to ban in the greedy text {base!r}")
+        word = words[0]
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      extra_body={"banned_strings": [word]})
+        text = r.choices[0].text
+        assert word.lower() not in text.lower() and text, (word, text)
+        return f"banned {word!r}: {text!r}"
+
+    def token_healing() -> str:
+        r = client.completions.create(model=model_name, prompt="The capital of France is Par", max_tokens=8,
+                                      temperature=0, extra_body={"token_healing": True})
+        assert r.choices[0].text, r
+        return f"'...Par' + {r.choices[0].text!r}"
+
+    def cfg() -> str:
+        card = httpx.get(base + "/v1/model", timeout=10).json()
+        if (card.get("parameters") or {}).get("max_batch_size", 1) <= 1:
+            raise Skipped("TabbyAPI disables CFG without paged attention (its compatibility mode: no CUDA device)")
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      extra_body={"cfg_scale": 1.5, "negative_prompt": "sad"})
+        assert r.choices[0].text
+        return f"cfg_scale 1.5: {r.choices[0].text!r}"
+
+    def quantized_cache() -> str:
+        out = []
+        for mode in ("Q4", "Q8"):
+            httpx.post(base + "/v1/model/unload", json={}, timeout=60)
+            post_stream(base, "/v1/model/load", {"model_name": model_name, "max_seq_len": 2048, "cache_mode": mode})
+            card = httpx.get(base + "/v1/model", timeout=10).json()
+            assert (card.get("parameters") or {}).get("cache_mode") == mode, card
+            out.append(f"{mode}: {greedy_text()!r}")
+        return "; ".join(out)
+
+    def greedy_text() -> str:
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0)
+        return r.choices[0].text
+
+    def scored_text() -> tuple[str, list[float]]:
+        """Greedy text and its tokens' log-probabilities (a random-weight model can repeat one token whatever
+        an adapter adds; its log-probabilities still move)."""
+        r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      logprobs=1)
+        lp = r.choices[0].logprobs
+        return r.choices[0].text, [float(x) for x in (lp.token_logprobs if lp and lp.token_logprobs else [])]
+
+    def lora() -> str:
+        before, lp_before = scored_text()
+        res = post_stream(base, "/v1/lora/load", {"loras": [{"name": "random-r8", "scaling": 1.0}]})
+        assert res[-1].get("success") == ["random-r8"], res
+        listed = httpx.get(base + "/v1/lora", timeout=10).json()
+        with_lora, lp_lora = scored_text()
+        r = httpx.post(base + "/v1/lora/unload", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+        after, lp_after = scored_text()
+        moved = max((abs(a - b) for a, b in zip(lp_lora, lp_before)), default=0.0)
+        back = max((abs(a - b) for a, b in zip(lp_after, lp_before)), default=0.0)
+        assert (with_lora != before or moved > 1e-3) and after == before and back < 1e-3, \
+            (before, with_lora, after, moved, back)
+        scale = [c.get("scaling") for c in listed.get("data", [])]
+        change = "output changes" if with_lora != before else f"same text, log-probabilities move by {moved:.3g}"
+        return (f"load -> {change}, unload -> back to the base output (log-probabilities within {back:.1g}); "
+                f"/v1/lora scaling {scale}")
+
+    def unload_load() -> str:
+        r = httpx.post(base + "/v1/model/unload", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.get(base + "/v1/model", timeout=10).status_code != 200 or True
+        ev = post_stream(base, "/v1/model/load", {"model_name": model_name, "max_seq_len": 2048})
+        text = greedy_text()
+        assert text, "no text after reload"
+        return f"unload, load ({len(ev)} progress events), then {text!r}"
+
+    def draft() -> str:
+        if draft_name is None:
+            raise RuntimeError("no draft model")
+        httpx.post(base + "/v1/model/unload", json={}, timeout=60)
+        post_stream(base, "/v1/model/load", {"model_name": model_name, "max_seq_len": 2048})
+        plain = greedy_text()
+        httpx.post(base + "/v1/model/unload", json={}, timeout=60)
+        post_stream(base, "/v1/model/load", {"model_name": model_name, "max_seq_len": 2048,
+                                             "draft_model": {"draft_model_name": draft_name}})
+        card = httpx.get(base + "/v1/model", timeout=10).json()
+        assert (card.get("parameters") or {}).get("draft"), card
+        text = greedy_text()
+        assert text == plain, ("speculative decoding changed the greedy text", plain, text)
+        return f"draft {draft_name} loaded; greedy text unchanged by drafting: {text!r}"
+
+    for name, fn in (("models list", models), ("chat completion", chat_completion), ("completion", completion),
+                     ("streaming chat", streaming), ("n=2", n2), ("JSON schema (formatron filter)", json_schema),
+                     ("tools (tool_choice=required)", tools), ("concurrent requests", concurrent),
+                     ("banned strings", banned_strings), ("token healing", token_healing), ("CFG", cfg),
+                     ("LoRA load / unload", lora), ("model unload / load", unload_load),
+                     ("Q4 / Q8 cache", quantized_cache), ("draft model", draft)):
+        if only and not any(o.lower() in name.lower() for o in only):
+            continue
+        checks.run(name, fn)
