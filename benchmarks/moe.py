@@ -324,9 +324,9 @@ def sweep_rows_exl2(model: Any, tokens: int, device: str, bw: float) -> list[tup
              rows_mod: ("ROWS", "ROWS_MIN_MEAN", "ROWS_MAX_MEAN", "ROWS_COLS", "ROWS_WARPS", "ROWS_WAVES")}
     saved = {(m, n): getattr(m, n) for m, ns in names.items() for n in ns}
     k = model.config.num_experts_per_token
-    gemv_on = dataclasses.replace(options(), moe_gemv=True)  # whatever EXLPY_MOE_GEMV says
+    gemv_on = dataclasses.replace(options(), moe_gemv=True, moe_rows=True)  # whatever EXLPY_MOE_GEMV/_ROWS say
+    gemv = gemv_mod.gemv_rows(tokens * k, model.config.num_experts)  # as this run takes them
     with use_options(gemv_on):
-        gemv = gemv_mod.gemv_rows(tokens * k, model.config.num_experts)
         multi = rows_mod.takes(tokens * k, model.config.num_experts)
     rows = []
     try:

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _split_k_kernels_on() -> Iterator[None]:
-    """EXLPY_MOE_GEMV=0 in the environment (the switch of the split-K kernels) must not take them out of here."""
-    with use_options(dataclasses.replace(options(), moe_gemv=True)):
+    """The multi-row kernels are opt-in (EXLPY_MOE_ROWS=1) and EXLPY_MOE_GEMV=0 turns them off: here they are on."""
+    with use_options(dataclasses.replace(options(), moe_gemv=True, moe_rows=True)):
         yield
 
 

@@ -256,10 +256,12 @@ def _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, col0, cols, ok, R: tl.
 # --- host side --------------------------------------------------------------------------------------------------
 def takes(n_pairs: int, n_experts: int) -> bool:
     """Whether N sorted rows over E experts take these kernels: mean rows per routed expert above ROWS_MIN_MEAN
-    (the GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on (EXLPY_MOE_GEMV=1, as
-    for the GEMV kernels). Host arithmetic only (the per-expert counts live on the device)."""
+    (the GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on (EXLPY_MOE_GEMV, on by
+    default) and these ones too (EXLPY_MOE_ROWS=1: opt-in until they have run on a GPU). Host arithmetic only (the
+    per-expert counts live on the device)."""
     routed = max(1, min(n_experts, n_pairs))
-    return options().moe_gemv and ROWS_MIN_MEAN * routed < n_pairs <= ROWS_MAX_MEAN * routed
+    opts = options()
+    return opts.moe_gemv and opts.moe_rows and ROWS_MIN_MEAN * routed < n_pairs <= ROWS_MAX_MEAN * routed
 
 
 def _nb(bits: int, k: int) -> tuple[int, bool]:
