@@ -185,10 +185,16 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
         c2 = r2.choices[0]
         reply = c2.message.content or (c2.message.tool_calls and f"another call {c2.message.tool_calls[0].function}")
         assert reply and c2.finish_reason in ("stop", "length", "tool_calls"), r2
-        assert r2.usage.prompt_tokens > r.usage.prompt_tokens, (r.usage, r2.usage)
+        # What that turn's prompt held, rendered by TabbyAPI's own template code (its /v1/token/encode takes
+        # messages): the call as the model wrote it and the tool's result.
+        enc = httpx.post(base + "/v1/token/encode", json={"text": follow, "template_vars": {"tools": [WEATHER_TOOL]}},
+                         timeout=60)
+        assert enc.status_code == 200, enc.text
+        prompt = httpx.post(base + "/v1/token/decode", json={"tokens": enc.json()["tokens"]}, timeout=60).json()["text"]
+        assert WEATHER_RESULT in prompt and call.name in prompt, prompt
         return (f"{tool_format} format, finish {choice.finish_reason}: {call.name}({call.arguments}) "
                 f"[id {choice.message.tool_calls[0].id}]; streamed: {streamed}; follow-up with the tool result "
-                f"({r.usage.prompt_tokens} -> {r2.usage.prompt_tokens} prompt tokens), finish {c2.finish_reason}: "
+                f"({enc.json()['length']} prompt tokens, call and result in it), finish {c2.finish_reason}: "
                 f"{reply!r}")
 
     def stream_tool_call(request: dict[str, Any]) -> str:

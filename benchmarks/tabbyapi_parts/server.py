@@ -52,6 +52,9 @@ def write_config(work: Path, model: Path, draft: Path | None, port: int, max_seq
             link.symlink_to(src)
     lines = [
         "network:", "  host: 127.0.0.1", f"  port: {port}", "  disable_auth: true", "  send_tracebacks: true",
+        # TabbyAPI's default, written out: its validator lower-cases a given list but not the default ["OAI"], and
+        # /v1/token/encode with chat messages (the tools check) asks for "oai" (endpoints/core/router.py:405).
+        "  api_servers: [oai]",
         "logging:", "  log_prompt: false", "  log_requests: false",
         "model:", f"  model_dir: {models}", f"  model_name: {model.name}", "  backend: exllamav2",
         f"  max_seq_len: {max_seq_len}", "  cache_mode: FP16", "  chunk_size: 512",
