@@ -16,6 +16,8 @@ What it does, in order:
    changed; CONFIG, the model links and a LoRA adapter live in a temporary folder).
 5. The OpenAI client drives it: models, chat, completions, streaming, JSON schema, tools, LoRA load/unload,
    model unload/load, a draft model; each check is recorded with its result and time in the results file.
+   Tools: TabbyAPI's `mistral` tool format with tabbyapi_parts/chatml_tools.jinja as its chat template, the
+   reply held to the call syntax by TabbyAPI's `regex_pattern` (any model writes it; see checks.py).
 
 Model: any exlpy-loadable directory (fp16 or EXL2). The LoRA adapter is a random rank-8 PEFT adapter written
 for the model's shapes (its effect is checked, not its quality). The draft model defaults to the model itself.
