@@ -16,6 +16,8 @@ What it does, in order:
    changed; CONFIG, the model links and a LoRA adapter live in a temporary folder).
 5. The OpenAI client drives it: models, chat, completions, streaming, JSON schema, tools, LoRA load/unload,
    model unload/load, a draft model; each check is recorded with its result and time in the results file.
+   Tools: TabbyAPI's `mistral` tool format with tabbyapi_parts/chatml_tools.jinja as its chat template, the
+   reply held to the call syntax by TabbyAPI's `regex_pattern` (any model writes it; see checks.py).
 
 Model: any exlpy-loadable directory (fp16 or EXL2). The LoRA adapter is a random rank-8 PEFT adapter written
 for the model's shapes (its effect is checked, not its quality). The draft model defaults to the model itself.
@@ -69,8 +71,12 @@ def main() -> int:
                    "version, e.g. 3.12")
     p.add_argument("--no-install", action="store_true", help="do not pip-install TabbyAPI's dependencies")
     p.add_argument("--port", type=int, default=5057)
-    p.add_argument("--tool-format", default=None, help="TabbyAPI's model.tool_format (e.g. qwen3_coder) for the "
-                   "tools check; without it the check is skipped")
+    p.add_argument("--tool-format", default="mistral", help="TabbyAPI's model.tool_format for the tools check "
+                   "(default mistral: the check constrains the reply to that format's call syntax, so any model "
+                   "writes it; another format, e.g. qwen3_coder, needs a model that emits it; 'none': skip)")
+    p.add_argument("--tool-template", default="auto", help="chat template for TabbyAPI (model.prompt_template): "
+                   "a .jinja file, 'model' for the model's own, or 'auto': with --tool-format mistral "
+                   f"{server.TOOLS_TEMPLATE.name} (ChatML rendering tools, calls and results), else the model's own")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run, set-up included: "
@@ -111,7 +117,10 @@ def main() -> int:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     work = Path(tempfile.mkdtemp(prefix="exlpy-tabby-"))
     server.write_lora(model, work / "loras" / "random-r8", std=0.2 if args.random_weights else 0.05)
-    cfg = server.write_config(work, model, draft, args.port, args.max_seq_len, args.tool_format)
+    tool_format = None if args.tool_format in ("", "none") else args.tool_format
+    template = {"auto": server.TOOLS_TEMPLATE if tool_format == "mistral" else None, "model": None}.get(
+        args.tool_template, Path(args.tool_template))
+    cfg = server.write_config(work, model, draft, args.port, args.max_seq_len, tool_format, template)
     log_path = work / "tabby.log"
     env = child_env(PYTHONUNBUFFERED="1")
 
@@ -129,7 +138,7 @@ def main() -> int:
             return f"ready at {base}"
 
         if checks.run("start and load the model", started):
-            drive(base, model.name, draft.name, args.tool_format, checks, args.random_weights,
+            drive(base, model.name, draft.name, tool_format, checks, args.random_weights,
                   args.only.split(",") if args.only else None)
     except BaseException as e:  # stopped from outside (SIGTERM, Ctrl-C): record where
         if checks.current is not None:

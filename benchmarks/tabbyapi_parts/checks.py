@@ -5,6 +5,7 @@ LoRA load/unload, model unload/load, quantized caches, a draft model; each recor
 from __future__ import annotations
 
 import json
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -14,7 +15,40 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"], "additionalProperties": False}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+WEATHER_ASK = {"role": "user", "content": "What is the weather in Paris?"}
+WEATHER_RESULT = json.dumps({"city": "Paris", "temperature_c": 18, "sky": "clear"})
+# TabbyAPI 79126f9 finds a tool format's start tag inside each streamed chunk (endpoints/OAI/utils/chat_completion.py,
+# _chat_stream_collector: `split_re.search(text)` per generation), i.e. it expects the tag as one token, as in
+# Mistral's tokenizer; SmolLM2's splits "[TOOL_CALLS]" into 8 tokens, one chunk each. A stop string that begins
+# with the tag makes the generator hold back the partly written tag (exllamav2's rule, spec: "output held while the
+# text ends with a prefix of a stop string") and release it whole with the next token. It never matches: the
+# call's regex puts the function's name, not "[", after the tag.
+MISTRAL_HOLD = "[TOOL_CALLS]["
+
+
+def mistral_call_regex(tool: dict[str, Any]) -> str:
+    """A regex for one call of `tool` in TabbyAPI's `mistral` format, `[TOOL_CALLS]name[ARGS]{"arg": "Value"}`,
+    its string arguments bounded (a random-weight model fills an unbounded string until max_tokens)."""
+    fn = tool["function"]
+    props = fn["parameters"]["properties"]
+    assert all(v.get("type") == "string" for v in props.values()), "string arguments only"
+    args = ", ".join(f'"{k}": "[A-Z][a-z]{{1,11}}"' for k in props)
+    return r"\[TOOL_CALLS\]" + re.escape(fn["name"]) + r"\[ARGS\]\{" + args + r"\}"
+
+
+def check_tool_call(calls: list[Any] | None, finish: str | None, content: str | None) -> Any:
+    """The first call of a reply: `get_weather` with JSON arguments its parameters' schema allows, and the reply
+    finished as a tool call (`finish_reason` "tool_calls", no text besides the call)."""
+    import jsonschema
+
+    assert calls, f"no tool call; finish {finish}, content {content!r}"
+    fn = calls[0].function
+    assert fn.name == WEATHER_TOOL["function"]["name"], fn
+    jsonschema.validate(json.loads(fn.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert finish == "tool_calls" and not (content or "").strip(), (finish, content)
+    return fn
 
 
 class Skipped(Exception):
@@ -132,16 +166,49 @@ def drive(base: str, model_name: str, draft_name: str | None, tool_format: str |
 
     def tools() -> str:
         if not tool_format:
-            raise Skipped("TabbyAPI parses tool calls only with model.tool_format set (qwen3_coder, mistral, ...), "
-                          "for a model whose chat template renders tools; give --tool-format")
-        r = client.chat.completions.create(
-            model=model_name, max_tokens=80, temperature=0, tools=[WEATHER_TOOL], tool_choice="required",
-            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-        msg = r.choices[0].message
-        assert msg.tool_calls, f"no tool call; finish {r.choices[0].finish_reason}, content {msg.content!r}"
-        call = msg.tool_calls[0].function
-        json.loads(call.arguments)
-        return f"tool call {call.name}({call.arguments})"
+            raise Skipped("no --tool-format: TabbyAPI parses tool calls only with model.tool_format set")
+        request: dict[str, Any] = {"model": model_name, "max_tokens": 60, "temperature": 0, "tools": [WEATHER_TOOL],
+                                   "tool_choice": "required", "messages": [WEATHER_ASK]}
+        if tool_format == "mistral":
+            # TabbyAPI does not enforce tool_choice (it reads only "none"), so the call is made by its own regex
+            # constraint; the stop string never matches but holds back a partly written tag (see MISTRAL_HOLD).
+            request["extra_body"] = {"regex_pattern": mistral_call_regex(WEATHER_TOOL), "stop": [MISTRAL_HOLD]}
+        r = client.chat.completions.create(**request)
+        choice = r.choices[0]
+        call = check_tool_call(choice.message.tool_calls, choice.finish_reason, choice.message.content)
+        streamed = stream_tool_call(request)
+        # The follow-up turn: the call and its result go back; the template renders both, the model answers.
+        follow = [WEATHER_ASK, choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": WEATHER_RESULT}]
+        r2 = client.chat.completions.create(model=model_name, max_tokens=16, temperature=0, tools=[WEATHER_TOOL],
+                                            messages=follow)
+        c2 = r2.choices[0]
+        reply = c2.message.content or (c2.message.tool_calls and f"another call {c2.message.tool_calls[0].function}")
+        assert reply and c2.finish_reason in ("stop", "length", "tool_calls"), r2
+        # What that turn's prompt held, rendered by TabbyAPI's own template code (its /v1/token/encode takes
+        # messages): the call as the model wrote it and the tool's result.
+        enc = httpx.post(base + "/v1/token/encode", json={"text": follow, "template_vars": {"tools": [WEATHER_TOOL]}},
+                         timeout=60)
+        assert enc.status_code == 200, enc.text
+        prompt = httpx.post(base + "/v1/token/decode", json={"tokens": enc.json()["tokens"]}, timeout=60).json()["text"]
+        assert WEATHER_RESULT in prompt and call.name in prompt, prompt
+        return (f"{tool_format} format, finish {choice.finish_reason}: {call.name}({call.arguments}) "
+                f"[id {choice.message.tool_calls[0].id}]; streamed: {streamed}; follow-up with the tool result "
+                f"({enc.json()['length']} prompt tokens, call and result in it), finish {c2.finish_reason}: "
+                f"{reply!r}")
+
+    def stream_tool_call(request: dict[str, Any]) -> str:
+        """The same request streamed: TabbyAPI sends the parsed calls in the last chunk."""
+        calls, finish, content = [], None, ""
+        for ev in client.chat.completions.create(**request, stream=True):
+            if not ev.choices:
+                continue
+            delta = ev.choices[0].delta
+            calls += delta.tool_calls or []
+            content += delta.content or ""
+            finish = ev.choices[0].finish_reason or finish
+        call = check_tool_call(calls, finish, content or None)
+        return f"finish {finish}, {call.name}({call.arguments})"
 
     def concurrent() -> str:
         from concurrent.futures import ThreadPoolExecutor

@@ -25,7 +25,10 @@ def write_results(out: Path, args: argparse.Namespace, checks: Checks, setup_log
         f"Command: `python benchmarks/tabbyapi.py --tabby {args.tabby} --model {args.model}"
         + (f" --draft-model {args.draft_model}" if args.draft_model else "")
         + (f" --wheelhouse {args.wheelhouse}" if args.wheelhouse else "")
-        + (f" --budget {args.budget:.0f}" if args.budget else "") + "`",
+        + (f" --budget {args.budget:.0f}" if args.budget else "")
+        + (f" --tool-format {args.tool_format}" if args.tool_format != "mistral" else "")
+        + (f" --tool-template {args.tool_template}" if args.tool_template != "auto" else "")
+        + (" --random-weights" if args.random_weights else "") + (f" --only {args.only}" if args.only else "") + "`",
         "",
         "TabbyAPI started unmodified with `python main.py --config CONFIG` in a virtual environment where "
         "`exlpy compat install` aliases exllamav2 to exlpy.",

@@ -37,8 +37,13 @@ def write_lora(model_dir: Path, dest: Path, r: int = 8, std: float = 0.05) -> No
         "peft_type": "LORA", "r": r, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "bias": "none"}))
 
 
+TOOLS_TEMPLATE = Path(__file__).resolve().parent / "chatml_tools.jinja"
+
+
 def write_config(work: Path, model: Path, draft: Path | None, port: int, max_seq_len: int,
-                 tool_format: str | None) -> Path:
+                 tool_format: str | None, prompt_template: Path | None = None) -> Path:
+    """TabbyAPI's config.yml. `prompt_template`: a template file, given as model.prompt_template (TabbyAPI looks
+    for `templates/NAME` from its checkout, and an absolute path stays itself); None: the model's own template."""
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
     for src in {model, draft} - {None}:
@@ -47,10 +52,14 @@ def write_config(work: Path, model: Path, draft: Path | None, port: int, max_seq
             link.symlink_to(src)
     lines = [
         "network:", "  host: 127.0.0.1", f"  port: {port}", "  disable_auth: true", "  send_tracebacks: true",
+        # TabbyAPI's default, written out: its validator lower-cases a given list but not the default ["OAI"], and
+        # /v1/token/encode with chat messages (the tools check) asks for "oai" (endpoints/core/router.py:405).
+        "  api_servers: [oai]",
         "logging:", "  log_prompt: false", "  log_requests: false",
         "model:", f"  model_dir: {models}", f"  model_name: {model.name}", "  backend: exllamav2",
         f"  max_seq_len: {max_seq_len}", "  cache_mode: FP16", "  chunk_size: 512",
         *([f"  tool_format: {tool_format}"] if tool_format else []),
+        *([f"  prompt_template: {prompt_template.resolve()}"] if prompt_template else []),
         "draft_model:", f"  draft_model_dir: {models}",
         "lora:", f"  lora_dir: {work / 'loras'}",
         "sampling:", "  override_preset: safe_defaults",
