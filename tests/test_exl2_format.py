@@ -82,3 +82,20 @@ def test_bad_bit_width(bits: int) -> None:
     qg[0] = bits
     with pytest.raises(QuantFormatError, match=rf"bit width {bits}.*L\.q_groups"):
         _build(dict(t, q_groups=qg))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_random_words_are_what_pack_stream_writes_for_their_codes(bits: int) -> None:
+    """pack.random_words (the GPU tests' fast Mixtral-shaped experts) draws words instead of codes: read back as a
+    bit stream, its codes pack to the same words, unused high bits of the last word zero as pack_stream leaves them."""
+    from exlpy.quant.pack import pack_stream, random_words
+
+    g = torch.Generator().manual_seed(bits)
+    rows = 37  # 37 * bits is not a multiple of 32 for any of these widths but 8 (and 8: whole words)
+    words = random_words(rows, bits, 64, g)
+    w64 = torch.cat([words.to(torch.int64) & 0xFFFFFFFF, torch.zeros(1, 64, dtype=torch.int64)])
+    bit = torch.arange(rows) * bits
+    both = w64[bit // 32] | (w64[bit // 32 + 1] << 32)
+    codes = (both >> (bit % 32)[:, None]) & ((1 << bits) - 1)
+    assert torch.equal(pack_stream(codes, bits), words)
+    assert len(set(codes.flatten().tolist())) == 2**bits  # every code drawn: the words are not degenerate

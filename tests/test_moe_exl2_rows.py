@@ -215,9 +215,9 @@ def mixtral_stacks() -> dict[int, tuple]:
         g = torch.Generator().manual_seed(40 + uniform)
         perm = torch.stack([torch.randperm(4096, generator=g) for _ in range(8)])
         out[uniform] = tuple(s.to("cuda") for s in (
-            _stack(8, 4096, 14336, g, torch.float16, perm, uniform)[0],
-            _stack(8, 4096, 14336, g, torch.float16, perm, uniform)[0],
-            _stack(8, 14336, 4096, g, torch.float16, None, uniform)[0]))
+            _stack(8, 4096, 14336, g, torch.float16, perm, uniform, fast=True)[0],
+            _stack(8, 4096, 14336, g, torch.float16, perm, uniform, fast=True)[0],
+            _stack(8, 14336, 4096, g, torch.float16, None, uniform, fast=True)[0]))
     return out
 
 
