@@ -327,6 +327,8 @@ def main() -> None:
     ap.add_argument("--mlp-align", type=int, default=None, help="Qwen2.5-VL: pad the tower's MLP width to a "
                     "multiple of this (default: exlpy's choice, 128 on GPUs; 1: no padding, for an A/B run)")
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown runs")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's top GPU kernels of one exlpy "
+                    "request (after the timed runs): where the time of a slow phase goes")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a shared machine, 1 keeps "
                     "small host ops from waiting on busy cores)")
     ap.add_argument("--out", default=None, help="results file (default: benchmarks/results/vision.md on a GPU)")
@@ -388,6 +390,14 @@ def main() -> None:
         mx, mh = statistics.median(t_ex), statistics.median(t_hf)
         say(f"time to first token (median of {args.runs}): exlpy {mx * 1e3:.1f} ms, transformers {mh * 1e3:.1f} ms "
             f"({mh / mx:.2f}x); transformers' image processor: {hf.processor}")
+        if args.profile and device != "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ex.first_token(random_image(side, side, seed=300), before, after)
+                sync(device)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90),
+                  flush=True)
         if not args.no_phases:
             def phased(fn: Any) -> list[dict[str, tuple[float, float]]]:
                 out = []
