@@ -129,14 +129,16 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
                            scale: float, key_mask: torch.Tensor | None = None,
                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                            config: tuple[int, int, int, int] | None = None, splits: int | None = None,
-                           tma: bool | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           tma: bool | None = None, window: int = 0, softcap: float = 0.0,
+                           limits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, T, Hq, D] over the cache operands; [B, T, Hq, D] in q's dtype.
 
     `max_seqlen` (a host-side bound of seqlens, or the cache capacity) only sizes the key-range split;
     `k_new`/`v_new` [B, T, Hkv, D]: this step's own K/V, read instead of the cache for keys at positions
     >= positions[b, 0] (the step's tokens sit at consecutive positions); `config` / `splits` override the
     tables (benchmarks/flash_sweep.py), `tma` the EXLPY_FLASH_TMA choice. `window` > 0: a sliding window
-    (keys t > positions[b, i] - window); `softcap` > 0: scores soft-capped, cap * tanh(score / cap).
+    (keys t > positions[b, i] - window); `softcap` > 0: scores soft-capped, cap * tanh(score / cap);
+    `limits` [B, T]: query i sees keys up to limits[b, i] >= positions[b, i] (Gemma 3's image tokens).
     """
     B, T, hq, D = q.shape
     hk = k.kv_heads(D)
@@ -179,6 +181,11 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
         if not (kn.stride() == vn.stride() and kn.stride(-1) == 1 and kn.stride(-2) == D):
             kn, vn = kn.contiguous(), vn.contiguous()
         new_bstride, new_tstride = kn.stride(0), kn.stride(1)
+    lim = positions
+    if limits is not None:
+        if limits.shape != (B, T):
+            raise ConfigError(f"attention limits {tuple(limits.shape)} must be [B, T] = [{B}, {T}]")
+        lim = limits if limits.stride(-1) == 1 else limits.contiguous()
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     # Contiguous caches (one page per sequence, which holds every key) read no block table in the loop;
     # pages holding whole key blocks are looked up per group of pages; other page sizes per key.
@@ -196,8 +203,9 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
         k_desc, v_desc = (TensorDescriptor(t.values, [t.values.numel() // (hk * D), hk * D], [hk * D, 1], [bn, D])
                           for t in (k, v))
     _flash_kernel[(m_tiles, B * hk, n_split)](
-        q, k.values, v.values, ks, vs, k_desc, v_desc, bt, seqlens, positions, mask, out, part, lse, kn, vn,
-        q.stride(0), q.stride(1), positions.stride(0), positions.stride(1), bt.stride(0), mask_stride, mask_len,
+        q, k.values, v.values, ks, vs, k_desc, v_desc, bt, seqlens, positions, lim, mask, out, part, lse, kn, vn,
+        q.stride(0), q.stride(1), positions.stride(0), positions.stride(1), lim.stride(0), bt.stride(0), mask_stride,
+        mask_len,
         new_bstride, new_tstride, T, hq, hk, page_size, k.row_stride, v.row_stride, k.srow_stride, v.srow_stride,
         scale * _LOG2E, m_tiles, n_split, window, scale / softcap if softcap else 0.0,
         softcap / scale if softcap else 0.0, G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)),
@@ -205,7 +213,7 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
         K_FMT=k.fmt, K_BITS=k.bits, V_FMT=v.fmt, V_BITS=v.bits, PAGING=paging, GROUP_PAGES=GROUP_PAGES,
         USE_TMA=use_tma,
         HAS_MASK=key_mask is not None, HAS_NEW=k_new is not None, PREC=prec, WINDOW=window > 0,
-        SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages)
+        SOFTCAP=softcap > 0, HAS_LIMITS=limits is not None, num_warps=warps, num_stages=stages)
     if n_split > 1:
         _combine_kernel[(B * T * hq,)](part, lse, out, D=D, BLOCK_D=next_pow2(D), SPLITS=n_split,
                                        BLOCK_S=max(2, next_pow2(n_split)), num_warps=4)
@@ -214,21 +222,23 @@ def flash_attention_launch(q: torch.Tensor, k: KVOperand, v: KVOperand, block_ta
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor, scale: float,
-                    key_mask: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    key_mask: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    limits: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.flash_attention` (= `reference.paged_attention`); caches [rows, S, Hkv, D]."""
     return flash_attention_launch(q, plain_operand(k_cache), plain_operand(v_cache), block_table, page_size,
-                                  seqlens, max_seqlen, positions, scale, key_mask, window=window, softcap=softcap)
+                                  seqlens, max_seqlen, positions, scale, key_mask, window=window, softcap=softcap,
+                                  limits=limits)
 
 
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
                     key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, limits: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.quant_attention`: K/V read as codes [rows, S, W] (+ scales [rows, S, E/32])."""
     return flash_attention_launch(q, quant_operand(k_codes, k_scales, k_bits),
                                   quant_operand(v_codes, v_scales, v_bits), block_table, page_size, seqlens,
-                                  max_seqlen, positions, scale, key_mask, k_new, v_new)
+                                  max_seqlen, positions, scale, key_mask, k_new, v_new, limits=limits)
 
 
 __all__ = ["FP8", "INT", "PLAIN", "KVOperand", "flash_attention", "flash_attention_launch", "quant_attention"]

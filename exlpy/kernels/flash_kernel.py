@@ -18,8 +18,8 @@ from exlpy.kernels.kv_tiles import load_kv_tile, rotate_rows
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_row,
-                  page, mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride,
+def _attend_block(acc, m_i, l_i, q, start, n, pos, lim, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc,
+                  bt_row, page, mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride,
                   qk_scale, kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
                   V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr, USE_TMA: tl.constexpr,
@@ -30,9 +30,10 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
     Cache rows: PAGING 0 (contiguous: the whole sequence in `page`), 1 (the block inside page `page`, looked
     up by the caller), 2 (a block-table lookup per key). FRESH blocks read this step's own K/V rows
     (unquantized, key t at row t - c0 of kn/vn) instead of the cache, with the unrotated q, into a state of
-    their own (merged with the cache's at the end). WINDOW: keys t > pos - window only (every block is then
-    MASKED); SOFTCAP: raw scores s become cap_out * tanh(s * cap_in), i.e. cap * tanh(s * scale / cap) / scale,
-    so that the scale applied afterwards leaves cap * tanh(score / cap)."""
+    their own (merged with the cache's at the end). Row i sees keys t <= lim[i] (its position `pos[i]`, or
+    further with the launch's `limits`). WINDOW: keys t > pos - window only (every block is then MASKED);
+    SOFTCAP: raw scores s become cap_out * tanh(s * cap_in), i.e. cap * tanh(s * scale / cap) / scale, so that
+    the scale applied afterwards leaves cap * tanh(score / cap)."""
     t = start + n
     n_ok = t < r_hi
     if FRESH:
@@ -62,7 +63,7 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
         s = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s) + 1.0))
     if MASKED or HAS_MASK:
         if MASKED:
-            ok = (t[None, :] <= pos[:, None]) & n_ok[None, :]
+            ok = (t[None, :] <= lim[:, None]) & n_ok[None, :]
             if WINDOW:
                 ok = ok & (t[None, :] > pos[:, None] - window)
         else:
@@ -91,13 +92,13 @@ def _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks
 
 
 @triton.jit
-def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_row,
-               mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
-               kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr,
-               V_BITS: tl.constexpr, PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr,
-               HAS_MASK: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
-               SOFTCAP: tl.constexpr):
+def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, lim, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc,
+               bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride, ks_row_stride, vs_row_stride,
+               qk_scale, kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
+               V_FMT: tl.constexpr, V_BITS: tl.constexpr, PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr,
+               USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr, FRESH: tl.constexpr, PREC: tl.constexpr,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Keys [r_lo, r_hi): whole blocks that every row sees (keys < full) unmasked, then the masked rest.
 
     No load inside the interior loop may feed the K/V addresses: Triton's software pipeline would then wait
@@ -117,7 +118,7 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
             pages = pages.to(tl.int64)
             for start in range(tl.maximum(g0, r_lo), tl.minimum(g0 + span, interior), BLOCK_N):
                 pg = tl.sum(tl.where(gi == start // page_size - first, pages, 0), axis=0)
-                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
+                acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, lim, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
                                               vs_ptr, k_desc, v_desc, bt_row, pg, mask_row, mask_len, page_size,
                                               k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale,
                                               kn_ptr, vn_ptr, new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N,
@@ -125,18 +126,18 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
                                               False, FRESH, PREC, WINDOW, SOFTCAP)
     else:
         for start in range(r_lo, interior, BLOCK_N):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                          k_desc, v_desc, bt_row, page, mask_row, mask_len, page_size, k_row_stride,
-                                          v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr,
-                                          new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT,
-                                          K_BITS, V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK, False, FRESH, PREC,
-                                          WINDOW, SOFTCAP)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, lim, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr,
+                                          vs_ptr, k_desc, v_desc, bt_row, page, mask_row, mask_len, page_size,
+                                          k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr,
+                                          vn_ptr, new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT,
+                                          K_BITS, V_FMT, V_BITS, PAGING, USE_TMA, HAS_MASK, False, FRESH, PREC, WINDOW,
+                                          SOFTCAP)
     for start in range(interior, r_hi, BLOCK_N):  # at most a few blocks: a table read per block is fine here
         if PAGING == 1 and not FRESH:
             pg = tl.load(bt_row + start // page_size).to(tl.int64)
         else:
             pg = page
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, n, pos, lim, r_hi, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                       k_desc, v_desc, bt_row, pg, mask_row, mask_len, page_size, k_row_stride,
                                       v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, new_tstride,
                                       c0, window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS,
@@ -149,17 +150,19 @@ def _key_range(acc, m_i, l_i, q, r_lo, r_hi, full, n, pos, kvh, kc_ptr, vc_ptr, 
 # warm-up cannot foresee every combination, and a compile mid-serving stalls every stream for seconds (two such
 # compiles in an 8B serving run, 2026-11-26). Strides that set the vectorization of q, K and V loads stay
 # specialized: they follow from the model's dimensions.
-@triton.jit(do_not_specialize=["pos_bstride", "bt_stride", "T", "m_tiles", "n_splits", "mask_stride", "mask_len"])
-def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr, seqlen_ptr, pos_ptr, mask_ptr, out_ptr,
-                  part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride, bt_stride,
-                  mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size, k_row_stride, v_row_stride,
-                  ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits, window, cap_in, cap_out,
+@triton.jit(do_not_specialize=["pos_bstride", "lim_bstride", "bt_stride", "T", "m_tiles", "n_splits", "mask_stride",
+                               "mask_len"])
+def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr, seqlen_ptr, pos_ptr, lim_ptr, mask_ptr,
+                  out_ptr, part_ptr, lse_ptr, kn_ptr, vn_ptr, q_bstride, q_tstride, pos_bstride, pos_tstride,
+                  lim_bstride, bt_stride, mask_stride, mask_len, new_bstride, new_tstride, T, hq, hk, page_size,
+                  k_row_stride, v_row_stride, ks_row_stride, vs_row_stride, qk_scale, m_tiles, n_splits, window,
+                  cap_in, cap_out,
                   G: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                   K_FMT: tl.constexpr, K_BITS: tl.constexpr, V_FMT: tl.constexpr, V_BITS: tl.constexpr,
                   PAGING: tl.constexpr, GROUP_PAGES: tl.constexpr, USE_TMA: tl.constexpr, HAS_MASK: tl.constexpr,
                   HAS_NEW: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr = False,
-                  SOFTCAP: tl.constexpr = False):
+                  SOFTCAP: tl.constexpr = False, HAS_LIMITS: tl.constexpr = False):
     tile = m_tiles - 1 - tl.program_id(0)  # latest query rows (longest key ranges) first: a shorter tail
     bh = tl.program_id(1)
     b = (bh // hk).to(tl.int64)
@@ -169,9 +172,13 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
     tok = (r // G).to(tl.int64)
     head = kvh * G + r % G
     pos = tl.load(pos_ptr + b * pos_bstride + tok * pos_tstride, mask=r_ok, other=-1).to(tl.int64)
+    if HAS_LIMITS:  # row i sees keys up to lim[i] >= pos[i] (an image token: the rest of its image)
+        lim = tl.load(lim_ptr + b * lim_bstride + tok, mask=r_ok, other=-1).to(tl.int64)
+    else:
+        lim = pos
     seqlen = tl.load(seqlen_ptr + b).to(tl.int64)
-    hi = tl.maximum(tl.minimum(seqlen, tl.max(pos, axis=0) + 1), 0)  # keys any row of the tile sees
-    full = tl.minimum(seqlen, tl.min(tl.where(r_ok, pos, seqlen), axis=0) + 1)  # keys every row sees
+    hi = tl.maximum(tl.minimum(seqlen, tl.max(lim, axis=0) + 1), 0)  # keys any row of the tile sees
+    full = tl.minimum(seqlen, tl.min(tl.where(r_ok, lim, seqlen), axis=0) + 1)  # keys every row sees
     first = hi * 0
     if WINDOW:  # keys any row of the tile sees start at the earliest row's window edge
         # aligned down to a key block: blocks never straddle a page (PAGING 1 looks one page up per block)
@@ -204,7 +211,7 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
     mask_row = mask_ptr + b * mask_stride
     if HAS_NEW:  # keys before this step's first position from the cache, the step's own from kn/vn
         c0 = tl.load(pos_ptr + b * pos_bstride).to(tl.int64)
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, kvh, kc_ptr, vc_ptr,
+        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, tl.minimum(s_hi, c0), full, n, pos, lim, kvh, kc_ptr, vc_ptr,
                                    ks_ptr, vs_ptr, k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                    v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, c0,
                                    window, cap_in, cap_out, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING,
@@ -216,7 +223,7 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
         m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l2 = tl.zeros([BLOCK_M], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        acc2, m2, l2 = _key_range(acc2, m2, l2, q_in, tl.maximum(lo, c0), s_hi, full, n, pos, kvh, kc_ptr, vc_ptr,
+        acc2, m2, l2 = _key_range(acc2, m2, l2, q_in, tl.maximum(lo, c0), s_hi, full, n, pos, lim, kvh, kc_ptr, vc_ptr,
                                   ks_ptr, vs_ptr, k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride,
                                   v_row_stride, ks_row_stride, vs_row_stride, qk_scale, kn_ptr + b * new_bstride,
                                   vn_ptr + b * new_bstride, new_tstride, c0, window, cap_in, cap_out, D, BLOCK_N,
@@ -230,7 +237,7 @@ def _flash_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_desc, v_desc, bt_ptr,
         l_i = l_i * a1 + l2 * a2
         m_i = m_new
     else:
-        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+        acc, m_i, l_i = _key_range(acc, m_i, l_i, q, lo, s_hi, full, n, pos, lim, kvh, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                    k_desc, v_desc, bt_row, mask_row, mask_len, page_size, k_row_stride, v_row_stride,
                                    ks_row_stride, vs_row_stride, qk_scale, kn_ptr, vn_ptr, 0, 0, window, cap_in,
                                    cap_out, D, BLOCK_N, BLOCK_D, K_FMT, K_BITS, V_FMT, V_BITS, PAGING, GROUP_PAGES,

@@ -157,40 +157,44 @@ def quant_matmul(x: torch.Tensor, parts: list[Any], bias: torch.Tensor | None = 
     return _impl("quant_matmul", x)(x, parts, bias, residual, norm_weight, eps)
 
 
-def _attn_kw(window: int, softcap: float) -> dict[str, Any]:
+def _attn_kw(window: int, softcap: float, limits: torch.Tensor | None = None) -> dict[str, Any]:
     # Only non-default features are passed on, so kernels that lack them keep their plain signature.
-    return {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
+    kw: dict[str, Any] = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
+    if limits is not None:
+        kw["limits"] = limits
+    return kw
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
-    return _impl_with("paged_attention", q, window=window, softcap=softcap)(
+                    softcap: float = 0.0, limits: torch.Tensor | None = None) -> torch.Tensor:
+    return _impl_with("paged_attention", q, window=window, softcap=softcap, limits=limits is not None)(
         q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale, key_mask,
-        **_attn_kw(window, softcap))
+        **_attn_kw(window, softcap, limits))
 
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, limits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a query block (prefill chunk, verify step) over the cache in place; see reference."""
-    return _impl_with("flash_attention", q, window=window, softcap=softcap)(
+    return _impl_with("flash_attention", q, window=window, softcap=softcap, limits=limits is not None)(
         q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale, key_mask,
-        **_attn_kw(window, softcap))
+        **_attn_kw(window, softcap, limits))
 
 
 def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
                     key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    limits: torch.Tensor | None = None) -> torch.Tensor:
     """`flash_attention` over a quantized cache read at its own width (any query length), with this step's own
     K/V optionally taken unquantized from k_new/v_new; see reference."""
-    return _impl_with("quant_attention", q, window=window, softcap=softcap)(
+    return _impl_with("quant_attention", q, window=window, softcap=softcap, limits=limits is not None)(
         q, k_codes, k_scales, v_codes, v_scales, block_table, page_size, seqlens, max_seqlen, positions, scale,
-        k_bits, v_bits, key_mask, k_new, v_new, **_attn_kw(window, softcap))
+        k_bits, v_bits, key_mask, k_new, v_new, **_attn_kw(window, softcap, limits))
 
 
 def store_kv_quant(k_codes: torch.Tensor, k_scales: torch.Tensor | None, v_codes: torch.Tensor,

@@ -153,11 +153,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, page_size: int, le
 
 
 def _cache_mask(positions: torch.Tensor, seqlens: torch.Tensor, max_seqlen: int,
-                key_mask: torch.Tensor | None, window: int = 0) -> torch.Tensor:
-    """[B,1,T,L] keep-mask: key t is visible to query i of row b when t <= positions[b,i], t < seqlens[b]
-    (and, with a sliding window, positions[b,i] - t < window)."""
+                key_mask: torch.Tensor | None, window: int = 0, limits: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """[B,1,T,L] keep-mask: key t is visible to query i of row b when t <= positions[b,i] (limits[b,i] when
+    given), t < seqlens[b] (and, with a sliding window, positions[b,i] - t < window)."""
     t = torch.arange(max_seqlen, device=positions.device)
-    mask = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
+    last = positions if limits is None else limits
+    mask = (t.view(1, 1, -1) <= last.unsqueeze(-1)) & (t.view(1, 1, -1) < seqlens.view(-1, 1, 1))
     if window:
         mask = mask & (positions.unsqueeze(-1) - t.view(1, 1, -1) < window)
     if key_mask is not None:
@@ -168,26 +170,29 @@ def _cache_mask(positions: torch.Tensor, seqlens: torch.Tensor, max_seqlen: int,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, limits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B,T,Hq,D] over cached keys.
 
     Query i of row b sits at absolute position positions[b,i] and sees keys t <= positions[b,i] with
     t < seqlens[b] (and key_mask[b,t] when given; and positions[b,i] - t < window with a sliding window).
-    Scores are soft-capped (softcap * tanh(s / softcap)) when softcap > 0. Returns [B,T,Hq,D].
+    Scores are soft-capped (softcap * tanh(s / softcap)) when softcap > 0. `limits` [B,T] (>= positions):
+    query i sees keys up to limits[b,i] instead, the window still counted from its position (Gemma 3's image
+    tokens see the rest of their image: exlpy/vision/mm.py). Returns [B,T,Hq,D].
     """
     k = gather_kv(k_cache, block_table, page_size, max_seqlen)  # [B,L,Hk,D]
     v = gather_kv(v_cache, block_table, page_size, max_seqlen)
-    return sdpa(q, k, v, scale, _cache_mask(positions, seqlens, max_seqlen, key_mask, window), softcap=softcap)
+    mask = _cache_mask(positions, seqlens, max_seqlen, key_mask, window, limits)
+    return sdpa(q, k, v, scale, mask, softcap=softcap)
 
 
 def flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     page_size: int, seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
                     scale: float, key_mask: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, limits: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention`'s contract for query blocks of any length (prefill chunks, verify steps): the CUDA
     version is the flash kernel, which reads K/V from the cache in place and never builds the [T, L] mask."""
     return paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions, scale,
-                           key_mask, window, softcap)
+                           key_mask, window, softcap, limits)
 
 
 def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor | None, bits: int, dtype: torch.dtype
@@ -216,7 +221,8 @@ def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tens
                     v_scales: torch.Tensor | None, block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor,
                     max_seqlen: int, positions: torch.Tensor, scale: float, k_bits: int, v_bits: int,
                     key_mask: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                    limits: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention` over a quantized cache (exlpy.cache.quant layout): codes [rows, S, W] uint8 and fp16
     group scales [rows, S, Hkv*D/32] per K and V, `*_bits` 4 or 8; scales None means the FP8 cache (8 bits).
 
@@ -234,7 +240,7 @@ def quant_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tens
         if new is not None:
             vals = _overwrite_step_rows(vals, new, positions, max_seqlen)
         kv.append(vals)
-    return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask, window),
+    return sdpa(q, kv[0], kv[1], scale, _cache_mask(positions, seqlens, max_seqlen, key_mask, window, limits),
                 softcap=softcap)
 
 

@@ -55,8 +55,14 @@ def sdpa_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
 def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, page_size: int, seqlens: torch.Tensor, max_seqlen: int,
                          positions: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None,
-                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                         window: int = 0, softcap: float = 0.0, limits: torch.Tensor | None = None) -> torch.Tensor:
     flash = options().flash_attn
+    if limits is not None:  # keys past a query's position (Gemma 3's images): the flash kernel alone reads limits
+        if flash:
+            return flash_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen, positions,
+                                   scale, key_mask, window, softcap, limits)
+        return reference.paged_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
+                                         positions, scale, key_mask, window, softcap, limits)
     # Both kernels serve sliding windows and soft-capped scores; the gather + SDPA path below does not.
     if q.shape[1] <= _MAX_DECODE_Q or (not flash and q.shape[1] <= 16):
         return paged_decode_attention(q, k_cache, v_cache, block_table, page_size, seqlens, max_seqlen,
@@ -76,13 +82,13 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return sdpa_cuda(q, k, v, scale, mask.unsqueeze(1))
 
 
-def quant_attention_cuda(q: torch.Tensor, *args: object) -> torch.Tensor:
+def quant_attention_cuda(q: torch.Tensor, *args: object, limits: torch.Tensor | None = None) -> torch.Tensor:
     """The quantized-cache kernel rotates q per head in 32-element groups: head_dim must be a power of two
     >= 32. Other head sizes (rare: test models) take the torch reference, which dequantizes whole rows."""
     D = q.shape[-1]
     if D < 32 or D & (D - 1):
-        return reference.quant_attention(q, *args)  # type: ignore[arg-type]
-    return quant_attention(q, *args)  # type: ignore[arg-type]
+        return reference.quant_attention(q, *args, limits=limits)  # type: ignore[arg-type]
+    return quant_attention(q, *args, limits=limits)  # type: ignore[arg-type]
 
 
 def layer_norm_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -109,11 +115,12 @@ def register_all() -> None:
     ops.register("rms_norm_act_order", rms_norm_act_order)
     ops.register("quant_matmul", quant_matmul_cuda)
     ops.register("paged_attention", paged_attention_cuda)
-    ops.register_features("paged_attention", frozenset({"window", "softcap"}))
+    ops.register_features("paged_attention", frozenset({"window", "softcap", "limits"}))
     ops.register("sdpa", sdpa_cuda)
     ops.register("flash_attention", flash_attention)
-    ops.register_features("flash_attention", frozenset({"window", "softcap"}))
+    ops.register_features("flash_attention", frozenset({"window", "softcap", "limits"}))
     ops.register("quant_attention", quant_attention_cuda)
+    ops.register_features("quant_attention", frozenset({"limits"}))
     ops.register("store_kv_quant", store_kv_quant)
     ops.register("apply_token_bitmask", apply_token_bitmask)
     ops.register("host_all_reduce", host_all_reduce)

@@ -155,17 +155,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
     verification), the quantized-cache kernels for Q4/Q6/Q8/FP8 caches (no fp16 working copy). `window` > 0:
     a query sees only the `window` most recent positions (itself included); `softcap` > 0: scores are
     soft-capped. The cache keeps every position either way (the window is a mask, not a ring buffer).
-    """
-    if batch.mm is not None and batch.mm.blocks is not None and bool((batch.mm.blocks >= 0).any()):
-        from exlpy.vision.attention import attend_blocks  # Gemma 3: images attend to themselves both ways
 
-        return attend_blocks(q, k, v, batch, layer_idx, scale, rope, window, softcap)
+    A chunk holding Gemma 3 image tokens (`batch.mm.spans`) runs the same kernels with per-query key limits: an
+    image token also sees the later tokens of its image (exlpy/vision/attention.py).
+    """
+    spans = batch.mm.spans if batch.mm is not None else None
+    limits = spans.limits(batch.positions) if spans is not None else None
     cache = batch.cache
-    feats = {"window": window, "softcap": softcap}
+    feats: dict[str, Any] = {"window": window, "softcap": softcap}
+    if limits is not None:
+        feats["limits"] = limits
     if cache is None:
         q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
         mask = None
-        if batch.key_mask is not None or window:
+        if spans is not None:  # built once per forward pass and window, shared by the layers
+            mask = spans.self_mask(q.device, window, batch.key_mask)
+        elif batch.key_mask is not None or window:
             i = torch.arange(batch.q_len, device=q.device)
             keep = i.view(-1, 1) >= i.view(1, -1)
             if window:
@@ -190,7 +195,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
     else:
         q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
         ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-    if batch.past_len == 0 and batch.key_mask is None and batch.q_len > 1 and not (window or softcap):
+    if batch.past_len == 0 and batch.key_mask is None and batch.q_len > 1 and not (window or softcap or spans):
         # A first chunk into a contiguous cache, every row from position 0: torch's own causal SDPA over the
         # slice just written (its flash backend is as fast as any kernel here for this case).
         kc, vc = k_cache[:batch.batch_size, :batch.q_len], v_cache[:batch.batch_size, :batch.q_len]

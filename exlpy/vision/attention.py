@@ -1,53 +1,74 @@
-"""Attention of a chunk that holds Gemma 3 image tokens: causal, except that the tokens of one image see each
-other in both directions (and a sliding-window layer still sees only its window), as transformers' Gemma 3
-masks it. The chunk always holds whole images (exlpy/vision/mm.py moves chunk ends past them), so a token's
-later image neighbours are all in the chunk. It runs through the torch reference attention with an explicit
-mask: prompts with images pay this once per prefill; decoding never comes here."""
+"""What the tokens of a chunk holding Gemma 3 images see: causal attention, except that the tokens of one image
+see each other in both directions (a sliding-window layer still counts its window from the query's position).
+
+An image's tokens are consecutive and a chunk always holds whole images (exlpy/vision/mm.py moves chunk ends
+past them), so "causal, plus the rest of my image" is "every key up to a per-query limit": the position of the
+image's last token for an image token, the token's own position otherwise. The attention kernels take such
+limits (`ops.paged_attention(..., limits=)`; the flash kernel reads them from device memory), so a prompt with
+images runs the same kernels as a text prompt: no [T, L] mask, no gathered K/V, no host read-back.
+
+`ImageSpans` holds them for one forward pass: how far each token sees past itself is computed on the host from
+the token's image ids (which the host has anyway), uploaded once per device without waiting for the GPU, and
+shared by every layer.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from exlpy.errors import NotSupportedError
-from exlpy.kernels import ops
+from exlpy.vision.transfer import upload
 
 
-def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Any, layer_idx: int, scale: float,
-                  rope: tuple[torch.Tensor, torch.Tensor], window: int, softcap: float) -> torch.Tensor:
-    B, T = q.shape[:2]
-    blocks = batch.mm.blocks.to(q.device)  # [B, T]
-    qpos = batch.positions.to(q.device)  # [B, T] cache positions
-    q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
-    cache = batch.cache
-    if cache is None:
-        keys, values, kpos, kblk = k, v, qpos, blocks
-        valid = torch.ones_like(kpos, dtype=torch.bool)
-    else:
-        if getattr(cache, "layer_codes", None) is not None:
-            raise NotSupportedError("Gemma 3 images with a quantized KV cache (Q4/Q6/Q8/FP8) are not supported yet; "
-                                    "use an FP16 cache")
-        k_cache, v_cache = cache.layer_kv(layer_idx)
-        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
-        L = batch.max_seqlen
-        p = torch.arange(L, device=q.device)
-        table = batch.block_table.to(q.device)
-        size = batch.page_size
-        slots = table[:, p // size] * size + p % size  # [B, L] flat cache rows of positions 0..L-1
-        hk, d = k_cache.shape[-2:]
-        keys = k_cache.reshape(-1, hk, d)[slots]
-        values = v_cache.reshape(-1, hk, d)[slots]
-        kpos = p.unsqueeze(0).expand(B, L)
-        valid = kpos < batch.seqlens.to(q.device).view(-1, 1)
-        # image ids of keys: the chunk's own tokens carry them; earlier keys are in the past anyway
-        start = qpos[:, :1]
-        kblk = torch.full((B, L), -1, dtype=blocks.dtype, device=q.device)
-        inside = (kpos >= start) & (kpos < start + T)
-        kblk[inside] = blocks.reshape(-1)[(kpos - start + torch.arange(B, device=q.device).view(-1, 1) * T)[inside]]
-    qp, kp = qpos.unsqueeze(-1), kpos.unsqueeze(1)  # [B, T, 1], [B, 1, L]
-    same = (blocks.unsqueeze(-1) == kblk.unsqueeze(1)) & (blocks.unsqueeze(-1) >= 0)
-    mask = ((kp <= qp) | same) & valid.unsqueeze(1)
-    if window:
-        mask = mask & (qp - kp < window)
-    return ops.sdpa(q, keys, values, scale, mask.unsqueeze(1), softcap=softcap)
+def extents(blocks: torch.Tensor) -> torch.Tensor:
+    """Per token of host `blocks` [B, T] (its image occurrence, -1 for text): how many positions past itself it
+    sees, i.e. the distance to the last token of its image in the chunk (0 for text)."""
+    B, T = blocks.shape
+    if blocks.numel() == 0:
+        return torch.zeros(B, T, dtype=torch.long)
+    at = torch.arange(T).expand(B, T)
+    img = blocks >= 0
+    ids = blocks.clamp(min=0).long()
+    last = torch.full((B, int(ids.max()) + 1), -1, dtype=torch.long)
+    last.scatter_reduce_(1, ids, torch.where(img, at, -1), "amax")
+    return torch.where(img, last.gather(1, ids) - at, 0)
+
+
+class ImageSpans:
+    """The per-query key limits of one forward pass whose chunk holds image tokens (host `blocks` [B, T])."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.extents = extents(blocks)  # [B, T] host int64
+        self._device: dict[str, torch.Tensor] = {}
+        self._limits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks: dict[tuple[str, int], torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The extents on `device`, uploaded once (queued, no wait for the GPU)."""
+        key = str(device)
+        if key not in self._device:
+            self._device[key] = upload(self.extents, device)
+        return self._device[key]
+
+    def limits(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, T] last key position each query sees: positions plus extents (once per device and positions)."""
+        key = str(positions.device)
+        hit = self._limits.get(key)
+        if hit is None or hit[0] is not positions:
+            hit = (positions, positions + self.on(positions.device))
+            self._limits[key] = hit
+        return hit[1]
+
+    def self_mask(self, device: torch.device, window: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, 1, T, T] keep-mask of a chunk attending only to itself (no cache; the chunk starts the sequence):
+        query i sees key j <= i + extent i (and i - j < window); built once per device and window."""
+        key = (str(device), window)
+        if key not in self._masks:
+            ext = self.on(device)
+            i = torch.arange(ext.shape[1], device=device)
+            keep = i.view(1, 1, -1) <= (i.view(1, -1) + ext).unsqueeze(-1)  # [B, T, T]
+            if window:
+                keep = keep & (i.view(-1, 1) - i.view(1, -1) < window)
+            if key_mask is not None:
+                keep = keep & key_mask[:, None, :ext.shape[1]]
+            self._masks[key] = keep.unsqueeze(1)
+        return self._masks[key]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from exlpy.config.rope import inv_freq
 from exlpy.errors import MultimodalError
+from exlpy.vision.attention import ImageSpans
 from exlpy.vision.embedding import EMBEDDING_INDEX, ExLlamaV2MMEmbedding
 from exlpy.vision.timing import mark
 from exlpy.vision.transfer import upload
@@ -129,11 +130,18 @@ class MMInputs:
 
     embeddings: list[ExLlamaV2MMEmbedding]
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Gemma 3: per token of the chunk [B, T], the image occurrence it belongs to (-1: not an image token); tokens
-    # of one occurrence attend to each other both ways (exlpy/vision/attention.py).
+    # Gemma 3: per token of the chunk [B, T] (host), the image occurrence it belongs to (-1: not an image token);
+    # tokens of one occurrence attend to each other both ways (exlpy/vision/attention.py).
     blocks: torch.Tensor | None = None
     _tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict,
                                                                                      repr=False)
+    # What the chunk's queries see when it holds image tokens (None otherwise): decided here, once per forward
+    # pass, from host data; every layer's attention reads it (model/attention.py).
+    spans: ImageSpans | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None and bool((self.blocks >= 0).any()):
+            self.spans = ImageSpans(self.blocks)
 
     def table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.rope is not None
