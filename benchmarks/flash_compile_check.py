@@ -54,18 +54,20 @@ def _signature(fn, ptrs: dict[str, str], consts: dict) -> tuple[dict, dict]:
 
 def compile_flash(dt: str, D: int, G: int, cfg: tuple[int, int, int, int], k_fmt: int = fa.PLAIN,
                   k_bits: int = 16, v_fmt: int = fa.PLAIN, v_bits: int = 16, split: bool = False,
-                  has_new: bool = False, paging: int = 1, tma: bool = False) -> dict:
+                  has_new: bool = False, paging: int = 1, tma: bool = False, limits: bool = False) -> dict:
     bm, bn, warps, stages = cfg
     vals = {fa.PLAIN: "*" + dt, fa.INT: "*u8", fa.FP8: "*u8"}
     scales = {fa.PLAIN: "*" + dt, fa.INT: "*fp16", fa.FP8: "*u8"}
     ptrs = {"q_ptr": "*" + dt, "kc_ptr": vals[k_fmt], "vc_ptr": vals[v_fmt], "ks_ptr": scales[k_fmt],
-            "vs_ptr": scales[v_fmt], "bt_ptr": "*i32", "seqlen_ptr": "*i32", "pos_ptr": "*i64", "mask_ptr": "*u8",
+            "vs_ptr": scales[v_fmt], "bt_ptr": "*i32", "seqlen_ptr": "*i32", "pos_ptr": "*i64", "lim_ptr": "*i64",
+            "mask_ptr": "*u8",
             "out_ptr": "*" + dt, "part_ptr": "*fp32", "lse_ptr": "*fp32", "kn_ptr": "*" + dt, "vn_ptr": "*" + dt,
             "k_desc": f"tensordesc<{dt}[{bn}, {D}]>" if tma else "*" + dt,
             "v_desc": f"tensordesc<{dt}[{bn}, {D}]>" if tma else "*" + dt}
     consts = dict(G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=D, SPLIT=split, K_FMT=k_fmt, K_BITS=k_bits,
                   V_FMT=v_fmt, V_BITS=v_bits, PAGING=paging, GROUP_PAGES=fa.GROUP_PAGES, USE_TMA=tma,
-                  HAS_MASK=False, HAS_NEW=has_new, PREC="tf32", WINDOW=False, SOFTCAP=False)
+                  HAS_MASK=False, HAS_NEW=has_new, PREC="tf32", WINDOW=False, SOFTCAP=False,
+                  HAS_LIMITS=limits)
     sig, attrs = _signature(fk._flash_kernel, ptrs, consts)
     k = triton.compile(ASTSource(fk._flash_kernel, sig, consts, attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
@@ -99,6 +101,8 @@ def variants() -> dict[str, dict]:
             out[f"prefill fp16 D{d} contiguous {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=0)
             out[f"prefill fp16 D{d} paged {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=1)
             out[f"prefill fp16 D{d} paged TMA {cfg}"] = compile_flash("fp16", d, 4, cfg, paging=1, tma=True)
+    cfg = fa.PREFILL_CONFIGS[128]  # Gemma 3's chunks with images: per-query key limits (exlpy/vision/attention.py)
+    out[f"prefill fp16 D128 paged limits {cfg}"] = compile_flash("fp16", 128, 4, cfg, paging=1, limits=True)
     bn, w, st = fa.DECODE_CONFIGS["plain"]
     out[f"verify fp16 D128 split {(16, bn, w, st)}"] = compile_flash("fp16", 128, 4, (16, bn, w, st), split=True)
     bn, w, st = fa.DECODE_CONFIGS["quant"]

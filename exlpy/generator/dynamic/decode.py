@@ -363,14 +363,19 @@ class DecodeStepper:
 
 
 def mm_rows(batch: Any, rows: list[tuple[Any, Any]], device: torch.device) -> None:
-    """A decode step with jobs that hold images: their embeddings (a prompt's last token may be an image's end
-    token) and, for M-RoPE, each row's position shift (these steps run eagerly, outside the CUDA graphs)."""
+    """A decode step with jobs that hold images: their embeddings when a row's input is one of their ids (a
+    prompt's last token may be an image's end token) and, for M-RoPE, each row's position shift. Such steps run
+    eagerly, outside the CUDA graphs; a step that needs neither (Gemma 3 after a prompt ending in text) keeps
+    its graph. Sampled tokens are never embedding ids, so only a row's last host token can be one."""
+    from exlpy.vision.embedding import EMBEDDING_INDEX
     from exlpy.vision.mm import MMInputs
     from exlpy.vision.transfer import upload
 
+    deltas = [q.rope_delta for _, q in rows] + [0] * (batch.batch_size - len(rows))
+    if not any(deltas) and all(int(q.ids[-1]) < EMBEDDING_INDEX for _, q in rows):
+        return
     embeddings = [e for j in dict.fromkeys(j for j, _ in rows) for e in j.embeddings]
     batch.mm = MMInputs(embeddings)
-    deltas = [q.rope_delta for _, q in rows] + [0] * (batch.batch_size - len(rows))
     if any(deltas):
         shift = upload(torch.tensor(deltas, dtype=torch.long).view(-1, 1), device)  # no wait for the prefill
         batch.rope_positions = (batch.positions + shift).clamp(min=0)
