@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from exlpy.errors import ConfigError
-from exlpy.vision.layers import act_fn, segment_attention
+from exlpy.vision.layers import act_fn, plan_segments, segment_attention
 from exlpy.vision.pixels import normalize, resized_pixels
 from exlpy.vision.timing import mark
 
@@ -136,6 +136,11 @@ class SiglipTower:
         self.w = {n: read(n, shape).to(device=device, dtype=dtype) for n, shape in self.tensor_shapes().items()}
         name = "vision_tower.embeddings.patch_embedding.weight"
         self.w[name] = self.w[name].reshape(self.spec.width, -1)
+        for i in range(self.spec.depth):  # q|k|v as one projection: one GEMM launch per block instead of three
+            a = f"vision_tower.encoder.layers.{i}.self_attn"
+            for kind in ("weight", "bias"):
+                parts = [self.w.pop(f"{a}.{m}.{kind}") for m in ("q_proj", "k_proj", "v_proj")]
+                self.w[f"{a}.qkv.{kind}"] = torch.cat(parts)
         self.device, self.dtype = device, dtype
 
     def unload(self) -> None:
@@ -156,13 +161,13 @@ class SiglipTower:
         h = self._lin(patches, "vision_tower.embeddings.patch_embedding")
         h = h + self.w["vision_tower.embeddings.position_embedding.weight"]
         n = h.shape[0]
+        whole = plan_segments([0, n], h.device)  # every patch sees every patch; planned once, not per block
         mark("tower: patch embed")
         for i in range(s.depth):
             b = f"vision_tower.encoder.layers.{i}"
             a = self._ln(h, f"{b}.layer_norm1")
-            q, k, v = (self._lin(a, f"{b}.self_attn.{m}").view(n, s.num_heads, s.head_dim)
-                       for m in ("q_proj", "k_proj", "v_proj"))
-            o = segment_attention(q, k, v, [0, n], s.head_dim ** -0.5).reshape(n, e)
+            q, k, v = self._lin(a, f"{b}.self_attn.qkv").view(n, 3, s.num_heads, s.head_dim).unbind(1)
+            o = segment_attention(q, k, v, whole, s.head_dim ** -0.5).reshape(n, e)
             h = h + self._lin(o, f"{b}.self_attn.out_proj")
             mark("tower: attention")
             h = h + self._lin(self.act(self._lin(self._ln(h, f"{b}.layer_norm2"), f"{b}.mlp.fc1")), f"{b}.mlp.fc2")
