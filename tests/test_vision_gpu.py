@@ -148,3 +148,42 @@ def test_image_embedding_does_not_wait_for_the_gpu(tmp_path: Path) -> None:
     bad = ExLlamaV2MMEmbedding(model, rows, digest=b"gpu nan rows", device_rows=rows)  # made without waiting
     with pytest.raises(MultimodalError, match="finite"):
         bad.verify()
+
+
+def test_gemma3_image_prefill_attention_does_not_wait_for_the_gpu(tmp_path: Path, monkeypatch: Any) -> None:
+    """The prefill of a Gemma 3 prompt with images runs each layer's attention as a text prefill does (the flash
+    kernel, with per-query key limits that let an image's tokens see each other): no synchronizing CUDA call
+    inside it (torch's sync debug mode raises on one), and the limits are made once per chunk, not per layer."""
+    from exlpy import ExLlamaV2Cache
+    from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+    from exlpy.model import attention as attn_mod
+    from exlpy.vision import attention as image_attn
+
+    make_gemma3(tmp_path)
+    model, tok, tower = _load(tmp_path)
+    real_attend, real_upload = attn_mod.attend, image_attn.upload
+    layers_run, uploads = [], []
+
+    def attend(q, k, v, batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if batch.mm is None or batch.mm.spans is None:
+            return real_attend(q, k, v, batch, *args, **kwargs)
+        layers_run.append(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_attend(q, k, v, batch, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(attn_mod, "attend", attend)
+    monkeypatch.setattr(image_attn, "upload", lambda *a, **k: uploads.append(1) or real_upload(*a, **k))
+    gen = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=512), tok)
+    for seed in (1, 2):  # the first request compiles the kernels
+        emb = tower.get_image_embeddings(model=model, tokenizer=tok, image=random_image(120, 90, seed=seed),
+                                         text_alias="<image>")
+        ids = tok.encode("Look at this: <image> what is it?", embeddings=[emb])
+        gen.enqueue(ExLlamaV2DynamicJob(ids, max_new_tokens=2, gen_settings=ExLlamaV2Sampler.Settings.greedy(),
+                                        embeddings=[emb], stop_conditions=[]))
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                assert "error" not in r, r.get("error_message")
+    assert len(layers_run) == 2 * model.config.num_hidden_layers and len(uploads) == 2
