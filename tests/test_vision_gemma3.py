@@ -98,3 +98,19 @@ def test_greedy_continuations_match_hf(g3: Loaded, before: str) -> None:
     gen = ExLlamaV2DynamicGenerator(g3.model, cache, g3.tokenizer, max_chunk_size=256)
     assert greedy_dynamic(gen, ids, emb, 8) == want
     assert greedy_streaming(g3, cache, ids, emb, 8) == want
+
+
+def test_images_through_a_quantized_cache(g3: Loaded) -> None:
+    """An image chunk after cached text reads the earlier keys from a Q8 cache (the per-query key limits go to
+    the quantized-cache attention too): as close to the cache-free logits as a text prompt's are."""
+    from exlpy import ExLlamaV2Cache, ExLlamaV2Cache_Q8
+
+    emb = g3.embed(random_image(90, 60, seed=1), "<image>")
+    ids = g3.tokenizer.encode("Look at this: <image> what is it?", embeddings=[emb])
+    want = g3.model.forward(ids, indexed_embeddings=[emb])[:, 5:]
+    errs = []
+    for kind in (ExLlamaV2Cache, ExLlamaV2Cache_Q8):
+        cache = kind(g3.model, max_seq_len=256)
+        g3.model.forward(ids[:, :5], cache, preprocess_only=True)
+        errs.append(rel_err(g3.model.forward(ids[:, 5:], cache, indexed_embeddings=[emb]), want))
+    assert errs[0] < 1e-4 and 1e-4 < errs[1] < 5e-2, errs  # the Q8 rows are read, with Q8's error
