@@ -230,3 +230,29 @@ def test_quant_kernel_limits_with_fresh_rows(_interpreter: None) -> None:
     ref = reference.quant_attention(*args, limits=lim)
     _close(quant_attention(*args, limits=lim), ref, 3e-3)
     assert (reference.quant_attention(*args) - ref).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 100])  # 100: a window shorter than the image
+def test_flash_kernel_limits_at_gemma3_shape_on_gpu(window: int) -> None:
+    """Gemma-3-4B's attention shape (8 query heads on 4 KV heads of 256) for a 358-token chunk with one
+    256-token image after 50 text tokens, into 256-token pages behind 40 cached tokens: the CUDA kernel (through the
+    dispatch) against the fp32 reference."""
+    from tests.conftest import HALF_PRECISION_TOL
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(window)
+    hk, G, D, page, past, T = 4, 2, 256, 256, 40, 358
+    L = past + T
+    kc = torch.randn(4, page, hk, D, generator=g).half().cuda()
+    vc = torch.randn(4, page, hk, D, generator=g).half().cuda()
+    bt = torch.tensor([[3, 0]], dtype=torch.int32).cuda()  # pages of positions 0-255 and 256-511
+    q = torch.randn(1, T, hk * G, D, generator=g).half().cuda()
+    pos = (past + torch.arange(T)).view(1, T).cuda()
+    lens = torch.tensor([L], dtype=torch.int32).cuda()
+    lim = ImageSpans(_blocks(1, T, [(0, 50, 306)])).limits(pos)
+    out = ops.paged_attention(q, kc, vc, bt, page, lens, L, pos, D ** -0.5, None, window, 0.0, lim)
+    ref = reference.paged_attention(q.float(), kc.float(), vc.float(), bt, page, lens, L, pos, D ** -0.5, None,
+                                    window, 0.0, lim)
+    _close(out, ref, HALF_PRECISION_TOL[torch.float16])
