@@ -29,7 +29,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
 | `EXLPY_MOE_GEMV=0` | `moe_gemv=False` | EXL2 experts at decode: tile kernels, not the split-K GEMV / multi-row ones |
-| `EXLPY_MOE_ROWS=0` | `moe_rows=False` | EXL2 experts at 3-16 rows each (batched decode): tile kernels, not the multi-row ones |
+| `EXLPY_MOE_ROWS=0` | `moe_rows=False` | EXL2 experts at 3-16 rows each (batched decode): tile kernels, no multi-row |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
