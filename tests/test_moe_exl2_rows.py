@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _split_k_kernels_on() -> Iterator[None]:
-    """The multi-row kernels are opt-in (EXLPY_MOE_ROWS=1) and EXLPY_MOE_GEMV=0 turns them off: here they are on."""
+    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on."""
     with use_options(dataclasses.replace(options(), moe_gemv=True, moe_rows=True)):
         yield
 

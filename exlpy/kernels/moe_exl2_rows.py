@@ -257,7 +257,7 @@ def _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, col0, cols, ok, R: tl.
 def takes(n_pairs: int, n_experts: int) -> bool:
     """Whether N sorted rows over E experts take these kernels: mean rows per routed expert above ROWS_MIN_MEAN
     (the GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on (EXLPY_MOE_GEMV, on by
-    default) and these ones too (EXLPY_MOE_ROWS=1: opt-in until they have run on a GPU). Host arithmetic only (the
+    default) and these ones too (EXLPY_MOE_ROWS, on by default). Host arithmetic only (the
     per-expert counts live on the device)."""
     routed = max(1, min(n_experts, n_pairs))
     opts = options()
