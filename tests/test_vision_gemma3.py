@@ -114,3 +114,20 @@ def test_images_through_a_quantized_cache(g3: Loaded) -> None:
         g3.model.forward(ids[:, :5], cache, preprocess_only=True)
         errs.append(rel_err(g3.model.forward(ids[:, 5:], cache, indexed_embeddings=[emb]), want))
     assert errs[0] < 1e-4 and 1e-4 < errs[1] < 5e-2, errs  # the Q8 rows are read, with Q8's error
+
+
+def test_serving_warmup_runs_image_chunks(g3: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Gemma 3 server's warm-up also runs its prefill shapes as chunks holding an image, so the first image
+    request compiles no attention variant (the one with per-query key limits) while others stream."""
+    from exlpy import ExLlamaV2Cache
+    from exlpy.generator import ExLlamaV2DynamicGenerator
+    from exlpy.kernels import ops
+
+    with_limits = []
+    real = ops.paged_attention
+    monkeypatch.setattr(ops, "paged_attention", lambda *a, **k: with_limits.append("limits" in k) or real(*a, **k))
+    gen = ExLlamaV2DynamicGenerator(g3.model, ExLlamaV2Cache(g3.model, max_seq_len=256), g3.tokenizer,
+                                    max_chunk_size=256, max_batch_size=1)
+    gen.warmup(full=True)
+    assert any(with_limits) and not all(with_limits)
+    assert gen.num_remaining_jobs() == 0 and gen.page_table.num_unreferenced() == gen.num_pages

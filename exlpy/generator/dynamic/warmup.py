@@ -12,7 +12,9 @@ long prompt arriving later stalls every decoding stream while its deep chunks co
    that many rows through `forward_batch` (captures the graph; its warm-up runs compile the kernels), then
    real jobs of every row bucket through the generator, greedy and sampled, for the device sampler's kernels;
  - prefill: chunks of every length class up to `max_chunk_size`, starting at depths from 0 to the end of the
-   context (split counts), with block tables of every width class;
+   context (split counts), with block tables of every width class; for models whose image tokens attend both
+   ways (Gemma 3), each chunk of two or more tokens once more as a chunk holding an image (the attention
+   kernels' variant with per-query key limits, exlpy/vision/attention.py);
  - captured prompt chunks (what a prompt runs next to decoding jobs, exlpy/engine/graphs.py `run_chunk`): every
    chunk size of `CHUNK_BUCKETS` with every width bucket up to `max_seq_len` (4 x 8 graphs for a 20k context of
    256-token pages), each captured once; a capture that fails warns and leaves prompt chunks eager.
@@ -102,6 +104,16 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def image_chunk(n: int) -> object:
+    """The multimodal part of an n-token warm-up chunk whose middle half is one image (text ids stand in for the
+    image's rows: what compiles is the attention with key limits, whatever the rows hold)."""
+    from exlpy.vision.mm import MMInputs
+
+    blocks = torch.full((1, n), -1, dtype=torch.long)
+    blocks[0, n // 4:n // 4 + max(2, n // 2)] = 0
+    return MMInputs([], blocks=blocks)
+
+
 def warm_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[tuple[int, int, int]]) -> None:
     """Run (capture) every planned prompt chunk (start, bucket, table width) as the generator runs them next to
     decoding jobs. Out of memory stops here with a warning (later shapes are captured when first used); a failed
@@ -146,12 +158,15 @@ def run_warmup(gen: ExLlamaV2DynamicGenerator, log: bool = False) -> WarmupPlan:
         # Blocks the allocator cached for the decode steps' activations would otherwise sit beside those of
         # the prefill chunks below (several GiB reserved and unused on an 8B; the cache was sized without them).
         _release(device)
+        images = gen.model.config.spec.arch.image_bidirectional
         for start, n, width in plan.prefill:
             table = [k % gen.num_pages for k in range(width)]
             ids = torch.randint(3, vocab, (1, n))
             try:
-                gen.model.forward_batch(ids, paged_batch([(table, start, n)], gen.cache, device, size),
-                                        preprocess_only=True)
+                for mm in (None, image_chunk(n)) if images and n > 1 else (None,):
+                    batch = paged_batch([(table, start, n)], gen.cache, device, size)
+                    batch.mm = mm
+                    gen.model.forward_batch(ids, batch, preprocess_only=True)
             except (torch.cuda.OutOfMemoryError, InsufficientVRAMError):
                 warnings.warn(f"warm-up: out of memory in a prefill chunk of {n} tokens at depth {start}; the "
                               "remaining prefill shapes compile when first used", stacklevel=2)
