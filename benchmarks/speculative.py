@@ -146,8 +146,10 @@ def spec_figures(gen: Any) -> tuple[float, float, float]:
 
 
 def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: int,
-                progress: Any = None) -> list[str]:
-    """The table's lines; `progress(lines)` is called after each batch size (a run cut short keeps those)."""
+                progress: Any = None, ahead: tuple[bool, ...] = (True,)) -> list[str]:
+    """The table's lines; `progress(lines)` is called after each batch size (a run cut short keeps those).
+    `ahead`: with rounds launched ahead of the bookkeeping (`Speculation.chain`, the default) and/or without,
+    each timed on the same loaded models (a column per rate and mode)."""
     from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
     from exlpy.cli.bench import load_model
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
@@ -166,8 +168,9 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
              "estimates a (accepted / drafted, exllamav2's figure, is lower by construction when k > 1); k: mean "
              "draft length of the timed run; c: the measured cost of a draft step relative to the rest of a round.",
              "",
-             "| batch | plain tok/s | " + " | ".join(f"a={a} tok/s (x plain, acceptance, k, c)" for a in rates) + " |",
-             "|---|---|" + "---|" * len(rates)]
+             "| batch | plain tok/s | " + " | ".join(f"a={a}{_mode(m, ahead)} tok/s (x plain, acceptance, k, c)"
+                                                  for a in rates for m in ahead) + " |",
+             "|---|---|" + "---|" * (len(rates) * len(ahead))]
     breakdown: list[str] = []
     for b in batches:
         pages = -(-(prompt_len + new_tokens + 8) // 256)
@@ -198,18 +201,23 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
             length.fixed = None
             for a in rates:
                 replay.rate = a
-                for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
-                    gen.enqueue(js := jobs(n))
-                    gen.reset_sd_stats()
-                    gen.spec.profile = RoundProfile() if n == new_tokens else None
-                    speed, _ = drive(gen, js)
-                acc, _, k_mean = spec_figures(gen)
-                cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
-                print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
-                breakdown.append(f"- batch {b}, a={a}, verification {verify_path(gen)}: "
-                                 + round_breakdown(gen.spec.profile, 1000.0 * b / base))
-                print(breakdown[-1], flush=True)
-                gen.spec.profile = None
+                for mode in ahead:
+                    gen.spec.chain = mode
+                    for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
+                        gen.enqueue(js := jobs(n))
+                        gen.reset_sd_stats()
+                        gen.spec.profile = RoundProfile() if n == new_tokens else None
+                        speed, _ = drive(gen, js)
+                    acc, _, k_mean = spec_figures(gen)
+                    cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, "
+                                 f"{length.step_cost:.2f})")
+                    label = f"batch {b} a={a}{_mode(mode, ahead)}"
+                    print(f"{label}: {cells[-1]} vs plain {base:,.1f}", flush=True)
+                    breakdown.append(f"- {label}, verification {verify_path(gen)}: "
+                                     + round_breakdown(gen.spec.profile, 1000.0 * b / base))
+                    print(breakdown[-1], flush=True)
+                    gen.spec.profile = None
+            gen.spec.chain = True
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
         if progress is not None:
             progress(lines + [""] + breakdown_lines(breakdown))
@@ -219,6 +227,11 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
     target.unload()
     draft.unload()
     return lines + [""] + breakdown_lines(breakdown)
+
+
+def _mode(ahead: bool, modes: tuple[bool, ...]) -> str:
+    """A column's label where both modes are timed: rounds launched ahead of the bookkeeping or not."""
+    return "" if len(modes) < 2 else (", ahead" if ahead else ", not ahead")
 
 
 def round_breakdown(prof: Any, plain_step_ms: float) -> str:
