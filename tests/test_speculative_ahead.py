@@ -125,3 +125,29 @@ def test_no_round_ahead_where_the_host_samples_or_the_draft_length_is_off() -> N
     res = drain(g)
     assert res[j]["tokens"] == argmax_tokens(model, ids[0], 20)
     assert g.spec.rounds <= 2 and g.spec.rounds_ahead == 0  # at most a probe
+
+
+def test_round_profile_of_rounds_launched_ahead_adds_up_to_the_elapsed_time() -> None:
+    """A round launched ahead has its launch inside the previous round's finish: the previous round's `after`
+    leaves it out, so the rounds' phases add up to at most the elapsed time (counting it twice would not)."""
+    import time
+
+    from exlpy.generator.speculative.profile import RoundProfile
+
+    model, _ = aidreams()
+    ids = prompts()
+    g = spec_gen(model, num_draft_tokens=3)
+    assert g.spec is not None
+    prof = g.spec.profile = RoundProfile()
+    j = job(ids[2], 30)
+    g.enqueue(j)
+    t0 = time.perf_counter()
+    res = drain(g)
+    elapsed = 1000.0 * (time.perf_counter() - t0)
+    assert res[j]["tokens"] == argmax_tokens(model, ids[2], 30)
+    s = prof.summary(skip=0)
+    assert s["rounds"] == g.spec.rounds and s["chained"] > 0.5
+    phases = ("before", "prep", "launch", "wait", "after")
+    assert all(s[p] >= 0.0 for p in phases) and s["launch"] > 0.0
+    assert s["wall"] * s["rounds"] <= elapsed
+    assert "launched ahead" in prof.describe()

@@ -10,8 +10,16 @@ so constrained jobs never draft). Padding and rejected drafts leave K/V past a s
 counted as valid. Every row of the target step carries its job's LoRA slot; the draft model runs without
 adapters (verification keeps the output exact either way).
 
-Rounds are synchronous (the accepted counts decide the next input); without anything to draft the generator
-uses its overlapped single-token loop instead.
+A round's accepted counts decide the next round's input, so each round ends in one sync (the read-back). What
+the host then does with the tokens (append them, detokenize, check stop conditions, build results, return to the
+caller, admit and plan) used to leave the GPU idle until the next round's first draft step. Now `finish` launches
+the next round first (`_chain`) wherever that work cannot change it: its inputs are the sequences with the new
+tokens appended (`_Ahead`), its pages are taken at once, and the draft length is chosen from the updated estimate.
+The next `iterate()` finishes that round (`resume`) unless a job of it ended or changed meanwhile (then the round
+is dropped: its cache writes lie past the sequences' valid ends, and the draft cache's extent is restored). Within
+a round nothing waits for the host: the draft's argmax feeds its next step on the device, the verification step
+follows the drafts, verification is one captured graph, and the read-back is the only sync.
+Without anything to draft the generator uses its overlapped single-token loop instead.
 """
 
 from __future__ import annotations
@@ -202,6 +210,8 @@ class Speculation:
         if pr is not None:
             prof.mark(pr)  # type: ignore[union-attr]
         host, event = read_back(torch.cat([m, tok, ok.long(), drafts.reshape(-1)]))
+        if pr is not None:
+            prof.launched(pr)  # type: ignore[union-attr]
         others = [j for j in jobs if j not in spec]
         return _Launched(jobs, k, spec, rows, lengths, spec_rows, real, others, logits if others else None, host,
                          event, timer, t0, [j.epoch for j in jobs], pr)

@@ -7,13 +7,18 @@ on the target's stream between the launches (read after the round's own sync: no
 device time of each phase and the host time around it can be told apart:
 
 - device: draft steps, target forward, verification (+ the read-back copy), each the time between two events:
-  it includes any time the device sat idle waiting for the host to launch the next kernel.
+  it includes any time the device sat idle waiting for the host to launch the next kernel; and the gap from the
+  previous round's read-back to this round's first draft step (the host's time between rounds, where nothing
+  was launched ahead).
 - host: before (the generator's work between rounds: scheduling, planning, n-gram lookups), prep (the round's
   inputs before the first draft step), launch (from the first draft step to the read-back's launch), wait (the
   read-back's sync), after (accepting tokens, stop conditions, results).
 
-`summary()` averages the recorded rounds; a round's wall time is before + prep + launch + wait + after. With
-the device never idle, wall ~ draft + forward + verify + the host's prep and after (which nothing overlaps).
+A round launched ahead (`Speculation._chain`: inside the previous round's finish, before its bookkeeping) has its
+prep and launch there; its `before` then runs from the previous round's end to the moment it begins to wait, and
+the previous round's `after` leaves out the time spent launching it, so that the phases of successive rounds add
+up to the elapsed time either way. `summary()` averages the recorded rounds (and the share launched ahead); a
+round's wall time is before + prep + launch + wait + after.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class _Round:
     host: dict[str, float] = field(default_factory=dict)
     events: list[Any] = field(default_factory=list)
     stream: Any = None
+    done: Any = None  # an event after the read-back's copy: the round's last device work
 
 
 class RoundProfile:
@@ -63,6 +69,12 @@ class RoundProfile:
             e = torch.cuda.Event(enable_timing=True)
             e.record(r.stream)
             r.events.append(e)
+
+    def launched(self, r: _Round) -> None:
+        """The read-back's copy is queued: the round's device work ends here."""
+        if r.stream is not None:
+            r.done = torch.cuda.Event(enable_timing=True)
+            r.done.record(r.stream)
 
     def waiting(self, r: _Round) -> None:
         r.waited = time.perf_counter()
@@ -117,7 +129,20 @@ class RoundProfile:
         for name in PHASES:
             if dev:
                 out["device " + name] = sum(d[name] for d in dev) / len(dev)
+        gaps = [g for g in (self.device_gap(r) for r in rounds) if g is not None]
+        if gaps:
+            out["device gap"] = sum(gaps) / len(gaps)
         return out
+
+    def device_gap(self, r: _Round) -> float | None:
+        """Device ms from the previous round's read-back to this round's first draft step (the uploads between
+        them, and any time the device sat idle waiting for the host); None without CUDA events."""
+        i = self.rounds.index(r)
+        prev = self.rounds[i - 1] if i else None
+        if prev is None or prev.done is None or len(r.events) < 2 or not r.events[1].query() \
+                or not prev.done.query():
+            return None
+        return prev.done.elapsed_time(r.events[1])
 
     def describe(self, plain_step_ms: float | None = None) -> str:
         """One line for a benchmark's output: mean ms per round by phase."""
@@ -128,7 +153,8 @@ class RoundProfile:
                  f"{100 * s['chained']:.0f}% launched ahead"]
         if "device draft" in s:
             parts.append(f"device: draft {s['device draft']:.3f} + forward {s['device forward']:.3f} + verify "
-                         f"{s['device verify']:.3f} ms")
+                         f"{s['device verify']:.3f} ms" + (f", gap between rounds {s['device gap']:.3f} ms"
+                                                          if "device gap" in s else ""))
         parts.append(f"host: before {s['before']:.3f}, prep {s['prep']:.3f}, launch {s['launch']:.3f}, wait "
                      f"{s['wait']:.3f}, after {s['after']:.3f} ms")
         if plain_step_ms is not None:
