@@ -22,12 +22,17 @@ def prompts() -> list[torch.Tensor]:
     return ids
 
 
-@pytest.mark.parametrize("drafter,k", [("same", 3), ("tiny-llama-fp16", None)])
+@pytest.mark.parametrize("drafter,k", [("same", 3), ("tiny-llama-fp16", None), ("ngram", 3)])
 def test_rounds_launched_ahead_keep_greedy_output(drafter: str, k: int | None) -> None:
-    model, _ = aidreams()
+    model, tok = aidreams()
     ids = prompts()
     n = [19, 12, 16]
-    g = spec_gen(model if drafter == "same" else tiny(drafter), num_draft_tokens=k)
+    if drafter == "ngram":  # drafts from the jobs' own greedy text: most rounds propose something
+        g = spec_gen(use_ngram_draft=True, num_draft_tokens=k)
+        for i, m in zip(ids, n):
+            g.ngram_preload(i[0].tolist() + argmax_tokens(model, i, m))
+    else:
+        g = spec_gen(model if drafter == "same" else tiny(drafter), num_draft_tokens=k)
     assert g.spec is not None
     if k is None:  # adaptive length: drafting on from the start whatever the CPU timings say
         g.spec.length.cost = 0.05

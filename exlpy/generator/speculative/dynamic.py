@@ -14,7 +14,8 @@ A round's accepted counts decide the next round's input, so each round ends in o
 the host then does with the tokens (append them, detokenize, check stop conditions, build results, return to the
 caller, admit and plan) used to leave the GPU idle until the next round's first draft step. Now `finish` launches
 the next round first (`_chain`) wherever that work cannot change it: its inputs are the sequences with the new
-tokens appended (`_Ahead`), its pages are taken at once, and the draft length is chosen from the updated estimate.
+tokens appended (`_Ahead`; n-gram drafts are looked up in them), its pages are taken at once, and the draft length
+is chosen from the updated estimate.
 The next `iterate()` finishes that round (`resume`) unless a job of it ended or changed meanwhile (then the round
 is dropped: its cache writes lie past the sequences' valid ends, and the draft cache's extent is restored). Within
 a round nothing waits for the host: the draft's argmax feeds its next step on the device, the verification step
@@ -112,9 +113,10 @@ class Speculation:
             return None
         return plan
 
-    def ngram_of(self, job: ExLlamaV2DynamicJob) -> NgramIndex:
+    def ngram_of(self, job: ExLlamaV2DynamicJob, seq: list[int] | None = None) -> NgramIndex:
+        """The job's n-gram index over its sequence (or `seq`: the sequence a round launched ahead continues)."""
         index = getattr(job, "ngram", None)
-        seq = job.sequence.tolist()
+        seq = job.sequence.tolist() if seq is None else seq
         if index is None:
             index = job.ngram = NgramIndex(self.max_ngram, base=self.preloaded)  # type: ignore[attr-defined]
         index.truncate(len(seq))
@@ -286,13 +288,13 @@ class Speculation:
     # --- rounds launched ahead ----------------------------------------------------------------------------
     def _chain(self, rnd: _Launched, emitted: dict[int, list[int]], synced: float) -> _Launched | None:
         """Launch the round after `rnd` before `rnd`'s tokens are accepted, where nothing the host does in
-        between can change it: a draft model (n-gram drafts read the accepted text), every row drafting (no
-        host-sampled rows, none failed), no job waiting to be admitted or running outside the round, each job
+        between can change it: every row drafting (no host-sampled rows, none failed), no job waiting to be admitted or running outside the round, each job
         continuing by count and its sampling unchanged by the new tokens (min_new_tokens reached), the cache
-        pages at hand (no preemption), and the draft length still above 0. A job that a stop condition ends
-        in the bookkeeping voids the round (`finish` discards it: its cache writes lie past the job's end)."""
+        pages at hand (no preemption), and the draft length still above 0 (n-gram drafts: some proposal). A
+        job that a stop condition ends in the bookkeeping voids the round (`finish` discards it: its cache
+        writes lie past the job's end)."""
         gen = self.gen
-        if (self.drafter is None or not self.chain or rnd.others or gen.pending
+        if (not self.chain or rnd.others or gen.pending
                 or len(gen.active) != len(rnd.jobs) or any(j not in gen.active for j in rnd.jobs)):
             return None
         new: dict[int, int] = {}  # job id -> tokens the round adds
@@ -308,6 +310,14 @@ class Speculation:
         k = min(self.length.choose(), room)
         if k < 1:
             return None
+        ahead = {id(q): _Ahead(q, emitted[i]) for i, (_, q) in enumerate(rnd.rows)}
+        drafts: dict[Any, list[int]] = {j: [] for j in rnd.jobs}
+        if self.drafter is None:  # n-grams: proposals from each sequence with the round's tokens
+            for j in rnd.jobs:
+                drafts[j] = self.ngram_of(j, ahead[id(j.seqs[0])].ids.tolist()).propose(k)
+            k = max(len(d) for d in drafts.values())
+            if k < 1:
+                return None
         table = gen.page_table
         want = [(job, q, q.pages_for(q.ids.numel() + new[id(job)] + k)) for job in rnd.jobs for q in job.seqs]
         if sum(max(0, n - len(q.pages)) for _, q, n in want) > table.num_unreferenced():
@@ -316,9 +326,8 @@ class Speculation:
             if n > len(q.pages):
                 table.grow(q.pages, n, job.serial or 0)
         self.length.tick()  # a planning, as `plan` counts them
-        ahead = {id(q): _Ahead(q, emitted[i]) for i, (_, q) in enumerate(rnd.rows)}
         saved = {id(q): q.draft_kv for _, q in rnd.rows}
-        spec = {j: (rnd.spec[j][0], []) for j in rnd.jobs}
+        spec = {j: (rnd.spec[j][0], drafts[j]) for j in rnd.jobs}
         try:
             nxt = self.launch(rnd.jobs, k, spec, ahead)
         except Exception:
