@@ -288,11 +288,11 @@ class Speculation:
     # --- rounds launched ahead ----------------------------------------------------------------------------
     def _chain(self, rnd: _Launched, emitted: dict[int, list[int]], synced: float) -> _Launched | None:
         """Launch the round after `rnd` before `rnd`'s tokens are accepted, where nothing the host does in
-        between can change it: every row drafting (no host-sampled rows, none failed), no job waiting to be admitted or running outside the round, each job
-        continuing by count and its sampling unchanged by the new tokens (min_new_tokens reached), the cache
-        pages at hand (no preemption), and the draft length still above 0 (n-gram drafts: some proposal). A
-        job that a stop condition ends in the bookkeeping voids the round (`finish` discards it: its cache
-        writes lie past the job's end)."""
+        between can change it: every row drafting (no host-sampled rows, none failed), no job waiting to be
+        admitted or running outside the round, each job continuing by count and its sampling unchanged by the
+        new tokens (min_new_tokens reached), the cache pages at hand (no preemption), and the draft length still
+        above 0 (n-gram drafts: some proposal). A job that a stop condition ends in the bookkeeping voids the
+        round (`finish` discards it: its cache writes lie past the job's end)."""
         gen = self.gen
         if (not self.chain or rnd.others or gen.pending
                 or len(gen.active) != len(rnd.jobs) or any(j not in gen.active for j in rnd.jobs)):
