@@ -10,7 +10,8 @@ agree on nothing, so the draft is a replay draft: it runs its real forward passe
 measured), but each draft is the target's own greedy token with probability a, another token otherwise (the
 greedy token is read from the verification step: see `ReplayDrafter`). Tokens/s at acceptance a = 0.5 / 0.7 /
 0.8 / 0.9 and batch 1, 4, 16 (`--rates`, `--batches`), against plain decoding of the same jobs (512-token
-prompts, 256 new tokens, the dynamic generator, draft length adapted). Target: >= 1.8x plain at batch 1 and
+prompts, 256 new tokens, the dynamic generator, draft length adapted; `--ahead both` times each rate with and
+without rounds launched ahead of the previous round's bookkeeping). Target: >= 1.8x plain at batch 1 and
 a = 0.8.
 
 Part `ngram`: the real SmolLM2-135M-Instruct (fp16 from `--smollm2 DIR`, the directory that
@@ -389,6 +390,8 @@ def main() -> None:
                     "0.5,0.7,0.8,0.9)")
     ap.add_argument("--new-tokens", type=int, default=None, help="parts replay and ngram8b: new tokens per job "
                     "(default 256; ngram8b 512)")
+    ap.add_argument("--ahead", choices=("on", "off", "both"), default="on", help="part replay: rounds launched "
+                    "ahead of the previous round's bookkeeping (the default), not, or both on the same models")
     ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -408,8 +411,9 @@ def main() -> None:
         batches = [int(x) for x in args.batches.split(",")] if args.batches else batches
         rates = [float(x) for x in args.rates.split(",")] if args.rates else rates
         n = args.new_tokens or n
+        modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.ahead]
         body += part_replay(args.work, batches, rates, n,
-                            lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"))
+                            lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"), modes)
         Path(args.out).write_text("\n".join(header + body) + "\n")
     if "ngram" in parts:
         passage = args.passage or next(p for p in (str(SHARED / "eval" / "licenses.txt"), str(ROOT / "README.md"))
