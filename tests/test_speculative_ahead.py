@@ -156,3 +156,23 @@ def test_round_profile_of_rounds_launched_ahead_adds_up_to_the_elapsed_time() ->
     assert all(s[p] >= 0.0 for p in phases) and s["launch"] > 0.0
     assert s["wall"] * s["rounds"] <= elapsed
     assert "launched ahead" in prof.describe()
+
+
+def test_seeded_sampled_jobs_draw_the_same_tokens_ahead_or_not() -> None:
+    """A round launched ahead draws its verification points from each job's generator at launch, before the
+    round before is accepted; nothing in between draws from it, so a seeded job's tokens do not change."""
+    from tests.test_dynamic_overlap import TOP_P
+
+    model, _ = aidreams()
+    ids = prompts()
+    outs = []
+    for chain in (False, True):
+        g = spec_gen(model, num_draft_tokens=3)
+        assert g.spec is not None
+        g.spec.chain = chain
+        jobs = [job(ids[0], 20, gen_settings=TOP_P, seed=5), job(ids[2], 14, gen_settings=TOP_P, seed=6)]
+        g.enqueue(jobs)
+        res = drain(g)
+        outs.append([res[j]["tokens"] for j in jobs])
+        assert (g.spec.rounds_ahead > 0) == chain
+    assert outs[0] == outs[1] and [len(t) for t in outs[0]] == [20, 14]
