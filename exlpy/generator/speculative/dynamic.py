@@ -274,8 +274,9 @@ class Speculation:
             gen.stepper.sample_host(HostRows(rnd.others, firsts, premask_jobs(rnd.others, firsts,
                                                                                rnd.logits[:, 0])), results)
         if rnd.timer is not None:
-            # A round launched ahead takes the time between two read-backs (what each round adds in a chain).
-            seconds = synced - rnd.prev_synced if rnd.prev_synced else time.perf_counter() - rnd.t0
+            # A round launched ahead takes the time between two read-backs (what each round adds in a chain);
+            # another one its own time, less launching the next.
+            seconds = synced - rnd.prev_synced if rnd.prev_synced else time.perf_counter() - rnd.t0 - t_chain
             self.length.observe(k, rnd.timer.seconds(), seconds)
         if prof is not None and pr is not None:
             prof.end(pr, t_chain if nxt is not None else 0.0)
