@@ -12,7 +12,8 @@ sampler (exlpy/generator/sampling/graphed.py); JSON-schema constrained decoding 
 against the same jobs unconstrained; with `--exl2` the EXL2 4.0 bpw 8B at batch 1 (writing its weights the first
 time adds minutes). Then the speculative replay draft at acceptance 0.8 vs plain at batch 1 (benchmarks/
 speculative.py's part `replay`, a 1B-shape draft; verification through the captured sampler; `--no-spec` skips
-it; `--spec-only` runs it alone), with the mean round's time by phase (exlpy/generator/speculative/profile.py).
+it; `--spec-only` runs it alone; `--spec-ahead both` times it with and without rounds launched ahead of the
+previous round's bookkeeping), with the mean round's time by phase (exlpy/generator/speculative/profile.py).
 Results: a markdown table with device, date and command.
 """
 
@@ -119,6 +120,9 @@ def main() -> int:
     ap.add_argument("--no-spec", action="store_true", help="skip speculative replay draft a=0.8 vs plain")
     ap.add_argument("--spec-only", action="store_true", help="only the speculative replay draft (with its per-round "
                     "time breakdown)")
+    ap.add_argument("--spec-ahead", choices=("on", "off", "both"), default="on",
+                    help="speculative rounds launched ahead of the previous round's bookkeeping (the generator's "
+                    "default, on), not (off), or both timed one after the other on the same loaded models")
     ap.add_argument("--work", default="/tmp/exlpy_bench_models")
     ap.add_argument("--new-tokens", type=int, default=0, help="tokens per timed job (default 128; tiny 12)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.md")
@@ -185,7 +189,8 @@ def main() -> int:
         del model
         gc.collect()
         torch.cuda.empty_cache()
-        lines += [""] + part_replay(args.work, [1], [0.8], new)
+        modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.spec_ahead]
+        lines += [""] + part_replay(args.work, [1], [0.8], new, ahead=modes)
         emit()
     lines += ["", f"Total wall time {time.time() - t0:.0f} s."]
     emit()

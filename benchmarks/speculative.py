@@ -10,7 +10,8 @@ agree on nothing, so the draft is a replay draft: it runs its real forward passe
 measured), but each draft is the target's own greedy token with probability a, another token otherwise (the
 greedy token is read from the verification step: see `ReplayDrafter`). Tokens/s at acceptance a = 0.5 / 0.7 /
 0.8 / 0.9 and batch 1, 4, 16 (`--rates`, `--batches`), against plain decoding of the same jobs (512-token
-prompts, 256 new tokens, the dynamic generator, draft length adapted). Target: >= 1.8x plain at batch 1 and
+prompts, 256 new tokens, the dynamic generator, draft length adapted; `--ahead both` times each rate with and
+without rounds launched ahead of the previous round's bookkeeping). Target: >= 1.8x plain at batch 1 and
 a = 0.8.
 
 Part `ngram`: the real SmolLM2-135M-Instruct (fp16 from `--smollm2 DIR`, the directory that
@@ -146,8 +147,10 @@ def spec_figures(gen: Any) -> tuple[float, float, float]:
 
 
 def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: int,
-                progress: Any = None) -> list[str]:
-    """The table's lines; `progress(lines)` is called after each batch size (a run cut short keeps those)."""
+                progress: Any = None, ahead: tuple[bool, ...] = (True,)) -> list[str]:
+    """The table's lines; `progress(lines)` is called after each batch size (a run cut short keeps those).
+    `ahead`: with rounds launched ahead of the bookkeeping (`Speculation.chain`, the default) and/or without,
+    each timed on the same loaded models (a column per rate and mode)."""
     from exlpy import ExLlamaV2Cache, ExLlamaV2Tokenizer
     from exlpy.cli.bench import load_model
     from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
@@ -166,8 +169,9 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
              "estimates a (accepted / drafted, exllamav2's figure, is lower by construction when k > 1); k: mean "
              "draft length of the timed run; c: the measured cost of a draft step relative to the rest of a round.",
              "",
-             "| batch | plain tok/s | " + " | ".join(f"a={a} tok/s (x plain, acceptance, k, c)" for a in rates) + " |",
-             "|---|---|" + "---|" * len(rates)]
+             "| batch | plain tok/s | " + " | ".join(f"a={a}{_mode(m, ahead)} tok/s (x plain, acceptance, k, c)"
+                                                  for a in rates for m in ahead) + " |",
+             "|---|---|" + "---|" * (len(rates) * len(ahead))]
     breakdown: list[str] = []
     for b in batches:
         pages = -(-(prompt_len + new_tokens + 8) // 256)
@@ -198,18 +202,23 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
             length.fixed = None
             for a in rates:
                 replay.rate = a
-                for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
-                    gen.enqueue(js := jobs(n))
-                    gen.reset_sd_stats()
-                    gen.spec.profile = RoundProfile() if n == new_tokens else None
-                    speed, _ = drive(gen, js)
-                acc, _, k_mean = spec_figures(gen)
-                cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, {length.step_cost:.2f})")
-                print(f"batch {b} a={a}: {cells[-1]} vs plain {base:,.1f}", flush=True)
-                breakdown.append(f"- batch {b}, a={a}, verification {verify_path(gen)}: "
-                                 + round_breakdown(gen.spec.profile, 1000.0 * b / base))
-                print(breakdown[-1], flush=True)
-                gen.spec.profile = None
+                for mode in ahead:
+                    gen.spec.chain = mode
+                    for n in (32, new_tokens):  # warm-up (the acceptance estimate settles), then the timed run
+                        gen.enqueue(js := jobs(n))
+                        gen.reset_sd_stats()
+                        gen.spec.profile = RoundProfile() if n == new_tokens else None
+                        speed, _ = drive(gen, js)
+                    acc, _, k_mean = spec_figures(gen)
+                    cells.append(f"{speed:,.1f} ({speed / base:.2f}x, {acc:.2f}, {k_mean:.1f}, "
+                                 f"{length.step_cost:.2f})")
+                    label = f"batch {b} a={a}{_mode(mode, ahead)}"
+                    print(f"{label}: {cells[-1]} vs plain {base:,.1f}", flush=True)
+                    breakdown.append(f"- {label}, verification {verify_path(gen)}: "
+                                     + round_breakdown(gen.spec.profile, 1000.0 * b / base))
+                    print(breakdown[-1], flush=True)
+                    gen.spec.profile = None
+            gen.spec.chain = True
         lines.append(f"| {b} | {base:,.1f} | " + " | ".join(cells) + " |")
         if progress is not None:
             progress(lines + [""] + breakdown_lines(breakdown))
@@ -219,6 +228,11 @@ def part_replay(work: str, batches: list[int], rates: list[float], new_tokens: i
     target.unload()
     draft.unload()
     return lines + [""] + breakdown_lines(breakdown)
+
+
+def _mode(ahead: bool, modes: tuple[bool, ...]) -> str:
+    """A column's label where both modes are timed: rounds launched ahead of the bookkeeping or not."""
+    return "" if len(modes) < 2 else (", ahead" if ahead else ", not ahead")
 
 
 def round_breakdown(prof: Any, plain_step_ms: float) -> str:
@@ -376,6 +390,8 @@ def main() -> None:
                     "0.5,0.7,0.8,0.9)")
     ap.add_argument("--new-tokens", type=int, default=None, help="parts replay and ngram8b: new tokens per job "
                     "(default 256; ngram8b 512)")
+    ap.add_argument("--ahead", choices=("on", "off", "both"), default="on", help="part replay: rounds launched "
+                    "ahead of the previous round's bookkeeping (the default), not, or both on the same models")
     ap.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -395,8 +411,9 @@ def main() -> None:
         batches = [int(x) for x in args.batches.split(",")] if args.batches else batches
         rates = [float(x) for x in args.rates.split(",")] if args.rates else rates
         n = args.new_tokens or n
+        modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.ahead]
         body += part_replay(args.work, batches, rates, n,
-                            lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"))
+                            lambda lines: Path(args.out).write_text("\n".join(header + body + lines) + "\n"), modes)
         Path(args.out).write_text("\n".join(header + body) + "\n")
     if "ngram" in parts:
         passage = args.passage or next(p for p in (str(SHARED / "eval" / "licenses.txt"), str(ROOT / "README.md"))

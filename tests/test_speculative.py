@@ -358,8 +358,8 @@ class RefReplay:
     def propose(self, seqs: list[Any], k: int, target_device: torch.device) -> torch.Tensor:
         self.inner.propose(seqs, k, target_device)
         rows = []
-        for q in seqs:
-            ref, L = self.refs[id(q)], q.ids.numel()
+        for q in seqs:  # a round launched ahead passes views of the sequences (their base: the job's own)
+            ref, L = self.refs[id(getattr(q, "base", q))], q.ids.numel()
             assert q.ids.tolist() == ref[:L]  # the sequence follows plain greedy decoding
             want = ref[L:L + k]
             rows.append([w if self.rng.random() < self.rate else (w + self.rng.randrange(1, self.vocab)) % self.vocab

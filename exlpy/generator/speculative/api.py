@@ -54,6 +54,8 @@ class SpeculativeAPI:
         """One speculative round over `jobs`; False when there is nothing to draft (decode normally)."""
         assert self.spec is not None
         self.stepper.drain(results)  # drafts continue the latest tokens
+        if self.spec.resume(results):  # the round the last one launched ahead (Speculation._chain)
+            return True
         jobs = [j for j in jobs if j in self.active and self._continues(j)]
         planned = self.spec.plan(jobs) if jobs else None
         if planned is None:
