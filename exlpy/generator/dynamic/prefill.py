@@ -3,6 +3,7 @@ from a freed page that held the same tokens, and a token budget while other jobs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,11 +17,47 @@ if TYPE_CHECKING:
     from exlpy.generator.dynamic.sequence import SeqState
 
 
+@dataclass
+class Chunk:
+    """A prompt span [start, end) of one sequence of a job, planned by `plan_chunks`. `buckets`: the captured
+    chunk sizes it runs in (empty: one eager pass)."""
+
+    job: ExLlamaV2DynamicJob
+    seq: SeqState
+    start: int
+    end: int
+    buckets: tuple[int, ...] = ()
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.seq.ids[self.start:self.end]
+
+
 def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]],
-                decoding: int, budget: int, spent: int) -> int:
-    """One prompt chunk per sequence of the job; returns the tokens run."""
+                decoding: int, budget: int, spent: int, defer: list[Chunk] | None = None) -> int:
+    """One prompt chunk per sequence of the job; returns the tokens planned. With `defer` the chunks are appended
+    to it instead of run: they run inside this iteration's decode step (a mixed pass, dynamic/decode.py), and
+    `commit_chunks` then records them."""
+    chunks, progressed = plan_chunks(gen, job, decoding, budget, spent, mixed=defer is not None)
+    if defer is not None and chunks:
+        defer += chunks
+    else:
+        for c in chunks:
+            run_chunk(gen, c)
+        commit_chunks(gen, chunks, results)
+        if progressed and not chunks:
+            report(job, results)
+    return sum(c.end - c.start for c in chunks)
+
+
+def plan_chunks(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, decoding: int, budget: int, spent: int,
+                mixed: bool = False) -> tuple[list[Chunk], bool]:
+    """The job's prompt chunks for this iteration (one per sequence at most), after skipping what the cache
+    already holds; and whether the job progressed (chunks, or pages found cached). `mixed`: the chunks will run
+    inside the decode step, eagerly (no captured sizes)."""
     progressed, ran = False, 0
     serial = job.serial or 0
+    chunks: list[Chunk] = []
     for q in job.seqs:
         if q.is_prefilled():
             continue
@@ -34,8 +71,11 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             continue
         limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
         # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
-        # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them.
-        buckets = scheduler.captured_sizes(limit, gen.chunk_buckets()) if decoding and not job.embeddings else ()
+        # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them. A
+        # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time.
+        buckets: tuple[int, ...] = ()
+        if decoding and not job.embeddings and not mixed:
+            buckets = scheduler.captured_sizes(limit, gen.chunk_buckets())
         if buckets:
             limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
         if limit == 0:
@@ -51,40 +91,61 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
             from exlpy.vision.mm import extend_to_image_end
 
             end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
-        if end > start and buckets:
-            a = start
-            for n in scheduler.chunk_pieces(end - start, buckets):
-                batch = paged_batch([(q.page_ids(), a, n)], gen.cache, gen.device(), gen.page_size,
-                                    [job.lora_slot])
-                gen.model.prefill_chunk(q.ids[a:a + n].unsqueeze(0), batch)
-                a += n
-        elif end > start:
-            ids = q.ids[start:end].unsqueeze(0)
-            batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
-                                [job.lora_slot])
-            if job.embeddings:  # image rows, and M-RoPE angles of the chunk's tokens
-                from exlpy.vision.mm import chunk_inputs
-
-                batch.mm = chunk_inputs(gen.model.config, q.ids, start, end, job.embeddings)
-                if batch.mm.rope is not None:
-                    batch.rope_positions = torch.arange(end - start, device=gen.device()).view(1, -1)
-            gen.model.forward_batch(ids, batch, preprocess_only=True)
         if end > start:
-            if gen.spec is not None:
-                gen.spec.on_prefill(q, start, end)
-            gen.prefill_tokens += end - start
+            chunks.append(Chunk(job, q, start, end, buckets))
             ran += end - start
-            size = gen.page_size
-            for p in range(start // size, (end - 1) // size + 1):
-                q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
-            q.prefill_pos = end
-    if progressed:
-        job.wait_reason = None
-        r = job.base_result("prefill")
-        r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
-                 max_progress=sum(q.prefill_target for q in job.seqs))
-        results.append(r)
-    return ran
+    return chunks, progressed
+
+
+def run_chunk(gen: ExLlamaV2DynamicGenerator, c: Chunk) -> None:
+    """One chunk's forward pass(es) of its own: captured pieces where it has `buckets`, else one eager pass."""
+    job, q, start, end = c.job, c.seq, c.start, c.end
+    if c.buckets:
+        a = start
+        for n in scheduler.chunk_pieces(end - start, c.buckets):
+            batch = paged_batch([(q.page_ids(), a, n)], gen.cache, gen.device(), gen.page_size, [job.lora_slot])
+            gen.model.prefill_chunk(q.ids[a:a + n].unsqueeze(0), batch)
+            a += n
+        return
+    batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
+                        [job.lora_slot])
+    if job.embeddings:  # image rows, and M-RoPE angles of the chunk's tokens
+        from exlpy.vision.mm import chunk_inputs
+
+        batch.mm = chunk_inputs(gen.model.config, q.ids, start, end, job.embeddings)
+        if batch.mm.rope is not None:
+            batch.rope_positions = torch.arange(end - start, device=gen.device()).view(1, -1)
+    gen.model.forward_batch(c.ids.unsqueeze(0), batch, preprocess_only=True)
+
+
+def commit_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk], results: list[dict[str, Any]]) -> None:
+    """Record chunks whose K/V the cache now holds (their pages' fill, the sequences' prefill position), and
+    report each job's progress once."""
+    size = gen.page_size
+    for c in chunks:
+        q, start, end = c.seq, c.start, c.end
+        if gen.spec is not None:
+            gen.spec.on_prefill(q, start, end)
+        gen.prefill_tokens += end - start
+        for p in range(start // size, (end - 1) // size + 1):
+            q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
+        q.prefill_pos = end
+    for job in dict.fromkeys(c.job for c in chunks):
+        report(job, results)
+
+
+def completes_prompt(job: ExLlamaV2DynamicJob, chunks: list[Chunk]) -> bool:
+    """Whether the job's prompt is prefilled once `chunks` (not yet committed) are: it decodes in the same pass."""
+    ends = {id(c.seq): c.end for c in chunks if c.job is job}
+    return bool(ends) and all(q.is_prefilled() or ends.get(id(q)) == q.prefill_target for q in job.seqs)
+
+
+def report(job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
+    """A "prefill" progress result for the job."""
+    job.wait_reason = None
+    r = job.base_result("prefill")
+    r.update(curr_progress=sum(q.prefill_pos for q in job.seqs), max_progress=sum(q.prefill_target for q in job.seqs))
+    results.append(r)
 
 
 def copy_partial_page(gen: ExLlamaV2DynamicGenerator, q: SeqState, serial: int) -> None:
