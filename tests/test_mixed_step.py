@@ -15,8 +15,8 @@ from exlpy import ExLlamaV2Cache, ExLlamaV2Cache_Q4
 from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
 from exlpy.model.batch import mixed_batch, paged_batch
 from exlpy.runtime import RuntimeOptions
-from tests.test_generator_helpers import argmax_tokens
 from tests.test_generator_helpers import aidreams_cpu as aidreams
+from tests.test_generator_helpers import argmax_tokens
 
 GREEDY = ExLlamaV2Sampler.Settings.greedy()
 TOP_P = ExLlamaV2Sampler.Settings(temperature=1.1, top_k=0, top_p=0.9, token_repetition_penalty=1.0)
