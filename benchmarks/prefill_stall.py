@@ -186,6 +186,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
               seed: int, meter: Meter) -> dict[str, Any]:
     from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
+    gen.reset_page_table()  # each round computes its prompts: no prefix left cached by an earlier round
     gen.prefill_graphs = mode == "captured"
     gen.mixed_step = mode == "mixed"
     mixed0 = gen.mixed_steps
