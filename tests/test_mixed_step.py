@@ -185,19 +185,21 @@ def compare(arrivals: list[tuple[int, dict[str, Any]]], tol: float = 1e-4, exact
 
 def test_arrivals_next_to_decoding_jobs_match_the_two_pass_path() -> None:
     """Jobs arriving while others decode: prompts of 5 to 150 tokens (a 150-token one spans five 32-token chunks,
-    two arrive together and share chunks' iterations), one job finishing early, one sampled with a seed; the
-    greedy ones also match the full-forward oracle."""
+    two arrive together and share chunks' iterations), one job finishing early, one sampled with a seed, a CFG job
+    (two sequences whose prompts end in different steps); the greedy ones also match the full-forward oracle."""
     model, _ = aidreams()
     arrivals = [(0, {"input_ids": prompt(9, 1), "max_new_tokens": 40}),
                 (0, {"input_ids": prompt(14, 2), "max_new_tokens": 6}),  # ends while the long prompts prefill
                 (2, {"input_ids": prompt(150, 3), "max_new_tokens": 12}),
                 (3, {"input_ids": prompt(70, 4), "max_new_tokens": 10}),
                 (3, {"input_ids": prompt(5, 5), "max_new_tokens": 10, "gen_settings": TOP_P, "seed": 11}),
+                (4, {"input_ids": [prompt(60, 40), prompt(45, 41)], "max_new_tokens": 8,  # CFG: two sequences
+                     "gen_settings": ExLlamaV2Sampler.Settings.greedy(cfg_scale=2.0)}),
                 (9, {"input_ids": prompt(40, 6), "max_new_tokens": 8})]
     two, _, one_gen = compare(arrivals)
     assert one_gen.mixed_steps >= 5
     for (_, kw), r in zip(arrivals, two):
-        if "seed" not in kw:
+        if "seed" not in kw and "gen_settings" not in kw:
             assert r["tokens"] == argmax_tokens(model, kw["input_ids"], kw["max_new_tokens"])
 
 
