@@ -290,3 +290,15 @@ def test_mixed_step_on_the_gpu_kernels() -> None:
                 (2, {"input_ids": prompt(150, 3), "max_new_tokens": 8}),
                 (3, {"input_ids": prompt(70, 4), "max_new_tokens": 8})]
     compare(arrivals, tol=2e-2, exact=False, on=on_gpu)
+
+
+def test_segments_start_aligned_like_batches_of_their_own() -> None:
+    """Each segment's metadata starts on a 16-byte boundary (Triton specializes kernels on pointer alignment)."""
+    model, _ = aidreams()
+    cache = ExLlamaV2Cache(model, max_seq_len=64)
+    b = mixed_batch([[([2], 3, 1)], [([3], 4, 3)], [([1, 0], 9, 2)]], cache, CPU, 16, 1)  # odd-sized parts
+    assert b.positions.data_ptr() % 16 == 0
+    for seg in b.segments:
+        assert seg.batch.positions.data_ptr() % 16 == 0
+    assert [s.batch.positions.tolist() for s in b.segments] == [[[3]], [[4, 5, 6]], [[9, 10]]]
+    assert b.segments[2].batch.block_table.tolist() == [[1, 0]] and b.slots.tolist() == [[35, 52, 53, 54, 25, 26]]

@@ -330,12 +330,14 @@ def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cach
     total = len(flat_pos)
     assert 0 < logit_rows <= total
     head = flat_pos + flat_slots + [total] + [-1]  # `pack`'s layout for one row of `total` tokens, no table
-    values = head + [v for part in parts for v in part]
+    # Each part starts 16-byte aligned, as a batch of its own would: Triton compiles a kernel variant per pointer
+    # alignment, so a segment's tensors must not land on offsets that the warm-up never met.
+    values = [v for part in (head, *parts) for v in part + [0] * (len(part) % 2)]
     meta = torch.empty(len(values), dtype=torch.int64, device=device)
     staging.upload(values, meta)
     positions, slots, _, _, adapter, own = unpack(meta[:len(head)], 1, total, 0)
     segments = []
-    at, token = len(head), 0
+    at, token = len(head) + len(head) % 2, 0
     for rows, q, tables, width, size in shapes:
         r = len(rows)
         p, s, lens, table, ad, m = unpack(meta[at:at + size], r, q, width)
@@ -343,7 +345,7 @@ def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cach
         sub = ForwardBatch(r, q, p, cache=cache, slots=s, block_table=table, page_size=page_size, seqlens=lens,
                            max_seqlen=max(starts) + q, meta=m, host=(starts, tables, None), adapters=ad)
         segments.append(Segment(token, sub))
-        at += size
+        at += size + size % 2
         token += r * q
     return ForwardBatch(1, total, positions, cache=cache, slots=slots, page_size=page_size,
                         max_seqlen=max(s.batch.max_seqlen for s in segments), meta=own, adapters=adapter,
