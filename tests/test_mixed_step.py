@@ -84,6 +84,12 @@ def test_mixed_batch_layout() -> None:
     assert dec.batch.seqlens.tolist() == [4, 10] and dec.batch.block_table.tolist() == [[2, 0], [0, 1]]
     assert (chunk.start, chunk.batch.q_len, chunk.batch.positions.tolist()) == (2, 3, [[4, 5, 6]])
     assert chunk.batch.seqlens.tolist() == [7] and chunk.batch.max_seqlen == 7
+    # the decode rows padded to a captured step's shape: 4 rows, tables 4 pages wide, keys bounded by the capacity
+    b = mixed_batch([[([2], 3, 1), ([0, 1], 9, 1)], [([3], 4, 3)]], cache, CPU, 16, 2, (4, 4))
+    dec, chunk = b.segments
+    assert (b.q_len, chunk.start, dec.batch.batch_size, dec.batch.max_seqlen) == (7, 4, 4, 64)
+    assert b.positions.tolist() == [[3, 9, 0, 0, 4, 5, 6]] and b.slots.tolist() == [[35, 9, -1, -1, 52, 53, 54]]
+    assert dec.batch.seqlens.tolist() == [4, 10, 0, 0] and dec.batch.block_table.tolist()[1] == [0, 1, 0, 0]
 
 
 # --- the generator: mixed against two passes, token for token -----------------------------------------------------

@@ -304,28 +304,36 @@ def paged_batch(rows: Sequence[tuple[Sequence[int], int, int]], cache: Any, devi
 
 
 def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cache: Any, device: torch.device,
-                page_size: int, logit_rows: int) -> ForwardBatch:
+                page_size: int, logit_rows: int, first_shape: tuple[int, int] | None = None) -> ForwardBatch:
     """One forward pass over sequences with different q_len: a decode step's rows (q_len 1) and prompt chunks
     beside them, so that the weights are read once for both. `groups`: lists of rows (page ids, first position,
     q_len), one q_len per group. The pass is one row of all their tokens end to end ([1, N]): projections, norms
     and MLPs see N tokens, RoPE and the cache writes use each token's own position and slot, and attention runs
     per group (a `Segment`) over its rows' pages. The head computes the first `logit_rows` tokens' logits
-    ([1, logit_rows, V]): the decode rows go first. No LoRA adapters and no multimodal rows (the generator keeps
+    ([1, logit_rows, V]): the decode rows go first. `first_shape` (rows, table width) pads the first group as
+    `build_batch` pads a captured step (padding rows are tokens of the pass that write and read nothing; the
+    caller gives them ids), and bounds its keys by the table's capacity as a captured step does: its attention
+    then has the captured decode step's shapes. No LoRA adapters and no multimodal rows (the generator keeps
     those jobs out of a mixed pass). All metadata is uploaded as one packed tensor, as in `build_batch`."""
     shapes = []
     flat_pos: list[int] = []
     flat_slots: list[int] = []
     parts: list[list[int]] = []
-    for rows in groups:
+    for g, rows in enumerate(groups):
         q = rows[0][2]
         assert all(r[2] == q for r in rows), "one q_len per group"
         tables = [list(r[0]) for r in rows]
-        width = max(len(t) for t in tables)
-        values = pack([r[1] for r in rows], q, tables, page_size, len(rows), width)
-        n = len(rows) * q
+        count, width = len(rows), max(len(t) for t in tables)
+        bound = max(r[1] for r in rows) + q
+        if g == 0 and first_shape is not None:
+            assert first_shape[0] >= count and first_shape[1] >= width
+            count, width = first_shape
+            bound = width * page_size
+        values = pack([r[1] for r in rows], q, tables, page_size, count, width)
+        n = count * q
         flat_pos += values[:n]
         flat_slots += values[n:2 * n]
-        shapes.append((rows, q, tables, width, len(values)))
+        shapes.append((rows, q, tables, count, width, bound, len(values)))
         parts.append(values)
     total = len(flat_pos)
     assert 0 < logit_rows <= total
@@ -338,12 +346,11 @@ def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cach
     positions, slots, _, _, adapter, own = unpack(meta[:len(head)], 1, total, 0)
     segments = []
     at, token = len(head) + len(head) % 2, 0
-    for rows, q, tables, width, size in shapes:
-        r = len(rows)
+    for rows, q, tables, r, width, bound, size in shapes:
         p, s, lens, table, ad, m = unpack(meta[at:at + size], r, q, width)
         starts = [row[1] for row in rows]
         sub = ForwardBatch(r, q, p, cache=cache, slots=s, block_table=table, page_size=page_size, seqlens=lens,
-                           max_seqlen=max(starts) + q, meta=m, host=(starts, tables, None), adapters=ad)
+                           max_seqlen=bound, meta=m, host=(starts, tables, None), adapters=ad)
         segments.append(Segment(token, sub))
         at += size + size % 2
         token += r * q

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exlpy.engine.graphs import bucket_for
 from exlpy.errors import SamplerError
 from exlpy.generator.filters.device import collect, premask_jobs
 from exlpy.generator.sampling import graphed
@@ -181,9 +182,14 @@ class DecodeStepper:
         ids = self.input_ids(rows, prev, device)
         decode = [(q.page_ids(), j.next_position(q), 1) for j, q in rows]
         if chunks:
+            # The decode rows padded to the captured step's row and width buckets: their attention meets only
+            # kernel variants the decode warm-up compiled (the split-K count follows rows and width), never a
+            # compile in the middle of serving. Padding rows are tokens that write and read nothing.
+            shape = (bucket_for(len(rows)) or len(rows), max(len(p) for p, _, _ in decode))
+            shape = (shape[0], bucket_for(shape[1]) or shape[1])
             groups = [decode] + [[(c.seq.page_ids(), c.start, c.end - c.start)] for c in chunks]
-            batch = mixed_batch(groups, gen.cache, device, gen.page_size, len(rows))
-            prompt = torch.cat([c.ids for c in chunks])
+            batch = mixed_batch(groups, gen.cache, device, gen.page_size, len(rows), shape)
+            prompt = torch.cat([torch.zeros(shape[0] - len(rows), dtype=torch.long), *(c.ids for c in chunks)])
             if ids.device.type != "cpu":  # the decode rows' tokens are still on the device: the prompt's join them
                 prompt = upload_ids(prompt.view(1, -1), ids.device).view(-1)
             logits = gen.model.forward_batch(torch.cat([ids.view(-1), prompt]).view(1, -1), batch,
