@@ -6,6 +6,8 @@ conditions, preemption and a failing prompt."""
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,15 +30,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --- the model: one mixed pass against the two passes ------------------------------------------------------------
-@pytest.mark.parametrize("cache_kind", [ExLlamaV2Cache, ExLlamaV2Cache_Q4])
-def test_mixed_pass_writes_the_same_kv_and_gives_the_same_logits(cache_kind: Any) -> None:
+def check_one_pass_against_two(model: Any, cache_kind: Any, vocab: int = 500) -> None:
     """Two decode rows, a chunk deep into a prompt and one from its start (pages scattered in the cache), and a
     decode row of the chunk's own sequence at the chunk's end (a prompt finished in this pass: its row must see the
-    chunk's K/V, written in the same pass)."""
-    model, _ = aidreams()
+    chunk's K/V, written in the same pass), the decode rows padded to 4 as the generator pads them."""
     page = 16
     g = torch.Generator().manual_seed(5)
-    ids = {k: torch.randint(3, 500, (80,), generator=g) for k in "ABCD"}
+    ids = {k: torch.randint(3, vocab, (80,), generator=g) for k in "ABCD"}
     pages = {"A": [3, 7, 1], "B": [5], "C": [0, 9, 2, 11], "D": [4, 6]}
     past = {"A": 37, "B": 5, "C": 20, "D": 0}
 
@@ -59,8 +59,8 @@ def test_mixed_pass_writes_the_same_kv_and_gives_the_same_logits(cache_kind: Any
     ref = model.forward_batch(step, paged_batch(rows, two, CPU, page), last_id_only=True)[:, -1]
     # one pass
     one = prefilled()
-    batch = mixed_batch([rows, [chunks["C"]], [chunks["D"]]], one, CPU, page, len(rows))
-    x = torch.cat([step.view(-1), ids["C"][20:45], ids["D"][0:31]]).view(1, -1)
+    batch = mixed_batch([rows, [chunks["C"]], [chunks["D"]]], one, CPU, page, len(rows), (4, 4))
+    x = torch.cat([step.view(-1), torch.tensor([0]), ids["C"][20:45], ids["D"][0:31]]).view(1, -1)
     out = model.forward_batch(x, batch, last_id_only=True)
     assert out.shape == (1, 3, ref.shape[-1])
     assert rel(out[0], ref) < 1e-4
@@ -69,6 +69,28 @@ def test_mixed_pass_writes_the_same_kv_and_gives_the_same_logits(cache_kind: Any
             assert rel(a.float(), b.float()) < 1e-4
         else:  # quantized codes: a rounding flip moves one code by one step at most
             assert (a.int() - b.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("cache_kind", [ExLlamaV2Cache, ExLlamaV2Cache_Q4])
+def test_mixed_pass_writes_the_same_kv_and_gives_the_same_logits(cache_kind: Any) -> None:
+    check_one_pass_against_two(aidreams()[0], cache_kind)
+
+
+# Sliding windows and soft-capped scores (Gemma 2), parallel blocks and windowed layers (Cohere 2), learned
+# positions read from the pass's positions (GPT-2), mixture-of-experts blocks over the pass's tokens (Mixtral).
+@pytest.mark.parametrize("case", ["gemma2", "cohere2", "gpt2", "mixtral"])
+def test_mixed_pass_on_other_architectures(tmp_path: Path, case: str) -> None:
+    from exlpy import ExLlamaV2, ExLlamaV2Config
+    from tests.arch_models import VOCAB, make_arch_model
+
+    make_arch_model(tmp_path, case, vocab_size=VOCAB)
+    config = ExLlamaV2Config(str(tmp_path))
+    config.max_seq_len = 256
+    model = ExLlamaV2(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.load(device="cpu")
+    check_one_pass_against_two(model, ExLlamaV2Cache, VOCAB)
 
 
 def test_mixed_batch_layout() -> None:
