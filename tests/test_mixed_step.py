@@ -330,3 +330,28 @@ def test_segments_start_aligned_like_batches_of_their_own() -> None:
         assert seg.batch.positions.data_ptr() % 16 == 0
     assert [s.batch.positions.tolist() for s in b.segments] == [[[3]], [[4, 5, 6]], [[9, 10]]]
     assert b.segments[2].batch.block_table.tolist() == [[1, 0]] and b.slots.tolist() == [[35, 52, 53, 54, 25, 26]]
+
+
+def test_mixed_pass_under_tensor_parallelism() -> None:
+    """Two tensor-parallel lanes (CPU): each runs the pass over its heads and its part of the cache."""
+    from exlpy import ExLlamaV2, ExLlamaV2Cache_TP, ExLlamaV2Config
+    from tests.conftest import shared_path
+
+    model = ExLlamaV2(ExLlamaV2Config(str(shared_path("models", "tiny-llama-fp16"))))
+    model.load_tp([1, 1], devices=["cpu", "cpu"])
+    check_one_pass_against_two(model, ExLlamaV2Cache_TP, 512)
+
+
+def test_mixed_batch_moves_to_another_device_with_its_segments() -> None:
+    """A layer split or a TP lane on another device takes the batch with `on()`: the segments go along."""
+    model, _ = aidreams()
+    cache = ExLlamaV2Cache(model, max_seq_len=64)
+    b = mixed_batch([[([2], 3, 1), ([0, 1], 9, 1)], [([3], 4, 3)]], cache, CPU, 16, 2, (4, 2))
+    moved = b.on(torch.device("meta"))
+    assert moved.positions.device.type == "meta" and moved.slots.shape == (1, 7) and moved.block_table is None
+    assert moved.logit_rows == 2 and [s.start for s in moved.segments] == [0, 4]
+    for s, t in zip(moved.segments, b.segments):
+        assert s.batch.positions.device.type == "meta" and s.batch.block_table.device.type == "meta"
+        assert (s.batch.batch_size, s.batch.q_len, s.batch.max_seqlen) == (t.batch.batch_size, t.batch.q_len,
+                                                                           t.batch.max_seqlen)
+        assert s.batch.block_table.shape == t.batch.block_table.shape
