@@ -265,6 +265,22 @@ def test_preemption_while_a_chunk_waits_for_the_step() -> None:
         assert r["tokens"] == argmax_tokens(model, kw["input_ids"], kw["max_new_tokens"])
 
 
+def test_a_crowd_fills_one_mixed_pass_and_the_rest_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts arriving together next to a decoding job: the decode step carries at most `max_chunk_size` prompt
+    tokens (the activations the server sizes for), the other chunks of the iteration run as passes of their own."""
+    from exlpy.generator.dynamic import prefill
+
+    alone: list[int] = []
+    run_chunk = prefill.run_chunk
+    monkeypatch.setattr(prefill, "run_chunk", lambda gen, c: (alone.append(c.end - c.start), run_chunk(gen, c)))
+    arrivals = [(0, {"input_ids": prompt(6, 50), "max_new_tokens": 20})]
+    arrivals += [(2, {"input_ids": prompt(40 + k, 51 + k), "max_new_tokens": 5}) for k in range(3)]
+    _, two_gen, one_gen = compare(arrivals)
+    ran_alone = sum(alone) - two_gen.prefill_tokens  # the two-pass run's chunks all ran alone
+    assert 0 < ran_alone < one_gen.prefill_tokens - 5  # (the first job's prompt ran before anyone decoded)
+    assert one_gen.mixed_steps >= 2
+
+
 class PoisonedModel:
     """The real model, except that a pass holding `poison` among its token ids raises."""
 

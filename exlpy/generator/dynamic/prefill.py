@@ -37,8 +37,12 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
                 decoding: int, budget: int, spent: int, defer: list[Chunk] | None = None) -> int:
     """One prompt chunk per sequence of the job; returns the tokens planned. With `defer` the chunks are appended
     to it instead of run: they run inside this iteration's decode step (a mixed pass, dynamic/decode.py), and
-    `commit_chunks` then records them."""
-    chunks, progressed = plan_chunks(gen, job, decoding, budget, spent, mixed=defer is not None)
+    `commit_chunks` then records them. A mixed pass holds at most `max_chunk_size` prompt tokens (the largest
+    pass the server sizes its activations for): once `defer` holds that many, chunks run as passes of their own."""
+    room = None if defer is None else gen.max_chunk_size - sum(c.end - c.start for c in defer)
+    if room is not None and room <= 0:
+        defer = room = None
+    chunks, progressed = plan_chunks(gen, job, decoding, budget, spent, room)
     if defer is not None and chunks:
         defer += chunks
     else:
@@ -51,10 +55,10 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
 
 
 def plan_chunks(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, decoding: int, budget: int, spent: int,
-                mixed: bool = False) -> tuple[list[Chunk], bool]:
+                room: int | None = None) -> tuple[list[Chunk], bool]:
     """The job's prompt chunks for this iteration (one per sequence at most), after skipping what the cache
-    already holds; and whether the job progressed (chunks, or pages found cached). `mixed`: the chunks will run
-    inside the decode step, eagerly (no captured sizes)."""
+    already holds; and whether the job progressed (chunks, or pages found cached). `room`: the chunks will run
+    inside the decode step, eagerly (no captured sizes), `room` tokens at most."""
     progressed, ran = False, 0
     serial = job.serial or 0
     chunks: list[Chunk] = []
@@ -70,11 +74,13 @@ def plan_chunks(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, decodi
             progressed = True
             continue
         limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
+        if room is not None:
+            limit = max(0, min(limit, room - ran))
         # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
         # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them. A
         # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time.
         buckets: tuple[int, ...] = ()
-        if decoding and not job.embeddings and not mixed:
+        if decoding and not job.embeddings and room is None:
             buckets = scheduler.captured_sizes(limit, gen.chunk_buckets())
         if buckets:
             limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
