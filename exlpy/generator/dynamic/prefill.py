@@ -42,65 +42,63 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
     room = None if defer is None else gen.max_chunk_size - sum(c.end - c.start for c in defer)
     if room is not None and room <= 0:
         defer = room = None
-    chunks, progressed = plan_chunks(gen, job, decoding, budget, spent, room)
-    if defer is not None and chunks:
-        defer += chunks
-    else:
-        for c in chunks:
-            run_chunk(gen, c)
-        commit_chunks(gen, chunks, results)
-        if progressed and not chunks:
-            report(job, results)
-    return sum(c.end - c.start for c in chunks)
-
-
-def plan_chunks(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, decoding: int, budget: int, spent: int,
-                room: int | None = None) -> tuple[list[Chunk], bool]:
-    """The job's prompt chunks for this iteration (one per sequence at most), after skipping what the cache
-    already holds; and whether the job progressed (chunks, or pages found cached). `room`: the chunks will run
-    inside the decode step, eagerly (no captured sizes), `room` tokens at most."""
-    progressed, ran = False, 0
-    serial = job.serial or 0
-    chunks: list[Chunk] = []
+    progressed, deferred, ran = False, False, 0
     for q in job.seqs:
         if q.is_prefilled():
             continue
-        gen.cached_tokens += scheduler.skip_cached_pages(q)
-        copy_partial_page(gen, q, serial)
-        gen.cached_tokens += scheduler.skip_cached_pages(q)
-        if gen.spec is not None:
-            gen.spec.on_cached(q)
-        if q.is_prefilled():
-            progressed = True
+        chunk, moved = plan_chunk(gen, job, q, decoding, budget, spent + ran, None if room is None else room - ran)
+        progressed |= moved
+        if chunk is None:
             continue
-        limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
-        if room is not None:
-            limit = max(0, min(limit, room - ran))
-        # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
-        # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them. A
-        # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time.
-        buckets: tuple[int, ...] = ()
-        if decoding and not job.embeddings and room is None:
-            buckets = scheduler.captured_sizes(limit, gen.chunk_buckets())
-        if buckets:
-            limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
-        if limit == 0:
-            job.wait_reason = "waiting for its turn to prefill next to the running jobs"
-            continue
-        plan = scheduler.plan_prefill(q, serial, limit)
-        if plan is None:
-            job.wait_reason = "waiting for another job to finish computing a shared prefix page"
-            continue
-        progressed = True
-        start, end = plan
-        if job.embeddings:  # Gemma 3: a chunk holds whole images (their tokens see each other)
-            from exlpy.vision.mm import extend_to_image_end
+        ran += chunk.end - chunk.start
+        if defer is not None:
+            defer.append(chunk)
+            deferred = True
+        else:  # run and recorded before the next sequence is planned: it may skip the pages this one wrote
+            run_chunk(gen, chunk)
+            commit_chunks(gen, [chunk])
+    if progressed and not deferred:  # (deferred chunks report when they are committed)
+        report(job, results)
+    return ran
 
-            end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
-        if end > start:
-            chunks.append(Chunk(job, q, start, end, buckets))
-            ran += end - start
-    return chunks, progressed
+
+def plan_chunk(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, q: SeqState, decoding: int, budget: int,
+               spent: int, room: int | None = None) -> tuple[Chunk | None, bool]:
+    """Sequence q's prompt chunk for this iteration (None: none now), after skipping what the cache already holds;
+    and whether it progressed (a chunk, or pages found cached). `room`: the chunk will run inside the decode step,
+    eagerly (no captured sizes), `room` tokens at most."""
+    serial = job.serial or 0
+    gen.cached_tokens += scheduler.skip_cached_pages(q)
+    copy_partial_page(gen, q, serial)
+    gen.cached_tokens += scheduler.skip_cached_pages(q)
+    if gen.spec is not None:
+        gen.spec.on_cached(q)
+    if q.is_prefilled():
+        return None, True
+    limit = scheduler.prefill_limit(gen, q, decoding, budget, spent)
+    if room is not None:
+        limit = max(0, min(limit, room))
+    # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
+    # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them. A
+    # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time.
+    buckets: tuple[int, ...] = ()
+    if decoding and not job.embeddings and room is None:
+        buckets = scheduler.captured_sizes(limit, gen.chunk_buckets())
+    if buckets:
+        limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
+    if limit == 0:
+        job.wait_reason = "waiting for its turn to prefill next to the running jobs"
+        return None, False
+    plan = scheduler.plan_prefill(q, serial, limit)
+    if plan is None:
+        job.wait_reason = "waiting for another job to finish computing a shared prefix page"
+        return None, False
+    start, end = plan
+    if job.embeddings:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+        from exlpy.vision.mm import extend_to_image_end
+
+        end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
+    return (Chunk(job, q, start, end, buckets) if end > start else None), True
 
 
 def run_chunk(gen: ExLlamaV2DynamicGenerator, c: Chunk) -> None:
@@ -124,9 +122,10 @@ def run_chunk(gen: ExLlamaV2DynamicGenerator, c: Chunk) -> None:
     gen.model.forward_batch(c.ids.unsqueeze(0), batch, preprocess_only=True)
 
 
-def commit_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk], results: list[dict[str, Any]]) -> None:
-    """Record chunks whose K/V the cache now holds (their pages' fill, the sequences' prefill position), and
-    report each job's progress once."""
+def commit_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk],
+                  results: list[dict[str, Any]] | None = None) -> None:
+    """Record chunks whose K/V the cache now holds (their pages' fill, the sequences' prefill position); with
+    `results`, report each job's progress once."""
     size = gen.page_size
     for c in chunks:
         q, start, end = c.seq, c.start, c.end
@@ -136,7 +135,7 @@ def commit_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk], results: 
         for p in range(start // size, (end - 1) // size + 1):
             q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
         q.prefill_pos = end
-    for job in dict.fromkeys(c.job for c in chunks):
+    for job in dict.fromkeys(c.job for c in chunks) if results is not None else ():
         report(job, results)
 
 
