@@ -1,17 +1,21 @@
-"""A/B of captured prompt chunks next to decoding jobs, in one process (no server): the dynamic generator with
-`decoders` jobs decoding while a long prompt arrives, its prompt chunks captured (exlpy/engine/graphs.py
-`run_chunk`) or eager (`generator.prefill_graphs = False`, what EXLPY_PREFILL_GRAPHS=0 does for every generator).
+"""A/B of how prompt chunks run next to decoding jobs, in one process (no server): the dynamic generator with
+`decoders` jobs decoding while a long prompt arrives, its prompt chunks inside the decode step (mode `mixed`: one
+eager pass over the decode rows and the chunk, `generator.mixed_step`, EXLPY_MIXED_STEP), or as passes of their own
+after it, captured (`captured`: exlpy/engine/graphs.py `run_chunk`, needs EXLPY_PREFILL_GRAPHS=1) or eager
+(`eager`).
 
-    PYTHONPATH=. python benchmarks/prefill_stall.py --model 8b          # ~3 minutes on an H100
+    EXLPY_PREFILL_GRAPHS=1 PYTHONPATH=. python benchmarks/prefill_stall.py --model 8b    # ~4 minutes on an H100
     PYTHONPATH=. python benchmarks/prefill_stall.py --model ../shared/models/aidreams260K --long 4096   # CPU
 
-After one unmeasured round of each mode (compiles, captures; none on the CPU), per round (alone, captured, eager;
-on the CPU alone and eager): the decoders' inter-token gaps (median / p99) measured where each token reaches its job
-(`job.new_tokens` after `iterate()`), the long prompt's time to its first token, the prompt tokens per iteration,
+After one unmeasured round of each mode (compiles, captures; none on the CPU), per round (alone, mixed, captured,
+eager; on the CPU alone, mixed and eager; `--modes` picks some): the decoders' inter-token gaps (median / p99)
+measured where each token reaches its job (`job.new_tokens` after `iterate()`), the long prompt's time to its first
+token, the prompt tokens per iteration,
 and the generator thread's CPU time per iteration while the prompt was prefilled. That CPU time is split into
 exclusive parts. The prompt chunks (`model.prefill_chunk` or an eager `forward_batch(preprocess_only=True)`: on a
 GPU their kernel launches or graph replays), the decode steps, and the wait for the previous step's tokens
-(`Launched.read`: on CUDA the thread spins in cudaEventSynchronize, so GPU time shows up here as CPU time). Then the
+(`Launched.read`: on CUDA the thread spins in cudaEventSynchronize, so GPU time shows up here as CPU time); in the
+mixed mode the chunks are inside the decode steps, so "chunks" is ~0 and "decode" holds both. Then the
 generator's own bookkeeping, itself split into admission, the prompt's host work (chunk metadata, page marks), the
 decode pages, the step's inputs, sampling (launches; on the CPU the sampler itself), tokens to results (stop checks,
 detokenization), host-sampled rows and the rest of `iterate()`, with the garbage collector's share. On CUDA also the
@@ -26,8 +30,8 @@ for the next token, so a streaming client sees that job's gap doubled ("result g
 8B: enough to set a p99 over ~3,400 gaps). The token gaps are what the scheduler decides, and are the figure
 compared with the run alone.
 
-Exactness: the long prompt's K/V rows after a captured prefill against an eager one (the same prompt), relative
-error, and its first token; the rows are gathered on the device when the prompt is prefilled (no wait for the
+Exactness: the long prompt's K/V rows after a mixed or captured prefill against an eager one (the same prompt),
+relative error, and its first token; the rows are gathered on the device when the prompt is prefilled (no wait for the
 device) and read back after the round, so that the read-back (512 MB on the 8B) does not land in the gaps. The
 model: the random-weight Llama-3-8B of benchmarks/serving.py (written once under --work), or a model directory (any
 device).
@@ -167,22 +171,25 @@ def split_ms(total: float, parts: dict[str, float], n: int = 1) -> str:
             f" garbage collector within all of them: {ms['gc']:.2f})")
 
 
-def run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[int] | None, captured: bool,
+def run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[int] | None, mode: str,
              seed: int) -> dict[str, Any]:
     """`decoders` jobs; once each has 32 tokens the long prompt (if any) is enqueued; gaps until it is prefilled
-    (or, alone, over the same stretch of tokens)."""
+    (or, alone, over the same stretch of tokens). `mode`: how the prompt's chunks run (see the module docstring)."""
     meter = Meter(gen)
     try:
-        return _run_once(gen, decoders, shape, long_prompt, captured, seed, meter)
+        return _run_once(gen, decoders, shape, long_prompt, mode, seed, meter)
     finally:
         meter.close()
 
 
-def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[int] | None, captured: bool,
+def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list[int] | None, mode: str,
               seed: int, meter: Meter) -> dict[str, Any]:
     from exlpy.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    gen.prefill_graphs = captured
+    gen.reset_page_table()  # each round computes its prompts: no prefix left cached by an earlier round
+    gen.prefill_graphs = mode == "captured"
+    gen.mixed_step = mode == "mixed"
+    mixed0 = gen.mixed_steps
     vocab = gen.model_vocab
     rng = random.Random(seed)
     greedy = ExLlamaV2Sampler.Settings.greedy()
@@ -283,7 +290,7 @@ def _run_once(gen: Any, decoders: int, shape: tuple[int, int], long_prompt: list
         kv = [x.float().cpu() for x in kv]
     out = {"gaps": gaps, "result_gaps": result_gaps, "held": held, "chunks": chunks, "iters": iters,
            "cpu_ms_per_iter": 1e3 * cpu / max(iters, 1),
-           "captured": (runner.chunks_run if runner is not None else 0) - replays0,
+           "captured": (runner.chunks_run if runner is not None else 0) - replays0, "mixed": gen.mixed_steps - mixed0,
            "split": split_ms(cpu, parts, max(iters, 1)), "starved": starved, "syncs": syncs,
            "largest": sorted(loops, key=lambda r: -r[0])[:3]}
     spans = meter.gpu_spans()
@@ -339,6 +346,9 @@ def main() -> None:
     ap.add_argument("--full-warmup", action="store_true", help="the serving warm-up first (~100 s on an 8B) instead of "
                     "one unmeasured round of each mode")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens each decoding job generates")
+    ap.add_argument("--modes", default="alone,mixed,captured,eager", help="rounds to run, of alone (no long prompt), "
+                    "mixed (chunks inside the decode step), captured, eager (chunks as passes of their own); the CPU "
+                    "skips captured")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not Path(args.model).is_dir():
@@ -362,22 +372,26 @@ def main() -> None:
                                     max_chunk_size=max(256, config.max_input_len // 256 * 256))
     gen.warmup(full=args.full_warmup)
     long_prompt = prompt(random.Random(99), args.long, gen.model_vocab)
-    labels = ("alone", "captured", "eager") if cuda else ("alone", "eager")  # no graphs on the CPU
+    labels = [m for m in args.modes.split(",") if m and (cuda or m != "captured")]  # no graphs on the CPU
+    unknown = set(labels) - {"alone", "mixed", "captured", "eager"}
+    if unknown or "alone" not in labels:
+        raise SystemExit(f"--modes: alone and any of mixed, captured, eager (got {args.modes})")
     if not args.full_warmup and cuda:
-        for captured in (True, False):
-            run_once(gen, args.decoders, shape, long_prompt, captured, 100)
+        for mode in labels[1:]:
+            run_once(gen, args.decoders, shape, long_prompt, mode, 100)
     print(f"model written, loaded and warmed in {time.perf_counter() - t0:.0f} s; captured chunk sizes: "
           f"{gen.chunk_buckets()} (of {CHUNK_BUCKETS})", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     for k in range(args.rounds):
         for label in labels:
-            r = run_once(gen, args.decoders, shape, None if label == "alone" else long_prompt, label != "eager", k)
+            r = run_once(gen, args.decoders, shape, None if label == "alone" else long_prompt, label, k)
             runs[label].append(r)
             g = r["gaps"]
             extra = f", TTFT {r['ttft']:.2f} s" if "ttft" in r else ""
             print(f"round {k} {label}: {len(g)} gaps, median {statistics.median(g) * 1e3:.1f} ms, p99 "
                   f"{pct(g, 0.99) * 1e3:.1f} ms; generator thread {r['cpu_ms_per_iter']:.2f} ms CPU per iteration "
-                  f"({r['iters']} iterations){extra}; {r['captured']} captured chunks; prompt tokens per iteration: "
+                  f"({r['iters']} iterations){extra}; {r['captured']} captured chunks, {r['mixed']} mixed steps "
+                  f"(decode steps carrying a chunk); prompt tokens per iteration: "
                   f"{sorted(set(r['chunks']))[:8]}", flush=True)
             print(f"  per iteration: {r['split']}" + (f"; {r['gpu']}" if r["gpu"] else ""), flush=True)
             for wall, c, n, pos, sp, synced, gpu in r["slowest"]:
@@ -407,13 +421,15 @@ def main() -> None:
               f"{p99 * 1e3:6.1f} ms ({p99 / pct(base, 0.99):.2f}x)"
               + (f"  TTFT {statistics.median(ttft):.2f} s" if ttft else "")
               + f"  (result gaps p99 {pct([x for r in runs[label] for x in r['result_gaps']], 0.99) * 1e3:.1f} ms)")
-    if not cuda:
+    if "eager" not in runs:
         return
-    a, b = runs["captured"][0], runs["eager"][0]
-    if a.get("kv") and b.get("kv"):
-        err = max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a["kv"], b["kv"]))
-        print(f"exactness: K/V of the prompt (every 8th cache tensor), captured vs eager: max relative error "
-              f"{err:.2e}; first token {a['first']} vs {b['first']}")
+    b = runs["eager"][0]
+    for label in ("mixed", "captured"):
+        a = runs[label][0] if label in runs else {}
+        if a.get("kv") and b.get("kv"):
+            err = max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a["kv"], b["kv"]))
+            print(f"exactness: K/V of the prompt (every 8th cache tensor), {label} vs eager: max relative error "
+                  f"{err:.2e}; first token {a['first']} vs {b['first']}")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ def test_attention_of_an_image_chunk_reads_nothing_back(monkeypatch: pytest.Monk
     batch.slots = (batch.block_table[:, t // page].long() * page + t % page).view(1, T)
     batch.page_size, batch.seqlens, batch.max_seqlen = page, torch.tensor([T], dtype=torch.int32), T
     batch.key_mask, batch.past_len, batch.q_len, batch.batch_size = None, 0, T, B
+    batch.segments = None  # one pass of one q_len, not a mixed pass (model/batch.py mixed_batch)
     cos, sin = torch.ones(64, D), torch.zeros(64, D)
     with mode:
         for layer in range(layers):

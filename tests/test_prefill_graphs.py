@@ -152,6 +152,7 @@ def test_generator_prefills_in_captured_chunks_next_to_decoding_jobs() -> None:
         cache = ExLlamaV2Cache(model, max_seq_len=8 * 256)
         gen = ExLlamaV2DynamicGenerator(model, cache, tok, max_prefill_per_step=100)
         gen.prefill_graphs = graphs
+        gen.mixed_step = False  # chunks as passes of their own (inside the decode step they are never captured)
         assert gen.chunk_buckets() == (CHUNK_BUCKETS if graphs else ())
         seen: list[int] = []
         runner = model.strategy_for_forward().graph_cache["runner"]

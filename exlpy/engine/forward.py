@@ -210,7 +210,8 @@ def _run_halves(strategy: Strategy, ids: torch.Tensor, cur: int, B: int, dev: to
 
 def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last_id_only: bool = False,
                   preprocess_only: bool = False) -> torch.Tensor | None:
-    """Forward with caller-built metadata (paged caches, per-row positions): the generators' entry."""
+    """Forward with caller-built metadata (paged caches, per-row positions): the generators' entry. A mixed pass
+    (model/batch.py `mixed_batch`: decode rows and prompt chunks together) always runs eagerly."""
     strategy = model.strategy_for_forward()
     mode = _logits_mode(preprocess_only, last_id_only)
     if batch.logits != mode:
@@ -220,7 +221,7 @@ def forward_batch(model: Any, input_ids: torch.Tensor, batch: ForwardBatch, last
 
         batch = replace(batch, lora=registry_of(model).ensure(strategy))
     runner = graph_runner(model, strategy)
-    if runner is not None and mode != LOGITS_NONE and batch.q_len <= MAX_Q_LEN:
+    if runner is not None and mode != LOGITS_NONE and batch.q_len <= MAX_Q_LEN and batch.segments is None:
         logits = runner.run_batch(input_ids, batch)
         if logits is not None:
             return logits

@@ -180,21 +180,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
                 mask = mask & batch.key_mask[:, None, :batch.q_len]
             mask = mask.unsqueeze(1)
         return ops.sdpa(q, k, v, scale, mask, is_causal=True, softcap=softcap)
+    if batch.segments is not None:
+        return attend_mixed(q, k, v, batch, layer_idx, scale, rope, window, softcap)
     assert batch.slots is not None and batch.block_table is not None and batch.seqlens is not None
     where = (batch.block_table, batch.page_size, batch.seqlens, batch.max_seqlen, batch.positions, scale)
+    q, k = rope_store(q, k, v, batch, layer_idx, rope)
     codes = getattr(cache, "layer_codes", None)
     if codes is not None:
         kq, ks, vq, vs, kb, vb = codes(layer_idx)
-        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
-        ops.store_kv_quant(kq, ks, vq, vs, batch.slots, k, v, kb, vb)
         # The step's own keys come unquantized from k/v, as a working copy would hold them.
         return ops.quant_attention(q, kq, ks, vq, vs, *where, kb, vb, batch.key_mask, k, v, **feats)
     k_cache, v_cache = cache.layer_kv(layer_idx)
-    if k_cache.is_contiguous() and v_cache.is_contiguous():
-        q, k = ops.rope_store_kv(q, k, v, rope[0], rope[1], batch.rope_pos, k_cache, v_cache, batch.slots)
-    else:
-        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
-        ops.store_kv(k_cache, v_cache, batch.slots, k, v)
     if batch.past_len == 0 and batch.key_mask is None and batch.q_len > 1 and not (window or softcap or spans):
         # A first chunk into a contiguous cache, every row from position 0: torch's own causal SDPA over the
         # slice just written (its flash backend is as fast as any kernel here for this case).
@@ -202,3 +198,51 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatc
         return ops.sdpa(q, kc, vc, scale, None, is_causal=True)
     # longer blocks, windows and soft-caps: the flash kernel
     return ops.paged_attention(q, k_cache, v_cache, *where, batch.key_mask, **feats)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int,
+               rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k at `batch.rope_pos` and write k/v to the cache rows `batch.slots` (one kernel where the
+    cache allows); returns the rotated (q, k)."""
+    cache = batch.cache
+    codes = getattr(cache, "layer_codes", None)
+    if codes is not None:
+        kq, ks, vq, vs, kb, vb = codes(layer_idx)
+        q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+        ops.store_kv_quant(kq, ks, vq, vs, batch.slots, k, v, kb, vb)
+        return q, k
+    k_cache, v_cache = cache.layer_kv(layer_idx)
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        return ops.rope_store_kv(q, k, v, rope[0], rope[1], batch.rope_pos, k_cache, v_cache, batch.slots)
+    q, k = ops.apply_rope(q, k, rope[0], rope[1], batch.rope_pos)
+    ops.store_kv(k_cache, v_cache, batch.slots, k, v)
+    return q, k
+
+
+def attend_mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int,
+                 scale: float, rope: tuple[torch.Tensor, torch.Tensor], window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
+    """`attend` for a mixed pass (model/batch.py `mixed_batch`): q/k/v [1, N, H, D] of several segments. Every
+    token's K/V is written first, then each segment's queries attend over their rows' pages with the kernel for
+    their q_len (the split-K decode kernel for the decode rows, the flash kernel for a prompt chunk). A decode row
+    of a job whose last prompt chunk is in the same pass therefore sees that chunk, as it would one pass later."""
+    assert batch.segments is not None and batch.slots is not None
+    q, k = rope_store(q, k, v, batch, layer_idx, rope)
+    feats = {"window": window, "softcap": softcap}
+    codes = getattr(batch.cache, "layer_codes", None)
+    outs = []
+    for seg in batch.segments:
+        s = seg.batch
+        assert s.block_table is not None and s.seqlens is not None
+        n = s.batch_size * s.q_len
+        # this segment's tokens as its rows x q_len
+        sq, sk, sv = (t[0, seg.start:seg.start + n].reshape(s.batch_size, s.q_len, *t.shape[2:]) for t in (q, k, v))
+        where = (s.block_table, s.page_size, s.seqlens, s.max_seqlen, s.positions, scale)
+        if codes is not None:
+            kq, ks, vq, vs, kb, vb = codes(layer_idx)
+            o = ops.quant_attention(sq, kq, ks, vq, vs, *where, kb, vb, None, sk, sv, **feats)
+        else:
+            k_cache, v_cache = batch.cache.layer_kv(layer_idx)
+            o = ops.paged_attention(sq, k_cache, v_cache, *where, None, **feats)
+        outs.append(o.reshape(1, n, *o.shape[2:]))
+    return torch.cat(outs, dim=1)

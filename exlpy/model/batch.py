@@ -63,6 +63,11 @@ class ForwardBatch:
     # Tensor parallelism: (residual, its RMSNorm) when the closing all-reduce also normed the sum for the next
     # block (model/parallel_linear.py RowParallel.next_norm); taken once, by the block whose input it is.
     prenormed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # A mixed pass (`mixed_batch`): the pass is one row [1, N] of every sequence's tokens end to end; each segment
+    # holds the attention metadata of its rows (`positions` / `slots` above are the N tokens'), and the head
+    # computes the logits of the first `logit_rows` tokens only (the decode rows, which lead the pass).
+    segments: tuple[Segment, ...] | None = None
+    logit_rows: int | None = None
 
     @property
     def rope_pos(self) -> torch.Tensor:
@@ -78,12 +83,15 @@ class ForwardBatch:
             if self.meta is not None:  # one copy of the packed metadata, then the same views
                 moved = unpack(self.meta.to(device, non_blocking=True), self.batch_size, self.q_len,
                                self.block_table.shape[1] if self.block_table is not None else 0)
-                names = ("positions", "slots", "seqlens", "block_table") if self.cache is not None else ("positions",)
+                names = ("positions", "slots", "seqlens", "block_table") if self.block_table is not None else \
+                    ("positions", "slots") if self.slots is not None else ("positions",)
                 fields = dict(zip(names, moved))
                 fields["adapters"], fields["meta"] = moved[4], moved[5]
             else:
                 fields = {"positions": mv(self.positions), "slots": mv(self.slots), "seqlens": mv(self.seqlens),
                           "block_table": mv(self.block_table), "adapters": mv(self.adapters)}
+            if self.segments is not None:
+                fields["segments"] = tuple(Segment(s.start, s.batch.on(device)) for s in self.segments)
             self._per_device[key] = replace(self, key_mask=mv(self.key_mask), rope_positions=mv(self.rope_positions),
                                             **fields)
         return self._per_device[key]
@@ -99,6 +107,15 @@ class ForwardBatch:
     def with_cache(self, cache: Any) -> ForwardBatch:
         """The same batch reading and writing another cache object (a tensor-parallel slot's part)."""
         return self if cache is self.cache else replace(self, cache=cache)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows of one q_len inside a mixed pass: their tokens are [start, start + rows * q_len) of the pass, and
+    `batch` is their attention metadata as a batch of rows x q_len (positions, block table, lengths)."""
+
+    start: int
+    batch: ForwardBatch
 
 
 def pack(starts: Sequence[int], q_len: int, tables: Sequence[Sequence[int]] | None, page_size: int,
@@ -284,3 +301,59 @@ def paged_batch(rows: Sequence[tuple[Sequence[int], int, int]], cache: Any, devi
     assert all(r[2] == q for r in rows), "all rows of one batch need the same q_len"
     return build_batch([r[1] for r in rows], q, device, cache=cache, tables=[list(r[0]) for r in rows],
                        page_size=page_size, adapters=adapters)
+
+
+def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cache: Any, device: torch.device,
+                page_size: int, logit_rows: int, first_shape: tuple[int, int] | None = None) -> ForwardBatch:
+    """One forward pass over sequences with different q_len: a decode step's rows (q_len 1) and prompt chunks
+    beside them, so that the weights are read once for both. `groups`: lists of rows (page ids, first position,
+    q_len), one q_len per group. The pass is one row of all their tokens end to end ([1, N]): projections, norms
+    and MLPs see N tokens, RoPE and the cache writes use each token's own position and slot, and attention runs
+    per group (a `Segment`) over its rows' pages. The head computes the first `logit_rows` tokens' logits
+    ([1, logit_rows, V]): the decode rows go first. `first_shape` (rows, table width) pads the first group as
+    `build_batch` pads a captured step (padding rows are tokens of the pass that write and read nothing; the
+    caller gives them ids), and bounds its keys by the table's capacity as a captured step does: its attention
+    then has the captured decode step's shapes. No LoRA adapters and no multimodal rows (the generator keeps
+    those jobs out of a mixed pass). All metadata is uploaded as one packed tensor, as in `build_batch`."""
+    shapes = []
+    flat_pos: list[int] = []
+    flat_slots: list[int] = []
+    parts: list[list[int]] = []
+    for g, rows in enumerate(groups):
+        q = rows[0][2]
+        assert all(r[2] == q for r in rows), "one q_len per group"
+        tables = [list(r[0]) for r in rows]
+        count, width = len(rows), max(len(t) for t in tables)
+        bound = max(r[1] for r in rows) + q
+        if g == 0 and first_shape is not None:
+            assert first_shape[0] >= count and first_shape[1] >= width
+            count, width = first_shape
+            bound = width * page_size
+        values = pack([r[1] for r in rows], q, tables, page_size, count, width)
+        n = count * q
+        flat_pos += values[:n]
+        flat_slots += values[n:2 * n]
+        shapes.append((rows, q, tables, count, width, bound, len(values)))
+        parts.append(values)
+    total = len(flat_pos)
+    assert 0 < logit_rows <= total
+    head = flat_pos + flat_slots + [total] + [-1]  # `pack`'s layout for one row of `total` tokens, no table
+    # Each part starts 16-byte aligned, as a batch of its own would: Triton compiles a kernel variant per pointer
+    # alignment, so a segment's tensors must not land on offsets that the warm-up never met.
+    values = [v for part in (head, *parts) for v in part + [0] * (len(part) % 2)]
+    meta = torch.empty(len(values), dtype=torch.int64, device=device)
+    staging.upload(values, meta)
+    positions, slots, _, _, adapter, own = unpack(meta[:len(head)], 1, total, 0)
+    segments = []
+    at, token = len(head) + len(head) % 2, 0
+    for rows, q, tables, r, width, bound, size in shapes:
+        p, s, lens, table, ad, m = unpack(meta[at:at + size], r, q, width)
+        starts = [row[1] for row in rows]
+        sub = ForwardBatch(r, q, p, cache=cache, slots=s, block_table=table, page_size=page_size, seqlens=lens,
+                           max_seqlen=bound, meta=m, host=(starts, tables, None), adapters=ad)
+        segments.append(Segment(token, sub))
+        at += size + size % 2
+        token += r * q
+    return ForwardBatch(1, total, positions, cache=cache, slots=slots, page_size=page_size,
+                        max_seqlen=max(s.batch.max_seqlen for s in segments), meta=own, adapters=adapter,
+                        segments=tuple(segments), logit_rows=logit_rows)

@@ -55,7 +55,9 @@ class Transformer:
         """Module i with what the pass asks around it; None when nothing from module i on is wanted."""
         if i > self.last_attn and batch.logits == LOGITS_NONE:
             return None  # the cache is written: a prefill needs nothing after the last attention
-        if i == self.norm_idx and batch.logits == LOGITS_LAST:
+        if i == self.norm_idx and batch.logit_rows is not None:
+            x = x[:, :batch.logit_rows]  # a mixed pass: the decode rows lead it (model/batch.py mixed_batch)
+        elif i == self.norm_idx and batch.logits == LOGITS_LAST:
             x = x[:, -1:]
         x = await self.run(i, x, batch)
         if i == self.norm_idx and batch.keep_last_state:

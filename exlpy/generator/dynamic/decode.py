@@ -33,21 +33,24 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exlpy.engine.graphs import bucket_for
 from exlpy.errors import SamplerError
 from exlpy.generator.filters.device import collect, premask_jobs
 from exlpy.generator.sampling import graphed
 from exlpy.generator.sampling.batched import RowSample, is_greedy, sample_rows
 from exlpy.generator.sampling.graphed import GraphRow, GraphSampler
-from exlpy.model.batch import paged_batch, upload_ids
+from exlpy.model.batch import mixed_batch, paged_batch, upload_ids
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
     from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
+    from exlpy.generator.dynamic.prefill import Chunk
 
 
 BAD_ROW = ("the logits hold NaN or +inf, or leave no token with a finite, positive probability: the model output "
@@ -158,11 +161,16 @@ class DecodeStepper:
         what can be sampled on the device. Nothing is read back here."""
         return self.sample(self.forward(jobs, prev))
 
-    def forward(self, jobs: list[ExLlamaV2DynamicJob], prev: Launched | None) -> Pending:
+    def forward(self, jobs: list[ExLlamaV2DynamicJob], prev: Launched | None, chunks: Sequence[Chunk] = ()
+                ) -> Pending:
         """Launch the forward pass of one step (its input: the tokens of `prev` still on the device, or the
         host's last tokens); `sample()` masks and samples it. Between the two the host may read `prev` and feed
         its tokens to grammar filters: the masks of this step are collected in `sample()`, while the GPU runs
-        this forward pass."""
+        this forward pass.
+
+        `chunks`: prompt chunks that run in the same pass (a mixed pass: one eager forward whose tokens are the
+        decode rows, then each chunk; model/batch.py `mixed_batch`). Only the decode rows get logits; a job whose
+        last chunk is among them decodes in this pass too (its row attends over the chunk's K/V, written first)."""
         gen = self.gen
         device = gen.device()
         rows = [(j, q) for j in jobs for q in j.seqs]
@@ -172,11 +180,25 @@ class DecodeStepper:
             first.append(n)
             n += len(j.seqs)
         ids = self.input_ids(rows, prev, device)
-        batch = paged_batch([(q.page_ids(), j.next_position(q), 1) for j, q in rows], gen.cache, device,
-                            gen.page_size, [j.lora_slot for j, _ in rows])
-        if any(j.embeddings for j in jobs):
-            mm_rows(batch, rows, device)
-        logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
+        decode = [(q.page_ids(), j.next_position(q), 1) for j, q in rows]
+        if chunks:
+            # The decode rows padded to the captured step's row and width buckets: their attention meets only
+            # kernel variants the decode warm-up compiled (the split-K count follows rows and width), never a
+            # compile in the middle of serving. Padding rows are tokens that write and read nothing.
+            shape = (bucket_for(len(rows)) or len(rows), max(len(p) for p, _, _ in decode))
+            shape = (shape[0], bucket_for(shape[1]) or shape[1])
+            groups = [decode] + [[(c.seq.page_ids(), c.start, c.end - c.start)] for c in chunks]
+            batch = mixed_batch(groups, gen.cache, device, gen.page_size, len(rows), shape)
+            prompt = torch.cat([torch.zeros(shape[0] - len(rows), dtype=torch.long), *(c.ids for c in chunks)])
+            if ids.device.type != "cpu":  # the decode rows' tokens are still on the device: the prompt's join them
+                prompt = upload_ids(prompt.view(1, -1), ids.device).view(-1)
+            logits = gen.model.forward_batch(torch.cat([ids.view(-1), prompt]).view(1, -1), batch,
+                                             last_id_only=True)[0]  # [rows, V]
+        else:
+            batch = paged_batch(decode, gen.cache, device, gen.page_size, [j.lora_slot for j, _ in rows])
+            if any(j.embeddings for j in jobs):
+                mm_rows(batch, rows, device)
+            logits = gen.model.forward_batch(ids, batch, last_id_only=True)[:, -1]  # [rows, V]
         gen.decode_tokens += len(rows)
         # Sampling runs where the logits are: the last stage's device (not the first one under a layer split).
         return Pending(jobs, first, logits, [j.epoch for j in jobs], logits.device)

@@ -3,7 +3,8 @@
 Each `iterate()` (1) starts queued jobs while batch room and pages for their prompts allow
 (dynamic/scheduler.py), (2) runs prompt chunks of jobs still prefilling, within a token budget while other jobs
 decode so that a long prompt does not stall them, (3) gives every decoding job the page its next token goes
-to (preempting the newest job when the cache is full), launches one batched decode step (q_len 1) and
+to (preempting the newest job when the cache is full), launches one batched decode step (q_len 1; with the
+prompt chunks of (2) in the same pass where jobs decode: `mixed_step`, one read of the weights) and
 samples it on the device where it can, and (4) only then reads the previous step's tokens and turns them
 into results (dynamic/decode.py): the host's work overlaps the GPU's. With a grammar-constrained job in the
 batch, the step's masking and sampling are launched after (4), once the previous tokens were fed to the
@@ -14,7 +15,8 @@ with the same prefix references them instead of recomputing them, and a partly f
 tokens so that the next turn of a conversation copies its K/V instead of recomputing it.
 
 Counters: `prefill_tokens` (prompt tokens actually run through the model), `cached_tokens` (prompt tokens
-served from the cache instead), `decode_tokens` (rows of batched decode steps), `preemptions`.
+served from the cache instead), `decode_tokens` (rows of batched decode steps), `preemptions`, `mixed_steps`
+(decode steps that carried prompt chunks in the same pass).
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import torch
 from exlpy.arguments import refuse_unknown_arguments
 from exlpy.errors import GeneratorError, MultimodalError
 from exlpy.generator.dynamic import adapters, scheduler
-from exlpy.generator.dynamic.decode import DecodeStepper
+from exlpy.generator.dynamic.decode import DecodeStepper, Pending
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.prefill import run_prefill
+from exlpy.generator.dynamic.prefill import Chunk, commit_chunks, completes_prompt, run_chunk, run_prefill
 from exlpy.generator.dynamic.validate import check_job_embeddings, check_job_vocab
 from exlpy.generator.filters.base import drop_background
 from exlpy.generator.speculative.api import SpeculativeAPI
 from exlpy.generator.speculative.dynamic import Speculation
+from exlpy.runtime import options
 
 
 class ExLlamaV2DynamicGenerator(SpeculativeAPI):
@@ -100,6 +103,7 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         self.decode_tokens = 0
         self.cached_tokens = 0
         self.preemptions = 0
+        self.mixed_steps = 0  # decode steps that carried prompt chunks (one pass: `mixed_step`)
         self.copy_partial_pages = True
         self.stepper = DecodeStepper(self)
         # Sample through the captured sampler (exlpy/generator/sampling/graphed.py): None = where decode steps
@@ -108,6 +112,10 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         # Prompt chunks next to decoding jobs as captured chunks (exlpy/engine/graphs.py run_chunk) where the model
         # runs CUDA graphs; False: eager chunks for this generator (EXLPY_PREFILL_GRAPHS=0: for every one).
         self.prefill_graphs = True
+        # Prompt chunks next to decoding jobs inside the decode step: one eager pass whose rows are the decode rows
+        # and the chunks (model/batch.py mixed_batch), so the weights are read once per iteration, not twice. None:
+        # the runtime option EXLPY_MIXED_STEP; True / False force it for this generator.
+        self.mixed_step: bool | None = None
         self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
         # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
         # None adapts the draft length to the acceptance rate; a number fixes it.
@@ -233,7 +241,7 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             run_warmup(self)
         self.page_table.reset()
         self.prefill_tokens = self.decode_tokens = self.cached_tokens = 0
-        self.preemptions = 0
+        self.preemptions = self.mixed_steps = 0
 
     def status(self) -> dict[str, Any]:
         """Cache and queue figures for monitoring (the server's /health). Reads snapshots without the lock, so
@@ -282,16 +290,23 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             scheduler.admit(self, results)
             decoding = sum(1 for j in self.active if j.is_prefilled())
             budget = scheduler.prefill_budget(self, decoding, len(self.active) - decoding)
+            # Prompt chunks that run inside this iteration's decode step (one pass, the weights read once): planned
+            # here, run by the step, committed after it (None: each chunk runs as a pass of its own, now).
+            chunks: list[Chunk] | None = [] if self._mixes(decoding) else None
             spent = 0
             for job in list(self.active):
                 if not job.is_prefilled():
-                    spent += self._guard_n(job, results,
-                                           lambda j=job, s=spent: run_prefill(self, j, results, decoding, budget, s))
-            jobs = [j for j in self.active if j.is_prefilled() and self._continues(j)]
+                    spent += self._guard_n(job, results, lambda j=job, s=spent: run_prefill(
+                        self, j, results, decoding, budget, s, chunks))
+            chunks = chunks or []
+            jobs = [j for j in self.active if (j.is_prefilled() or completes_prompt(j, chunks)) and self._continues(j)]
             if self.spec is not None and jobs and self._speculate(jobs, results):
                 return results
             jobs = scheduler.decode_pages(self, jobs, 1, lambda: self.stepper.drain(results))
+            chunks = [c for c in chunks if c.job in self.active]  # a job preempted for pages: its chunk waits
             prev, self.stepper.inflight = self.stepper.inflight, None
+            step = self._mixed_pass(jobs, prev, chunks, results) if chunks else None
+            jobs = [j for j in jobs if j in self.active and j.is_prefilled()]
             if not jobs:
                 if prev is not None:
                     self.stepper.finish(prev, results)
@@ -301,7 +316,7 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             # are computed) while it runs, and only then are the rows masked and sampled.
             split = prev is not None and any(j.filters and j.device_masked() for j in jobs)
             try:
-                step = self.stepper.forward(jobs, prev)
+                step = step or self.stepper.forward(jobs, prev)
                 launched, host = (None, None) if split else self.stepper.sample(step)
             except Exception as e:
                 if prev is not None:
@@ -320,6 +335,40 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             self.stepper.sample_host(host, results)
             self.stepper.inflight = launched
             return results
+
+    def _mixes(self, decoding: int) -> bool:
+        """Whether this iteration's prompt chunks run inside its decode step (`mixed_step`, EXLPY_MIXED_STEP).
+        Not with speculative decoding (its round drafts and verifies several tokens per row, and its draft model
+        prefills beside each chunk), nor while a job holds images (embedding rows and M-RoPE positions per chunk)
+        or a LoRA adapter (the adapter kernels take one slot per row of q_len tokens, not per token): those
+        iterations run each chunk as a pass of its own, before the decode step."""
+        on = options().mixed_step if self.mixed_step is None else self.mixed_step
+        return (on and decoding > 0 and self.spec is None
+                and not any(j.embeddings or j.lora_slot >= 0 for j in self.active))
+
+    def _mixed_pass(self, jobs: list[ExLlamaV2DynamicJob], prev: Any, chunks: list[Chunk],
+                    results: list[dict[str, Any]]) -> Pending | None:
+        """Launch the decode step of `jobs` with the prompt chunks in the same pass, and record the chunks. With no
+        decode row left to carry them, or when the pass raises (one job's fault fails it whole), the chunks run
+        as passes of their own (a failing one ends its job alone) and None is returned: the decode step then
+        runs on its own, isolated as ever."""
+        if jobs:
+            try:
+                step = self.stepper.forward(jobs, prev, chunks)
+            except Exception:
+                pass
+            else:
+                commit_chunks(self, chunks, results)
+                self.mixed_steps += 1
+                return step
+        self._run_chunks(chunks, results)
+        return None
+
+    def _run_chunks(self, chunks: list[Chunk], results: list[dict[str, Any]]) -> None:
+        """Planned chunks, each as a pass of its own; a chunk that raises ends its job alone."""
+        for c in chunks:
+            if c.job in self.active and not c.job.finished:
+                self.guard(c.job, results, lambda c=c: (run_chunk(self, c), commit_chunks(self, [c], results)))
 
     def _continues(self, job: ExLlamaV2DynamicJob) -> bool:
         """Whether the job needs another step: it ends by count once its tokens in flight arrive."""

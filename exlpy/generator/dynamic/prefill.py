@@ -3,6 +3,7 @@ from a freed page that held the same tokens, and a token budget while other jobs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,75 +17,140 @@ if TYPE_CHECKING:
     from exlpy.generator.dynamic.sequence import SeqState
 
 
+@dataclass
+class Chunk:
+    """A prompt span [start, end) of one sequence of a job, planned by `plan_chunks`. `buckets`: the captured
+    chunk sizes it runs in (empty: one eager pass)."""
+
+    job: ExLlamaV2DynamicJob
+    seq: SeqState
+    start: int
+    end: int
+    buckets: tuple[int, ...] = ()
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.seq.ids[self.start:self.end]
+
+
 def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]],
-                decoding: int, budget: int, spent: int) -> int:
-    """One prompt chunk per sequence of the job; returns the tokens run."""
-    progressed, ran = False, 0
-    serial = job.serial or 0
+                decoding: int, budget: int, spent: int, defer: list[Chunk] | None = None) -> int:
+    """One prompt chunk per sequence of the job; returns the tokens planned. With `defer` the chunks are appended
+    to it instead of run: they run inside this iteration's decode step (a mixed pass, dynamic/decode.py), and
+    `commit_chunks` then records them. A mixed pass holds at most `max_chunk_size` prompt tokens (the largest
+    pass the server sizes its activations for): once `defer` holds that many, chunks run as passes of their own."""
+    room = None if defer is None else gen.max_chunk_size - sum(c.end - c.start for c in defer)
+    if room is not None and room <= 0:
+        defer = room = None
+    progressed, deferred, ran = False, False, 0
     for q in job.seqs:
         if q.is_prefilled():
             continue
-        gen.cached_tokens += scheduler.skip_cached_pages(q)
-        copy_partial_page(gen, q, serial)
-        gen.cached_tokens += scheduler.skip_cached_pages(q)
-        if gen.spec is not None:
-            gen.spec.on_cached(q)
-        if q.is_prefilled():
-            progressed = True
+        chunk, moved = plan_chunk(gen, job, q, decoding, budget, spent + ran, None if room is None else room - ran)
+        progressed |= moved
+        if chunk is None:
             continue
-        limit = scheduler.prefill_limit(gen, q, decoding, budget, spent + ran)
-        # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
-        # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them.
-        buckets = scheduler.captured_sizes(limit, gen.chunk_buckets()) if decoding and not job.embeddings else ()
-        if buckets:
-            limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
-        if limit == 0:
-            job.wait_reason = "waiting for its turn to prefill next to the running jobs"
-            continue
-        plan = scheduler.plan_prefill(q, serial, limit)
-        if plan is None:
-            job.wait_reason = "waiting for another job to finish computing a shared prefix page"
-            continue
-        progressed = True
-        start, end = plan
-        if job.embeddings:  # Gemma 3: a chunk holds whole images (their tokens see each other)
-            from exlpy.vision.mm import extend_to_image_end
-
-            end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
-        if end > start and buckets:
-            a = start
-            for n in scheduler.chunk_pieces(end - start, buckets):
-                batch = paged_batch([(q.page_ids(), a, n)], gen.cache, gen.device(), gen.page_size,
-                                    [job.lora_slot])
-                gen.model.prefill_chunk(q.ids[a:a + n].unsqueeze(0), batch)
-                a += n
-        elif end > start:
-            ids = q.ids[start:end].unsqueeze(0)
-            batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
-                                [job.lora_slot])
-            if job.embeddings:  # image rows, and M-RoPE angles of the chunk's tokens
-                from exlpy.vision.mm import chunk_inputs
-
-                batch.mm = chunk_inputs(gen.model.config, q.ids, start, end, job.embeddings)
-                if batch.mm.rope is not None:
-                    batch.rope_positions = torch.arange(end - start, device=gen.device()).view(1, -1)
-            gen.model.forward_batch(ids, batch, preprocess_only=True)
-        if end > start:
-            if gen.spec is not None:
-                gen.spec.on_prefill(q, start, end)
-            gen.prefill_tokens += end - start
-            ran += end - start
-            size = gen.page_size
-            for p in range(start // size, (end - 1) // size + 1):
-                q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
-            q.prefill_pos = end
-    if progressed:
-        job.wait_reason = None
-        r = job.base_result("prefill")
-        r.update(curr_progress=sum(q.prefill_pos for q in job.seqs),
-                 max_progress=sum(q.prefill_target for q in job.seqs))
-        results.append(r)
+        ran += chunk.end - chunk.start
+        if defer is not None:
+            defer.append(chunk)
+            deferred = True
+        else:  # run and recorded before the next sequence is planned: it may skip the pages this one wrote
+            run_chunk(gen, chunk)
+            commit_chunks(gen, [chunk])
+    if progressed and not deferred:  # (deferred chunks report when they are committed)
+        report(job, results)
     return ran
+
+
+def plan_chunk(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, q: SeqState, decoding: int, budget: int,
+               spent: int, room: int | None = None) -> tuple[Chunk | None, bool]:
+    """Sequence q's prompt chunk for this iteration (None: none now), after skipping what the cache already holds;
+    and whether it progressed (a chunk, or pages found cached). `room`: the chunk will run inside the decode step,
+    eagerly (no captured sizes), `room` tokens at most."""
+    serial = job.serial or 0
+    gen.cached_tokens += scheduler.skip_cached_pages(q)
+    copy_partial_page(gen, q, serial)
+    gen.cached_tokens += scheduler.skip_cached_pages(q)
+    if gen.spec is not None:
+        gen.spec.on_cached(q)
+    if q.is_prefilled():
+        return None, True
+    limit = scheduler.prefill_limit(gen, q, decoding, budget, spent)
+    if room is not None:
+        limit = max(0, min(limit, room))
+    # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
+    # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them. A
+    # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time.
+    buckets: tuple[int, ...] = ()
+    if decoding and not job.embeddings and room is None:
+        buckets = scheduler.captured_sizes(limit, gen.chunk_buckets())
+    if buckets:
+        limit = scheduler.captured_tokens(limit, q.prefill_target - q.prefill_pos, buckets)
+    if limit == 0:
+        job.wait_reason = "waiting for its turn to prefill next to the running jobs"
+        return None, False
+    plan = scheduler.plan_prefill(q, serial, limit)
+    if plan is None:
+        job.wait_reason = "waiting for another job to finish computing a shared prefix page"
+        return None, False
+    start, end = plan
+    if job.embeddings:  # Gemma 3: a chunk holds whole images (their tokens see each other)
+        from exlpy.vision.mm import extend_to_image_end
+
+        end = extend_to_image_end(gen.model.config, q.ids, end, q.prefill_target, job.embeddings)
+    return (Chunk(job, q, start, end, buckets) if end > start else None), True
+
+
+def run_chunk(gen: ExLlamaV2DynamicGenerator, c: Chunk) -> None:
+    """One chunk's forward pass(es) of its own: captured pieces where it has `buckets`, else one eager pass."""
+    job, q, start, end = c.job, c.seq, c.start, c.end
+    if c.buckets:
+        a = start
+        for n in scheduler.chunk_pieces(end - start, c.buckets):
+            batch = paged_batch([(q.page_ids(), a, n)], gen.cache, gen.device(), gen.page_size, [job.lora_slot])
+            gen.model.prefill_chunk(q.ids[a:a + n].unsqueeze(0), batch)
+            a += n
+        return
+    batch = paged_batch([(q.page_ids(), start, end - start)], gen.cache, gen.device(), gen.page_size,
+                        [job.lora_slot])
+    if job.embeddings:  # image rows, and M-RoPE angles of the chunk's tokens
+        from exlpy.vision.mm import chunk_inputs
+
+        batch.mm = chunk_inputs(gen.model.config, q.ids, start, end, job.embeddings)
+        if batch.mm.rope is not None:
+            batch.rope_positions = torch.arange(end - start, device=gen.device()).view(1, -1)
+    gen.model.forward_batch(c.ids.unsqueeze(0), batch, preprocess_only=True)
+
+
+def commit_chunks(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk],
+                  results: list[dict[str, Any]] | None = None) -> None:
+    """Record chunks whose K/V the cache now holds (their pages' fill, the sequences' prefill position); with
+    `results`, report each job's progress once."""
+    size = gen.page_size
+    for c in chunks:
+        q, start, end = c.seq, c.start, c.end
+        if gen.spec is not None:
+            gen.spec.on_prefill(q, start, end)
+        gen.prefill_tokens += end - start
+        for p in range(start // size, (end - 1) // size + 1):
+            q.pages[p].kv_position = max(q.pages[p].kv_position, min(size, end - p * size))
+        q.prefill_pos = end
+    for job in dict.fromkeys(c.job for c in chunks) if results is not None else ():
+        report(job, results)
+
+
+def completes_prompt(job: ExLlamaV2DynamicJob, chunks: list[Chunk]) -> bool:
+    """Whether the job's prompt is prefilled once `chunks` (not yet committed) are: it decodes in the same pass."""
+    ends = {id(c.seq): c.end for c in chunks if c.job is job}
+    return bool(ends) and all(q.is_prefilled() or ends.get(id(q)) == q.prefill_target for q in job.seqs)
+
+
+def report(job: ExLlamaV2DynamicJob, results: list[dict[str, Any]]) -> None:
+    """A "prefill" progress result for the job."""
+    job.wait_reason = None
+    r = job.base_result("prefill")
+    r.update(curr_progress=sum(q.prefill_pos for q in job.seqs), max_progress=sum(q.prefill_target for q in job.seqs))
+    results.append(r)
 
 
 def copy_partial_page(gen: ExLlamaV2DynamicGenerator, q: SeqState, serial: int) -> None:
