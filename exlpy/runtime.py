@@ -28,7 +28,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm` (default), `tc` (tensor-core GEMM) or `auto` |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=1` | `prefill_graphs` | prompt chunks next to decoding jobs run as captured graphs |
-| `EXLPY_MIXED_STEP=0` | `mixed_step=False` | prompt chunks next to decoding jobs: own passes, not in the decode step |
+| `EXLPY_MIXED_STEP=1` | `mixed_step=True` | prompt chunks next to decoding jobs run inside the decode step (eager) |
 | `EXLPY_MOE_GEMV=0` | `moe_gemv=False` | EXL2 experts at decode: tile kernels, not the split-K GEMV / multi-row ones |
 | `EXLPY_MOE_ROWS=0` | `moe_rows=False` | EXL2 experts at 3-16 rows each (batched decode): tile kernels, no multi-row |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
@@ -97,11 +97,13 @@ class RuntimeOptions:
     # GPU suite run with it on, graph captures at first use failed next to other GPU work in the same process
     # ("operation not permitted when stream is capturing") and jobs came back empty.
     prefill_graphs: bool = False
-    # The dynamic generator runs prompt chunks next to decoding jobs inside the decode step: one eager pass over the
-    # decode rows and the chunks' tokens (model/batch.py mixed_batch), the weights read once per iteration instead of
-    # twice (captured step, then the chunk: 8.0 + 10.8 ms on an H100, 8B, issue 29). EXLPY_MIXED_STEP=0: the two
-    # passes (the chunk captured with EXLPY_PREFILL_GRAPHS=1). Same tokens either way (tests/test_mixed_step.py).
-    mixed_step: bool = True
+    # EXLPY_MIXED_STEP=1: the dynamic generator runs prompt chunks next to decoding jobs inside the decode step: one
+    # eager pass over the decode rows and the chunks' tokens (model/batch.py mixed_batch), the weights read once per
+    # iteration instead of twice. Same tokens either way (tests/test_mixed_step.py). Opt-in: on an H100 (8B, 32
+    # decoders, a 16k prompt; 2026-11-26 21:23) the eager pass cost the generator thread 37 ms of kernel launches
+    # per iteration, gaps 41.1 ms against 18.7 ms with the captured step + captured chunk: it pays only once the
+    # mixed pass itself is captured (graphs per decode bucket and chunk size).
+    mixed_step: bool = False
     # EXL2 expert stacks with few rows per expert (decode) run exlpy/kernels/moe_exl2_gemv.py's split-K GEMV kernels
     # instead of the tile kernels: Mixtral's EXL2 4.0 experts at batch 1 on an H100 went from 8.4% to 54.2% of the
     # bandwidth limit (2026-11-26; the MoE tests passed there with them on). EXLPY_MOE_GEMV=0 takes the tile kernels.
@@ -159,7 +161,7 @@ class RuntimeOptions:
             gptq_kernel=flag("EXLPY_GPTQ_KERNEL"),
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=flag("EXLPY_PREFILL_GRAPHS"),
-            mixed_step=e.get("EXLPY_MIXED_STEP", "1") != "0",
+            mixed_step=flag("EXLPY_MIXED_STEP"),
             moe_gemv=e.get("EXLPY_MOE_GEMV", "1") != "0",
             moe_rows=e.get("EXLPY_MOE_ROWS", "1") != "0",
         )

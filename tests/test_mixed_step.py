@@ -316,8 +316,8 @@ def test_a_failing_prompt_chunk_fails_its_job_alone() -> None:
 
 
 def test_runtime_switch() -> None:
-    assert RuntimeOptions.from_env({}).mixed_step is True
-    assert RuntimeOptions.from_env({"EXLPY_MIXED_STEP": "0"}).mixed_step is False
+    assert RuntimeOptions.from_env({}).mixed_step is False  # opt-in: eager, it lost to captured chunks on an H100
+    assert RuntimeOptions.from_env({"EXLPY_MIXED_STEP": "1"}).mixed_step is True
 
 
 @pytest.mark.gpu
