@@ -121,8 +121,8 @@ def main() -> int:
     ap.add_argument("--spec-only", action="store_true", help="only the speculative replay draft (with its per-round "
                     "time breakdown)")
     ap.add_argument("--spec-ahead", choices=("on", "off", "both"), default="on",
-                    help="speculative rounds launched ahead of the previous round's bookkeeping (the generator's "
-                    "default, on), not (off), or both timed one after the other on the same loaded models")
+                    help="speculative rounds launched ahead of the previous round's bookkeeping (on; the generator's "
+                    "default is off), not (off), or both timed one after the other on the same loaded models")
     ap.add_argument("--work", default="/tmp/exlpy_bench_models")
     ap.add_argument("--new-tokens", type=int, default=0, help="tokens per timed job (default 128; tiny 12)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.md")

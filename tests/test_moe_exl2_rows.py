@@ -28,8 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def _split_k_kernels_on() -> Iterator[None]:
-    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on."""
+def _split_k_kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on, for
+    mixed stacks too (moe_exl2_rows.MIXED: off in use until the mixed variant compiles fast on a GPU)."""
+    from exlpy.kernels import moe_exl2_rows
+
+    monkeypatch.setattr(moe_exl2_rows, "MIXED", True)
     with use_options(dataclasses.replace(options(), moe_gemv=True, moe_rows=True)):
         yield
 
@@ -84,7 +88,7 @@ def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform
         y2 = moe_exl2.moe_down_exl2(ref_a, order, counts_t, down)
     finally:
         moe_exl2_rows.gate_up_rows, moe_exl2_rows.down_rows = saved
-    assert taken == (["gate_up", "down"] if moe_exl2_rows.takes(N, E) else [])
+    assert taken == (["gate_up", "down"] if moe_exl2_rows.takes(N, E, width) else [])
     assert _rel(a2, ref_a) < tol and _rel(y2, ref_y) < tol
 
 
@@ -155,6 +159,17 @@ def test_route_by_rows_per_expert() -> None:
         assert not takes(64, 8)
 
 
+def test_mixed_stacks_take_the_tile_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed-width stacks stay on the tile kernels in use (MIXED off: their variant's compile stalled on an H100);
+    uniform ones of any width take the multi-row kernels."""
+    pytest.importorskip("triton")
+    from exlpy.kernels import moe_exl2_rows
+
+    monkeypatch.setattr(moe_exl2_rows, "MIXED", False)
+    assert not moe_exl2_rows.takes(64, 8, 0)
+    assert all(moe_exl2_rows.takes(64, 8, w) for w in (2, 3, 4, 5, 6, 8))
+
+
 def test_plan_at_mixtral_shapes() -> None:
     """64 pairs over 8 experts on 132 SMs: 16 row tiles, 512-column blocks, K cut into whole steps, the estimated
     live programs within ROWS_WAVES per SM; an odd row tile is refused."""
@@ -206,12 +221,12 @@ def test_rows_kernels_compile_for_sm90_without_spills() -> None:
 # --- GPU ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mixtral_stacks() -> dict[int, tuple]:
-    """Mixtral-8x7B's expert shapes (H 4096, I 14336, 8 experts) in fp16: 4-bit stacks and mixed widths (32-row
-    groups cycling 2-8 bits per expert), built once (random EXL2 tensors on the CPU take most of the time)."""
+    """Mixtral-8x7B's expert shapes (H 4096, I 14336, 8 experts) in fp16, 4-bit stacks (mixed ones take the tile
+    kernels in use: moe_exl2_rows.MIXED), built once (random EXL2 tensors on the CPU take most of the time)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     out = {}
-    for uniform in (4, 0):
+    for uniform in (4,):
         g = torch.Generator().manual_seed(40 + uniform)
         perm = torch.stack([torch.randperm(4096, generator=g) for _ in range(8)])
         out[uniform] = tuple(s.to("cuda") for s in (
@@ -223,7 +238,7 @@ def mixtral_stacks() -> dict[int, tuple]:
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("uniform", [4, 0])
+@pytest.mark.parametrize("uniform", [4])  # mixed stacks: interpreter-tested; in use they take the tile kernels
 @pytest.mark.parametrize("T", [8, 16, 32])
 def test_cuda_mixtral_shapes(mixtral_stacks: dict, uniform: int, T: int) -> None:
     """8, 16 and 32 tokens of top-2 routing over Mixtral-shaped EXL2 experts (2, 4 and 8 rows per expert on
@@ -255,4 +270,4 @@ def _check_gpu(counts: list[int], ids: torch.Tensor, uniform: int, stacks: tuple
                                 torch.empty(N, 4096, dtype=torch.float16, device="cuda"))
     assert torch.isfinite(y).all() and _rel(y, ref_y) < 5e-3, _rel(y, ref_y)
     assert _rel(moe_exl2.moe_down_exl2(ref_a, order, counts_t, down), ref_y) < 5e-3
-    assert moe_exl2_rows.takes(N, 8) == (ids.shape[0] > 8)
+    assert moe_exl2_rows.takes(N, 8, uniform) == (ids.shape[0] > 8)

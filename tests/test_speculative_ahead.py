@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from tests.test_generator_helpers import PROMPTS, aidreams, argmax_tokens, drain
-from tests.test_speculative import job, spec_gen, tiny
+from tests.test_speculative import job, tiny
+from tests.test_speculative import spec_gen as _spec_gen
+
+
+def spec_gen(*args: Any, **kw: Any) -> Any:
+    """tests.test_speculative's generator with rounds launched ahead (`Speculation.chain`: off by default)."""
+    g = _spec_gen(*args, **kw)
+    if g.spec is not None:
+        g.spec.chain = True
+    return g
 
 
 def prompts() -> list[torch.Tensor]:

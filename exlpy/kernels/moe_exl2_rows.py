@@ -52,6 +52,11 @@ ROWS_STEP = 2  # a tile computes its live rows rounded up to this (one copy of t
 ROWS_STEP_MIXED = 4  # the same for mixed-width stacks, whose K loop holds a copy per width already (compile time)
 ROWS_MIN_MEAN = 2  # this path above this mean of sorted rows per routed expert (GEMV_MAX_ROWS: the GEMV kernels)
 ROWS_MAX_MEAN = 16  # ... and up to this; more rows per expert take the tensor-core tile kernels (0: path off)
+# Stacks of mixed widths (converted files) take these kernels too: off, because on an H100 under Triton 3.6 the
+# mixed variant (every width's decode in each of the R/RSTEP copies of the K loop) was still in ptxas after 60 s
+# at its first call (2026-11-26 21:25), a stall no server can take mid-run; uniform stacks compile in seconds. What
+# would turn it on: one kernel per width present, launched per width class (as the GEMV kernels' blocks do).
+MIXED = False
 ROWS_COLS = 512  # columns per program: 4 per thread at ROWS_WARPS (one 16-byte load per packed word row)
 ROWS_WARPS = 4
 ROWS_WAVES = 8  # K split while the programs (estimated live row tiles x column blocks x matrices) fill the SMs
@@ -254,11 +259,13 @@ def _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, col0, cols, ok, R: tl.
 
 
 # --- host side --------------------------------------------------------------------------------------------------
-def takes(n_pairs: int, n_experts: int) -> bool:
-    """Whether N sorted rows over E experts take these kernels: mean rows per routed expert above ROWS_MIN_MEAN
-    (the GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on (EXLPY_MOE_GEMV, on by
-    default) and these ones too (EXLPY_MOE_ROWS, on by default). Host arithmetic only (the
-    per-expert counts live on the device)."""
+def takes(n_pairs: int, n_experts: int, width: int = 4) -> bool:
+    """Whether N sorted rows over E experts of a stack of `width` (0: mixed) take these kernels: mean rows per routed
+    expert above ROWS_MIN_MEAN (the GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on
+    (EXLPY_MOE_GEMV, on by default) and these ones too (EXLPY_MOE_ROWS, on by default); mixed stacks only where
+    MIXED says. Host arithmetic only (the per-expert counts live on the device)."""
+    if width == 0 and not MIXED:
+        return False
     routed = max(1, min(n_experts, n_pairs))
     opts = options()
     return opts.moe_gemv and opts.moe_rows and ROWS_MIN_MEAN * routed < n_pairs <= ROWS_MAX_MEAN * routed

@@ -65,7 +65,11 @@ class Speculation:
         cost = self.drafter.cost(gen.model) if self.drafter else 0.0
         self.length = DraftLength(num_draft_tokens, max_k, cost)
         self.profile: RoundProfile | None = None  # set to time each round's phases (benchmarks)
-        self.chain = True  # launch the next round before a round's bookkeeping where that is safe (`_chain`)
+        # Launch the next round before a round's bookkeeping where that is safe (`_chain`). Off by default: on an
+        # H100 (8B + 1B replay draft at 0.8, 2026-11-26 21:32) rounds were 1.1 ms shorter (gap between rounds 0.53 ->
+        # 0.30 ms) but the run ahead drew a lower acceptance (0.74 vs 0.79) and shorter drafts: 1.40x plain against
+        # 1.61x. Whether that acceptance is the chain's doing or one run's chance is not settled.
+        self.chain = False
         self.ahead: _Launched | None = None  # a round launched so, not yet finished
         self.reset_stats()
 
