@@ -1,10 +1,10 @@
 """A/B of how prompt chunks run next to decoding jobs, in one process (no server): the dynamic generator with
 `decoders` jobs decoding while a long prompt arrives, its prompt chunks inside the decode step (mode `mixed`: one
 eager pass over the decode rows and the chunk, `generator.mixed_step`, EXLPY_MIXED_STEP), or as passes of their own
-after it, captured (`captured`: exlpy/engine/graphs.py `run_chunk`, needs EXLPY_PREFILL_GRAPHS=1) or eager
-(`eager`).
+after it, captured (`captured`: exlpy/engine/graphs.py `run_chunk`, the default; not with EXLPY_PREFILL_GRAPHS=0)
+or eager (`eager`).
 
-    EXLPY_PREFILL_GRAPHS=1 PYTHONPATH=. python benchmarks/prefill_stall.py --model 8b    # ~4 minutes on an H100
+    PYTHONPATH=. python benchmarks/prefill_stall.py --model 8b    # ~4 minutes on an H100
     PYTHONPATH=. python benchmarks/prefill_stall.py --model ../shared/models/aidreams260K --long 4096   # CPU
 
 After one unmeasured round of each mode (compiles, captures; none on the CPU), per round (alone, mixed, captured,

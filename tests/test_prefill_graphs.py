@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def _chunk_graphs_on() -> Iterator[None]:
-    """These tests are about captured prompt chunks, opt-in (EXLPY_PREFILL_GRAPHS=1) until timed on a GPU."""
+    """These tests are about captured prompt chunks (on by default; EXLPY_PREFILL_GRAPHS=0 in the environment: off)."""
     with use_options(dataclasses.replace(options(), prefill_graphs=True)):
         yield
 
@@ -200,8 +200,8 @@ def test_capture_failure_warns_and_runs_chunks_eagerly(model_dir: Path, monkeypa
     assert runner.chunks_failed and model.chunk_buckets() == () and not any(k[5] for k in runner.steps)
     for a, b in zip(eager.all_tensors(), graphed.all_tensors()):
         assert rel_err(b, a) <= TOL
-    assert not RuntimeOptions.from_env({}).prefill_graphs  # opt-in until timed on a GPU
-    assert RuntimeOptions.from_env({"EXLPY_PREFILL_GRAPHS": "1"}).prefill_graphs
+    assert RuntimeOptions.from_env({}).prefill_graphs  # on by default
+    assert not RuntimeOptions.from_env({"EXLPY_PREFILL_GRAPHS": "0"}).prefill_graphs
     with use_options(RuntimeOptions.from_env({"EXLPY_PREFILL_GRAPHS": "0"})):
         runner.chunks_failed = False
         assert model.chunk_buckets() == ()
