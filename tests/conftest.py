@@ -5,7 +5,9 @@ compiled kernels: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e.
 without TRITON_INTERPRET=1 never sets it; it takes the selected interpreter tests out and runs them in one child
 `python -m pytest` with TRITON_INTERPRET=1 (the item `tests::triton-interpreter`, which fails if any of them
 fails), while CUDA tests in the same session use compiled kernels. Under TRITON_INTERPRET=1 everything runs in
-the session itself.
+the session itself. The child starts with the session's test loop and runs beside the other tests (the
+interpreter is single-threaded Python: a second core's work); its item, last, waits for it. Under pytest-xdist
+workers, or with EXLPY_TEST_INTERPRETER_OVERLAP=0, it runs only when its item's turn comes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -136,21 +139,49 @@ class InterpreterRun(pytest.Item):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.nodeids = nodeids
         self.output = ""
+        self.proc: subprocess.Popen[str] | None = None
+        self.logs: tuple[Any, Any] | None = None
         if self.config.pluginmanager.hasplugin("timeout"):
             # one item for hundreds of tests: a per-test --timeout (the GPU runs' 150 s) would kill the child
             self.add_marker(pytest.mark.timeout(1200))
 
-    def runtest(self) -> None:
-        env = child_env(TRITON_INTERPRET="1")
+    def start(self, beside_session: bool = False) -> None:
+        """Start the child (once). Its output goes to files, not pipes: nobody reads it before it ends.
+        `beside_session`: it shares the machine with the session's own tests, so its BLAS / OpenMP pools take one
+        thread each unless the environment says otherwise (the interpreter's work is single-threaded anyway)."""
+        if self.proc is not None:
+            return
+        threads = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+                   if beside_session and v not in os.environ}
+        env = child_env(TRITON_INTERPRET="1", **threads)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                *self.nodeids]
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        self.output = r.stdout[-12000:] + r.stderr[-3000:]
-        summary = next((ln for ln in reversed(r.stdout.splitlines()) if ln.strip()), "")
+        self.logs = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.logs[0], stderr=self.logs[1], text=True)
+
+    def stop(self) -> None:
+        """End a child still running (the session stopped early: -x, Ctrl-C) and close its logs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.logs is not None:
+            for f in self.logs:
+                f.close()
+            self.logs = None
+
+    def runtest(self) -> None:
+        self.start()
+        assert self.proc is not None and self.logs is not None
+        rc = self.proc.wait()
+        for f in self.logs:
+            f.seek(0)
+        stdout, stderr = (f.read() for f in self.logs)
+        self.output = stdout[-12000:] + stderr[-3000:]
+        summary = next((ln for ln in reversed(stdout.splitlines()) if ln.strip()), "")
         self.add_report_section("call", "child pytest", f"{len(self.nodeids)} interpreter tests: {summary}")
-        if r.returncode != 0:
+        if rc != 0:
             raise InterpreterFailure(f"{len(self.nodeids)} interpreter tests run under TRITON_INTERPRET=1 in a "
-                                     f"child pytest (rc {r.returncode}): {summary}")
+                                     f"child pytest (rc {rc}): {summary}")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: object = None) -> str:
         if isinstance(excinfo.value, InterpreterFailure):
@@ -174,6 +205,21 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     items[:] = [i for i in items if i.get_closest_marker("interpreter") is None]
     items.append(InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=[i.nodeid for i in interp]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Any:
+    """Start the interpreter child as the session's tests start (see the module docstring), and end it with the
+    loop whatever happened."""
+    run = next((i for i in session.items if isinstance(i, InterpreterRun)), None)
+    if (run is not None and not session.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ
+            and os.environ.get("EXLPY_TEST_INTERPRETER_OVERLAP", "1") != "0"):
+        run.start(beside_session=True)
+    try:
+        yield
+    finally:
+        if run is not None:
+            run.stop()
 
 
 def run_compile_check(script: str) -> dict[str, dict[str, Any]]:

@@ -338,15 +338,20 @@ def test_kernel_whole_vocabulary_draws_follow_the_reference_distribution(monkeyp
 
 @pytest.mark.slow
 @pytest.mark.interpreter
-def test_kernel_rows_with_20k_survivors_draw_in_vocabulary_order(monkeypatch: Any) -> None:
-    """20000 near-flat tokens under min-p (one row), at a point where the descending-order token is another one
-    and no boundary lies within 2e-6: the vocabulary-order token of the reference distribution."""
+def test_kernel_rows_with_thousands_of_survivors_draw_in_vocabulary_order(monkeypatch: Any) -> None:
+    """Thousands of near-flat tokens under min-p (one row), at a point where the descending-order token is another
+    one and no boundary lies within 2e-6: the vocabulary-order token of the reference distribution. 2500 tokens
+    in chunks of 512 have the layout of 20000 tokens in the default chunks of 4096 (5 full chunks of 8 in both
+    kernels' grids, the last partial): this test ran 20000 tokens, 15 s of the interpreter."""
     pytest.importorskip("triton")
     from exlpy.kernels import sample_top as kernel
     from exlpy.kernels import sample_whole
 
     monkeypatch.setattr(sample_whole, "CAP", 64)
-    V = 20000
+    monkeypatch.setattr(sample_whole, "CHUNK", 512)
+    monkeypatch.setattr(kernel, "MAX_CHUNK", 512)
+    V = 2500
+    assert sample_whole.plan(V) == (512, 8) and kernel.plan(V, 32)[:2] == (512, 8)
     x = (torch.randn(2, V, generator=torch.Generator().manual_seed(V)) * 0.5)[1:]
     params = torch.tensor([[1.2, float(V), 2.0, 0, 0.05, 1, 0.71]])
     rng = torch.zeros(1, 2, dtype=torch.int64)
