@@ -17,6 +17,7 @@ from exlpy import ExLlamaV2Cache, ExLlamaV2Cache_Q4
 from exlpy.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
 from exlpy.model.batch import mixed_batch, paged_batch
 from exlpy.runtime import RuntimeOptions
+from tests.test_dynamic_overlap import PoisonedModel  # a pass holding the poison token id raises
 from tests.test_generator_helpers import aidreams_cpu as aidreams
 from tests.test_generator_helpers import argmax_tokens
 
@@ -279,21 +280,6 @@ def test_a_crowd_fills_one_mixed_pass_and_the_rest_runs_alone(monkeypatch: pytes
     ran_alone = sum(alone) - two_gen.prefill_tokens  # the two-pass run's chunks all ran alone
     assert 0 < ran_alone < one_gen.prefill_tokens - 5  # (the first job's prompt ran before anyone decoded)
     assert one_gen.mixed_steps >= 2
-
-
-class PoisonedModel:
-    """The real model, except that a pass holding `poison` among its token ids raises."""
-
-    def __init__(self, model: Any, poison: int) -> None:
-        self._model, self.poison = model, poison
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def forward_batch(self, ids: torch.Tensor, batch: Any, **kw: Any) -> Any:
-        if bool((ids == self.poison).any()):
-            raise RuntimeError("poisoned row")
-        return self._model.forward_batch(ids, batch, **kw)
 
 
 def test_a_failing_prompt_chunk_fails_its_job_alone() -> None:
