@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# benchmarks/gpu_tests.sh -n N on a machine with several GPUs: each xdist worker of the one-GPU pass takes one GPU
+# (worker k sees GPU k mod count), so the workers' kernels spread over all cards instead of queueing on the first.
+# Set before torch starts CUDA, which reads CUDA_VISIBLE_DEVICES once.
+if os.environ.get("EXLPY_TEST_SPREAD_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _gpus = int(os.environ["EXLPY_TEST_SPREAD_GPUS"])
+    if _gpus > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(os.environ["PYTEST_XDIST_WORKER"][2:]) % _gpus)
+
+import torch  # noqa: E402  (after the GPU choice above)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 IN_CI = os.environ.get("CI", "") == "true"
