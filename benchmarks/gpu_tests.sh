@@ -51,7 +51,8 @@ XDIST=""
 for a in "${ARGS[@]+"${ARGS[@]}"}"; do case $a in -n|-n[0-9]*|--numprocesses*) XDIST=1 ;; esac; done
 if [ -n "$XDIST" ] && [ -z "$QUICK" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
-  EXLPY_TEST_SPREAD_GPUS=$NGPU python -m pytest -q -p no:cacheprovider -rs -m "not multigpu" "${ARGS[@]}" 2>&1 \
+  EXLPY_TEST_SPREAD_GPUS=$NGPU python -m pytest -q -p no:cacheprovider -rs -m "not multigpu" --dist loadgroup \
+    "${ARGS[@]}" 2>&1 \
     | tee "$OUT/gpu_tests.log"
   RC=${PIPESTATUS[0]}
   python -m pytest -q -p no:cacheprovider -rs -m multigpu 2>&1 | tee -a "$OUT/gpu_tests.log"

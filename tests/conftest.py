@@ -213,7 +213,20 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not interp:
         return
     items[:] = [i for i in items if i.get_closest_marker("interpreter") is None]
-    items.append(InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=[i.nodeid for i in interp]))
+    run = InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=[i.nodeid for i in interp])
+    # Under xdist the child runs when its item's turn comes: first, so that its minutes of serial interpreter work
+    # overlap the other workers' tests instead of being the session's tail. Alone it goes last (it started with
+    # the loop: pytest_runtestloop) and the item only waits for it.
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.insert(0, run)
+    else:
+        items.append(run)
+    # The MoE modules' GPU tests build Mixtral-shaped stacks and compile their kernels per process: spread over
+    # many xdist workers they all did it at once and stalled past a 300 s timeout (H100 x2, 28 workers,
+    # 2026-11-26). With --dist loadgroup (benchmarks/gpu_tests.sh) they share one worker.
+    for i in items:
+        if i.get_closest_marker("gpu") is not None and i.path.name.startswith("test_moe"):
+            i.add_marker(pytest.mark.xdist_group("moe_gpu"))
 
 
 @pytest.hookimpl(hookwrapper=True)
