@@ -88,10 +88,10 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
     opts = options or model.options
     check_supported(model.config, model.modules)
     ctx = TPContext(model, gpu_split, expect_cache_tokens, expect_cache_base, devices=devices,
-                    comm_name=opts.tp_comm)
+                    comm_name=opts.tp_comm, prefill_comm_name=opts.tp_prefill_comm)
     slots = ctx.all_devices()
     ctx.finalize([model.rotary.get(ctx.all_devs[s], model.config.compute_dtype(ctx.all_devs[s])) for s in slots])
-    group = LockstepGroup(ctx.comm)
+    group = LockstepGroup(ctx.comm, ctx.prefill_comm)
     staging = ctx.all_devs[ctx.device]
 
     def row_layout(m: Module) -> bool:
