@@ -1,6 +1,7 @@
 """The tensor-parallel benchmark's TP runs: one loaded TP model checked against the one-GPU logits, decode (CUDA
-graphs, eager, device-fed, batched), prefill plain and pipelined, the fused-norm A/B, diagnostics, the same
-model reloaded with each other collective backend, and memory over a long decode."""
+graphs, eager, device-fed, batched), prefill plain, pipelined and (two GPUs) with the copy collective, the
+fused-norm A/B, diagnostics, the same model reloaded with each other collective backend, and memory over a long
+decode."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from exlpy import ExLlamaV2, ExLlamaV2Config
 from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.model.parallel_linear import RowParallel
 from exlpy.parallel.tp_comm import nccl_usable
+from exlpy.parallel.tp_copy import CopyAllReduce
 from exlpy.runtime import RuntimeOptions
 
 
@@ -162,24 +164,35 @@ class TPBench:
         m.config.no_graphs = no_graphs
 
     def _pipelined_prefill(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP, out: dict) -> None:
-        """A/B: the same model with its prefill chunks as two overlapped micro-batches (EXLPY_TP_PIPELINE), and
-        the last position's logits of both ways (they differ only by summation order)."""
+        """A/B of the prefill's collectives on the same model: one chunk with the decode backend (timed above),
+        two overlapped micro-batches (EXLPY_TP_PIPELINE), and on two GPUs the copy collective
+        (EXLPY_TP_PREFILL_COMM=copy: peer copies on the copy engines + one add) alone and with the micro-batches;
+        the last position's logits of each against the plain way (they differ only by summation order)."""
         long_ids, n = self.long_ids, self.n
-        overlap = m.strategy.overlap_prefill
+        group = m.strategy.stages[0].group
+        overlap, prefill = m.strategy.overlap_prefill, group.prefill
+        variants = [("pipelined", True, prefill)]
+        if n == 2:
+            try:
+                copy = prefill if isinstance(prefill, CopyAllReduce) else CopyAllReduce(ctx_devs(m.tp_context))
+                variants += [("copy", False, copy), ("pipelined_copy", True, copy)]
+            except Exception:  # noqa: BLE001 - record and go on
+                out["copy_error"] = traceback.format_exc()[-1500:]
         try:
             c.current_seq_len = 0
-            m.strategy.overlap_prefill = False
+            m.strategy.overlap_prefill, group.prefill = False, prefill
             plain_last = m.forward(long_ids, c, last_id_only=True).float()
-            m.strategy.overlap_prefill = True
-            out["prefill2048_ms_pipelined"] = round(prefill_ms(m, c, long_ids, n), 2)
-            c.current_seq_len = 0
-            piped_last = m.forward(long_ids, c, last_id_only=True).float()
-            out["pipelined_vs_plain_maxdiff"] = round((piped_last - plain_last).abs().max().item(), 4)
+            for name, piped, comm in variants:
+                m.strategy.overlap_prefill, group.prefill = piped, comm
+                out[f"prefill2048_ms_{name}"] = round(prefill_ms(m, c, long_ids, n), 2)
+                c.current_seq_len = 0
+                last = m.forward(long_ids, c, last_id_only=True).float()
+                out[f"{name}_vs_plain_maxdiff"] = round((last - plain_last).abs().max().item(), 4)
         except Exception:  # noqa: BLE001 - record and go on
             out["pipeline_error"] = traceback.format_exc()[-1500:]
             print(out["pipeline_error"], flush=True)
         finally:
-            m.strategy.overlap_prefill = overlap
+            m.strategy.overlap_prefill, group.prefill = overlap, prefill
 
     def _batched(self, m: ExLlamaV2, out: dict, full: bool) -> None:
         """Batched decode (read back and device-fed), and the A/B of the next norm fused into the all-reduce

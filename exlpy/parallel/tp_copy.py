@@ -111,7 +111,7 @@ class CopyAllReduce:
             with torch.cuda.device(d):
                 # Allocated on the compute stream that will read it; the copy into it is ordered after that
                 # stream's work so far (the receive stream waits for it below, the send stream for that).
-                received.append(torch.empty_like(tensors[1 - i]))
+                received.append(torch.empty_like(tensors[1 - i], device=d))
                 self.send[i].wait_stream(compute[i])  # the partial is complete
                 self.recv[i].wait_stream(compute[i])  # the buffer's earlier users are done
         events: list[list[torch.cuda.Event]] = [[], []]
