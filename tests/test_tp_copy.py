@@ -6,6 +6,7 @@ two GPUs the same with the copy engines and the send / receive streams, against 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from exlpy import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
 from exlpy.cache.tp import ExLlamaV2Cache_TP
 from exlpy.engine import pipeline
 from exlpy.errors import ConfigError, TensorParallelError
+from exlpy.kernels import reference
 from exlpy.parallel import tp_copy
 from exlpy.parallel.tp_copy import CopyAllReduce, make_prefill_comm
 from exlpy.runtime import RuntimeOptions
@@ -35,12 +37,72 @@ def test_sum_is_issued_then_finished() -> None:
     pending = comm.start([ta, tb])
     # Begun, not summed: the partials are untouched until finish (the other micro-batch runs in between).
     assert torch.equal(ta, a) and torch.equal(tb, b)
-    ta.mul_(1.0)
-    pending.finish()
+    assert pending.finish() == [None, None]
     torch.testing.assert_close(ta, want, rtol=0, atol=0)
     assert torch.equal(ta, tb)  # both sides hold the same sum
-    pending.finish()  # a second finish adds nothing
+    with pytest.raises(TensorParallelError, match="finished twice"):
+        pending.finish()
     assert torch.equal(ta, want)
+
+
+def test_sum_with_the_next_norm() -> None:
+    """With norms, finish returns each side's RMSNorm of the sum (the next block's input) and leaves the sum."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(6, 64, generator=g).half(), torch.randn(6, 64, generator=g).half()
+    w = (torch.rand(64, generator=g) + 0.5).half()
+    ta, tb = a.clone(), b.clone()
+    normed = CopyAllReduce(CPU2).start([ta, tb], [(w, 1e-5), (w, 1e-5)]).finish()
+    want = a + b
+    assert torch.equal(ta, want) and torch.equal(tb, want)
+    for h in normed:
+        assert h is not None
+        torch.testing.assert_close(h, reference.rms_norm(want, w, 1e-5), rtol=0, atol=0)
+
+
+def test_add_rms_norm_reference() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(3, 4, 32, generator=g), torch.randn(3, 4, 32, generator=g)
+    w = torch.rand(32, generator=g) + 0.5
+    x0 = x.clone()
+    y = reference.add_rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(x, x0 + r)  # the sum stays in x: the next residual
+    s = (x0 + r).double()
+    torch.testing.assert_close(y.double(), s / (s.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def _kernel_case(device: str, rows: int, n: int, seed: int) -> None:
+    from exlpy.kernels.rmsnorm import add_rms_norm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g).half().to(device)
+    r = torch.randn(rows, n, generator=g).half().to(device)
+    w = (torch.rand(n, generator=g) + 0.5).half().to(device)
+    want_x = x.clone()
+    want = reference.add_rms_norm(want_x, r, w, 1e-5)
+    got_x = x.clone()
+    got = add_rms_norm(got_x, r, w, 1e-5)
+    assert torch.equal(got_x, want_x)  # the sum rounds as torch's fp16 add does
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < 2e-3, err
+
+
+@pytest.mark.interpreter
+def test_add_rms_norm_kernel_cpu() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+    pytest.importorskip("triton")
+    _kernel_case("cpu", 5, 96, 0)  # a masked row (96 of 128 lanes)
+    _kernel_case("cpu", 3, 128, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_add_rms_norm_kernel_cuda() -> None:
+    pytest.importorskip("triton")
+    _kernel_case("cuda", 2048, 8192, 2)  # a 70B-shaped prefill message
+    _kernel_case("cuda", 7, 5120, 3)
 
 
 def test_applies_from_min_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,15 +154,15 @@ class _Spy:
         self.log: list[tuple[str, int]] = []
         real = comm.start
 
-        def start(tensors: list[torch.Tensor]) -> tp_copy.Pending:
-            p = real(tensors)
+        def start(tensors: list[torch.Tensor], norms: list | None = None) -> tp_copy.Pending:
+            p = real(tensors, norms)
             tokens = tensors[0].shape[1]
             self.log.append(("start", tokens))
             finish = p.finish
 
-            def logged() -> None:
+            def logged() -> list:
                 self.log.append(("finish", tokens))
-                finish()
+                return finish()
 
             p.finish = logged  # type: ignore[method-assign]
             return p
@@ -126,13 +188,18 @@ def test_forward_equals_plain_tp(model_dir: Path, pipelined: bool, monkeypatch: 
     m = _tp_cpu(model_dir, RuntimeOptions(tp_prefill_comm="copy", tp_pipeline=pipelined))
     comm = m.tp_context.prefill_comm
     assert isinstance(comm, CopyAllReduce) and m.strategy.stages[0].group.prefill is comm
+    # Every block's closing sum also norms it for the block after (the last one: the final norm before the head).
+    closers = [b.o_proj if hasattr(b, "o_proj") else b.down_proj for lane in m.strategy.stages[0].lanes
+               for b in lane.modules if hasattr(b, "o_proj") or hasattr(b, "down_proj")]
+    assert len(closers) == 8 and all(c.prefill_norm is not None and c.next_norm is None for c in closers)
     spy = _Spy(comm)
     c = ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=64)
     out = m.forward(ids, c)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     for a, b in zip(c.all_tensors(), c0.all_tensors()):
         torch.testing.assert_close(a[:, :21], b[:, :21], atol=2e-5, rtol=1e-5)
-    # Every all-reduce of the prefill went by copies: the embedding's and one per block (2 layers x 2).
+    # Every all-reduce of the prefill went by copies: the embedding's and one per block (2 layers x 2), the blocks'
+    # with the next norm.
     if pipelined:
         # Micro-batch A's copies are in flight while B runs up to its own collective: A begins, B begins, then
         # A's sum is finished when A resumes, and so on.
@@ -217,7 +284,8 @@ def test_copy_prefill_two_gpus(tmp_path: Path) -> None:
             started: list[int] = []
             if group.prefill is not None:
                 real = group.prefill.start
-                group.prefill.start = lambda ts, real=real, started=started: started.append(ts[0].shape[1]) or real(ts)
+                group.prefill.start = lambda ts, norms=None, real=real, started=started: (
+                    started.append(ts[0].shape[1]) or real(ts, norms))
             outs[name] = run(m, ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=700))
             if name != "plain":  # the embedding's and 3 layers x 2 blocks' all-reduces, per micro-batch
                 assert sorted(started) == ([300] * 7 + [300] * 7 if name == "copy_pipelined" else [600] * 7)

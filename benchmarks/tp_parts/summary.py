@@ -41,19 +41,22 @@ def speedups(res: dict, batch: int) -> None:
 
 
 PREFILL_WAYS = (("plain", "prefill2048_ms"), ("pipelined", "prefill2048_ms_pipelined"),
-                ("copy", "prefill2048_ms_copy"), ("pipelined_copy", "prefill2048_ms_pipelined_copy"))
+                ("copy", "prefill2048_ms_copy"), ("pipelined_copy", "prefill2048_ms_pipelined_copy"),
+                ("pipelined_copy_unfused", "prefill2048_ms_pipelined_copy_unfused"))
 
 
 def prefill_summary(res: dict) -> dict:
     """The prefill 2048 A/B of the default TP run in one line: per way (one chunk with the decode backend, two
-    micro-batches, the copy collective, both), ms and the speed-up over one GPU, and each way's largest logit
-    difference from the plain one; with the copy all-reduce's own timings (benchmarks/tp_parts/collectives.py)."""
+    micro-batches, the copy collective, both, both with the add and the next norm apart), ms and the speed-up
+    over one GPU, ms until forward returned on the host (launch-bound where close to ms), and each way's largest
+    logit difference from the plain one; with the copy all-reduce's own timings (tp_parts/collectives.py)."""
     tp, one = res.get("tp", {}), res.get("single_prefill2048_ms")
     out: dict = {"single_ms": one}
     for way, key in PREFILL_WAYS:
         v = tp.get(key)
         if v is not None:
-            out[way] = {"ms": v, "speedup": round(one / v, 2) if one else None,
+            host = tp.get(key.replace("prefill2048_ms", "prefill2048_host_ms"))
+            out[way] = {"ms": v, "speedup": round(one / v, 2) if one else None, "host_ms": host,
                         "maxdiff_vs_plain": tp.get(f"{way}_vs_plain_maxdiff", 0.0 if way == "plain" else None)}
     out["allreduce_2048x8192_us"] = {k: v for k, v in res.get("allreduce_us", {}).items() if "2048x8192" in k}
     if "overlap_us" in res:

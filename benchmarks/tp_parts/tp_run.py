@@ -17,9 +17,10 @@ import torch
 
 from benchmarks.tp_diag import sync_check, top_kernels
 from benchmarks.tp_parts.collectives import host_mem_comm_ok, peer_comm_ok
-from benchmarks.tp_parts.timing import decode_fed_ms, decode_ms, mem, prefill_ms, profile_steps, sync_all
+from benchmarks.tp_parts.timing import decode_fed_ms, decode_ms, mem, prefill_ms, prefill_times, profile_steps, sync_all
 from exlpy import ExLlamaV2, ExLlamaV2Config
 from exlpy.cache.tp import ExLlamaV2Cache_TP
+from exlpy.engine.tensor_parallel import link_next_norms
 from exlpy.model.parallel_linear import RowParallel
 from exlpy.parallel.tp_comm import nccl_usable
 from exlpy.parallel.tp_copy import CopyAllReduce
@@ -90,7 +91,8 @@ class TPBench:
         out["argmax_agree"] = float((tp_logits.argmax(-1).cpu() == self.ref.argmax(-1).cpu()).float().mean())
         c = ExLlamaV2Cache_TP(m, max_seq_len=4096)
         self._decode(m, c, out, full)
-        out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        total, host = prefill_times(m, c, long_ids, n)
+        out["prefill2048_ms"], out["prefill2048_host_ms"] = round(total, 2), round(host, 2)
         self._pipelined_prefill(m, c, out)
         out["decode_fed_ms"] = round(decode_fed_ms(m, c, prompt, args.steps, n), 3)
         if args.profile and full:
@@ -166,25 +168,42 @@ class TPBench:
     def _pipelined_prefill(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP, out: dict) -> None:
         """A/B of the prefill's collectives on the same model: one chunk with the decode backend (timed above),
         two overlapped micro-batches (EXLPY_TP_PIPELINE), and on two GPUs the copy collective
-        (EXLPY_TP_PREFILL_COMM=copy: peer copies on the copy engines + one add) alone and with the micro-batches;
-        the last position's logits of each against the plain way (they differ only by summation order)."""
+        (EXLPY_TP_PREFILL_COMM=copy: peer copies on the copy engines, then one pass adding the peer's partial and
+        norming the sum for the next block) alone and with the micro-batches, and that last way with a plain add
+        before a separate norm ("_unfused"); the last position's logits of each against the plain way (they differ
+        only by summation order)."""
         long_ids, n = self.long_ids, self.n
         group = m.strategy.stages[0].group
         overlap, prefill = m.strategy.overlap_prefill, group.prefill
-        variants = [("pipelined", True, prefill)]
+        closers = [cl for lane in m.strategy.stages[0].lanes for mod in lane.modules
+                   for cl in (getattr(mod, "o_proj", None), getattr(mod, "down_proj", None))
+                   if isinstance(cl, RowParallel)]
+        links = [cl.prefill_norm for cl in closers]
+        variants: list[tuple[str, bool, object, bool]] = [("pipelined", True, prefill, True)]
         if n == 2:
             try:
                 copy = prefill if isinstance(prefill, CopyAllReduce) else CopyAllReduce(ctx_devs(m.tp_context))
-                variants += [("copy", False, copy), ("pipelined_copy", True, copy)]
+                variants += [("copy", False, copy, True), ("pipelined_copy", True, copy, True),
+                             ("pipelined_copy_unfused", True, copy, False)]
             except Exception:  # noqa: BLE001 - record and go on
                 out["copy_error"] = traceback.format_exc()[-1500:]
+
+        def fuse_norms(on: bool) -> None:  # the copy collective's last pass norms the sum (load_tp links them)
+            for lane in m.strategy.stages[0].lanes:
+                link_next_norms(lane.modules, m.config.spec, "prefill_norm")
+            if not on:
+                for cl in closers:
+                    cl.prefill_norm = None
+
         try:
             c.current_seq_len = 0
             m.strategy.overlap_prefill, group.prefill = False, prefill
             plain_last = m.forward(long_ids, c, last_id_only=True).float()
-            for name, piped, comm in variants:
+            for name, piped, comm, fused in variants:
                 m.strategy.overlap_prefill, group.prefill = piped, comm
-                out[f"prefill2048_ms_{name}"] = round(prefill_ms(m, c, long_ids, n), 2)
+                fuse_norms(fused)
+                total, host = prefill_times(m, c, long_ids, n)
+                out[f"prefill2048_ms_{name}"], out[f"prefill2048_host_ms_{name}"] = round(total, 2), round(host, 2)
                 c.current_seq_len = 0
                 last = m.forward(long_ids, c, last_id_only=True).float()
                 out[f"{name}_vs_plain_maxdiff"] = round((last - plain_last).abs().max().item(), 4)
@@ -193,6 +212,8 @@ class TPBench:
             print(out["pipeline_error"], flush=True)
         finally:
             m.strategy.overlap_prefill, group.prefill = overlap, prefill
+            for cl, link in zip(closers, links):
+                cl.prefill_norm = link
 
     def _batched(self, m: ExLlamaV2, out: dict, full: bool) -> None:
         """Batched decode (read back and device-fed), and the A/B of the next norm fused into the all-reduce

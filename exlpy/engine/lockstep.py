@@ -78,25 +78,32 @@ class LockstepGroup:
     def gather_first(self, part: torch.Tensor, offset: int, total: int) -> _Op:
         return _Op("gather_first", part, offset, total)
 
+    def prefills(self, t: torch.Tensor) -> bool:
+        """Whether an all-reduce of `t` (this GPU's part) goes to the prefill collective, whose last pass can also
+        norm the sum (RowParallel.prefill_norm). The same answer on every lane: same size, same capture state."""
+        return self.prefill is not None and not self.capturing and self.prefill.takes(t)
+
     def start(self, ops: list[_Op]) -> Any:
-        """An all-reduce the prefill collective takes, begun and not waited for: its `Pending` (whose `finish`
-        completes the sums on the current streams), or None where the ordinary backend runs it."""
+        """An all-reduce (with or without the next norm) that the prefill collective takes, begun and not waited
+        for: its `Pending`, whose `finish` completes the sums on the current streams and returns what each lane
+        receives; None where the ordinary backend runs it."""
+        kinds = {op.kind for op in ops}
         tensors = [op.tensor for op in ops]
-        if (self.prefill is None or self.capturing or {op.kind for op in ops} != {"all_reduce"}
+        if (self.prefill is None or self.capturing or len(kinds) != 1 or not kinds <= {"all_reduce", "all_reduce_norm"}
                 or not self.prefill.applies(tensors)):
             return None
-        return self.prefill.start(tensors)
+        norms = [op.norm for op in ops] if ops[0].kind == "all_reduce_norm" else None
+        return self.prefill.start(tensors, norms)  # type: ignore[arg-type]
 
     def run(self, ops: list[_Op]) -> list[Any]:
         kinds = {op.kind for op in ops}
         if len(kinds) != 1:
             raise TensorParallelError(f"tensor-parallel lanes reached different collectives: {sorted(kinds)}")
+        pending = self.start(ops)
+        if pending is not None:
+            return pending.finish()
         if ops[0].kind == "all_reduce":
-            pending = self.start(ops)
-            if pending is not None:
-                pending.finish()
-            else:
-                self.comm.all_reduce([op.tensor for op in ops])
+            self.comm.all_reduce([op.tensor for op in ops])
             return [None] * len(ops)
         if ops[0].kind == "all_reduce_norm":
             return self._all_reduce_norm(ops)

@@ -93,8 +93,8 @@ def run_overlapped(devices: Sequence[torch.device], micro: list[list[Coroutine[A
                     ev = m.events.pop(str(d), None)
                     if ev is not None:
                         torch.cuda.current_stream(d).wait_event(ev)
-                if m.pending is not None:  # the copies' sums, on the compute streams, before the lanes go on
-                    m.pending.finish()
+                if m.pending is not None:  # the copies' sums (and norms) on the compute streams, lanes receive them
+                    m.inbox = m.pending.finish()
                     m.pending = None
                 ops: list[_Op] = []
                 finished: list[Any] = []
@@ -120,14 +120,14 @@ def run_overlapped(devices: Sequence[torch.device], micro: list[list[Coroutine[A
 
 def _issue(ops: list[_Op], devices: Sequence[torch.device], group: LockstepGroup, streams: _Streams,
            m: _Micro) -> list[Any]:
-    """An all-reduce goes onto the communication streams (an event per device marks its end), or is begun by the
-    copy collective (finished when the micro-batch resumes); anything else (the head's gather) runs in place on
-    the compute streams."""
-    if any(op.kind != "all_reduce" for op in ops):
-        return group.run(ops)
-    m.pending = group.start(ops)
+    """An all-reduce is begun by the copy collective (finished when the micro-batch resumes) where it takes it,
+    or goes onto the communication streams (an event per device marks its end); anything else (the head's
+    gather) runs in place on the compute streams."""
+    m.pending = group.start(ops)  # the copy collective's sums (and next norms), finished when m resumes
     if m.pending is not None:
         return [None] * len(ops)
+    if any(op.kind != "all_reduce" for op in ops):
+        return group.run(ops)
     with streams.on_comm(devices):
         result = group.run(ops)
         for op, d in zip(ops, devices):

@@ -22,6 +22,7 @@ backend (exlpy/parallel/tp_comm.py). CPU "devices" (tests) take the same steps w
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,22 +43,32 @@ class Pending:
     tensors: list[torch.Tensor]
     received: list[torch.Tensor]
     events: list[list[torch.cuda.Event]] = field(default_factory=list)  # per device: what its add waits for
+    norms: list[tuple[torch.Tensor, float]] | None = None  # per device: the next block's RMSNorm of the sum
     done: bool = False
 
-    def finish(self) -> None:
-        """Each device's current stream waits for its copies, then adds the peer's partial into its own."""
+    def finish(self) -> list[torch.Tensor | None]:
+        """Each device's current stream waits for its copies, then adds the peer's partial into its own; with
+        `norms`, in the same pass, the sum's RMSNorm (returned per device; None each without)."""
+        from exlpy.kernels import ops
+
         if self.done:
-            return
+            raise TensorParallelError("a copy all-reduce was finished twice")
         self.done = True
-        for t, r, evs in zip(self.tensors, self.received, self.events or [[] for _ in self.tensors]):
-            if t.is_cuda:
-                with torch.cuda.device(t.device):
+        out: list[torch.Tensor | None] = []
+        events = self.events or [[] for _ in self.tensors]
+        norms = self.norms or [None] * len(self.tensors)
+        for t, r, evs, norm in zip(self.tensors, self.received, events, norms):
+            with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+                if t.is_cuda:
                     stream = torch.cuda.current_stream(t.device)
                     for ev in evs:
                         stream.wait_event(ev)
+                if norm is None:
                     t.add_(r)
-            else:
-                t.add_(r)
+                    out.append(None)
+                else:
+                    out.append(ops.add_rms_norm(t, r, norm[0], norm[1]))
+        return out
 
 
 class CopyAllReduce:
@@ -85,21 +96,27 @@ class CopyAllReduce:
             self.send = [torch.cuda.Stream(d) for d in self.devices]  # outgoing copy, on its source device
             self.recv = [torch.cuda.Stream(d) for d in self.devices]  # the destination's side of the barrier
 
+    def takes(self, t: torch.Tensor) -> bool:
+        """Whether an all-reduce of `t` (one device's part) goes this way: as large as `MIN_BYTES`."""
+        return t.numel() * t.element_size() >= MIN_BYTES
+
     def applies(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether these tensors go this way: two of them, as large as `MIN_BYTES`, on this pair's devices."""
-        return (len(tensors) == 2 and tensors[0].numel() * tensors[0].element_size() >= MIN_BYTES
+        """Whether these parts go this way: two of them, large enough, on this pair's devices."""
+        return (len(tensors) == 2 and self.takes(tensors[0])
                 and all(t.device == d for t, d in zip(tensors, self.devices)))
 
-    def start(self, tensors: Sequence[torch.Tensor]) -> Pending:
+    def start(self, tensors: Sequence[torch.Tensor], norms: list[tuple[torch.Tensor, float]] | None = None
+              ) -> Pending:
         """Issue the two copies (each partial into a new buffer on the other device); the caller's current
-        streams go on without waiting. `finish` on the returned object completes the sum."""
+        streams go on without waiting. `finish` on the returned object completes the sum (and with `norms`, per
+        device an RMSNorm weight and eps, returns the sum's norm for the next block)."""
         t0, t1 = tensors
         if t0.shape != t1.shape or t0.dtype != t1.dtype:
             raise TensorParallelError(f"tensor-parallel all-reduce of unlike partials: {tuple(t0.shape)} "
                                       f"{t0.dtype} and {tuple(t1.shape)} {t1.dtype}")
-        if not self.cuda:
-            return Pending([t0, t1], [t1.clone(), t0.clone()])
-        return self._start_cuda(list(tensors))
+        pending = Pending([t0, t1], [t1.clone(), t0.clone()]) if not self.cuda else self._start_cuda([t0, t1])
+        pending.norms = norms
+        return pending
 
     def all_reduce(self, tensors: list[torch.Tensor]) -> None:
         self.start(tensors).finish()
