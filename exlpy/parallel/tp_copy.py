@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exlpy.errors import TensorParallelError
+from exlpy.parallel.p2p import peer_copy_ok
 
 # Messages below this many bytes keep the decode backend: a copy has a fixed cost of a few microseconds plus
 # two events per direction, which the one-shot peer kernel / NCCL beat at decode and short-chunk sizes. 2 MiB
@@ -96,6 +97,9 @@ class CopyAllReduce:
             if not (torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a)):
                 raise TensorParallelError(f"EXLPY_TP_PREFILL_COMM=copy needs peer access between {a} and {b} "
                                           "(NVLink or PCIe P2P); without it the copies would pass through the host")
+            if not peer_copy_ok(a, b):  # P2P advertised but corrupting copies (spec §6.7, parallel/p2p.py)
+                raise TensorParallelError(f"EXLPY_TP_PREFILL_COMM=copy: direct copies between {a} and {b} failed "
+                                          "the round-trip check; use the default prefill collective")
             self.send = [torch.cuda.Stream(d) for d in self.devices]  # outgoing copy, on its source device
             self.recv = [torch.cuda.Stream(d) for d in self.devices]  # the destination's side of the barrier
 
