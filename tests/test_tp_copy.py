@@ -215,6 +215,21 @@ def test_forward_equals_plain_tp(model_dir: Path, pipelined: bool, monkeypatch: 
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
 
 
+@torch.inference_mode()
+def test_column_layout_equals_plain_tp(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The column layout (EXL2's: inputs and outputs all-gathered as zero-padded all-reduces) through the copies:
+    two all-reduces per block, no norm to fold (the sum is added to the residual after the gather)."""
+    monkeypatch.setattr(tp_copy, "MIN_BYTES", 4096)
+    ids = torch.randint(3, 640, (2, 21), generator=torch.Generator().manual_seed(2))
+    plain = _tp_cpu(model_dir, RuntimeOptions(tp_layout="column"))
+    ref = plain.forward(ids, ExLlamaV2Cache_TP(plain, batch_size=2, max_seq_len=64))
+    m = _tp_cpu(model_dir, RuntimeOptions(tp_layout="column", tp_prefill_comm="copy"))
+    spy = _Spy(m.tp_context.prefill_comm)
+    out = m.forward(ids, ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=64))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert spy.log == [("start", 21), ("finish", 21)] * (1 + 2 * 2 * 2)
+
+
 def _two_gpus() -> list[torch.device]:
     return [torch.device("cuda", 0), torch.device("cuda", 1)]
 
