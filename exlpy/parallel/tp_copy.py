@@ -15,7 +15,7 @@ and wait for the peer's kernel to be scheduled. Here instead:
    Both GPUs then hold the same sum bit for bit (fp16 addition is commutative: y0 + y1 == y1 + y0). Where the
    closing projection knows the next block's RMSNorm (RowParallel.prefill_norm, linked at load), that pass
    also norms the sum (`ops.add_rms_norm`) and the next block takes its input from it (`batch.prenormed`): the
-   add costs no extra kernel or read of the residual.
+   add costs no kernel of its own, and the sum is not read back for the norm.
 
 Between `start` and `finish` the GPUs are free to compute something else (the pipeline's other micro-batch);
 called back to back (`all_reduce`) it is a plain all-reduce. Selected by `EXLPY_TP_PREFILL_COMM=copy` for
