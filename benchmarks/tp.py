@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="also time batched decode (0: skip)")
     ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
     ap.add_argument("--all-comms", action="store_true", help="also reload with the local and host backends")
+    ap.add_argument("--prefill-kernels", action="store_true",
+                    help="the profiler's top kernels of one prefill 2048 per way (plain, pipelined, copy, ...)")
     args = ap.parse_args()
     n = args.gpus
     assert torch.cuda.device_count() >= n, f"needs {n} GPUs, {torch.cuda.device_count()} visible"

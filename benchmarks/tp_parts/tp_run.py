@@ -199,6 +199,8 @@ class TPBench:
             c.current_seq_len = 0
             m.strategy.overlap_prefill, group.prefill = False, prefill
             plain_last = m.forward(long_ids, c, last_id_only=True).float()
+            if getattr(self.args, "prefill_kernels", False):
+                out["prefill_top_kernels_plain"] = top_kernels(lambda: self._prefill_once(m, c), n, rows=16)
             for name, piped, comm, fused in variants:
                 m.strategy.overlap_prefill, group.prefill = piped, comm
                 fuse_norms(fused)
@@ -207,6 +209,8 @@ class TPBench:
                 c.current_seq_len = 0
                 last = m.forward(long_ids, c, last_id_only=True).float()
                 out[f"{name}_vs_plain_maxdiff"] = round((last - plain_last).abs().max().item(), 4)
+                if getattr(self.args, "prefill_kernels", False):
+                    out[f"prefill_top_kernels_{name}"] = top_kernels(lambda: self._prefill_once(m, c), n, rows=16)
         except Exception:  # noqa: BLE001 - record and go on
             out["pipeline_error"] = traceback.format_exc()[-1500:]
             print(out["pipeline_error"], flush=True)
@@ -214,6 +218,10 @@ class TPBench:
             m.strategy.overlap_prefill, group.prefill = overlap, prefill
             for cl, link in zip(closers, links):
                 cl.prefill_norm = link
+
+    def _prefill_once(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP) -> None:
+        c.current_seq_len = 0
+        m.forward(self.long_ids, c, last_id_only=True)
 
     def _batched(self, m: ExLlamaV2, out: dict, full: bool) -> None:
         """Batched decode (read back and device-fed), and the A/B of the next norm fused into the all-reduce
