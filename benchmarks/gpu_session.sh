@@ -12,7 +12,8 @@
 #   spec         benchmarks/speculative.py --parts replay
 #   convert      benchmarks/convert_8b.py (resumable; run again until it says finished)
 #   mgpu         (2 GPUs) the multi-GPU tests: -m multigpu, tests/test_multi_gpu.py, tests/test_graphs.py, the TP
-#                kernels' and pipeline's tests (host-memory all-reduce, embedding slice, prefill micro-batches)
+#                kernels' and pipeline's tests (host-memory all-reduce, embedding slice, prefill micro-batches, the
+#                copy all-reduce of prefill messages)
 #   tp2          (2 GPUs) benchmarks/tp.py: TP x2 on the 70B-layer shape vs one GPU (decode b1/b32, prefill 2048)
 #   split        (2 GPUs) benchmarks/multigpu_split.py: 8B fp16 and EXL2 4-bit, layer split and autosplit vs one GPU
 #   sampletop    benchmarks/sample_top_speed.py: the fused sampling kernels vs torch's sort, 128k vocabulary
@@ -71,6 +72,7 @@ write_model('/tmp/smolrand', 'smollm2-135m', exl2_bits=4)" && cp .gpu/smoltok/to
             --timeout-method=thread ${MGPU_ARGS:-} \
             tests/test_multigpu_paths.py tests/test_multi_gpu.py tests/test_graphs.py \
             tests/test_tp_pipeline.py::test_pipelined_prefill_two_gpus \
+            tests/test_tp_copy.py::test_copy_sum_two_gpus tests/test_tp_copy.py::test_copy_prefill_two_gpus \
             tests/test_host_allreduce.py::test_two_streams_equal_reference \
             tests/test_host_allreduce.py::test_fused_norm_two_streams \
             tests/test_embed_slice.py::test_kernel_equals_reference_cuda 2>&1 | tee "$OUT/mgpu.log" \

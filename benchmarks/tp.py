@@ -5,7 +5,10 @@
 
 The model is 70B-layer-shaped (hidden 8192, intermediate 28672, 64 Q / 8 KV heads, head_dim 128), 8 layers,
 fp16 random weights written once to /tmp. Single-GPU and TP runs happen in the same process, one after the
-other. Collective backends are timed first (all-reduce of one decode token and of a 2048-token prefill).
+other. Collective backends are timed first (all-reduce of one decode token and of a 2048-token prefill; on two
+GPUs also the copy collective, and how NCCL and the copy collective overlap a GEMM: the OVERLAP line). Prefill
+2048 is timed four ways on the default TP model (one chunk or two micro-batches, with the decode backend's
+all-reduce or EXLPY_TP_PREFILL_COMM=copy's): the PREFILL line.
 
 Where the time goes (benchmarks/tp_diag.py): `single_phases` times the one-GPU prefill per module kind;
 `sync_check` lists host syncs inside a TP prefill and a decode step; `top_kernels` lists the profiler's most
@@ -39,11 +42,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tp_diag import flop_model  # noqa: E402
-from benchmarks.tp_parts.collectives import time_comm, time_dist  # noqa: E402
+from benchmarks.tp_parts.collectives import time_comm, time_dist, time_overlap  # noqa: E402
 from benchmarks.tp_parts.gemm import gemm_shapes  # noqa: E402
 from benchmarks.tp_parts.model import build_model  # noqa: E402
 from benchmarks.tp_parts.single import single_run  # noqa: E402
-from benchmarks.tp_parts.summary import ab_summary, speedups  # noqa: E402
+from benchmarks.tp_parts.summary import ab_summary, prefill_summary, speedups  # noqa: E402
 from benchmarks.tp_parts.tp_run import TPBench  # noqa: E402
 from exlpy import ExLlamaV2Config  # noqa: E402
 from exlpy.runtime import RuntimeOptions  # noqa: E402
@@ -66,6 +69,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="also time batched decode (0: skip)")
     ap.add_argument("--column", action="store_true", help="also time the column (all-gather) layout")
     ap.add_argument("--all-comms", action="store_true", help="also reload with the local and host backends")
+    ap.add_argument("--prefill-kernels", action="store_true",
+                    help="the profiler's top kernels of one prefill 2048 per way (plain, pipelined, copy, ...)")
     args = ap.parse_args()
     n = args.gpus
     assert torch.cuda.device_count() >= n, f"needs {n} GPUs, {torch.cuda.device_count()} visible"
@@ -92,6 +97,11 @@ def main() -> None:
     res["build_s"] = round(time.perf_counter() - t, 1)
     res["phase"] = "collectives"
     time_comm(n, res)
+    try:
+        time_overlap(n, res)
+        print("OVERLAP " + json.dumps(res.get("overlap_us")), flush=True)
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the run
+        res["overlap_us"] = f"failed: {e!r}"
     if not args.no_dist:
         time_dist(n, res)
     try:
@@ -118,6 +128,11 @@ def main() -> None:
         print("AB " + json.dumps(res["ab"]), flush=True)
     except Exception as e:  # noqa: BLE001 - the summary must not cost the run's figures
         res["ab"] = f"summary failed: {e!r}"
+    try:  # the prefill A/B (decode backend vs copy collective, one chunk vs two micro-batches) in one line
+        res["prefill_ab"] = prefill_summary(res)
+        print("PREFILL " + json.dumps(res["prefill_ab"]), flush=True)
+    except Exception as e:  # noqa: BLE001 - the summary must not cost the run's figures
+        res["prefill_ab"] = f"summary failed: {e!r}"
     save()
     if args.column:
         bench.run(None, "tp_column", False, RuntimeOptions(tp_layout="column"))

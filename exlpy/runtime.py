@@ -15,6 +15,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
 | `EXLPY_TP_PIPELINE=1` | `tp_pipeline=True` | TP prefill in two micro-batches, all-reduces overlapping compute |
+| `EXLPY_TP_PREFILL_COMM=copy` | `tp_prefill_comm` | 2-GPU TP prefill all-reduces by copy-engine peer copies + an add |
 | `EXLPY_TP_FUSE_NORM=1` | `tp_fuse_norm=True` | TP batched decode: the next RMSNorm inside the all-reduce |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
 | `EXLPY_SKIP_WEIGHT_CHECKS=1` | `weight_checks=False` | no NaN/inf check of the weights at load |
@@ -45,6 +46,7 @@ from exlpy.errors import ConfigError
 
 TP_COMMS = ("auto", "local", "host", "nccl", "peer", "hostmem")
 TP_LAYOUTS = ("auto", "row", "column")
+TP_PREFILL_COMMS = ("default", "copy")
 QMM_KERNELS = ("auto", "qmm", "tc")
 
 
@@ -60,6 +62,12 @@ class RuntimeOptions:
     tp_layout: str = "auto"
     tp_graphs: bool = True
     tp_pipeline: bool = False  # off until a GPU run records its gain (benchmarks/tp.py times both)
+    # EXLPY_TP_PREFILL_COMM=copy: on two GPUs, all-reduces of prefill-sized messages (exlpy/parallel/tp_copy.py
+    # MIN_BYTES and up, outside graph capture) by a peer copy each way on the copy engines and one pass adding the
+    # peer's partial (and norming the sum for the next block), instead of the decode backend (NCCL at those sizes);
+    # with EXLPY_TP_PIPELINE=1 the copies overlap the other micro-batch's compute without taking SMs. Opt-in until a
+    # two-GPU run of benchmarks/tp.py records its gain.
+    tp_prefill_comm: str = "default"
     # The next block's RMSNorm in the all-reduce where the backend fuses it (peer, hostmem). Off by default until
     # it has run on two real GPUs (written 2026-11-26; CPU interpreter tests and logits bit-equal there).
     tp_fuse_norm: bool = False
@@ -117,6 +125,9 @@ class RuntimeOptions:
         if self.tp_comm not in TP_COMMS:
             raise ConfigError(f"unknown TP collective backend '{self.tp_comm}' (EXLPY_TP_COMM): use one of "
                               f"{', '.join(TP_COMMS[1:])}")
+        if self.tp_prefill_comm not in TP_PREFILL_COMMS:
+            raise ConfigError(f"unknown TP prefill collective '{self.tp_prefill_comm}' (EXLPY_TP_PREFILL_COMM): use "
+                              "default or copy")
         if self.tp_layout not in TP_LAYOUTS:
             raise ConfigError(f"unknown TP layout '{self.tp_layout}' (EXLPY_TP_MODE): use row or column")
         if self.flash_config is not None and (len(self.flash_config) != 4 or min(self.flash_config) < 1):
@@ -147,6 +158,7 @@ class RuntimeOptions:
             tp_layout=e.get("EXLPY_TP_MODE") or "auto",
             tp_graphs=not flag("EXLPY_TP_NO_GRAPHS"),
             tp_pipeline=flag("EXLPY_TP_PIPELINE"),
+            tp_prefill_comm=e.get("EXLPY_TP_PREFILL_COMM") or "default",
             tp_fuse_norm=flag("EXLPY_TP_FUSE_NORM"),
             cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
             weight_checks=not flag("EXLPY_SKIP_WEIGHT_CHECKS"),

@@ -1,6 +1,7 @@
 """The tensor-parallel benchmark's TP runs: one loaded TP model checked against the one-GPU logits, decode (CUDA
-graphs, eager, device-fed, batched), prefill plain and pipelined, the fused-norm A/B, diagnostics, the same
-model reloaded with each other collective backend, and memory over a long decode."""
+graphs, eager, device-fed, batched), prefill plain, pipelined and (two GPUs) with the copy collective, the
+fused-norm A/B, diagnostics, the same model reloaded with each other collective backend, and memory over a long
+decode."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import torch
 
 from benchmarks.tp_diag import sync_check, top_kernels
 from benchmarks.tp_parts.collectives import host_mem_comm_ok, peer_comm_ok
-from benchmarks.tp_parts.timing import decode_fed_ms, decode_ms, mem, prefill_ms, profile_steps, sync_all
+from benchmarks.tp_parts.timing import decode_fed_ms, decode_ms, mem, prefill_ms, prefill_times, profile_steps, sync_all
 from exlpy import ExLlamaV2, ExLlamaV2Config
 from exlpy.cache.tp import ExLlamaV2Cache_TP
+from exlpy.engine.tensor_parallel import link_next_norms
 from exlpy.model.parallel_linear import RowParallel
 from exlpy.parallel.tp_comm import nccl_usable
+from exlpy.parallel.tp_copy import CopyAllReduce
 from exlpy.runtime import RuntimeOptions
 
 
@@ -88,7 +91,8 @@ class TPBench:
         out["argmax_agree"] = float((tp_logits.argmax(-1).cpu() == self.ref.argmax(-1).cpu()).float().mean())
         c = ExLlamaV2Cache_TP(m, max_seq_len=4096)
         self._decode(m, c, out, full)
-        out["prefill2048_ms"] = round(prefill_ms(m, c, long_ids, n), 2)
+        total, host = prefill_times(m, c, long_ids, n)
+        out["prefill2048_ms"], out["prefill2048_host_ms"] = round(total, 2), round(host, 2)
         self._pipelined_prefill(m, c, out)
         out["decode_fed_ms"] = round(decode_fed_ms(m, c, prompt, args.steps, n), 3)
         if args.profile and full:
@@ -162,24 +166,62 @@ class TPBench:
         m.config.no_graphs = no_graphs
 
     def _pipelined_prefill(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP, out: dict) -> None:
-        """A/B: the same model with its prefill chunks as two overlapped micro-batches (EXLPY_TP_PIPELINE), and
-        the last position's logits of both ways (they differ only by summation order)."""
+        """A/B of the prefill's collectives on the same model: one chunk with the decode backend (timed above),
+        two overlapped micro-batches (EXLPY_TP_PIPELINE), and on two GPUs the copy collective
+        (EXLPY_TP_PREFILL_COMM=copy: peer copies on the copy engines, then one pass adding the peer's partial and
+        norming the sum for the next block) alone and with the micro-batches, and that last way with a plain add
+        before a separate norm ("_unfused"); the last position's logits of each against the plain way (they differ
+        only by summation order)."""
         long_ids, n = self.long_ids, self.n
-        overlap = m.strategy.overlap_prefill
+        group = m.strategy.stages[0].group
+        overlap, prefill = m.strategy.overlap_prefill, group.prefill
+        closers = [cl for lane in m.strategy.stages[0].lanes for mod in lane.modules
+                   for cl in (getattr(mod, "o_proj", None), getattr(mod, "down_proj", None))
+                   if isinstance(cl, RowParallel)]
+        links = [cl.prefill_norm for cl in closers]
+        variants: list[tuple[str, bool, object, bool]] = [("pipelined", True, prefill, True)]
+        if n == 2:
+            try:
+                copy = prefill if isinstance(prefill, CopyAllReduce) else CopyAllReduce(ctx_devs(m.tp_context))
+                variants += [("copy", False, copy, True), ("pipelined_copy", True, copy, True),
+                             ("pipelined_copy_unfused", True, copy, False)]
+            except Exception:  # noqa: BLE001 - record and go on
+                out["copy_error"] = traceback.format_exc()[-1500:]
+
+        def fuse_norms(on: bool) -> None:  # the copy collective's last pass norms the sum (load_tp links them)
+            for lane in m.strategy.stages[0].lanes:
+                link_next_norms(lane.modules, m.config.spec, "prefill_norm")
+            if not on:
+                for cl in closers:
+                    cl.prefill_norm = None
+
         try:
             c.current_seq_len = 0
-            m.strategy.overlap_prefill = False
+            m.strategy.overlap_prefill, group.prefill = False, prefill
             plain_last = m.forward(long_ids, c, last_id_only=True).float()
-            m.strategy.overlap_prefill = True
-            out["prefill2048_ms_pipelined"] = round(prefill_ms(m, c, long_ids, n), 2)
-            c.current_seq_len = 0
-            piped_last = m.forward(long_ids, c, last_id_only=True).float()
-            out["pipelined_vs_plain_maxdiff"] = round((piped_last - plain_last).abs().max().item(), 4)
+            if getattr(self.args, "prefill_kernels", False):
+                out["prefill_top_kernels_plain"] = top_kernels(lambda: self._prefill_once(m, c), n, rows=16)
+            for name, piped, comm, fused in variants:
+                m.strategy.overlap_prefill, group.prefill = piped, comm
+                fuse_norms(fused)
+                total, host = prefill_times(m, c, long_ids, n)
+                out[f"prefill2048_ms_{name}"], out[f"prefill2048_host_ms_{name}"] = round(total, 2), round(host, 2)
+                c.current_seq_len = 0
+                last = m.forward(long_ids, c, last_id_only=True).float()
+                out[f"{name}_vs_plain_maxdiff"] = round((last - plain_last).abs().max().item(), 4)
+                if getattr(self.args, "prefill_kernels", False):
+                    out[f"prefill_top_kernels_{name}"] = top_kernels(lambda: self._prefill_once(m, c), n, rows=16)
         except Exception:  # noqa: BLE001 - record and go on
             out["pipeline_error"] = traceback.format_exc()[-1500:]
             print(out["pipeline_error"], flush=True)
         finally:
-            m.strategy.overlap_prefill = overlap
+            m.strategy.overlap_prefill, group.prefill = overlap, prefill
+            for cl, link in zip(closers, links):
+                cl.prefill_norm = link
+
+    def _prefill_once(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP) -> None:
+        c.current_seq_len = 0
+        m.forward(self.long_ids, c, last_id_only=True)
 
     def _batched(self, m: ExLlamaV2, out: dict, full: bool) -> None:
         """Batched decode (read back and device-fed), and the A/B of the next norm fused into the all-reduce

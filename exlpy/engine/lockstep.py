@@ -57,10 +57,12 @@ class _Op:
 
 class LockstepGroup:
     """The collectives of one tensor-parallel model: what `RowParallel` / `ColumnParallel` / the
-    vocab-parallel embedding await. `comm` is the backend (exlpy/parallel/tp_comm.py)."""
+    vocab-parallel embedding await. `comm` is the backend (exlpy/parallel/tp_comm.py); `prefill`, when set,
+    takes the all-reduces of prefill-sized messages outside capture (exlpy/parallel/tp_copy.py, two GPUs)."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, prefill: Any = None) -> None:
         self.comm = comm
+        self.prefill = prefill
         self.capturing = False  # set while a CUDA graph is captured: no cross-device copies then
 
     def all_reduce(self, t: torch.Tensor) -> _Op:
@@ -76,10 +78,30 @@ class LockstepGroup:
     def gather_first(self, part: torch.Tensor, offset: int, total: int) -> _Op:
         return _Op("gather_first", part, offset, total)
 
+    def prefills(self, t: torch.Tensor) -> bool:
+        """Whether an all-reduce of `t` (this GPU's part) goes to the prefill collective, whose last pass can also
+        norm the sum (RowParallel.prefill_norm). The same answer on every lane: same size, same capture state."""
+        return self.prefill is not None and not self.capturing and self.prefill.takes(t)
+
+    def start(self, ops: list[_Op]) -> Any:
+        """An all-reduce (with or without the next norm) that the prefill collective takes, begun and not waited
+        for: its `Pending`, whose `finish` completes the sums on the current streams and returns what each lane
+        receives; None where the ordinary backend runs it."""
+        kinds = {op.kind for op in ops}
+        tensors = [op.tensor for op in ops]
+        if (self.prefill is None or self.capturing or len(kinds) != 1 or not kinds <= {"all_reduce", "all_reduce_norm"}
+                or not self.prefill.applies(tensors)):
+            return None
+        norms = [op.norm for op in ops] if ops[0].kind == "all_reduce_norm" else None
+        return self.prefill.start(tensors, norms)  # type: ignore[arg-type]
+
     def run(self, ops: list[_Op]) -> list[Any]:
         kinds = {op.kind for op in ops}
         if len(kinds) != 1:
             raise TensorParallelError(f"tensor-parallel lanes reached different collectives: {sorted(kinds)}")
+        pending = self.start(ops)
+        if pending is not None:
+            return pending.finish()
         if ops[0].kind == "all_reduce":
             self.comm.all_reduce([op.tensor for op in ops])
             return [None] * len(ops)

@@ -13,6 +13,12 @@ Costs: the halves' GEMMs are half as tall (still compute-bound at the lengths th
 `MIN_TOKENS`), and B's attention reads A's keys from the cache (the flash kernel) instead of attending within
 one chunk. `EXLPY_TP_PIPELINE=1` turns it on (off by default until a GPU run records its gain:
 benchmarks/tp.py times both). The lanes' coroutines are the ordinary block code; only the driver differs.
+
+With NCCL the overlap did not pay on two H100s (27.0 ms against 26.5 ms plain for 2,048 tokens of a 70B-shaped
+model): NCCL's kernels need SMs that B's GEMMs hold, and each GPU's waits for the other's to be scheduled. With
+the copy collective (`EXLPY_TP_PREFILL_COMM=copy`, exlpy/parallel/tp_copy.py) an all-reduce is begun instead:
+A's partials move by the copy engines while B computes, and when A resumes its compute streams wait for the
+copies and add the peer's partial (one elementwise pass, on SMs only then).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class _Micro:
         self.coros = coros
         self.inbox: list[Any] = [None] * len(coros)
         self.events: dict[str, torch.cuda.Event] = {}  # per CUDA device: its all-reduce is done
+        self.pending: Any = None  # a begun copy all-reduce (exlpy/parallel/tp_copy.py Pending), finished on resume
         self.done: list[Any] | None = None
 
 
@@ -86,6 +93,9 @@ def run_overlapped(devices: Sequence[torch.device], micro: list[list[Coroutine[A
                     ev = m.events.pop(str(d), None)
                     if ev is not None:
                         torch.cuda.current_stream(d).wait_event(ev)
+                if m.pending is not None:  # the copies' sums (and norms) on the compute streams, lanes receive them
+                    m.inbox = m.pending.finish()
+                    m.pending = None
                 ops: list[_Op] = []
                 finished: list[Any] = []
                 for i, coro in enumerate(m.coros):
@@ -110,8 +120,12 @@ def run_overlapped(devices: Sequence[torch.device], micro: list[list[Coroutine[A
 
 def _issue(ops: list[_Op], devices: Sequence[torch.device], group: LockstepGroup, streams: _Streams,
            m: _Micro) -> list[Any]:
-    """An all-reduce goes onto the communication streams (an event per device marks its end); anything else
-    (the head's gather) runs in place on the compute streams."""
+    """An all-reduce is begun by the copy collective (finished when the micro-batch resumes) where it takes it,
+    or goes onto the communication streams (an event per device marks its end); anything else (the head's
+    gather) runs in place on the compute streams."""
+    m.pending = group.start(ops)  # the copy collective's sums (and next norms), finished when m resumes
+    if m.pending is not None:
+        return [None] * len(ops)
     if any(op.kind != "all_reduce" for op in ops):
         return group.run(ops)
     with streams.on_comm(devices):

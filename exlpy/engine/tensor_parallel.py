@@ -88,10 +88,10 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
     opts = options or model.options
     check_supported(model.config, model.modules)
     ctx = TPContext(model, gpu_split, expect_cache_tokens, expect_cache_base, devices=devices,
-                    comm_name=opts.tp_comm)
+                    comm_name=opts.tp_comm, prefill_comm_name=opts.tp_prefill_comm)
     slots = ctx.all_devices()
     ctx.finalize([model.rotary.get(ctx.all_devs[s], model.config.compute_dtype(ctx.all_devs[s])) for s in slots])
-    group = LockstepGroup(ctx.comm)
+    group = LockstepGroup(ctx.comm, ctx.prefill_comm)
     staging = ctx.all_devs[ctx.device]
 
     def row_layout(m: Module) -> bool:
@@ -143,14 +143,18 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
     if opts.tp_fuse_norm and group.fuses_norm():
         for mods_of_slot in per_slot.values():
             link_next_norms(mods_of_slot, model.config.spec)
+    if ctx.prefill_comm is not None:  # its sums end in one pass with the next norm (exlpy/parallel/tp_copy.py)
+        for mods_of_slot in per_slot.values():
+            link_next_norms(mods_of_slot, model.config.spec, "prefill_norm")
     return ctx, tp_strategy(ctx, group, per_slot, opts)
 
 
-def link_next_norms(mods: list[Module], spec: Any) -> None:
+def link_next_norms(mods: list[Module], spec: Any, attr: str = "next_norm") -> None:
     """Give each row-parallel closing projection the RMSNorm weight of the block after it, so that batched
-    decode steps sum and norm in one collective (RowParallel.next_norm). Only where the next block would
-    apply exactly that norm to the sum: RMSNorm architectures without parallel blocks, a half-precision
-    residual stream, no post-norm before the residual add, no norm bias."""
+    decode steps (RowParallel.next_norm) or prefill-sized messages of the copy collective (`attr`
+    "prefill_norm") sum and norm in one collective. Only where the next block would apply exactly that norm to
+    the sum: RMSNorm architectures without parallel blocks, a half-precision residual stream, no post-norm
+    before the residual add, no norm bias."""
     arch = spec.arch
     if arch.norm != "rms" or arch.parallel_blocks or arch.residual_fp32:
         return
@@ -165,7 +169,7 @@ def link_next_norms(mods: list[Module], spec: Any) -> None:
         else:
             continue
         if weight is not None and bias is None and weight.dim() == 1:
-            closer.next_norm = (weight, spec.norm_eps)
+            setattr(closer, attr, (weight, spec.norm_eps))
 
 
 def tp_strategy(ctx: TPContext, group: LockstepGroup, per_slot: dict[int, list[Module]], opts: RuntimeOptions

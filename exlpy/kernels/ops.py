@@ -92,6 +92,10 @@ def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     return _impl("rms_norm_add", x)(x, y, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl("add_rms_norm", x)(x, r, weight, eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return _impl("layer_norm", x)(x, weight, bias, eps)
 

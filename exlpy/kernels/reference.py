@@ -47,6 +47,14 @@ def rms_norm_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     return x + rms_norm(y, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += r in place (rounded to x's dtype), then rms_norm(x, weight, eps): a two-GPU all-reduce's last step
+    (this GPU's partial plus the peer's, exlpy/parallel/tp_copy.py) with the next block's input norm. Returns the
+    norm; x holds the sum, the next residual."""
+    x.add_(r)
+    return rms_norm(x, weight, eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """(x - mean) / std * w + b over the last dim, statistics in fp32 (as transformers' LayerNorms and
     Cohere's bias-free one); the weight may be [H, D] over the last two dims (Cohere's per-head q/k norm)."""

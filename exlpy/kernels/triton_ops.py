@@ -27,7 +27,7 @@ from exlpy.kernels.moe import moe_combine, moe_down, moe_gate_up, moe_route, moe
 from exlpy.kernels.moe_exl2 import moe_down_exl2, moe_gate_up_exl2
 from exlpy.kernels.paged_attention import paged_decode_attention
 from exlpy.kernels.quant_kv_store import store_kv_quant
-from exlpy.kernels.rmsnorm import rms_norm, rms_norm_add
+from exlpy.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_add
 from exlpy.kernels.rope import apply_rope, rope_store_kv
 from exlpy.kernels.sample_top import sample_top, sample_top_candidates
 from exlpy.kernels.token_bitmask import apply_token_bitmask
@@ -103,6 +103,7 @@ def register_all() -> None:
     ops.register("rms_norm", rms_norm)
     ops.register("layer_norm", layer_norm_cuda)
     ops.register("rms_norm_add", rms_norm_add)
+    ops.register("add_rms_norm", add_rms_norm)
     ops.register("act_mul", act_mul)
     ops.register("apply_rope", apply_rope)
     ops.register("silu_mul", silu_mul)

@@ -50,6 +50,10 @@ class Collective(Protocol):
         """Join every GPU's column slice (at `offset`, `total` wide) on the first GPU; None on the others."""
         ...
 
+    def prefills(self, t: torch.Tensor) -> bool:
+        """Whether an all-reduce of `t` goes to the prefill collective (which can norm the sum in its last pass)."""
+        ...
+
 
 def place(part: torch.Tensor | None, offset: int, total: int, like: torch.Tensor) -> torch.Tensor:
     """`part` written at column `offset` of a zeroed `total`-wide tensor (an all-gather by all-reduce)."""
@@ -65,7 +69,9 @@ class RowParallel:
     `next_norm` (weight, eps): the RMSNorm the next block applies to this sum, set at load when the backend
     fuses it into the all-reduce (exlpy/engine/tensor_parallel.py). For 2-64 rows (batched decode; one row
     has the norm inside the next GEMV already) the collective then also returns the normed sum, left in
-    `batch.prenormed` for the next block: one kernel instead of all-reduce + norm."""
+    `batch.prenormed` for the next block: one kernel instead of all-reduce + norm. `prefill_norm`: the same
+    norm, linked when the model has a prefill collective (EXLPY_TP_PREFILL_COMM=copy): the messages that take it
+    end in one pass that adds the peer's partial and norms the sum (exlpy/parallel/tp_copy.py)."""
 
     def __init__(self, inner: DenseLinear | None, group: Collective, first: bool, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
@@ -75,6 +81,7 @@ class RowParallel:
         self.out_features = out_features
         self.bias = bias  # the first GPU's bias when it holds no share of the input features
         self.next_norm: tuple[torch.Tensor, float] | None = None
+        self.prefill_norm: tuple[torch.Tensor, float] | None = None
 
     async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None,
                           batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -88,6 +95,10 @@ class RowParallel:
         if nn is not None and batch is not None and 1 < y.numel() // y.shape[-1] <= FUSED_NORM_ROWS \
                 and y.dtype == nn[0].dtype:
             batch.prenormed = (y, await self.group.all_reduce_norm(y, nn[0], nn[1]))
+            return y
+        pn = self.prefill_norm
+        if pn is not None and batch is not None and y.dtype == pn[0].dtype and self.group.prefills(y):
+            batch.prenormed = (y, await self.group.all_reduce_norm(y, pn[0], pn[1]))
             return y
         await self.group.all_reduce(y)
         return y

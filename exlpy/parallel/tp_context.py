@@ -13,6 +13,7 @@ import torch
 from exlpy.errors import GpuSplitError, TensorParallelError
 from exlpy.parallel.costs import ModelShape, cache_spec_of
 from exlpy.parallel.tp_comm import Comm, make_comm
+from exlpy.parallel.tp_copy import CopyAllReduce, make_prefill_comm
 from exlpy.parallel.tp_split import (
     BROADCAST_ID,
     BROADCAST_KV,
@@ -47,7 +48,7 @@ class TPContext:
 
     def __init__(self, model: Any, gpu_split: list[float] | None, expect_cache_tokens: int = 0,
                  expect_cache_base: type | None = None, devices: list[torch.device | str] | None = None,
-                 comm_name: str = "auto") -> None:
+                 comm_name: str = "auto", prefill_comm_name: str = "default") -> None:
         cfg = model.config
         self.expect_cache_base = expect_cache_base
         if devices is None:
@@ -75,10 +76,12 @@ class TPContext:
         self.num_devices = max(self.all_devices()) + 1
         self.all_devs = self.all_devs[:self.num_devices]
         self.comm_name = comm_name
+        self.prefill_comm_name = prefill_comm_name
         self.hidden_size = cfg.hidden_size  # sizes the one-row all-reduce that picks the collective backend
         self.sin: list[torch.Tensor | None] = [None] * self.num_devices
         self.cos: list[torch.Tensor | None] = [None] * self.num_devices
         self.comm: Comm | None = None
+        self.prefill_comm: CopyAllReduce | None = None  # prefill-sized all-reduces, when not the decode backend's
         self.pinned: list[torch.Tensor] = []
         self.streams: list[Any] = []
         self.scratch_bytes = [0] * self.num_devices
@@ -126,6 +129,7 @@ class TPContext:
         devs = [self.all_devs[s] for s in self.all_devices()]
         for s, t in zip(self.all_devices(), tables or []):
             self.cos[s], self.sin[s] = t
+        self.prefill_comm = make_prefill_comm(devs, self.prefill_comm_name)
         self.comm = make_comm(devs, None if self.comm_name == "auto" else self.comm_name, self.hidden_size)
         if all(d.type == "cuda" for d in devs):
             self.streams = [torch.cuda.current_stream(d) for d in devs]
@@ -137,6 +141,7 @@ class TPContext:
         self.sin = [None] * self.num_devices
         self.cos = [None] * self.num_devices
         self.comm = None
+        self.prefill_comm = None
 
     # --- exllamav2-style collectives ------------------------------------------------------------------------
     def get_sin_cos(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
