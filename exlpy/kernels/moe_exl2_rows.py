@@ -164,10 +164,8 @@ def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, blk_ptr, info_ptr, e_row, l
     step. EVEN: no block reaches past K (no masks)."""
     acc = _zeros(R, BLOCK_N)
     if LISTED:
-        nxt = tl.load(blk_ptr + lo)
         for j in range(lo, hi):
-            k0 = nxt * 32
-            nxt = tl.load(blk_ptr + j + 1, mask=j + 1 < hi, other=0)  # the next block's index ahead of its words
+            k0 = tl.load(blk_ptr + j) * 32
             ws = _block_words(qw_ptr, word_ptr, e_row + k0, k0 < K, K - k0, ldq, cols, ok, (), B, EVEN)
             p = _rows_block(xt + k0 * XS, ws, 0, magic, R, XS, B, BLOCK_N)
             acc = _scaled(acc, p, _col_scale(sc_ptr, sm_ptr, info_ptr, e_row + k0, k0 < K, cols, ok, lds), R)
