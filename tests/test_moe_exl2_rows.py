@@ -50,18 +50,20 @@ def _ids(counts: list[int], top_k: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform: int = 0, same_perm: bool = True,
-           dtype: torch.dtype = torch.float32, kind: str = "silu", tol: float = 1e-5, device: str = "cpu") -> None:
+           dtype: torch.dtype = torch.float32, kind: str = "silu", tol: float = 1e-5, device: str = "cpu",
+           up_uniform: int | None = None) -> None:
     """The kernels through moe_exl2's entry points, with a spy on the route taken, against the references. Where
     moe_exl2 routes here (every case of this file) that one call is the kernels' check: the spy asserts they ran,
     with the width checked here; a case routed elsewhere calls them directly as well. (The kernels once ran twice
-    per case, directly and routed: the same launches, twice the interpreter time.)"""
+    per case, directly and routed: the same launches, twice the interpreter time.) up_uniform: up's layouts where
+    they differ from gate's and down's."""
     from exlpy.kernels import moe_exl2, moe_exl2_gemv, moe_exl2_rows
 
     g = torch.Generator().manual_seed(seed)
     E = len(counts)
     perm = torch.stack([torch.randperm(H, generator=g) for _ in range(E)]) if same_perm else None
     gate, up, down = (_stack(E, H, inter, g, dtype, perm, uniform)[0].to(device),
-                      _stack(E, H, inter, g, dtype, perm, uniform)[0].to(device),
+                      _stack(E, H, inter, g, dtype, perm, uniform if up_uniform is None else up_uniform)[0].to(device),
                       _stack(E, inter, H, g, dtype, None, uniform)[0].to(device))
     ids = _ids(counts, top_k, g).to(device)
     x = (torch.randn(ids.shape[0], H, generator=g) * 4).to(device, dtype)
@@ -119,6 +121,7 @@ def test_rows_converter_layouts_top2_two_act_orders_split_k(monkeypatch: pytest.
     monkeypatch.setattr(moe_exl2_rows, "_sms", lambda t: 2)
     assert moe_exl2_rows.plan(28, 4, 88, 160, 1, 2, 2)[4:] == (2, 96)  # 4-bit: 5 blocks in splits of 3 and 2
     _check([12, 0, 9, 7], 2, 160, 88, seed=51, same_perm=False)
+    _check([5, 3, 0, 6], 1, 160, 40, seed=52, up_uniform=3)  # up all 3-bit: gate's 3-bit launch takes up whole
 
 
 @pytest.mark.interpreter
