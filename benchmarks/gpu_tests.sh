@@ -46,16 +46,17 @@ T0=$(date +%s)
 # With pytest-xdist (-n N) the multi-GPU tests run afterwards in one process of their own: N workers sharing
 # two GPUs time-slice them, and the tensor-parallel collectives, which spin until the peer GPU arrives, then
 # wait for other processes' time slices (tests that take seconds alone took minutes, 2026-11-26).
-# The one-GPU pass spreads its workers over the GPUs (EXLPY_TEST_SPREAD_GPUS: see tests/conftest.py).
+# The one-GPU pass spreads its workers over the GPUs (EXLPY_TEST_SPREAD_GPUS: see tests/conftest.py); tests that
+# size a cache from the GPU's free memory (marker exclusive_gpu) run in the serial pass, where no worker shares it.
 XDIST=""
 for a in "${ARGS[@]+"${ARGS[@]}"}"; do case $a in -n|-n[0-9]*|--numprocesses*) XDIST=1 ;; esac; done
 if [ -n "$XDIST" ] && [ -z "$QUICK" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
-  EXLPY_TEST_SPREAD_GPUS=$NGPU python -m pytest -q -p no:cacheprovider -rs -m "not multigpu" --dist loadgroup \
+  EXLPY_TEST_SPREAD_GPUS=$NGPU python -m pytest -q -p no:cacheprovider -rs -m "not multigpu and not exclusive_gpu" --dist loadgroup \
     "${ARGS[@]}" 2>&1 \
     | tee "$OUT/gpu_tests.log"
   RC=${PIPESTATUS[0]}
-  python -m pytest -q -p no:cacheprovider -rs -m multigpu 2>&1 | tee -a "$OUT/gpu_tests.log"
+  python -m pytest -q -p no:cacheprovider -rs -m "multigpu or exclusive_gpu" 2>&1 | tee -a "$OUT/gpu_tests.log"
   RC2=${PIPESTATUS[0]}
   [ "$RC2" = 5 ] || [ "$RC2" = 0 ] || RC=$RC2  # 5: none selected (fewer than two GPUs visible skip, not deselect)
 else

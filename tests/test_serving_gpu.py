@@ -11,7 +11,8 @@ import torch
 
 from tests.conftest import shared_path
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.exclusive_gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 ROOM = 2 * 2**30  # what the test lets the server take beyond what is in use (other tests may share the GPU)
