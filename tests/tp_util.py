@@ -52,3 +52,49 @@ def make_model_dir(path: Path, arch: str = "LlamaForCausalLM", hidden: int = 192
         t[f"{p}.mlp.down_proj.weight"] = r(hidden, intermediate)
     save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
     return path
+
+
+class PrefillCase:
+    """The two-GPU prefill tests' case: a 3-layer fp16 model (1,024 positions), a 600-token prompt of 2 rows and
+    `n_steps` decode steps after it. `load_tp(options)` places it on two GPUs; `run(model, cache)` returns its
+    prefill logits and each step's, on the CPU; `ref` / `ref_steps` are the one-GPU model's."""
+
+    def __init__(self, tmp_path: Path, n_steps: int) -> None:
+        from exlpy import ExLlamaV2, ExLlamaV2Cache
+
+        self.dir = make_model_dir(tmp_path / "m", hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024,
+                                  vocab=3000, layers=3, dtype=torch.float16, seed=5)
+        self.ids = torch.randint(3, 3000, (2, 600), generator=torch.Generator().manual_seed(0))
+        self.steps = torch.randint(3, 3000, (2, n_steps), generator=torch.Generator().manual_seed(1))
+        single = ExLlamaV2(self.config())
+        single.load()
+        self.ref, self.ref_steps = self.run(single, ExLlamaV2Cache(single, batch_size=2, max_seq_len=700))
+        single.unload()
+
+    def config(self):  # noqa: ANN201 - an ExLlamaV2Config (exlpy imported lazily, as the tests collect on CPU)
+        from exlpy import ExLlamaV2Config
+
+        cfg = ExLlamaV2Config(str(self.dir))
+        cfg.max_seq_len = 1024  # the written model says 256 positions; the prompt is 600 tokens
+        return cfg
+
+    def load_tp(self, options):  # noqa: ANN001, ANN201 - RuntimeOptions -> ExLlamaV2
+        from exlpy import ExLlamaV2
+
+        m = ExLlamaV2(self.config())
+        m.load_tp([1, 1], options=options)
+        return m
+
+    def run(self, m, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN001
+        out = m.forward(self.ids, cache).float().cpu()
+        return out, [m.forward(self.steps[:, k:k + 1], cache).float().cpu() for k in range(self.steps.shape[1])]
+
+    def tp_cache(self, m):  # noqa: ANN001, ANN201
+        from exlpy.cache.tp import ExLlamaV2Cache_TP
+
+        return ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=700)
+
+    def assert_close_to_one_gpu(self, got: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        torch.testing.assert_close(got[0], self.ref, atol=2e-2, rtol=0)
+        for a, b in zip(got[1], self.ref_steps):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
