@@ -32,7 +32,6 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_MIXED_STEP=1` | `mixed_step=True` | prompt chunks next to decoding jobs run inside the decode step (eager) |
 | `EXLPY_MOE_GEMV=0` | `moe_gemv=False` | EXL2 experts at decode: tile kernels, not the split-K GEMV / multi-row ones |
 | `EXLPY_MOE_ROWS=0` | `moe_rows=False` | EXL2 experts at 3-16 rows each (batched decode): tile kernels, no multi-row |
-| `EXLPY_MOE_ROWS_MIXED=1` | `moe_rows_mixed=True` | mixed-width EXL2 experts at 3-16 rows: multi-row kernels too |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
 """
 
@@ -121,11 +120,6 @@ class RuntimeOptions:
     # tile kernels: Mixtral EXL2 4.0 at batch 32 on an H100 went from 3,722 to 6,589 tok/s (the experts from 14% to
     # 25% of the copy rate; 2026-11-26 20:21). EXLPY_MOE_ROWS=0 takes the tile kernels.
     moe_rows: bool = True
-    # Mixed-width stacks (what `exlpy convert` writes) through the multi-row kernels, one launch per width present
-    # (exlpy/kernels/moe_exl2_rows.py). Exact on CPU (interpreter tests); on the H100 its first GPU test run did not
-    # finish inside the call's time (2026-11-26 22:51), so until a GPU run passes, mixed stacks keep the tile
-    # kernels at 3-16 rows per expert. EXLPY_MOE_ROWS_MIXED=1 takes the multi-row kernels.
-    moe_rows_mixed: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMMS:
@@ -182,7 +176,6 @@ class RuntimeOptions:
             mixed_step=flag("EXLPY_MIXED_STEP"),
             moe_gemv=e.get("EXLPY_MOE_GEMV", "1") != "0",
             moe_rows=e.get("EXLPY_MOE_ROWS", "1") != "0",
-            moe_rows_mixed=flag("EXLPY_MOE_ROWS_MIXED"),
         )
 
 

@@ -30,9 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _split_k_kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on, for
-    mixed stacks too (EXLPY_MOE_ROWS_MIXED: off in use until a GPU run of the per-width launches passes)."""
-    with use_options(dataclasses.replace(options(), moe_gemv=True, moe_rows=True, moe_rows_mixed=True)):
+    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on."""
+    with use_options(dataclasses.replace(options(), moe_gemv=True, moe_rows=True)):
         yield
 
 
@@ -84,7 +83,7 @@ def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform
         y = moe_exl2.moe_down_exl2(ref_a, order, counts_t, down)
     finally:
         moe_exl2_rows.gate_up_rows, moe_exl2_rows.down_rows = saved
-    if moe_exl2_rows.takes(N, E, mixed=width == 0):
+    if moe_exl2_rows.takes(N, E):
         assert taken == [("gate_up", width), ("down", width)]
     else:
         assert taken == []
@@ -178,14 +177,12 @@ def test_route_by_rows_per_expert() -> None:
     assert takes(3, 1) and not takes(2, 1) and not takes(0, 8)
     with use_options(dataclasses.replace(options(), moe_gemv=False)):
         assert not takes(64, 8)
-    with use_options(dataclasses.replace(options(), moe_rows_mixed=False)):  # the default in use
-        assert takes(64, 8) and not takes(64, 8, mixed=True)
 
 
 def test_mixed_stacks_launch_once_per_width() -> None:
     """A mixed stack's launches: one per width some expert of gate or up holds, compiled for that width, over as
-    many rows as the expert with the most blocks of it; a one-width stack one launch over K. With
-    EXLPY_MOE_ROWS_MIXED, moe_exl2 routes mixed stacks here like uniform ones (by rows per expert alone)."""
+    many rows as the expert with the most blocks of it; a one-width stack one launch over K. moe_exl2 routes mixed
+    stacks here like uniform ones (the route is by rows per expert alone)."""
     pytest.importorskip("triton")
     from exlpy.kernels import moe_exl2_rows as mr
 
@@ -303,4 +300,4 @@ def _check_gpu(counts: list[int], ids: torch.Tensor, uniform: int, stacks: tuple
                                 torch.empty(N, 4096, dtype=torch.float16, device="cuda"))
     assert torch.isfinite(y).all() and _rel(y, ref_y) < 5e-3, _rel(y, ref_y)
     assert _rel(moe_exl2.moe_down_exl2(ref_a, order, counts_t, down), ref_y) < 5e-3
-    assert moe_exl2_rows.takes(N, 8, mixed=not uniform) == (ids.shape[0] > 8)
+    assert moe_exl2_rows.takes(N, 8) == (ids.shape[0] > 8)

@@ -246,15 +246,14 @@ def _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, col0, cols, ok, R: tl.
 
 
 # --- host side --------------------------------------------------------------------------------------------------
-def takes(n_pairs: int, n_experts: int, mixed: bool = False) -> bool:
+def takes(n_pairs: int, n_experts: int) -> bool:
     """Whether N sorted rows over E experts take these kernels: mean rows per routed expert above ROWS_MIN_MEAN (the
     GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on (EXLPY_MOE_GEMV, on by
-    default) and these ones too (EXLPY_MOE_ROWS, on by default; for `mixed`-width stacks EXLPY_MOE_ROWS_MIXED,
-    off until a GPU run passes). Host arithmetic only (the per-expert counts live on the device)."""
+    default) and these ones too (EXLPY_MOE_ROWS, on by default). Host arithmetic only (the per-expert counts live
+    on the device)."""
     routed = max(1, min(n_experts, n_pairs))
     opts = options()
-    return (opts.moe_gemv and opts.moe_rows and (opts.moe_rows_mixed or not mixed)
-            and ROWS_MIN_MEAN * routed < n_pairs <= ROWS_MAX_MEAN * routed)
+    return opts.moe_gemv and opts.moe_rows and ROWS_MIN_MEAN * routed < n_pairs <= ROWS_MAX_MEAN * routed
 
 
 def _nb(bits: int, k: int) -> tuple[int, bool]:
