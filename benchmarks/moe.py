@@ -1,9 +1,8 @@
 """Mixture-of-experts decode on one GPU: eager vs CUDA graphs, against the active-weights bandwidth limit, and
 the grouped expert kernels' achieved bandwidth.
 
-GPU:  python benchmarks/moe.py [--shapes mixtral,qwen3_moe] [--formats fp16,exl2,exl2mix] [--mix-bpw 4.0]
-          [--layers 4] [--batches 1,32] [--prompt-len 256] [--gen-len 64] [--work /tmp/exlpy_moe]
-          [--out benchmarks/results/moe.md]
+GPU:  python benchmarks/moe.py [--shapes mixtral,qwen3_moe] [--formats fp16,exl2] [--layers 4] [--batches 1,32]
+          [--prompt-len 256] [--gen-len 64] [--work /tmp/exlpy_moe] [--out benchmarks/results/moe.md]
 CPU:  python benchmarks/moe.py --tiny     (tiny shapes through the same code, nothing written unless --out)
 EXL2 experts at decode take split-K GEMV kernels, at 3-16 rows per expert the multi-row kernels (`EXLPY_MOE_GEMV=0`:
 the tile kernels instead); --sweep times them next to the tile kernels whatever the switch.
@@ -11,9 +10,7 @@ the tile kernels instead); --sweep times them next to the tile kernels whatever 
 Random checkpoints of real models' shapes (Mixtral-8x7B, Qwen3-30B-A3B: hidden 2048, 128 experts of 768, 8 per
 token, 48 layers), decoder depth cut by --layers (the embedding and head keep their size), in fp16 or EXL2 4.0 bpw
 (--formats exl2: every decoder projection 4-bit, experts included, head 6-bit; exl2mix: the converter's option
-layouts nearest --mix-bpw, mixed widths as converted models hold them: for Mixtral at 4.0 gate and up are all
-4-bit and down 8|4-bit, at 3.5 gate and up 4|3-bit and down 8|4, at 4.5 gate and up 5|4 and down 8|5|4), written
-with safetensors once into
+layouts nearest 4 bpw, mixed widths as converted models hold them), written with safetensors once into
 --work (a shard per layer) and reused. Full depth needs the disk: Qwen3-30B-A3B is 61 GB in fp16, 17 GB in EXL2.
 Per shape and format:
 
@@ -78,7 +75,7 @@ TINY = {"mixtral": dict(vocab_size=512, hidden_size=64, intermediate_size=96, nu
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16)}
 
 
-def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16", mix_bpw: float = 4.0) -> None:
+def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16") -> None:
     """A random checkpoint of `cfg` (Mixtral's experts under its own names), one safetensors shard per layer so
     that host memory holds one layer at a time. fmt "exl2": every decoder projection (attention and experts) EXL2
     4-bit in 128-row groups, the head 6-bit, as benchmarks/make_models.py writes dense models (random packed
@@ -96,7 +93,7 @@ def write(path: str, cfg: dict[str, Any], device: str, fmt: str = "fp16", mix_bp
     inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     mixtral = cfg["architectures"][0] == "MixtralForCausalLM"
     exl2 = fmt in ("exl2", "exl2mix")
-    layouts = _converter_layouts(h, hq * d, hk * d, inter, mix_bpw) if fmt == "exl2mix" else {}
+    layouts = _converter_layouts(h, hq * d, hk * d, inter) if fmt == "exl2mix" else {}
 
     def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, device=device, generator=g) * std).half().cpu()
@@ -395,9 +392,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/exlpy_moe")
     ap.add_argument("--shapes", default="mixtral")
     ap.add_argument("--formats", default="fp16", help="comma list of fp16, exl2 (EXL2 4.0 bpw, head 6-bit), "
-                                                      "exl2mix (the converter's option layouts nearest --mix-bpw)")
-    ap.add_argument("--mix-bpw", type=float, default=4.0, help="exl2mix's target bits per weight (3.5 and 4.5: "
-                                                               "every expert projection of mixed widths)")
+                                                      "exl2mix (the converter's option layouts nearest 4 bpw)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -422,15 +417,13 @@ def main() -> None:
     print("\n".join(lines))
     for shape, fmt in [(s, f) for s in a.shapes.split(",") for f in a.formats.split(",")]:
         cfg = {**SHAPES[shape], "num_hidden_layers": a.layers, **(TINY[shape] if a.tiny else {})}
-        mix = f"{a.mix_bpw:g}" if fmt == "exl2mix" and a.mix_bpw != 4.0 else ""
-        path = os.path.join(a.work, f"{shape}_{fmt}{mix}_{a.layers}{'_tiny' if a.tiny else ''}")
+        path = os.path.join(a.work, f"{shape}_{fmt}_{a.layers}{'_tiny' if a.tiny else ''}")
         if not os.path.exists(os.path.join(path, ".complete")):
-            write(path, cfg, "cuda" if device.startswith("cuda") else "cpu", fmt, a.mix_bpw)
+            write(path, cfg, "cuda" if device.startswith("cuda") else "cpu", fmt)
         model = load(path, a.prompt_len + a.gen_len + 8, max(batches), device)
         active = weight_bytes_read(model)
         limit = bw / active
-        label = FORMATS[fmt].replace("~4 bpw", f"~{a.mix_bpw:g} bpw") if fmt == "exl2mix" else FORMATS[fmt]
-        table = [f"### {shape} shape, {label}, {a.layers} layers (active weights {active / 2**20:,.1f} "
+        table = [f"### {shape} shape, {FORMATS[fmt]}, {a.layers} layers (active weights {active / 2**20:,.1f} "
                  f"MiB/token, batch-1 limit {limit:,.1f} steps/s)", "",
                  "| batch | mode | tokens/s | ms/step | batch-1 limit fraction |", "|---|---|---|---|---|"]
         print("\n".join(table), flush=True)

@@ -1,13 +1,10 @@
 """Compile the multi-row EXL2 expert kernels (exlpy/kernels/moe_exl2_rows.py: 3-16 sorted rows per expert) for an
 H100 (sm_90a) without a GPU; report registers, spills and shared memory at the configurations the wrappers pick
-(every width, K whole steps or not; the per-width variants that mixed stacks launch, "listed"; gate|up and down)
-and at the --sweep's row counts.
+(every width, K whole steps or not, mixed widths; gate|up and down) and at the --sweep's row counts.
 
-python benchmarks/moe_rows_compile_check.py [--json] [--rows 8] [--cols 512] [--warps 4] [--widths 2,3,4,5,6,8]
-    [--listed 2,3,4,5,6,8]
+python benchmarks/moe_rows_compile_check.py [--json] [--rows 8] [--cols 512] [--warps 4]
 Runs on any machine with Triton's bundled CUDA toolchain (no driver needed); tests/test_moe_exl2_rows.py asserts
-on its --json output. Must run without TRITON_INTERPRET. `compile_s`: seconds of triton.compile (ptxas included)
-per variant in a fresh cache directory (unless TRITON_CACHE_DIR is set): the stall a first call pays.
+on its --json output. Must run without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -16,16 +13,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1: the kernels are compiled here")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "TRITON_CACHE_DIR" not in os.environ:  # a cold cache: compile_s is the compile a first call pays
-    import tempfile
-
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_rows_compile_")
 
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -33,43 +25,36 @@ from triton.compiler import ASTSource  # noqa: E402
 from benchmarks.moe_compile_check import TARGET, compile_kernel  # noqa: E402
 from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.kernels import moe_exl2_rows as mr  # noqa: E402
-from exlpy.quant.exl2_ref import EXL2_BITS  # noqa: E402
 
 TABLES = {f"{w}_{t}": typ for w in ("g", "u") for t, typ in (("qw", "*i32"), ("sc", "*i32"), ("sm", "*fp32"),
-                                                            ("word", "*i32"), ("info", "*i32"), ("blk", "*i32"),
-                                                            ("bst", "*i32"))}
+                                                            ("word", "*i32"), ("info", "*i32"))}
 
 
-def one(gate_up: bool, width: int, even: bool, rows: int, cols: int, warps: int, step: int = 0,
-        listed: bool = False) -> dict:
-    """The main kernel as the wrappers launch it (register cap mr.ROWS_MAXNREG[even], where set); listed: the
-    variant a mixed stack launches for its blocks of `width` (one block a step)."""
+def one(gate_up: bool, width: int, even: bool, rows: int, cols: int, warps: int, step: int = 0) -> dict:
+    """The main kernel as the wrappers launch it (register cap mr.ROWS_MAXNREG[even], where set)."""
     fn = mr._rows_kernel
-    nb = 1 if listed else mr.ROWS_NB[even][width]
+    nb = mr.ROWS_NB[even][width] if width else 1
     ptrs = {"xp_ptr": "*fp32", "order_ptr": "*i64", "counts_ptr": "*i32", "ws_ptr": "*fp32", **TABLES}
     consts = dict(E_P2=8, R=rows, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=gate_up, TWO_X=False,
-                  RSTEP=step or min(rows, mr.ROWS_STEP), LISTED=listed, SLOT=EXL2_BITS.index(width),
-                  NSLOT=len(EXL2_BITS) + 1)
+                  RSTEP=step or min(rows, mr.ROWS_STEP if width else mr.ROWS_STEP_MIXED))
     sig = {name: ptrs.get(name) or ("constexpr" if name in consts else "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     opts = {"num_warps": warps, "num_stages": 1}
     if mr.ROWS_MAXNREG[even]:
         opts["maxnreg"] = mr.ROWS_MAXNREG[even]
-    t0 = time.perf_counter()
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options=opts)
-    return {"shared": k.metadata.shared, "maxnreg": mr.ROWS_MAXNREG[even], "compile_s": time.perf_counter() - t0,
-            **ptxas_report(k.asm["ptx"])}
+    return {"shared": k.metadata.shared, "maxnreg": mr.ROWS_MAXNREG[even], **ptxas_report(k.asm["ptx"])}
 
 
-def variants(rows: int, cols: int, warps: int, sweep: bool, widths: tuple[int, ...] = EXL2_BITS,
-             listed: tuple[int, ...] = EXL2_BITS) -> dict[str, dict]:
+def variants(rows: int, cols: int, warps: int, sweep: bool, widths: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 0)
+             ) -> dict[str, dict]:
     out = {}
-    for width, lst in [(w, False) for w in widths] + [(w, True) for w in listed]:
+    for width in widths:
         for even in (True, False):
             for gate_up in (True, False):
-                tag = f"{'gate_up' if gate_up else 'down'} {width}-bit" + (" listed" if lst else "") + (
+                tag = f"{'gate_up' if gate_up else 'down'} {f'{width}-bit' if width else 'mixed'}" + (
                     "" if even else " masked")
-                out[f"rows{rows} {tag}"] = one(gate_up, width, even, rows, cols, warps, listed=lst)
+                out[f"rows{rows} {tag}"] = one(gate_up, width, even, rows, cols, warps)
     for dt in ("fp16", "bf16", "fp32"):  # the x gather (the main kernel reads only its fp32 copy)
         for gate_up in (True, False):
             out[f"rows{rows} gather {dt}{' gate_up' if gate_up else ''}"] = compile_kernel(
@@ -97,18 +82,14 @@ def main() -> int:
     ap.add_argument("--cols", type=int, default=mr.ROWS_COLS)
     ap.add_argument("--warps", type=int, default=mr.ROWS_WARPS)
     ap.add_argument("--sweep", action="store_true", help="also the sweep's row counts and column blocks (4-bit)")
-    ap.add_argument("--widths", default="2,3,4,5,6,8", help="comma list of one-width stacks' widths (may be empty)")
-    ap.add_argument("--listed", default="2,3,4,5,6,8", help="comma list of widths of the variants mixed stacks launch "
-                                                           "(one per width present; may be empty)")
+    ap.add_argument("--widths", default="2,3,4,5,6,8,0", help="comma list of widths (0: mixed)")
     a = ap.parse_args()
-    res = variants(a.rows, a.cols, a.warps, a.sweep, tuple(int(w) for w in a.widths.split(",") if w),
-                   tuple(int(w) for w in a.listed.split(",") if w))
+    res = variants(a.rows, a.cols, a.warps, a.sweep, tuple(int(w) for w in a.widths.split(",")))
     if a.json:
         print("JSON " + json.dumps(res))
     else:
         for name, r in res.items():
-            secs = f"  compile {r['compile_s']:6.1f} s" if "compile_s" in r else ""
-            print(f"{name:48s} regs {r['regs']:4d}  spills {r['spill_bytes']:5d}  shared {r['shared']:6d}{secs}")
+            print(f"{name:48s} regs {r['regs']:4d}  spills {r['spill_bytes']:5d}  shared {r['shared']:6d}")
     return 0
 
 

@@ -1,9 +1,8 @@
 """The multi-row EXL2 expert kernels (exlpy/kernels/moe_exl2_rows.py: 3-16 sorted rows per expert) against the
-references `reference.moe_gate_up_exl2 / moe_down_exl2`: every width and mixed widths (one launch per width
-present: interleaved widths, and the converter's runs of non-increasing widths differing per expert), K whole steps
-or cut inside a block, 0 to 20 rows per expert (row tiles of 8: one expert over three tiles, tiles with one live
-row), gate and up with one act order or two, split-K sums through the shared workspace; moe_exl2's routing to
-them; their sm_90a compile; Mixtral-shaped experts on a GPU.
+references `reference.moe_gate_up_exl2 / moe_down_exl2`: every width and mixed widths, K whole steps or cut inside
+a block, 0 to 20 rows per expert (row tiles of 8: one expert over three tiles, tiles with one live row), gate and
+up with one act order or two, split-K sums through the shared workspace; moe_exl2's routing to them; their sm_90a
+compile; Mixtral-shaped experts on a GPU.
 
 Tests marked `interpreter` run the Triton kernels on CPU tensors (tests/conftest.py); `gpu` tests skip without CUDA.
 """
@@ -30,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _split_k_kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on."""
+    """EXLPY_MOE_ROWS=0 or EXLPY_MOE_GEMV=0 in the environment turns the multi-row kernels off: here they are on, for
+    mixed stacks too (moe_exl2_rows.MIXED: off in use until the mixed variant compiles fast on a GPU)."""
+    from exlpy.kernels import moe_exl2_rows
+
+    monkeypatch.setattr(moe_exl2_rows, "MIXED", True)
     with use_options(dataclasses.replace(options(), moe_gemv=True, moe_rows=True)):
         yield
 
@@ -50,20 +53,18 @@ def _ids(counts: list[int], top_k: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform: int = 0, same_perm: bool = True,
-           dtype: torch.dtype = torch.float32, kind: str = "silu", tol: float = 1e-5, device: str = "cpu",
-           up_uniform: int | None = None) -> None:
+           dtype: torch.dtype = torch.float32, kind: str = "silu", tol: float = 1e-5, device: str = "cpu") -> None:
     """The kernels through moe_exl2's entry points, with a spy on the route taken, against the references. Where
     moe_exl2 routes here (every case of this file) that one call is the kernels' check: the spy asserts they ran,
     with the width checked here; a case routed elsewhere calls them directly as well. (The kernels once ran twice
-    per case, directly and routed: the same launches, twice the interpreter time.) up_uniform: up's layouts where
-    they differ from gate's and down's."""
+    per case, directly and routed: the same launches, twice the interpreter time.)"""
     from exlpy.kernels import moe_exl2, moe_exl2_gemv, moe_exl2_rows
 
     g = torch.Generator().manual_seed(seed)
     E = len(counts)
     perm = torch.stack([torch.randperm(H, generator=g) for _ in range(E)]) if same_perm else None
     gate, up, down = (_stack(E, H, inter, g, dtype, perm, uniform)[0].to(device),
-                      _stack(E, H, inter, g, dtype, perm, uniform if up_uniform is None else up_uniform)[0].to(device),
+                      _stack(E, H, inter, g, dtype, perm, uniform)[0].to(device),
                       _stack(E, inter, H, g, dtype, None, uniform)[0].to(device))
     ids = _ids(counts, top_k, g).to(device)
     x = (torch.randn(ids.shape[0], H, generator=g) * 4).to(device, dtype)
@@ -83,7 +84,7 @@ def _check(counts: list[int], top_k: int, H: int, inter: int, seed: int, uniform
         y = moe_exl2.moe_down_exl2(ref_a, order, counts_t, down)
     finally:
         moe_exl2_rows.gate_up_rows, moe_exl2_rows.down_rows = saved
-    if moe_exl2_rows.takes(N, E):
+    if moe_exl2_rows.takes(N, E, width):
         assert taken == [("gate_up", width), ("down", width)]
     else:
         assert taken == []
@@ -106,22 +107,6 @@ def test_rows_per_expert_0_to_20(uniform: int, H: int, inter: int) -> None:
     experts: LAYOUTS_88's fifth has a group off the 32-row grid, which these kernels do not take)."""
     _cpu_ok()
     _check([20, 0, 1, 13], 1, H, inter, seed=uniform + H, uniform=uniform)
-
-
-@pytest.mark.interpreter
-def test_rows_converter_layouts_top2_two_act_orders_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mixed stacks as the converter writes them (LAYOUTS_160: runs of non-increasing widths, each expert its own
-    widths and run lengths; gate|up a launch for each of 3, 4, 5, 6, 8 bits, some with blocks in one expert only)
-    and interleaved (down: LAYOUTS_88, the last block cut at K), top-2 routing with gate and up in their own act
-    orders, 0 to 12 rows per expert; K splits of several blocks of one width (a 2-SM plan: 4-bit blocks 3-5 per
-    expert)."""
-    _cpu_ok()
-    from exlpy.kernels import moe_exl2_rows
-
-    monkeypatch.setattr(moe_exl2_rows, "_sms", lambda t: 2)
-    assert moe_exl2_rows.plan(28, 4, 88, 160, 1, 2, 2)[4:] == (2, 96)  # 4-bit: 5 blocks in splits of 3 and 2
-    _check([12, 0, 9, 7], 2, 160, 88, seed=51, same_perm=False)
-    _check([5, 3, 0, 6], 1, 160, 40, seed=52, up_uniform=3)  # up all 3-bit: gate's 3-bit launch takes up whole
 
 
 @pytest.mark.interpreter
@@ -179,24 +164,15 @@ def test_route_by_rows_per_expert() -> None:
         assert not takes(64, 8)
 
 
-def test_mixed_stacks_launch_once_per_width() -> None:
-    """A mixed stack's launches: one per width some expert of gate or up holds, compiled for that width, over as
-    many rows as the expert with the most blocks of it; a one-width stack one launch over K. moe_exl2 routes mixed
-    stacks here like uniform ones (the route is by rows per expert alone)."""
+def test_mixed_stacks_take_the_tile_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed-width stacks stay on the tile kernels in use (MIXED off: their variant's compile stalled on an H100);
+    uniform ones of any width take the multi-row kernels."""
     pytest.importorskip("triton")
-    from exlpy.kernels import moe_exl2_rows as mr
+    from exlpy.kernels import moe_exl2_rows
 
-    g = torch.Generator().manual_seed(5)
-    gate, up = _stack(4, 160, 40, g)[0], _stack(4, 160, 40, g)[0]  # LAYOUTS_160
-    assert mr.launches(0, 160, gate, up) == [(3, 64, True), (4, 160, True), (5, 32, True), (6, 64, True),
-                                             (8, 32, True)]
-    down = _stack(4, 88, 160, g)[0]  # LAYOUTS_88: experts 0-3
-    assert mr.launches(0, 88, down) == [(2, 32, True), (3, 64, True), (4, 96, True), (5, 32, True),
-                                        (6, 64, True), (8, 32, True)]
-    assert mr.launches(4, 4096, down) == [(4, 4096, False)]
-    import inspect
-
-    assert "width" not in inspect.signature(mr.takes).parameters
+    monkeypatch.setattr(moe_exl2_rows, "MIXED", False)
+    assert not moe_exl2_rows.takes(64, 8, 0)
+    assert all(moe_exl2_rows.takes(64, 8, w) for w in (2, 3, 4, 5, 6, 8))
 
 
 def test_plan_at_mixtral_shapes() -> None:
@@ -220,29 +196,29 @@ def test_plan_at_mixtral_shapes() -> None:
         with pytest.raises(ValueError, match=r"ROWS \(7\).*must be even"):
             mr.plan(64, 8, 4096, 14336, 1, 1, 132)
         mr.ROWS = 6  # the live-row steps divide the tile height: every count up to it has its copy of the loop
-        assert mr._step() == 2
+        assert (mr._step(4), mr._step(0)) == (2, 2)
         mr.ROWS = 12
-        assert mr._step() == 2
+        assert (mr._step(4), mr._step(0)) == (2, 4)
     finally:
         mr.ROWS = saved
 
 
 @pytest.mark.slow
 def test_rows_kernels_compile_for_sm90_without_spills() -> None:
-    """benchmarks/moe_rows_compile_check.py (4-bit, and the 3-bit variant of mixed stacks; whole steps and masked;
-    the gather): no register spills, registers within 255 at the default configuration."""
+    """benchmarks/moe_rows_compile_check.py (4-bit, 3-bit, mixed; whole steps and masked; the gather): no register
+    spills, registers within 255 at the default configuration."""
     pytest.importorskip("triton")
     from tests.conftest import child_env
 
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_rows_compile_check.py"), "--json",
-                        "--widths", "4", "--listed", "3"], capture_output=True, text=True,
+                        "--widths", "4,3,0"], capture_output=True, text=True,
                        env=child_env(drop=("TRITON_INTERPRET",)), timeout=900, cwd=ROOT)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("JSON ")]
     if not lines and "ptxas" in r.stderr.lower():
         pytest.skip(f"triton cannot compile for CUDA here: {r.stderr[-300:]}")
     assert lines, r.stderr[-3000:]
     res = json.loads(lines[0][5:])
-    assert {"rows8 gate_up 4-bit", "rows8 down 3-bit listed masked", "rows8 gather fp16 gate_up"} <= set(res)
+    assert {"rows8 gate_up 4-bit", "rows8 down mixed masked", "rows8 gather fp16 gate_up"} <= set(res)
     for name, v in res.items():
         assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0, (name, v)
 
@@ -250,13 +226,12 @@ def test_rows_kernels_compile_for_sm90_without_spills() -> None:
 # --- GPU ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mixtral_stacks() -> dict[int, tuple]:
-    """Mixtral-8x7B's expert shapes (H 4096, I 14336, 8 experts) in fp16, 4-bit and mixed stacks (32-row groups
-    cycling through all six widths from a per-expert start: six launches per projection), built once (random
-    EXL2 tensors on the CPU take most of the time)."""
+    """Mixtral-8x7B's expert shapes (H 4096, I 14336, 8 experts) in fp16, 4-bit stacks (mixed ones take the tile
+    kernels in use: moe_exl2_rows.MIXED), built once (random EXL2 tensors on the CPU take most of the time)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     out = {}
-    for uniform in (4, 0):
+    for uniform in (4,):
         g = torch.Generator().manual_seed(40 + uniform)
         perm = torch.stack([torch.randperm(4096, generator=g) for _ in range(8)])
         out[uniform] = tuple(s.to("cuda") for s in (
@@ -268,7 +243,7 @@ def mixtral_stacks() -> dict[int, tuple]:
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("uniform", [4, 0])
+@pytest.mark.parametrize("uniform", [4])  # mixed stacks: interpreter-tested; in use they take the tile kernels
 @pytest.mark.parametrize("T", [8, 16, 32])
 def test_cuda_mixtral_shapes(mixtral_stacks: dict, uniform: int, T: int) -> None:
     """8, 16 and 32 tokens of top-2 routing over Mixtral-shaped EXL2 experts (2, 4 and 8 rows per expert on
@@ -300,4 +275,4 @@ def _check_gpu(counts: list[int], ids: torch.Tensor, uniform: int, stacks: tuple
                                 torch.empty(N, 4096, dtype=torch.float16, device="cuda"))
     assert torch.isfinite(y).all() and _rel(y, ref_y) < 5e-3, _rel(y, ref_y)
     assert _rel(moe_exl2.moe_down_exl2(ref_a, order, counts_t, down), ref_y) < 5e-3
-    assert moe_exl2_rows.takes(N, 8) == (ids.shape[0] > 8)
+    assert moe_exl2_rows.takes(N, 8, uniform) == (ids.shape[0] > 8)

@@ -243,7 +243,7 @@ def moe_gate_up_exl2(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
     width = moe_exl2_gemv.gemv_width(gate, up)
     if width is not None and moe_exl2_gemv.gemv_rows(N, E):
         return moe_exl2_gemv.gate_up_gemv(x, order, counts, gate, up, top_k, kind, width, out)
-    if width is not None and moe_exl2_rows.takes(N, E):  # 3-16 rows per expert: each word decoded once for all
+    if width is not None and moe_exl2_rows.takes(N, E, width):  # 3-16 rows per expert: each word decoded once for all
         return moe_exl2_rows.gate_up_rows(x, order, counts, gate, up, top_k, kind, width, out)
     bm, bn, warps, tiles = _tiles(N, E, inter, _sms(x), x.element_size())
     _gate_up_exl2_kernel[(tiles, triton.cdiv(inter, bn))](
@@ -270,7 +270,7 @@ def moe_down_exl2(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, do
     width = moe_exl2_gemv.gemv_width(down)
     if width is not None and moe_exl2_gemv.gemv_rows(N, E):
         return moe_exl2_gemv.down_gemv(a, order, counts, down, width, y)
-    if width is not None and moe_exl2_rows.takes(N, E):  # 3-16 rows per expert: each word decoded once for all
+    if width is not None and moe_exl2_rows.takes(N, E, width):  # 3-16 rows per expert: each word decoded once for all
         return moe_exl2_rows.down_rows(a, order, counts, down, width, y)
     bm, bn, warps, tiles = _tiles(N, E, H, _sms(a), a.element_size())
     _down_exl2_kernel[(tiles, triton.cdiv(H, bn))](

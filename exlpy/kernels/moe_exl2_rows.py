@@ -21,12 +21,6 @@ unspilled). The K splits add their fp32 sums into moe_exl2_gemv's zeroed workspa
 kernels take them (atomic exchange with zero) and write act(gate) * up, or down's y. No host sync, no memset:
 CUDA-graph safe.
 
-Mixed-width stacks (the converter's: each expert's sorted rows in groups of 2-8 bits) take one launch of the main
-kernel per width present, each compiled for that width alone: its programs walk only their expert's blocks of
-that width, listed at load (ExpertStack.blocks), and add into the same workspace; one gather of x before, one
-epilogue after. Launch count: widths present + 2, whatever the experts; every compiled variant holds one width's
-decode (one variant holding all six took ptxas minutes).
-
 Cost model (why R = 8 and few splits): per code and thread of 4 columns ~2.5 decode operations per column, then R
 FMAs per column plus R scalar x loads; at R = 8 that is ~1.6 instructions per multiply-add, so Mixtral's gate|up
 and down at 64 pairs are bound by the FMA pipes (~0.6 ms per layer at full issue against 2.07 ms for the tile
@@ -50,18 +44,19 @@ from exlpy.kernels.moe_exl2_gemv import (
     _convert_kernel,
     _workspace,
 )
-from exlpy.quant.exl2_ref import EXL2_BITS
 from exlpy.quant.experts import ExpertStack
 from exlpy.runtime import options
 
 ROWS = 8  # R: sorted rows per program (one expert's); more rows of an expert take more programs
 ROWS_STEP = 2  # a tile computes its live rows rounded up to this (one copy of the K loop per count: R / ROWS_STEP)
+ROWS_STEP_MIXED = 4  # the same for mixed-width stacks, whose K loop holds a copy per width already (compile time)
 ROWS_MIN_MEAN = 2  # this path above this mean of sorted rows per routed expert (GEMV_MAX_ROWS: the GEMV kernels)
 ROWS_MAX_MEAN = 16  # ... and up to this; more rows per expert take the tensor-core tile kernels (0: path off)
-# Stacks of mixed widths (converted files) launch the kernel once per width present, each variant compiled for
-# that one width (`launches`): a single variant holding every width's decode in each of the R / RSTEP copies of
-# the K loop was still in ptxas after 60 s on an H100 under Triton 3.6 (2026-11-26 21:25), a first-call stall no
-# server can take mid-run.
+# Stacks of mixed widths (converted files) take these kernels too: off, because on an H100 under Triton 3.6 the
+# mixed variant (every width's decode in each of the R/RSTEP copies of the K loop) was still in ptxas after 60 s
+# at its first call (2026-11-26 21:25), a stall no server can take mid-run; uniform stacks compile in seconds. What
+# would turn it on: one kernel per width present, launched per width class (as the GEMV kernels' blocks do).
+MIXED = False
 ROWS_COLS = 512  # columns per program: 4 per thread at ROWS_WARPS (one 16-byte load per packed word row)
 ROWS_WARPS = 4
 ROWS_WAVES = 8  # K split while the programs (estimated live row tiles x column blocks x matrices) fill the SMs
@@ -70,7 +65,7 @@ ROWS_WAVES = 8  # K split while the programs (estimated live row tiles x column 
 # K a whole number of steps (True) or not: fewer words in flight than the GEMV kernels (the R rows' FMAs hide
 # the loads, and registers go to the R rows' sums; 2 bits at two blocks took 255 registers under Triton 3.6).
 # Register cap per launch by whether K is whole steps (0: ptxas's choice). Unmasked, Triton 3.6 (the GPU image)
-# compiles 2-5 bits in 128 registers (4 programs of 4 warps per SM), 6 and 8 bits in 168, unspilled; with
+# compiles 2-5 bits in 128 registers (4 programs of 4 warps per SM), 6, 8 bits and mixed in 168, unspilled; with
 # masks ptxas stayed at 128 and spilled 72 bytes (4 bits), and Triton 3.9 spilled 160 bytes at a cap of 168: 232
 # spills nowhere (benchmarks/moe_rows_compile_check.py).
 ROWS_MAXNREG = {True: 0, False: 232}
@@ -145,6 +140,14 @@ def _rows_block(xb, ws, w_at: tl.constexpr, magic, R: tl.constexpr, XS: tl.const
 
 
 @triton.jit
+def _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R: tl.constexpr, XS: tl.constexpr,
+               B: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_rows_block` of a block of width B loaded on its own (mixed-width stacks)."""
+    ws = _block_words(qw_ptr, word_ptr, at, k0 < K, K - k0, ldq, cols, ok, (), B, EVEN)
+    return _rows_block(xb, ws, 0, magic, R, XS, B, BLOCK_N)
+
+
+@triton.jit
 def _scaled(acc, p, s, R: tl.constexpr):
     out = ()
     for m in tl.static_range(R):
@@ -153,24 +156,45 @@ def _scaled(acc, p, s, R: tl.constexpr):
 
 
 @triton.jit
-def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, blk_ptr, info_ptr, e_row, lo, hi, K, cols, ok, ldq, lds, magic,
+def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, info_ptr, e_row, k_lo, k_hi, K, cols, ok, ldq, lds, magic,
                R: tl.constexpr, XS: tl.constexpr, B: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN: tl.constexpr, LISTED: tl.constexpr):
-    """(sum over the span's sorted rows r of x_m[perm[r]] * W[r, cols] for the tile's first R rows m) of one B-bit
-    expert matrix whose tables start at e_row, the rows' x gathered at xt (8-byte words: XS per sorted row): each
-    block's codes decoded once into R FMAs, each row's block sum scaled once per column. The span: sorted rows
-    [lo, hi), per step the packed words of NB blocks loaded first; LISTED (mixed-width stacks, one launch per
-    width): entries [lo, hi) of the expert's list of B-bit blocks at blk_ptr (ExpertStack.blocks), one block a
-    step. EVEN: no block reaches past K (no masks)."""
+               EVEN: tl.constexpr):
+    """(sum over sorted rows [k_lo, k_hi) of x_m[perm[r]] * W[r, cols] for the tile's first R rows m) of one
+    expert's matrix whose tables start at e_row, the rows' x gathered at xt (8-byte words: XS per sorted row):
+    per step the packed words of NB blocks loaded first, then each block's codes decoded once into R FMAs, each
+    row's block sum scaled once per column. B 0: mixed widths, one block per step at its own width (a run-time
+    branch per block). EVEN: every block of every step inside K (no masks)."""
     acc = _zeros(R, BLOCK_N)
-    if LISTED:
-        for j in range(lo, hi):
-            k0 = tl.load(blk_ptr + j) * 32
-            ws = _block_words(qw_ptr, word_ptr, e_row + k0, k0 < K, K - k0, ldq, cols, ok, (), B, EVEN)
-            p = _rows_block(xt + k0 * XS, ws, 0, magic, R, XS, B, BLOCK_N)
-            acc = _scaled(acc, p, _col_scale(sc_ptr, sm_ptr, info_ptr, e_row + k0, k0 < K, cols, ok, lds), R)
+    if B == 0:
+        for k0 in range(k_lo, k_hi, 32):
+            at = e_row + k0
+            xb = xt + k0 * XS
+            if EVEN:
+                bits = (tl.load(info_ptr + at) >> 5) & 15
+            else:
+                bits = (tl.load(info_ptr + at, mask=k0 < K, other=4 << 5) >> 5) & 15
+            s = _col_scale(sc_ptr, sm_ptr, info_ptr, at, k0 < K, cols, ok, lds)
+            # each branch scales into acc itself: only acc's tuple leaves the branch
+            if bits == 2:
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 2, EVEN,
+                                              BLOCK_N), s, R)
+            elif bits == 3:
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 3, EVEN,
+                                              BLOCK_N), s, R)
+            elif bits == 4:
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 4, EVEN,
+                                              BLOCK_N), s, R)
+            elif bits == 5:
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 5, EVEN,
+                                              BLOCK_N), s, R)
+            elif bits == 6:
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 6, EVEN,
+                                              BLOCK_N), s, R)
+            elif bits == 8:
+                acc = _scaled(acc, _one_block(xb, qw_ptr, word_ptr, at, k0, K, ldq, cols, ok, magic, R, XS, 8, EVEN,
+                                              BLOCK_N), s, R)
     else:
-        for kb in range(lo, hi, 32 * NB):
+        for kb in range(k_lo, k_hi, 32 * NB):
             ws = ()
             for blk in tl.static_range(NB):
                 k0 = kb + blk * 32
@@ -184,51 +208,40 @@ def _rows_span(xt, qw_ptr, sc_ptr, sm_ptr, word_ptr, blk_ptr, info_ptr, e_row, l
 
 @triton.jit
 def _rows_kernel(xp_ptr, order_ptr, counts_ptr,
-                 g_qw, g_sc, g_sm, g_word, g_info, g_blk, g_bst,
-                 u_qw, u_sc, u_sm, u_word, u_info, u_blk, u_bst,
+                 g_qw, g_sc, g_sm, g_word, g_info,
+                 u_qw, u_sc, u_sm, u_word, u_info,
                  ws_ptr, E, K, KP, N_OUT, g_ldq, g_lds, u_ldq, u_lds, ld_ws, chunk, splits, tiles, magic,
                  E_P2: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, B: tl.constexpr, NB: tl.constexpr,
-                 EVEN: tl.constexpr, GATE_UP: tl.constexpr, TWO_X: tl.constexpr, RSTEP: tl.constexpr,
-                 LISTED: tl.constexpr, SLOT: tl.constexpr, NSLOT: tl.constexpr):
+                 EVEN: tl.constexpr, GATE_UP: tl.constexpr, TWO_X: tl.constexpr, RSTEP: tl.constexpr):
     """Program (row tile of R sorted rows, column block, matrix x K split) over the gathered x (`_gather_kernel`;
     TWO_X: gate and up each their own). GATE_UP: matrix 0 gate / 1 up (the u_* tables), sums added into
-    workspace row r (sorted) at column matrix * N_OUT; else (down) into workspace row order[r] (pair order).
-    K split `part` takes sorted rows [part * chunk, +chunk), or where LISTED (one width of a mixed stack) the
-    expert's B-bit blocks [start + part * chunk, +chunk) of its list (ExpertStack.blocks / block_starts, the
-    width's slot SLOT of NSLOT - 1); a split with none exits."""
+    workspace row r (sorted) at column matrix * N_OUT; else (down) into workspace row order[r] (pair order)."""
     tile = tl.program_id(0)
     expert, row0, end = _tile(counts_ptr, tile, E, E_P2, R)
     if expert < E:
         part = tl.program_id(2)
         mat = part // splits
-        qw, sc, sm, word, info, blk, bst, ldq, lds = g_qw, g_sc, g_sm, g_word, g_info, g_blk, g_bst, g_ldq, g_lds
+        qw, sc, sm, word, info, ldq, lds = g_qw, g_sc, g_sm, g_word, g_info, g_ldq, g_lds
         if GATE_UP:
             if mat == 1:
-                qw, sc, sm, word, info, blk, bst, ldq, lds = u_qw, u_sc, u_sm, u_word, u_info, u_blk, u_bst, u_ldq, \
-                    u_lds
-        lo = (part - mat * splits) * chunk
-        hi = tl.minimum(lo + chunk, K)
-        if LISTED:
-            first = tl.load(bst + expert * NSLOT + SLOT)
-            hi = tl.minimum(first + lo + chunk, tl.load(bst + expert * NSLOT + SLOT + 1))
-            lo = first + lo
-            blk = blk + expert.to(tl.int64) * tl.cdiv(K, 32)
-        if lo < hi:
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = cols < N_OUT
-            xm = tile
-            if TWO_X:
-                xm = mat * tiles + tile
-            xt = xp_ptr.to(tl.pointer_type(tl.int64)) + xm.to(tl.int64) * KP * (R // 2)
-            # The tile's live rows, rounded up to a multiple of RSTEP, are computed: one copy of the K loop per
-            # count (the tile height is a device value; rows past it would cost FMAs, the loop's main work).
-            nr = tl.minimum(end - row0, R)
-            for rr in tl.static_range(RSTEP, R + 1, RSTEP):
-                if nr > rr - RSTEP:
-                    if nr <= rr:
-                        acc = _rows_span(xt, qw, sc, sm, word, blk, info, expert.to(tl.int64) * K, lo, hi, K, cols,
-                                         ok, ldq, lds, magic, rr, R // 2, B, NB, BLOCK_N, EVEN, LISTED)
-                        _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, mat * N_OUT, cols, ok, rr, GATE_UP)
+                qw, sc, sm, word, info, ldq, lds = u_qw, u_sc, u_sm, u_word, u_info, u_ldq, u_lds
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N_OUT
+        k_lo = (part - mat * splits) * chunk
+        xm = tile
+        if TWO_X:
+            xm = mat * tiles + tile
+        xt = xp_ptr.to(tl.pointer_type(tl.int64)) + xm.to(tl.int64) * KP * (R // 2)
+        # The tile's live rows, rounded up to a multiple of RSTEP, are computed: one copy of the K loop per count
+        # (the tile height is a device value; rows past it would cost FMAs, the loop's main work).
+        nr = tl.minimum(end - row0, R)
+        for rr in tl.static_range(RSTEP, R + 1, RSTEP):
+            if nr > rr - RSTEP:
+                if nr <= rr:
+                    acc = _rows_span(xt, qw, sc, sm, word, info, expert.to(tl.int64) * K, k_lo,
+                                     tl.minimum(k_lo + chunk, K), K, cols, ok, ldq, lds, magic, rr, R // 2, B, NB,
+                                     BLOCK_N, EVEN)
+                    _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, mat * N_OUT, cols, ok, rr, GATE_UP)
 
 
 @triton.jit
@@ -246,19 +259,20 @@ def _store_rows(acc, ws_ptr, order_ptr, row0, end, ld_ws, col0, cols, ok, R: tl.
 
 
 # --- host side --------------------------------------------------------------------------------------------------
-def takes(n_pairs: int, n_experts: int) -> bool:
-    """Whether N sorted rows over E experts take these kernels: mean rows per routed expert above ROWS_MIN_MEAN (the
-    GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on (EXLPY_MOE_GEMV, on by
-    default) and these ones too (EXLPY_MOE_ROWS, on by default). Host arithmetic only (the per-expert counts live
-    on the device)."""
+def takes(n_pairs: int, n_experts: int, width: int = 4) -> bool:
+    """Whether N sorted rows over E experts of a stack of `width` (0: mixed) take these kernels: mean rows per routed
+    expert above ROWS_MIN_MEAN (the GEMV kernels' range) and at most ROWS_MAX_MEAN, where the split-K kernels are on
+    (EXLPY_MOE_GEMV, on by default) and these ones too (EXLPY_MOE_ROWS, on by default); mixed stacks only where
+    MIXED says. Host arithmetic only (the per-expert counts live on the device)."""
+    if width == 0 and not MIXED:
+        return False
     routed = max(1, min(n_experts, n_pairs))
     opts = options()
     return opts.moe_gemv and opts.moe_rows and ROWS_MIN_MEAN * routed < n_pairs <= ROWS_MAX_MEAN * routed
 
 
 def _nb(bits: int, k: int) -> tuple[int, bool]:
-    """(32-row blocks per step, whether K is whole steps: no masks) for `bits` (0: one width of a mixed stack,
-    listed blocks, one a step)."""
+    """(32-row blocks per step, whether K is whole steps: no masks) for `bits` (0: mixed, one block a step)."""
     nb = ROWS_NB[True][bits] if bits else 1
     if k % (32 * nb):
         nb = ROWS_NB[False][bits] if bits else 1
@@ -273,9 +287,9 @@ def plan(n_pairs: int, n_experts: int, n_out: int, k: int, nb: int, matrices: in
     nb blocks, into as many splits as keep the estimated live programs (row tiles max(ceil(N / R), routed experts))
     within ROWS_WAVES per SM (on the CPU every step its own split, so the interpreter tests cover the workspace's
     sums)."""
-    if ROWS < 2 or ROWS % 2 or ROWS_STEP < 2 or ROWS_STEP % 2:
-        raise ValueError(f"moe_exl2_rows.ROWS ({ROWS}) and ROWS_STEP ({ROWS_STEP}) must be even (two rows' x per "
-                         "8-byte load)")
+    if ROWS < 2 or ROWS % 2 or any(s < 2 or s % 2 for s in (ROWS_STEP, ROWS_STEP_MIXED)):
+        raise ValueError(f"moe_exl2_rows.ROWS ({ROWS}), ROWS_STEP ({ROWS_STEP}) and ROWS_STEP_MIXED "
+                         f"({ROWS_STEP_MIXED}) must be even (two rows' x per 8-byte load)")
     routed = max(1, min(n_experts, n_pairs))
     tiles = triton.cdiv(n_pairs, ROWS) + routed
     live = max(triton.cdiv(n_pairs, ROWS), routed)
@@ -288,17 +302,6 @@ def plan(n_pairs: int, n_experts: int, n_out: int, k: int, nb: int, matrices: in
     want = triton.cdiv(ROWS_WAVES * sms, live * col_blocks * matrices) if sms else steps
     per = triton.cdiv(steps, max(1, min(steps, want)))
     return tiles, cols, warps, col_blocks, triton.cdiv(steps, per), per * step
-
-
-def launches(width: int, k: int, *stacks: ExpertStack) -> list[tuple[int, int, bool]]:
-    """(width, sorted rows to plan K splits over, listed) per main-kernel launch over `stacks` (gate and up, or
-    down): a one-width stack one launch over K; a mixed one a launch per width present, each compiled for that
-    width alone and walking only the experts' blocks of it (ExpertStack.blocks), over as many rows as the expert
-    with the most such blocks has (widths 2-8 in one K loop took ptxas minutes: the first call's stall)."""
-    if width:
-        return [(width, k, False)]
-    return [(b, 32 * most, True) for s, b in enumerate(EXL2_BITS)
-            if (most := max(st.width_blocks[s] for st in stacks))]
 
 
 def _gathered(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, perms: tuple[torch.Tensor, ...],
@@ -315,10 +318,10 @@ def _gathered(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, perms:
     return xp
 
 
-def _step() -> int:
-    """RSTEP: ROWS_STEP lowered to an even divisor of ROWS (the kernel's copies of the K loop must cover every
-    live-row count up to ROWS)."""
-    step = min(ROWS, ROWS_STEP)
+def _step(width: int) -> int:
+    """RSTEP of a launch: ROWS_STEP, or for mixed widths (width 0) ROWS_STEP_MIXED, lowered to an even divisor of
+    ROWS (the kernel's copies of the K loop must cover every live-row count up to ROWS)."""
+    step = min(ROWS, ROWS_STEP if width else ROWS_STEP_MIXED)
     while ROWS % step:
         step -= 2
     return step
@@ -330,39 +333,23 @@ def _cap(even: bool, t: torch.Tensor) -> dict[str, int]:
     return {"maxnreg": cap} if cap and t.is_cuda else {}
 
 
-def _rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, stacks: tuple[ExpertStack, ...], top_k: int,
-          width: int, ws: torch.Tensor, ld_ws: int) -> None:
-    """Add the main kernels' sums into the workspace `ws`: gate and up (two stacks, x rows are tokens
-    order[r] // top_k) or down (one stack, x rows sorted), one launch per `launches` entry after one gather of x
-    shared by them (its rows padded to the longest launch's K splits)."""
-    first, last = stacks[0], stacks[-1]
-    E, K, n_out, N, mats = first.num_experts, first.k, first.n, order.shape[0], len(stacks)
-    runs = []
-    for bits, k_run, listed in launches(width, K, *stacks):
-        nb, even = _nb(0 if listed else bits, K)
-        tiles, cols, warps, col_blocks, splits, chunk = plan(N, E, n_out, k_run, nb, mats, _sms(x))
-        runs.append((bits, listed, nb, even, tiles, cols, warps, col_blocks, splits, chunk))
-    kp = max(r[8] * r[9] if not r[1] else triton.cdiv(K, 32) * 32 for r in runs)
-    two_x = mats == 2 and first.perm_digest != last.perm_digest
-    xp = _gathered(x, order, counts, (first.perm, last.perm) if two_x else (first.perm,), E, K, kp, runs[0][4],
-                   top_k if mats == 2 else 0)
-    for bits, listed, nb, even, tiles, cols, warps, col_blocks, splits, chunk in runs:
-        _rows_kernel[(tiles, col_blocks, mats * splits)](
-            xp, order, counts, first.q_weight, first.scales, first.scale_max, first.word, first.info, first.blocks,
-            first.block_starts, last.q_weight, last.scales, last.scale_max, last.word, last.info, last.blocks,
-            last.block_starts, ws, E, K, kp, n_out, first.q_weight.stride(0), first.scales.stride(0),
-            last.q_weight.stride(0), last.scales.stride(0), ld_ws, chunk // 32 if listed else chunk, splits, tiles,
-            _MAGIC, E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=bits, NB=nb, EVEN=even, GATE_UP=mats == 2,
-            TWO_X=two_x, RSTEP=_step(), LISTED=listed, SLOT=EXL2_BITS.index(bits), NSLOT=len(EXL2_BITS) + 1,
-            num_warps=warps, num_stages=1, **_cap(even, x))
-
-
 def gate_up_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gate: ExpertStack, up: ExpertStack,
                  top_k: int, kind: str, width: int, out: torch.Tensor) -> torch.Tensor:
     """moe_gate_up_exl2 for aligned stacks (`width`: their one width, 0 for mixed) at a few rows per expert."""
-    inter, N = gate.n, order.shape[0]
+    E, H, inter, N = gate.num_experts, gate.k, gate.n, order.shape[0]
+    nb, even = _nb(width, H)
+    tiles, cols, warps, col_blocks, splits, chunk = plan(N, E, inter, H, nb, 2, _sms(x))
+    two_x = gate.perm_digest != up.perm_digest
+    xp = _gathered(x, order, counts, (gate.perm, up.perm) if two_x else (gate.perm,), E, H, splits * chunk, tiles,
+                   top_k)
     ws = _workspace(x.device, N * 2 * inter)  # split-K sums: gate | up per sorted row
-    _rows(x, order, counts, (gate, up), top_k, width, ws, 2 * inter)
+    _rows_kernel[(tiles, col_blocks, 2 * splits)](
+        xp, order, counts, gate.q_weight, gate.scales, gate.scale_max, gate.word, gate.info,
+        up.q_weight, up.scales, up.scale_max, up.word, up.info,
+        ws, E, H, splits * chunk, inter, gate.q_weight.stride(0), gate.scales.stride(0), up.q_weight.stride(0),
+        up.scales.stride(0), 2 * inter, chunk, splits, tiles, _MAGIC,
+        E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=True,
+        TWO_X=two_x, RSTEP=_step(width), num_warps=warps, num_stages=1, **_cap(even, x))
     block = min(1024, triton.next_power_of_2(inter))
     _act_kernel[(N, triton.cdiv(inter, block))](ws, out, inter, out.stride(0), ACT=_ACTS[kind], BLOCK=block,
                                                 num_warps=4)
@@ -372,9 +359,18 @@ def gate_up_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, gat
 def down_rows(a: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, down: ExpertStack, width: int,
               y: torch.Tensor) -> torch.Tensor:
     """moe_down_exl2 for an aligned stack (`width`: its one width, 0 for mixed) at a few rows per expert."""
-    H, N = down.n, order.shape[0]
+    E, inter, H, N = down.num_experts, down.k, down.n, order.shape[0]
+    nb, even = _nb(width, inter)
+    tiles, cols, warps, col_blocks, splits, chunk = plan(N, E, H, inter, nb, 1, _sms(a))
+    xp = _gathered(a, order, counts, (down.perm,), E, inter, splits * chunk, tiles, 0)
     ws = _workspace(a.device, N * H)  # split-K sums, rows in pair order
-    _rows(a, order, counts, (down,), 0, width, ws, H)
+    _rows_kernel[(tiles, col_blocks, splits)](
+        xp, order, counts, down.q_weight, down.scales, down.scale_max, down.word, down.info,
+        down.q_weight, down.scales, down.scale_max, down.word, down.info,
+        ws, E, inter, splits * chunk, H, down.q_weight.stride(0), down.scales.stride(0), down.q_weight.stride(0),
+        down.scales.stride(0), H, chunk, splits, tiles, _MAGIC,
+        E_P2=triton.next_power_of_2(E), R=ROWS, BLOCK_N=cols, B=width, NB=nb, EVEN=even, GATE_UP=False,
+        TWO_X=False, RSTEP=_step(width), num_warps=warps, num_stages=1, **_cap(even, a))
     block = min(1024, triton.next_power_of_2(H))
     _convert_kernel[(N, triton.cdiv(H, block))](ws, y, H, y.stride(0), BLOCK=block, num_warps=4)
     return y

@@ -11,14 +11,7 @@ int32 tables say where that row's code is:
 - `info[e, r]`: bit offset (bits 0-4) | width (5-8) | stacked group index (9-) of the row's scale.
 
 The tables cost 12 bytes per expert row (0.5-1% of 4-bit weights) and make every layout, mixed widths and groups
-of any height included, one code path. For kernels compiled for one width (moe_exl2_rows launches one per width
-present in a mixed stack) a fourth table lists each expert's 32-row blocks grouped by width:
-
-- `blocks[e]`: expert e's block indices (sorted row // 32), those of EXL2_BITS[0] first, then EXL2_BITS[1], ...,
-  each width's in K order; `block_starts[e, s] .. block_starts[e, s + 1]` is the slice of width EXL2_BITS[s],
-- `width_blocks[s]`: the most blocks of width EXL2_BITS[s] any expert has (host ints: the launches' K extent).
-
-Everything is built once at load, on the host.
+of any height included, one code path. Everything is built once at load, on the host.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from exlpy.errors import QuantFormatError
-from exlpy.quant.exl2_ref import EXL2_BITS, build_exl2_matrix
+from exlpy.quant.exl2_ref import build_exl2_matrix
 from exlpy.quant.layout import QuantMatrix
 from exlpy.weights.checks import landed
 from exlpy.weights.safetensors_index import SafetensorsIndex
@@ -54,9 +47,6 @@ class ExpertStack:
     perm_digest: str  # of `perm`'s contents: stacks with equal digests share their act order (gate and up)
     aligned: bool  # every 32-row block of sorted rows lies in one group (converter layouts: groups of 32-128 rows)
     width: int  # the bit width of every group of every expert, 0 when they differ
-    blocks: torch.Tensor  # int32 [E, ceil(K / 32)]: each expert's 32-row blocks grouped by width (module docstring)
-    block_starts: torch.Tensor  # int32 [E, len(EXL2_BITS) + 1]: where each width's blocks start in `blocks[e]`
-    width_blocks: tuple[int, ...]  # per EXL2_BITS width, the most blocks of it in any one expert (0: absent)
     _dense: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -68,13 +58,7 @@ class ExpertStack:
         return self.q_weight.device
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.q_weight, self.scales, self.scale_max, self.perm, self.word, self.info, self.blocks,
-                self.block_starts]
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        """The widths some 32-row block of some expert has (by each block's first row), ascending."""
-        return tuple(b for b, n in zip(EXL2_BITS, self.width_blocks) if n)
+        return [self.q_weight, self.scales, self.scale_max, self.perm, self.word, self.info]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -82,8 +66,7 @@ class ExpertStack:
     def to(self, device: torch.device | str) -> ExpertStack:
         return replace(self, q_weight=self.q_weight.to(device), scales=self.scales.to(device),
                        scale_max=self.scale_max.to(device), perm=self.perm.to(device), word=self.word.to(device),
-                       info=self.info.to(device), blocks=self.blocks.to(device),
-                       block_starts=self.block_starts.to(device), _dense={})
+                       info=self.info.to(device), _dense={})
 
     def dequant(self, e: int) -> torch.Tensor:
         """Expert e's W [K, n] fp32 in input-feature order (y = x @ W), decoded from the stacked tables alone
@@ -140,28 +123,9 @@ def stack_exl2(mats: list[QuantMatrix], dtype: torch.dtype, name: str) -> Expert
     smax = torch.cat([qm.scale_max.float() for qm in mats])  # type: ignore[union-attr]
     perms = torch.stack(perm).to(torch.int32)
     digest = hashlib.sha256(perms.numpy().tobytes()).hexdigest()
-    infos = torch.stack(info).to(torch.int32)
-    blocks, starts, most = _width_blocks(infos)
     return ExpertStack(torch.cat([qm.q_weight for qm in mats]), torch.cat([qm.scales for qm in mats]), smax, perms,
-                       torch.stack(word).to(torch.int32), infos, k, n, dtype, digest, aligned,
-                       widths.pop() if len(widths) == 1 else 0, blocks, starts, most)
-
-
-def _width_blocks(info: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """(blocks, block_starts, width_blocks) of the module docstring from the row tables `info` [E, K] (host): a
-    block's width is its first row's (the whole block's where the stack is aligned, the only case that reads
-    them)."""
-    e, k = info.shape
-    nb = -(-k // 32)
-    bits = ((info[:, ::32] >> 5) & 15).to(torch.int64)  # [E, nb]
-    lut = torch.full((16,), len(EXL2_BITS), dtype=torch.int64)
-    lut[list(EXL2_BITS)] = torch.arange(len(EXL2_BITS))
-    slot = lut[bits]
-    blocks = torch.argsort(slot * nb + torch.arange(nb), dim=1).to(torch.int32)  # by width slot, then K order
-    counts = torch.nn.functional.one_hot(slot, len(EXL2_BITS) + 1)[:, :, :len(EXL2_BITS)].sum(1)  # [E, widths]
-    starts = torch.cat([torch.zeros(e, 1, dtype=torch.int64), counts.cumsum(1)], 1).to(torch.int32)
-    most = counts.max(0).values.tolist() if e else [0] * len(EXL2_BITS)
-    return blocks, starts, tuple(int(m) for m in most)
+                       torch.stack(word).to(torch.int32), torch.stack(info).to(torch.int32), k, n, dtype, digest,
+                       aligned, widths.pop() if len(widths) == 1 else 0)
 
 
 def read_exl2_matrix(index: SafetensorsIndex, prefix: str, k: int, n: int, prescale: float = 1.0) -> QuantMatrix:
