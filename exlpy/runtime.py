@@ -61,12 +61,15 @@ class RuntimeOptions:
     tp_comm: str = "auto"
     tp_layout: str = "auto"
     tp_graphs: bool = True
-    tp_pipeline: bool = False  # off until a GPU run records its gain (benchmarks/tp.py times both)
+    # Off: on two H100s the two micro-batches were host-bound (31.3 vs 26.4 ms plain for 2,048 tokens of a 70B-shaped
+    # model; benchmarks/results/multigpu.md, 2026-11-26 22:54). benchmarks/tp.py times both.
+    tp_pipeline: bool = False
     # EXLPY_TP_PREFILL_COMM=copy: on two GPUs, all-reduces of prefill-sized messages (exlpy/parallel/tp_copy.py
     # MIN_BYTES and up, outside graph capture) by a peer copy each way on the copy engines and one pass adding the
     # peer's partial (and norming the sum for the next block), instead of the decode backend (NCCL at those sizes);
-    # with EXLPY_TP_PIPELINE=1 the copies overlap the other micro-batch's compute without taking SMs. Opt-in until a
-    # two-GPU run of benchmarks/tp.py records its gain.
+    # with EXLPY_TP_PIPELINE=1 the copies are meant to overlap the other micro-batch's compute without taking SMs.
+    # Opt-in: on two H100s the copies took 207 us per 32 MB against the peer kernel's 141 and did not overlap a GEMM
+    # (benchmarks/results/multigpu.md, 2026-11-26 22:54).
     tp_prefill_comm: str = "default"
     # The next block's RMSNorm in the all-reduce where the backend fuses it (peer, hostmem). Off by default until
     # it has run on two real GPUs (written 2026-11-26; CPU interpreter tests and logits bit-equal there).
