@@ -68,8 +68,8 @@ class RuntimeOptions:
     # MIN_BYTES and up, outside graph capture) by a peer copy each way on the copy engines and one pass adding the
     # peer's partial (and norming the sum for the next block), instead of the decode backend (NCCL at those sizes);
     # with EXLPY_TP_PIPELINE=1 the copies are meant to overlap the other micro-batch's compute without taking SMs.
-    # Opt-in: on two H100s the copies took 207 us per 32 MB against the peer kernel's 141 and did not overlap a GEMM
-    # (benchmarks/results/multigpu.md, 2026-11-26 22:54).
+    # Opt-in: on two H100s its prefill was no faster (27.0 vs 26.4 ms plain; its host time per all-reduce ~390 us
+    # more; benchmarks/results/multigpu.md, 2026-11-26 22:54).
     tp_prefill_comm: str = "default"
     # The next block's RMSNorm in the all-reduce where the backend fuses it (peer, hostmem). Off by default until
     # it has run on two real GPUs (written 2026-11-26; CPU interpreter tests and logits bit-equal there).
