@@ -6,8 +6,9 @@ without TRITON_INTERPRET=1 never sets it; it takes the selected interpreter test
 `python -m pytest` with TRITON_INTERPRET=1 (the item `tests::triton-interpreter`, which fails if any of them
 fails), while CUDA tests in the same session use compiled kernels. Under TRITON_INTERPRET=1 everything runs in
 the session itself. The child starts with the session's test loop and runs beside the other tests (the
-interpreter is single-threaded Python: a second core's work); its item, last, waits for it. Under pytest-xdist
-workers, or with EXLPY_TEST_INTERPRETER_OVERLAP=0, it runs only when its item's turn comes.
+interpreter is single-threaded Python: a second core's work); its item, last, waits for it. With
+EXLPY_TEST_INTERPRETER_OVERLAP=0 it runs only when its item's turn comes. Under pytest-xdist workers the
+interpreter tests are shared among EXLPY_TEST_INTERPRETER_SHARDS children (default 4), each an item queued first.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ class InterpreterRun(pytest.Item):
         return super().repr_failure(excinfo)  # type: ignore[arg-type]
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
-        return ROOT / "tests" / "conftest.py", None, f"triton-interpreter: {len(self.nodeids)} tests in a child"
+        return ROOT / "tests" / "conftest.py", None, f"{self.name}: {len(self.nodeids)} tests in a child"
 
 
 class InterpreterFailure(Exception):
@@ -213,14 +214,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not interp:
         return
     items[:] = [i for i in items if i.get_closest_marker("interpreter") is None]
-    run = InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=[i.nodeid for i in interp])
-    # Under xdist the child runs when its item's turn comes: first, so that its minutes of serial interpreter work
-    # overlap the other workers' tests instead of being the session's tail. Alone it goes last (it started with
-    # the loop: pytest_runtestloop) and the item only waits for it.
+    nodeids = [i.nodeid for i in interp]
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.insert(0, run)
-    else:
-        items.append(run)
+        # Under xdist a child runs when its item's turn comes, and one child of every interpreter test was the
+        # session's tail (393 s of 502 on an H100 box, 14 workers). So: several children, each a round-robin share
+        # (every worker collects the same items, as xdist requires), queued first so that they overlap the other
+        # workers' tests.
+        shards = max(1, min(len(nodeids), int(os.environ.get("EXLPY_TEST_INTERPRETER_SHARDS", "4"))))
+        items[:0] = [InterpreterRun.from_parent(session, name=f"triton-interpreter-{k}", nodeids=nodeids[k::shards])
+                     for k in range(shards)]
+    else:  # alone, the child started with the loop (pytest_runtestloop); its item, last, only waits for it
+        items.append(InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=nodeids))
     # The MoE modules' GPU tests build Mixtral-shaped stacks and compile their kernels per process: spread over
     # many xdist workers they all did it at once and stalled past a 300 s timeout (H100 x2, 28 workers,
     # 2026-11-26). With --dist loadgroup (benchmarks/gpu_tests.sh) they share one worker.
@@ -233,14 +237,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_runtestloop(session: pytest.Session) -> Any:
     """Start the interpreter child as the session's tests start (see the module docstring), and end it with the
     loop whatever happened."""
-    run = next((i for i in session.items if isinstance(i, InterpreterRun)), None)
-    if (run is not None and not session.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ
+    runs = [i for i in session.items if isinstance(i, InterpreterRun)]
+    if (len(runs) == 1 and not session.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ
             and os.environ.get("EXLPY_TEST_INTERPRETER_OVERLAP", "1") != "0"):
-        run.start(beside_session=True)
+        runs[0].start(beside_session=True)
     try:
         yield
     finally:
-        if run is not None:
+        for run in runs:
             run.stop()
 
 
