@@ -15,7 +15,7 @@ from exlpy.convert import quantize as quantize_mod
 from exlpy.convert.gptq import gptq_quantize, prepare_hessian
 from exlpy.convert.settings import ConvertSettings
 from exlpy.errors import ConvertSettingsError
-from tests.conftest import shared_path
+from tests.conftest import requires_cuda, shared_path
 from tests.convert_util import check_format, kl, logits
 
 CAL = dict(rows=8, length=64, measurement_rows=2, measurement_length=64, progress=False)
@@ -107,3 +107,25 @@ def test_only_dense_unparallel_blocks_are_tuned() -> None:
         parallel = False
 
     assert not blocktune.tunable(Other())  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_block_tuning_runs_on_the_gpu(tmp_path, monkeypatch) -> None:
+    """On CUDA the tuner runs torch's reference ops (the Triton kernels have no backward pass) and still
+    improves blocks from round-to-nearest codes; the result is valid EXL2."""
+    src = str(shared_path("models", "tiny-llama-fp16"))
+    monkeypatch.setattr(quantize_mod, "quantize_best_order", _rtn)
+    errors: list[tuple[float, float]] = []
+    real_tune = quantize_mod.tune_block
+
+    def recording(module, *args, **kwargs):
+        out, before, after = real_tune(module, *args, **kwargs)
+        errors.append((before, after))
+        return out, before, after
+
+    monkeypatch.setattr(quantize_mod, "tune_block", recording)
+    convert(src, str(tmp_path / "w"), str(tmp_path / "o"), bits=3.0, block_tune=12, block_tune_tokens=128,
+            device="cuda:0", **CAL)
+    assert errors and all(a <= b for b, a in errors) and any(a < 0.97 * b for b, a in errors), errors
+    check_format(str(tmp_path / "o"), src)

@@ -22,7 +22,7 @@ theirs, so on held-out calibration rows the module never gets worse.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from exlpy.model.attention import Attention
 from exlpy.model.batch import contiguous_batch
 from exlpy.model.mlp import MLP
 from exlpy.model.module import Module
+from exlpy.runtime import options, use_options
 
 # Step sizes over the whole run, in units of each parameter (V: codes, c: scale codes, lm: log max scale). A step
 # moves each parameter by lr / steps (decaying linearly to 0) times its gradient over the largest gradient of its
@@ -222,7 +223,8 @@ def tune_block(module: Module, taps: dict[str, Tap], results: dict[str, QuantRes
             total += float(_rel_err(_forward(module, x, device), refs[a // (per_step * 4)])) * x.shape[0]
         return total / len(ids)
 
-    with torch.inference_mode(False), torch.enable_grad():
+    # Torch's reference ops on a GPU too: the Triton kernels have no backward pass.
+    with torch.inference_mode(False), torch.enable_grad(), use_options(replace(options(), triton=False)):
         _normal_tensors(module, set())
         for t in taps.values():
             t.set_weight(None, dtype)
