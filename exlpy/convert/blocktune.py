@@ -8,7 +8,8 @@ parts a per-linear objective cannot see (softmax, SwiGLU, the interaction of q/k
 
 Everything tuned stays exactly representable in EXL2 (spec §3.5: w = (code - 2^(b-1)) * qscale^2 * smax / 256):
 - the weight codes, as AutoRound: code = round(x + V), x the source weight in units of the current scale
-  (anchored so that V = 0 gives the current codes exactly), V in [-0.5, 0.5] learned;
+  (anchored at the centre of the current code's bin, so V = 0 gives the current codes exactly), V learned in
+  (-1, 1): each code can move by one step either way (|V| > 1/2);
 - each group-and-column 4-bit scale code qscale (1..16), learned as a real number and rounded;
 - each group's fp16 max scale (q_scale_max), learned as a log multiplier and rounded to fp16.
 Rounding uses the straight-through estimator; the updates are gradient steps normalized by each tensor's largest
@@ -41,6 +42,7 @@ from exlpy.runtime import options, use_options
 # steps (every entry moves alike) were tried first: from GPTQ's already near-optimal codes they flip a large share
 # of the codes at once and the error rose 2 to 4x before recovering (benchmarks/results/convert_quality.md).
 LR_ROUND = 8.0
+V_MAX = 0.999  # |V| < 1: a code moves one step at most (AutoRound's [-0.5, 0.5] assumes a fractional start)
 LR_SCALE = 8.0
 LR_SMAX = 0.4
 HOLDOUT = 4  # every HOLDOUT-th calibration row is held out for choosing the iterate
@@ -257,7 +259,7 @@ def tune_block(module: Module, taps: dict[str, Tap], results: dict[str, QuantRes
             with torch.no_grad():
                 gi = iter(grads)
                 for lin in lins.values():
-                    for p, lr, lo, hi in ((lin.v, LR_ROUND, -0.5, 0.5), (lin.c, LR_SCALE, 1.0, 16.0),
+                    for p, lr, lo, hi in ((lin.v, LR_ROUND, -V_MAX, V_MAX), (lin.c, LR_SCALE, 1.0, 16.0),
                                           (lin.lm, LR_SMAX, -0.1, 0.1)):
                         g = next(gi)
                         if g is not None:
