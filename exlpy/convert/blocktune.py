@@ -41,7 +41,7 @@ from exlpy.runtime import options, use_options
 # tensor, so the most-pushed entry can travel lr / 2 in all and the others in proportion. AutoRound's signed
 # steps (every entry moves alike) were tried first: from GPTQ's already near-optimal codes they flip a large share
 # of the codes at once and the error rose 2 to 4x before recovering (benchmarks/results/convert_quality.md).
-LR_ROUND = 8.0
+LR_ROUND = 2.0  # 8 (B1 in convert_quality.md) gained less in KL at 3.0 and 4.0 bpw than 2
 V_MAX = 0.999  # |V| < 1: a code moves one step at most (AutoRound's [-0.5, 0.5] assumes a fractional start)
 LR_SCALE = 8.0
 LR_SMAX = 0.4
