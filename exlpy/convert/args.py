@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learned_rounding", type=int, default=d.learned_rounding, metavar="PASSES",
                    help="passes of learned rounding after GPTQ: every code and scale re-chosen to lower each "
                    f"layer's output error (exlpy; default {d.learned_rounding}; 0 = GPTQ's rounding)")
+    p.add_argument("--block_tune", type=int, default=d.block_tune, metavar="STEPS",
+                   help="steps of block-wise output tuning after learned rounding: each attention/MLP block's "
+                   "weight codes and scales tuned together so the block's output matches the source block's "
+                   f"(AutoRound-style; exlpy; default {d.block_tune} = off)")
+    p.add_argument("--block_tune_tokens", type=int, default=d.block_tune_tokens, metavar="TOKENS",
+                   help=f"calibration tokens per block-tuning step (exlpy; default {d.block_tune_tokens})")
     p.add_argument("--target", choices=("quantized", "source"), default=d.target,
                    help="what each layer's quantization aims at: the source weights' output on the quantized "
                    "inputs (GPTQ) or the source model's output (asymmetric calibration) (exlpy; default "
@@ -70,7 +76,9 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "measurement_rows": a.measurement_rows, "measurement_length": a.measurement_length,
             "shard_size": a.shard_size, "no_resume": a.no_resume, "device": a.device, "progress": not a.quiet,
             "rope_scale": a.rope_scale, "rope_alpha": a.rope_alpha, "status_output": a.status_output,
-            "learned_rounding": a.learned_rounding, "target": a.target, "objective": a.objective}
+            "learned_rounding": a.learned_rounding,
+            "block_tune": a.block_tune, "block_tune_tokens": a.block_tune_tokens, "target": a.target,
+            "objective": a.objective}
 
 
 def deprecated_notices(a: argparse.Namespace) -> list[str]:

@@ -382,7 +382,8 @@ class _Converter:
                 note = _experts_note({"expert_tokens": tokens})
             else:
                 tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
-                                                            s.scale_norm, s.act_order, ref, s.learned_rounding)
+                                                            s.scale_norm, s.act_order, ref, s.learned_rounding,
+                                                            s.block_tune, s.block_tune_tokens)
             m.unload()
             job.write_async(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from exlpy.convert.blocktune import tunable, tune_block
 from exlpy.convert.forward import (
     Hessian,
     States,
@@ -40,17 +41,20 @@ from exlpy.model.module import Module
 
 def quantize_module(module: Module, states: States, device: torch.device, store: torch.device,
                     option: dict[str, QParams], damp: float, norm: float, act_order: str = "auto",
-                    ref: States | None = None, rounding_passes: int = 0
-                    ) -> tuple[dict[str, torch.Tensor], States, States | None, float]:
+                    ref: States | None = None, rounding_passes: int = 0, tune_steps: int = 0,
+                    tune_tokens: int = 1024) -> tuple[dict[str, torch.Tensor], States, States | None, float]:
     """(packed tensors, quantized outputs, source outputs, relative error of the first chunk's output) of a
     loaded module. `states`: the quantized model's inputs; `ref`: the source model's inputs of the same rows
     (then every linear targets the source output, see the module docstring; None: GPTQ of the source weights).
-    `rounding_passes`: passes of learned rounding after GPTQ (gptq.refine_rounding; 0: GPTQ's own rounding)."""
+    `rounding_passes`: passes of learned rounding after GPTQ (gptq.refine_rounding; 0: GPTQ's own rounding).
+    `tune_steps`: steps of block-wise output tuning of all the module's linears together, about `tune_tokens`
+    calibration tokens each (blocktune.tune_block; 0: none)."""
     check_source(module)
     taps = install_taps(module)
     dtype = module.dtype(device)
-    tensors: dict[str, torch.Tensor] = {}
     done: dict[str, torch.Tensor] = {}  # dense quantized weights of the linears already quantized
+    quantized: dict[str, QuantResult] = {}
+    sources: dict[str, torch.Tensor] = {}
     for rec, keys in hessian_groups(module):
         hm, cross = record_inputs(module, taps, rec, done, states, ref, device)
         ws = [read_weight(module.index, f"{module.key}.{k}.weight", device) for k in keys]
@@ -58,14 +62,20 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
         results = quantize_best_order(targets, [option[k] for k in keys], hm, damp, norm, f"{module.key}.{rec}",
                                       act_order, rounding_passes)
         del hm, cross
-        for k, res in zip(keys, results):
-            prefix = f"{module.key}.{k}"
-            packed = pack_exl2(res, prefix, read_bias(module.index, prefix))
-            check_packed(packed, res, prefix)
-            tensors.update(packed)
+        for k, w, res in zip(keys, ws, results):
+            quantized[k], sources[k] = res, w
             done[k] = res.dense()
             taps[k].set_weight(done[k], dtype)
         del ws, targets, results
+    if tune_steps > 0 and tunable(module):
+        quantized, _, _ = tune_block(module, taps, quantized, sources, states, device, tune_steps, tune_tokens)
+    del sources
+    tensors: dict[str, torch.Tensor] = {}
+    for k, res in quantized.items():
+        prefix = f"{module.key}.{k}"
+        packed = pack_exl2(res, prefix, read_bias(module.index, prefix))
+        check_packed(packed, res, prefix)
+        tensors.update(packed)
     out = forward_chunks(module, states, device, store, module.key)
     assert out is not None
     # Relative error against the unquantized module on the first chunk: the figure the summary reports.

@@ -51,6 +51,11 @@ class ConvertSettings:
     # output error (exlpy/convert/gptq.py refine_rounding; on SmolLM2 2 passes cut the KL to the source by 6-7%
     # at 3.0 and 4.0 bpw for about one GPTQ per pass); 0 = GPTQ's rounding
     learned_rounding: int = 2
+    # Steps of block-wise output tuning after learned rounding (exlpy/convert/blocktune.py, AutoRound-style): each
+    # attention / MLP block's codes and scales tuned together on the block's output error, `block_tune_tokens`
+    # calibration tokens a step; 0 = off
+    block_tune: int = 0
+    block_tune_tokens: int = 1024
     progress: bool = True
     rope_scale: float | None = None  # -rs: linear RoPE scale for the calibration forward (config.scale_pos_emb)
     rope_alpha: float | None = None  # -ra: NTK alpha for the calibration forward (config.scale_alpha_value)
@@ -86,6 +91,11 @@ class ConvertSettings:
             raise ConvertSettingsError(f"target must be 'source' or 'quantized', got {self.target!r}")
         if not isinstance(self.learned_rounding, int) or not 0 <= self.learned_rounding <= 100:
             raise ConvertSettingsError(f"--learned_rounding takes 0 to 100 passes, got {self.learned_rounding!r}")
+        if not isinstance(self.block_tune, int) or not 0 <= self.block_tune <= 100000:
+            raise ConvertSettingsError(f"--block_tune takes 0 to 100000 steps, got {self.block_tune!r}")
+        if not isinstance(self.block_tune_tokens, int) or self.block_tune_tokens < 1:
+            raise ConvertSettingsError(f"--block_tune_tokens must be a positive integer, got "
+                                       f"{self.block_tune_tokens!r}")
         if self.objective not in ("sensitivity", "error", "kl"):
             raise ConvertSettingsError(f"objective must be 'error', 'sensitivity' or 'kl', got {self.objective!r}")
         if not 0 < self.damp < 10:
@@ -102,7 +112,7 @@ class ConvertSettings:
         d = asdict(self)
         keep = ("bits", "head_bits", "rows", "length", "measurement_rows", "measurement_length", "damp", "scale_norm",
                 "act_order", "target", "objective",
-                "sensitivity_tokens", "learned_rounding", "rope_scale", "rope_alpha")
+                "sensitivity_tokens", "learned_rounding", "block_tune", "block_tune_tokens", "rope_scale", "rope_alpha")
         out = {k: d[k] for k in keep}
         out.update(in_dir=os.path.abspath(self.in_dir) if self.in_dir else None, cal_dataset=ident(self.cal_dataset),
                    measurement=ident(self.measurement))

@@ -1,0 +1,131 @@
+"""Block-wise output tuning (exlpy/convert/blocktune.py, --block_tune) on CPU with the tiny Llama: the held-out
+block error never grows, the tuned block stays exactly EXL2, the option changes the output, which loads and
+runs, and an interrupted conversion resumes bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from exlpy.convert import blocktune, convert
+from exlpy.convert import job as job_mod
+from exlpy.convert import quantize as quantize_mod
+from exlpy.convert.gptq import gptq_quantize, prepare_hessian
+from exlpy.convert.settings import ConvertSettings
+from exlpy.errors import ConvertSettingsError
+from tests.conftest import requires_cuda, shared_path
+from tests.convert_util import check_format, kl, logits
+
+CAL = dict(rows=8, length=64, measurement_rows=2, measurement_length=64, progress=False)
+
+
+class _Boom(Exception):
+    pass
+
+
+def _files(d: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.endswith(".safetensors")}
+
+
+def test_block_tune_settings_are_checked_and_decide_the_output() -> None:
+    import argparse
+
+    from exlpy.convert.args import add_arguments, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--block_tune", "30", "--block_tune_tokens", "512"]))
+    assert (kw["block_tune"], kw["block_tune_tokens"]) == (30, 512)
+    d = ConvertSettings()
+    assert d.block_tune == 0  # off by default: see benchmarks/results/convert_quality.md
+    for change in (dict(block_tune=5), dict(block_tune_tokens=64)):
+        assert ConvertSettings(**change).fingerprint() != d.fingerprint()  # type: ignore[arg-type]
+    for bad, match in ((dict(block_tune=-1), "block_tune"), (dict(block_tune_tokens=0), "block_tune_tokens")):
+        with pytest.raises(ConvertSettingsError, match=match):
+            ConvertSettings(out_dir="x", **bad).validate()  # type: ignore[arg-type]
+
+
+def _rtn(ws, options, h, damp, norm, key, act_order="auto", rounding_passes=0):  # noqa: ANN001, ANN202
+    return gptq_quantize(ws, options, prepare_hessian(h, damp, key), norm=norm, rtn=True, plain_scales=True)
+
+
+@pytest.mark.slow
+def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(tmp_path, monkeypatch) -> None:
+    """The tiny Llama's weights are random: from GPTQ with learned rounding its blocks sit where tuning finds
+    nothing better on the held-out rows (and keeps them as they are), so the tuner starts here from
+    round-to-nearest codes, where there is room to improve."""
+    src = str(shared_path("models", "tiny-llama-fp16"))
+    monkeypatch.setattr(quantize_mod, "quantize_best_order", _rtn)
+    errors: list[tuple[str, float, float]] = []
+    real_tune = quantize_mod.tune_block
+
+    def recording(module, *args, **kwargs):
+        out, before, after = real_tune(module, *args, **kwargs)
+        errors.append((module.key, before, after))
+        return out, before, after
+
+    monkeypatch.setattr(quantize_mod, "tune_block", recording)
+    kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, **CAL)
+    convert(src, str(tmp_path / "wa"), str(tmp_path / "a"), **kw)
+    n_modules = len(errors)
+    assert n_modules > 0
+    assert all(after <= before for _, before, after in errors)  # the untuned block is kept unless tuning helps
+    assert sum(after < 0.97 * before for _, before, after in errors) >= 2, errors
+
+    convert(src, str(tmp_path / "wp"), str(tmp_path / "plain"), **(kw | dict(block_tune=0)))
+    assert len(errors) == n_modules  # block_tune=0: the tuner is not called
+    tuned, plain = _files(str(tmp_path / "a")), _files(str(tmp_path / "plain"))
+    assert tuned.keys() == plain.keys() and tuned != plain
+    check_format(str(tmp_path / "a"), src)  # every stored tensor is valid EXL2 (check_packed ran on each too)
+    ids = torch.randint(1, 512, (1, 48), generator=torch.Generator().manual_seed(3))
+    ref, got = logits(src, ids), logits(str(tmp_path / "a"), ids)
+    assert bool(torch.isfinite(got).all())
+    assert kl(ref, got) < 0.5 * kl(ref, torch.zeros_like(ref))  # far closer to the source than a flat guess
+
+    real = job_mod.Job.checkpoint
+    calls = {"n": 0}
+
+    def failing(self, stage, idx, name):
+        real(self, stage, idx, name)
+        if stage == "quant":
+            calls["n"] += 1
+            if calls["n"] == 1:  # after the first layer: the rest resumes from the checkpoint
+                raise _Boom
+
+    monkeypatch.setattr(job_mod.Job, "checkpoint", failing)
+    with pytest.raises(_Boom):
+        convert(src, str(tmp_path / "wb"), str(tmp_path / "b"), **kw)
+    convert(src, str(tmp_path / "wb"), str(tmp_path / "b"), **kw)
+    assert calls["n"] >= 2
+    assert _files(str(tmp_path / "a")) == _files(str(tmp_path / "b"))
+
+
+def test_only_dense_unparallel_blocks_are_tuned() -> None:
+    class Other:
+        parallel = False
+
+    assert not blocktune.tunable(Other())  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_block_tuning_runs_on_the_gpu(tmp_path, monkeypatch) -> None:
+    """On CUDA the tuner runs torch's reference ops (the Triton kernels have no backward pass) and still
+    improves blocks from round-to-nearest codes; the result is valid EXL2."""
+    src = str(shared_path("models", "tiny-llama-fp16"))
+    monkeypatch.setattr(quantize_mod, "quantize_best_order", _rtn)
+    errors: list[tuple[float, float]] = []
+    real_tune = quantize_mod.tune_block
+
+    def recording(module, *args, **kwargs):
+        out, before, after = real_tune(module, *args, **kwargs)
+        errors.append((before, after))
+        return out, before, after
+
+    monkeypatch.setattr(quantize_mod, "tune_block", recording)
+    convert(src, str(tmp_path / "w"), str(tmp_path / "o"), bits=3.0, block_tune=12, block_tune_tokens=128,
+            device="cuda:0", **CAL)
+    assert errors and all(a <= b for b, a in errors) and any(a < 0.97 * b for b, a in errors), errors
+    check_format(str(tmp_path / "o"), src)
