@@ -63,7 +63,9 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
                                       act_order, rounding_passes)
         del hm, cross
         for k, w, res in zip(keys, ws, results):
-            quantized[k], sources[k] = res, w
+            quantized[k] = res
+            if tune_steps > 0:  # the source weights are held only for the block tuning's targets
+                sources[k] = w
             done[k] = res.dense()
             taps[k].set_weight(done[k], dtype)
         del ws, targets, results
