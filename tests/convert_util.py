@@ -72,3 +72,40 @@ def logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
 def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+class Interrupted(Exception):
+    """Raised by `assert_resumes_bit_identical`'s patched checkpoint: a conversion stopped mid-way."""
+
+
+def safetensors_bytes(d: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.endswith(".safetensors")}
+
+
+def assert_resumes_bit_identical(monkeypatch, src: str, work: str, out: str, reference_out: str,  # noqa: ANN001
+                                 **kw) -> None:
+    """A conversion of `src` stopped after its first quantized layer's checkpoint, then run again in the same `work`
+    folder, writes the same bytes as the uninterrupted one in `reference_out`."""
+    from exlpy.convert import convert
+    from exlpy.convert import job as job_mod
+
+    real = job_mod.Job.checkpoint
+    calls = {"n": 0}
+
+    def failing(self, stage, idx, name):  # noqa: ANN001, ANN202
+        real(self, stage, idx, name)
+        if stage == "quant":
+            calls["n"] += 1
+            if calls["n"] == 1:  # after the first layer of quantization: the rest resumes from the checkpoint
+                raise Interrupted
+
+    monkeypatch.setattr(job_mod.Job, "checkpoint", failing)
+    try:
+        convert(src, work, out, **kw)
+    except Interrupted:
+        pass
+    else:
+        raise AssertionError("the conversion was not interrupted")
+    convert(src, work, out, **kw)
+    assert calls["n"] >= 2
+    assert safetensors_bytes(reference_out) == safetensors_bytes(out)

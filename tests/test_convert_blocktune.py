@@ -4,29 +4,19 @@ runs, and an interrupted conversion resumes bit for bit."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from exlpy.convert import blocktune, convert
-from exlpy.convert import job as job_mod
 from exlpy.convert import quantize as quantize_mod
 from exlpy.convert.gptq import gptq_quantize, prepare_hessian
 from exlpy.convert.settings import ConvertSettings
 from exlpy.errors import ConvertSettingsError
 from tests.conftest import requires_cuda, shared_path
-from tests.convert_util import check_format, kl, logits
+from tests.convert_util import assert_resumes_bit_identical, check_format, kl, logits, safetensors_bytes
 
 CAL = dict(rows=8, length=64, measurement_rows=2, measurement_length=64, progress=False)
 
-
-class _Boom(Exception):
-    pass
-
-
-def _files(d: str) -> dict[str, bytes]:
-    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.endswith(".safetensors")}
 
 
 def test_block_tune_settings_are_checked_and_decide_the_output() -> None:
@@ -76,7 +66,7 @@ def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(t
 
     convert(src, str(tmp_path / "wp"), str(tmp_path / "plain"), **(kw | dict(block_tune=0)))
     assert len(errors) == n_modules  # block_tune=0: the tuner is not called
-    tuned, plain = _files(str(tmp_path / "a")), _files(str(tmp_path / "plain"))
+    tuned, plain = safetensors_bytes(str(tmp_path / "a")), safetensors_bytes(str(tmp_path / "plain"))
     assert tuned.keys() == plain.keys() and tuned != plain
     check_format(str(tmp_path / "a"), src)  # every stored tensor is valid EXL2 (check_packed ran on each too)
     ids = torch.randint(1, 512, (1, 48), generator=torch.Generator().manual_seed(3))
@@ -84,22 +74,8 @@ def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(t
     assert bool(torch.isfinite(got).all())
     assert kl(ref, got) < 0.5 * kl(ref, torch.zeros_like(ref))  # far closer to the source than a flat guess
 
-    real = job_mod.Job.checkpoint
-    calls = {"n": 0}
-
-    def failing(self, stage, idx, name):
-        real(self, stage, idx, name)
-        if stage == "quant":
-            calls["n"] += 1
-            if calls["n"] == 1:  # after the first layer: the rest resumes from the checkpoint
-                raise _Boom
-
-    monkeypatch.setattr(job_mod.Job, "checkpoint", failing)
-    with pytest.raises(_Boom):
-        convert(src, str(tmp_path / "wb"), str(tmp_path / "b"), **kw)
-    convert(src, str(tmp_path / "wb"), str(tmp_path / "b"), **kw)
-    assert calls["n"] >= 2
-    assert _files(str(tmp_path / "a")) == _files(str(tmp_path / "b"))
+    assert_resumes_bit_identical(monkeypatch, src, str(tmp_path / "wb"), str(tmp_path / "b"),
+                                 str(tmp_path / "a"), **kw)
 
 
 def test_only_dense_unparallel_blocks_are_tuned() -> None:

@@ -3,13 +3,10 @@ objective (exlpy/convert/quantize.py, gptq.py, sensitivity.py), and resume with 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from exlpy.convert import convert
-from exlpy.convert import job as job_mod
 from exlpy.convert.gptq import gptq_quantize, prepare_hessian, refine_rounding
 from exlpy.convert.packing import check_packed, pack_exl2
 from exlpy.convert.qparams import qp
@@ -17,6 +14,7 @@ from exlpy.convert.quantize import asymmetric_targets, correction
 from exlpy.convert.settings import ConvertSettings
 from exlpy.errors import ConvertSettingsError
 from tests.conftest import shared_path
+from tests.convert_util import assert_resumes_bit_identical
 
 CAL = dict(rows=4, length=64, measurement_rows=2, measurement_length=64, sensitivity_tokens=64, progress=False)
 
@@ -128,13 +126,6 @@ def test_kl_objective_weighs_every_module_at_its_operating_point(tmp_path) -> No
     assert [job["strategy"][k]["option"] for k in keys] == choose(costs, errors, int(numel * 3.0))
 
 
-class _Boom(Exception):
-    pass
-
-
-def _files(d: str) -> dict[str, bytes]:
-    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.endswith(".safetensors")}
-
 
 @pytest.mark.slow
 def test_learned_rounding_and_source_target_resume_bit_identical(tmp_path, monkeypatch) -> None:
@@ -143,19 +134,5 @@ def test_learned_rounding_and_source_target_resume_bit_identical(tmp_path, monke
     src = str(shared_path("models", "tiny-llama-fp16"))
     kw = dict(bits=3.0, learned_rounding=1, target="source", objective="sensitivity", **CAL)
     convert(src, str(tmp_path / "wa"), str(tmp_path / "a"), **kw)
-    real = job_mod.Job.checkpoint
-    calls = {"n": 0}
-
-    def failing(self, stage, idx, name):
-        real(self, stage, idx, name)
-        if stage == "quant":
-            calls["n"] += 1
-            if calls["n"] == 1:  # after the first layer of quantization: the rest resumes from the checkpoint
-                raise _Boom
-
-    monkeypatch.setattr(job_mod.Job, "checkpoint", failing)
-    with pytest.raises(_Boom):
-        convert(src, str(tmp_path / "wb"), str(tmp_path / "b"), **kw)
-    convert(src, str(tmp_path / "wb"), str(tmp_path / "b"), **kw)
-    assert calls["n"] >= 2
-    assert _files(str(tmp_path / "a")) == _files(str(tmp_path / "b"))
+    assert_resumes_bit_identical(monkeypatch, src, str(tmp_path / "wb"), str(tmp_path / "b"),
+                                 str(tmp_path / "a"), **kw)
