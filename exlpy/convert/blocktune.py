@@ -86,6 +86,7 @@ class _Linear:
     v: torch.Tensor  # [K, N] rounding offsets
     c: torch.Tensor  # [G, N] scale codes as reals
     lm: torch.Tensor  # [G] log multiplier of the group max scales
+    inv: torch.Tensor  # [K] the sorted order's inverse (rows back to the original order)
 
     @staticmethod
     def make(res: QuantResult, w: torch.Tensor) -> _Linear:
@@ -108,7 +109,7 @@ class _Linear:
         z = torch.zeros_like(ws)
         return _Linear(res, ws, gidx, zero, maxq, x - ratio, z.requires_grad_(True),
                        res.qscale.float().clone().requires_grad_(True),
-                       torch.zeros(len(res.groups), device=dev, requires_grad=True))
+                       torch.zeros(len(res.groups), device=dev, requires_grad=True), torch.argsort(res.perm))
 
     def params(self) -> list[torch.Tensor]:
         return [self.v, self.c, self.lm]
@@ -128,7 +129,7 @@ class _Linear:
 
     def dense(self) -> torch.Tensor:
         """[K, N] in original row order (y = x @ W), differentiable."""
-        return self.dense_sorted()[torch.argsort(self.res.perm)]
+        return self.dense_sorted()[self.inv]
 
     def result(self) -> QuantResult:
         """The tuned quantization, with the reader's exact arithmetic."""
@@ -207,7 +208,7 @@ def tune_block(module: Module, taps: dict[str, Tap], results: dict[str, QuantRes
                states: States, device: torch.device, steps: int, tokens: int) -> tuple[dict[str, QuantResult], float,
                                                                                        float]:
     """Tune the quantized linears `results` of the loaded `module` (its linears replaced by `taps`) on the
-    calibration `states` for `steps` signed-gradient steps of about `tokens` tokens each. `targets`: each
+    calibration `states` for `steps` normalized-gradient steps (LR_*) of about `tokens` tokens each. `targets`: each
     linear's source weights [K, N]. Returns (results, held-out error before, after): the tuned results when they
     lower the held-out error, else `results` unchanged. The taps are left running the returned weights."""
     dtype = module.dtype(device)
