@@ -15,6 +15,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_TP_MODE=row\\|column` | `tp_layout` | how TP splits a block's closing projection (row for dense) |
 | `EXLPY_TP_NO_GRAPHS=1` | `tp_graphs=False` | tensor-parallel decode without CUDA graphs |
 | `EXLPY_TP_PIPELINE=1` | `tp_pipeline=True` | TP prefill in two micro-batches, all-reduces overlapping compute |
+| `EXLPY_TP_OVERLAP=N` | `tp_overlap_chunks=N` | TP prefill: closing products in N row chunks, sums beside GEMMs |
 | `EXLPY_TP_PREFILL_COMM=copy` | `tp_prefill_comm` | 2-GPU TP prefill all-reduces by copy-engine peer copies + an add |
 | `EXLPY_TP_FUSE_NORM=1` | `tp_fuse_norm=True` | TP batched decode: the next RMSNorm inside the all-reduce |
 | `EXLPY_NO_CPU_WARNING=1` | `cpu_warning=False` | no warning when torch has no GPU backend |
@@ -74,6 +75,11 @@ class RuntimeOptions:
     # The next block's RMSNorm in the all-reduce where the backend fuses it (peer, hostmem). Off by default until
     # it has run on two real GPUs (written 2026-11-26; CPU interpreter tests and logits bit-equal there).
     tp_fuse_norm: bool = False
+    # Prefill-sized row-parallel closing projections (o_proj, down_proj) run in this many row chunks; chunk i's
+    # all-reduce runs on a side stream beside chunk i+1's GEMM, so all but the last chunk's collective leaves the
+    # critical path. Unlike the micro-batch pipeline it adds only a few launches per projection (that one was
+    # host-bound). 1: one GEMM then one all-reduce. Default chosen on two H100s by benchmarks/tp.py (multigpu.md).
+    tp_overlap_chunks: int = 2
     cpu_warning: bool = True
     weight_checks: bool = True  # EXLPY_SKIP_WEIGHT_CHECKS=1: no NaN/inf check of weights at load
     triton_interpret: bool = False  # Triton's own TRITON_INTERPRET (kernels run on CPU tensors): no PDL then
@@ -131,6 +137,8 @@ class RuntimeOptions:
         if self.tp_prefill_comm not in TP_PREFILL_COMMS:
             raise ConfigError(f"unknown TP prefill collective '{self.tp_prefill_comm}' (EXLPY_TP_PREFILL_COMM): use "
                               "default or copy")
+        if not 1 <= self.tp_overlap_chunks <= 16:
+            raise ConfigError(f"EXLPY_TP_OVERLAP={self.tp_overlap_chunks}: row chunks per TP prefill product, 1 to 16")
         if self.tp_layout not in TP_LAYOUTS:
             raise ConfigError(f"unknown TP layout '{self.tp_layout}' (EXLPY_TP_MODE): use row or column")
         if self.flash_config is not None and (len(self.flash_config) != 4 or min(self.flash_config) < 1):
@@ -163,6 +171,7 @@ class RuntimeOptions:
             tp_pipeline=flag("EXLPY_TP_PIPELINE"),
             tp_prefill_comm=e.get("EXLPY_TP_PREFILL_COMM") or "default",
             tp_fuse_norm=flag("EXLPY_TP_FUSE_NORM"),
+            tp_overlap_chunks=(_ints(e.get("EXLPY_TP_OVERLAP", ""), "EXLPY_TP_OVERLAP") or (2,))[0],
             cpu_warning=not flag("EXLPY_NO_CPU_WARNING"),
             weight_checks=not flag("EXLPY_SKIP_WEIGHT_CHECKS"),
             triton_interpret=flag("TRITON_INTERPRET"),

@@ -93,6 +93,8 @@ class TPBench:
         self._decode(m, c, out, full)
         total, host = prefill_times(m, c, long_ids, n)
         out["prefill2048_ms"], out["prefill2048_host_ms"] = round(total, 2), round(host, 2)
+        out["overlap_chunks"] = m.strategy.stages[0].group.overlap_chunks
+        self._overlap_chunks(m, c, out)
         self._pipelined_prefill(m, c, out)
         out["decode_fed_ms"] = round(decode_fed_ms(m, c, prompt, args.steps, n), 3)
         if args.profile and full:
@@ -164,6 +166,34 @@ class TPBench:
         if full:
             out["decode_ms_eager"] = round(decode_ms(m, c, prompt, args.steps // 2, n), 3)
         m.config.no_graphs = no_graphs
+
+    def _overlap_chunks(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP, out: dict) -> None:
+        """Prefill 2048 with the closing projections in 1, 2, 3 and 4 row chunks (EXLPY_TP_OVERLAP: each chunk's
+        all-reduce on a side stream beside the next chunk's GEMM), twice each, interleaved (the one-GPU baseline
+        moved by 6% between runs); the last position's logits of each against one chunk."""
+        group = m.strategy.stages[0].group
+        keep = group.overlap_chunks
+        try:
+            group.overlap_chunks = 1
+            c.current_seq_len = 0
+            whole = m.forward(self.long_ids, c, last_id_only=True).float()
+            for rnd in range(2):
+                for chunks in (1, 2, 3, 4):
+                    group.overlap_chunks = chunks
+                    total, host = prefill_times(m, c, self.long_ids, self.n)
+                    key = f"prefill2048_ms_overlap{chunks}"
+                    out[key] = round(min(total, out.get(key, 1e9)), 2)
+                    out[f"prefill2048_host_ms_overlap{chunks}"] = round(host, 2)
+                    if rnd == 0 and chunks > 1:
+                        c.current_seq_len = 0
+                        last = m.forward(self.long_ids, c, last_id_only=True).float()
+                        out[f"overlap{chunks}_vs_whole_maxdiff"] = round((last - whole).abs().max().item(), 4)
+            print("OVERLAP_CHUNKS " + json.dumps({k: v for k, v in out.items() if "overlap" in k}), flush=True)
+        except Exception:  # noqa: BLE001 - record and go on
+            out["overlap_error"] = traceback.format_exc()[-1500:]
+            print(out["overlap_error"], flush=True)
+        finally:
+            group.overlap_chunks = keep
 
     def _pipelined_prefill(self, m: ExLlamaV2, c: ExLlamaV2Cache_TP, out: dict) -> None:
         """A/B of the prefill's collectives on the same model: one chunk with the decode backend (timed above),

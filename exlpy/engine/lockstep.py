@@ -44,7 +44,7 @@ def current_streams(streams: dict[str, Any], join: bool = False) -> Iterator[Non
 
 @dataclass
 class _Op:
-    kind: str  # "all_reduce" | "all_reduce_norm" | "gather_first"
+    kind: str  # "all_reduce" | "all_reduce_norm" | "gather_first" | "start" | "join"
     tensor: torch.Tensor
     offset: int = 0
     total: int = 0
@@ -60,10 +60,27 @@ class LockstepGroup:
     vocab-parallel embedding await. `comm` is the backend (exlpy/parallel/tp_comm.py); `prefill`, when set,
     takes the all-reduces of prefill-sized messages outside capture (exlpy/parallel/tp_copy.py, two GPUs)."""
 
-    def __init__(self, comm: Any, prefill: Any = None) -> None:
+    def __init__(self, comm: Any, prefill: Any = None, overlap_chunks: int = 1) -> None:
         self.comm = comm
         self.prefill = prefill
         self.capturing = False  # set while a CUDA graph is captured: no cross-device copies then
+        # Row chunks of a prefill-sized closing projection (RuntimeOptions.tp_overlap_chunks; RowParallel reads it)
+        self.overlap_chunks = overlap_chunks
+        self._side: dict[str, torch.cuda.Stream] = {}  # per device (its string): where started all-reduces run
+
+    def all_reduce_start(self, t: torch.Tensor) -> _Op:
+        """Begin summing `t` in place on each GPU's side stream, after the work issued so far on its current
+        stream, and return at once: the current stream may go on with work that does not touch `t` (the next row
+        chunk's GEMM). `all_reduce_join` makes the current streams wait for every sum begun so far."""
+        return _Op("start", t)
+
+    def all_reduce_join(self, t: torch.Tensor) -> _Op:
+        return _Op("join", t)
+
+    def overlaps(self, t: torch.Tensor) -> bool:
+        """Whether projections may chunk and start their all-reduces: not while capturing (decode-sized messages
+        never chunk anyway). On CPU lanes (tests) a started all-reduce runs at once. The same answer on every lane."""
+        return not self.capturing and self.overlap_chunks > 1
 
     def all_reduce(self, t: torch.Tensor) -> _Op:
         return _Op("all_reduce", t)
@@ -99,6 +116,8 @@ class LockstepGroup:
         kinds = {op.kind for op in ops}
         if len(kinds) != 1:
             raise TensorParallelError(f"tensor-parallel lanes reached different collectives: {sorted(kinds)}")
+        if ops[0].kind in ("start", "join"):
+            return self._side_streams(ops)
         pending = self.start(ops)
         if pending is not None:
             return pending.finish()
@@ -108,6 +127,24 @@ class LockstepGroup:
         if ops[0].kind == "all_reduce_norm":
             return self._all_reduce_norm(ops)
         return self._gather_first(ops)
+
+    def _side_streams(self, ops: list[_Op]) -> list[None]:
+        devices = [op.tensor.device for op in ops]
+        if any(d.type != "cuda" for d in devices):  # CPU lanes (tests): nothing runs beside anything
+            if ops[0].kind == "start":
+                self.comm.all_reduce([op.tensor for op in ops])
+            return [None] * len(ops)
+        if len({str(d) for d in devices}) != len(devices):
+            raise TensorParallelError(f"overlapped all-reduce needs one distinct CUDA device per lane, got {devices}")
+        # Keyed by the device: a stream lives on one GPU, and each lane's work must stay on its own GPU's streams.
+        side = {str(d): self._side.get(str(d)) or self._side.setdefault(str(d), torch.cuda.Stream(d)) for d in devices}
+        if ops[0].kind == "join":
+            for d in devices:
+                torch.cuda.current_stream(d).wait_stream(side[str(d)])
+        else:
+            with current_streams(side):  # each side stream first waits for its device's work so far (the chunk)
+                self.comm.all_reduce([op.tensor for op in ops])
+        return [None] * len(ops)
 
     def _all_reduce_norm(self, ops: list[_Op]) -> list[torch.Tensor]:
         from exlpy.kernels import ops as kernels

@@ -91,7 +91,7 @@ def load_tp_gen(model: Any, gpu_split: list[float] | None, callback: Callable[[i
                     comm_name=opts.tp_comm, prefill_comm_name=opts.tp_prefill_comm)
     slots = ctx.all_devices()
     ctx.finalize([model.rotary.get(ctx.all_devs[s], model.config.compute_dtype(ctx.all_devs[s])) for s in slots])
-    group = LockstepGroup(ctx.comm, ctx.prefill_comm)
+    group = LockstepGroup(ctx.comm, ctx.prefill_comm, opts.tp_overlap_chunks)
     staging = ctx.all_devs[ctx.device]
 
     def row_layout(m: Module) -> bool:

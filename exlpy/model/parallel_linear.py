@@ -33,6 +33,9 @@ from exlpy.model.linear import DenseLinear, Linear
 
 Extra = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 FUSED_NORM_ROWS = 64  # kernels/host_allreduce.py NORM_ROWS: rows whose all-reduce may carry the next norm
+# Fewest rows of one overlapped chunk: below this a GEMM's tiles stop filling an H100 and the collective of a
+# chunk is latency-bound, so splitting would cost more than the overlap saves.
+OVERLAP_MIN_ROWS = 512
 
 
 class Collective(Protocol):
@@ -52,6 +55,21 @@ class Collective(Protocol):
 
     def prefills(self, t: torch.Tensor) -> bool:
         """Whether an all-reduce of `t` goes to the prefill collective (which can norm the sum in its last pass)."""
+        ...
+
+    overlap_chunks: int  # row chunks of a prefill-sized projection (1: none)
+
+    def overlaps(self, t: torch.Tensor) -> bool:
+        """Whether all-reduces of `t`'s row chunks can run beside the next chunk's GEMM (all_reduce_start/join)."""
+        ...
+
+    def all_reduce_start(self, t: torch.Tensor) -> Awaitable[None]:
+        """Begin summing `t` in place beside the work that follows; complete after `all_reduce_join`."""
+        ...
+
+    def all_reduce_join(self, t: torch.Tensor) -> Awaitable[None]:
+        """Wait (on the device) for every sum begun with `all_reduce_start`; `t`: the whole result, for the lane's
+        device."""
         ...
 
 
@@ -85,6 +103,9 @@ class RowParallel:
 
     async def forward_add(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None = None,
                           batch: ForwardBatch | None = None) -> torch.Tensor:
+        chunks = self._chunks(h, x, extra, batch)
+        if chunks > 1:
+            return await self._overlapped(h, x, chunks)
         if self.inner is None or h is None:
             y = (x if self.bias is None else x.add_(self.bias)) if self.first else torch.zeros_like(x)
         else:
@@ -101,6 +122,52 @@ class RowParallel:
             batch.prenormed = (y, await self.group.all_reduce_norm(y, pn[0], pn[1]))
             return y
         await self.group.all_reduce(y)
+        return y
+
+    def _chunks(self, h: torch.Tensor | None, x: torch.Tensor, extra: Extra | None, batch: ForwardBatch | None
+                ) -> int:
+        """Row chunks for this call: >1 only for prefill-sized dense products where the group overlaps, and not
+        where the prefill collective (its own norm pass) or an adapter's extra (sees the whole output) applies.
+        Depends only on shapes and group state, so every lane decides the same."""
+        n = getattr(self.group, "overlap_chunks", 1)
+        rows = x.numel() // x.shape[-1]
+        if n <= 1 or rows < 2 * OVERLAP_MIN_ROWS or extra is not None or not x.is_contiguous():
+            return 1
+        if not self.group.overlaps(x) or self.group.prefills(x):
+            return 1
+        if self.inner is not None and h is not None and (self.bias is not None or h.dtype != x.dtype):
+            return 1
+        return min(n, rows // OVERLAP_MIN_ROWS)
+
+    async def _overlapped(self, h: torch.Tensor | None, x: torch.Tensor, chunks: int) -> torch.Tensor:
+        """The closing product in `chunks` row ranges; each range's all-reduce begins as soon as its GEMM is issued
+        and runs beside the next range's GEMM, and the lane's stream waits for all of them at the end. The first
+        GPU accumulates into the residual x in place (cuBLAS beta=1), the others into a fresh buffer."""
+        width = x.shape[-1]
+        rows = x.numel() // width
+        if self.inner is None or h is None:
+            y = (x if self.bias is None else x.add_(self.bias)) if self.first else torch.zeros_like(x)
+            flat = y.view(rows, width)
+            hv = None
+        else:
+            y = x if self.first else torch.empty_like(x)
+            flat = y.view(rows, width)
+            hv = h.reshape(rows, h.shape[-1])
+        bounds = [rows * i // chunks for i in range(chunks + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            part = flat[a:b]
+            if hv is not None:
+                assert self.inner is not None
+                if self.first:
+                    got = add_linear(part, self.inner, hv[a:b])
+                elif part.is_cuda and self.inner.bias is None:
+                    got = torch.mm(hv[a:b], self.inner.weight.t(), out=part)
+                else:
+                    got = dense_matmul(self.inner, hv[a:b])
+                if got.data_ptr() != part.data_ptr():  # the reference (CPU) path returns a new tensor
+                    part.copy_(got)
+            await self.group.all_reduce_start(part)
+        await self.group.all_reduce_join(y)
         return y
 
 
