@@ -56,7 +56,10 @@ if [ -n "$XDIST" ] && [ -z "$QUICK" ]; then
     "${ARGS[@]}" 2>&1 \
     | tee "$OUT/gpu_tests.log"
   RC=${PIPESTATUS[0]}
-  python -m pytest -q -p no:cacheprovider -rs -m "multigpu or exclusive_gpu" 2>&1 | tee -a "$OUT/gpu_tests.log"
+  # -v and a per-test timeout (SERIAL_ARGS): a hung collective names its test and the pass goes on.
+  # shellcheck disable=SC2086  # SERIAL_ARGS is split into words on purpose
+  python -m pytest -q -p no:cacheprovider -rs -m "multigpu or exclusive_gpu" \
+    ${SERIAL_ARGS:--v --timeout=240 --timeout-method=signal} 2>&1 | tee -a "$OUT/gpu_tests.log"
   RC2=${PIPESTATUS[0]}
   [ "$RC2" = 5 ] || [ "$RC2" = 0 ] || RC=$RC2  # 5: none selected (fewer than two GPUs visible skip, not deselect)
 else
