@@ -211,26 +211,37 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
     interp = [i for i in items if i.get_closest_marker("interpreter") is not None]
-    if not interp:
-        return
-    items[:] = [i for i in items if i.get_closest_marker("interpreter") is None]
-    nodeids = [i.nodeid for i in interp]
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        # Under xdist a child runs when its item's turn comes, and one child of every interpreter test was the
-        # session's tail (393 s of 502 on an H100 box, 14 workers). So: several children, each a round-robin share
-        # (every worker collects the same items, as xdist requires), queued first so that they overlap the other
-        # workers' tests.
-        shards = max(1, min(len(nodeids), int(os.environ.get("EXLPY_TEST_INTERPRETER_SHARDS", "4"))))
-        items[:0] = [InterpreterRun.from_parent(session, name=f"triton-interpreter-{k}", nodeids=nodeids[k::shards])
-                     for k in range(shards)]
-    else:  # alone, the child started with the loop (pytest_runtestloop); its item, last, only waits for it
-        items.append(InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=nodeids))
+    if interp:
+        items[:] = [i for i in items if i.get_closest_marker("interpreter") is None]
+        nodeids = [i.nodeid for i in interp]
+        if "PYTEST_XDIST_WORKER" in os.environ:
+            # Under xdist a child runs when its item's turn comes, and one child of every interpreter test was the
+            # session's tail (393 s of 502 on an H100 box, 14 workers). So: several children, each a round-robin share
+            # (every worker collects the same items, as xdist requires), queued first so that they overlap the other
+            # workers' tests.
+            shards = max(1, min(len(nodeids), int(os.environ.get("EXLPY_TEST_INTERPRETER_SHARDS", "4"))))
+            items[:0] = [InterpreterRun.from_parent(session, name=f"triton-interpreter-{k}", nodeids=nodeids[k::shards])
+                         for k in range(shards)]
+        else:  # alone, the child started with the loop (pytest_runtestloop); its item, last, only waits for it
+            items.append(InterpreterRun.from_parent(session, name="triton-interpreter", nodeids=nodeids))
     # The MoE modules' GPU tests build Mixtral-shaped stacks and compile their kernels per process: spread over
     # many xdist workers they all did it at once and stalled past a 300 s timeout (H100 x2, 28 workers,
-    # 2026-11-26). With --dist loadgroup (benchmarks/gpu_tests.sh) they share one worker.
+    # 2026-11-26). With --dist loadgroup (benchmarks/gpu_tests.sh) each module's share one worker (one worker for
+    # all of them was the session's tail: ~550 s of tests, 2026-11-27).
     for i in items:
         if i.get_closest_marker("gpu") is not None and i.path.name.startswith("test_moe"):
-            i.add_marker(pytest.mark.xdist_group("moe_gpu"))
+            i.add_marker(pytest.mark.xdist_group(f"moe_gpu_{i.path.stem}"))
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # The sm_90 compile checks (a child compiling dozens of kernel variants, CPU-bound) come next in the queue,
+        # with room to finish: started late beside 27 busy workers, the MoE one ran past 280 s (H100 x2,
+        # 2026-11-27). Their child processes have timeouts of their own.
+        compiles = [i for i in items if i.get_closest_marker("slow") is not None and "compile" in i.name]
+        rest = [i for i in items if i not in compiles]
+        lead = [i for i in rest if isinstance(i, InterpreterRun)]
+        items[:] = lead + compiles + [i for i in rest if not isinstance(i, InterpreterRun)]
+        if config.pluginmanager.hasplugin("timeout"):
+            for i in compiles:
+                i.add_marker(pytest.mark.timeout(900))
 
 
 @pytest.hookimpl(hookwrapper=True)
