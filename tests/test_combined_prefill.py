@@ -134,16 +134,21 @@ def test_arrivals_together_and_next_to_decoding_jobs_match_a_pass_each() -> None
 
 def test_prefix_pages_written_in_the_same_iteration_are_reused() -> None:
     """Prompts sharing a 48-token prefix (three pages) arriving together: the first one's chunk writes those pages,
-    the others skip them in the same iteration (their chunks run after it, not beside it), as with a pass each."""
+    the others skip them in the same iteration (their chunks run after it, not beside it), as with a pass each;
+    likewise the second sequence of a CFG job whose two prompts share the prefix (the same pages, the same job)."""
     base = prompt(48, 7)
+    cfg = ExLlamaV2Sampler.Settings.greedy(cfg_scale=2.0)
     arrivals = [(0, {"input_ids": prompt(60, 8, base), "max_new_tokens": 8}),
                 (0, {"input_ids": prompt(20, 30), "max_new_tokens": 8}),
                 (0, {"input_ids": prompt(75, 9, base), "max_new_tokens": 8}),
                 (0, {"input_ids": prompt(52, 10, base), "max_new_tokens": 8}),
+                (0, {"input_ids": [prompt(70, 12, prompt(64, 13)), prompt(66, 14, prompt(64, 13))],
+                     "max_new_tokens": 6, "gen_settings": cfg}),
                 (4, {"input_ids": prompt(70, 11, base), "max_new_tokens": 8})]  # later: the pages are cached
     alone, shared, _ = compare(arrivals)
-    assert shared.cached_tokens >= 3 * 48
-    assert shared.model.passes[0] == 2 < alone.model.passes[0] == 4  # [first, unrelated] then [the two sharers]
+    assert shared.cached_tokens == 3 * 48 + 64  # two sharers at once, one later, the CFG job's second prompt
+    # a pass each: 6; shared: [first, unrelated], then [the two sharers, CFG first], then [CFG second]
+    assert (alone.model.passes[0], shared.model.passes[0]) == (6, 3)
 
 
 def test_lora_jobs_keep_passes_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
