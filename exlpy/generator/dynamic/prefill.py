@@ -52,7 +52,8 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
     for q in job.seqs:
         if q.is_prefilled():
             continue
-        left = room - ran if room is not None else gen.max_chunk_size if together is not None else None
+        # eager, in a shared pass: the decode step's (`room` left in it) or other prompts' (any chunk fits one)
+        left = room - ran if room is not None else (gen.max_chunk_size if together is not None else None)
         chunk, moved = plan_chunk(gen, job, q, decoding, budget, spent + ran, left)
         if together and writes_next_page(together, q):
             # A chunk planned before this one (a shared prefix, or the other sequence of a CFG job) writes this
@@ -106,7 +107,7 @@ def run_together(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk], decoding: 
             try:
                 run_shared(gen, group)
             except Exception:
-                pass
+                pass  # one by one below
             else:
                 commit_chunks(gen, group)
                 continue
