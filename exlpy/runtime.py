@@ -31,6 +31,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs=False` | prompt chunks next to decoding jobs run eagerly, not captured |
 | `EXLPY_MIXED_STEP=1` | `mixed_step=True` | prompt chunks next to decoding jobs run inside the decode step (eager) |
+| `EXLPY_COMBINED_PREFILL=0` | `combined_prefill=False` | several prompts' chunks: a pass each, not shared passes |
 | `EXLPY_MOE_GEMV=0` | `moe_gemv=False` | EXL2 experts at decode: tile kernels, not the split-K GEMV / multi-row ones |
 | `EXLPY_MOE_ROWS=0` | `moe_rows=False` | EXL2 experts at 3-16 rows each (batched decode): tile kernels, no multi-row |
 | `TRITON_INTERPRET=1` | `triton_interpret` | (Triton's own) kernels interpreted on the CPU; no PDL then |
@@ -121,6 +122,16 @@ class RuntimeOptions:
     # per iteration, gaps 41.1 ms against 18.7 ms with the captured step + captured chunk: it pays only once the
     # mixed pass itself is captured (graphs per decode bucket and chunk size).
     mixed_step: bool = False
+    # The dynamic generator runs the prompt chunks of two or more sequences in one iteration as shared eager passes
+    # (model/batch.py mixed_batch: their tokens end to end, attention per chunk), at most max_chunk_size tokens a
+    # pass, instead of a pass each (or captured pieces of <= 256 tokens each next to decoding jobs): without decoding
+    # jobs always, next to them once the iteration's budget exceeds CAPTURED_MAX (scheduler.combines_prompts; a lone
+    # prompt keeps its captured pieces). On by default: each pass reads every weight, and an EXL2 pass above 64 rows
+    # dequantizes them all first, so 64 arriving streams paid that once per chunk or piece (the EXL2 8B at 73% of its
+    # generator, TTFT p50 3.58 s; benchmarks/results/serving.md 12:46); mixed_batch's prompt segments ran on an H100
+    # in the mixed step's GPU test. Same tokens either way (tests/test_combined_prefill.py). EXLPY_COMBINED_PREFILL=0:
+    # a pass each, as before.
+    combined_prefill: bool = True
     # EXL2 expert stacks with few rows per expert (decode) run exlpy/kernels/moe_exl2_gemv.py's split-K GEMV kernels
     # instead of the tile kernels: Mixtral's EXL2 4.0 experts at batch 1 on an H100 went from 8.4% to 54.2% of the
     # bandwidth limit (2026-11-26; the MoE tests passed there with them on). EXLPY_MOE_GEMV=0 takes the tile kernels.
@@ -186,6 +197,7 @@ class RuntimeOptions:
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=e.get("EXLPY_PREFILL_GRAPHS", "1") != "0",
             mixed_step=flag("EXLPY_MIXED_STEP"),
+            combined_prefill=e.get("EXLPY_COMBINED_PREFILL", "1") != "0",
             moe_gemv=e.get("EXLPY_MOE_GEMV", "1") != "0",
             moe_rows=e.get("EXLPY_MOE_ROWS", "1") != "0",
         )

@@ -310,7 +310,8 @@ def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cach
     q_len), one q_len per group. The pass is one row of all their tokens end to end ([1, N]): projections, norms
     and MLPs see N tokens, RoPE and the cache writes use each token's own position and slot, and attention runs
     per group (a `Segment`) over its rows' pages. The head computes the first `logit_rows` tokens' logits
-    ([1, logit_rows, V]): the decode rows go first. `first_shape` (rows, table width) pads the first group as
+    ([1, logit_rows, V]): the decode rows go first (0: a prefill pass of prompt chunks alone, run with
+    preprocess_only, computes no logits). `first_shape` (rows, table width) pads the first group as
     `build_batch` pads a captured step (padding rows are tokens of the pass that write and read nothing; the
     caller gives them ids), and bounds its keys by the table's capacity as a captured step does: its attention
     then has the captured decode step's shapes. No LoRA adapters and no multimodal rows (the generator keeps
@@ -336,7 +337,7 @@ def mixed_batch(groups: Sequence[Sequence[tuple[Sequence[int], int, int]]], cach
         shapes.append((rows, q, tables, count, width, bound, len(values)))
         parts.append(values)
     total = len(flat_pos)
-    assert 0 < logit_rows <= total
+    assert 0 <= logit_rows <= total
     head = flat_pos + flat_slots + [total] + [-1]  # `pack`'s layout for one row of `total` tokens, no table
     # Each part starts 16-byte aligned, as a batch of its own would: Triton compiles a kernel variant per pointer
     # alignment, so a segment's tensors must not land on offsets that the warm-up never met.

@@ -33,7 +33,7 @@ from exlpy.generator.dynamic import adapters, scheduler
 from exlpy.generator.dynamic.decode import DecodeStepper, Pending
 from exlpy.generator.dynamic.job import ExLlamaV2DynamicJob
 from exlpy.generator.dynamic.pages import PAGE_SIZE, PageTable
-from exlpy.generator.dynamic.prefill import Chunk, commit_chunks, completes_prompt, run_chunk, run_prefill
+from exlpy.generator.dynamic.prefill import Chunk, commit_chunks, completes_prompt, run_chunk, run_prefill, run_together
 from exlpy.generator.dynamic.validate import check_job_embeddings, check_job_vocab
 from exlpy.generator.filters.base import drop_background
 from exlpy.generator.speculative.api import SpeculativeAPI
@@ -116,6 +116,9 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         # and the chunks (model/batch.py mixed_batch), so the weights are read once per iteration, not twice. None:
         # the runtime option EXLPY_MIXED_STEP; True / False force it for this generator.
         self.mixed_step: bool | None = None
+        # Prompt chunks of several sequences in one iteration as shared eager passes (prefill.run_together), not a
+        # pass (or captured pieces) each. None: the runtime option EXLPY_COMBINED_PREFILL; True / False force it.
+        self.combined_prefill: bool | None = None
         self.current_loras: list[Any] = []  # set_loras: adapters of jobs that name none (exllamav2's attribute)
         # Speculative decoding (exlpy/generator/speculative/): a draft model or n-gram drafting. num_draft_tokens
         # None adapts the draft length to the acceptance rate; a number fixes it.
@@ -293,11 +296,17 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
             # Prompt chunks that run inside this iteration's decode step (one pass, the weights read once): planned
             # here, run by the step, committed after it (None: each chunk runs as a pass of its own, now).
             chunks: list[Chunk] | None = [] if self._mixes(decoding) else None
+            # Else the prompt chunks of several sequences may run together, in shared passes after planning
+            # (`combined_prefill`); a job with a LoRA adapter or images keeps its passes of its own.
+            together: list[Chunk] | None = [] if chunks is None and self._combines(decoding, budget) else None
             spent = 0
             for job in list(self.active):
                 if not job.is_prefilled():
-                    spent += self._guard_n(job, results, lambda j=job, s=spent: run_prefill(
-                        self, j, results, decoding, budget, s, chunks))
+                    shares = together if self._shares_passes(job) else None
+                    spent += self._guard_n(job, results, lambda j=job, s=spent, t=shares: run_prefill(
+                        self, j, results, decoding, budget, s, chunks, t))
+            if together:
+                run_together(self, together, decoding, results)
             chunks = chunks or []
             jobs = [j for j in self.active if (j.is_prefilled() or completes_prompt(j, chunks)) and self._continues(j)]
             if self.spec is not None and jobs and self._speculate(jobs, results):
@@ -345,6 +354,19 @@ class ExLlamaV2DynamicGenerator(SpeculativeAPI):
         on = options().mixed_step if self.mixed_step is None else self.mixed_step
         return (on and decoding > 0 and self.spec is None
                 and not any(j.embeddings or j.lora_slot >= 0 for j in self.active))
+
+    def _combines(self, decoding: int, budget: int) -> bool:
+        """Whether this iteration's prompt chunks of several sequences run as shared passes (`combined_prefill`,
+        EXLPY_COMBINED_PREFILL; when: scheduler.combines_prompts)."""
+        on = options().combined_prefill if self.combined_prefill is None else self.combined_prefill
+        waiting = sum(1 for j in self.active if self._shares_passes(j) for q in j.seqs if not q.is_prefilled())
+        return on and scheduler.combines_prompts(waiting, decoding, budget)
+
+    @staticmethod
+    def _shares_passes(job: ExLlamaV2DynamicJob) -> bool:
+        """Whether the job's prompt chunks may share a pass with other sequences': `mixed_batch` carries neither
+        LoRA adapters (their kernels take one slot per row) nor image embeddings and M-RoPE positions."""
+        return not job.embeddings and job.lora_slot < 0
 
     def _mixed_pass(self, jobs: list[ExLlamaV2DynamicJob], prev: Any, chunks: list[Chunk],
                     results: list[dict[str, Any]]) -> Pending | None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exlpy.generator.dynamic import scheduler
-from exlpy.model.batch import paged_batch
+from exlpy.model.batch import mixed_batch, paged_batch
 
 if TYPE_CHECKING:
     from exlpy.generator.dynamic.generator import ExLlamaV2DynamicGenerator
@@ -34,25 +34,42 @@ class Chunk:
 
 
 def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, results: list[dict[str, Any]],
-                decoding: int, budget: int, spent: int, defer: list[Chunk] | None = None) -> int:
+                decoding: int, budget: int, spent: int, defer: list[Chunk] | None = None,
+                together: list[Chunk] | None = None) -> int:
     """One prompt chunk per sequence of the job; returns the tokens planned. With `defer` the chunks are appended
     to it instead of run: they run inside this iteration's decode step (a mixed pass, dynamic/decode.py), and
     `commit_chunks` then records them. A mixed pass holds at most `max_chunk_size` prompt tokens (the largest
-    pass the server sizes its activations for): once `defer` holds that many, chunks run as passes of their own."""
+    pass the server sizes its activations for): once `defer` holds that many, chunks run as passes of their own.
+    With `together` (and no `defer`) the chunks are appended to it, eager, to run with other sequences' chunks in
+    shared passes once every job is planned (`run_together`)."""
     room = None if defer is None else gen.max_chunk_size - sum(c.end - c.start for c in defer)
     if room is not None and room <= 0:
         defer = room = None
+    if defer is not None:
+        together = None
+    queue = defer if defer is not None else together
     progressed, deferred, ran = False, False, 0
     for q in job.seqs:
         if q.is_prefilled():
             continue
-        chunk, moved = plan_chunk(gen, job, q, decoding, budget, spent + ran, None if room is None else room - ran)
+        # eager, in a shared pass: the decode step's (`room` left in it) or other prompts' (any chunk fits one)
+        left = room - ran if room is not None else (gen.max_chunk_size if together is not None else None)
+        chunk, moved = plan_chunk(gen, job, q, decoding, budget, spent + ran, left)
+        if together and writes_next_page(together, q):
+            # A chunk planned before this one (a shared prefix, or the other sequence of a CFG job) writes this
+            # sequence's next page: those chunks run first, so that it skips the page as it would behind passes of
+            # their own, instead of waiting an iteration for it or writing it twice.
+            run_together(gen, together, decoding, results)
+            if job not in gen.active or job.finished:  # its own chunk failed in that pass
+                return ran
+            chunk, again = plan_chunk(gen, job, q, decoding, budget, spent + ran, left)
+            moved |= again
         progressed |= moved
         if chunk is None:
             continue
         ran += chunk.end - chunk.start
-        if defer is not None:
-            defer.append(chunk)
+        if queue is not None:
+            queue.append(chunk)
             deferred = True
         else:  # run and recorded before the next sequence is planned: it may skip the pages this one wrote
             run_chunk(gen, chunk)
@@ -62,11 +79,61 @@ def run_prefill(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, result
     return ran
 
 
+def writes_next_page(chunks: list[Chunk], q: SeqState) -> bool:
+    """Whether one of `chunks` (planned, not run) writes the page that sequence q prefills next."""
+    if q.is_prefilled():
+        return False
+    page = q.pages[q.prefill_pos // q.page_size]
+    if page.complete or page.filler is None:  # (a page being written has its filler)
+        return False
+    size = q.page_size
+    return any(c.seq.pages[p] is page for c in chunks for p in range(c.start // size, (c.end - 1) // size + 1))
+
+
+def run_together(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk], decoding: int,
+                 results: list[dict[str, Any]]) -> None:
+    """Run the planned `chunks` of several sequences in shared forward passes (`scheduler.pass_sizes`: consecutive
+    chunks, at most `max_chunk_size` tokens a pass), record them, report each job's progress once, and empty the
+    list. A pass left with one chunk runs it as it would run alone (captured pieces next to decoding jobs). A
+    shared pass that raises (one job's fault fails it whole) runs its chunks again one by one: the faulty one
+    ends its job alone."""
+    planned = list(chunks)
+    chunks.clear()
+    at = 0
+    for n in scheduler.pass_sizes([c.end - c.start for c in planned], gen.max_chunk_size):
+        group = [c for c in planned[at:at + n] if c.job in gen.active and not c.job.finished]
+        at += n
+        if len(group) > 1:
+            try:
+                run_shared(gen, group)
+            except Exception:
+                pass  # one by one below
+            else:
+                commit_chunks(gen, group)
+                continue
+        for c in group:
+            if len(group) == 1 and decoding:
+                c.buckets = scheduler.captured_sizes(c.end - c.start, gen.chunk_buckets())
+            gen.guard(c.job, results, lambda c=c: (run_chunk(gen, c), commit_chunks(gen, [c])))
+    for job in dict.fromkeys(c.job for c in planned):
+        if job in gen.active and not job.finished:
+            report(job, results)
+
+
+def run_shared(gen: ExLlamaV2DynamicGenerator, chunks: list[Chunk]) -> None:
+    """Prompt chunks of several sequences as one forward pass (model/batch.py `mixed_batch`): their tokens end to
+    end in one row, so the weights are read once (and an EXL2 model's dequantized once) for all of them, and
+    attention runs per chunk over its own sequence's pages. Nothing past the cache writes is computed."""
+    groups = [[(c.seq.page_ids(), c.start, c.end - c.start)] for c in chunks]
+    batch = mixed_batch(groups, gen.cache, gen.device(), gen.page_size, 0)
+    gen.model.forward_batch(torch.cat([c.ids for c in chunks]).view(1, -1), batch, preprocess_only=True)
+
+
 def plan_chunk(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, q: SeqState, decoding: int, budget: int,
                spent: int, room: int | None = None) -> tuple[Chunk | None, bool]:
     """Sequence q's prompt chunk for this iteration (None: none now), after skipping what the cache already holds;
-    and whether it progressed (a chunk, or pages found cached). `room`: the chunk will run inside the decode step,
-    eagerly (no captured sizes), `room` tokens at most."""
+    and whether it progressed (a chunk, or pages found cached). `room`: the chunk will run eagerly (no captured
+    sizes) in a pass shared with other rows (the decode step's, or other prompts'), `room` tokens at most."""
     serial = job.serial or 0
     gen.cached_tokens += scheduler.skip_cached_pages(q)
     copy_partial_page(gen, q, serial)
@@ -80,7 +147,8 @@ def plan_chunk(gen: ExLlamaV2DynamicGenerator, job: ExLlamaV2DynamicJob, q: SeqS
         limit = max(0, min(limit, room))
     # Next to decoding jobs a chunk of up to CAPTURED_MAX tokens runs captured where it can: an eager one costs
     # the host its kernel launches (~20 ms on an 8B), and the decode step launched after it waits for them. A
-    # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time.
+    # chunk inside the decode step (mixed) is eager: the step's launches hide behind the chunk's GPU time; so is one
+    # in a shared prompt pass (`run_together`), whose launches hide behind the pass's many tokens.
     buckets: tuple[int, ...] = ()
     if decoding and not job.embeddings and room is None:
         buckets = scheduler.captured_sizes(limit, gen.chunk_buckets())

@@ -185,6 +185,37 @@ def captured_tokens(limit: int, left: int, buckets: Sequence[int]) -> int:
     return min(left, full * top + size)
 
 
+def combines_prompts(waiting: int, decoding: int, budget: int) -> bool:
+    """Whether this iteration's prompt chunks of `waiting` sequences (two or more) run as shared forward passes
+    (`pass_sizes`) instead of a pass (or captured pieces) each. Every pass reads all the weights (an EXL2 pass above
+    64 rows first dequantizes them all to fp16) and an eager one costs the host its kernel launches (~20 ms on an
+    8B): without decoding jobs each chunk is such an eager pass, so fewer passes always win. Next to decoding jobs a
+    sequence's chunk of up to CAPTURED_MAX tokens runs as captured pieces of at most 256 tokens, one weight read (and
+    one EXL2 dequantization) each: with a budget above CAPTURED_MAX (`prefill_budget`: five or more waiting
+    prompts next to many streams) the iteration runs more than four pieces' worth of prompt, whose weight reads cost
+    the GPU more than one eager pass's launches cost the host, and that pass's own GPU time (~25 us a token on an
+    8B, H100) hides its launches. Below it (a lone prompt, or a few next to the streams) the captured pieces stay:
+    an eager pass of a few hundred tokens would leave the decode step waiting on its launches (the 16k-prompt
+    stall, tests/test_serving_stalls.py)."""
+    return waiting >= 2 and (not decoding or budget > CAPTURED_MAX)
+
+
+def pass_sizes(lengths: Sequence[int], limit: int) -> list[int]:
+    """How many of the chunks (of `lengths` tokens, in planning order) each shared pass runs: consecutive chunks,
+    at most `limit` tokens a pass (`max_chunk_size`, the largest pass the activations are sized for), a chunk
+    longer than that in a pass of its own."""
+    sizes: list[int] = []
+    tokens = 0
+    for n in lengths:
+        if sizes and tokens + n <= limit:
+            sizes[-1] += 1
+            tokens += n
+        else:
+            sizes.append(1)
+            tokens = n
+    return sizes
+
+
 def chunk_pieces(n: int, buckets: Sequence[int]) -> list[int]:
     """Lengths of the captured chunks that run `n` prompt tokens: as few as possible (each forward pass reads all
     the weights), the largest bucket each, the last one what is left (padded to its bucket by the runner)."""
