@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.moe_compile_check import TARGET, compile_kernel  # noqa: E402
-from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
+from benchmarks.sm90_ptxas import compile_parallel, ptxas_report  # noqa: E402
 from exlpy.kernels import moe_exl2_rows as mr  # noqa: E402
 
 TABLES = {f"{w}_{t}": typ for w in ("g", "u") for t, typ in (("qw", "*i32"), ("sc", "*i32"), ("sm", "*fp32"),
@@ -48,25 +48,25 @@ def one(gate_up: bool, width: int, even: bool, rows: int, cols: int, warps: int,
 
 def variants(rows: int, cols: int, warps: int, sweep: bool, widths: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 0)
              ) -> dict[str, dict]:
-    out = {}
+    jobs: dict[str, tuple] = {}
     for width in widths:
         for even in (True, False):
             for gate_up in (True, False):
                 tag = f"{'gate_up' if gate_up else 'down'} {f'{width}-bit' if width else 'mixed'}" + (
                     "" if even else " masked")
-                out[f"rows{rows} {tag}"] = one(gate_up, width, even, rows, cols, warps)
+                jobs[f"rows{rows} {tag}"] = (one, gate_up, width, even, rows, cols, warps)
     for dt in ("fp16", "bf16", "fp32"):  # the x gather (the main kernel reads only its fp32 copy)
         for gate_up in (True, False):
-            out[f"rows{rows} gather {dt}{' gate_up' if gate_up else ''}"] = compile_kernel(
-                mr._gather_kernel, {"x_ptr": "*" + dt, "order_ptr": "*i64", "counts_ptr": "*i32", "g_perm": "*i32",
-                                    "u_perm": "*i32", "xp_ptr": "*fp32"},
+            jobs[f"rows{rows} gather {dt}{' gate_up' if gate_up else ''}"] = (
+                compile_kernel, mr._gather_kernel, {"x_ptr": "*" + dt, "order_ptr": "*i64", "counts_ptr": "*i32",
+                                                    "g_perm": "*i32", "u_perm": "*i32", "xp_ptr": "*fp32"},
                 dict(E_P2=8, R=rows, R_P2=triton.next_power_of_2(rows), BLOCK=128, GATE_UP=gate_up), 4, 1)
     if sweep:  # the --sweep's other shapes, 4-bit (benchmarks/moe.py SWEEP_EXL2_ROWS)
         for r, c, w in sorted({(r, c, w) for c, w, _, r in _sweep()} - {(rows, cols, warps)}):
             for gate_up in (True, False):
-                out[f"rows{r} {c} columns w{w} {'gate_up' if gate_up else 'down'} 4-bit"] = one(
-                    gate_up, 4, True, r, c, w)
-    return out
+                jobs[f"rows{r} {c} columns w{w} {'gate_up' if gate_up else 'down'} 4-bit"] = (
+                    one, gate_up, 4, True, r, c, w)
+    return compile_parallel(jobs)
 
 
 def _sweep() -> list:
