@@ -231,3 +231,38 @@ def test_shared_prompt_passes_on_the_gpu() -> None:
         firsts[combined] = ([out[j][0] for j in jobs], sum(gen.model.passes))
     assert firsts[True][0] == firsts[False][0]
     assert firsts[True][1] < firsts[False][1]
+
+
+def test_a_burst_of_arrivals_is_prefilled_in_waves() -> None:
+    """Without decoding jobs `prefill_limit` keeps to the budget (`prefill_budget`: BURST_CHUNKS chunks), so that
+    the first jobs of a burst stream while later ones prefill (before, every prompt of a 64-stream burst was
+    prefilled in the first iteration: its TTFT median was the whole burst's prefill)."""
+    gen = type("G", (), {"max_chunk_size": 128, "max_prefill_per_step": 2048, "context_cost_tokens": 10_000})()
+    seq = type("S", (), {"prefill_pos": 0})()
+    budget = scheduler.prefill_budget(gen, 0, 10)
+    assert budget == 128 * scheduler.BURST_CHUNKS
+    assert scheduler.prefill_limit(gen, seq, 0, budget, 0) == 128
+    assert scheduler.prefill_limit(gen, seq, 0, budget, budget - 40) == 40
+    assert scheduler.prefill_limit(gen, seq, 0, budget, budget) == 0
+    # On a model: ten 250-token prompts at once, chunks of 256: the first iteration prefills a wave, and the first
+    # tokens come before the last prompt is prefilled.
+    model, tok = aidreams()
+    g = ExLlamaV2DynamicGenerator(model, ExLlamaV2Cache(model, max_seq_len=4096), tok, max_chunk_size=256)
+    jobs = [ExLlamaV2DynamicJob(input_ids=prompt(250, 100 + k), max_new_tokens=4, gen_settings=GREEDY,
+                                stop_conditions=[]) for k in range(10)]
+    for j in jobs:
+        g.enqueue(j)
+    first = g.prefill_tokens
+    first_token: dict[int, int] = {}
+    step = 0
+    while g.num_remaining_jobs():
+        for r in g.iterate():
+            if r.get("stage") == "streaming" and len(r.get("token_ids", ())) or r.get("eos"):
+                first_token.setdefault(jobs.index(r["job"]), step)
+        if step == 0:
+            # the budget, 4 chunks' worth: four whole prompts (249 tokens each: a prompt's last token is its first
+            # decode step's input) and the fifth's first 28 tokens; the other five wait for the next wave
+            assert g.prefill_tokens - first == 256 * scheduler.BURST_CHUNKS
+        step += 1
+    assert sorted(first_token) == list(range(10))
+    assert max(first_token[k] for k in range(4)) < first_token[9]

@@ -151,14 +151,16 @@ def context_cost_tokens(config: Any) -> int:
 
 
 def prefill_limit(gen: ExLlamaV2DynamicGenerator, seq: SeqState, decoding: int, budget: int, spent: int) -> int:
-    """Prompt tokens `seq` may run now: at most a chunk, and what is left of the budget, counting a token
+    """Prompt tokens `seq` may run now: at most a chunk, and what is left of the budget (without decoding jobs the
+    budget is a wave of BURST_CHUNKS chunks: the 64-stream load had every prompt prefilled before any job streamed,
+    its TTFT median the whole burst's prefill); next to decoding jobs counting a token
     deep into a long prompt as more (attention over its context), but not fewer than MIN_CHUNK_TOKENS (a chunk's
     fixed cost: the weights read once, an eager pass's launches) unless the budget left is smaller."""
-    if not decoding:
-        return gen.max_chunk_size
     left = budget - spent
     if left <= 0:
         return 0
+    if not decoding:  # a wave of arrivals (prefill_budget): whole chunks while the budget lasts
+        return min(gen.max_chunk_size, left)
     c = gen.context_cost_tokens
     scaled = int(left * c / (c + seq.prefill_pos))
     return min(gen.max_chunk_size, left, max(scaled, MIN_CHUNK_TOKENS))
