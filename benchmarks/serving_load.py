@@ -220,9 +220,10 @@ async def _stall_check(port: int, name: str, vocab: int, decoders: int, long_pro
 
 def run_server(model: str, load: Load, port: int, cache_size: int | None, max_seq_len: int | None,
                log: str, extra: list[str] | None = None, stall: tuple[int, int, tuple[int, int]] | None = None,
-               clients: int = 1) -> tuple[Figures, dict[str, Any]]:
+               clients: int = 1, crowd: int = 0) -> tuple[Figures, dict[str, Any]]:
     """The load through a fresh `exlpy serve`; with `stall` = (decoders, long prompt, (decoder prompt, decoder
-    tokens)) also the stall check.
+    tokens)) also the stall check; with `crowd` also that many streams of the load's shape on fresh prompts (issue
+    29: with the default cache all complete, none refused while the cache has room).
     Returns the figures and facts for the report (startup time, cache, compiles while serving)."""
     from exlpy import ExLlamaV2Config
 
@@ -237,6 +238,12 @@ def run_server(model: str, load: Load, port: int, cache_size: int | None, max_se
                                                          max_seq_len or config.max_seq_len))
         fig = asyncio.run(_drive_server(port, name, load.prompt_ids(config.vocab_size), load.max_tokens,
                                         config.vocab_size, proc.pid, clients))
+        if crowd:
+            facts["health_before_crowd"] = health(port)
+            many = Load(crowd, load.prompts, load.max_tokens, seed=load.seed + 1)  # other prompts: no prefix hits
+            facts["crowd"] = asyncio.run(_drive_server(port, name, many.prompt_ids(config.vocab_size),
+                                                       many.max_tokens, config.vocab_size, proc.pid, clients))
+            facts["health_crowd"] = health(port)
         if stall is not None:
             facts["stall"] = asyncio.run(_stall_check(port, name, config.vocab_size, *stall))
         facts["health_end"] = health(port)
@@ -313,7 +320,7 @@ def options_prefill_graphs() -> bool:
 
 def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, decoders: int,
               long_prompt: int, shape: tuple[int, int] = (512, 384), server_args: list[str] | None = None,
-              clients: int = 4) -> list[str]:
+              clients: int = 4, crowd: int = 128) -> list[str]:
     """benchmarks/serving.py's `load` part: the server (default cache) and the generator on the same load, the
     stall check, one report section."""
     import gc
@@ -324,7 +331,8 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
 
     lo, hi = load.prompts
     fig_s, facts = run_server(model, load, port, None, max_seq_len, f"/tmp/exlpy_serve_{key}.log",
-                              extra=server_args, stall=(decoders, long_prompt, shape), clients=clients)
+                              extra=server_args, stall=(decoders, long_prompt, shape), clients=clients,
+                              crowd=crowd)
     print(fig_s.line(), flush=True)
     h0, h1 = facts["health_start"], facts["health_end"]
     cache = load.streams * (hi + load.max_tokens)
@@ -359,10 +367,30 @@ def part_load(model: str, key: str, port: int, load: Load, max_seq_len: int, dec
                      f"{'met' if r1 >= 0.95 * r2 else '**missed**'})")
     else:
         lines.append(f"- first request after startup failed: {first.error or second.error}")
+    if "crowd" in facts:
+        lines.append(crowd_line(facts["crowd"], crowd, load, facts.get("health_crowd", {}),
+                                facts.get("health_before_crowd", {})))
     alone, long, extra, after = facts["stall"]
     lines += stall_lines(alone, long, extra, long_prompt, decoders, shape, after) + [""]
     print("\n".join(lines), flush=True)
     return lines
+
+
+def crowd_line(fig: Figures, n: int, load: Load, h: dict[str, Any], before: dict[str, Any]) -> str:
+    """The report line of the crowd: how many of its streams completed, failed (typed errors) or were refused, the
+    preemptions it caused, and whether the cache could hold them all at once."""
+    lo, hi = load.prompts
+    need = n * (hi + load.max_tokens)
+    cache = h.get("cache_tokens")
+    fits = isinstance(cache, int) and cache >= need
+    pre = h.get("preemptions", 0) - before.get("preemptions", 0) if isinstance(h.get("preemptions"), int) else "?"
+    ok = fig.failed == 0
+    return (f"- {n} streams (prompts {lo}-{hi}, max_tokens {load.max_tokens}) with the default cache: "
+            f"{n - fig.failed} completed, {fig.failed} failed; {fig.tok_s:,.1f} tok/s, TTFT p50 "
+            f"{statistics.median(fig.ttft) if fig.ttft else float('nan'):.2f} s; preemptions {pre}; the cache "
+            f"({cache if cache is not None else '?'} tokens) {'holds' if fits else 'does not hold'} all of them at "
+            f"their longest ({need:,}) (target: all complete, none refused while the cache has room: "
+            f"{'met' if ok else '**missed**'})")
 
 
 def load_generator(model_dir: str, cache_size: int, max_seq_len: int | None, max_batch_size: int | None) -> Any:
