@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_tests.sh            # from anywhere; ../shared beside the checkout for the data tests
 #   bash benchmarks/gpu_tests.sh --quick    # only the GPU-relevant files (kernels, graphs, fusions, interpreter)
 #   bash benchmarks/gpu_tests.sh -x -k exl2 # any other arguments go to pytest
+#   GPU_TESTS_PASS=one bash benchmarks/gpu_tests.sh -n 28   # with -n: only the one-GPU pass (or "serial": only the
+#                                           # multi-GPU / exclusive pass), for calls shorter than both passes
 #
 # TRITON_INTERPRET is unset: CUDA tests use compiled kernels, and tests/conftest.py runs the interpreter tests in
 # a child pytest of their own. The checkout goes first on PYTHONPATH as an absolute path, so this exlpy is the one
@@ -50,18 +52,25 @@ T0=$(date +%s)
 # size a cache from the GPU's free memory (marker exclusive_gpu) run in the serial pass, where no worker shares it.
 XDIST=""
 for a in "${ARGS[@]+"${ARGS[@]}"}"; do case $a in -n|-n[0-9]*|--numprocesses*) XDIST=1 ;; esac; done
+# GPU_TESTS_PASS=one|serial runs only that pass (default both): where a call's time limit is shorter than the two
+# passes, they run as two calls on the same machine (the log of the second is appended to the first's).
+PASS=${GPU_TESTS_PASS:-both}
 if [ -n "$XDIST" ] && [ -z "$QUICK" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
-  EXLPY_TEST_SPREAD_GPUS=$NGPU python -m pytest -q -p no:cacheprovider -rs -m "not multigpu and not exclusive_gpu" --dist loadgroup \
-    "${ARGS[@]}" 2>&1 \
-    | tee "$OUT/gpu_tests.log"
-  RC=${PIPESTATUS[0]}
-  # -v and a per-test timeout (SERIAL_ARGS): a hung collective names its test and the pass goes on.
-  # shellcheck disable=SC2086  # SERIAL_ARGS is split into words on purpose
-  python -m pytest -q -p no:cacheprovider -rs -m "multigpu or exclusive_gpu" \
-    ${SERIAL_ARGS:--v --timeout=240 --timeout-method=signal} 2>&1 | tee -a "$OUT/gpu_tests.log"
-  RC2=${PIPESTATUS[0]}
-  [ "$RC2" = 5 ] || [ "$RC2" = 0 ] || RC=$RC2  # 5: none selected (fewer than two GPUs visible skip, not deselect)
+  RC=0
+  if [ "$PASS" != serial ]; then
+    EXLPY_TEST_SPREAD_GPUS=$NGPU python -m pytest -q -p no:cacheprovider -rs -m "not multigpu and not exclusive_gpu" \
+      --dist loadgroup "${ARGS[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
+    RC=${PIPESTATUS[0]}
+  fi
+  if [ "$PASS" != one ]; then
+    # -v and a per-test timeout (SERIAL_ARGS): a hung collective names its test and the pass goes on.
+    # shellcheck disable=SC2086  # SERIAL_ARGS is split into words on purpose
+    python -m pytest -q -p no:cacheprovider -rs -m "multigpu or exclusive_gpu" \
+      ${SERIAL_ARGS:--v --timeout=240 --timeout-method=signal} 2>&1 | tee -a "$OUT/gpu_tests.log"
+    RC2=${PIPESTATUS[0]}
+    [ "$RC2" = 5 ] || [ "$RC2" = 0 ] || RC=$RC2  # 5: none selected (fewer than two GPUs visible skip, not deselect)
+  fi
 else
   python -m pytest -q -p no:cacheprovider -rs "${ARGS[@]+"${ARGS[@]}"}" "${FILES[@]+"${FILES[@]}"}" 2>&1 \
     | tee "$OUT/gpu_tests.log"
