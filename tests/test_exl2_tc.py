@@ -359,9 +359,9 @@ def test_wide_rows_interpreter(wide_tiles: None, monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.interpreter
 def test_wide_fused_group_interpreter(wide_tiles: None) -> None:
-    """A q|k|v-like group (three layouts, shared act order) at 70 and 180 rows with RMSNorm, bias and the residual
-    added in place, twice over (the wide workspace and its counters reset themselves), and GPTQ with act order
-    (scales folded into the weights, as the wide classes do by default)."""
+    """A q|k|v-like group (three layouts, shared act order) at 70 and 150 rows with RMSNorm, bias and the residual
+    added in place (the second product finds the wide workspace and its counters reset by the first), and GPTQ
+    with act order (scales folded into the weights, as the wide classes do by default)."""
     tc = _tc()
     gen = torch.Generator().manual_seed(66)
     a = _exl2(160, 70, [(4, 64), (4, 64), (4, 32)], gen)
@@ -370,7 +370,7 @@ def test_wide_fused_group_interpreter(wide_tiles: None) -> None:
     bias = torch.randn(143, generator=gen).half()
     norm = (1 + 0.1 * torch.randn(160, generator=gen)).half()
     with use_options(WIDE):
-        for m in (70, 180, 70):
+        for m in (70, 150):
             x = torch.randn(m, 160, generator=gen).half() * 3
             _check(x, parts, bias, torch.randn(m, 143, generator=gen).half(), norm)
         w = torch.randn(256, 48, generator=gen)
@@ -633,6 +633,32 @@ def test_wide_gptq_and_graph_cuda() -> None:
             x.copy_(torch.randn(128, 4096, generator=gen).half())
             graph.replay()
             assert rel_err(y, x.float().cpu() @ dq) < TOL
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_model_prompt_chunk_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converter-written EXL2 model (mixed widths, act order) with EXLPY_TC_MAX_ROWS=256: a 2 x 100-token prompt
+    (200 rows per projection) runs this kernel, not dequantize + cuBLAS, and matches the fp32 CPU model's logits."""
+    from exlpy import ExLlamaV2, ExLlamaV2Config
+    from tests.conftest import logits_tol, shared_path
+
+    tc = _tc()
+    calls: list[int] = []
+    real = tc.run_plan
+    monkeypatch.setattr(tc, "run_plan", lambda plan, xg, *a: calls.append(xg.shape[0]) or real(plan, xg, *a))
+    d = shared_path("models", "smollm2-135m-exl2-4.0")
+    cpu = ExLlamaV2(ExLlamaV2Config(str(d)))
+    cpu.load(device="cpu")
+    ids = torch.randint(0, 1000, (2, 100), generator=torch.Generator().manual_seed(0))
+    want = cpu.forward(ids)
+    del cpu
+    with use_options(dataclasses.replace(options(), tc_max_rows=256)):
+        model = ExLlamaV2(ExLlamaV2Config(str(d)))
+        model.load()
+        got = model.forward(ids)
+    assert 200 in calls
+    assert rel_err(got, want) <= logits_tol(model, 1e-3)
 
 
 @pytest.mark.slow

@@ -117,8 +117,14 @@ def launch_config(k: int, n: int, bm: int) -> dict[str, int]:
 
 
 def tile_m(c: dict[str, int], bm: int) -> int:
-    """Rows per program of a class: the class itself up to 64 rows, else its TILE_M (16 to the class)."""
-    return bm if bm <= NARROW_ROWS else min(bm, max(16, c.get("TILE_M", bm)))
+    """Rows per program of a class: the class itself up to 64 rows, else its TILE_M (a power of two from 16 to the
+    class: a tl.arange bound)."""
+    if bm <= NARROW_ROWS:
+        return bm
+    tile = c.get("TILE_M", bm)
+    if tile < 16 or tile > bm or tile & (tile - 1):
+        raise ValueError(f"TILE_M {tile} of the {bm}-row class: a power of two from 16 to {bm}")
+    return tile
 
 
 def takes(m: int, k: int, n: int) -> bool:
@@ -259,7 +265,7 @@ def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, 
     # split-K only where the workspace holds the class's rows (64 at most for the narrow classes, which share
     # exl2_qmm's) of every output column, and a counter per column block and row tile
     tile = tile_m(c, bm)
-    tiles = bm // tile if bm > NARROW_ROWS else 1
+    tiles = -(-bm // tile) if bm > NARROW_ROWS else 1
     elems, blocks = (WIDE_WS_ELEMS, WIDE_WS_BLOCKS) if bm > NARROW_ROWS else (WS_ELEMS, WS_BLOCKS)
     may_split = c["WAVES"] > 0 and n_total * max(bm, NARROW_ROWS) <= elems and cols * tiles <= blocks
     runs = [(m, r) for m, p in enumerate(parts) for r in _runs(p.layout)]
