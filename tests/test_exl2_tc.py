@@ -345,8 +345,11 @@ def test_wide_rows_interpreter(wide_tiles: None, monkeypatch: pytest.MonkeyPatch
             assert [g[1] for g in launched] == [-(-m // 64)], (m, launched)
         launched.clear()
         assert rel_err(group.run(x[:40]), ref[:40]) < TOL and [len(g) for g in launched] == [1]
-        monkeypatch.setitem(exl2_tc_plan.CONFIG, 128, {**exl2_tc_plan.CONFIG[128], "TILE_M": 128})
+        for bm in (128, 256):  # the default row tile: one dot over 128 rows (200 rows: two tiles)
+            monkeypatch.setitem(exl2_tc_plan.CONFIG, bm, {**exl2_tc_plan.CONFIG[bm], "TILE_M": 128})
+        launched.clear()
         assert rel_err(group.run(x[:90]), ref[:90]) < TOL
+        assert rel_err(group.run(x[:200]), ref[:200]) < TOL and [g[1] for g in launched] == [1, 2]
         plain = _exl2(256, 64, [(4, 128), (4, 128)], gen)
         monkeypatch.setitem(exl2_tc_plan.CONFIG, 256, {**exl2_tc_plan.CONFIG[256], "WAVES": 0})
         whole = tc.TcGroup([plain], None)
