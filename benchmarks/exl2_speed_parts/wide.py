@@ -34,11 +34,11 @@ def _wide_shape(args: argparse.Namespace, res: dict, k: int, n: int, mix: str) -
     from exlpy.kernels import exl2_matmul as km
     from exlpy.kernels import exl2_tc, exl2_tc_plan
 
-    dev = torch.device("cuda")
     case = shape_matrix("wide", k, n, mix)
     if case is None:
         return
     key, qm, mats = case
+    dev = qm.q_weight.device
     groups = [exl2_tc.TcGroup([m], None) for m in mats]  # plans of the 128 and 256 classes (tc_max_rows 256)
     w16 = [torch.randn(k, n, dtype=torch.float16, device=dev) for _ in range(max(1, (300 << 20) // (2 * k * n)))]
     for m in args.wide_rows:
