@@ -563,16 +563,18 @@ WIDE_ROWS = (65, 96, 128, 129, 192, 256)
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("mix", [[(4, 1.0)], MIXED_8B, [(8, 0.1), (6, 0.1), (5, 0.2), (3, 0.4), (2, 0.2)]])
-def test_wide_rows_cuda(shape: tuple[int, int], mix: list[tuple[int, float]]) -> None:
-    """65-256 rows (EXLPY_TC_MAX_ROWS=256) at 8B shapes, act order, uniform 4-bit and converter-mixed 2-8 bit
-    groups, against the dequantized fp16 matmul, each three times (split-K epilogue per row tile)."""
+@pytest.mark.parametrize("mix", [[(4, 1.0)], MIXED_8B, [(8, 0.1), (6, 0.1), (5, 0.2), (3, 0.4), (2, 0.2)], None])
+def test_wide_rows_cuda(shape: tuple[int, int], mix: list[tuple[int, float]] | None) -> None:
+    """65-256 rows (EXLPY_TC_MAX_ROWS=256) at 8B shapes, act order, uniform 4-bit and mixed 2-8 bit groups (None:
+    as the converter writes down_proj, 8-bit 32-row groups then 4- and 3-bit 128-row ones), against the
+    dequantized fp16 matmul, each three times (split-K epilogue per row tile)."""
     tc = _tc()
     from exlpy.quant.exl2_ref import dequant_dense
 
     k, n = shape
     gen = torch.Generator().manual_seed(k + n + 256)
-    qm = _exl2_big(k, n, _groups(k, mix), gen)
+    groups = _groups(k, mix) if mix else _groups(512, [(8, 1.0)], 32) + _groups(k - 512, [(4, 0.3), (3, 0.7)])
+    qm = _exl2_big(k, n, groups, gen)
     w = dequant_dense(qm).cuda().float()
     with use_options(WIDE):
         group = tc.TcGroup([qm.to("cuda")], None)
