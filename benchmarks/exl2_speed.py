@@ -9,6 +9,7 @@ Run on a CUDA machine from the repo root (each part prints as it goes and fits o
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts e2e      # the four 8B models
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts quick    # old vs exl2_tc, ~1 min
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts tc --tc-sweep small  # exl2_tc in full
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/exl2_speed.py --parts wide     # 65-256 rows: tc vs cuBLAS
 
 Parts:
 - micro: for K x N in 4096x4096, 4096x14336, 14336x4096 and M in 1..64 rows: the fused kernel (M = 1: the decode
@@ -17,6 +18,10 @@ Parts:
   M where dequantize + cuBLAS wins) as a `exl2_qmm_plan.CROSSOVER` table.
 - sweep: exl2_qmm launch parameters (BLOCK_N, STAGES, ONE_LAUNCH, WAVES, KB, warps) on gate|up-sized 4-bit
   and down-sized mixed (8/4/3-bit) matrices at M = 8, 32 and 64.
+- wide: prompt chunks of --wide-rows (default 96 128 192 256) rows on the 8B model's fused shapes (q|k|v, o,
+  gate|up, down), uniform 4-bit and converter-mixed: exl2_tc's 65-256-row classes (EXLPY_TC_MAX_ROWS) against
+  dequantize + cuBLAS and an fp16 GEMM; prints the crossover as `exl2_qmm_plan.CROSSOVER` entries and the
+  EXLPY_TC_MAX_ROWS it suggests. --wide-sweep also times the launch-table alternatives of CONFIG[128 / 256].
 - e2e: writes the models once under --models-dir (random weights: speed depends on shapes only), then per
   model decode tok/s at each --batches size (CUDA graphs, `exlpy bench`'s timing) and prefill of --prefill
   tokens. A failing variant or size is reported and skipped.
@@ -52,6 +57,7 @@ from benchmarks.exl2_speed_parts.quick import quick  # noqa: E402
 from benchmarks.exl2_speed_parts.results import write_md  # noqa: E402
 from benchmarks.exl2_speed_parts.sweep import sweep  # noqa: E402
 from benchmarks.exl2_speed_parts.tc import TC_ROWS, tc  # noqa: E402
+from benchmarks.exl2_speed_parts.wide import WIDE_ROWS, wide  # noqa: E402
 
 
 def main() -> int:
@@ -76,6 +82,8 @@ def main() -> int:
     ap.add_argument("--tc-sweep", choices=("small", "full"), default=None, help="tc part: also time the launch-table "
                     "alternatives (small: 4-bit gate|up and mixed down; full: every shape)")
     ap.add_argument("--tc-sweep-rows", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--wide-rows", type=int, nargs="+", default=WIDE_ROWS, help="wide part: row counts (65-256)")
+    ap.add_argument("--wide-sweep", action="store_true", help="wide part: also the CONFIG[128 / 256] alternatives")
     ap.add_argument("--qmm-kernels", nargs="+", choices=("qmm", "tc", "auto"), default=None,
                     help="e2e: decode once per EXLPY_QMM_KERNEL value (same loaded model)")
     ap.add_argument("--models-dir", default=os.environ.get("EXLPY_BENCH_MODELS", "/tmp/exlpy_bench_models"))
@@ -106,13 +114,13 @@ def main() -> int:
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            # EXLPY_GEMV_ROWS / EXLPY_QUANT_ROWS decide which kernel e2e batches of 2-64 rows run
            "command": f"EXLPY_GEMV_ROWS={options().gemv_rows} EXLPY_QUANT_ROWS={options().quant_rows} "
-                      f"EXLPY_QMM_KERNEL={options().qmm_kernel} python "
+                      f"EXLPY_QMM_KERNEL={options().qmm_kernel} EXLPY_TC_MAX_ROWS={options().tc_max_rows} python "
                       + " ".join(shlex.quote(a) for a in sys.argv)}
     state.setdefault("runs", []).append(run)
     log(f"{run['device']}, torch {run['torch']}, triton {run['triton']}: {run['command']}")
     t0 = time.time()
     for part in parts:
-        fn = {"micro": micro, "sweep": sweep, "e2e": e2e, "tc": tc, "quick": quick}.get(part)
+        fn = {"micro": micro, "sweep": sweep, "e2e": e2e, "tc": tc, "quick": quick, "wide": wide}.get(part)
         if fn is None:
             log(f"unknown part {part!r}")
             continue

@@ -1,5 +1,6 @@
 """Compile the tensor-core dequant GEMM (exlpy/kernels/exl2_tc.py) for an H100 (sm_90a) without a GPU: registers,
-spills, shared memory, and the SASS of its K loop per variant (bit width, BLOCK_M, orientation, prefetch):
+spills, shared memory, and the SASS of its K loop per variant (bit width, BLOCK_M class 16-256, orientation,
+prefetch, the row tile past 64 rows):
 instructions per packed weight and per thread, and the opcode mix inside the loop.
 
 python benchmarks/tc_compile_check.py [--json] [--sass DIR] [--all]
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.sm90_ptxas import ptxas_report  # noqa: E402
 from exlpy.kernels import exl2_tc  # noqa: E402
-from exlpy.kernels.exl2_tc_plan import CONFIG, FIELDS  # noqa: E402
+from exlpy.kernels.exl2_tc_plan import CONFIG, FIELDS, NARROW_ROWS, tile_m  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTRS = {"x_ptr": "*fp16", "qw_ptr": "*i32", "sc_ptr": "*i32", "aux_ptr": "*fp32", "bias_ptr": "*fp16",
@@ -75,12 +76,13 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     """One compiled variant: `bits` one width, or a tuple of widths sharing one launch; `over`: launch-table
     overrides (BLOCK_N, WARPS, KB, SWAP, PREFETCH, STAGES, MAXNREG)."""
     c = {**CONFIG[bm], **over}
+    tile = tile_m(c, bm)  # past 64 rows the program's rows (the rest are row tiles on the grid)
     fn = exl2_tc._tc
     ws = bits if isinstance(bits, tuple) else (bits,)
     consts = dict(WIDTHS=sum(1 << b for b in ws), KBS=sum(c["KB"] << (5 * (b - 2)) for b in ws), GPTQ=gptq,
-                  HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True, BLOCK_M=bm, BLOCK_N=c["BLOCK_N"],
+                  HAS_BIAS=False, HAS_RES=True, SPLIT=split, ALIGNED=True, BLOCK_M=tile, BLOCK_N=c["BLOCK_N"],
                   NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]), FOLD=bool(c["FOLD"]),
-                  HALF=bool(c["HALF"]), PERSIST=bool(c["GRID"]), PDL=True, ASM=True)
+                  HALF=bool(c["HALF"]), PERSIST=bool(c["GRID"]), PDL=True, ASM=True, TILED=bm > NARROW_ROWS)
     ptrs = GPTQ_PTRS if gptq else PTRS
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*ptrs, *DIV16)}
@@ -99,7 +101,7 @@ def compile_variant(bits: int | tuple[int, ...], bm: int, gptq: bool = False, sp
     n_loop, mix = loop_mix(text)
     weights = c["KB"] * 32 * c["BLOCK_N"] / (32 * c["WARPS"])  # packed weights per thread and K step
     keep = ("HMMA", "HGMMA", "LDG", "LDS", "LDSM", "STS", "LOP3", "SHF", "FFMA", "FADD", "FMUL", "F2FP", "BAR",
-            "IMAD", "PRMT", "SHFL", "LEA")
+            "IMAD", "PRMT", "SHFL", "LEA", "STL", "LDL")  # STL / LDL: spills inside the K loop
     return {"shared": k.metadata.shared, **ptxas_report(k.asm["ptx"]), "loop_instr": n_loop,
             "instr_per_weight": round(n_loop / weights, 2) if len(ws) == 1 else None,
             "loop": {o: mix.get(o, 0) for o in keep}, "split_k": split_k_ops(k.asm["ptx"])}
@@ -125,7 +127,21 @@ def _table(every: bool) -> dict[str, tuple[tuple, dict]]:
     out["exl2 8-bit M16 half"] = ((8, 16), {"HALF": 1})
     out["gptq 4-bit M16 half"] = ((4, 16), {"gptq": True, "HALF": 1})
     out["gptq 4-bit M16"] = ((4, 16), {"gptq": True})
-    if every:
+    # 65-256 rows (prompt chunks): the default row tile (one dot over 128 rows), a mixed launch, GPTQ, and 64-row
+    # tiles (the register-light alternative)
+    for bm in (128, 256):
+        out[f"exl2 4-bit M{bm}"] = ((4, bm), {})
+    out["exl2 8+4+3-bit M256"] = (((8, 4, 3), 256), {})
+    out["gptq 4-bit M256"] = ((4, 256), {"gptq": True})
+    out["exl2 4-bit M256 tile64"] = ((4, 256), {"TILE_M": 64})
+    if every:  # other row tiles and tile shapes (tc_compile_check --all --only tile)
+        for bn, warps, kb in ((128, 8, 2), (64, 4, 2), (64, 8, 2)):
+            out[f"exl2 4-bit M128 tile128 BN{bn} W{warps} KB{kb}"] = ((4, 128), {"TILE_M": 128, "BLOCK_N": bn,
+                                                                            "WARPS": warps, "KB": kb})
+        out["exl2 4-bit M256 tile256 BN128 W8 KB2"] = ((4, 256), {"TILE_M": 256, "BLOCK_N": 128, "WARPS": 8,
+                                                                   "KB": 2})
+        out["exl2 4-bit M256 tile64 BN64 W4"] = ((4, 256), {"TILE_M": 64, "BLOCK_N": 64, "WARPS": 4})
+        out["exl2 4-bit M256 tile64 KB2"] = ((4, 256), {"TILE_M": 64, "KB": 2})
         for bm in (32, 64):
             for bn in (64, 128):
                 for kb in (2, 4):

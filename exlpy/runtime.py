@@ -28,6 +28,7 @@ halfway through a run cannot change behaviour between two forward passes. Code t
 | `EXLPY_GEMV_ROWS=N` | `gemv_rows` | 2-N rows (0-8; default 4) of a quant matmul run the decode GEMV (FMAs per row) |
 | `EXLPY_GPTQ_KERNEL=1` | `gptq_kernel=True` | the converter's GPTQ blocks through the Triton kernel |
 | `EXLPY_QMM_KERNEL=K` | `qmm_kernel` | 2-64 rows: `qmm` (default), `tc` (tensor-core GEMM) or `auto` |
+| `EXLPY_TC_MAX_ROWS=N` | `tc_max_rows` | 65-N rows (N 64-256; 64: off) run exl2_tc, not dequantize + cuBLAS |
 | `EXLPY_GRAPH_SAMPLING=0` | `graph_sampling` | the generators sample on the host chain, not in a captured graph |
 | `EXLPY_PREFILL_GRAPHS=0` | `prefill_graphs=False` | prompt chunks next to decoding jobs run eagerly, not captured |
 | `EXLPY_MIXED_STEP=1` | `mixed_step=True` | prompt chunks next to decoding jobs run inside the decode step (eager) |
@@ -101,6 +102,13 @@ class RuntimeOptions:
     # qmm elsewhere). qmm by default: exl2_tc's code changed after its GPU run (a shared split-K workspace, a
     # per-task group offset) and has not run on a GPU since; auto once it has.
     qmm_kernel: str = "qmm"
+    # EXLPY_TC_MAX_ROWS: 65 up to this many rows of an EXL2/GPTQ matmul (prompt chunks of up to 256 tokens) run the
+    # tensor-core dequant GEMM (exl2_tc.py, packed weights decoded in registers) instead of dequantizing every weight
+    # to an fp16 scratch matrix for cuBLAS, below a shape's exl2_qmm_plan.CROSSOVER; independent of
+    # EXLPY_QMM_KERNEL, which picks the kernel of 2-64 rows. 64 (the default) keeps it off: its 65-256-row classes
+    # passed the CPU interpreter tests only and have not been timed against dequantize + cuBLAS on a GPU
+    # (benchmarks/exl2_speed.py --parts wide does both).
+    tc_max_rows: int = 64
     # EXLPY_GPTQ_KERNEL=1: the converter's GPTQ rows through the Triton kernel (kernels/gptq_block.py), one launch per
     # block, instead of its torch reference; opt-in until it has run on a GPU.
     gptq_kernel: bool = False
@@ -160,6 +168,9 @@ class RuntimeOptions:
             raise ConfigError(f"EXLPY_QMM_KERNEL={self.qmm_kernel!r}: use one of {', '.join(QMM_KERNELS)}")
         if not 0 <= self.quant_rows <= 64:
             raise ConfigError(f"EXLPY_QUANT_ROWS={self.quant_rows}: the fused quantized matmul takes 0 to 64 rows")
+        if not 64 <= self.tc_max_rows <= 256:
+            raise ConfigError(f"EXLPY_TC_MAX_ROWS={self.tc_max_rows}: the tensor-core quantized matmul takes up to 64 "
+                              "to 256 rows (64: none past the multi-row path's 64)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeOptions:
@@ -193,6 +204,7 @@ class RuntimeOptions:
             quant_rows=(_ints(e.get("EXLPY_QUANT_ROWS", ""), "EXLPY_QUANT_ROWS") or (64,))[0],
             gemv_rows=(_ints(e.get("EXLPY_GEMV_ROWS", ""), "EXLPY_GEMV_ROWS") or (4,))[0],
             qmm_kernel=e.get("EXLPY_QMM_KERNEL") or "qmm",
+            tc_max_rows=(_ints(e.get("EXLPY_TC_MAX_ROWS", ""), "EXLPY_TC_MAX_ROWS") or (64,))[0],
             gptq_kernel=flag("EXLPY_GPTQ_KERNEL"),
             graph_sampling=e.get("EXLPY_GRAPH_SAMPLING", "1") != "0",
             prefill_graphs=e.get("EXLPY_PREFILL_GRAPHS", "1") != "0",

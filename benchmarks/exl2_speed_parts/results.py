@@ -11,6 +11,7 @@ from benchmarks.exl2_speed_parts.e2e import PREFILL_TARGET, TARGETS
 from benchmarks.exl2_speed_parts.micro import crossover
 from benchmarks.exl2_speed_parts.quick import QUICK_VARIANTS
 from benchmarks.exl2_speed_parts.tc import tc_summary
+from benchmarks.exl2_speed_parts.wide import wide_summary
 
 
 def write_md(state: dict, path: str) -> None:
@@ -80,6 +81,19 @@ def write_md(state: dict, path: str) -> None:
                          f"{fmt_f(r.get('qmm_us'))} | {fmt_f(t)} | {fmt_f(r['bytes'] / t / 1e3 if t else None, 0)} | "
                          f"{fmt_e(r.get('qmm_err'))} | {fmt_e(r.get('tc_err'))} |")
         lines += ["", *[f"- {x}" for x in tc_summary(state)], ""]
+    wd = state.get("wide", {})
+    if wd:
+        lines += ["## Prompt chunks of 65-256 rows: exl2_tc (EXLPY_TC_MAX_ROWS) against dequantize + cuBLAS (us per "
+                  "call, CUDA-graph replays)", "",
+                  "| K x N | layout | M | tc us | tc GB/s | dequant+cuBLAS us | fp16 cuBLAS us | tc / dequant | "
+                  "tc err | best tc variant |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in wd.values():
+            t, d = r.get("tc_us"), r.get("dequant_us")
+            lines.append(f"| {r['k']}x{r['n']} | {r['mix']} | {r['m']} | {fmt_f(t)} | "
+                         f"{fmt_f(r['bytes'] / t / 1e3 if t else None, 0)} | {fmt_f(d)} | {fmt_f(r.get('fp16_us'))} | "
+                         f"{f'{t / d:.2f}' if t and d else '-'} | {fmt_e(r.get('tc_err'))} | "
+                         f"{r.get('tc_best', '-')} {fmt_f(r.get('tc_best_us'))} |")
+        lines += ["", *[f"- {x}" for x in wide_summary(state)], ""]
     tsw = state.get("tc_sweep", {})
     if tsw:
         lines += ["## exl2_tc launch-parameter sweep (us per call)", "", "| case | us | err |", "|---|---|---|"]

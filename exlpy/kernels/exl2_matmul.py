@@ -3,8 +3,10 @@
 Strategy (as in the reference library): up to 64 activation rows run a fused dequantize-and-multiply kernel that
 reads every packed word once (exl2_gemv.py for one row, exl2_qmm.py for 2-64 rows, with `_qmv32`/`_qmv`/`_qmm`
 here for layouts those do not take: 16-row 2-bit groups, act-order GPTQ); more rows (prefill) dequantize
-the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM. Where the
-fused kernels hand over is `exl2_qmm_plan.rows_kernel_takes` (a per-shape table and EXLPY_QUANT_ROWS).
+the weight into an fp16 scratch matrix (column slices, bounded size) and let cuBLAS do the GEMM, unless
+EXLPY_TC_MAX_ROWS sends 65 up to that many rows to the tensor-core kernel (exl2_tc.py, through exl2_qmm.qmm). Where
+the fused kernels hand over is `exl2_qmm_plan.rows_kernel_takes` (a per-shape table, EXLPY_QUANT_ROWS and
+EXLPY_TC_MAX_ROWS).
 
 The packed matrix is processed one *segment* (all groups of one bit width) at a time so the width is a
 compile-time constant; fused kernels split K across programs by whole groups and accumulate with fp32 atomics.

@@ -375,7 +375,8 @@ def qmm(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = N
         ) -> torch.Tensor:
     """x [M, K] (rms_norm'd with norm_weight when given) @ [parts side by side] (+ bias) -> [M, N total] in x's
     dtype, or added into `residual` [M, N total] (contiguous) in place and returned. The parts share K and
-    act order; the caller checks exl2_qmm_plan.supports for each."""
+    act order; the caller checks exl2_qmm_plan.supports for each. More than 64 rows (EXLPY_TC_MAX_ROWS) run the
+    tensor-core kernel, or dequantize + cuBLAS where it cannot plan the layout."""
     if tc_takes(x.shape[0], parts[0].k, sum(p.n for p in parts)):
         from exlpy.kernels.exl2_tc import tc_matmul
 
@@ -383,6 +384,8 @@ def qmm(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = N
             return tc_matmul(x, parts, bias, residual, norm_weight, eps)
         except ValueError:  # a layout the tensor-core kernel cannot plan (checked before any launch)
             pass
+    if x.shape[0] > MAX_ROWS:
+        return _dequant_rows(x, parts, bias, residual, norm_weight, eps)
     plan = plan_for(parts, parts[0].perm, block_m(x.shape[0]))
     xb = gather_rows(x, plan, norm_weight, eps)
     out = residual if residual is not None else torch.empty(x.shape[0], plan.n, dtype=x.dtype, device=x.device)
@@ -422,11 +425,29 @@ class QmmGroup:
         into `residual` [M, N total] (contiguous) in place and returned."""
         if self.tc is not None and tc_takes(x.shape[0], self.parts[0].k, self.n):
             return self.tc.run(x, residual, norm_weight, eps)
+        if x.shape[0] > MAX_ROWS:  # prompt rows the tensor-core kernel cannot take here (its plans failed)
+            return _dequant_rows(x, self.parts, self.bias, residual, norm_weight, eps)
         plan = self.plan(block_m(x.shape[0]))
         xb = gather_rows(x, plan, norm_weight, eps)
         out = residual if residual is not None else torch.empty(x.shape[0], plan.n, dtype=x.dtype,
                                                                 device=x.device)
         return run_plan(plan, xb, self.parts, self.bias, residual, out)
+
+
+def _dequant_rows(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The prefill path (dequantize + cuBLAS) with this module's contract: rows past 64 that the tensor-core kernel
+    was chosen for but cannot plan (a mixed layout wider than its workspace)."""
+    from exlpy.kernels import exl2_matmul, ops
+
+    h = ops.rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    h2 = h.to(torch.float16).contiguous()
+    if residual is not None and bias is None and residual.dtype == torch.float16 and residual.is_contiguous():
+        return exl2_matmul.dequant_matmul(h2, parts, residual)
+    y = exl2_matmul.dequant_matmul(h2, parts)
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype) if residual is None else residual.add_(y.to(residual.dtype))
 
 
 def _tc_group(parts: list[QuantMatrix], bias: torch.Tensor | None) -> object | None:

@@ -56,20 +56,23 @@ CONFIG: dict[str, int] = {"KB": 4, "WAVES": 6, "ONE_LAUNCH": 1, "STAGES_MIXED": 
 
 # Where dequantize-to-fp16 + cuBLAS starts to win: the fewest rows that take it, per (K, N) of a product (N: all
 # output columns of a fused group); shapes not listed switch above the runtime option `quant_rows`
-# (EXLPY_QUANT_ROWS; default 64, see exlpy/runtime.py).
-# benchmarks/exl2_speed.py times both paths per shape and row count and prints the crossover it measured, in this
-# table's form.
+# (EXLPY_QUANT_ROWS; default 64, see exlpy/runtime.py), or with EXLPY_TC_MAX_ROWS past 64 above that many rows
+# (the tensor-core kernel takes 65-256, exl2_tc_plan.takes). A value above 65 lets the tensor-core kernel take
+# the rows below it.
+# benchmarks/exl2_speed.py times both paths per shape and row count (--parts micro up to 64 rows, --parts wide
+# 65-256) and prints the crossover it measured, in this table's form.
 CROSSOVER: dict[tuple[int, int], int] = {}
 
 
 def rows_kernel_takes(m: int, k: int, n: int) -> bool:
     """Whether m rows of a [k, n] product run the multi-row path (exl2_qmm, or exl2_tc where
     exl2_tc_plan.takes says so), not dequantize + cuBLAS or the decode GEMV: 2 up to EXLPY_QUANT_ROWS rows below
-    the shape's crossover, and one row only where the tensor-core kernel takes it."""
+    the shape's crossover, one row only where the tensor-core kernel takes it, and 65-256 rows (prompt chunks)
+    where it takes them (EXLPY_TC_MAX_ROWS, below the crossover)."""
     from exlpy.kernels.exl2_tc_plan import takes
 
-    if m == 1:
-        return takes(1, k, n)
+    if m == 1 or m > MAX_ROWS:
+        return takes(m, k, n)
     return 2 <= m <= options().quant_rows and m < CROSSOVER.get((k, n), MAX_ROWS + 1)
 
 

@@ -1,4 +1,4 @@
-"""Tensor-core dequant GEMM on packed EXL2/GPTQ weights for 1-64 activation rows: y[M, N] = x[M, K] @ W.
+"""Tensor-core dequant GEMM on packed EXL2/GPTQ weights for 1-256 activation rows: y[M, N] = x[M, K] @ W.
 
 The decode batches and verification steps this serves are memory-bound: every packed word must be read once,
 near the copy rate, and its codes turned into the dot's operand in a few instructions. exl2_qmm.py (its
@@ -24,9 +24,15 @@ every step waited for its own loads, and a block -> group -> scale chain of depe
   store: Triton lays those out over different threads), adds bias and residual and writes y: no memset, no host
   sync, CUDA-graph safe. As with the other packed kernels, two of them must not run concurrently on one device's
   streams.
+- 65-256 rows (prompt chunks; EXLPY_TC_MAX_ROWS, off by default): the same programs over row tiles of TILE_M rows
+  on the grid's second axis (exl2_tc_plan.CONFIG[128 / 256]), with a workspace of their own. The packed weights
+  are read from memory once and decoded in registers per tile and K step: no dequantized copy of the weights is
+  ever written, where dequantize + cuBLAS writes and reads back 2 bytes per weight for every chunk.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -36,7 +42,17 @@ from exlpy.kernels import pdl
 from exlpy.kernels.exl2_gemv_plan import cuda_device as _device
 from exlpy.kernels.exl2_qmm import _gather, _workspace
 from exlpy.kernels.exl2_qmm import prepare as _qmm_prepare
-from exlpy.kernels.exl2_tc_plan import FIELDS, MAX_ROWS, TcPlan, block_m, plan_for
+from exlpy.kernels.exl2_tc_plan import (
+    FIELDS,
+    MAX_ROWS,
+    NARROW_ROWS,
+    WIDE_WS_BLOCKS,
+    WIDE_WS_ELEMS,
+    TcPlan,
+    block_m,
+    plan_for,
+    wide_classes,
+)
 from exlpy.quant.layout import QuantMatrix
 
 __all__ = ["TcGroup", "gather_x", "prepare", "run_plan", "tc_matmul"]
@@ -354,16 +370,28 @@ def _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, 
         _store(acc, row2, col2, cols, out_mask, offs_n < n, bias_ptr, res_ptr, y_ptr, ys, rs, HAS_BIAS, HAS_RES, SWAP)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled variant per BLOCK_M, whatever the row count
+@triton.jit(do_not_specialize=["M", "n_cnt"])  # one compiled variant per BLOCK_M, whatever the row count
 def _tc(x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, range_ptr, M, n_total, xs,
-        ys, rs, magic, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ys, rs, magic, n_cnt, WIDTHS: tl.constexpr, KBS: tl.constexpr, GPTQ: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, NF: tl.constexpr, SWAP: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr,
-        HALF: tl.constexpr, PERSIST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr):
+        HALF: tl.constexpr, PERSIST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
     """One program per task row, or (PERSIST, stream-K) a grid of a few programs per SM, program p running task
-    rows range[p] .. range[p + 1] (an equal share of all K steps, exl2_tc_plan._stream)."""
+    rows range[p] .. range[p + 1] (an equal share of all K steps, exl2_tc_plan._stream). TILED (65-256 rows): the
+    grid's second axis is the row tile of BLOCK_M rows; each tile's rows of x, y, the residual and the split-K
+    workspace start BLOCK_M rows further, and its arrival counters n_cnt further (the tiles of a task are
+    neighbours in the launch order, so the packed words the first tile reads are in L2 for the others)."""
     if PDL:  # launched early (exlpy/kernels/pdl.py): x, y and the workspace come from earlier kernels
         tl.extra.cuda.gdc_wait()
+    if TILED:
+        rt = tl.program_id(1)
+        row0 = rt * BLOCK_M
+        x_ptr += row0 * xs
+        y_ptr += row0 * ys
+        res_ptr += row0 * rs
+        ws_ptr += row0 * n_total
+        cnt_ptr += rt * n_cnt
+        M -= row0
     if PERSIST:
         for ti in range(tl.load(range_ptr + tl.program_id(0)), tl.load(range_ptr + tl.program_id(0) + 1)):
             _task(ti, x_ptr, qw_ptr, sc_ptr, aux_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, task_ptr, M, n_total,
@@ -412,9 +440,21 @@ def gather_x(x: torch.Tensor, plan: TcPlan, norm_weight: torch.Tensor | None = N
     return out
 
 
-def prepare(device: torch.device) -> None:
-    """Allocate the device's workspace (exl2_qmm's, shared) now, outside any CUDA-graph capture."""
+def prepare(device: torch.device, wide: bool = False) -> None:
+    """Allocate the device's workspace (exl2_qmm's, shared; with `wide` the 65-256-row one too) now, outside any
+    CUDA-graph capture."""
     _qmm_prepare(device)
+    if wide and device.type == "cuda":
+        _wide_workspace(_device(device))
+
+
+@functools.cache
+def _wide_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-device zeroed fp32 sums [256 rows x 32,768 columns] and arrival counters of the 65-256-row classes
+    (row tiles of several column blocks); fixed size, kept zero by the kernel. Made only where EXLPY_TC_MAX_ROWS
+    lets those classes run (32 MiB)."""
+    return (torch.zeros(WIDE_WS_ELEMS, dtype=torch.float32, device=device),
+            torch.zeros(WIDE_WS_BLOCKS, dtype=torch.int32, device=device))
 
 
 _MAGIC = 0x4B000000  # fp32 2^23
@@ -429,7 +469,9 @@ def run_plan(plan: TcPlan, xg: torch.Tensor, parts: list[QuantMatrix], bias: tor
         raise ValueError(f"a BLOCK_M {plan.bm} plan takes up to {plan.bm} rows (at most {MAX_ROWS}), got {m}")
     q0 = parts[0]
     dev = _device(xg.device)
-    ws, cnt = _workspace(dev)  # exl2_qmm's: both kernels leave it zeroed
+    tiled = plan.bm > NARROW_ROWS
+    # up to 64 rows exl2_qmm's workspace (both kernels leave it zeroed), past 64 rows one of their own
+    ws, cnt = _wide_workspace(dev) if tiled else _workspace(dev)
     aux = q0.scale_max if q0.kind == "exl2" else q0.zeros
     assert aux is not None
     c = plan.config
@@ -437,22 +479,24 @@ def run_plan(plan: TcPlan, xg: torch.Tensor, parts: list[QuantMatrix], bias: tor
     launch = {"num_warps": c["WARPS"], "num_stages": c["STAGES"]}
     if c["MAXNREG"] and dev.type == "cuda":
         launch["maxnreg"] = c["MAXNREG"]
+    # row tiles on the grid's second axis (past 64 rows only: 1-64 rows launch as they always did)
+    grid2 = (triton.cdiv(m, plan.tile),) if tiled else ()
     for ln in plan.launches:
-        _tc[(ln.grid,)](
+        _tc[(ln.grid, *grid2)](
             xg, q0.q_weight, q0.scales, aux, bias if bias is not None else out, res, out, ws, cnt, ln.tasks,
             ln.ranges if ln.ranges is not None else ln.tasks, m, plan.n, xg.stride(0), out.stride(0), res.stride(0),
-            _MAGIC, WIDTHS=ln.widths, KBS=ln.kbs, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None,
-            HAS_RES=residual is not None, SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=plan.bm,
+            _MAGIC, plan.counters, WIDTHS=ln.widths, KBS=ln.kbs, GPTQ=q0.kind == "gptq", HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, SPLIT=plan.split, ALIGNED=plan.aligned, BLOCK_M=plan.tile,
             BLOCK_N=c["BLOCK_N"], NF=len(FIELDS), SWAP=bool(c["SWAP"]), PREFETCH=bool(c["PREFETCH"]),
             FOLD=bool(c["FOLD"]), HALF=bool(c["HALF"]), PERSIST=ln.ranges is not None, PDL=pdl.enabled(dev),
-            ASM=dev.type == "cuda", **launch, **pdl.launch_options(dev))
+            ASM=dev.type == "cuda", TILED=tiled, **launch, **pdl.launch_options(dev))
     return out
 
 
 def tc_matmul(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0
               ) -> torch.Tensor:
-    """x [M <= 64, K] (rms_norm'd with norm_weight when given) @ [parts side by side] (+ bias) -> [M, N total] in
+    """x [M <= 256, K] (rms_norm'd with norm_weight when given) @ [parts side by side] (+ bias) -> [M, N total] in
     x's dtype, or added into `residual` [M, N total] (contiguous) in place and returned. Same contract as
     exl2_qmm.qmm; the parts share K and act order and each passes exl2_tc_plan.supports."""
     plan = plan_for(parts, block_m(x.shape[0]))
@@ -462,18 +506,20 @@ def tc_matmul(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | No
 
 
 class TcGroup:
-    """Matrices that read the same x in the same act order, multiplied by 1-64 rows in one launch into one output
-    [M, sum N]. Plans (task tables on the device) are made here, at load time, never inside a CUDA-graph capture,
-    and again only when the launch table changes (sweeps, which recapture graphs)."""
+    """Matrices that read the same x in the same act order, multiplied by 1-64 rows (and 65-256 where
+    EXLPY_TC_MAX_ROWS says) in one launch into one output [M, sum N]. Plans (task tables on the device) are made
+    here, at load time, never inside a CUDA-graph capture, and again only when the launch table changes (sweeps,
+    which recapture graphs)."""
 
     def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None) -> None:
         self.parts = parts
         self.bias = bias
         self.n = sum(p.n for p in parts)
         self._plans: dict[int, TcPlan] = {}
-        for bm in (16, 32, 64):
+        wide = wide_classes()
+        for bm in (16, 32, 64, *wide):
             self.plan(bm)
-        prepare(parts[0].device)
+        prepare(parts[0].device, bool(wide))
 
     def plan(self, bm: int) -> TcPlan:
         held = self._plans.get(bm)

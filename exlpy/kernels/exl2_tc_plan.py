@@ -1,16 +1,23 @@
-"""Work split and launch table of the tensor-core dequant GEMM (exl2_tc.py) for 1-64 activation rows.
+"""Work split and launch table of the tensor-core dequant GEMM (exl2_tc.py) for 1-256 activation rows.
 
-A plan is made once per set of matrices that read the same x (one matrix, q|k|v, gate|up) and per BLOCK_M class
-(16, 32, 64 rows), and lives on the device as an int64 task table, one row per program: a column block of one
-matrix over a run of whole groups of one bit width. Unlike exl2_qmm_plan.py there is no block -> group table:
-within a task every group has the same number of rows (`gsz`; a converter's width has one group size, only
-the matrix's last group is cut at K, and it ends the task), so the kernel finds the group of a K step by one
-division, and loads each group's scales once per step of that group. K is split over whole groups so that the
-grid fills the device about WAVES times over, in proportion to the packed bytes of each (matrix, run).
+A plan is made once per set of matrices that read the same x (one matrix, q|k|v, gate|up) and per BLOCK_M class (16, 32,
+64 rows; 128 and 256 for prompt chunks, EXLPY_TC_MAX_ROWS), and lives on the device as an int64 task table, one row per
+program: a column block of one matrix over a run of whole groups of one bit width. Unlike exl2_qmm_plan.py there is no
+block -> group table: within a task every group has the same number of rows (`gsz`; a converter's width has one group
+size, only the matrix's last group is cut at K, and it ends the task), so the kernel finds the group of a K step by one
+division, and loads each group's scales once per step of that group. K is split over whole groups so that the grid fills
+the device about WAVES times over, in proportion to the packed bytes of each (matrix, run).
 
 The launch table: CONFIG per BLOCK_M class, SHAPE_CONFIG overriding it per (K, N total, BLOCK_M) where a sweep
 (benchmarks/exl2_speed.py --parts micro --tc-sweep) found better parameters on a GPU. Whether 2-64 rows of a
-product take this kernel or exl2_qmm is `takes` (EXLPY_QMM_KERNEL, then the TC_ROWS table).
+product take this kernel or exl2_qmm is `takes` (EXLPY_QMM_KERNEL, then the TC_ROWS table); whether 65-256 rows
+take it rather than dequantize + cuBLAS is `takes` too (EXLPY_TC_MAX_ROWS, then exl2_qmm_plan.CROSSOVER).
+
+Past 64 rows (classes 128 and 256) a program covers TILE_M rows of x (default 128): the row count is cut into row
+tiles on the grid's second axis, each with its own rows of the split-K workspace and its own arrival counters.
+Within a tile the decoded weight tile of a K step meets all of the tile's rows in one tl.dot; each further tile
+decodes the packed words again (read from L2 after the first: the tiles of a task are neighbours in the grid).
+A 64-row tile keeps the 64-row variant's registers; a 128-row one halves the decoding per row (see CONFIG).
 """
 
 from __future__ import annotations
@@ -27,15 +34,20 @@ from exlpy.kernels.exl2_qmm_plan import MatrixPart, PermKey, describe_parts
 from exlpy.quant.layout import QuantLayout, QuantMatrix
 from exlpy.runtime import options
 
-__all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "SHAPE_CONFIG", "TC_ROWS", "TcPlan", "launch_config", "plan_for",
-           "supports", "takes", "wanted"]
+__all__ = ["CONFIG", "FIELDS", "MAX_ROWS", "NARROW_ROWS", "SHAPE_CONFIG", "TC_ROWS", "TcPlan", "launch_config",
+           "plan_for", "supports", "takes", "tile_m", "wanted", "wide_classes"]
 
-MAX_ROWS = 64
-# The split-K workspace is exl2_qmm's (fp32 sums and arrival counters per device, kept zero by both kernels, which
-# run one at a time on a device's stream): 64 rows of up to 32,768 output columns (gate|up of an 8B model); wider
-# products (a vocabulary head) run one program per column block over the whole K.
+MAX_ROWS = 256  # rows a launch takes at most (BLOCK_M classes 16, 32, 64, 128, 256)
+NARROW_ROWS = 64  # the classes up to here: decode batches and verification (exl2_qmm's range)
+# The split-K workspace of 1-64 rows is exl2_qmm's (fp32 sums and arrival counters per device, kept zero by both
+# kernels, which run one at a time on a device's stream): 64 rows of up to 32,768 output columns (gate|up of an 8B
+# model); wider products (a vocabulary head) run one program per column block over the whole K.
 WS_ELEMS = _qmm_plan.WS_ELEMS
 WS_BLOCKS = _qmm_plan.WS_BLOCKS
+# 65-256 rows: a workspace of their own (32 MiB of fp32 sums, allocated only where EXLPY_TC_MAX_ROWS > 64), 256 rows
+# of 32,768 columns, and counters for every row tile of every column block.
+WIDE_WS_ELEMS = 1 << 23
+WIDE_WS_BLOCKS = 1 << 16
 
 # Columns of a task row. o_qw: element offset (from the plan's first q_weight) of the segment's first word row;
 # w_end: the segment's word rows (loads past it are masked); o_sc / o_aux: offsets of the matrix's scales and
@@ -65,12 +77,26 @@ FIELDS = ("cb", "n", "ld_n", "s_qw", "o_qw", "w_end", "o_sc", "s_sc", "o_aux", "
 # 109.5 to 82.5 but down from 74.7 to 91.8; 33-64 rows stay on exl2_qmm (TC_ROWS). sm_90a compile with Triton 3.6
 # (benchmarks/tc_compile_check.py, SASS of the K loop per 4-bit weight): 16 rows 4.1, 32 rows 5.5, 64 rows 6.1;
 # HALF 2.9 / 4.1 / 5.1 (not yet on a GPU, so off).
+#
+# 65-256 rows (classes 128 and 256; TILE_M: rows per program, the rest on the grid's second axis; WAVES counts
+# programs of all row tiles together). Not yet timed on a GPU; chosen by sm_90a compiles under Triton 3.6
+# (benchmarks/tc_compile_check.py, 4-bit, split-K epilogue, BLOCK_N 128, 8 warps, KB 4, FOLD 1): one dot over
+# 128 rows (TILE_M 128) takes 255 registers and spills 396 bytes, all outside the K loop (no STL / LDL in it),
+# 420 SASS instructions per thread and K step, 6.6 per weight: 0.051 per weight and row; 64-row tiles take 201
+# registers, no spills, 396 instructions, 6.2 per weight: 0.097 per weight and row (each tile decodes the words
+# again). Both run one program of 8 warps per SM. So 128-row tiles (a 256-row chunk is two), with 64 the
+# alternative benchmarks/exl2_speed.py --parts wide --wide-sweep times. One 256-row dot spills 2.6-3.8 KB
+# (inside the loop) at every BLOCK_N / warps / KB tried; FOLD 0 (two [BLOCK_N, rows] accumulators) spills from
+# 128 rows on; KB 2 costs 9.3 instructions per weight.
 _BASE = {"WARPS": 4, "WAVES": 4, "SWAP": 1, "PREFETCH": 1, "FOLD": 0, "HALF": 0, "STAGES": 1, "MAXNREG": 0,
          "GRID": 0}
+_WIDE = {**_BASE, "BLOCK_N": 128, "WARPS": 8, "KB": 4, "FOLD": 1, "WAVES": 2, "TILE_M": 128}
 CONFIG: dict[int, dict[str, int]] = {
     16: {**_BASE, "BLOCK_N": 128, "KB": 2},
     32: {**_BASE, "BLOCK_N": 128, "KB": 2, "WAVES": 8},
     64: {**_BASE, "BLOCK_N": 64, "KB": 4},
+    128: dict(_WIDE),
+    256: dict(_WIDE),
 }
 # (K, N total, BLOCK_M) -> overrides of CONFIG[BLOCK_M] (measured per shape; empty until a GPU sweep fills it)
 SHAPE_CONFIG: dict[tuple[int, int, int], dict[str, int]] = {}
@@ -85,7 +111,7 @@ TC_ROWS: dict[tuple[int, int] | None, tuple[int, int]] = {None: (5, 32)}
 
 
 def block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
 
 def launch_config(k: int, n: int, bm: int) -> dict[str, int]:
@@ -93,11 +119,25 @@ def launch_config(k: int, n: int, bm: int) -> dict[str, int]:
     return {**CONFIG[bm], **SHAPE_CONFIG.get((k, n, bm), {})}
 
 
+def tile_m(c: dict[str, int], bm: int) -> int:
+    """Rows per program of a class: the class itself up to 64 rows, else its TILE_M (a power of two from 16 to the
+    class: a tl.arange bound)."""
+    if bm <= NARROW_ROWS:
+        return bm
+    tile = c.get("TILE_M", bm)
+    if tile < 16 or tile > bm or tile & (tile - 1):
+        raise ValueError(f"TILE_M {tile} of the {bm}-row class: a power of two from 16 to {bm}")
+    return tile
+
+
 def takes(m: int, k: int, n: int) -> bool:
-    """Whether m rows of a [k, n] product (n: all columns of a fused group) run this kernel rather than
-    exl2_qmm: EXLPY_QMM_KERNEL=tc always (1-64 rows), =qmm never, =auto by TC_ROWS."""
+    """Whether m rows of a [k, n] product (n: all columns of a fused group) run this kernel: 1-64 rows rather than
+    exl2_qmm (EXLPY_QMM_KERNEL=tc always, =qmm never, =auto by TC_ROWS); 65-256 rather than dequantize + cuBLAS
+    up to EXLPY_TC_MAX_ROWS and below the shape's exl2_qmm_plan.CROSSOVER (the fewest rows cuBLAS wins at)."""
+    if m > NARROW_ROWS:
+        return m <= options().tc_max_rows and m < _qmm_plan.CROSSOVER.get((k, n), MAX_ROWS + 1)
     kind = options().qmm_kernel
-    if not 1 <= m <= MAX_ROWS or kind == "qmm":
+    if m < 1 or kind == "qmm":
         return False
     if kind == "tc":
         return True
@@ -107,9 +147,15 @@ def takes(m: int, k: int, n: int) -> bool:
 
 def wanted() -> bool:
     """Whether this kernel may take any product under the options in force (EXLPY_QMM_KERNEL=tc, or auto with a
-    non-empty TC_ROWS table): groups made now build its plans."""
+    non-empty TC_ROWS table, or EXLPY_TC_MAX_ROWS past 64): groups made now build its plans."""
     kind = options().qmm_kernel
-    return kind == "tc" or (kind == "auto" and any(lo <= hi for lo, hi in TC_ROWS.values()))
+    return kind == "tc" or (kind == "auto" and any(lo <= hi for lo, hi in TC_ROWS.values())) or wide_classes() != ()
+
+
+def wide_classes() -> tuple[int, ...]:
+    """The classes past 64 rows that EXLPY_TC_MAX_ROWS lets run (their plans and workspace are made at load)."""
+    top = options().tc_max_rows
+    return tuple(bm for bm in (128, 256) if top > bm // 2)
 
 
 @dataclass(frozen=True)
@@ -133,6 +179,8 @@ class TcPlan:
     cfg: tuple[tuple[str, int], ...]  # the launch parameters the plan was made for
     split: bool  # several programs add into one column block (workspace + arrival counters)
     aligned: bool  # every q_weight offset and stride keeps 16-byte loads
+    tile: int  # rows per program (BLOCK_M of the kernel); past 64 rows the row tiles are the grid's second axis
+    counters: int  # arrival counters of one row tile (the next tile's start at this offset)
     launches: tuple[Launch, ...]
     src: torch.Tensor  # int32 [K rounded up to 32]: input column of every act-order row, -1 past K (the x gather)
 
@@ -217,8 +265,12 @@ def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, 
     k = parts[0].layout.k
     n_total = sum(p.n for p in parts)
     cols = sum(triton.cdiv(p.n, bn) for p in parts)
-    # split-K only where the workspace holds MAX_ROWS rows of every output column
-    may_split = c["WAVES"] > 0 and n_total * MAX_ROWS <= WS_ELEMS and cols <= WS_BLOCKS
+    # split-K only where the workspace holds the class's rows (64 at most for the narrow classes, which share
+    # exl2_qmm's) of every output column, and a counter per column block and row tile
+    tile = tile_m(c, bm)
+    tiles = -(-bm // tile) if bm > NARROW_ROWS else 1
+    elems, blocks = (WIDE_WS_ELEMS, WIDE_WS_BLOCKS) if bm > NARROW_ROWS else (WS_ELEMS, WS_BLOCKS)
+    may_split = c["WAVES"] > 0 and n_total * max(bm, NARROW_ROWS) <= elems and cols * tiles <= blocks
     runs = [(m, r) for m, p in enumerate(parts) for r in _runs(p.layout)]
     sizes: dict[int, list[int]] = {}
     for _, r in runs:
@@ -241,9 +293,9 @@ def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, 
                 gr[g + 1] - lo]
 
     if may_split and c["GRID"] > 0:
-        tasks, ranges = _stream(parts, runs, kb, bn, c["GRID"] * sms, row)
-    else:
-        tasks, ranges = _split(parts, runs, bn, max(1, c["WAVES"]) * sms, may_split, row), None
+        tasks, ranges = _stream(parts, runs, kb, bn, max(1, c["GRID"] * sms // tiles), row)
+    else:  # the row tiles multiply the programs: the K split aims at WAVES per SM over all of them
+        tasks, ranges = _split(parts, runs, bn, max(1, max(1, c["WAVES"]) * sms // tiles), may_split, row), None
     arrivals = [0] * cnt0
     ci, ai = FIELDS.index("cnt"), FIELDS.index("arrivals")
     for t in tasks:
@@ -258,7 +310,7 @@ def _plan_cached(parts: tuple[MatrixPart, ...], device: torch.device, sms: int, 
                                                                                 device=device),
                     None if ranges is None else torch.tensor(ranges, dtype=torch.int32, device=device))
     aligned = all(p.o_qw % 4 == 0 and p.s_qw % 4 == 0 and p.ld_n % 32 == 0 for p in parts)
-    return TcPlan(k, n_total, bm, cfg, max(arrivals) > 1, aligned, (launch,),
+    return TcPlan(k, n_total, bm, cfg, max(arrivals) > 1, aligned, tile, cnt0, (launch,),
                   _src(k, perm.perm, device, bool(c.get("HALF"))))
 
 
