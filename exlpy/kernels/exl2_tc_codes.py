@@ -5,13 +5,15 @@ A code becomes the exact integer q - z, which fp16 holds exactly, so the dot mul
 group's scale is applied once per step to the partial product, or folded into the codes (FOLD). In fp32 that is
 two instructions a code (`_deq`: the field OR-ed into the mantissa of 2^23, then one FMA by constants); on a GPU
 4-bit and 8-bit codes are decoded two at a time in f16x2 by inline PTX (`_pair4`: LOP3 into the fp16 pattern of
-1024; `_pair8`: a PRMT first), and `_opaque` keeps Triton from re-laying out the joined tile before the dot.
+1024; `_pair8`: a PRMT first), and exl2_qmm's `_opaque` keeps Triton from re-laying out the joined tile before the dot.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from exlpy.kernels.exl2_qmm import _opaque, _pairs  # the same join tree and operand move as exl2_qmm's
 
 
 @triton.jit
@@ -111,25 +113,6 @@ def _code(ws, magic, s, z, j: tl.constexpr, BITS: tl.constexpr, Z: tl.constexpr,
         else:
             d = d * s[None, :]
     return d.to(tl.float16)
-
-
-@triton.jit
-def _pairs(t, n: tl.constexpr):
-    """Join neighbours of a tuple of n tensors: (t0 | t1, t2 | t3, ...), a new trailing dim of 2 each."""
-    out = ()
-    for p in tl.static_range(n // 2):
-        out = out + (tl.join(t[2 * p], t[2 * p + 1]),)
-    return out
-
-
-@triton.jit
-def _opaque(t, ASM: tl.constexpr):
-    """t through an identity PTX move when ASM: hides the join tree from Triton's choice of the dot operand's
-    kWidth (with a join in its history Triton 3.6 halves it and reads the operand with 4-byte LDS, see
-    exl2_qmm._opaque). The CPU interpreter runs no PTX."""
-    if ASM:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=tl.float16, is_pure=False, pack=2)
-    return t
 
 
 @triton.jit
