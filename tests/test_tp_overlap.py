@@ -19,7 +19,7 @@ from exlpy.model import parallel_linear
 from exlpy.runtime import RuntimeOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_util import PrefillCase, make_model_dir  # noqa: E402
+from tp_util import PrefillCase, make_model_dir, prefill_as_reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,7 @@ def test_chunked_equals_unchunked(model_dir: Path, chunks: int, monkeypatch: pyt
 
     m = _tp_cpu(model_dir, chunks)
     log = _log_kinds(m)
-    c = ExLlamaV2Cache_TP(m, batch_size=2, max_seq_len=64)
-    out = m.forward(ids, c)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-    for a, b in zip(c.all_tensors(), c0.all_tensors()):
-        torch.testing.assert_close(a[:, :21], b[:, :21], atol=2e-5, rtol=1e-5)
+    c = prefill_as_reference(m, ids, ref, c0)
     rows = [42 * i // chunks for i in range(chunks + 1)]
     per_block = [f"start:{b - a}" for a, b in zip(rows, rows[1:])] + ["join"]
     # 2 layers x (attention, MLP): each closes with the chunked sum; the embedding's all-reduce stays whole

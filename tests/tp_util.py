@@ -98,3 +98,16 @@ class PrefillCase:
         torch.testing.assert_close(got[0], self.ref, atol=2e-2, rtol=0)
         for a, b in zip(got[1], self.ref_steps):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+
+
+def prefill_as_reference(m, ids: torch.Tensor, ref: torch.Tensor, ref_cache, max_seq_len: int = 64):  # noqa: ANN001, ANN201
+    """Prefill `ids` on TP model `m` into a fresh ExLlamaV2Cache_TP; assert its logits and the cache rows it wrote
+    equal the reference run's (fp32 CPU tolerance). Returns the cache, for the decode steps after it."""
+    from exlpy.cache.tp import ExLlamaV2Cache_TP
+
+    c = ExLlamaV2Cache_TP(m, batch_size=ids.shape[0], max_seq_len=max_seq_len)
+    torch.testing.assert_close(m.forward(ids, c), ref, atol=2e-5, rtol=1e-5)
+    n = ids.shape[1]
+    for a, b in zip(c.all_tensors(), ref_cache.all_tensors()):
+        torch.testing.assert_close(a[:, :n], b[:, :n], atol=2e-5, rtol=1e-5)
+    return c
