@@ -1,6 +1,7 @@
 """Block-wise output tuning (exlpy/convert/blocktune.py, --block_tune) on CPU with the tiny Llama: the held-out
 block error never grows, the tuned block stays exactly EXL2, the option changes the output, which loads and
-runs, and an interrupted conversion resumes bit for bit."""
+runs, and an interrupted conversion resumes bit for bit; with --block_tune_norms the tuned input norms are what
+the output stores and the loader uses."""
 
 from __future__ import annotations
 
@@ -27,12 +28,18 @@ def test_block_tune_settings_are_checked_and_decide_the_output() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--block_tune", "30", "--block_tune_tokens", "512"]))
-    assert (kw["block_tune"], kw["block_tune_tokens"]) == (30, 512)
+    assert (kw["block_tune"], kw["block_tune_tokens"], kw["block_tune_norms"]) == (30, 512, False)
+    kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--block_tune", "30", "--block_tune_norms"]))
+    assert kw["block_tune_norms"] is True
     d = ConvertSettings()
-    assert d.block_tune == 0  # off by default: see benchmarks/results/convert_quality.md
-    for change in (dict(block_tune=5), dict(block_tune_tokens=64)):
+    assert d.block_tune == 0 and not d.block_tune_norms  # off by default: see benchmarks/results/convert_quality.md
+    for change in (dict(block_tune=5), dict(block_tune_tokens=64), dict(block_tune=5, block_tune_norms=True)):
         assert ConvertSettings(**change).fingerprint() != d.fingerprint()  # type: ignore[arg-type]
-    for bad, match in ((dict(block_tune=-1), "block_tune"), (dict(block_tune_tokens=0), "block_tune_tokens")):
+    assert (ConvertSettings(block_tune=5, block_tune_norms=True).fingerprint()
+            != ConvertSettings(block_tune=5).fingerprint())
+    for bad, match in ((dict(block_tune=-1), "block_tune"), (dict(block_tune_tokens=0), "block_tune_tokens"),
+                       (dict(block_tune_norms=True), "--block_tune STEPS"),
+                       (dict(block_tune=5, block_tune_norms="yes"), "block_tune_norms")):
         with pytest.raises(ConvertSettingsError, match=match):
             ConvertSettings(out_dir="x", **bad).validate()  # type: ignore[arg-type]
 
@@ -52,9 +59,10 @@ def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(t
     real_tune = quantize_mod.tune_block
 
     def recording(module, *args, **kwargs):
-        out, before, after = real_tune(module, *args, **kwargs)
-        errors.append((module.key, before, after))
-        return out, before, after
+        tuned = real_tune(module, *args, **kwargs)
+        assert tuned.norm is None  # norms are tuned only when asked
+        errors.append((module.key, tuned.before, tuned.after))
+        return tuned
 
     monkeypatch.setattr(quantize_mod, "tune_block", recording)
     kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, **CAL)
@@ -78,6 +86,59 @@ def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(t
                                  str(tmp_path / "a"), **kw)
 
 
+@pytest.mark.slow
+def test_tuned_norms_are_written_loaded_and_resume_bit_identical(tmp_path, monkeypatch) -> None:
+    """--block_tune_norms: every kept tuning writes its block's tuned input norm (fp16) in place of the source's,
+    the other norms stay the source's, the loader runs with exactly the written weights, and an interrupted job
+    resumes bit for bit. From round-to-nearest codes, as above."""
+    from exlpy import ExLlamaV2, ExLlamaV2Config
+    from exlpy.model.attention import Attention
+    from exlpy.model.mlp import MLP
+    from exlpy.weights.safetensors_index import SafetensorsIndex
+
+    src = str(shared_path("models", "tiny-llama-fp16"))
+    monkeypatch.setattr(quantize_mod, "quantize_best_order", _rtn)
+    tuned: dict[str, blocktune.BlockTuning] = {}
+    real_tune = quantize_mod.tune_block
+
+    def recording(module, *args, **kwargs):
+        out = real_tune(module, *args, **kwargs)
+        tuned[module.key] = out
+        return out
+
+    monkeypatch.setattr(quantize_mod, "tune_block", recording)
+    kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, block_tune_norms=True, **CAL)
+    convert(src, str(tmp_path / "wa"), str(tmp_path / "a"), **kw)
+    assert len(tuned) == 4 and all(t.after <= t.before for t in tuned.values())
+    written = {t.norm_name: t.norm for t in tuned.values() if t.norm is not None}
+    assert len(written) >= 2, {k: (t.before, t.after) for k, t in tuned.items()}
+    out, source = SafetensorsIndex(str(tmp_path / "a")), SafetensorsIndex(src)
+    changed = 0
+    for name in source.tensors:
+        if name.endswith("layernorm.weight"):
+            stored = out.get(name)
+            assert stored.dtype == torch.float16
+            if name in written:
+                assert torch.equal(stored, written[name])  # the tuned norm, bit for bit
+                changed += not torch.equal(stored, source.get(name).half())
+            else:
+                assert torch.equal(stored, source.get(name).half())  # untuned blocks keep the source's
+    assert changed >= 1
+    check_format(str(tmp_path / "a"), src)
+    model = ExLlamaV2(ExLlamaV2Config(str(tmp_path / "a")))
+    model.load(device="cpu")
+    for m in model.modules:
+        if isinstance(m, (Attention, MLP)) and f"{m.norm_key}.weight" in written:
+            assert torch.equal(m.norm_w, written[f"{m.norm_key}.weight"].to(m.norm_w.dtype))
+    model.unload()
+    ids = torch.randint(1, 512, (1, 48), generator=torch.Generator().manual_seed(3))
+    ref, got = logits(src, ids), logits(str(tmp_path / "a"), ids)
+    assert bool(torch.isfinite(got).all()) and kl(ref, got) < 0.5 * kl(ref, torch.zeros_like(ref))
+
+    assert_resumes_bit_identical(monkeypatch, src, str(tmp_path / "wb"), str(tmp_path / "b"),
+                                 str(tmp_path / "a"), **kw)
+
+
 def test_only_dense_unparallel_blocks_are_tuned() -> None:
     class Other:
         parallel = False
@@ -96,9 +157,9 @@ def test_block_tuning_runs_on_the_gpu(tmp_path, monkeypatch) -> None:
     real_tune = quantize_mod.tune_block
 
     def recording(module, *args, **kwargs):
-        out, before, after = real_tune(module, *args, **kwargs)
-        errors.append((before, after))
-        return out, before, after
+        tuned = real_tune(module, *args, **kwargs)
+        errors.append((tuned.before, tuned.after))
+        return tuned
 
     monkeypatch.setattr(quantize_mod, "tune_block", recording)
     convert(src, str(tmp_path / "w"), str(tmp_path / "o"), bits=3.0, block_tune=12, block_tune_tokens=128,
