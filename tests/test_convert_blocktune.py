@@ -166,3 +166,33 @@ def test_block_tuning_runs_on_the_gpu(tmp_path, monkeypatch) -> None:
             device="cuda:0", **CAL)
     assert errors and all(a <= b for b, a in errors) and any(a < 0.97 * b for b, a in errors), errors
     check_format(str(tmp_path / "o"), src)
+
+
+def test_compile_writes_a_tensor_of_the_job_files_instead_of_the_source_one(tmp_path) -> None:
+    """A source tensor the job's files also hold (a tuned norm) is written once, the job's version, also when the
+    two would land in different shards."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from exlpy.convert.compile import compile_output
+    from exlpy.weights.safetensors_index import SafetensorsIndex
+
+    g = torch.Generator().manual_seed(0)
+    src = tmp_path / "src"
+    src.mkdir()
+    norm = "model.layers.0.input_layernorm.weight"
+    # zbig sorts after the norm, so the source norm closes a shard of its own before the job files are read
+    save_file({norm: torch.randn(256, generator=g).half(), "model.layers.0.zbig.weight":
+               torch.randn(600, 1000, generator=g).half()}, str(src / "model.safetensors"))
+    tuned = torch.randn(256, generator=g).half()
+    job = tmp_path / "job.safetensors"
+    save_file({norm: tuned, "model.layers.1.other.weight": torch.randn(600, 1000, generator=g).half()}, str(job))
+    out = tmp_path / "out"
+    names = compile_output(SafetensorsIndex(str(src)), [str(job)], set(), str(out), 1)
+    assert len(names) >= 2  # the source's copy would sit in another shard than the job's
+    holders = []
+    for f in names:
+        with safe_open(str(out / f), "pt") as h:
+            holders += [f for n in h.keys() if n == norm]
+    assert len(holders) == 1
+    assert torch.equal(SafetensorsIndex(str(out)).get(norm), tuned)
