@@ -28,17 +28,22 @@ def test_block_tune_settings_are_checked_and_decide_the_output() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--block_tune", "30", "--block_tune_tokens", "512"]))
-    assert (kw["block_tune"], kw["block_tune_tokens"], kw["block_tune_norms"]) == (30, 512, False)
-    kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--block_tune", "30", "--block_tune_norms"]))
-    assert kw["block_tune_norms"] is True
+    assert (kw["block_tune"], kw["block_tune_tokens"], kw["block_tune_norms"]) == (30, 512, True)
+    kw = settings_from_args(p.parse_args(["-i", "S", "-o", "W", "--block_tune", "30", "--no_block_tune_norms"]))
+    assert kw["block_tune_norms"] is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["-i", "S", "--block_tune_norms", "--no_block_tune_norms"])
     d = ConvertSettings()
-    assert d.block_tune == 0 and not d.block_tune_norms  # off by default: see benchmarks/results/convert_quality.md
-    for change in (dict(block_tune=5), dict(block_tune_tokens=64), dict(block_tune=5, block_tune_norms=True)):
+    # block tuning off by default, with the norms when it runs: see benchmarks/results/convert_quality.md
+    assert d.block_tune == 0 and d.block_tune_norms
+    for change in (dict(block_tune=5), dict(block_tune_tokens=64)):
         assert ConvertSettings(**change).fingerprint() != d.fingerprint()  # type: ignore[arg-type]
-    assert (ConvertSettings(block_tune=5, block_tune_norms=True).fingerprint()
+    assert (ConvertSettings(block_tune=5, block_tune_norms=False).fingerprint()
             != ConvertSettings(block_tune=5).fingerprint())
+    # without block tuning the norms decide nothing, and the fingerprint of such a job stays what it was
+    assert ConvertSettings(block_tune_norms=False).fingerprint() == d.fingerprint()
+    assert "block_tune_norms" not in d.fingerprint()
     for bad, match in ((dict(block_tune=-1), "block_tune"), (dict(block_tune_tokens=0), "block_tune_tokens"),
-                       (dict(block_tune_norms=True), "--block_tune STEPS"),
                        (dict(block_tune=5, block_tune_norms="yes"), "block_tune_norms")):
         with pytest.raises(ConvertSettingsError, match=match):
             ConvertSettings(out_dir="x", **bad).validate()  # type: ignore[arg-type]
@@ -60,12 +65,12 @@ def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(t
 
     def recording(module, *args, **kwargs):
         tuned = real_tune(module, *args, **kwargs)
-        assert tuned.norm is None  # norms are tuned only when asked
+        assert tuned.norm is None  # block_tune_norms=False: the source norms stay
         errors.append((module.key, tuned.before, tuned.after))
         return tuned
 
     monkeypatch.setattr(quantize_mod, "tune_block", recording)
-    kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, **CAL)
+    kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, block_tune_norms=False, **CAL)
     convert(src, str(tmp_path / "wa"), str(tmp_path / "a"), **kw)
     n_modules = len(errors)
     assert n_modules > 0
@@ -88,9 +93,9 @@ def test_block_tuning_changes_the_output_which_loads_and_resumes_bit_identical(t
 
 @pytest.mark.slow
 def test_tuned_norms_are_written_loaded_and_resume_bit_identical(tmp_path, monkeypatch) -> None:
-    """--block_tune_norms: every kept tuning writes its block's tuned input norm (fp16) in place of the source's,
-    the other norms stay the source's, the loader runs with exactly the written weights, and an interrupted job
-    resumes bit for bit. From round-to-nearest codes, as above."""
+    """--block_tune_norms (the default with --block_tune): every kept tuning writes its block's tuned input norm
+    (fp16) in place of the source's, the other norms stay the source's, the loader runs with exactly the written
+    weights, and an interrupted job resumes bit for bit. From round-to-nearest codes, as above."""
     from exlpy import ExLlamaV2, ExLlamaV2Config
     from exlpy.model.attention import Attention
     from exlpy.model.mlp import MLP
@@ -107,7 +112,7 @@ def test_tuned_norms_are_written_loaded_and_resume_bit_identical(tmp_path, monke
         return out
 
     monkeypatch.setattr(quantize_mod, "tune_block", recording)
-    kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, block_tune_norms=True, **CAL)
+    kw = dict(bits=3.0, block_tune=12, block_tune_tokens=128, **CAL)  # norms tuned by default
     convert(src, str(tmp_path / "wa"), str(tmp_path / "a"), **kw)
     assert len(tuned) == 4 and all(t.after <= t.before for t in tuned.values())
     written = {t.norm_name: t.norm for t in tuned.values() if t.norm is not None}

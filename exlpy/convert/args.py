@@ -57,10 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"(AutoRound-style; exlpy; default {d.block_tune} = off)")
     p.add_argument("--block_tune_tokens", type=int, default=d.block_tune_tokens, metavar="TOKENS",
                    help=f"calibration tokens per block-tuning step (exlpy; default {d.block_tune_tokens})")
-    p.add_argument("--block_tune_norms", action="store_true",
-                   help="with --block_tune: also tune each block's input-norm weight (a per-channel scale of the "
-                   "first projections' inputs, OmniQuant-style), written in place of the source's (exlpy; off by "
-                   "default)")
+    norms = p.add_mutually_exclusive_group()
+    norms.add_argument("--block_tune_norms", dest="block_tune_norms", action="store_true",
+                       default=d.block_tune_norms,
+                       help="with --block_tune: also tune each block's input-norm weight (a per-channel scale of the "
+                       "first projections' inputs, OmniQuant-style), written in place of the source's (exlpy; "
+                       f"default {'on' if d.block_tune_norms else 'off'})")
+    norms.add_argument("--no_block_tune_norms", dest="block_tune_norms", action="store_false",
+                       help="with --block_tune: tune the codes and scales only, keep the source's norms (exlpy)")
     p.add_argument("--target", choices=("quantized", "source"), default=d.target,
                    help="what each layer's quantization aims at: the source weights' output on the quantized "
                    "inputs (GPTQ) or the source model's output (asymmetric calibration) (exlpy; default "
