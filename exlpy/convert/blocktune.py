@@ -12,12 +12,13 @@ Everything tuned stays exactly representable in EXL2 (spec §3.5: w = (code - 2^
   (-1, 1): each code can move by one step either way (|V| > 1/2);
 - each group-and-column 4-bit scale code qscale (1..16), learned as a real number and rounded;
 - each group's fp16 max scale (q_scale_max), learned as a log multiplier and rounded to fp16;
-- optionally (`norms`, --block_tune_norms) the block's input-norm weight, as OmniQuant's learnable equivalent
-  transforms do: a per-channel log multiplier of the stored weight, rounded to fp16 as EXL2 files store norms. It
+- with `norms` (the default; --no_block_tune_norms turns it off) the block's input-norm weight, as OmniQuant's
+  equivalent transforms do: a per-channel log multiplier of the stored weight, rounded to fp16 as EXL2 files store
+  norms (moved by signed steps, not over the largest gradient: see LR_NORM). It
   scales the inputs of the block's first projections (q/k/v, gate/up) per channel, jointly with their codes, so it
   can take up quantization error those codes cannot; the tuned norm is written into the output in place of the
   source's.
-Rounding uses the straight-through estimator; the updates are gradient steps normalized by each tensor's largest
+Rounding uses the straight-through estimator; the other updates are gradient steps normalized by each tensor's largest
 gradient, with a linearly decaying step size (AutoRound's signed steps did not work from GPTQ's codes: see LR_*).
 Minibatches are calibration rows drawn by a generator seeded from the module's
 key (a resumed job tunes exactly as an uninterrupted one); a quarter of the rows is held out, the iterate with
