@@ -57,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"(AutoRound-style; exlpy; default {d.block_tune} = off)")
     p.add_argument("--block_tune_tokens", type=int, default=d.block_tune_tokens, metavar="TOKENS",
                    help=f"calibration tokens per block-tuning step (exlpy; default {d.block_tune_tokens})")
+    norms = p.add_mutually_exclusive_group()
+    norms.add_argument("--block_tune_norms", dest="block_tune_norms", action="store_true",
+                       default=d.block_tune_norms,
+                       help="with --block_tune: also tune each block's input-norm weight (a per-channel scale of the "
+                       "first projections' inputs, OmniQuant-style), written in place of the source's (exlpy; "
+                       f"default {'on' if d.block_tune_norms else 'off'})")
+    norms.add_argument("--no_block_tune_norms", dest="block_tune_norms", action="store_false",
+                       help="with --block_tune: tune the codes and scales only, keep the source's norms (exlpy)")
     p.add_argument("--target", choices=("quantized", "source"), default=d.target,
                    help="what each layer's quantization aims at: the source weights' output on the quantized "
                    "inputs (GPTQ) or the source model's output (asymmetric calibration) (exlpy; default "
@@ -77,7 +85,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "shard_size": a.shard_size, "no_resume": a.no_resume, "device": a.device, "progress": not a.quiet,
             "rope_scale": a.rope_scale, "rope_alpha": a.rope_alpha, "status_output": a.status_output,
             "learned_rounding": a.learned_rounding,
-            "block_tune": a.block_tune, "block_tune_tokens": a.block_tune_tokens, "target": a.target,
+            "block_tune": a.block_tune, "block_tune_tokens": a.block_tune_tokens,
+            "block_tune_norms": a.block_tune_norms, "target": a.target,
             "objective": a.objective}
 
 

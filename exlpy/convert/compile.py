@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from exlpy.convert.job import atomic_write, write_json, write_tensors
@@ -39,11 +40,12 @@ def check_output_dir(out_dir: str, job_id: str, no_resume: bool) -> None:
                            "empty or new directory")
 
 
-def _source_tensors(index: SafetensorsIndex, quantized: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _source_tensors(index: SafetensorsIndex, quantized: set[str], written: set[str]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     for name in sorted(index.tensors, key=_order):
         prefix = name.rsplit(".", 1)[0]
-        if prefix in quantized:
-            continue  # replaced by the quantized tensors (a bias is written with them)
+        if prefix in quantized or name in written:
+            continue  # replaced by the quantized tensors (a bias is written with them) or by a tuned norm
         t = index.get(name)
         yield name, t.to(torch.float16) if t.is_floating_point() else t
 
@@ -105,7 +107,11 @@ def compile_output(index: SafetensorsIndex, tensor_files: list[str], quantized: 
         shards[-1] = {}
         size = 0
 
-    for name, t in _source_tensors(index, quantized):
+    written: set[str] = set()  # what the job's tensor files hold (block tuning may write a block's norm weight)
+    for path in tensor_files:
+        with safe_open(path, "pt") as f:
+            written.update(f.keys())
+    for name, t in _source_tensors(index, quantized, written):
         add(rename(name), t)
     for path in tensor_files:
         for name, t in load_file(path).items():

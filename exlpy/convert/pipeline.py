@@ -383,7 +383,7 @@ class _Converter:
             else:
                 tensors, states, ref, rfn = quantize_module(m, states, self.device, store, option, s.damp,
                                                             s.scale_norm, s.act_order, ref, s.learned_rounding,
-                                                            s.block_tune, s.block_tune_tokens)
+                                                            s.block_tune, s.block_tune_tokens, s.block_tune_norms)
             m.unload()
             job.write_async(job.path("out_tensor", f"{m.key}.safetensors"), tensors)
             qd["errors"][m.key] = rfn

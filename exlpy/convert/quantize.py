@@ -42,13 +42,15 @@ from exlpy.model.module import Module
 def quantize_module(module: Module, states: States, device: torch.device, store: torch.device,
                     option: dict[str, QParams], damp: float, norm: float, act_order: str = "auto",
                     ref: States | None = None, rounding_passes: int = 0, tune_steps: int = 0,
-                    tune_tokens: int = 1024) -> tuple[dict[str, torch.Tensor], States, States | None, float]:
+                    tune_tokens: int = 1024, tune_norms: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], States, States | None, float]:
     """(packed tensors, quantized outputs, source outputs, relative error of the first chunk's output) of a
     loaded module. `states`: the quantized model's inputs; `ref`: the source model's inputs of the same rows
     (then every linear targets the source output, see the module docstring; None: GPTQ of the source weights).
     `rounding_passes`: passes of learned rounding after GPTQ (gptq.refine_rounding; 0: GPTQ's own rounding).
     `tune_steps`: steps of block-wise output tuning of all the module's linears together, about `tune_tokens`
-    calibration tokens each (blocktune.tune_block; 0: none)."""
+    calibration tokens each (blocktune.tune_block; 0: none); `tune_norms`: the block's input-norm weight tuned with
+    them, and written with the module's tensors in place of the source's."""
     check_source(module)
     taps = install_taps(module)
     dtype = module.dtype(device)
@@ -69,10 +71,14 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
             done[k] = res.dense()
             taps[k].set_weight(done[k], dtype)
         del ws, targets, results
-    if tune_steps > 0 and tunable(module):
-        quantized, _, _ = tune_block(module, taps, quantized, sources, states, device, tune_steps, tune_tokens)
-    del sources
+    source_norm = getattr(module, "norm_w", None)
     tensors: dict[str, torch.Tensor] = {}
+    if tune_steps > 0 and tunable(module):
+        tuned = tune_block(module, taps, quantized, sources, states, device, tune_steps, tune_tokens, tune_norms)
+        quantized = tuned.results
+        if tuned.norm is not None and tuned.norm_name is not None:
+            tensors[tuned.norm_name] = tuned.norm  # the compiler writes it instead of the source's
+    del sources
     for k, res in quantized.items():
         prefix = f"{module.key}.{k}"
         packed = pack_exl2(res, prefix, read_bias(module.index, prefix))
@@ -84,6 +90,8 @@ def quantize_module(module: Module, states: States, device: torch.device, store:
     yq = out.chunks[0].to(device).float()
     for t in taps.values():
         t.set_weight(None, dtype)
+    if source_norm is not None:
+        module.norm_w = source_norm  # type: ignore[attr-defined]  # the unquantized module: the source's norm
     y = run_chunk(module, states, 0, device).float()
     rfn = float(((yq - y).flatten(1).norm(dim=1) / y.flatten(1).norm(dim=1).clamp(min=1e-20)).mean())
     ref_out = forward_chunks(module, ref, device, store, module.key) if ref is not None else None
